@@ -1,0 +1,3 @@
+from shardconsole.cli import entry
+
+entry()

@@ -1,0 +1,44 @@
+"""Entry point of a rank: read the run's preset.toml, train with the chosen backend, report, exit."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m shardconsole.backends")
+    ap.add_argument("--run-dir", required=True, type=Path)
+    ap.add_argument("--run-id", required=True)
+    ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    args = ap.parse_args()
+    if args.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+
+    from shardconsole.backends import common   # imports torch: after argument parsing
+    r = None
+    code = 0
+    try:
+        r = common.start(args.run_dir, args.run_id)
+        if r.cfg.parallel.backend == "deepspeed":
+            from shardconsole.backends import deepspeed as backend
+        else:
+            from shardconsole.backends import fsdp as backend
+        backend.train(r)
+        r.phase("finished")
+        common.shutdown(r)
+        from shardconsole.protocol import Finished
+        if r.rank == 0:
+            r.emit(Finished(run=r.run_id, rank=0, steps=r.step))
+    except BaseException as exc:   # noqa: BLE001 - every failure is reported, then the rank ends
+        if isinstance(exc, SystemExit) and not exc.code:
+            code = 0
+        else:
+            common.report_failure(r, exc, args.run_dir, args.run_id)
+            code = 1
+    common.exit_rank(code)
+
+
+if __name__ == "__main__":
+    main()

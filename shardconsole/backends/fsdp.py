@@ -1,0 +1,194 @@
+"""The FSDP2 rank: build, shard, train, log, checkpoint. Reads top to bottom; one step is `train_step`.
+
+Sharding map (torch.distributed.fsdp.fully_shard on each decoder layer, then on the root):
+  full_shard     mesh (world,)               reshard_after_forward=True
+  shard_grad_op  mesh (world,)               reshard_after_forward=False (params stay gathered until backward)
+  no_shard       mesh (world, 1) replicate   plain data parallel
+  hybrid_shard   mesh (nnodes, nproc)        shard within a node, replicate across nodes
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from shardconsole.backends import common
+from shardconsole.backends.data import make_source
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def make_mesh(r: common.Rank):
+    s = r.cfg.fsdp.sharding
+    dev = r.device.type
+    if s == "no_shard":
+        return init_device_mesh(dev, (r.world, 1), mesh_dim_names=("replicate", "shard"))
+    if s == "hybrid_shard":
+        per_node = r.cfg.parallel.nproc_per_node
+        return init_device_mesh(dev, (r.world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(dev, (r.world,), mesh_dim_names=("shard",))
+
+
+def shard_model(r: common.Rank, model: common.CausalLMLoss) -> None:
+    cfg = r.cfg
+    kwargs: dict = {"mesh": make_mesh(r), "reshard_after_forward": cfg.reshard_after_forward}
+    if cfg.precision.dtype != "fp32":
+        reduce = DTYPES[cfg.precision.reduce_dtype or "fp32"]
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.precision.dtype], reduce_dtype=reduce)
+    if cfg.fsdp.cpu_offload:
+        # Pinned host memory needs an accelerator (DESIGN.md): unpinned on CPU-only runs.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=cfg.fsdp.pin_memory and r.is_cuda)
+    layers = common.decoder_layers(model.lm)
+    for i, layer in enumerate(layers):
+        if cfg.train.compile:
+            layer.compile()   # per layer, before sharding: DESIGN.md's fastest bare loop
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    # Explicit prefetch: issue the next layers' all-gathers while this one computes.
+    if len(layers) > 1 and cfg.fsdp.sharding != "no_shard":
+        fwd, bwd = cfg.fsdp.forward_prefetch, cfg.fsdp.backward_prefetch
+        for i, layer in enumerate(layers):
+            if fwd and i + 1 < len(layers):
+                layer.set_modules_to_forward_prefetch(list(layers[i + 1:i + 1 + fwd]))
+            if bwd and i > 0:
+                layer.set_modules_to_backward_prefetch(list(reversed(layers[max(0, i - bwd):i])))
+
+
+def build(r: common.Rank) -> common.CausalLMLoss:
+    """A sharded model with no full copy on any rank: built on the meta device, sharded, then each
+    rank fills its own shards (random init) or receives them from rank 0 (a checkpoint folder)."""
+    r.phase("loading model")
+    hf_cfg = common.hf_config(r.spec, r.cfg)
+    pretrained = r.spec.path is not None and r.spec.has_weights
+    full_sd = None
+    if pretrained and r.rank == 0:
+        full_sd = common.load_pretrained(r.spec, hf_cfg).state_dict()
+    with torch.device("meta"):
+        model = common.CausalLMLoss(common.build_causal_lm(hf_cfg))
+    if r.cfg.memory.activation_checkpointing:
+        common.enable_checkpointing(model.lm)
+    shard_model(r, model)
+    init_device = "cpu" if r.cfg.fsdp.cpu_offload else r.device
+    model.to_empty(device=init_device)
+    common.reset_buffers_(model, hf_cfg, r.device)
+    if pretrained:
+        sd = {f"lm.{k}": v for k, v in full_sd.items()} if full_sd is not None else {}
+        set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        del full_sd, sd
+    else:
+        common.init_random_(model, float(getattr(hf_cfg, "initializer_range", 0.02)), r.cfg.train.seed, r.rank)
+    model.train()
+    return model
+
+
+def make_optimizer(r: common.Rank, model: torch.nn.Module) -> torch.optim.Optimizer:
+    t = r.cfg.train
+    # fused AdamW: one kernel for all tensors (CUDA, and the CPU for offloaded shards).
+    return torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
+                             fused=True)
+
+
+def make_scaler(r: common.Rank):
+    """fp16 only: dynamic loss scaling over sharded gradients."""
+    if r.cfg.precision.dtype != "fp16":
+        return None
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    p = r.cfg.precision
+    if p.hysteresis is not None:
+        r.event("warning", "precision.hysteresis is a DeepSpeed setting; FSDP's scaler cuts the scale on "
+                "the first overflow")
+    static = p.fp16_value("loss_scale")
+    return ShardedGradScaler(device=r.device.type, init_scale=static or 2.0 ** p.fp16_value("initial_scale_power"),
+                             growth_interval=p.fp16_value("loss_scale_window") if not static else 10**9,
+                             growth_factor=1.0 if static else 2.0, backoff_factor=1.0 if static else 0.5)
+
+
+def save(r: common.Rank, model, optim, step: int) -> None:
+    r.phase("saving checkpoint")
+    tmp = common.prepare_checkpoint(r, step)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim),
+             "step": torch.tensor(step)}
+    dcp.save(state, checkpoint_id=str(tmp))
+    common.finish_checkpoint(r, step)
+    r.phase("training")
+
+
+def resume(r: common.Rank, model, optim) -> int:
+    found = common.latest_checkpoint(r.checkpoint_dir())
+    if found is None:
+        r.event("info", f"no checkpoint in {r.checkpoint_dir()}: starting from step 0")
+        return 0
+    step, path = found
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim),
+             "step": torch.tensor(0)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optim, state["optim"])
+    r.event("info", f"resumed from {path} (step {step})")
+    return int(state["step"])
+
+
+def train(r: common.Rank) -> None:
+    cfg, t = r.cfg, r.cfg.train
+    common.init_process_group(r)
+    model = build(r)
+    optim = make_optimizer(r, model)
+    scaler = make_scaler(r)
+    start_step = resume(r, model, optim) if t.resume else 0
+    data = make_source(cfg, r.spec.vocab, r.spec.path, r.rank, r.world)
+    meter = common.StepMeter(r)
+    skipped = torch.zeros((), device=r.device, dtype=torch.int64)
+    min_scale = cfg.precision.fp16_value("min_loss_scale")
+    pin = r.is_cuda
+    r.phase("training")
+    grad_norm = None
+    for step in range(start_step + 1, t.steps + 1):
+        r.step = step
+        lr = t.lr * common.lr_factor(cfg, step)
+        for group in optim.param_groups:
+            group["lr"] = lr
+        for micro in range(t.grad_accum):
+            batch = data.batch(t.micro_batch)
+            if pin:
+                batch = batch.pin_memory()
+            batch = batch.to(r.device, non_blocking=True)
+            last = micro == t.grad_accum - 1
+            # Reduce-scatter gradients only on the last micro-batch (fewer collectives, more memory).
+            model.set_requires_gradient_sync(last)
+            loss = model(batch[:, :-1], batch[:, 1:])
+            meter.add(loss)
+            scaled = loss / t.grad_accum
+            (scaler.scale(scaled) if scaler else scaled).backward()
+        if scaler:
+            scaler.unscale_(optim)
+        if t.clip_grad_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad_norm)
+        if scaler:
+            before = scaler._scale.clone()
+            scaler.step(optim)
+            scaler.update()
+            skipped += (scaler._scale < before).to(torch.int64)   # on device: no sync
+            if min_scale:
+                scaler._scale.clamp_(min=float(min_scale))   # in place on the device: no sync
+        else:
+            optim.step()
+        optim.zero_grad(set_to_none=True)
+        if meter.due(step):
+            norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            scale = float(scaler.get_scale()) if scaler else None
+            mean = meter.report(step, lr, norm, scale, int(skipped))
+            common.check_loss(r, mean, step)
+        if cfg.memory.empty_cache_every and r.is_cuda and step % cfg.memory.empty_cache_every == 0:
+            torch.cuda.empty_cache()
+        if t.checkpoint_every and step % t.checkpoint_every == 0 and step != t.steps:
+            save(r, model, optim, step)
+    if t.save_final or (t.checkpoint_every and t.steps % t.checkpoint_every == 0):
+        save(r, model, optim, t.steps)

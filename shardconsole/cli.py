@@ -1,0 +1,170 @@
+"""Command line: `shardconsole` opens the console; `--headless` runs the same job without a UI.
+
+    shardconsole [--preset NAME|FILE] [--set table.key=value ...] [--headless | --print-command]
+    shardconsole presets
+    shardconsole attach RUN_DIR [--headless]
+
+Bad input (a preset, an override, a model folder) is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from shardconsole import config as C
+from shardconsole import preset_store
+from shardconsole.launch import PRESET_FILE, Job, build_argv, format_argv, new_run_dir, run_id_of
+from shardconsole.models import ModelError, resolve
+
+DEFAULT_PRESET = "tiny-cpu"
+
+
+class UsageError(Exception):
+    pass
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="shardconsole",
+        description="A terminal console for PyTorch FSDP2 and DeepSpeed ZeRO training. Subcommands: "
+                    "presets, attach, export, import, plan (see `shardconsole SUBCOMMAND --help`).")
+    ap.add_argument("--preset", default=None, help=f"preset name or .toml file (default: {DEFAULT_PRESET})")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                    help="override one setting; repeatable; wins over the preset")
+    ap.add_argument("--headless", action="store_true", help="run without the UI, one line per log step")
+    ap.add_argument("--print-command", action="store_true", help="print the launch command and exit")
+    ap.add_argument("--run-dir", type=Path, default=None, help="run folder (default: runs/<time>-<preset>)")
+    return ap
+
+
+def load_config(preset: str | None, overrides: list[str]) -> tuple[C.RunConfig, str]:
+    """The resolved settings, checked against this machine (GPU count) and the model/data paths."""
+    name = preset or DEFAULT_PRESET
+    path = preset_store.find(name)
+    raw = C.load_toml(path)
+    cfg = C.build(raw, str(path), overrides)
+    if cfg.parallel.device != "cpu":
+        from shardconsole.probes import gpu_count
+        n = gpu_count()
+        C.validate(cfg, str(path), gpu_count=n)
+        if cfg.parallel.device == "auto" and n == 0 and cfg.parallel.nproc_per_node > 1:
+            pass   # CPU ranks over gloo: allowed (tests and laptops)
+    try:
+        resolve(cfg.model.name)
+    except ModelError as e:
+        raise C.ConfigError(f"{path}: [model] name: {e}") from None
+    if cfg.data.source != "synthetic":
+        data = Path(cfg.data.path).expanduser()
+        if not data.is_file():
+            raise C.ConfigError(f"{path}: [data] path: {data}: no such file")
+    return cfg, name
+
+
+def cmd_run(argv: list[str]) -> int:
+    args = _run_parser().parse_args(argv)
+    cfg, name = load_config(args.preset, args.overrides)
+    run_dir = args.run_dir or new_run_dir(name)
+    run_id = run_id_of(run_dir) if run_dir.exists() else Path(run_dir).name
+    if args.print_command:
+        print(format_argv(build_argv(cfg, run_dir, run_id)))
+        if cfg.parallel.nnodes > 1:
+            print(f"# run this on each of the {cfg.parallel.nnodes} nodes; {run_dir} must be on a shared "
+                  f"filesystem (it holds {PRESET_FILE} and receives metrics)", file=sys.stderr)
+        return 0
+    if args.headless:
+        if run_dir.exists() and any(run_dir.iterdir()):
+            raise UsageError(f"--run-dir {run_dir}: folder exists and is not empty; pick a new one "
+                             f"(or `shardconsole attach {run_dir}`)")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        C.save(cfg, run_dir / PRESET_FILE)
+        from shardconsole import headless
+        return headless.run(cfg, run_dir, run_dir.resolve().name)
+    return _open_console(cfg, name, args.overrides)
+
+
+def _open_console(cfg: C.RunConfig, name: str, overrides: list[str]) -> int:
+    try:
+        from shardconsole.console.app import run_console
+    except ImportError as e:
+        print(f"shardconsole: the console is not available ({e}); use --headless", file=sys.stderr)
+        return 1
+    return run_console(preset=name, overrides=overrides)
+
+
+def cmd_presets(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="shardconsole presets", description="list built-in and user presets")
+    ap.parse_args(argv)
+    infos = preset_store.list_presets()
+    width = max((len(i.name) for i in infos), default=10)
+    for i in infos:
+        print(f"{i.name:<{width}}  {i.origin:<8}  {i.description}")
+    print(f"\nuser presets folder: {preset_store.user_dir()}", file=sys.stderr)
+    return 0
+
+
+def cmd_attach(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="shardconsole attach", description="follow a run started earlier")
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--headless", action="store_true")
+    args = ap.parse_args(argv)
+    run_dir = args.run_dir
+    if not (run_dir / PRESET_FILE).is_file() or not (run_dir / "job.json").is_file():
+        raise UsageError(f"{run_dir}: not a run folder (no {PRESET_FILE} / job.json)")
+    try:
+        job = Job.from_run_dir(run_dir)
+    except (ValueError, KeyError, OSError) as e:
+        raise UsageError(f"{run_dir / 'job.json'}: unreadable ({e})") from None
+    if args.headless:
+        from shardconsole import headless
+        return headless.follow(job, run_dir, run_dir.resolve().name, quiet_history=True)
+    try:
+        from shardconsole.console.app import run_console
+    except ImportError as e:
+        print(f"shardconsole: the console is not available ({e}); use --headless", file=sys.stderr)
+        return 1
+    return run_console(attach=run_dir)
+
+
+SUBCOMMANDS = {"presets": cmd_presets, "attach": cmd_attach}
+
+
+def _register_optional() -> None:
+    """Subcommands that live in their own modules (kept out of start-up when unused)."""
+    try:
+        from shardconsole import ds_json
+        SUBCOMMANDS.setdefault("export", ds_json.cmd_export)
+        SUBCOMMANDS.setdefault("import", ds_json.cmd_import)
+    except ImportError:
+        pass
+    try:
+        from shardconsole import plan_cli
+        SUBCOMMANDS.setdefault("plan", plan_cli.cmd_plan)
+    except ImportError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and not argv[0].startswith("-"):
+            _register_optional()
+            if argv[0] not in SUBCOMMANDS:
+                raise UsageError(f"unknown command {argv[0]!r}; commands: {', '.join(sorted(SUBCOMMANDS))}, "
+                                 f"or options such as --preset NAME --headless")
+            return SUBCOMMANDS[argv[0]](argv[1:])
+        return cmd_run(argv)
+    except (C.ConfigError, ModelError, UsageError) as e:
+        print(f"shardconsole: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

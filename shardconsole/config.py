@@ -1,0 +1,543 @@
+"""RunConfig: the settings of one run, one dataclass per TOML table.
+
+Load order (later wins): the dataclass defaults < a preset file < `--set table.key=value` overrides.
+Every error names the file, the table and the key, says what is allowed and, for a misspelling, the
+closest valid name; the CLI turns a ConfigError into one line and exit code 2.
+
+This module is shared by the front end and the ranks: it imports neither torch nor textual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import sys
+import tempfile
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+import tomli_w
+
+
+class ConfigError(ValueError):
+    """Bad input in a preset or an override. str() is the one line shown to the user."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sizes: "24GiB", "512MB", "1.5e9", or a plain number of bytes.
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int | float) -> int:
+    """Bytes from "24GiB", "500MB", "1e9" or a number. Raises ValueError with the allowed forms."""
+    if isinstance(text, bool):
+        raise ValueError("expected a size such as 24GiB, 512MiB or a number of bytes")
+    if isinstance(text, (int, float)):
+        if text < 0:
+            raise ValueError("a size cannot be negative")
+        return int(text)
+    m = _SIZE_RE.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size: use a number with a unit such as 24GiB, 512MiB, 2GB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(n: int | float | None) -> str:
+    """Short human form with binary units: 23.8 GiB."""
+    if n is None:
+        return "n/a"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # unreachable
+
+
+# ---------------------------------------------------------------------------------------------------
+# The tables. `meta` on a field: "min"/"max" (inclusive), "size" (value is a byte size string or int),
+# "help" (one line shown in the console and in errors).
+
+def _f(default: Any, help: str, **meta: Any) -> Any:
+    meta["help"] = help
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelSettings:
+    name: str = _f("tiny", "catalog size (tiny, 125m, 1b, 3b, 7b, 13b) or a local Hugging Face model directory")
+    attn_implementation: Literal["sdpa", "eager"] = _f("sdpa", "attention kernel used by transformers")
+
+
+@dataclass
+class DataSettings:
+    source: Literal["synthetic", "text", "tokens"] = _f(
+        "synthetic", "synthetic tokens, a .txt/.jsonl file, or a pre-tokenized token file")
+    path: str = _f("", "the data file for source = text or tokens")
+    seq_len: int = _f(256, "tokens per sample", min=8, max=1_048_576)
+    token_dtype: Literal["uint16", "uint32"] = _f("uint16", "element type of a token file")
+    text_key: str = _f("text", "field holding the text in a .jsonl file")
+
+
+@dataclass
+class TrainSettings:
+    steps: int = _f(20, "optimizer steps to run", min=1)
+    micro_batch: int = _f(1, "samples per rank per forward pass", min=1)
+    grad_accum: int = _f(1, "micro-batches per optimizer step", min=1)
+    lr: float = _f(3e-4, "peak learning rate", min=0.0)
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine schedule)", min=0.0, max=1.0)
+    warmup_steps: int = _f(0, "linear warm-up steps", min=0)
+    schedule: Literal["cosine", "constant"] = _f("cosine", "learning-rate schedule after warm-up")
+    weight_decay: float = _f(0.0, "AdamW weight decay", min=0.0)
+    beta1: float = _f(0.9, "AdamW beta1", min=0.0, max=1.0)
+    beta2: float = _f(0.95, "AdamW beta2", min=0.0, max=1.0)
+    clip_grad_norm: float = _f(1.0, "gradient clipping by global norm (0 turns it off)", min=0.0)
+    seed: int = _f(1234, "random seed", min=0)
+    log_every: int = _f(1, "steps between step lines (each is a host-device sync)", min=1)
+    checkpoint_every: int = _f(0, "steps between checkpoints (0: only at the end, if save_final)", min=0)
+    save_final: bool = _f(False, "write a checkpoint after the last step")
+    checkpoint_dir: str = _f("", "where checkpoints go (empty: <run dir>/checkpoints)")
+    resume: bool = _f(False, "continue from the newest complete checkpoint in checkpoint_dir")
+    compile: bool = _f(False, "torch.compile each decoder layer (GPU; first steps are slower)")
+    peak_tflops: float = _f(0.0, "peak bf16 TFLOP/s of one GPU for MFU (0: from the GPU table)", min=0.0)
+
+
+@dataclass
+class ParallelSettings:
+    backend: Literal["fsdp", "deepspeed"] = _f("fsdp", "training engine: PyTorch FSDP2 or DeepSpeed ZeRO")
+    device: Literal["auto", "cuda", "cpu"] = _f("auto", "where ranks compute (auto: cuda if present)")
+    nproc_per_node: int = _f(1, "ranks per node (GPUs per node on a GPU box)", min=1, max=1024)
+    nnodes: int = _f(1, "number of nodes", min=1, max=100_000)
+    node_rank: int = _f(-1, "this node's rank for static rendezvous (-1: let c10d assign it)", min=-1)
+    rdzv_endpoint: str = _f("", "host:port of the rendezvous (required when nnodes > 1)")
+    rdzv_id: str = _f("", "rendezvous id shared by all nodes (empty: the run id)")
+    master_port: int = _f(0, "port for single-node runs (0: pick a free one)", min=0, max=65535)
+    launcher: Literal["torchrun", "deepspeed"] = _f("torchrun", "program that starts the ranks")
+    timeout_s: int = _f(600, "collective timeout in seconds", min=10)
+
+
+@dataclass
+class PrecisionSettings:
+    dtype: Literal["bf16", "fp16", "fp32"] = _f("bf16", "compute dtype of parameters in forward/backward")
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] | None = _f(
+        None, "dtype of gradient reduction (default fp32)")
+    # fp16 dynamic loss scaling, with DeepSpeed's names and meanings. None = not set (default applies);
+    # setting any of them with a dtype other than fp16 is an error.
+    initial_scale_power: int | None = _f(None, "fp16: start the loss scale at 2**this (default 16)", min=0, max=64)
+    loss_scale_window: int | None = _f(None, "fp16: overflow-free steps before the scale doubles (default 1000)", min=1)
+    hysteresis: int | None = _f(None, "fp16: overflows tolerated before the scale is cut (default 2)", min=1)
+    min_loss_scale: float | None = _f(None, "fp16: the scale never drops below this (default 1)", min=0.0)
+    loss_scale: float | None = _f(None, "fp16: a static loss scale instead of a dynamic one", min=0.0)
+
+    FP16_KEYS = ("initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale", "loss_scale")
+
+    def fp16_value(self, key: str) -> Any:
+        """The value in force: what the user set or the default."""
+        defaults = {"initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+                    "min_loss_scale": 1.0, "loss_scale": 0.0}
+        value = getattr(self, key)
+        return defaults[key] if value is None else value
+
+
+@dataclass
+class FsdpSettings:
+    sharding: Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"] = _f(
+        "full_shard", "what is sharded: params+grads+optimizer, grads+optimizer, nothing, or full within a node")
+    cpu_offload: bool = _f(False, "keep parameters, gradients and optimizer states on the CPU")
+    reshard_after_forward: bool | None = _f(
+        None, "free gathered parameters after forward (default: true except for shard_grad_op)")
+    forward_prefetch: int = _f(1, "decoder layers whose all-gather is issued ahead in forward", min=0, max=8)
+    backward_prefetch: int = _f(1, "decoder layers whose all-gather is issued ahead in backward", min=0, max=8)
+    pin_memory: bool = _f(True, "pin host memory of offloaded parameters (GPU only)")
+
+
+@dataclass
+class DeepspeedSettings:
+    stage: int = _f(3, "ZeRO stage: 0 none, 1 optimizer, 2 +gradients, 3 +parameters", min=0, max=3)
+    offload_optimizer: Literal["none", "cpu", "nvme"] = _f("none", "where optimizer states live")
+    offload_param: Literal["none", "cpu", "nvme"] = _f("none", "where parameters live (stage 3 only)")
+    nvme_path: str = _f("", "folder on a fast disk for nvme offload")
+    pin_memory: bool = _f(True, "pin host buffers of offloaded tensors")
+    overlap_comm: bool = _f(True, "overlap gradient reduction with backward")
+    contiguous_gradients: bool = _f(True, "copy gradients into one buffer as they are produced")
+    reduce_scatter: bool = _f(True, "reduce gradients with reduce-scatter rather than all-reduce")
+    allgather_partitions: bool = _f(True, "all-gather parameters rather than broadcast (stages 1-2)")
+    reduce_bucket_size: int = _f(500_000_000, "elements reduced at once", min=1)
+    allgather_bucket_size: int = _f(500_000_000, "elements all-gathered at once (stages 1-2)", min=1)
+    stage3_prefetch_bucket_size: int = _f(50_000_000, "elements prefetched ahead in stage 3", min=0)
+    stage3_param_persistence_threshold: int = _f(
+        100_000, "parameters smaller than this stay gathered in stage 3", min=0)
+    stage3_max_live_parameters: int = _f(1_000_000_000, "stage 3: gathered elements kept at most", min=0)
+    stage3_max_reuse_distance: int = _f(1_000_000_000, "stage 3: keep a parameter if reused within this", min=0)
+    torch_adam: bool = _f(False, "use torch's AdamW instead of DeepSpeed's fused/CPU Adam (no op build)")
+
+
+@dataclass
+class MemorySettings:
+    activation_checkpointing: bool = _f(False, "recompute each decoder layer's activations in backward")
+    gpu_memory_limit: str = _f("", "cap each rank's CUDA memory, e.g. 24GiB, to rehearse a smaller card")
+    empty_cache_every: int = _f(0, "call torch.cuda.empty_cache every N steps (0: never)", min=0)
+
+
+TABLES: dict[str, type] = {
+    "model": ModelSettings,
+    "data": DataSettings,
+    "train": TrainSettings,
+    "parallel": ParallelSettings,
+    "precision": PrecisionSettings,
+    "fsdp": FsdpSettings,
+    "deepspeed": DeepspeedSettings,
+    "memory": MemorySettings,
+}
+TOP_LEVEL_KEYS = ("description",)
+
+
+@dataclass
+class RunConfig:
+    description: str = ""
+    model: ModelSettings = field(default_factory=ModelSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    train: TrainSettings = field(default_factory=TrainSettings)
+    parallel: ParallelSettings = field(default_factory=ParallelSettings)
+    precision: PrecisionSettings = field(default_factory=PrecisionSettings)
+    fsdp: FsdpSettings = field(default_factory=FsdpSettings)
+    deepspeed: DeepspeedSettings = field(default_factory=DeepspeedSettings)
+    memory: MemorySettings = field(default_factory=MemorySettings)
+
+    # --- derived values, so that every consumer agrees -------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.parallel.nproc_per_node * self.parallel.nnodes
+
+    @property
+    def gpu_memory_limit_bytes(self) -> int | None:
+        return parse_size(self.memory.gpu_memory_limit) if self.memory.gpu_memory_limit else None
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        if self.fsdp.reshard_after_forward is not None:
+            return self.fsdp.reshard_after_forward
+        return self.fsdp.sharding != "shard_grad_op"
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Global tokens consumed by one optimizer step."""
+        t = self.train
+        return t.micro_batch * t.grad_accum * self.data.seq_len * self.world_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for TOML: None values (not set) are left out, since TOML has no null."""
+        out: dict[str, Any] = {}
+        if self.description:
+            out["description"] = self.description
+        for table in TABLES:
+            section = getattr(self, table)
+            out[table] = {f.name: getattr(section, f.name) for f in fields(section)
+                          if getattr(section, f.name) is not None}
+        return out
+
+    def diff(self, other: "RunConfig") -> list[tuple[str, Any, Any]]:
+        """(table.key, other's value, self's value) for each setting that differs."""
+        out = []
+        for table in TABLES:
+            a, b = getattr(other, table), getattr(self, table)
+            for f in fields(a):
+                if getattr(a, f.name) != getattr(b, f.name):
+                    out.append((f"{table}.{f.name}", getattr(a, f.name), getattr(b, f.name)))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Type checking of one value against a field's annotation.
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        parts = [_describe(a) for a in get_args(tp) if a is not type(None)]
+        return " or ".join(parts)
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(tp: Any, value: Any) -> Any:
+    """Return value as type tp, or raise ValueError saying what is allowed."""
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        errors = []
+        for a in args:
+            try:
+                return _coerce(a, value)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(f"expected {_describe(tp)}, got {value!r}")
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value in allowed and type(value) is type(allowed[0]):
+            return value
+        close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"{value!r} is not allowed; expected {_describe(tp)}{hint}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+            return int(value)  # 5e8 written in TOML as a float
+        raise ValueError(f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ValueError(f"expected a finite number, got {value!r}")
+            return float(value)
+        raise ValueError(f"expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"expected a string, got {value!r}")
+    raise ValueError(f"unsupported type {tp}")  # pragma: no cover - a bug in this module
+
+
+def _parse_override_value(tp: Any, text: str) -> Any:
+    """A --set value: strings stay strings for string fields; others are read as TOML values."""
+    origin = get_origin(tp)
+    args = get_args(tp) if origin in (typing.Union, types.UnionType, Literal) else ()
+    wants_str = tp is str or (origin is Literal and all(isinstance(a, str) for a in args)) or (
+        origin in (typing.Union, types.UnionType) and any(
+            a is str or (get_origin(a) is Literal and isinstance(get_args(a)[0], str)) for a in args))
+    stripped = text.strip()
+    if wants_str and not (stripped.startswith('"') or stripped.startswith("'")):
+        if stripped.lower() in ("none", "null") and type(None) in args:
+            return None
+        return stripped
+    if stripped.lower() in ("none", "null") and type(None) in args:
+        return None
+    try:
+        return tomllib.loads(f"v = {stripped}")["v"]
+    except tomllib.TOMLDecodeError:
+        if stripped.lower() in ("true", "false"):
+            return stripped.lower() == "true"
+        return stripped  # let _coerce say what was expected
+
+
+# ---------------------------------------------------------------------------------------------------
+# Building a RunConfig from dicts, with errors that name where the value came from.
+
+def _close(name: str, options: list[str]) -> str:
+    m = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+    return f" (did you mean {m[0]!r}?)" if m else ""
+
+
+def _apply(cfg: RunConfig, data: dict[str, Any], source: str) -> None:
+    """Merge a parsed TOML document into cfg in place. `source` names the file for errors."""
+    for key, value in data.items():
+        if key in TOP_LEVEL_KEYS:
+            if not isinstance(value, str):
+                raise ConfigError(f"{source}: description: expected a string, got {value!r}")
+            cfg.description = value
+            continue
+        if key not in TABLES:
+            raise ConfigError(
+                f"{source}: unknown table [{key}]{_close(key, list(TABLES) + list(TOP_LEVEL_KEYS))}; "
+                f"tables are {', '.join(TABLES)}")
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: [{key}] must be a table, got {value!r}")
+        for k, v in value.items():
+            _set(cfg, key, k, v, source)
+
+
+def _set(cfg: RunConfig, table: str, key: str, value: Any, source: str, *, from_text: bool = False) -> None:
+    section = getattr(cfg, table)
+    hints = _hints(type(section))
+    names = [f.name for f in fields(section)]
+    if key not in names:
+        raise ConfigError(f"{source}: [{table}] unknown key {key!r}{_close(key, names)}; "
+                          f"keys are {', '.join(names)}")
+    tp = hints[key]
+    if from_text:
+        value = _parse_override_value(tp, value)
+    meta = next(f.metadata for f in fields(section) if f.name == key)
+    try:
+        value = _coerce(tp, value)
+        if value is not None and not isinstance(value, (bool, str)):
+            lo, hi = meta.get("min"), meta.get("max")
+            if lo is not None and value < lo:
+                raise ValueError(f"{value!r} is below the minimum {lo}")
+            if hi is not None and value > hi:
+                raise ValueError(f"{value!r} is above the maximum {hi}")
+    except ValueError as e:
+        raise ConfigError(f"{source}: [{table}] {key}: {e}; {meta.get('help', '')}".rstrip("; ")) from None
+    setattr(section, key, value)
+
+
+def parse_override(text: str) -> tuple[str, str, str]:
+    """'table.key=value' -> (table, key, value text)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected table.key=value, e.g. train.steps=50")
+    path, value = text.split("=", 1)
+    if "." not in path:
+        raise ConfigError(f"--set {text!r}: expected table.key=value, e.g. train.steps=50")
+    table, key = path.strip().split(".", 1)
+    if table not in TABLES:
+        raise ConfigError(f"--set {text!r}: unknown table {table!r}{_close(table, list(TABLES))}; "
+                          f"tables are {', '.join(TABLES)}")
+    return table, key.strip(), value
+
+
+def apply_overrides(cfg: RunConfig, overrides: list[str]) -> None:
+    for text in overrides:
+        table, key, value = parse_override(text)
+        _set(cfg, table, key, value, f"--set {table}.{key}", from_text=True)
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a folder, not a preset file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (a preset is TOML)") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def build(preset: dict[str, Any] | None = None, source: str = "preset",
+          overrides: list[str] | None = None, *, gpu_count: int | None = None) -> RunConfig:
+    """Defaults < preset < overrides, then the checks that span several keys."""
+    cfg = RunConfig()
+    if preset:
+        _apply(cfg, preset, source)
+    apply_overrides(cfg, overrides or [])
+    validate(cfg, source, gpu_count=gpu_count)
+    return cfg
+
+
+def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = None) -> None:
+    """Impossible combinations. gpu_count: GPUs on this machine when known (None: do not check)."""
+    def err(table: str, key: str, msg: str) -> ConfigError:
+        return ConfigError(f"{source}: [{table}] {key}: {msg}")
+
+    p, f, d, prec = cfg.parallel, cfg.fsdp, cfg.deepspeed, cfg.precision
+    if prec.dtype != "fp16":
+        for key in prec.FP16_KEYS:
+            if getattr(prec, key) is not None:
+                raise err("precision", key, f"is an fp16 loss-scale setting but dtype is {prec.dtype!r}; "
+                          "remove it or set precision.dtype = \"fp16\"")
+    if p.backend == "fsdp":
+        if f.cpu_offload and f.sharding == "no_shard":
+            raise err("fsdp", "cpu_offload", "needs sharded parameters; with sharding = \"no_shard\" "
+                      "nothing is offloaded: use full_shard or shard_grad_op")
+        if f.sharding == "hybrid_shard" and p.nnodes < 2 and p.nproc_per_node < 2:
+            raise err("fsdp", "sharding", "hybrid_shard needs more than one rank")
+        if p.launcher == "deepspeed":
+            raise err("parallel", "launcher", "the deepspeed launcher starts DeepSpeed runs; "
+                      "FSDP runs use \"torchrun\"")
+    if p.backend == "deepspeed":
+        if d.offload_param != "none" and d.stage != 3:
+            raise err("deepspeed", "offload_param", f"needs stage = 3 (stage is {d.stage}); "
+                      "parameters are partitioned only in stage 3")
+        if d.offload_optimizer != "none" and d.stage == 0:
+            raise err("deepspeed", "offload_optimizer", "needs stage 1, 2 or 3 (stage is 0)")
+        for key in ("offload_optimizer", "offload_param"):
+            if getattr(d, key) == "nvme" and not d.nvme_path:
+                raise err("deepspeed", "nvme_path", f"{key} = \"nvme\" needs nvme_path, a folder on a fast disk")
+        if d.offload_param == "nvme" and d.offload_optimizer == "none":
+            pass  # allowed by DeepSpeed
+    if p.nnodes > 1 and not p.rdzv_endpoint:
+        raise err("parallel", "rdzv_endpoint", f"nnodes = {p.nnodes} needs the host:port of node 0, "
+                  "e.g. rdzv_endpoint = \"node0:29400\"")
+    if p.rdzv_endpoint and not re.match(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$", p.rdzv_endpoint):
+        raise err("parallel", "rdzv_endpoint", f"{p.rdzv_endpoint!r} is not host:port")
+    if p.node_rank >= p.nnodes:
+        raise err("parallel", "node_rank", f"{p.node_rank} but nnodes is {p.nnodes}: use 0..{p.nnodes - 1}")
+    if p.device == "cuda" and gpu_count == 0:
+        raise err("parallel", "device", "is \"cuda\" but this machine has no CUDA GPU; use \"cpu\" or \"auto\"")
+    if gpu_count and p.device != "cpu" and p.nproc_per_node > gpu_count:
+        raise err("parallel", "nproc_per_node", f"{p.nproc_per_node} ranks but this machine has "
+                  f"{gpu_count} GPU(s): use at most {gpu_count}, or device = \"cpu\"")
+    if cfg.memory.gpu_memory_limit:
+        try:
+            limit = parse_size(cfg.memory.gpu_memory_limit)
+        except ValueError as e:
+            raise err("memory", "gpu_memory_limit", str(e)) from None
+        if limit < 256 * 2**20:
+            raise err("memory", "gpu_memory_limit", "is below 256 MiB; a CUDA context alone needs more")
+    if cfg.data.source != "synthetic" and not cfg.data.path:
+        raise err("data", "path", f"source = {cfg.data.source!r} needs a file path")
+    if cfg.train.compile and p.device == "cpu":
+        raise err("train", "compile", "torch.compile of the layers is for GPUs; set it to false on CPU")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Saving: atomic, so that a crash never leaves half a preset.
+
+def dumps(cfg: RunConfig) -> str:
+    return tomli_w.dumps(cfg.to_dict())
+
+
+def save(cfg: RunConfig, path: str | Path, *, overwrite: bool = True) -> Path:
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = dumps(cfg)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load(path: str | Path, overrides: list[str] | None = None, *, gpu_count: int | None = None) -> RunConfig:
+    return build(load_toml(path), str(path), overrides, gpu_count=gpu_count)
+
+
+def field_help(table: str, key: str) -> str:
+    section = TABLES[table]
+    return next(f.metadata.get("help", "") for f in fields(section) if f.name == key)
+
+
+def field_type(table: str, key: str) -> Any:
+    return _hints(TABLES[table])[key]
+
+
+def copy(cfg: RunConfig) -> RunConfig:
+    return dataclasses.replace(cfg, **{t: dataclasses.replace(getattr(cfg, t)) for t in TABLES})

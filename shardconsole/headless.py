@@ -1,0 +1,273 @@
+"""The front end without a UI: start (or attach to) a run, print one line per log step, stop on Ctrl-C.
+
+It samples NVML and psutil about once a second and appends those samples to the run's metrics.jsonl
+(kind gpu / host), so the file holds the whole story of the run.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from shardconsole import config as C
+from shardconsole import protocol as P
+from shardconsole.launch import LAUNCHER_LOG, METRICS_FILE, Job, StopReport
+from shardconsole.probes import GpuProbe, host_sample
+from shardconsole.stream import MetricsReader, MetricsWriter
+
+# Exit codes of `shardconsole --headless`, by failure class (documented in README.md).
+EXIT_CODES = {
+    "ok": 0,
+    "crash": 1,
+    "config_error": 2,
+    "gpu_oom": 3,
+    "host_oom": 4,
+    "nccl_timeout": 5,
+    "hang": 5,
+    "nan_loss": 6,
+    "loss_scale_floor": 7,
+    "stopped": 130,
+}
+
+
+@dataclass
+class RunState:
+    """What the front ends know of a run, folded from the stream."""
+    world: int | None = None
+    hellos: dict[int, P.Hello] = field(default_factory=dict)
+    last_step: P.Step | None = None
+    memory: dict[int, P.Memory] = field(default_factory=dict)
+    gpus: dict[int, P.GpuSample] = field(default_factory=dict)
+    host: P.HostSample | None = None
+    phase: str = "starting"
+    events: list[P.Event] = field(default_factory=list)
+    failed: list[P.Failed] = field(default_factory=list)
+    finished: P.Finished | None = None
+    steps: list[P.Step] = field(default_factory=list)
+
+    def apply(self, msg: P.Message) -> None:
+        if isinstance(msg, P.Hello):
+            self.hellos[msg.rank] = msg
+            self.world = msg.world
+        elif isinstance(msg, P.Step):
+            self.last_step = msg
+            self.steps.append(msg)
+        elif isinstance(msg, P.Memory):
+            self.memory[msg.rank] = msg
+        elif isinstance(msg, P.GpuSample):
+            self.gpus[msg.index] = msg
+        elif isinstance(msg, P.HostSample):
+            self.host = msg
+        elif isinstance(msg, P.Event):
+            if msg.name == "phase":
+                self.phase = msg.detail
+            self.events.append(msg)
+        elif isinstance(msg, P.Failed):
+            self.failed.append(msg)
+        elif isinstance(msg, P.Finished):
+            self.finished = msg
+
+    @property
+    def rank_pids(self) -> list[int]:
+        return [h.pid for h in self.hellos.values()]
+
+    def first_failure(self) -> P.Failed | None:
+        """The root cause: the earliest failure that is not a consequence of another rank dying."""
+        if not self.failed:
+            return None
+        primary = [f for f in self.failed if f.cause != "crash" or "terminated" not in f.message.lower()]
+        return min(primary or self.failed, key=lambda f: f.t)
+
+
+def fmt_rate(x: float) -> str:
+    return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
+
+
+def step_line(state: RunState) -> str:
+    s = state.last_step
+    assert s is not None
+    parts = [f"step {s.step}/{s.steps}", f"loss {s.loss:.4f}" if s.loss is not None else "loss n/a",
+             f"lr {s.lr:.2e}", f"{fmt_rate(s.tokens_per_s)} tok/s", f"{s.step_s:.3f} s/step"]
+    if s.mfu is not None:
+        parts.append(f"mfu {100 * s.mfu:.1f}%")
+    if s.grad_norm is not None:
+        parts.append(f"gnorm {s.grad_norm:.2f}")
+    if s.loss_scale is not None:
+        parts.append(f"scale {s.loss_scale:g}" + (f" skipped {s.skipped_steps}" if s.skipped_steps else ""))
+    mem = []
+    for rank in sorted(state.memory):
+        m = state.memory[rank]
+        if m.reserved_bytes is not None:
+            mem.append(f"r{rank} {m.reserved_bytes / 2**30:.1f}/{(m.peak_reserved_bytes or 0) / 2**30:.1f}G")
+        else:
+            mem.append(f"r{rank} rss {m.host_rss_bytes / 2**30:.2f}G")
+    if mem:
+        parts.append("mem " + " ".join(mem))
+    if state.host is not None:
+        parts.append(f"host {state.host.used_bytes / 2**30:.1f}/{state.host.total_bytes / 2**30:.0f}G")
+    return " | ".join(parts)
+
+
+def progress_bar(state: RunState, width: int) -> str:
+    s = state.last_step
+    done, total = (s.step, s.steps) if s else (0, 0)
+    label = f" {state.phase} "
+    if not total:
+        return label.strip()[:width]
+    frac = min(1.0, done / total)
+    bar_w = max(10, width - 30)
+    filled = int(bar_w * frac)
+    eta = ""
+    if s and s.step_s:
+        eta = f" eta {int((total - done) * s.step_s)}s"
+    return f"[{'#' * filled}{'.' * (bar_w - filled)}] {done}/{total}{eta}"[:width]
+
+
+class Follower:
+    """Reads a run's stream and samples the machine; shared by `--headless` and `attach --headless`."""
+
+    def __init__(self, run_dir: Path, run_id: str, out: TextIO, sample: bool = True) -> None:
+        self.run_dir, self.run_id, self.out = run_dir, run_id, out
+        self.reader = MetricsReader(run_dir / METRICS_FILE)
+        self.writer = MetricsWriter(run_dir / METRICS_FILE, run_id, -1) if sample else None
+        self.gpu = GpuProbe() if sample else None
+        self.state = RunState()
+        self.tty = out.isatty()
+        self._last_sample = 0.0
+        self._bar_shown = False
+
+    def pump(self, quiet: bool = False) -> None:
+        for msg in self.reader.poll():
+            self.state.apply(msg)
+            if quiet:
+                continue
+            if isinstance(msg, P.Step):
+                self.print(step_line(self.state))
+            elif isinstance(msg, P.Event) and msg.name != "phase":
+                self.print(f"[{msg.name}] {msg.detail}")
+            elif isinstance(msg, P.Event) and msg.name == "phase" and msg.detail != "training":
+                self.print(f"-- {msg.detail}")
+        now = time.monotonic()
+        if self.writer is not None and now - self._last_sample >= 1.0:
+            self._last_sample = now
+            for g in self.gpu.sample(self.run_id):
+                self.writer.emit(g)
+            self.writer.emit(host_sample(self.state.rank_pids, self.run_id))
+        if self.tty and not quiet:
+            self._draw_bar()
+
+    def print(self, line: str) -> None:
+        if self.tty and self._bar_shown:
+            self.out.write("\r\x1b[2K")
+            self._bar_shown = False
+        self.out.write(line + "\n")
+        self.out.flush()
+
+    def _draw_bar(self) -> None:
+        width = shutil.get_terminal_size((100, 20)).columns - 1
+        self.out.write("\r\x1b[2K" + progress_bar(self.state, width))
+        self.out.flush()
+        self._bar_shown = True
+
+    def clear_bar(self) -> None:
+        if self.tty and self._bar_shown:
+            self.out.write("\r\x1b[2K")
+            self.out.flush()
+            self._bar_shown = False
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def explain_exit(state: RunState, rc: int | None, run_dir: Path) -> tuple[str, str]:
+    """(cause, one-paragraph message) for a run that ended without a `finished` line."""
+    f = state.first_failure()
+    if f is not None:
+        where = f"rank {f.rank}" + (f" at step {f.step}" if f.step else "")
+        msg = f"run failed ({f.cause}) on {where}: {f.exc_type + ': ' if f.exc_type else ''}{f.message}"
+        if f.hint:
+            msg += f"\n  try: {f.hint}"
+        msg += f"\n  log: {run_dir / 'logs' / f'rank{f.rank}.log'}"
+        return f.cause, msg
+    if rc is not None and rc < 0 and -rc == signal.SIGKILL:
+        return "host_oom", (f"the launcher was killed (SIGKILL): most often the kernel's OOM killer; "
+                            f"lower host memory use (offload less, fewer ranks)\n  log: {run_dir / LAUNCHER_LOG}")
+    # A rank killed from outside leaves no `failed` line: torchrun's log says which and how.
+    log = _tail(run_dir / LAUNCHER_LOG)
+    cause = "host_oom" if "Signals.SIGKILL" in log or "exitcode: -9" in log else "crash"
+    hint = ("a rank was killed with SIGKILL, most often by the kernel's OOM killer: check `dmesg`, "
+            "offload less or lower micro_batch" if cause == "host_oom" else "")
+    return cause, (f"run ended with exit code {rc} and no report from the ranks ({cause})"
+                   + (f"\n  try: {hint}" if hint else "") + f"\n  launcher log ({run_dir / LAUNCHER_LOG}):\n{log}")
+
+
+def run(cfg: C.RunConfig, run_dir: Path, run_id: str, out: TextIO = sys.stdout,
+        err: TextIO = sys.stderr, grace_s: float = 10.0) -> int:
+    """Start the run, follow it to the end, return the exit code (EXIT_CODES)."""
+    job = Job.start(cfg, run_dir, run_id)
+    print(f"run {run_id}: {run_dir}  (Ctrl-C stops it)", file=err, flush=True)
+    return follow(job, run_dir, run_id, out, err, grace_s)
+
+
+def follow(job: Job, run_dir: Path, run_id: str, out: TextIO = sys.stdout, err: TextIO = sys.stderr,
+           grace_s: float = 10.0, quiet_history: bool = False) -> int:
+    f = Follower(run_dir, run_id, out)
+    if quiet_history:
+        f.pump(quiet=False)
+    try:
+        while True:
+            rc = job.poll()
+            f.pump()
+            if rc is not None:
+                break
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        f.clear_bar()
+        print("stopping: SIGTERM to every rank ...", file=err, flush=True)
+        report = _stop(job, grace_s)
+        f.pump()
+        print(describe_stop(report), file=err, flush=True)
+        return EXIT_CODES["stopped"]
+    time.sleep(0.05)
+    f.pump()
+    f.clear_bar()
+    state = f.state
+    if f.reader.bad_lines:
+        print(f"warning: {f.reader.bad_lines} unreadable metrics line(s) skipped ({f.reader.last_error})",
+              file=err)
+    if state.finished is not None and rc == 0:
+        s = state.last_step
+        summary = f"finished: {state.finished.steps} steps"
+        if s:
+            summary += f", last loss {s.loss:.4f}, {fmt_rate(s.tokens_per_s)} tok/s"
+        print(summary + f"; run folder {run_dir}", file=err)
+        return EXIT_CODES["ok"]
+    cause, message = explain_exit(state, rc, run_dir)
+    print(message, file=err, flush=True)
+    return EXIT_CODES.get(cause, 1)
+
+
+def _stop(job: Job, grace_s: float) -> StopReport:
+    # A second Ctrl-C while stopping must not leave ranks behind: ignore it until the stop is done.
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return job.stop(grace_s)
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def describe_stop(report: StopReport) -> str:
+    how = "SIGKILL after the grace period" if report.killed else "SIGTERM"
+    if report.clean:
+        return f"stopped: {len(report.signalled)} process(es) ended by {how} in {report.seconds:.1f}s; none left"
+    return f"stop incomplete: process(es) {report.left} still alive after SIGKILL"

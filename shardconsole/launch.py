@@ -1,0 +1,206 @@
+"""Launching a run: its folder, the launcher's argv, the child process group, and stopping it.
+
+No shell anywhere: argv lists only, so a preset value is never pasted into a shell string. The child
+(torchrun or the deepspeed launcher) runs in its own session, so Ctrl-C in the front end's terminal
+does not reach the ranks directly: the front end stops them on purpose (SIGTERM to the group, a grace
+period, SIGKILL) and then checks that no process of the group is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from shardconsole import config as C
+
+RUN_FILE = "job.json"          # pid / pgid / argv of a started run, for attach and stop
+PRESET_FILE = "preset.toml"
+METRICS_FILE = "metrics.jsonl"
+LAUNCHER_LOG = "launcher.log"
+WORKER_MODULE = "shardconsole.backends"
+
+
+def new_run_dir(preset_name: str, root: str | Path = "runs") -> Path:
+    """runs/<time>-<preset>, made unique if two runs start in the same second."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(preset_name).stem) or "run"
+    base = Path(root) / f"{stamp}-{safe}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = Path(f"{base}-{n}")
+    return path
+
+
+def run_id_of(run_dir: Path) -> str:
+    return run_dir.resolve().name
+
+
+def build_argv(cfg: C.RunConfig, run_dir: str | Path, run_id: str, python: str = sys.executable) -> list[str]:
+    """The exact command that starts the ranks of this node."""
+    p = cfg.parallel
+    worker = ["-m", WORKER_MODULE, "--run-dir", str(run_dir), "--run-id", run_id]
+    if p.launcher == "deepspeed":
+        return _deepspeed_argv(cfg, worker, python)
+    argv = [python, "-m", "torch.distributed.run", f"--nproc-per-node={p.nproc_per_node}",
+            f"--nnodes={p.nnodes}", "--max-restarts=0"]
+    if p.nnodes == 1 and not p.rdzv_endpoint:
+        if p.master_port:
+            argv += ["--master-addr=127.0.0.1", f"--master-port={p.master_port}"]
+        else:
+            argv += ["--standalone"]   # c10d rendezvous on a free local port
+    else:
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={p.rdzv_endpoint}", f"--rdzv-id={p.rdzv_id or run_id}"]
+        if p.node_rank >= 0:
+            argv += [f"--node-rank={p.node_rank}"]
+    return argv + worker
+
+
+def _deepspeed_argv(cfg: C.RunConfig, worker: list[str], python: str) -> list[str]:
+    p = cfg.parallel
+    argv = [python, "-m", "deepspeed.launcher.runner", f"--num_gpus={p.nproc_per_node}",
+            f"--num_nodes={p.nnodes}"]
+    if p.nnodes > 1:
+        host, port = p.rdzv_endpoint.rsplit(":", 1)
+        argv += [f"--master_addr={host}", f"--master_port={port}"]
+        if p.node_rank >= 0:
+            argv += [f"--node_rank={p.node_rank}"]
+    elif p.master_port:
+        argv += [f"--master_port={p.master_port}"]
+    # deepspeed's runner takes the script and its args; --module runs a module instead of a file.
+    return argv + ["--module", worker[1]] + worker[2:]
+
+
+def format_argv(argv: list[str]) -> str:
+    return shlex.join(argv)
+
+
+def child_env(cfg: C.RunConfig, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env["PYTHONUNBUFFERED"] = "1"
+    if cfg.parallel.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""   # the ranks must not grab a GPU they were told not to use
+    if cfg.parallel.backend == "deepspeed" and cfg.parallel.device == "cpu":
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    return env
+
+
+@dataclass
+class StopReport:
+    signalled: list[int] = field(default_factory=list)   # pids that were alive when the stop began
+    killed: bool = False                                  # SIGKILL was needed
+    left: list[int] = field(default_factory=list)         # pids still alive at the end (should be empty)
+    seconds: float = 0.0
+
+    @property
+    def clean(self) -> bool:
+        return not self.left
+
+
+def _group_pids(pgid: int) -> list[int]:
+    """Every live process whose process group is pgid (the launcher and all ranks)."""
+    import psutil
+    out = []
+    for proc in psutil.process_iter(["pid", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if os.getpgid(proc.pid) == pgid:
+                out.append(proc.pid)
+        except (ProcessLookupError, psutil.Error, OSError):
+            continue
+    return out
+
+
+class Job:
+    """A started run: the launcher process and its process group."""
+
+    def __init__(self, run_dir: Path, pid: int, pgid: int, argv: list[str],
+                 proc: subprocess.Popen | None = None) -> None:
+        self.run_dir, self.pid, self.pgid, self.argv, self.proc = run_dir, pid, pgid, argv, proc
+
+    @classmethod
+    def start(cls, cfg: C.RunConfig, run_dir: Path, run_id: str, env: dict[str, str] | None = None) -> "Job":
+        run_dir.mkdir(parents=True, exist_ok=True)
+        argv = build_argv(cfg, run_dir, run_id)
+        log = open(run_dir / LAUNCHER_LOG, "ab")
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    env=child_env(cfg, env), start_new_session=True)
+        finally:
+            log.close()
+        job = cls(run_dir, proc.pid, proc.pid, argv, proc)
+        tmp = run_dir / (RUN_FILE + ".tmp")
+        tmp.write_text(json.dumps({"pid": proc.pid, "pgid": proc.pid, "argv": argv, "started": time.time(),
+                                   "host": os.uname().nodename}))
+        os.replace(tmp, run_dir / RUN_FILE)
+        return job
+
+    @classmethod
+    def from_run_dir(cls, run_dir: Path) -> "Job":
+        info = json.loads((run_dir / RUN_FILE).read_text())
+        return cls(run_dir, int(info["pid"]), int(info["pgid"]), list(info["argv"]))
+
+    def poll(self) -> int | None:
+        """The launcher's exit code, or None while it runs."""
+        if self.proc is not None:
+            return self.proc.poll()
+        # Attached from another front end: not our child, so no exit code; alive or not is all we know.
+        return None if self.alive() else 0
+
+    def alive(self) -> bool:
+        return bool(_group_pids(self.pgid))
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if self.proc is not None:
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                return None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.alive():
+            if deadline is not None and time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
+        return 0
+
+    def stop(self, grace_s: float = 10.0) -> StopReport:
+        """SIGTERM to the whole group, wait up to grace_s, then SIGKILL; report what is left."""
+        t0 = time.monotonic()
+        report = StopReport(signalled=_group_pids(self.pgid))
+        self._signal(signal.SIGTERM)
+        deadline = t0 + grace_s
+        while time.monotonic() < deadline:
+            self._reap()
+            if not _group_pids(self.pgid):
+                break
+            time.sleep(0.05)
+        else:
+            report.killed = True
+            self._signal(signal.SIGKILL)
+            end = time.monotonic() + 5.0
+            while time.monotonic() < end and _group_pids(self.pgid):
+                self._reap()
+                time.sleep(0.05)
+        self._reap()
+        report.left = _group_pids(self.pgid)
+        report.seconds = time.monotonic() - t0
+        return report
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _reap(self) -> None:
+        if self.proc is not None:
+            self.proc.poll()

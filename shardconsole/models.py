@@ -1,0 +1,126 @@
+"""Model shapes: the catalog of named Llama-style sizes and local Hugging Face model directories.
+
+Only shapes live here (dicts that LlamaConfig accepts), read without torch or transformers, so the
+console and the planner can size a model instantly. The ranks turn a ModelSpec into a module in
+backends/common.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Llama-architecture sizes (random init). "1b" is the 0.95B model of the baselines in DESIGN.md,
+# "3b" the 3.1B one; 7b and 13b have Llama-2's shapes.
+CATALOG: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                 intermediate_size=176, vocab_size=256, max_position_embeddings=2048),
+    "125m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+                 intermediate_size=2048, vocab_size=32000, max_position_embeddings=4096),
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+               intermediate_size=5504, vocab_size=32000, max_position_embeddings=4096),
+    "3b": dict(hidden_size=3072, num_hidden_layers=26, num_attention_heads=24, num_key_value_heads=24,
+               intermediate_size=8192, vocab_size=32000, max_position_embeddings=4096),
+    "7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+               intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096),
+    "13b": dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
+                intermediate_size=13824, vocab_size=32000, max_position_embeddings=4096),
+}
+_COMMON = dict(model_type="llama", rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+               initializer_range=0.02, hidden_act="silu", attention_bias=False, mlp_bias=False)
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+class ModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str                       # catalog name or the directory as given
+    config: dict[str, Any]          # kwargs for transformers' config class
+    path: str | None = None         # local directory, None for catalog models
+    has_weights: bool = False
+    has_tokenizer: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def hidden(self) -> int:
+        return int(self.config["hidden_size"])
+
+    @property
+    def layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    @property
+    def vocab(self) -> int:
+        return int(self.config["vocab_size"])
+
+    @property
+    def n_params(self) -> int:
+        """Every parameter, embeddings included (the N of the MFU formula in DESIGN.md)."""
+        c = self.config
+        h, L, V = self.hidden, self.layers, self.vocab
+        heads = int(c["num_attention_heads"])
+        kv = int(c.get("num_key_value_heads") or heads)
+        head_dim = int(c.get("head_dim") or h // heads)
+        inter = int(c["intermediate_size"])
+        attn = h * heads * head_dim + 2 * h * kv * head_dim + heads * head_dim * h
+        if c.get("attention_bias"):
+            attn += heads * head_dim + 2 * kv * head_dim + h
+        mlp = 3 * h * inter
+        norms = 2 * h
+        per_layer = attn + mlp + norms
+        embed = V * h
+        head = 0 if c.get("tie_word_embeddings") else V * h
+        return L * per_layer + embed + head + h
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N + 12 L h s (DESIGN.md's definition, so MFU figures compare)."""
+        return 6.0 * self.n_params + 12.0 * self.layers * self.hidden * seq_len
+
+
+def human_count(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}" if n < 10 * div else f"{n / div:.1f}{unit}"
+    return str(n)
+
+
+def resolve(name: str) -> ModelSpec:
+    """A catalog name or a local model directory (it needs config.json; weights are optional here)."""
+    if name in CATALOG:
+        return ModelSpec(name=name, config={**_COMMON, **CATALOG[name]})
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ModelError(f"model {name!r}: not a catalog size ({', '.join(CATALOG)}) and no such folder")
+    if not path.is_dir():
+        raise ModelError(f"model {name!r}: expected a Hugging Face model folder, got a file")
+    cfg_file = path / "config.json"
+    try:
+        config = json.loads(cfg_file.read_text())
+    except FileNotFoundError:
+        raise ModelError(f"{cfg_file}: missing; a model folder needs config.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelError(f"{cfg_file}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{cfg_file}: expected a JSON object")
+    # Multimodal / nested configs keep the language model under text_config.
+    if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
+        config = {**config["text_config"], "model_type": config["text_config"].get("model_type", "llama")}
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                           "vocab_size") if k not in config]
+    if missing:
+        raise ModelError(f"{cfg_file}: not a decoder-only transformer config (missing {', '.join(missing)})")
+    has_weights = any((path / f).exists() for f in WEIGHT_FILES)
+    has_tok = any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+    return ModelSpec(name=name, config=config, path=str(path.resolve()), has_weights=has_weights,
+                     has_tokenizer=has_tok)
+
+
+def catalog_specs() -> list[ModelSpec]:
+    return [resolve(n) for n in CATALOG]

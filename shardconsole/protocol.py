@@ -1,0 +1,228 @@
+"""The metrics stream: one frozen dataclass per message, encoded as one JSON line each.
+
+Standard library only: the ranks write these lines, the front ends read them.
+
+Every line carries `v` (protocol version), `kind`, `run` (run id), `rank` (-1 for the front end) and
+`t` (wall time, seconds since the epoch). A line is at most MAX_LINE bytes; longer text fields are cut
+so that a line always fits (a reader can then treat anything longer as garbage).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+VERSION = 1
+MAX_LINE = 4096
+
+# Phases a run goes through, reported with Event(name="phase", detail=<phase>).
+PHASES = ("starting", "loading model", "building ops", "training", "saving checkpoint", "finished")
+
+# Failure classes, also used for exit codes (see headless.EXIT_CODES).
+FAILURE_CAUSES = ("gpu_oom", "host_oom", "nccl_timeout", "hang", "nan_loss", "loss_scale_floor",
+                  "config_error", "crash", "stopped")
+
+
+class DecodeError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: ClassVar[str] = ""
+    run: str = ""
+    rank: int = -1
+    t: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    kind: ClassVar[str] = "hello"
+    world: int = 1
+    local_rank: int = 0
+    host: str = ""
+    pid: int = 0
+    device: str = ""          # "cuda:0", "cpu"
+    gpu_name: str | None = None
+    gpu_uuid: str | None = None
+    backend: str = ""         # "fsdp" / "deepspeed"
+    n_params: int | None = None
+
+
+@dataclass(frozen=True)
+class Step(Message):
+    kind: ClassVar[str] = "step"
+    step: int = 0
+    steps: int = 0                     # total steps of the run, for progress
+    loss: float | None = None
+    lr: float = 0.0
+    grad_norm: float | None = None
+    tokens_per_s: float = 0.0          # global, all ranks
+    samples_per_s: float = 0.0
+    step_s: float = 0.0
+    mfu: float | None = None           # fraction 0..1; None on CPU
+    loss_scale: float | None = None    # None unless fp16
+    skipped_steps: int = 0             # fp16 overflow steps skipped so far
+    tokens: int = 0                    # tokens seen so far
+
+
+@dataclass(frozen=True)
+class Memory(Message):
+    kind: ClassVar[str] = "memory"
+    step: int = 0
+    allocated_bytes: int | None = None    # the rank's CUDA allocator; None on CPU
+    reserved_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    peak_allocated_bytes: int | None = None
+    host_rss_bytes: int = 0
+    device_index: int | None = None
+
+
+@dataclass(frozen=True)
+class Event(Message):
+    kind: ClassVar[str] = "event"
+    name: str = ""          # "phase", "checkpoint_saved", "overflow", "warning", "info"
+    detail: str = ""
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class Finished(Message):
+    kind: ClassVar[str] = "finished"
+    steps: int = 0
+    elapsed_s: float = 0.0
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Failed(Message):
+    kind: ClassVar[str] = "failed"
+    cause: str = "crash"        # one of FAILURE_CAUSES
+    message: str = ""
+    exc_type: str = ""
+    traceback_tail: str = ""
+    step: int | None = None
+    hint: str = ""
+
+
+@dataclass(frozen=True)
+class GpuSample(Message):
+    """NVML view of one GPU, sampled by the front end (rank = -1)."""
+    kind: ClassVar[str] = "gpu"
+    index: int = 0
+    name: str = ""
+    used_bytes: int = 0
+    total_bytes: int = 0
+    util_pct: float | None = None
+    pids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class HostSample(Message):
+    """psutil view of the host, sampled by the front end (rank = -1)."""
+    kind: ClassVar[str] = "host"
+    used_bytes: int = 0
+    total_bytes: int = 0
+    ranks_rss_bytes: int = 0
+    pinned_bytes: int | None = None
+
+
+KINDS: dict[str, type[Message]] = {
+    m.kind: m for m in (Hello, Step, Memory, Event, Finished, Failed, GpuSample, HostSample)
+}
+_FIELDS = {kind: {f.name: f for f in fields(cls)} for kind, cls in KINDS.items()}
+_TEXT_FIELDS = ("detail", "message", "traceback_tail", "hint", "name", "host")
+
+
+def _clean(value: Any) -> Any:
+    # JSON has no NaN/inf: a NaN loss is a fact worth sending, so it travels as a string.
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def encode(msg: Message) -> str:
+    """One line (no newline) of at most MAX_LINE bytes."""
+    body = {"v": VERSION, "kind": msg.kind}
+    body.update({k: _clean(v) for k, v in asdict(msg).items()})
+    line = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+    if len(line.encode()) <= MAX_LINE:
+        return line
+    # Too long: cut the free-text fields, longest first, until it fits.
+    for key in sorted(_TEXT_FIELDS, key=lambda k: -len(str(body.get(k, "")))):
+        if key in body and isinstance(body[key], str) and body[key]:
+            excess = len(line.encode()) - MAX_LINE + 16
+            text = body[key]
+            body[key] = ("…" + text[-max(0, len(text) - excess):]) if excess < len(text) else ""
+            line = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+            if len(line.encode()) <= MAX_LINE:
+                return line
+    raise ValueError(f"{msg.kind} message does not fit in {MAX_LINE} bytes")
+
+
+def decode(line: str | bytes) -> Message:
+    """Parse one line. Raises DecodeError for anything that is not a valid message of this version."""
+    if isinstance(line, bytes):
+        if len(line) > MAX_LINE + 1:
+            raise DecodeError("line too long")
+        try:
+            line = line.decode()
+        except UnicodeDecodeError:
+            raise DecodeError("not UTF-8") from None
+    if len(line) > MAX_LINE + 1:
+        raise DecodeError("line too long")
+    try:
+        body = json.loads(line)
+    except (json.JSONDecodeError, RecursionError):
+        raise DecodeError("not JSON") from None
+    if not isinstance(body, dict):
+        raise DecodeError("not a JSON object")
+    if body.get("v") != VERSION:
+        raise DecodeError(f"protocol version {body.get('v')!r}, expected {VERSION}")
+    kind = body.get("kind")
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise DecodeError(f"unknown kind {kind!r}")
+    known = _FIELDS[kind]
+    kwargs = {}
+    for k, v in body.items():
+        if k in ("v", "kind") or k not in known:
+            continue  # unknown fields are ignored: a newer writer may add some
+        if isinstance(v, str) and v in ("nan", "inf", "-inf") and k not in _TEXT_FIELDS:
+            v = float(v)
+        if isinstance(v, list):
+            v = tuple(v)
+        kwargs[k] = v
+    try:
+        msg = KINDS[kind](**kwargs)
+    except TypeError as e:
+        raise DecodeError(str(e)) from None
+    _check_types(msg)
+    return msg
+
+
+def _check_types(msg: Message) -> None:
+    """Cheap sanity checks on the fields a reader does arithmetic with."""
+    if not isinstance(msg.rank, int) or isinstance(msg.rank, bool):
+        raise DecodeError("rank is not an integer")
+    if not isinstance(msg.t, (int, float)) or isinstance(msg.t, bool):
+        raise DecodeError("t is not a number")
+    if not isinstance(msg.run, str):
+        raise DecodeError("run is not a string")
+    for name in ("step", "steps", "world", "index", "used_bytes", "total_bytes", "host_rss_bytes"):
+        v = getattr(msg, name, 0)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+            raise DecodeError(f"{name} is not an integer")
+    for name in ("loss", "lr", "tokens_per_s", "step_s", "allocated_bytes", "reserved_bytes",
+                 "peak_reserved_bytes", "loss_scale", "mfu", "grad_norm"):
+        v = getattr(msg, name, None)
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+            raise DecodeError(f"{name} is not a number")
+    for name in _TEXT_FIELDS + ("cause", "exc_type", "device"):
+        v = getattr(msg, name, "")
+        if v is not None and not isinstance(v, str):
+            raise DecodeError(f"{name} is not a string")

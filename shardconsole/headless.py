@@ -10,7 +10,6 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -18,6 +17,7 @@ from shardconsole import config as C
 from shardconsole import protocol as P
 from shardconsole.launch import LAUNCHER_LOG, METRICS_FILE, Job, StopReport
 from shardconsole.probes import GpuProbe, host_sample
+from shardconsole.runstate import RunState
 from shardconsole.stream import MetricsReader, MetricsWriter
 
 # Exit codes of `shardconsole --headless`, by failure class (documented in README.md).
@@ -33,55 +33,6 @@ EXIT_CODES = {
     "loss_scale_floor": 7,
     "stopped": 130,
 }
-
-
-@dataclass
-class RunState:
-    """What the front ends know of a run, folded from the stream."""
-    world: int | None = None
-    hellos: dict[int, P.Hello] = field(default_factory=dict)
-    last_step: P.Step | None = None
-    memory: dict[int, P.Memory] = field(default_factory=dict)
-    gpus: dict[int, P.GpuSample] = field(default_factory=dict)
-    host: P.HostSample | None = None
-    phase: str = "starting"
-    events: list[P.Event] = field(default_factory=list)
-    failed: list[P.Failed] = field(default_factory=list)
-    finished: P.Finished | None = None
-    steps: list[P.Step] = field(default_factory=list)
-
-    def apply(self, msg: P.Message) -> None:
-        if isinstance(msg, P.Hello):
-            self.hellos[msg.rank] = msg
-            self.world = msg.world
-        elif isinstance(msg, P.Step):
-            self.last_step = msg
-            self.steps.append(msg)
-        elif isinstance(msg, P.Memory):
-            self.memory[msg.rank] = msg
-        elif isinstance(msg, P.GpuSample):
-            self.gpus[msg.index] = msg
-        elif isinstance(msg, P.HostSample):
-            self.host = msg
-        elif isinstance(msg, P.Event):
-            if msg.name == "phase":
-                self.phase = msg.detail
-            self.events.append(msg)
-        elif isinstance(msg, P.Failed):
-            self.failed.append(msg)
-        elif isinstance(msg, P.Finished):
-            self.finished = msg
-
-    @property
-    def rank_pids(self) -> list[int]:
-        return [h.pid for h in self.hellos.values()]
-
-    def first_failure(self) -> P.Failed | None:
-        """The root cause: the earliest failure that is not a consequence of another rank dying."""
-        if not self.failed:
-            return None
-        primary = [f for f in self.failed if f.cause != "crash" or "terminated" not in f.message.lower()]
-        return min(primary or self.failed, key=lambda f: f.t)
 
 
 def fmt_rate(x: float) -> str:

@@ -74,14 +74,23 @@ def cmd_run(argv: list[str]) -> int:
                   f"filesystem (it holds {PRESET_FILE} and receives metrics)", file=sys.stderr)
         return 0
     if args.headless:
-        if run_dir.exists() and any(run_dir.iterdir()):
-            raise UsageError(f"--run-dir {run_dir}: folder exists and is not empty; pick a new one "
-                             f"(or `shardconsole attach {run_dir}`)")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        C.save(cfg, run_dir / PRESET_FILE)
+        _prepare_run_dir(cfg, run_dir)
         from shardconsole import headless
         return headless.run(cfg, run_dir, run_dir.resolve().name)
     return _open_console(cfg, name, args.overrides)
+
+
+def _prepare_run_dir(cfg: C.RunConfig, run_dir: Path) -> None:
+    """Create the run folder with the resolved preset. A multi-node run's agents share one folder (on a
+    shared filesystem): a node may join a folder whose preset.toml holds the same settings."""
+    preset = run_dir / PRESET_FILE
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if cfg.parallel.nnodes > 1 and preset.is_file() and C.dumps(C.load(preset)) == C.dumps(cfg):
+            return
+        raise UsageError(f"--run-dir {run_dir}: folder exists and is not empty; pick a new one "
+                         f"(or `shardconsole attach {run_dir}`)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    C.save(cfg, preset)
 
 
 def _open_console(cfg: C.RunConfig, name: str, overrides: list[str]) -> int:

@@ -138,7 +138,7 @@ class Job:
         finally:
             log.close()
         job = cls(run_dir, proc.pid, proc.pid, argv, proc)
-        tmp = run_dir / (RUN_FILE + ".tmp")
+        tmp = run_dir / f"{RUN_FILE}.{os.getpid()}.tmp"   # agents of a multi-node run may share the folder
         tmp.write_text(json.dumps({"pid": proc.pid, "pgid": proc.pid, "argv": argv, "started": time.time(),
                                    "host": os.uname().nodename}))
         os.replace(tmp, run_dir / RUN_FILE)

@@ -153,15 +153,19 @@ def encode(msg: Message) -> str:
     line = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
     if len(line.encode()) <= MAX_LINE:
         return line
-    # Too long: cut the free-text fields, longest first, until it fits.
-    for key in sorted(_TEXT_FIELDS, key=lambda k: -len(str(body.get(k, "")))):
-        if key in body and isinstance(body[key], str) and body[key]:
-            excess = len(line.encode()) - MAX_LINE + 16
-            text = body[key]
-            body[key] = ("…" + text[-max(0, len(text) - excess):]) if excess < len(text) else ""
-            line = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
-            if len(line.encode()) <= MAX_LINE:
-                return line
+    # Too long: halve the longest free-text field until the line fits. A message keeps its head (the
+    # error itself); a traceback keeps its tail (the frame that raised).
+    while len(line.encode()) > MAX_LINE:
+        texts = [k for k in _TEXT_FIELDS if isinstance(body.get(k), str) and len(body[k]) > 1]
+        if not texts:
+            break
+        key = max(texts, key=lambda k: len(body[k]))
+        text = body[key]
+        keep = max(len(text) // 2, len(text) - (len(line.encode()) - MAX_LINE) - 8)
+        body[key] = text[:keep] + "…" if key != "traceback_tail" else "…" + text[len(text) - keep:]
+        line = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+    if len(line.encode()) <= MAX_LINE:
+        return line
     raise ValueError(f"{msg.kind} message does not fit in {MAX_LINE} bytes")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 
@@ -19,6 +20,7 @@ def main() -> None:
     from shardconsole.backends import common   # imports torch: after argument parsing
     r = None
     code = 0
+    t0 = time.time()
     try:
         r = common.start(args.run_dir, args.run_id)
         if r.cfg.parallel.backend == "deepspeed":
@@ -30,7 +32,8 @@ def main() -> None:
         common.shutdown(r)
         from shardconsole.protocol import Finished
         if r.rank == 0:
-            r.emit(Finished(run=r.run_id, rank=0, steps=r.step))
+            r.emit(Finished(run=r.run_id, rank=0, steps=r.step, elapsed_s=time.time() - t0,
+                            tokens=r.step * r.cfg.tokens_per_step))
     except BaseException as exc:   # noqa: BLE001 - every failure is reported, then the rank ends
         if isinstance(exc, SystemExit) and not exc.code:
             code = 0

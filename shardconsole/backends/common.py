@@ -98,7 +98,10 @@ def start(run_dir: Path, run_id: str) -> Rank:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     _redirect_output(run_dir, rank)
-    writer = MetricsWriter(run_dir / METRICS_FILE, run_id, rank)
+    # SHARDCONSOLE_STREAM=off: the same rank with no metrics written (benchmarks/overhead.py measures
+    # what the stream costs against this).
+    stream_on = os.environ.get("SHARDCONSOLE_STREAM", "on") != "off"
+    writer = MetricsWriter(run_dir / METRICS_FILE if stream_on else None, run_id, rank)
     cfg = C.load(run_dir / PRESET_FILE)
     spec = resolve(cfg.model.name)
     use_cuda = cfg.parallel.device == "cuda" or (cfg.parallel.device == "auto" and torch.cuda.is_available())

@@ -91,9 +91,11 @@ def build(r: common.Rank) -> common.CausalLMLoss:
 
 def make_optimizer(r: common.Rank, model: torch.nn.Module) -> torch.optim.Optimizer:
     t = r.cfg.train
-    # fused AdamW: one kernel for all tensors (CUDA, and the CPU for offloaded shards).
+    # fused AdamW: one kernel for all tensors (CUDA, and the CPU for offloaded shards). Not with fp16:
+    # the sharded grad scaler hands fused AdamW a found_inf of the wrong shape (torch 2.13).
+    fused = r.cfg.precision.dtype != "fp16"
     return torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                             fused=True)
+                             fused=fused, foreach=None if fused else True)
 
 
 def make_scaler(r: common.Rank):
@@ -150,6 +152,7 @@ def train(r: common.Rank) -> None:
     pin = r.is_cuda
     r.phase("training")
     grad_norm = None
+    reported_skips = 0
     for step in range(start_step + 1, t.steps + 1):
         r.step = step
         lr = t.lr * common.lr_factor(cfg, step)
@@ -184,7 +187,12 @@ def train(r: common.Rank) -> None:
         if meter.due(step):
             norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             scale = float(scaler.get_scale()) if scaler else None
-            mean = meter.report(step, lr, norm, scale, int(skipped))
+            n_skipped = int(skipped)
+            if n_skipped > reported_skips:
+                r.event("overflow", f"{n_skipped - reported_skips} step(s) skipped on fp16 overflow "
+                        f"since the last line; loss scale now {scale:g}")
+                reported_skips = n_skipped
+            mean = meter.report(step, lr, norm, scale, n_skipped)
             common.check_loss(r, mean, step)
         if cfg.memory.empty_cache_every and r.is_cuda and step % cfg.memory.empty_cache_every == 0:
             torch.cuda.empty_cache()

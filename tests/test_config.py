@@ -1,0 +1,159 @@
+"""Settings: defaults < preset < --set, save/load round-trip, and every validation error."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardconsole import config as C
+from shardconsole import preset_store
+from tests.conftest import shardconsole
+
+
+def test_every_builtin_preset_loads_and_round_trips(tmp_path):
+    infos = preset_store.list_presets()
+    names = {i.name for i in infos}
+    assert {"tiny-cpu", "3090-offload", "3090-fsdp", "4090x2-zero3", "ddp-baseline", "h200-fsdp"} <= names
+    for info in infos:
+        cfg = C.load(info.path)
+        assert info.description, f"{info.name} has no description"
+        out = C.save(cfg, tmp_path / f"{info.name}.toml")
+        again = C.load(out)
+        assert again == cfg
+        assert C.dumps(again) == C.dumps(cfg)
+
+
+def test_precedence_set_over_preset_over_defaults(tmp_path):
+    p = tmp_path / "p.toml"
+    p.write_text('[train]\nsteps = 7\nlr = 0.5\n[fsdp]\ncpu_offload = true\n')
+    cfg = C.load(p, ["train.steps=50", "fsdp.cpu_offload=false"])
+    assert cfg.train.steps == 50            # --set wins
+    assert cfg.train.lr == 0.5              # preset wins over the default
+    assert cfg.fsdp.cpu_offload is False
+    assert cfg.train.micro_batch == C.TrainSettings().micro_batch   # default
+
+
+def test_set_values_are_typed_by_the_field():
+    cfg = C.build({}, "x", ["model.name=1b", "train.lr=1e-4", "memory.gpu_memory_limit=24GiB",
+                            "parallel.rdzv_endpoint=host:29400", "parallel.nnodes=2",
+                            "deepspeed.reduce_bucket_size=5e8", "precision.dtype=fp16",
+                            "precision.loss_scale_window=100"])
+    assert cfg.model.name == "1b" and cfg.train.lr == 1e-4
+    assert cfg.gpu_memory_limit_bytes == 24 * 2**30
+    assert cfg.parallel.rdzv_endpoint == "host:29400"
+    assert cfg.deepspeed.reduce_bucket_size == 500_000_000
+    assert cfg.precision.loss_scale_window == 100
+
+
+@pytest.mark.parametrize("doc, overrides, fragments", [
+    ('[trian]\nsteps = 3\n', [], ["[trian]", "did you mean 'train'"]),
+    ('[train]\nstep = 3\n', [], ["[train]", "'step'", "did you mean 'steps'"]),
+    ('[train]\nsteps = "many"\n', [], ["[train] steps", "expected an integer"]),
+    ('[train]\nsteps = 0\n', [], ["[train] steps", "below the minimum 1"]),
+    ('[train]\nlr = true\n', [], ["[train] lr", "expected a number"]),
+    ('[fsdp]\nsharding = "full_shrad"\n', [], ["[fsdp] sharding", "did you mean 'full_shard'"]),
+    ('[precision]\ndtype = "bf16"\nloss_scale_window = 100\n', [], ["[precision] loss_scale_window", "fp16"]),
+    ('[fsdp]\nsharding = "no_shard"\ncpu_offload = true\n', [], ["[fsdp] cpu_offload", "no_shard"]),
+    ('[parallel]\nnnodes = 2\n', [], ["[parallel] rdzv_endpoint", "host:port"]),
+    ('[memory]\ngpu_memory_limit = "24 bananas"\n', [], ["[memory] gpu_memory_limit", "24GiB"]),
+    ('[deepspeed]\nstage = 2\noffload_param = "cpu"\n[parallel]\nbackend = "deepspeed"\n', [],
+     ["[deepspeed] offload_param", "stage = 3"]),
+    ('[deepspeed]\noffload_optimizer = "nvme"\n[parallel]\nbackend = "deepspeed"\n', [],
+     ["[deepspeed] nvme_path"]),
+    ('[data]\nsource = "text"\n', [], ["[data] path"]),
+    ('', ["train.steps=abc"], ["--set train.steps", "expected an integer"]),
+    ('', ["trian.steps=3"], ["did you mean 'train'"]),
+    ('', ["train.stepz=3"], ["did you mean 'steps'"]),
+    ('', ["steps=3"], ["table.key=value"]),
+    ('color = "red"\n', [], ["unknown table [color]"]),
+])
+def test_errors_name_file_table_key_and_what_is_allowed(tmp_path, doc, overrides, fragments):
+    p = tmp_path / "bad.toml"
+    p.write_text(doc)
+    with pytest.raises(C.ConfigError) as e:
+        C.load(p, overrides)
+    msg = str(e.value)
+    assert "\n" not in msg
+    if not overrides:
+        assert str(p) in msg
+    for frag in fragments:
+        assert frag in msg, msg
+
+
+def test_more_ranks_than_gpus_is_an_error():
+    cfg = C.build({"parallel": {"nproc_per_node": 4}}, "p.toml")
+    with pytest.raises(C.ConfigError, match=r"nproc_per_node: 4 ranks but this machine has 2 GPU"):
+        C.validate(cfg, "p.toml", gpu_count=2)
+    C.validate(C.build({"parallel": {"nproc_per_node": 4, "device": "cpu"}}, "p.toml"), gpu_count=2)
+
+
+def test_invalid_toml_and_missing_file(tmp_path):
+    p = tmp_path / "broken.toml"
+    p.write_text("[train\nsteps = 3")
+    with pytest.raises(C.ConfigError, match="not valid TOML"):
+        C.load(p)
+    with pytest.raises(C.ConfigError, match="no such file"):
+        C.load(tmp_path / "nope.toml")
+    b = tmp_path / "bin.toml"
+    b.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(C.ConfigError):
+        C.load(b)
+
+
+def test_sizes():
+    assert C.parse_size("24GiB") == 24 * 2**30
+    assert C.parse_size("512 MB") == 512 * 10**6
+    assert C.parse_size("1.5e9") == 1_500_000_000
+    assert C.parse_size(1024) == 1024
+    for bad in ("", "GiB", "12 parsecs", "-1GiB"):
+        with pytest.raises(ValueError):
+            C.parse_size(bad)
+
+
+def test_save_is_atomic_and_never_leaves_half_a_file(tmp_path, monkeypatch):
+    target = tmp_path / "keep.toml"
+    target.write_text('[train]\nsteps = 3\n')
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+    monkeypatch.setattr(C.os, "fsync", boom)
+    with pytest.raises(OSError):
+        C.save(C.RunConfig(), target)
+    assert target.read_text() == '[train]\nsteps = 3\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.toml"]
+
+
+def test_user_preset_shadows_and_is_listed(_user_presets):
+    cfg = preset_store.load("tiny-cpu")
+    cfg.description = "my tuned tiny run"
+    cfg.train.steps = 3
+    path = preset_store.save_user_preset(cfg, "mine")
+    assert path.parent == _user_presets
+    with pytest.raises(FileExistsError):
+        preset_store.save_user_preset(cfg, "mine")
+    names = {i.name: i for i in preset_store.list_presets()}
+    assert names["mine"].origin == "user" and names["mine"].description == "my tuned tiny run"
+    assert preset_store.load("mine").train.steps == 3
+
+
+def test_cli_bad_input_is_one_line_exit_2(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text('[fsdp]\nshardng = "full_shard"\n')
+    for args in (["--preset", str(p), "--headless"],
+                 ["--preset", "tiny-cpu", "--set", "train.steps=-3", "--headless"],
+                 ["--preset", "no-such-preset", "--headless"],
+                 ["--preset", "tiny-cpu", "--set", "model.name=/no/such/dir", "--headless"]):
+        res = shardconsole(*args, "--run-dir", str(tmp_path / "run"), timeout=60)
+        assert res.returncode == 2, res.stderr
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1, res.stderr
+        assert "Traceback" not in res.stderr
+        assert not (tmp_path / "run").exists()
+    assert "did you mean 'sharding'" in shardconsole("--preset", str(p), "--headless").stderr
+
+
+def test_cli_presets_lists_builtins_with_descriptions():
+    res = shardconsole("presets", timeout=60)
+    assert res.returncode == 0
+    lines = {line.split()[0]: line for line in res.stdout.splitlines() if line.strip()}
+    assert "built-in" in lines["3090-offload"] and "offload" in lines["3090-offload"].lower()
+    assert "tiny-cpu" in lines

@@ -1,0 +1,89 @@
+"""The metrics stream: codec round-trips, size bound, and a reader that survives garbage."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from shardconsole import protocol as P
+from shardconsole.stream import MetricsReader, MetricsWriter
+
+SAMPLES = [
+    P.Hello(run="r", rank=1, world=2, local_rank=1, host="h", pid=42, device="cuda:1", gpu_name="H200",
+            backend="fsdp", n_params=123),
+    P.Step(run="r", rank=0, step=5, steps=10, loss=2.5, lr=1e-4, grad_norm=0.7, tokens_per_s=1e5,
+           samples_per_s=50.0, step_s=0.3, mfu=0.5, loss_scale=65536.0, skipped_steps=2, tokens=1000),
+    P.Step(run="r", rank=0, step=1, loss=None, loss_scale=None, mfu=None),
+    P.Memory(run="r", rank=0, step=5, allocated_bytes=1, reserved_bytes=2, peak_reserved_bytes=3,
+             peak_allocated_bytes=2, host_rss_bytes=4, device_index=0),
+    P.Memory(run="r", rank=1, step=5, host_rss_bytes=4),
+    P.Event(run="r", rank=0, name="phase", detail="training", step=3),
+    P.Finished(run="r", rank=0, steps=10, elapsed_s=3.0, tokens=99),
+    P.Failed(run="r", rank=1, cause="gpu_oom", message="CUDA out of memory", exc_type="OutOfMemoryError",
+             traceback_tail="...", step=4, hint="lower micro_batch"),
+    P.GpuSample(run="r", index=0, name="H200", used_bytes=5, total_bytes=10, util_pct=99.0, pids=(1, 2)),
+    P.HostSample(run="r", used_bytes=5, total_bytes=10, ranks_rss_bytes=3, pinned_bytes=None),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: m.kind)
+def test_round_trip(msg):
+    line = P.encode(msg)
+    assert "\n" not in line and len(line.encode()) <= P.MAX_LINE
+    body = json.loads(line)
+    assert body["v"] == P.VERSION and body["kind"] == msg.kind
+    assert P.decode(line) == msg
+
+
+def test_every_kind_has_a_sample():
+    assert {m.kind for m in SAMPLES} == set(P.KINDS)
+
+
+def test_nan_loss_travels():
+    back = P.decode(P.encode(P.Step(run="r", step=3, loss=float("nan"))))
+    assert math.isnan(back.loss)
+
+
+def test_oversized_text_is_cut_to_fit():
+    msg = P.Failed(run="r", rank=0, message="x" * 10_000, traceback_tail="y" * 10_000)
+    line = P.encode(msg)
+    assert len(line.encode()) <= P.MAX_LINE
+    back = P.decode(line)
+    assert back.cause == "crash" and back.message.startswith("xxx") and back.traceback_tail.endswith("yyy")
+
+
+@pytest.mark.parametrize("bad", [
+    "", "not json", "[1,2]", '{"v": 99, "kind": "step"}', '{"v": 1, "kind": "nope"}',
+    '{"v": 1, "kind": "step", "step": "five"}', '{"v": 1, "kind": "memory", "rank": true}',
+    '{"v": 1, "kind": "step", "loss": "high"}', "{" * 5000, b"\xff\xfe",
+])
+def test_decode_rejects_garbage(bad):
+    with pytest.raises(P.DecodeError):
+        P.decode(bad)
+
+
+def test_reader_follows_partial_lines_and_counts_bad_ones(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    w = MetricsWriter(path, "r", 0)
+    w.emit(SAMPLES[1])
+    reader = MetricsReader(path)
+    assert reader.poll() == [SAMPLES[1]]
+    line = P.encode(SAMPLES[5])
+    with open(path, "a") as fh:
+        fh.write("garbage\n" + line[:10])        # a writer caught mid-line
+    assert reader.poll() == []
+    assert reader.bad_lines == 1
+    with open(path, "a") as fh:
+        fh.write(line[10:] + "\n" + "z" * 9000 + "\n")
+    assert reader.poll() == [SAMPLES[5]]
+    assert reader.bad_lines == 2
+    assert MetricsReader(tmp_path / "absent.jsonl").poll() == []
+
+
+def test_writer_never_raises(tmp_path):
+    w = MetricsWriter(tmp_path / "m.jsonl")
+    w.close()
+    w.emit(SAMPLES[0])      # closed: silently nothing
+    MetricsWriter(None).emit(SAMPLES[0])

@@ -1,0 +1,151 @@
+"""Real runs through the real headless path: torchrun, 2 CPU ranks over gloo, the tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardconsole import config as C
+from shardconsole.launch import PRESET_FILE, _group_pids
+from shardconsole.protocol import Step, decode
+from tests.conftest import shardconsole
+
+pytestmark = pytest.mark.slow
+
+
+def messages(run_dir: Path) -> list:
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        out.append(decode(line))
+    return out
+
+
+def of_kind(msgs, kind):
+    return [m for m in msgs if m.kind == kind]
+
+
+def pids_alive(pids) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().split()[2] != "Z":
+                    alive.append(pid)
+        except (ProcessLookupError, FileNotFoundError):
+            pass
+    return alive
+
+
+def assert_nothing_left(run_dir: Path, msgs) -> None:
+    pgid = json.loads((run_dir / "job.json").read_text())["pgid"]
+    assert _group_pids(pgid) == []
+    assert pids_alive(h.pid for h in of_kind(msgs, "hello")) == []
+
+
+def test_headless_tiny_cpu_trains_and_ends_clean(tmp_path):
+    run_dir = tmp_path / "run"
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run_dir),
+                       "--set", "train.steps=12", "--set", "train.log_every=3")
+    assert res.returncode == 0, res.stderr + res.stdout
+    step_lines = [l for l in res.stdout.splitlines() if l.startswith("step ")]
+    assert [l.split()[1] for l in step_lines] == ["3/12", "6/12", "9/12", "12/12"]
+    assert "tok/s" in step_lines[0] and "s/step" in step_lines[0] and "mem r0" in step_lines[-1]
+
+    msgs = messages(run_dir)
+    steps = of_kind(msgs, "step")
+    assert {m.rank for m in steps} == {0}
+    assert [m.step for m in steps] == [3, 6, 9, 12]
+    assert all(m.loss_scale is None and m.mfu is None and m.tokens_per_s > 0 for m in steps)
+    assert steps[-1].loss < steps[0].loss - 0.5, [m.loss for m in steps]     # it learns
+    assert {m.rank for m in of_kind(msgs, "memory")} == {0, 1}
+    assert {m.rank for m in of_kind(msgs, "hello")} == {0, 1}
+    assert of_kind(msgs, "host"), "the front end samples host memory into the stream"
+    assert len(of_kind(msgs, "finished")) == 1 and not of_kind(msgs, "failed")
+    # The resolved settings are a loadable preset equal to what ran.
+    cfg = C.load(run_dir / PRESET_FILE)
+    assert cfg.train.steps == 12 and cfg.parallel.nproc_per_node == 2
+    assert_nothing_left(run_dir, msgs)
+
+
+def test_sigint_mid_run_ends_every_rank(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "shardconsole", "--preset", "tiny-cpu", "--headless",
+                             "--run-dir", str(run_dir), "--set", "train.steps=100000", "--set", "train.log_every=1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and '"kind":"step"' in (run_dir / "metrics.jsonl").read_text():
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("no step within 120 s")
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    took = time.monotonic() - t0
+    assert proc.returncode == 130, err
+    assert took < 10, f"stop took {took:.1f}s"
+    assert "none left" in err
+    assert_nothing_left(run_dir, messages(run_dir))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_one_machine(tmp_path):
+    """Two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1), one rank each, one shared folder."""
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "shardconsole", "--preset", "tiny-cpu", "--headless", "--run-dir", str(run_dir),
+            "--set", "parallel.nnodes=2", "--set", "parallel.nproc_per_node=1",
+            "--set", f"parallel.rdzv_endpoint=127.0.0.1:{_free_port()}", "--set", "train.steps=6",
+            "--set", "train.log_every=3"]
+    nodes = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    time.sleep(1.0)   # the first agent creates the folder; the second joins it
+    nodes.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = [n.communicate(timeout=240) for n in nodes]
+    for n, (out, err) in zip(nodes, results):
+        assert n.returncode == 0, err
+    msgs = messages(run_dir)
+    hellos = of_kind(msgs, "hello")
+    assert sorted(h.rank for h in hellos) == [0, 1] and {h.world for h in hellos} == {2}
+    assert [m.step for m in of_kind(msgs, "step")] == [3, 6]
+    assert len(of_kind(msgs, "finished")) == 1
+
+
+def test_checkpoint_then_resume_continues(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = tmp_path / "first"
+    common = ["--preset", "tiny-cpu", "--headless", "--set", f"train.checkpoint_dir={ckpt}",
+              "--set", "train.log_every=1", "--set", "train.schedule=constant", "--set", "train.warmup_steps=0"]
+    res = shardconsole(*common, "--run-dir", str(first), "--set", "train.steps=6", "--set", "train.checkpoint_every=3")
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000003", "step_00000006"]
+    first_steps = of_kind(messages(first), "step")
+    saved = [m for m in of_kind(messages(first), "event") if m.name == "checkpoint_saved"]
+    assert len(saved) == 2
+
+    # A half-written checkpoint (a kill mid-save) must never be picked.
+    (ckpt / "step_00000009.partial").mkdir()
+    second = tmp_path / "second"
+    res = shardconsole(*common, "--run-dir", str(second), "--set", "train.steps=9", "--set", "train.resume=true")
+    assert res.returncode == 0, res.stderr
+    msgs = messages(second)
+    steps = of_kind(msgs, "step")
+    assert [m.step for m in steps] == [7, 8, 9]
+    assert any("resumed from" in m.detail and "step_00000006" in m.detail for m in of_kind(msgs, "event"))
+    # The model came back trained: its loss continues from where the first run ended, far below the start.
+    assert steps[0].loss < first_steps[0].loss - 0.5
+    assert abs(steps[0].loss - first_steps[-1].loss) < 0.5

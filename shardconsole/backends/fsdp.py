@@ -51,7 +51,9 @@ def shard_model(r: common.Rank, model: common.CausalLMLoss) -> None:
         if cfg.train.compile:
             layer.compile()   # per layer, before sharding: DESIGN.md's fastest bare loop
         fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+    # The root (embeddings, final norm, output head) is needed again at once by backward: keep it
+    # gathered after forward instead of freeing and re-gathering it.
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     # Explicit prefetch: issue the next layers' all-gathers while this one computes.
     if len(layers) > 1 and cfg.fsdp.sharding != "no_shard":
         fwd, bwd = cfg.fsdp.forward_prefetch, cfg.fsdp.backward_prefetch

@@ -1,0 +1,162 @@
+"""Run presets for real through the product's headless path and report tokens/s, MFU and memory.
+
+Each entry of the matrix is `NAME PRESET [--set k=v ...]`; every run goes through
+`python -m shardconsole --preset ... --headless` exactly as a user would start it, and the figures
+come from the run's own metrics.jsonl (median of the step lines after warm-up).
+
+    python3 benchmarks/gpu_runs.py --out $OUT/runs.json --matrix issue2
+    python3 benchmarks/gpu_runs.py --list
+
+`--overhead` also runs the same worker under bare torchrun with the stream off
+(SHARDCONSOLE_STREAM=off, no front end) to measure what the console's machinery costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from shardconsole import config as C  # noqa: E402
+from shardconsole.launch import build_argv  # noqa: E402
+from shardconsole.protocol import decode  # noqa: E402
+
+MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
+    "issue2": [
+        ("h200-fsdp", "h200-fsdp", ["train.steps=30"]),
+        ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=30", "train.compile=false"]),
+        ("3090-offload", "3090-offload", ["train.steps=12", "train.log_every=2"]),
+        ("3090-fsdp", "3090-fsdp", ["train.steps=20"]),
+    ],
+    "quick": [
+        ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
+    ],
+}
+
+
+def summarize(run_dir: Path, warmup_frac: float = 0.34) -> dict:
+    msgs = []
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                msgs.append(decode(line))
+            except ValueError:
+                pass
+    return summarize_messages(msgs)
+
+
+def summarize_messages(msgs: list, warmup_frac: float = 0.34) -> dict:
+    steps = [m for m in msgs if m.kind == "step"]
+    mem = [m for m in msgs if m.kind == "memory"]
+    gpu = [m for m in msgs if m.kind == "gpu"]
+    host = [m for m in msgs if m.kind == "host"]
+    failed = [m for m in msgs if m.kind == "failed"]
+    keep = steps[int(len(steps) * warmup_frac):] or steps
+    out = {
+        "steps": len(steps),
+        "tokens_per_s": statistics.median(m.tokens_per_s for m in keep) if keep else None,
+        "mfu": statistics.median(m.mfu for m in keep) if keep and keep[0].mfu is not None else None,
+        "step_s": statistics.median(m.step_s for m in keep) if keep else None,
+        "last_loss": steps[-1].loss if steps else None,
+        "peak_reserved_gib": max((m.peak_reserved_bytes or 0) for m in mem) / 2**30 if mem else None,
+        "peak_allocated_gib": max((m.peak_allocated_bytes or 0) for m in mem) / 2**30 if mem else None,
+        "nvml_used_gib": max(m.used_bytes for m in gpu) / 2**30 if gpu else None,
+        "host_used_gib": max(m.used_bytes for m in host) / 2**30 if host else None,
+        "ranks_rss_gib": max(m.ranks_rss_bytes for m in host) / 2**30 if host else None,
+        "failed": [f"{f.cause}: {f.message[:200]}" for f in failed],
+    }
+    return out
+
+
+def run_headless(preset: str, sets: list[str], root: Path, name: str, timeout: int) -> dict:
+    run_dir = root / name
+    argv = [sys.executable, "-m", "shardconsole", "--preset", preset, "--headless", "--run-dir", str(run_dir)]
+    for s in sets:
+        argv += ["--set", s]
+    t0 = time.time()
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        rc, err = res.returncode, res.stderr[-1500:]
+    except subprocess.TimeoutExpired:
+        rc, err = "timeout", ""
+    out = {"name": name, "preset": preset, "set": sets, "rc": rc, "wall_s": round(time.time() - t0, 1),
+           **summarize(run_dir)}
+    if rc != 0:
+        out["stderr_tail"] = err
+    return out
+
+
+def run_bare(preset: str, sets: list[str], root: Path, name: str, timeout: int) -> dict:
+    """The same worker under torchrun, no front end, stream off: the bar for the console's overhead."""
+    run_dir = root / (name + "-bare")
+    run_dir.mkdir(parents=True)
+    from shardconsole import preset_store
+    cfg = preset_store.load(preset, sets)
+    C.save(cfg, run_dir / "preset.toml")
+    argv = build_argv(cfg, run_dir, run_dir.name)
+    env = {**os.environ, "SHARDCONSOLE_STREAM": "off"}
+    t0 = time.time()
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    msgs = []
+    for line in (run_dir / "logs" / "rank0.log").read_text().splitlines():
+        if line.startswith('{"v"'):
+            try:
+                msgs.append(decode(line))
+            except ValueError:
+                pass
+    return {"name": name + "-bare", "preset": preset, "set": sets, "rc": res.returncode,
+            "wall_s": round(time.time() - t0, 1), **summarize_messages(msgs)}
+
+
+def fmt(v, spec):
+    return format(v, spec) if isinstance(v, (int, float)) else "-"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--matrix", default="issue2", choices=sorted(MATRICES))
+    ap.add_argument("--only", nargs="*", default=None, help="names from the matrix")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--overhead", action="store_true")
+    ap.add_argument("--timeout", type=int, default=400)
+    ap.add_argument("--list", action="store_true")
+    args = ap.parse_args()
+    matrix = MATRICES[args.matrix]
+    if args.only:
+        matrix = [m for m in matrix if m[0] in args.only]
+    if args.list:
+        for name, preset, sets in matrix:
+            print(name, preset, " ".join(f"--set {s}" for s in sets))
+        return
+    root = Path(tempfile.mkdtemp(prefix="sc-bench-"))
+    results = []
+    for name, preset, sets in matrix:
+        results.append(run_headless(preset, sets, root, name, args.timeout))
+        print(json.dumps(results[-1]), flush=True)
+        if args.overhead:
+            results.append(run_bare(preset, sets, root, name, args.timeout))
+            print(json.dumps(results[-1]), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "argv": sys.argv,
+                                                  "results": results}, indent=1))
+    print(f"\n{'run':<28} {'rc':>4} {'tok/s':>9} {'MFU':>6} {'step s':>7} {'peak rsv GiB':>12} "
+          f"{'nvml GiB':>9} {'host GiB':>9}")
+    for r in results:
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+        print(f"{r['name']:<28} {str(r['rc']):>4} {fmt(r['tokens_per_s'], ',.0f'):>9} {mfu:>6} "
+              f"{fmt(r['step_s'], '.3f'):>7} {fmt(r['peak_reserved_gib'], '.1f'):>12} "
+              f"{fmt(r['nvml_used_gib'], '.1f'):>9} {fmt(r['host_used_gib'], '.1f'):>9}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,837 @@
+"""Will it fit? Peak GPU memory (largest rank) and host RAM of a run, before it is launched.
+
+Pure functions of the settings (RunConfig), the model's shape (ModelSpec, from its config: nothing is
+built and torch is not imported) and the hardware (Hardware). The model follows what the ranks of this
+package really do (backends/fsdp.py, backends/deepspeed.py, backends/common.py), part by part:
+
+  GPU   parameters, gradients and optimizer states (where the backend keeps them, in which dtype,
+        divided by the shard group), gathered (unsharded) parameters and prefetch, activations saved
+        for backward (per decoder layer, by micro-batch, sequence length, dtype and attention kernel;
+        with checkpointing only each layer's input plus one recomputed layer), the chunked loss
+        (logits in 4096-token chunks, recomputed in backward), communication buffers (FSDP2
+        reduce-scatter; DeepSpeed's reduce bucket, prefetch bucket, live parameters), the caching
+        allocator's slack, and the CUDA context (what NVML shows beyond the allocator).
+  host  each rank's baseline RSS (Python, torch, CUDA, NCCL), the model build path, offloaded
+        parameters, gradients and optimizer states (pinned buffers are rounded up to a power of two
+        by PyTorch's CachingHostAllocator), and the launcher and front-end processes.
+
+The peak is not the sum of every part: gradients appear as activations are freed, so the GPU model
+evaluates the moments that can set the peak (end of forward, start of backward, end of backward,
+optimizer step, model build) and reports the parts alive at the largest one.
+
+Every constant says where it comes from. "Awaits calibration" marks a first value taken from the
+sources or from DESIGN.md's bare loops that benchmarks/plan_calibrate.py measures on the H200 test
+machine (benchmarks/data/plan_calibration.json; docs/PLANNER.md has the comparison).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from shardconsole import config as C
+from shardconsole.models import CATALOG, ModelSpec, resolve
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+
+# ---------------------------------------------------------------------------------------------------
+# Constants. Each one: value, then where it comes from.
+
+# CUDA context + NCCL communicator + loaded kernels: what NVML counts for a rank beyond the caching
+# allocator's reserved bytes. Awaits calibration (NVML used minus max_memory_reserved on the H200,
+# torch 2.11 / CUDA 13 with lazy module loading).
+CUDA_CONTEXT_BYTES = 700 * MiB
+
+# The caching allocator reserves more than it hands out: blocks are rounded (512 B small, 2 MiB
+# segments for < 10 MiB, 20 MiB-rounded large segments) and split blocks are not always reusable.
+# reserved = allocated * (1 + SLACK) + SLACK_FIXED. Awaits calibration (max_memory_reserved over
+# the model's allocated peak across the calibration matrix).
+ALLOCATOR_SLACK_FRACTION = 0.05
+ALLOCATOR_SLACK_FIXED = 128 * MiB
+
+# cuBLAS / cuBLASLt workspaces, allocated through the caching allocator: torch's default on Hopper
+# is 32 MiB per handle (CUBLAS_WORKSPACE_CONFIG :4096:8) for cuBLAS and cuBLASLt on the compute
+# stream. From the torch source; small next to the rest.
+CUBLAS_WORKSPACE_BYTES = 64 * MiB
+
+# Tokens per chunk of the loss: backends/common.py chunked_cross_entropy(chunk_tokens=4096).
+LOSS_CHUNK_TOKENS = 4096
+
+# Host RSS of one rank before any model byte: Python + torch + CUDA runtime and libraries (cuBLAS,
+# cuDNN, NCCL pages touched) + transformers. Awaits calibration (VmHWM of the ranks of the
+# calibration runs minus the model's host parts).
+RANK_BASE_RSS = {"fsdp": 2_600 * MiB, "deepspeed": 3_000 * MiB}
+# On CPU ranks (device = cpu) there is no CUDA runtime: measured on the CPU CI machine the rank of a
+# tiny 2-rank gloo run holds about 600 MB (torch + transformers imported). Rough.
+RANK_BASE_RSS_CPU = 600 * MiB
+
+# torchrun's agent (imports torch) and the headless front end (psutil, NVML; no torch): both are
+# Python processes of the run on the node. Awaits calibration (VmHWM of both).
+LAUNCHER_RSS = 400 * MiB
+FRONTEND_RSS = 100 * MiB
+
+# The kernel, page cache and other processes need some RAM: a run is said to fit in host memory only
+# under this fraction of the total. DESIGN.md: a DeepSpeed run was killed at 123 GiB used of 125 GiB,
+# an FSDP run with 120 GiB used trained; 0.97 * 125 = 121 GiB.
+HOST_USABLE_FRACTION = 0.97
+
+# The largest segment DeepSpeed may fill before it reduces: reduce_bucket_size is counted in elements
+# (DeepSpeed's zero/config.py). Its ZeRO-3 default sub_group_size is 1e9 elements (same file).
+DS_SUB_GROUP_SIZE = 1_000_000_000
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+# The lever "how fast" for settings_that_fit, relative to FSDP2 without offload or checkpointing, all
+# from DESIGN.md's bare loops on the H200 (0.95B, seq 2048, micro-batch 8 unless said):
+SPEED_FACTOR = {
+    "fsdp": 1.0,                    # 61.5k tokens/s
+    "fsdp_offload": 1.3 / 15.6,     # 3.1B under 24 GiB, full offload + checkpointing: 1.3k, against
+                                    # 19.5k * 0.80 (checkpointing) = 15.6k for the same model on GPU
+    "zero3": 49.1 / 61.5,           # 49.1k tokens/s
+    "zero2": 49.1 / 61.5,           # not measured: assumed as ZeRO-3 (fewer gathers, same reductions)
+    "zero3_offload_opt": 14.7 / 49.1 * 49.1 / 61.5,    # 14.7k
+    "zero3_offload_all": 19.6 / 49.1 * 49.1 / 61.5,    # 19.6k (params+optimizer beat optimizer only)
+    "zero2_offload_opt": 14.7 / 49.1 * 49.1 / 61.5,    # not measured: assumed as ZeRO-3's
+    "checkpointing": 49.4 / 61.5,   # 49.4k with activation checkpointing
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inputs and outputs
+
+@dataclass(frozen=True)
+class Hardware:
+    """One node: its GPUs (all alike) and its RAM. gpu_memory_bytes is per GPU."""
+    gpus: int
+    gpu_memory_bytes: int
+    host_memory_bytes: int
+    gpu_name: str = ""
+    source: str = "given"          # "detected" (NVML + psutil) or "given"
+
+
+@dataclass
+class Estimate:
+    gpu_peak_bytes: int                     # largest rank, as NVML sees it: allocator peak + CUDA context
+    host_peak_bytes: int                    # the node: its ranks + launcher + front end
+    fits: bool
+    gpu_parts: dict[str, int]               # alive at the GPU peak; sums to gpu_peak_bytes
+    host_parts: dict[str, int]              # at the host peak; sums to host_peak_bytes
+    verdict: str
+    gpu_allocator_peak_bytes: int = 0       # max_memory_reserved of the largest rank: what a cap limits
+    gpu_peak_phase: str = ""                # the moment that sets the GPU peak
+    gpu_phases: dict[str, int] = field(default_factory=dict)   # allocated bytes at each moment
+    gpu_budget_bytes: int | None = None     # what the allocator may use: the cap, or the card minus context
+    host_budget_bytes: int | None = None
+    host_rank_bytes: int = 0                # one rank's peak RSS
+    ranks_per_node: int = 1
+    alternatives: dict[str, int] = field(default_factory=dict)  # the activations the other way, etc.
+    notes: list[str] = field(default_factory=list)
+    model: str = ""
+    n_params: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "n_params": self.n_params,
+            "gpu_peak_bytes": self.gpu_peak_bytes, "host_peak_bytes": self.host_peak_bytes,
+            "fits": self.fits, "verdict": self.verdict,
+            "gpu_parts": dict(self.gpu_parts), "host_parts": dict(self.host_parts),
+            "gpu_allocator_peak_bytes": self.gpu_allocator_peak_bytes,
+            "gpu_peak_phase": self.gpu_peak_phase, "gpu_phases": dict(self.gpu_phases),
+            "gpu_budget_bytes": self.gpu_budget_bytes, "host_budget_bytes": self.host_budget_bytes,
+            "host_rank_bytes": self.host_rank_bytes, "ranks_per_node": self.ranks_per_node,
+            "alternatives": dict(self.alternatives), "notes": list(self.notes),
+        }
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model's shape, from its config alone
+
+@dataclass(frozen=True)
+class Shapes:
+    hidden: int
+    layers: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    tied: bool
+    attention_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def of(cls, spec: ModelSpec) -> "Shapes":
+        c = spec.config
+        h = int(c["hidden_size"])
+        heads = int(c["num_attention_heads"])
+        return cls(hidden=h, layers=int(c["num_hidden_layers"]), vocab=int(c["vocab_size"]), heads=heads,
+                   kv_heads=int(c.get("num_key_value_heads") or heads),
+                   head_dim=int(c.get("head_dim") or h // heads), intermediate=int(c["intermediate_size"]),
+                   tied=bool(c.get("tie_word_embeddings", False)), attention_bias=bool(c.get("attention_bias")),
+                   mlp_bias=bool(c.get("mlp_bias")))
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_params(self) -> list[tuple[int, ...]]:
+        """Shapes of one decoder layer's parameters (nn.Linear weight is [out, in])."""
+        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        out: list[tuple[int, ...]] = [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i), (h,), (h,)]
+        if self.attention_bias:
+            out += [(q,), (kv,), (kv,), (h,)]
+        if self.mlp_bias:
+            out += [(i,), (i,), (h,)]
+        return out
+
+    def root_params(self) -> list[tuple[int, ...]]:
+        """Parameters outside the decoder layers: embedding, final norm, output head (unless tied)."""
+        out: list[tuple[int, ...]] = [(self.vocab, self.hidden), (self.hidden,)]
+        if not self.tied:
+            out.append((self.vocab, self.hidden))
+        return out
+
+    @property
+    def per_layer(self) -> int:
+        return sum(math.prod(s) for s in self.layer_params())
+
+    @property
+    def root(self) -> int:
+        return sum(math.prod(s) for s in self.root_params())
+
+    @property
+    def n_params(self) -> int:
+        return self.layers * self.per_layer + self.root
+
+    def all_params(self) -> list[tuple[int, ...]]:
+        return self.layer_params() * self.layers + self.root_params()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _shard_numel(shape: tuple[int, ...], world: int) -> int:
+    """FSDP2 shards dim 0 and pads it to a multiple of the world size (_fsdp_param.py)."""
+    rows = -(-shape[0] // world)
+    return rows * math.prod(shape[1:])
+
+
+def pow2_ceil(n: int) -> int:
+    """PyTorch's CachingHostAllocator rounds every pinned allocation up to a power of two
+    (aten/src/ATen/core/CachingHostAllocator.h: c10::llvm::PowerOf2Ceil; the default
+    pinned_max_round_threshold is unlimited)."""
+    return 1 << (n - 1).bit_length() if n > 1 else n
+
+
+# ---------------------------------------------------------------------------------------------------
+# Activations: what autograd keeps for backward, per decoder layer, from the HF Llama code path
+# (transformers models/llama/modeling_llama.py) as run by backends/common.py.
+
+def layer_activation_bytes_per_token(s: Shapes, c: int) -> int:
+    """Bytes saved for backward by one decoder layer per token, compute dtype of c bytes, SDPA.
+
+    RMSNorm (x2): the fp32 copy of its input (pow/mul save it: 4h), the normalized tensor in the
+    compute dtype (the weight mul saves it: c*h) and its output, saved by the next linears (c*h).
+    In fp32 the .to(float32) is a no-op and the three are still distinct tensors: 4h + 2*c*h holds.
+    Attention: q and k as projected (saved by q*cos, k*cos), rotate_half(q), rotate_half(k) (saved by
+    the *sin muls), q and k after RoPE and v (saved by SDPA), SDPA's output (saved by flash/efficient
+    backward), its transposed contiguous copy (saved by o_proj), and SDPA's fp32 logsumexp per head.
+    MLP: gate out (saved by SiLU), SiLU out and up out (saved by the mul), their product (saved by
+    down_proj). Residual adds save nothing.
+    """
+    h, q, kv, i = s.hidden, s.q_dim, s.kv_dim, s.intermediate
+    norms = 2 * (4 * h + 2 * c * h)
+    attn = c * (5 * q + 4 * kv) + 4 * s.heads
+    mlp = 4 * c * i
+    return norms + attn + mlp
+
+
+def eager_attention_bytes_per_sample(s: Shapes, seq: int, c: int) -> int:
+    """Eager attention also keeps the [heads, seq, seq] probabilities: softmax's fp32 output and its
+    cast to the compute dtype (saved by the matmul with v); in fp32 the cast is a no-op."""
+    return s.heads * seq * seq * (4 + (c if c != 4 else 0))
+
+
+@dataclass
+class Activations:
+    saved_all: int           # saved by every layer at the end of forward
+    per_layer: int           # one layer's saved tensors (full, as in a recompute)
+    recompute: int           # the one layer recomputed in backward (checkpointing), else 0
+    final: int               # final norm + the loss input kept by the loss checkpoint
+    inputs: int              # token ids (labels are a view of the same batch)
+    mask: int                # eager's causal mask, shared by the layers
+    layer_backward: int      # transient gradient buffers while one layer runs backward
+    loss_forward: int        # one chunk of logits in forward
+    loss_backward: int       # one chunk recomputed and differentiated
+    alternative_saved: int   # saved_all + recompute the other way (checkpointing flipped)
+
+
+def activations(cfg: C.RunConfig, s: Shapes) -> Activations:
+    c = DTYPE_BYTES[cfg.precision.dtype]
+    mb, seq = cfg.train.micro_batch, cfg.data.seq_len
+    tokens = mb * seq
+    eager = cfg.model.attn_implementation == "eager"
+    per_layer = tokens * layer_activation_bytes_per_token(s, c)
+    if eager:
+        # eager saves no SDPA output or logsumexp, but the probabilities
+        per_layer += mb * eager_attention_bytes_per_sample(s, seq, c) - tokens * (c * s.q_dim + 4 * s.heads)
+    ckpt_saved = s.layers * tokens * c * s.hidden     # each checkpointed layer keeps its input only
+    full_saved = s.layers * per_layer
+    ckpt = cfg.memory.activation_checkpointing
+    # Backward through one layer: gradient buffers of the MLP's intermediate tensors (about three
+    # [tokens, intermediate] at once) and of the residual stream; eager adds the [heads, seq, seq]
+    # gradient of the probabilities (compute dtype) and softmax's backward in fp32 (two buffers).
+    # From the autograd graph above; small next to the saved tensors.
+    layer_bwd = tokens * (3 * c * s.intermediate + 2 * c * s.hidden)
+    if eager:
+        layer_bwd += mb * s.heads * seq * seq * (c + 8)
+    chunk = min(LOSS_CHUNK_TOKENS, tokens)
+    v = s.vocab
+    # Loss forward, per chunk: logits (c) -> .float() (4) -> log_softmax output (4).
+    loss_fwd = chunk * v * (c + 4 + 4)
+    # Loss backward, per chunk: the recomputed log_softmax output (4) + the incoming gradient (4) +
+    # log_softmax's gradient (4); then the gradient of the loss input accumulates over the chunks
+    # into one [tokens, hidden] buffer (two while adding).
+    loss_bwd = chunk * v * 12 + 2 * tokens * s.hidden * c
+    return Activations(
+        saved_all=ckpt_saved if ckpt else full_saved,
+        per_layer=per_layer,
+        recompute=per_layer if ckpt else 0,
+        final=tokens * (4 * s.hidden + 2 * c * s.hidden),
+        inputs=mb * (seq + 1) * 8,
+        mask=mb * seq * seq * c if eager else 0,
+        layer_backward=layer_bwd,
+        loss_forward=loss_fwd,
+        loss_backward=loss_bwd,
+        alternative_saved=full_saved if ckpt else ckpt_saved + per_layer,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# One rank's memory over the moments of a step
+
+@dataclass
+class _Rank:
+    gpu: dict[str, dict[str, int]]          # moment -> part -> allocated bytes (before slack)
+    host: dict[str, dict[str, int]]         # moment -> part -> bytes of one rank's RSS
+    notes: list[str] = field(default_factory=list)
+
+
+def _act_parts(a: Activations, moment: str) -> dict[str, int]:
+    """The activation parts alive at a moment of the step."""
+    if moment == "end of forward":
+        return {"activations": a.saved_all + a.final + a.inputs + a.mask, "loss chunk": a.loss_forward}
+    if moment == "start of backward":
+        # the loss backward runs first, then the last layer (recomputed if checkpointed)
+        loss = a.loss_backward
+        layer = a.recompute + a.layer_backward
+        return {"activations": a.saved_all + a.final + a.inputs + a.mask,
+                "loss chunk" if loss >= layer else "layer backward": max(loss, layer)}
+    return {}
+
+
+def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
+    """backends/fsdp.py: fully_shard per decoder layer and on the root; parameters fp32 sharded;
+    MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=fp32 by default) unless fp32; fused AdamW
+    with fp32 states shaped like the sharded parameters; explicit prefetch of N layers."""
+    p, f = cfg.parallel, cfg.fsdp
+    world = p.nproc_per_node * p.nnodes
+    shard = {"no_shard": 1, "hybrid_shard": p.nproc_per_node}.get(f.sharding, world)
+    c = DTYPE_BYTES[cfg.precision.dtype]
+    reduce_c = 4 if cfg.precision.dtype == "fp32" else DTYPE_BYTES[cfg.precision.reduce_dtype or "fp32"]
+    offload = f.cpu_offload
+    a = activations(cfg, s)
+    L = s.layers
+
+    # Sharded fp32 parameters: dim 0 padded to the shard group (exactly as FSDP2 pads).
+    shard_numels = [_shard_numel(sh, shard) for sh in s.all_params()]
+    params_b = 4 * sum(shard_numels)
+    grads_b = params_b                 # sharded gradients: the sharded parameter's dtype (fp32)
+    adam_b = 2 * params_b              # exp_avg + exp_avg_sq, fp32, like the sharded parameter
+    layer_full = c * s.per_layer       # one layer gathered in the compute dtype
+    root_full = c * s.root             # the root's embedding, final norm and head, gathered
+
+    # A gather: the cast shard (all-gather input), the all-gather output and the unsharded copy-out
+    # tensors coexist until the copy-out ends; with offload the fp32 shard is first copied H2D
+    # (_fsdp_param.py all_gather_inputs, _fsdp_collectives.py foreach_all_gather[_copy_out]).
+    per_layer_shard = sum(_shard_numel(sh, shard) for sh in s.layer_params())
+    gather_tmp = layer_full + c * per_layer_shard + (4 * per_layer_shard if offload else 0)
+    # A reduce-scatter: the unsharded gradient (compute dtype), its fp32 copy as the reduce-scatter
+    # input and the sharded output (_fsdp_collectives.py foreach_reduce).
+    rs_tmp = c * s.per_layer + (reduce_c * s.per_layer if reduce_c != c else 0) + 4 * per_layer_shard
+    root_rs_tmp = c * s.root + (reduce_c * s.root if reduce_c != c else 0) + 4 * sum(
+        _shard_numel(sh, shard) for sh in s.root_params())
+
+    # fsdp.py sets explicit prefetch unless no_shard; FSDP2 then still prefetches one layer in
+    # backward by itself (implicit prefetch) and none in forward.
+    sharded = f.sharding != "no_shard"
+    fwd_n = min(f.forward_prefetch if sharded else 0, max(L - 1, 0))
+    bwd_n = min(f.backward_prefetch if sharded else 1, max(L - 1, 0))
+    if cfg.reshard_after_forward:
+        # at the end of forward the last layer is gathered; in backward the running layer, the
+        # prefetched ones, and one gather in flight
+        gathered_fwd = layer_full
+        gathered_bwd = (1 + bwd_n) * layer_full + (gather_tmp - layer_full if bwd_n else 0)
+    else:
+        # shard_grad_op: every layer stays gathered from its forward to its backward
+        gathered_fwd = gathered_bwd = L * layer_full
+    del fwd_n   # forward prefetch overlaps the forward of the previous layer: not at a peak moment
+    # Gradient accumulation without sync: FSDP2 keeps each layer's unsharded gradient, in the reduce
+    # dtype when it differs from the compute dtype (_fsdp_param.py to_accumulated_grad_if_needed).
+    accum_b = (reduce_c if reduce_c != c else c) * s.n_params if cfg.train.grad_accum > 1 else 0
+
+    states = {} if offload else {"parameters (fp32 shards)": params_b, "optimizer states (Adam fp32)": adam_b}
+    gathered = {"gathered root (embedding, head)": root_full}
+    ws = {"cuBLAS workspaces": CUBLAS_WORKSPACE_BYTES}
+    gpu: dict[str, dict[str, int]] = {}
+    gpu["end of forward"] = {**states, **gathered, "gathered layers": gathered_fwd, **_act_parts(a, "end of forward"), "accumulated grads (no sync)": accum_b, **ws}
+    gpu["start of backward"] = {**states, **gathered, "gathered layers + prefetch": gathered_bwd,
+                                "head gradient (unsharded)": c * s.vocab * s.hidden * (0 if s.tied else 1),
+                                **_act_parts(a, "start of backward"), "reduce-scatter buffers": rs_tmp,
+                                "accumulated grads (no sync)": accum_b, **ws}
+    gpu["end of backward"] = {**states, **gathered, "gradients (fp32 shards)": 0 if offload else grads_b,
+                              "root gradients (unsharded)": c * s.root, "reduce-scatter buffers": root_rs_tmp,
+                              "activations": a.inputs, **ws}
+    gpu["optimizer step"] = {**states, "gradients (fp32 shards)": 0 if offload else grads_b, **ws}
+
+    # Host: one rank's RSS. The model is built on the meta device, so no full copy exists anywhere
+    # (backends/fsdp.py build), and init_random_ draws each shard in place on its device.
+    base = RANK_BASE_RSS["fsdp"]
+    host: dict[str, dict[str, int]] = {}
+    host["build"] = {"process (python, torch, CUDA)": base}
+    if offload:
+        # to_empty(cpu) allocates the shards unpinned, FSDP2 then pins each (.pin_memory(): rounded to a
+        # power of two) and drops the unpinned copy; gradients arrive D2H into pinned tensors
+        # (.to("cpu", non_blocking=True) allocates pinned memory); Adam's states are plain zeros_like.
+        pinned = pow2_ceil if f.pin_memory else (lambda n: n)
+        params_host = sum(pinned(4 * n) for n in shard_numels)
+        grads_host = sum(pinned(4 * n) for n in shard_numels)
+        host["build"]["parameters (fp32 shards, host)"] = params_host
+        host["training"] = {"process (python, torch, CUDA)": base,
+                            ("parameters (fp32 shards, pinned)" if f.pin_memory else "parameters (fp32 shards)"): params_host,
+                            ("gradients (fp32 shards, pinned)" if f.pin_memory else "gradients (fp32 shards)"): grads_host,
+                            "optimizer states (Adam fp32, host)": adam_b}
+    else:
+        host["training"] = {"process (python, torch, CUDA)": base}
+    notes = []
+    if shard == 1 and f.sharding != "no_shard":
+        notes.append(f"{f.sharding} over one rank shards nothing: same memory as no_shard")
+    return _Rank(gpu, host, notes)
+
+
+def _ds_sub_groups(s: Shapes, world: int, limit: int = DS_SUB_GROUP_SIZE) -> list[int]:
+    """ZeRO-3 sub-groups (elements of this rank's partition): parameters in model order, a group
+    closes once it reaches `limit` (stage3.py _create_fp16_sub_groups)."""
+    groups, run = [], 0
+    order = s.root_params()[:1] + s.layer_params() * s.layers + s.root_params()[1:]
+    for sh in order:
+        run += -(-_numel(sh) // world)
+        if run >= limit:
+            groups.append(run)
+            run = 0
+    if run:
+        groups.append(run)
+    return groups
+
+
+def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
+    """backends/deepspeed.py with the ds_config of ds_json.to_ds_config, modelled on DeepSpeed 0.19's
+    runtime/zero/stage3.py, stage_1_and_2.py and partition_parameters.py (buffers named as there).
+    Stage 3 builds under zero.Init (partitioned at construction, on the GPU or, with offload_param,
+    on the CPU); stages 0-2 build the whole fp32 model on the CPU of every rank, and DeepSpeed casts it
+    and moves it to the GPU at initialize (engine.py _configure_distributed_model)."""
+    d, p = cfg.deepspeed, cfg.parallel
+    W = p.nproc_per_node * p.nnodes
+    c = DTYPE_BYTES[cfg.precision.dtype]
+    stage = d.stage
+    off_opt = d.offload_optimizer == "cpu" and stage >= 1
+    off_par = d.offload_param == "cpu" and stage == 3
+    nvme = "nvme" in (d.offload_optimizer, d.offload_param)
+    a = activations(cfg, s)
+    P = s.n_params
+    part = -(-P // W)
+    pin = pow2_ceil if d.pin_memory else (lambda n: n)
+    all_params = s.all_params()
+    largest_param = max(_numel(sh) for sh in all_params)
+    gpu: dict[str, int] = {}          # held through training
+    host: dict[str, int] = {}
+    opt_tmp = 0                       # transient at the optimizer step
+    gathered = 0                      # stage 3: gathered parameters in forward/backward
+    bucket = 0
+    build_gpu = 0
+    if stage == 3:
+        subs = _ds_sub_groups(s, W)
+        if off_par:
+            # zero.Init pins each parameter's partition on the host; initialize then copies them into
+            # one pinned flat buffer (_create_param_groups_fp16_flat_cpu_memory); freed pinned blocks
+            # stay in PyTorch's host cache, so both count.
+            host["parameters (partitions, pinned, from init)"] = sum(
+                pin(c * -(-_numel(sh) // W)) for sh in all_params)
+            host["parameters (flat partition, pinned)"] = pin(c * part)
+        else:
+            gpu["parameters (partition)"] = c * part           # lp_param_buffer
+            build_gpu = 2 * c * part                             # partitions + the flat buffer they move into
+        if off_opt:
+            host["fp32 master (partition, pinned)" if d.pin_memory else "fp32 master (partition)"] = sum(
+                pin(4 * g) for g in subs)
+            host["optimizer states (Adam fp32)"] = 8 * part
+            host["fp32 gradients (pinned)" if d.pin_memory else "fp32 gradients"] = sum(pin(4 * g) for g in subs)
+            # grad_partitions_flat_buffer lives on the optimizer's device (the host) in the model dtype
+            host["gradients (partition, pinned)" if d.pin_memory else "gradients (partition)"] = pin(c * part)
+        else:
+            gpu["fp32 master (partition)"] = 4 * part
+            gpu["optimizer states (Adam fp32)"] = 8 * part
+            gpu["fp32 gradient buffer (largest sub-group)"] = 4 * max(subs)   # initialize_optimizer_states
+            gpu["gradients (partition)"] = c * part                            # grad_partitions_flat_buffer
+        # __ipg_bucket_flat_buffer: reduce_bucket_size elements of the model dtype (contiguous gradients)
+        bucket = c * min(d.reduce_bucket_size, P) if d.contiguous_gradients else 0
+        # Gathered while computing: the output head (an external parameter of the root, gathered for the
+        # whole forward and backward), the running module and the prefetch bucket, at most
+        # stage3_max_live_parameters; parameters under stage3_param_persistence_threshold stay gathered.
+        head = 0 if s.tied else s.vocab * s.hidden
+        running = max(s.intermediate * s.hidden, s.q_dim * s.hidden)
+        live = min(d.stage3_max_live_parameters, head + running + d.stage3_prefetch_bucket_size)
+        persistent = sum(_numel(sh) for sh in all_params if _numel(sh) < d.stage3_param_persistence_threshold)
+        gathered = c * (live + persistent)
+    elif stage in (1, 2):
+        gpu["parameters (full, flat)"] = c * P                 # bit16_groups_flat
+        build_gpu = 2 * c * P                                   # the moved module + its flat copy
+        if off_opt:
+            host["fp32 master (partition, pinned)" if d.pin_memory else "fp32 master (partition)"] = pin(4 * part)
+            host["optimizer states (Adam fp32)"] = 8 * part
+            host["fp32 gradients (partition, pinned)" if d.pin_memory else "fp32 gradients (partition)"] = pin(4 * part)
+            host["gradient staging (largest parameter)"] = pin(c * largest_param)
+            gpu["gradient staging (largest parameter)"] = c * largest_param
+        else:
+            gpu["fp32 master (partition)"] = 4 * part
+            gpu["optimizer states (Adam fp32)"] = 8 * part
+            opt_tmp = c * part + 4 * part          # flatten the gradient partition, then its fp32 copy
+        if stage == 2:
+            gpu["gradients (partition)"] = c * part             # grads_in_partition
+        else:
+            gpu["gradients (full)"] = c * P
+        n_buf = 2 if d.overlap_comm else 1                      # setup_buckets: a double buffer
+        bucket = n_buf * c * min(d.reduce_bucket_size, P) if d.contiguous_gradients else 0
+        if W > 1:
+            opt_tmp += c * min(d.allgather_bucket_size, P)      # all-gather of the updated parameters
+    else:
+        # Stage 0: bf16 -> BF16_Optimizer (fp32 master, fp32 gradients); fp16 -> FP16_Optimizer.
+        gpu["parameters"] = c * P
+        build_gpu = c * P
+        if c == 4:
+            gpu["gradients"] = 4 * P
+            gpu["optimizer states (Adam fp32)"] = 8 * P
+        else:
+            gpu["fp32 master"] = 4 * P
+            gpu["gradients"] = (4 if cfg.precision.dtype == "bf16" else c) * P
+            gpu["optimizer states (Adam fp32)"] = 8 * P
+            opt_tmp = 4 * P if cfg.precision.dtype == "fp16" else 0
+
+    ws = {"cuBLAS workspaces": CUBLAS_WORKSPACE_BYTES}
+    comm = {"reduce bucket": bucket} if bucket else {}
+    gath = {"gathered parameters + prefetch": gathered} if gathered else {}
+    phases: dict[str, dict[str, int]] = {}
+    # Gradient buffers are allocated at initialisation (ZeRO-3) or by the first backward (ZeRO-2) and
+    # stay: they count at every moment of training.
+    phases["end of forward"] = {**gpu, **gath, **comm, **_act_parts(a, "end of forward"), **ws}
+    phases["start of backward"] = {**gpu, **gath, **comm, **_act_parts(a, "start of backward"), **ws}
+    phases["optimizer step"] = {**gpu, **comm, "optimizer temporaries": opt_tmp, **ws}
+    phases["model build"] = {"parameters while built and moved": build_gpu}
+
+    base = RANK_BASE_RSS["deepspeed"]
+    hphases: dict[str, dict[str, int]] = {}
+    if stage == 3:
+        # init_partitions_ draws each partition in fp32 on the CPU before copying it in
+        hphases["build"] = {"process (python, torch, CUDA)": base,
+                            "init buffer (largest partition, fp32)": 4 * -(-largest_param // W)}
+    else:
+        # the whole fp32 model on the CPU (random init in place), then a cast copy per tensor
+        hphases["build"] = {"process (python, torch, CUDA)": base, "model built on the CPU (fp32)": 4 * P,
+                            "cast copy (largest tensor)": c * largest_param}
+    hphases["training"] = {"process (python, torch, CUDA)": base, **host}
+    notes = []
+    if nvme:
+        notes.append("NVMe offload is not modelled: its host buffers and files are left out")
+    if stage < 3:
+        notes.append(f"ZeRO-{stage} builds the whole fp32 model on the CPU of every rank "
+                     f"({4 * P / GiB:.1f} GiB each) before DeepSpeed moves it to the GPU")
+    return _Rank(phases, hphases, notes)
+
+
+def _cpu_ranks(cfg: C.RunConfig, s: Shapes) -> _Rank:
+    """device = cpu: everything lives in host memory; rough (no calibration on CPU)."""
+    r = _fsdp(replace_cfg(cfg, ("fsdp", "cpu_offload", False)), s) if cfg.parallel.backend == "fsdp" else _deepspeed(cfg, s)
+    moment = max(r.gpu, key=lambda k: sum(r.gpu[k].values()))
+    parts = {k: v for k, v in r.gpu[moment].items() if v and k != "cuBLAS workspaces"}
+    host = {"process (python, torch)": RANK_BASE_RSS_CPU, **parts}
+    return _Rank({}, {"training": host}, ["CPU ranks: the training memory is host memory (not calibrated)"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# The estimate
+
+def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware) -> Estimate:
+    s = Shapes.of(spec)
+    on_cpu = cfg.parallel.device == "cpu"
+    if on_cpu:
+        r = _cpu_ranks(cfg, s)
+    elif cfg.parallel.backend == "fsdp":
+        r = _fsdp(cfg, s)
+    else:
+        r = _deepspeed(cfg, s)
+
+    # GPU: the moment with most allocated bytes, then the allocator's slack and the context.
+    phases = {k: sum(v.values()) for k, v in r.gpu.items()}
+    if phases:
+        moment = max(phases, key=lambda k: phases[k])
+        allocated = phases[moment]
+        slack = int(allocated * ALLOCATOR_SLACK_FRACTION) + ALLOCATOR_SLACK_FIXED
+        gpu_parts = {k: int(v) for k, v in r.gpu[moment].items() if v}
+        gpu_parts["allocator slack (fragmentation)"] = slack
+        allocator_peak = allocated + slack
+        gpu_parts["CUDA context + NCCL"] = CUDA_CONTEXT_BYTES
+        gpu_peak = allocator_peak + CUDA_CONTEXT_BYTES
+    else:
+        moment, allocator_peak, gpu_peak, gpu_parts = "", 0, 0, {}
+
+    # Host: one rank's largest moment; the node holds every local rank, the launcher and the front end.
+    hphases = {k: sum(v.values()) for k, v in r.host.items()}
+    hmoment = max(hphases, key=lambda k: hphases[k])
+    rank_host = hphases[hmoment]
+    per_node = cfg.parallel.nproc_per_node
+    host_parts = {k + (f" x {per_node} ranks" if per_node > 1 else ""): int(v) * per_node
+                  for k, v in r.host[hmoment].items() if v}
+    host_parts["launcher (torchrun)" if cfg.parallel.launcher == "torchrun" else "launcher (deepspeed)"] = LAUNCHER_RSS
+    host_parts["front end"] = FRONTEND_RSS
+    host_peak = sum(host_parts.values())
+
+    # Budgets and the verdict.
+    cap = cfg.gpu_memory_limit_bytes
+    gpu_budget = None
+    reasons: list[str] = []
+    if not on_cpu:
+        card = hw.gpu_memory_bytes - CUDA_CONTEXT_BYTES if hw.gpu_memory_bytes else None
+        budgets = [b for b in (cap, card) if b]
+        gpu_budget = min(budgets) if budgets else None
+        if hw.gpus and per_node > hw.gpus:
+            reasons.append(f"{per_node} ranks per node but the node has {hw.gpus} GPU(s)")
+        if gpu_budget is not None and allocator_peak > gpu_budget:
+            what = f"the {C.format_size(cap)} cap" if cap and cap == gpu_budget else \
+                f"the {C.format_size(hw.gpu_memory_bytes)} card"
+            reasons.append(f"GPU needs {C.format_size(allocator_peak)} (+{C.format_size(CUDA_CONTEXT_BYTES)} "
+                           f"context) over {what}")
+    host_budget = int(hw.host_memory_bytes * HOST_USABLE_FRACTION) if hw.host_memory_bytes else None
+    if host_budget is not None and host_peak > host_budget:
+        reasons.append(f"host needs {C.format_size(host_peak)} over {C.format_size(host_budget)} usable "
+                       f"of {C.format_size(hw.host_memory_bytes)}")
+    fits = not reasons
+    a = activations(cfg, s)
+    alt = {("activations without checkpointing" if cfg.memory.activation_checkpointing
+            else "activations with checkpointing"): a.alternative_saved}
+    est = Estimate(gpu_peak_bytes=int(gpu_peak), host_peak_bytes=int(host_peak), fits=fits,
+                   gpu_parts=gpu_parts, host_parts=host_parts, verdict="",
+                   gpu_allocator_peak_bytes=int(allocator_peak), gpu_peak_phase=moment,
+                   gpu_phases={k: int(v) for k, v in phases.items()}, gpu_budget_bytes=gpu_budget,
+                   host_budget_bytes=host_budget, host_rank_bytes=int(rank_host), ranks_per_node=per_node,
+                   alternatives=alt, notes=list(r.notes), model=spec.name, n_params=s.n_params)
+    est.verdict = _verdict(est, reasons, cfg)
+    return est
+
+
+def _verdict(e: Estimate, reasons: list[str], cfg: C.RunConfig) -> str:
+    if reasons:
+        sized = [(k, v) for k, v in e.gpu_parts.items() if "context" not in k and "slack" not in k]
+        largest = max(sized, key=lambda kv: kv[1])[0] if sized else ""
+        if largest.startswith("activations") or largest in ("loss chunk", "layer backward"):
+            hint = "largest part: activations; lower train.micro_batch or data.seq_len" + (
+                "" if cfg.memory.activation_checkpointing else ", or set memory.activation_checkpointing = true")
+        elif largest:
+            hint = f"largest part: {largest}; shard it over more GPUs or offload it to the CPU"
+        else:
+            hint = ""
+        return "does not fit: " + "; ".join(reasons) + (f" ({hint})" if hint else "")
+    parts = []
+    if e.gpu_budget_bytes:
+        parts.append(f"GPU {C.format_size(e.gpu_allocator_peak_bytes)} of {C.format_size(e.gpu_budget_bytes)} "
+                     f"({100 * e.gpu_allocator_peak_bytes / e.gpu_budget_bytes:.0f}%)")
+    if e.host_budget_bytes:
+        parts.append(f"host {C.format_size(e.host_peak_bytes)} of {C.format_size(e.host_budget_bytes)} usable")
+    tight = e.gpu_budget_bytes and e.gpu_allocator_peak_bytes > 0.9 * e.gpu_budget_bytes
+    return ("fits, tight" if tight else "fits") + (": " + ", ".join(parts) if parts else "")
+
+
+def replace_cfg(cfg: C.RunConfig, *changes: tuple[str, str, Any]) -> C.RunConfig:
+    """A copy of cfg with (table, key, value) changes, checked like a preset."""
+    out = C.copy(cfg)
+    for table, key, value in changes:
+        setattr(getattr(out, table), key, value)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# The machine
+
+def detect_hardware() -> Hardware:
+    """GPUs from NVML (count and the first one's memory), RAM from psutil. Never raises."""
+    import psutil
+    from shardconsole.probes import GpuProbe
+    probe = GpuProbe()
+    samples = probe.sample()
+    gpu_mem = min((g.total_bytes for g in samples), default=0)
+    name = samples[0].name if samples else ""
+    return Hardware(gpus=len(samples), gpu_memory_bytes=int(gpu_mem),
+                    host_memory_bytes=int(psutil.virtual_memory().total), gpu_name=name, source="detected")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Strategies, the fit table and the settings that fit
+
+# The article's strategies as settings of this package (parallel.backend and its table).
+STRATEGIES: dict[str, list[tuple[str, str, Any]]] = {
+    "no_shard": [("parallel", "backend", "fsdp"), ("fsdp", "sharding", "no_shard"), ("fsdp", "cpu_offload", False)],
+    "full_shard": [("parallel", "backend", "fsdp"), ("fsdp", "sharding", "full_shard"), ("fsdp", "cpu_offload", False)],
+    "shard_grad_op": [("parallel", "backend", "fsdp"), ("fsdp", "sharding", "shard_grad_op"),
+                      ("fsdp", "cpu_offload", False)],
+    "full_shard+offload": [("parallel", "backend", "fsdp"), ("fsdp", "sharding", "full_shard"),
+                           ("fsdp", "cpu_offload", True)],
+    "ZeRO-2": [("parallel", "backend", "deepspeed"), ("deepspeed", "stage", 2),
+               ("deepspeed", "offload_optimizer", "none"), ("deepspeed", "offload_param", "none")],
+    "ZeRO-3": [("parallel", "backend", "deepspeed"), ("deepspeed", "stage", 3),
+               ("deepspeed", "offload_optimizer", "none"), ("deepspeed", "offload_param", "none")],
+    "ZeRO-3+offload": [("parallel", "backend", "deepspeed"), ("deepspeed", "stage", 3),
+                       ("deepspeed", "offload_optimizer", "cpu"), ("deepspeed", "offload_param", "cpu")],
+}
+# Also searched by settings_that_fit (the article's two-card recipe offloads the optimizer only).
+EXTRA_STRATEGIES: dict[str, list[tuple[str, str, Any]]] = {
+    "ZeRO-3+optimizer offload": [("parallel", "backend", "deepspeed"), ("deepspeed", "stage", 3),
+                                 ("deepspeed", "offload_optimizer", "cpu"), ("deepspeed", "offload_param", "none")],
+    "ZeRO-2+optimizer offload": [("parallel", "backend", "deepspeed"), ("deepspeed", "stage", 2),
+                                 ("deepspeed", "offload_optimizer", "cpu"), ("deepspeed", "offload_param", "none")],
+}
+
+
+def _strategy_cfg(base: C.RunConfig, name: str, hw: Hardware, *, model: str | None = None,
+                  micro_batch: int | None = None, checkpointing: bool | None = None) -> C.RunConfig:
+    changes = list({**STRATEGIES, **EXTRA_STRATEGIES}[name])
+    changes.append(("parallel", "nproc_per_node", max(1, hw.gpus or base.parallel.nproc_per_node)))
+    changes.append(("parallel", "device", "auto"))
+    if base.parallel.backend != dict((t, v) for t, k, v in changes if k == "backend").get("parallel"):
+        changes.append(("parallel", "launcher", "torchrun"))
+    if model is not None:
+        changes.append(("model", "name", model))
+    if micro_batch is not None:
+        changes.append(("train", "micro_batch", micro_batch))
+    if checkpointing is not None:
+        changes.append(("memory", "activation_checkpointing", checkpointing))
+    return replace_cfg(base, *changes)
+
+
+def speed_score(cfg: C.RunConfig) -> float:
+    """Relative tokens/s (1.0 = FSDP2 on GPU, no checkpointing, 0.95B at micro-batch 8 x 2048),
+    from DESIGN.md's measured bare loops (SPEED_FACTOR). Larger micro-batches use the GPU better:
+    an assumed factor (tokens / (tokens + 2048)) relative to 16k tokens, not measured."""
+    if cfg.parallel.backend == "fsdp":
+        key = "fsdp_offload" if cfg.fsdp.cpu_offload else "fsdp"
+    else:
+        d = cfg.deepspeed
+        z = "zero3" if d.stage == 3 else "zero2"
+        if d.offload_param != "none":
+            key = "zero3_offload_all"
+        elif d.offload_optimizer != "none":
+            key = f"{z}_offload_opt"
+        else:
+            key = z
+    score = SPEED_FACTOR[key]
+    if cfg.memory.activation_checkpointing:
+        score *= SPEED_FACTOR["checkpointing"]
+    tokens = cfg.train.micro_batch * cfg.data.seq_len
+    ref = 16384
+    score *= (tokens / (tokens + 2048)) / (ref / (ref + 2048))
+    return score
+
+
+@dataclass
+class FitRow:
+    strategy: str
+    model: str | None               # largest catalog model that trains, None if none does
+    n_params: int
+    estimate: Estimate | None
+    settings: str                   # the settings it was checked with
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"strategy": self.strategy, "model": self.model, "n_params": self.n_params,
+                "settings": self.settings,
+                "gpu_peak_bytes": self.estimate.gpu_peak_bytes if self.estimate else None,
+                "host_peak_bytes": self.estimate.host_peak_bytes if self.estimate else None}
+
+
+def _spec_of(name: str) -> ModelSpec:
+    return resolve(name)
+
+
+def fit_table(hardware: Hardware, *, seq_len: int = 2048, micro_batch: int = 1, checkpointing: bool = True,
+              base: C.RunConfig | None = None, models: list[str] | None = None) -> list[FitRow]:
+    """For each strategy, the largest catalog model that trains on `hardware` (every GPU of the node
+    one rank) at the most frugal settings of that strategy: micro-batch 1, checkpointing, bf16."""
+    base = base or C.RunConfig()
+    base = replace_cfg(base, ("data", "seq_len", seq_len), ("precision", "dtype", base.precision.dtype))
+    names = [n for n in (models or list(CATALOG)) if n != "tiny"]
+    specs = sorted((_spec_of(n) for n in names), key=lambda sp: sp.n_params)
+    rows = []
+    for strategy in STRATEGIES:
+        best: tuple[ModelSpec, Estimate] | None = None
+        for spec in specs:
+            cfg = _strategy_cfg(base, strategy, hardware, model=spec.name, micro_batch=micro_batch,
+                                checkpointing=checkpointing)
+            est = estimate(cfg, spec, hardware)
+            if est.fits:
+                best = (spec, est)
+        settings = f"micro_batch {micro_batch}, seq_len {seq_len}, " + \
+            ("checkpointing" if checkpointing else "no checkpointing") + f", {base.precision.dtype}"
+        rows.append(FitRow(strategy, best[0].name if best else None, best[0].n_params if best else 0,
+                           best[1] if best else None, settings))
+    return rows
+
+
+@dataclass
+class Candidate:
+    name: str                       # e.g. "ZeRO-3, checkpointing, micro_batch 4"
+    overrides: list[str]            # --set arguments that turn cfg into this candidate
+    estimate: Estimate
+    speed: float                    # relative tokens/s (speed_score)
+
+
+def settings_that_fit(cfg: C.RunConfig, hardware: Hardware, spec: ModelSpec | None = None,
+                      micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> list[Candidate]:
+    """Every strategy x checkpointing x micro-batch for cfg's model, sequence length and dtype that
+    fits on `hardware`, fastest first (speed_score; ties: less GPU memory first)."""
+    spec = spec or resolve(cfg.model.name)
+    out = []
+    for strategy in {**STRATEGIES, **EXTRA_STRATEGIES}:
+        for ckpt in (False, True):
+            for mb in micro_batches:
+                c2 = _strategy_cfg(cfg, strategy, hardware, micro_batch=mb, checkpointing=ckpt)
+                c2 = replace_cfg(c2, ("train", "grad_accum", max(1, cfg.train.micro_batch * cfg.train.grad_accum // mb)))
+                est = estimate(c2, spec, hardware)
+                if not est.fits:
+                    continue
+                overrides = [f"{t}.{k}={_toml(v)}" for t, k, v in {**STRATEGIES, **EXTRA_STRATEGIES}[strategy]]
+                overrides += [f"parallel.nproc_per_node={c2.parallel.nproc_per_node}",
+                              f"memory.activation_checkpointing={_toml(ckpt)}", f"train.micro_batch={mb}",
+                              f"train.grad_accum={c2.train.grad_accum}"]
+                name = f"{strategy}, {'checkpointing' if ckpt else 'no checkpointing'}, micro_batch {mb}"
+                out.append(Candidate(name, overrides, est, speed_score(c2)))
+    out.sort(key=lambda cand: (-round(cand.speed, 6), cand.estimate.gpu_peak_bytes))
+    return out
+
+
+def _toml(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)

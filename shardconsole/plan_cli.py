@@ -1,0 +1,225 @@
+"""`shardconsole plan`: will a run fit, before it is launched.
+
+    shardconsole plan --preset NAME [--set table.key=value ...] [--json]
+                      [--gpus N] [--gpu-memory 24GiB] [--host-memory 64GiB]
+    shardconsole plan --fit [--gpus N] [--gpu-memory 24GiB] [--host-memory 128GiB]
+                      [--model NAME|DIR] [--preset NAME] [--seq-len 2048] [--json]
+
+Hardware is what NVML and psutil find on this machine, unless given. Bad input is one line on stderr
+and exit code 2 (ConfigError, handled by cli.main). No torch import: answers in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from shardconsole import config as C
+from shardconsole import plan as PL
+from shardconsole import preset_store
+from shardconsole.models import ModelError, human_count, resolve
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="shardconsole plan",
+        description="Predict the peak GPU memory (largest rank) and host RAM of a run, part by part, "
+                    "and whether it fits; or (--fit) which models and settings fit a machine.")
+    ap.add_argument("--preset", default=None, help="preset name or .toml file (default: the built-in defaults)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                    help="override one setting; repeatable")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs per node (default: found by NVML)")
+    ap.add_argument("--gpu-memory", default=None, metavar="SIZE", help="memory of one GPU, e.g. 24GiB")
+    ap.add_argument("--host-memory", default=None, metavar="SIZE", help="host RAM of one node, e.g. 64GiB")
+    ap.add_argument("--fit", action="store_true",
+                    help="for each strategy the largest catalog model that trains; with --model, the settings "
+                         "that fit that model, fastest first")
+    ap.add_argument("--model", default=None, help="--fit: a catalog size or a model folder with config.json")
+    ap.add_argument("--seq-len", type=int, default=None, help="--fit: tokens per sample (default 2048, or the preset's)")
+    return ap
+
+
+def _size(flag: str, text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        n = C.parse_size(text)
+    except ValueError as e:
+        raise C.ConfigError(f"{flag}: {e}") from None
+    if n <= 0:
+        raise C.ConfigError(f"{flag}: must be more than 0")
+    return n
+
+
+def hardware_from_args(gpus: int | None, gpu_memory: str | None, host_memory: str | None) -> PL.Hardware:
+    """What was given wins; the rest is detected (NVML, psutil)."""
+    if gpus is not None and gpus < 0:
+        raise C.ConfigError(f"--gpus: {gpus} is below 0")
+    g_mem = _size("--gpu-memory", gpu_memory)
+    h_mem = _size("--host-memory", host_memory)
+    found = PL.detect_hardware() if (gpus is None or g_mem is None or h_mem is None) else None
+    given = gpus is not None or g_mem is not None or h_mem is not None
+    n = gpus if gpus is not None else (found.gpus if found else 0)
+    if n == 0 and g_mem is not None:
+        n = 1   # a GPU size was given for a machine whose GPUs were not counted: one per node
+    return PL.Hardware(
+        gpus=n,
+        gpu_memory_bytes=g_mem if g_mem is not None else (found.gpu_memory_bytes if found else 0),
+        host_memory_bytes=h_mem if h_mem is not None else (found.host_memory_bytes if found else 0),
+        gpu_name=(found.gpu_name if found and g_mem is None else ""),
+        source="given" if not found else ("detected + given" if given else "detected"))
+
+
+def load(preset: str | None, overrides: list[str]) -> tuple[C.RunConfig, str]:
+    """The run's settings, checked like a launch, but not against this machine's GPUs: a plan is
+    often made for another machine."""
+    if preset is None:
+        cfg = C.build(None, "defaults", overrides)
+        name = "defaults"
+    else:
+        path = preset_store.find(preset)
+        cfg = C.build(C.load_toml(path), str(path), overrides)
+        name = preset
+    return cfg, name
+
+
+def _spec(cfg: C.RunConfig, source: str):
+    try:
+        return resolve(cfg.model.name)
+    except ModelError as e:
+        raise C.ConfigError(f"{source}: [model] name: {e}") from None
+
+
+def _hw_text(hw: PL.Hardware) -> str:
+    gpu = (f"{hw.gpus} x {hw.gpu_name + ' ' if hw.gpu_name else ''}{C.format_size(hw.gpu_memory_bytes)}"
+           if hw.gpus and hw.gpu_memory_bytes else "no GPU known")
+    host = C.format_size(hw.host_memory_bytes) if hw.host_memory_bytes else "unknown"
+    return f"{gpu}, host {host} ({hw.source})"
+
+
+def _hw_dict(hw: PL.Hardware) -> dict[str, Any]:
+    return {"gpus": hw.gpus, "gpu_memory_bytes": hw.gpu_memory_bytes, "host_memory_bytes": hw.host_memory_bytes,
+            "gpu_name": hw.gpu_name, "source": hw.source}
+
+
+def describe(cfg: C.RunConfig) -> str:
+    p = cfg.parallel
+    if p.backend == "fsdp":
+        eng = f"FSDP2 {cfg.fsdp.sharding}" + (" + CPU offload" if cfg.fsdp.cpu_offload else "")
+    else:
+        d = cfg.deepspeed
+        off = [k for k, v in (("optimizer", d.offload_optimizer), ("params", d.offload_param)) if v != "none"]
+        eng = f"DeepSpeed ZeRO-{d.stage}" + (f" + offload {'+'.join(off)}" if off else "")
+    ranks = p.nproc_per_node * p.nnodes
+    return (f"{eng}, {ranks} rank(s), {cfg.precision.dtype}, micro_batch {cfg.train.micro_batch} x seq "
+            f"{cfg.data.seq_len}, {cfg.model.attn_implementation}, "
+            + ("checkpointing" if cfg.memory.activation_checkpointing else "no checkpointing")
+            + (f", cap {cfg.memory.gpu_memory_limit}" if cfg.memory.gpu_memory_limit else ""))
+
+
+def _parts_lines(parts: dict[str, int], width: int = 40) -> list[str]:
+    return [f"  {k:<{width}} {C.format_size(v):>10}" for k, v in parts.items()]
+
+
+def format_estimate(est: PL.Estimate, cfg: C.RunConfig, name: str, hw: PL.Hardware) -> str:
+    lines = [f"plan: {name}: model {est.model} ({human_count(est.n_params)} parameters), {describe(cfg)}",
+             f"hardware: {_hw_text(hw)}", ""]
+    if est.gpu_parts:
+        lines.append(f"GPU, largest rank: {C.format_size(est.gpu_peak_bytes)} at the {est.gpu_peak_phase} "
+                     f"(allocator {C.format_size(est.gpu_allocator_peak_bytes)} + context)")
+        lines += _parts_lines(est.gpu_parts)
+        others = [f"{k} {C.format_size(v)}" for k, v in est.gpu_phases.items() if k != est.gpu_peak_phase]
+        if others:
+            lines.append("  other moments (allocated): " + ", ".join(others))
+        for k, v in est.alternatives.items():
+            lines.append(f"  {k}: {C.format_size(v)} saved for backward")
+        if est.gpu_budget_bytes:
+            lines.append(f"  allocator budget: {C.format_size(est.gpu_budget_bytes)}")
+        lines.append("")
+    lines.append(f"host RAM, node: {C.format_size(est.host_peak_bytes)} "
+                 f"({est.ranks_per_node} rank(s) x {C.format_size(est.host_rank_bytes)} + launcher + front end)")
+    lines += _parts_lines(est.host_parts)
+    for n in est.notes:
+        lines.append(f"note: {n}")
+    lines += ["", f"verdict: {est.verdict}"]
+    return "\n".join(lines)
+
+
+def cmd_plan(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.fit:
+        return _cmd_fit(args)
+    if args.model or args.seq_len:
+        raise C.ConfigError("--model and --seq-len go with --fit; to plan a run use --set model.name=... "
+                            "and --set data.seq_len=...")
+    cfg, name = load(args.preset, args.overrides)
+    spec = _spec(cfg, name)
+    hw = hardware_from_args(args.gpus, args.gpu_memory, args.host_memory)
+    est = PL.estimate(cfg, spec, hw)
+    if args.json:
+        out = est.to_dict()
+        out["hardware"] = _hw_dict(hw)
+        out["preset"] = name
+        out["settings"] = describe(cfg)
+        print(json.dumps(out))
+    else:
+        print(format_estimate(est, cfg, name, hw))
+    return 0
+
+
+def _cmd_fit(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides)
+    if args.model:
+        overrides.append(f"model.name={args.model}")
+    cfg, name = load(args.preset, overrides)
+    if args.seq_len is not None:
+        cfg = PL.replace_cfg(cfg, ("data", "seq_len", args.seq_len))
+        C.validate(cfg, "--seq-len")
+    elif args.preset is None:
+        cfg = PL.replace_cfg(cfg, ("data", "seq_len", 2048))
+    hw = hardware_from_args(args.gpus, args.gpu_memory, args.host_memory)
+    if not hw.gpus or not hw.gpu_memory_bytes:
+        raise C.ConfigError("--fit: no GPU found on this machine; give --gpu-memory SIZE (and --gpus N)")
+    if not hw.host_memory_bytes:
+        raise C.ConfigError("--fit: host memory unknown; give --host-memory SIZE")
+    rows = PL.fit_table(hw, seq_len=cfg.data.seq_len, base=cfg)
+    cands = PL.settings_that_fit(cfg, hw, _spec(cfg, name)) if args.model else None
+    if args.json:
+        out: dict[str, Any] = {"hardware": _hw_dict(hw), "fit_table": [r.to_dict() for r in rows]}
+        if cands is not None:
+            out["model"] = cfg.model.name
+            out["settings_that_fit"] = [
+                {"name": c.name, "overrides": c.overrides, "speed": round(c.speed, 4),
+                 "gpu_peak_bytes": c.estimate.gpu_peak_bytes, "host_peak_bytes": c.estimate.host_peak_bytes}
+                for c in cands]
+        print(json.dumps(out))
+        return 0
+    print(f"largest catalog model that trains on {_hw_text(hw)}")
+    print(f"({rows[0].settings if rows else ''}; every GPU one rank)\n")
+    print(f"  {'strategy':<20} {'model':<7} {'params':>7} {'GPU peak':>10} {'host peak':>10}")
+    for r in rows:
+        e = r.estimate
+        print(f"  {r.strategy:<20} {r.model or 'none':<7} {human_count(r.n_params) if r.n_params else '-':>7} "
+              f"{C.format_size(e.gpu_peak_bytes) if e else '-':>10} {C.format_size(e.host_peak_bytes) if e else '-':>10}")
+    if cands is not None:
+        print(f"\nsettings that fit {cfg.model.name} (seq_len {cfg.data.seq_len}, {cfg.precision.dtype}), fastest first")
+        print("  speed is relative tokens/s from DESIGN.md's measured loops (1.00 = FSDP2 on GPU, no checkpointing)")
+        if not cands:
+            print("  none: no strategy fits this model here; more GPUs, more host RAM or a shorter sequence")
+        for c in cands[:15]:
+            e = c.estimate
+            print(f"  {c.speed:5.2f}  {c.name:<52} GPU {C.format_size(e.gpu_peak_bytes):>10}  "
+                  f"host {C.format_size(e.host_peak_bytes):>10}")
+        if len(cands) > 15:
+            print(f"  ... {len(cands) - 15} more (--json lists all)")
+        if cands:
+            print("\nfastest: " + " ".join(f"--set {o}" for o in cands[0].overrides))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from shardconsole.cli import main
+    sys.exit(main(["plan", *sys.argv[1:]]))

@@ -118,6 +118,9 @@ class TrainSettings:
     resume: bool = _f(False, "continue from the newest complete checkpoint in checkpoint_dir")
     compile: bool = _f(False, "torch.compile each decoder layer (GPU; first steps are slower)")
     peak_tflops: float = _f(0.0, "peak bf16 TFLOP/s of one GPU for MFU (0: from the GPU table)", min=0.0)
+    hang_timeout_s: float = _f(
+        0.0, "seconds without a step line before the run counts as hung (0: 20x the step time, at least 120 s)",
+        min=0.0)
 
 
 @dataclass

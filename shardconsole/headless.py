@@ -17,6 +17,7 @@ from shardconsole import config as C
 from shardconsole import protocol as P
 from shardconsole.launch import LAUNCHER_LOG, METRICS_FILE, Job, StopReport
 from shardconsole.probes import GpuProbe, host_sample
+from shardconsole.diagnose import Watch, hang_message, where_ranks_are
 from shardconsole.runstate import RunState
 from shardconsole.stream import MetricsReader, MetricsWriter
 
@@ -173,6 +174,7 @@ def run(cfg: C.RunConfig, run_dir: Path, run_id: str, out: TextIO = sys.stdout,
 def follow(job: Job, run_dir: Path, run_id: str, out: TextIO = sys.stdout, err: TextIO = sys.stderr,
            grace_s: float = 10.0, quiet_history: bool = False) -> int:
     f = Follower(run_dir, run_id, out)
+    watch = Watch(timeout_s=_hang_timeout(run_dir))
     if quiet_history:
         f.pump(quiet=False)
     try:
@@ -181,11 +183,18 @@ def follow(job: Job, run_dir: Path, run_id: str, out: TextIO = sys.stdout, err: 
             f.pump()
             if rc is not None:
                 break
+            if watch.hung(f.state, time.monotonic()):
+                f.clear_bar()
+                stacks = where_ranks_are(f.state, run_dir)
+                message = hang_message(f.state, stacks, watch.stalled_for(time.monotonic()))
+                print(f"run hung: {message}\n  stopping it; rank logs: {run_dir / 'logs'}", file=err, flush=True)
+                print(describe_stop(_stop(job, grace_s, f.state.rank_pids)), file=err, flush=True)
+                return EXIT_CODES["hang"]
             time.sleep(0.2)
     except KeyboardInterrupt:
         f.clear_bar()
         print("stopping: SIGTERM to every rank ...", file=err, flush=True)
-        report = _stop(job, grace_s)
+        report = _stop(job, grace_s, f.state.rank_pids)
         f.pump()
         print(describe_stop(report), file=err, flush=True)
         return EXIT_CODES["stopped"]
@@ -208,11 +217,18 @@ def follow(job: Job, run_dir: Path, run_id: str, out: TextIO = sys.stdout, err: 
     return EXIT_CODES.get(cause, 1)
 
 
-def _stop(job: Job, grace_s: float) -> StopReport:
+def _hang_timeout(run_dir: Path) -> float:
+    try:
+        return C.load(run_dir / "preset.toml").train.hang_timeout_s
+    except C.ConfigError:
+        return 0.0
+
+
+def _stop(job: Job, grace_s: float, rank_pids: list[int] = ()) -> StopReport:
     # A second Ctrl-C while stopping must not leave ranks behind: ignore it until the stop is done.
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        return job.stop(grace_s)
+        return job.stop(grace_s, tuple(rank_pids))
     finally:
         signal.signal(signal.SIGINT, old)
 

@@ -105,15 +105,36 @@ class StopReport:
         return not self.left
 
 
+def _live(pids) -> list[int]:
+    import psutil
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.Error:
+            continue
+    return out
+
+
+def _tree(pid: int) -> set[int]:
+    """The launcher and every descendant. torchrun starts each worker in a session of its own, so the
+    launcher's process group alone does not reach the ranks."""
+    import psutil
+    try:
+        root = psutil.Process(pid)
+        return {pid} | {c.pid for c in root.children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
 def _group_pids(pgid: int) -> list[int]:
-    """Every live process whose process group is pgid (the launcher and all ranks)."""
+    """Every live process in process group pgid."""
     import psutil
     out = []
     for proc in psutil.process_iter(["pid", "status"]):
         try:
-            if proc.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            if os.getpgid(proc.pid) == pgid:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.pid) == pgid:
                 out.append(proc.pid)
         except (ProcessLookupError, psutil.Error, OSError):
             continue
@@ -157,7 +178,19 @@ class Job:
         return None if self.alive() else 0
 
     def alive(self) -> bool:
-        return bool(_group_pids(self.pgid))
+        return bool(_live([self.pid]) or self.processes())
+
+    def processes(self, extra: tuple[int, ...] = ()) -> list[int]:
+        """Live processes of the run: the launcher's tree, its process group, the ranks' own groups, and
+        any rank pids the caller knows from the stream (orphans of a killed launcher)."""
+        pids = _tree(self.pid) | set(_group_pids(self.pgid)) | set(extra)
+        for pid in list(pids):
+            try:
+                if os.getpgid(pid) == pid:          # a worker's own session: its children too
+                    pids |= set(_group_pids(pid))
+            except OSError:
+                continue
+        return sorted(_live(pids))
 
     def wait(self, timeout: float | None = None) -> int | None:
         if self.proc is not None:
@@ -172,34 +205,50 @@ class Job:
             time.sleep(0.1)
         return 0
 
-    def stop(self, grace_s: float = 10.0) -> StopReport:
-        """SIGTERM to the whole group, wait up to grace_s, then SIGKILL; report what is left."""
+    def stop(self, grace_s: float = 10.0, rank_pids: tuple[int, ...] = ()) -> StopReport:
+        """SIGTERM to every process of the run, wait up to grace_s, then SIGKILL; report what is left."""
         t0 = time.monotonic()
-        report = StopReport(signalled=_group_pids(self.pgid))
-        self._signal(signal.SIGTERM)
+        targets = self.processes(tuple(rank_pids))
+        report = StopReport(signalled=targets)
+        self._signal_all(targets, signal.SIGTERM)
         deadline = t0 + grace_s
         while time.monotonic() < deadline:
             self._reap()
-            if not _group_pids(self.pgid):
+            if not _live(targets):
                 break
             time.sleep(0.05)
         else:
             report.killed = True
-            self._signal(signal.SIGKILL)
+            targets = sorted(set(targets) | set(self.processes(tuple(rank_pids))))
+            self._signal_all(targets, signal.SIGKILL)
             end = time.monotonic() + 5.0
-            while time.monotonic() < end and _group_pids(self.pgid):
+            while time.monotonic() < end and _live(targets):
                 self._reap()
                 time.sleep(0.05)
         self._reap()
-        report.left = _group_pids(self.pgid)
+        report.left = _live(set(targets) | set(self.processes(tuple(rank_pids))))
         report.seconds = time.monotonic() - t0
         return report
 
-    def _signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+    def _signal_all(self, pids: list[int], sig: int) -> None:
+        groups = set()
+        for pid in pids:
+            try:
+                groups.add(os.getpgid(pid))
+            except OSError:
+                continue
+        for g in groups:
+            if g in (os.getpgid(0),):
+                continue   # never our own group (an attached front end shares nothing, but be safe)
+            try:
+                os.killpg(g, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def _reap(self) -> None:
         if self.proc is not None:

@@ -7,9 +7,11 @@ metrics stream (shardconsole.stream), never through textual or rich.
 
 from __future__ import annotations
 
+import faulthandler
 import math
 import os
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -53,7 +55,14 @@ class Rank:
     writer: MetricsWriter
     spec: ModelSpec
     step: int = 0
+    current_phase: str = "starting"
     extra: dict = field(default_factory=dict)
+    faults: "Injector" = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        from shardconsole.backends.faults import Injector
+        if self.faults is None:
+            self.faults = Injector(self.rank)
 
     @property
     def is_cuda(self) -> bool:
@@ -70,6 +79,7 @@ class Rank:
 
     def phase(self, name: str) -> None:
         assert name in P.PHASES, name
+        self.current_phase = name
         self.event("phase", name)
 
     def log(self, text: str) -> None:
@@ -100,6 +110,9 @@ def start(run_dir: Path, run_id: str) -> Rank:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     _redirect_output(run_dir, rank)
+    # SIGUSR1 dumps every thread's Python stack into the rank's log: the front end uses it to say
+    # where each rank is stuck when a run hangs.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # SHARDCONSOLE_STREAM=off: the same rank with no metrics written (benchmarks/overhead.py measures
     # what the stream costs against this).
     stream_on = os.environ.get("SHARDCONSOLE_STREAM", "on") != "off"
@@ -348,6 +361,32 @@ def check_loss(r: Rank, loss: float, step: int) -> None:
         raise NanLossError(f"loss is {loss} at step {step}")
 
 
+class ScaleFloorWatch:
+    """fp16: the loss scale sitting at its minimum while every step overflows means training has
+    stopped (each step is skipped). Raise after `patience` such steps in a row instead of burning hours."""
+
+    def __init__(self, cfg: C.RunConfig, patience: int = 8) -> None:
+        self.min_scale = float(cfg.precision.fp16_value("min_loss_scale"))
+        self.patience = patience
+        self.streak = 0
+        self.last_step = 0
+        self.last_skipped = 0
+
+    def check(self, step: int, scale: float | None, skipped: int) -> None:
+        if scale is None:
+            return
+        interval = step - self.last_step
+        new_skips = skipped - self.last_skipped
+        self.last_step, self.last_skipped = step, skipped
+        if scale <= self.min_scale and new_skips >= interval:
+            self.streak += new_skips
+        else:
+            self.streak = 0
+        if self.streak >= self.patience:
+            raise LossScaleFloorError(f"fp16 loss scale stuck at its minimum {self.min_scale:g}: "
+                                      f"the last {self.streak} steps all overflowed and were skipped")
+
+
 # ---------------------------------------------------------------------------------------------------
 # Checkpoints: written to step_<N>.partial, renamed to step_<N> by rank 0 once every rank is done,
 # so a kill mid-save never leaves a folder that resume would pick.
@@ -417,13 +456,34 @@ def classify(exc: BaseException) -> tuple[str, str]:
     return "crash", ""
 
 
+def _oom_context(r: Rank | None) -> str:
+    """Where a GPU OOM happened and what the allocator held then: loading and stepping need different fixes."""
+    if r is None:
+        return ""
+    where = "while loading the model" if r.current_phase in ("starting", "loading model", "building ops") \
+        else f"during step {r.step}" if r.current_phase == "training" else f"while {r.current_phase}"
+    mem = ""
+    if r.is_cuda:
+        total = torch.cuda.get_device_properties(r.device).total_memory
+        mem = (f"; allocator held {C.format_size(torch.cuda.memory_reserved(r.device))} reserved, "
+               f"peak {C.format_size(torch.cuda.max_memory_reserved(r.device))} of {C.format_size(total)}"
+               + (f" (capped at {r.cfg.memory.gpu_memory_limit})" if r.cfg.memory.gpu_memory_limit else ""))
+    return where + mem
+
+
 def report_failure(r: Rank | None, exc: BaseException, run_dir: Path, run_id: str) -> None:
     cause, hint = classify(exc)
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     print(tb, file=sys.stderr, flush=True)
     rank = r.rank if r else int(os.environ.get("RANK", "0"))
     writer = r.writer if r else MetricsWriter(run_dir / METRICS_FILE, run_id, rank)
-    writer.emit(P.Failed(run=run_id, rank=rank, cause=cause, message=str(exc)[:1500] or type(exc).__name__,
+    message = str(exc).splitlines()[0][:600] if str(exc) else type(exc).__name__
+    if cause == "gpu_oom":
+        try:
+            message = f"GPU out of memory {_oom_context(r)}"
+        except Exception:   # the report must go out even if CUDA is in a bad state
+            pass
+    writer.emit(P.Failed(run=run_id, rank=rank, cause=cause, message=message,
                          exc_type=type(exc).__name__, traceback_tail=tb[-1500:],
                          step=r.step if r else None, hint=hint))
 

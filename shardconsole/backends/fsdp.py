@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from shardconsole.backends import common
+from shardconsole.backends.faults import Injector
 from shardconsole.backends.data import make_source
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -68,6 +69,7 @@ def build(r: common.Rank) -> common.CausalLMLoss:
     """A sharded model with no full copy on any rank: built on the meta device, sharded, then each
     rank fills its own shards (random init) or receives them from rank 0 (a checkpoint folder)."""
     r.phase("loading model")
+    r.faults.on_load()
     hf_cfg = common.hf_config(r.spec, r.cfg)
     pretrained = r.spec.path is not None and r.spec.has_weights
     full_sd = None
@@ -118,6 +120,7 @@ def make_scaler(r: common.Rank):
 def save(r: common.Rank, model, optim, step: int) -> None:
     r.phase("saving checkpoint")
     tmp = common.prepare_checkpoint(r, step)
+    r.faults.on_save()
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim),
              "step": torch.tensor(step)}
     dcp.save(state, checkpoint_id=str(tmp))
@@ -155,8 +158,10 @@ def train(r: common.Rank) -> None:
     r.phase("training")
     grad_norm = None
     reported_skips = 0
+    floor = common.ScaleFloorWatch(cfg)
     for step in range(start_step + 1, t.steps + 1):
         r.step = step
+        r.faults.on_step(step)
         lr = t.lr * common.lr_factor(cfg, step)
         for group in optim.param_groups:
             group["lr"] = lr
@@ -168,10 +173,11 @@ def train(r: common.Rank) -> None:
             last = micro == t.grad_accum - 1
             # Reduce-scatter gradients only on the last micro-batch (fewer collectives, more memory).
             model.set_requires_gradient_sync(last)
-            loss = model(batch[:, :-1], batch[:, 1:])
+            loss = r.faults.on_loss(model(batch[:, :-1], batch[:, 1:]), step)
             meter.add(loss)
             scaled = loss / t.grad_accum
             (scaler.scale(scaled) if scaler else scaled).backward()
+        r.faults.on_grads(model.parameters(), step)
         if scaler:
             scaler.unscale_(optim)
         if t.clip_grad_norm > 0:
@@ -196,6 +202,7 @@ def train(r: common.Rank) -> None:
                 reported_skips = n_skipped
             mean = meter.report(step, lr, norm, scale, n_skipped)
             common.check_loss(r, mean, step)
+            floor.check(step, scale, n_skipped)
         if cfg.memory.empty_cache_every and r.is_cuda and step % cfg.memory.empty_cache_every == 0:
             torch.cuda.empty_cache()
         if t.checkpoint_every and step % t.checkpoint_every == 0 and step != t.steps:

@@ -1,0 +1,89 @@
+"""Test-only fault injection, so every failure class is exercised for real in CI.
+
+Set SHARDCONSOLE_FAULT to one or more `kind@key=value,...` separated by ';', e.g.
+    SHARDCONSOLE_FAULT="sleep@rank=1,step=3"       rank 1 sleeps forever at step 3 (a hang)
+    SHARDCONSOLE_FAULT="oom@rank=0,step=2"         raise torch.OutOfMemoryError at step 2
+    SHARDCONSOLE_FAULT="oom_load@rank=0"           raise it while the model loads
+    SHARDCONSOLE_FAULT="kill@rank=1,step=2"        SIGKILL itself (what the kernel's OOM killer does)
+    SHARDCONSOLE_FAULT="nan@step=3"                the loss becomes NaN from step 3
+    SHARDCONSOLE_FAULT="overflow@step=2"           a gradient becomes inf from step 2 (fp16 skips)
+    SHARDCONSOLE_FAULT="raise@rank=1,step=2"       a plain exception
+    SHARDCONSOLE_FAULT="slow_save@rank=0"          sleep 30 s inside each checkpoint save
+Without the variable every hook is a single attribute test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int | None = None
+    step: int = 1
+
+    def here(self, rank: int, step: int | None = None) -> bool:
+        return (self.rank is None or self.rank == rank) and (step is None or step >= self.step)
+
+
+def parse(text: str) -> list[Fault]:
+    faults = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        kind, _, args = part.partition("@")
+        kw: dict = {}
+        for item in filter(None, args.split(",")):
+            k, _, v = item.partition("=")
+            kw[k.strip()] = int(v)
+        faults.append(Fault(kind.strip(), kw.get("rank"), kw.get("step", 1)))
+    return faults
+
+
+class Injector:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.faults = parse(os.environ.get("SHARDCONSOLE_FAULT", ""))
+        self.active = bool(self.faults)
+
+    def _hit(self, kind: str, step: int | None = None) -> bool:
+        return any(f.kind == kind and f.here(self.rank, step) for f in self.faults)
+
+    def on_load(self) -> None:
+        if self.active and self._hit("oom_load"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected fault)")
+
+    def on_step(self, step: int) -> None:
+        if not self.active:
+            return
+        if any(f.kind == "sleep" and f.here(self.rank) and f.step == step for f in self.faults):
+            while True:
+                time.sleep(3600)
+        if self._hit("kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._hit("oom", step):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected fault)")
+        if self._hit("raise", step):
+            raise ValueError(f"injected failure at step {step}")
+
+    def on_loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        if self.active and self._hit("nan", step):
+            return loss * float("nan")
+        return loss
+
+    def on_grads(self, params, step: int) -> None:
+        if self.active and self._hit("overflow", step):
+            for p in params:
+                if p.grad is not None:
+                    g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                    if g.numel():
+                        g.view(-1)[0] = float("inf")
+                        return
+
+    def on_save(self) -> None:
+        if self.active and self._hit("slow_save"):
+            time.sleep(30)

@@ -6,6 +6,7 @@ It samples NVML and psutil about once a second and appends those samples to the 
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import sys
@@ -141,8 +142,29 @@ def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
+_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def killed_rank(run_dir: Path) -> tuple[int, int] | None:
+    """(rank, signal) when torchrun's report names a rank killed by a signal as the root cause."""
+    m = _ROOT_CAUSE.search(_tail(run_dir / LAUNCHER_LOG, 60))
+    if m and int(m.group(2)) < 0:
+        return int(m.group(1)), -int(m.group(2))
+    return None
+
+
 def explain_exit(state: RunState, rc: int | None, run_dir: Path) -> tuple[str, str]:
     """(cause, one-paragraph message) for a run that ended without a `finished` line."""
+    killed = killed_rank(run_dir)
+    if killed and killed[1] == signal.SIGKILL:
+        # The killed rank could not report; the others' "connection reset" errors are consequences.
+        rank = killed[0]
+        host = state.host
+        mem = f" (host memory at the last sample: {host.used_bytes / 2**30:.1f} of {host.total_bytes / 2**30:.1f} GiB)" \
+            if host else ""
+        return "host_oom", (f"run failed (host_oom): rank {rank} was killed with SIGKILL, most often by the "
+                            f"kernel's OOM killer{mem}\n  try: offload less, fewer ranks per node, or a smaller "
+                            f"micro_batch; `dmesg` shows the OOM killer's report\n  log: {run_dir / 'logs' / f'rank{rank}.log'}")
     f = state.first_failure()
     if f is not None:
         where = f"rank {f.rank}" + (f" at step {f.step}" if f.step else "")

@@ -1,0 +1,64 @@
+"""Each failure class injected for real (SHARDCONSOLE_FAULT, see backends/faults.py) through the real
+headless path: classified right, with the documented exit code and a message that says what to do."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardconsole.headless import EXIT_CODES
+from tests.conftest import shardconsole
+from tests.test_runs import assert_nothing_left, messages, of_kind
+
+pytestmark = pytest.mark.slow
+
+
+def run_with_fault(tmp_path, fault: str, *sets: str):
+    run_dir = tmp_path / "run"
+    args = ["--preset", "tiny-cpu", "--headless", "--run-dir", str(run_dir), "--set", "train.log_every=1"]
+    for s in ("train.steps=6",) + sets:
+        args += ["--set", s]
+    res = shardconsole(*args, env={"SHARDCONSOLE_FAULT": fault}, timeout=240)
+    msgs = messages(run_dir)
+    assert_nothing_left(run_dir, msgs)
+    return res, msgs
+
+
+@pytest.mark.parametrize("fault, cause, words", [
+    ("oom@rank=1,step=2", "gpu_oom", ["GPU out of memory during step 2", "rank 1", "micro_batch"]),
+    ("oom_load@rank=0", "gpu_oom", ["GPU out of memory while loading the model", "rank 0"]),
+    ("raise@rank=1,step=3", "crash", ["ValueError: injected failure at step 3", "rank1.log"]),
+    ("nan@step=2", "nan_loss", ["loss is nan", "lr"]),
+])
+def test_failure_in_a_rank_is_classified(tmp_path, fault, cause, words):
+    res, msgs = run_with_fault(tmp_path, fault)
+    assert res.returncode == EXIT_CODES[cause], res.stderr
+    assert f"({cause})" in res.stderr
+    for w in words:
+        assert w in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+    assert any(f.cause == cause for f in of_kind(msgs, "failed"))
+
+
+def test_rank_killed_by_the_kernel_is_host_oom(tmp_path):
+    res, _ = run_with_fault(tmp_path, "kill@rank=1,step=2")
+    assert res.returncode == EXIT_CODES["host_oom"], res.stderr
+    assert "SIGKILL" in res.stderr and "OOM killer" in res.stderr
+
+
+def test_hang_names_the_stuck_rank(tmp_path):
+    res, _ = run_with_fault(tmp_path, "sleep@rank=1,step=3", "train.steps=1000", "train.hang_timeout_s=6")
+    assert res.returncode == EXIT_CODES["hang"], res.stderr
+    assert "rank 1 is stuck at faults.py" in res.stderr
+    assert "rank(s) 0 wait in a collective" in res.stderr
+    assert "none left" in res.stderr
+
+
+def test_fp16_loss_scale_floor(tmp_path):
+    res, msgs = run_with_fault(tmp_path, "overflow@step=2", "train.steps=40", "precision.dtype=fp16",
+                               "precision.initial_scale_power=3", "precision.min_loss_scale=2")
+    assert res.returncode == EXIT_CODES["loss_scale_floor"], res.stderr
+    assert "loss scale stuck at its minimum 2" in res.stderr
+    steps = of_kind(msgs, "step")
+    assert steps[0].loss_scale == 8.0 and steps[-1].loss_scale == 2.0
+    assert steps[-1].skipped_steps >= 8
+    assert any(e.name == "overflow" for e in of_kind(msgs, "event"))

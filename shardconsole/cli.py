@@ -73,6 +73,11 @@ def cmd_run(argv: list[str]) -> int:
             print(f"# run this on each of the {cfg.parallel.nnodes} nodes; {run_dir} must be on a shared "
                   f"filesystem (it holds {PRESET_FILE} and receives metrics)", file=sys.stderr)
         return 0
+    spec = resolve(cfg.model.name)
+    if spec.path is not None and not spec.has_weights:
+        raise C.ConfigError(f"[model] name: {spec.path}: holds a config but no weights (model.safetensors or "
+                            f"pytorch_model.bin); to train this shape from random init, save weights first "
+                            f"or pick a catalog size")
     if args.headless:
         _prepare_run_dir(cfg, run_dir)
         from shardconsole import headless

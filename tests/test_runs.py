@@ -149,3 +149,38 @@ def test_checkpoint_then_resume_continues(tmp_path):
     # The model came back trained: its loss continues from where the first run ended, far below the start.
     assert steps[0].loss < first_steps[0].loss - 0.5
     assert abs(steps[0].loss - first_steps[-1].loss) < 0.5
+
+
+def test_local_model_folder_and_text_data(tmp_path):
+    """A Hugging Face folder (config + safetensors) loads on rank 0 and reaches the other rank's shards;
+    a text file is tokenized as bytes (no tokenizer in the folder)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardconsole.models import CATALOG
+    model_dir = tmp_path / "my-llama"
+    torch_cfg = LlamaConfig(**CATALOG["tiny"])
+    model = LlamaForCausalLM(torch_cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(200.0)   # a signature: confident wrong logits, a first loss far above ln(256)
+    model.save_pretrained(model_dir)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 300)
+    run_dir = tmp_path / "run"
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run_dir),
+                       "--set", f"model.name={model_dir}", "--set", "data.source=text",
+                       "--set", f"data.path={corpus}", "--set", "data.seq_len=64",
+                       "--set", "train.steps=8", "--set", "train.log_every=1")
+    assert res.returncode == 0, res.stderr
+    msgs = messages(run_dir)
+    hello = of_kind(msgs, "hello")[0]
+    assert hello.n_params == sum(p.numel() for p in LlamaForCausalLM(torch_cfg).parameters())
+    steps = of_kind(msgs, "step")
+    # Step 1's loss is measured before any update: the saved weights' signature shows, where a random
+    # init would start near ln(256) = 5.5.
+    assert steps[0].loss > 10, steps[0].loss
+    assert steps[-1].loss < steps[0].loss
+
+    (model_dir / "model.safetensors").unlink()
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--set", f"model.name={model_dir}", timeout=60)
+    assert res.returncode == 2 and "no weights" in res.stderr

@@ -184,3 +184,26 @@ def test_local_model_folder_and_text_data(tmp_path):
     (model_dir / "model.safetensors").unlink()
     res = shardconsole("--preset", "tiny-cpu", "--headless", "--set", f"model.name={model_dir}", timeout=60)
     assert res.returncode == 2 and "no weights" in res.stderr
+
+
+def test_front_end_killed_then_attach_sees_every_line(tmp_path):
+    """kill -9 of the headless front end leaves the job running; attach replays and follows it."""
+    run_dir = tmp_path / "run"
+    front = subprocess.Popen([sys.executable, "-m", "shardconsole", "--preset", "tiny-cpu", "--headless",
+                              "--run-dir", str(run_dir), "--set", "train.steps=40", "--set", "train.log_every=1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and path.read_text().count('"kind":"step"') >= 2:
+            break
+        time.sleep(0.1)
+    front.kill()
+    front.wait()
+    res = shardconsole("attach", str(run_dir), "--headless")
+    assert res.returncode == 0, res.stderr
+    msgs = messages(run_dir)
+    assert [m.step for m in of_kind(msgs, "step")] == list(range(1, 41))
+    printed = [l.split()[1] for l in res.stdout.splitlines() if l.startswith("step ")]
+    assert printed == [f"{i}/40" for i in range(1, 41)]     # the whole history, then the rest live
+    assert_nothing_left(run_dir, msgs)

@@ -37,6 +37,11 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("3090-offload", "3090-offload", ["train.steps=12", "train.log_every=2"]),
         ("3090-fsdp", "3090-fsdp", ["train.steps=20"]),
     ],
+    "perf": [
+        ("h200-fsdp", "h200-fsdp", ["train.steps=40"]),
+        ("h200-fsdp+ac", "h200-fsdp", ["train.steps=40", "memory.activation_checkpointing=true"]),
+        ("3b-fsdp-mb4", "h200-fsdp", ["train.steps=30", "model.name=3b", "train.micro_batch=4"]),
+    ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
     ],
@@ -127,7 +132,8 @@ def main() -> None:
     ap.add_argument("--matrix", default="issue2", choices=sorted(MATRICES))
     ap.add_argument("--only", nargs="*", default=None, help="names from the matrix")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--overhead", action="store_true")
+    ap.add_argument("--overhead", nargs="*", default=None, metavar="NAME",
+                    help="also run these (all when none given) under bare torchrun with the stream off")
     ap.add_argument("--timeout", type=int, default=400)
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args()
@@ -143,7 +149,7 @@ def main() -> None:
     for name, preset, sets in matrix:
         results.append(run_headless(preset, sets, root, name, args.timeout))
         print(json.dumps(results[-1]), flush=True)
-        if args.overhead:
+        if args.overhead is not None and (not args.overhead or name in args.overhead):
             results.append(run_bare(preset, sets, root, name, args.timeout))
             print(json.dumps(results[-1]), flush=True)
         if args.out:

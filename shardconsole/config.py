@@ -478,6 +478,15 @@ def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = 
                 raise err("deepspeed", "nvme_path", f"{key} = \"nvme\" needs nvme_path, a folder on a fast disk")
         if d.offload_param == "nvme" and d.offload_optimizer == "none":
             pass  # allowed by DeepSpeed
+        if d.offload_optimizer == "nvme" and d.stage != 3:
+            # Stages 1-2 have no NVMe swapper: DeepSpeed would quietly keep the states in host memory.
+            raise err("deepspeed", "offload_optimizer", f"\"nvme\" needs stage = 3 (ZeRO-Infinity; stage is "
+                      f"{d.stage}); stages 1 and 2 offload to \"cpu\" only")
+        if p.launcher == "deepspeed" and p.nnodes > 1:
+            # The deepspeed runner reaches other nodes through a hostfile and ssh/pdsh; torchrun's c10d
+            # rendezvous starts DeepSpeed ranks on every node from the same command.
+            raise err("parallel", "launcher", f"the deepspeed launcher needs a hostfile and ssh for nnodes = "
+                      f"{p.nnodes}; use launcher = \"torchrun\" (it runs DeepSpeed ranks on every node)")
     if p.nnodes > 1 and not p.rdzv_endpoint:
         raise err("parallel", "rdzv_endpoint", f"nnodes = {p.nnodes} needs the host:port of node 0, "
                   "e.g. rdzv_endpoint = \"node0:29400\"")

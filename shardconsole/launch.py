@@ -75,8 +75,19 @@ def _deepspeed_argv(cfg: C.RunConfig, worker: list[str], python: str) -> list[st
             argv += [f"--node_rank={p.node_rank}"]
     elif p.master_port:
         argv += [f"--master_port={p.master_port}"]
+    else:
+        # The runner's default port is 29500 for every run, so two runs on one machine would meet in
+        # one rendezvous (torchrun's --standalone picks a free port; this does the same).
+        argv += [f"--master_port={_free_port()}"]
     # deepspeed's runner takes the script and its args; --module runs a module instead of a file.
     return argv + ["--module", worker[1]] + worker[2:]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def format_argv(argv: list[str]) -> str:

@@ -1,0 +1,795 @@
+"""DeepSpeed's JSON config, in and out: the one mapping between shardconsole's settings and a ds_config.
+
+    to_ds_config(cfg)            the exact dict the DeepSpeed rank passes to deepspeed.initialize
+    from_ds_config(d, source)    a ds_config -> preset overrides, plus which keys mapped and which did not
+    apply_fsdp_equivalents(...)  `--set parallel.backend=deepspeed` on an FSDP preset: the closest ZeRO setup
+    cmd_export / cmd_import      `shardconsole export ... --format deepspeed`, `shardconsole import FILE.json`
+
+Front-end module: no torch, no deepspeed at import time (the console and the CLI stay fast and work on
+a machine with a broken CUDA install).
+
+Choices that shape the JSON:
+- The optimizer is the ds_config's "optimizer" block (AdamW), so DeepSpeed picks the implementation
+  exactly as it would for any user of the file: DeepSpeedCPUAdam when the optimizer is offloaded,
+  FusedAdam on a GPU, torch's AdamW with "torch_adam": true. On CPU ranks without offload the export
+  sets torch_adam, because a FusedAdam build there takes ~36 s and buys nothing (DESIGN.md).
+- No "scheduler" block: the learning-rate schedule (linear warm-up, cosine) is shardconsole's own
+  lr_factor, applied by the loop before each optimizer step, so both backends follow the same curve
+  step for step. DeepSpeed's WarmupCosineLR is not that curve (0 at step 0, off by one in warm-up).
+- fp16 loss-scale knobs are written only when set: DeepSpeed's defaults are shardconsole's defaults
+  (same names, same meanings), so leaving them out runs the same and round-trips exactly.
+- Every zero_optimization key shardconsole owns is written, even those a stage ignores (DeepSpeed
+  ignores them too): the file shows every value in force and imports back to the same settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import difflib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from shardconsole import config as C
+
+ADAM_EPS = 1e-8   # torch's and DeepSpeed's AdamW default; shardconsole has no eps setting
+
+# DeepSpeed's zero_optimization keys that are shardconsole settings of the same name and meaning.
+ZERO_KEYS = ("overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
+             "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+             "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance")
+_ZERO_BOOL = {"overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions"}
+
+# DeepSpeed 0.19's defaults for those keys, used when an imported file leaves a key out (the import
+# describes what DeepSpeed would run with that file). overlap_comm: None = "true for stage 3 only".
+DS_ZERO_DEFAULTS: dict[str, Any] = {
+    "stage": 0, "overlap_comm": None, "contiguous_gradients": True, "reduce_scatter": True,
+    "allgather_partitions": True, "reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
+    "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000,
+}
+DS_OFFLOAD_PIN_DEFAULT = True
+
+# Keys we read but that have no shardconsole setting, with the reason shown to the user.
+_KNOWN_UNMAPPED = {
+    "steps_per_print": "shardconsole prints its own step lines (train.log_every)",
+    "wall_clock_breakdown": "shardconsole streams its own timings",
+    "flops_profiler": "not used; the step line carries MFU",
+    "tensorboard": "shardconsole streams metrics to runs/<id>/metrics.jsonl",
+    "wandb": "shardconsole streams metrics to runs/<id>/metrics.jsonl",
+    "csv_monitor": "shardconsole streams metrics to runs/<id>/metrics.jsonl",
+    "comms_logger": "not a shardconsole setting",
+    "activation_checkpointing": "configures DeepSpeed's own checkpointing API, which the model does not "
+                                "call; use memory.activation_checkpointing",
+    "zero_allow_untested_optimizer": "shardconsole always uses AdamW",
+    "zero_force_ds_cpu_optimizer": "follows from deepspeed.torch_adam and the offload settings",
+    "aio": "NVMe I/O tuning is not a shardconsole setting; DeepSpeed's defaults apply",
+    "amp": "NVIDIA apex AMP is not supported; use precision.dtype",
+    "prescale_gradients": "not a shardconsole setting",
+    "gradient_predivide_factor": "not a shardconsole setting",
+    "sparse_gradients": "not a shardconsole setting",
+    "dump_state": "not a shardconsole setting",
+    "memory_breakdown": "not a shardconsole setting",
+    "data_types": "not a shardconsole setting",
+    "compile": "use train.compile",
+}
+_ZERO_UNMAPPED = {
+    "sub_group_size": "not a shardconsole setting; DeepSpeed's default (1e9) applies",
+    "stage3_gather_16bit_weights_on_model_save": "checkpoints are DeepSpeed's sharded ones (turn one into a "
+                                                 "full model with the zero_to_fp32.py saved next to it)",
+    "stage3_gather_fp16_weights_on_model_save": "checkpoints are DeepSpeed's sharded ones (turn one into a "
+                                                "full model with the zero_to_fp32.py saved next to it)",
+    "round_robin_gradients": "not a shardconsole setting",
+    "load_from_fp32_weights": "not a shardconsole setting",
+    "elastic_checkpoint": "not a shardconsole setting",
+    "ignore_unused_parameters": "not a shardconsole setting",
+    "zero_hpz_partition_size": "ZeRO++ hpZ is not a shardconsole setting",
+    "zero_quantized_weights": "ZeRO++ quantization is not a shardconsole setting",
+    "zero_quantized_gradients": "ZeRO++ quantization is not a shardconsole setting",
+    "memory_efficient_linear": "not a shardconsole setting",
+}
+_OFFLOAD_UNMAPPED = ("buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write",
+                     "fast_init", "ratio", "pipeline")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Settings -> ds_config
+
+def device_type(cfg: C.RunConfig) -> str:
+    """'cpu' or 'cuda' as the ranks would decide it when the machine is unknown (auto = a GPU box)."""
+    return "cpu" if cfg.parallel.device == "cpu" else "cuda"
+
+
+def uses_torch_adam(cfg: C.RunConfig, device: str | None = None) -> bool:
+    """torch's AdamW instead of DeepSpeed's FusedAdam / CPUAdam (see the module docstring)."""
+    d = cfg.deepspeed
+    device = device or device_type(cfg)
+    return d.torch_adam or (device == "cpu" and d.offload_optimizer == "none")
+
+
+def _offload_block(d: C.DeepspeedSettings, where: str) -> dict[str, Any]:
+    block: dict[str, Any] = {"device": where}
+    if where == "nvme":
+        block["nvme_path"] = d.nvme_path
+    block["pin_memory"] = d.pin_memory
+    return block
+
+
+def to_ds_config(cfg: C.RunConfig, *, device: str | None = None) -> dict[str, Any]:
+    """The ds_config of a run. `device`: 'cpu' or 'cuda' as resolved by the ranks (None: from the
+    settings, with device = "auto" counted as a GPU)."""
+    t, d, prec = cfg.train, cfg.deepspeed, cfg.precision
+    device = device or device_type(cfg)
+    params: dict[str, Any] = {"lr": t.lr, "betas": [t.beta1, t.beta2], "eps": ADAM_EPS,
+                              "weight_decay": t.weight_decay}
+    torch_adam = uses_torch_adam(cfg, device)
+    if torch_adam:
+        params["torch_adam"] = True
+    out: dict[str, Any] = {
+        "train_batch_size": t.micro_batch * t.grad_accum * cfg.world_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch,
+        "gradient_accumulation_steps": t.grad_accum,
+        "gradient_clipping": t.clip_grad_norm,
+        "optimizer": {"type": "AdamW", "params": params},
+    }
+    if prec.dtype == "fp16":
+        fp16: dict[str, Any] = {"enabled": True}
+        for key in prec.FP16_KEYS:
+            if getattr(prec, key) is not None:
+                fp16[key] = getattr(prec, key)
+        out["fp16"] = fp16
+    elif prec.dtype == "bf16":
+        out["bf16"] = {"enabled": True}
+    if prec.reduce_dtype is not None:
+        out["communication_data_type"] = prec.reduce_dtype
+    zero: dict[str, Any] = {"stage": d.stage}
+    if d.offload_optimizer != "none":
+        zero["offload_optimizer"] = _offload_block(d, d.offload_optimizer)
+    if d.offload_param != "none":
+        zero["offload_param"] = _offload_block(d, d.offload_param)
+    for key in ZERO_KEYS:
+        zero[key] = getattr(d, key)
+    out["zero_optimization"] = zero
+    if torch_adam and d.offload_optimizer != "none":
+        # DeepSpeed refuses a non-DeepSpeed optimizer with offload unless told that this is intended.
+        out["zero_force_ds_cpu_optimizer"] = False
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# FSDP settings -> the closest DeepSpeed settings (for `--set parallel.backend=deepspeed`)
+
+FSDP_TO_STAGE = {"full_shard": 3, "hybrid_shard": 3, "shard_grad_op": 2, "no_shard": 0}
+_DERIVED_KEYS = ("stage", "offload_optimizer", "offload_param", "pin_memory")
+
+
+def user_set_keys(preset: dict[str, Any] | None, overrides: list[str] | None, table: str) -> set[str]:
+    """Keys of `table` that the preset file or a --set names (as opposed to defaults)."""
+    keys = set((preset or {}).get(table, {}) or {}) if isinstance((preset or {}).get(table), dict) else set()
+    for text in overrides or []:
+        path = text.split("=", 1)[0].strip()
+        if path.startswith(table + "."):
+            keys.add(path.split(".", 1)[1].strip())
+    return keys
+
+
+def apply_fsdp_equivalents(cfg: C.RunConfig, preset: dict[str, Any] | None = None,
+                           overrides: list[str] | None = None) -> list[str]:
+    """For a DeepSpeed run, fill the deepspeed settings that the user did not set from the fsdp table:
+
+        fsdp.sharding    full_shard -> stage 3, hybrid_shard -> stage 3, shard_grad_op -> 2, no_shard -> 0
+        fsdp.cpu_offload -> offload_param = "cpu" (stage 3) and offload_optimizer = "cpu" (stage >= 1)
+        fsdp.pin_memory  -> pin_memory
+
+    The fsdp defaults (full_shard, no offload, pinned) give the deepspeed defaults, so a preset written
+    for DeepSpeed is unchanged. Returns one line per setting changed. Mutates cfg; validate after."""
+    if cfg.parallel.backend != "deepspeed":
+        return []
+    given = user_set_keys(preset, overrides, "deepspeed")
+    f, d = cfg.fsdp, cfg.deepspeed
+    notes: list[str] = []
+
+    def put(key: str, value: Any, why: str) -> None:
+        if key in given or getattr(d, key) == value:
+            return
+        setattr(d, key, value)
+        notes.append(f"deepspeed.{key} = {value!r} ({why})")
+
+    put("stage", FSDP_TO_STAGE[f.sharding], f"from fsdp.sharding = {f.sharding!r}")
+    if f.cpu_offload:
+        if d.stage == 3:
+            put("offload_param", "cpu", "from fsdp.cpu_offload = true")
+        if d.stage >= 1:
+            put("offload_optimizer", "cpu", "from fsdp.cpu_offload = true")
+        else:
+            notes.append("fsdp.cpu_offload: nothing offloaded, ZeRO stage 0 cannot offload")
+    put("pin_memory", f.pin_memory, "from fsdp.pin_memory")
+    if f.sharding == "hybrid_shard":
+        notes.append("fsdp.sharding = 'hybrid_shard': ZeRO-3 shards across all ranks (DeepSpeed's hpZ, "
+                     "zero_hpz_partition_size, is not a shardconsole setting)")
+    return notes
+
+
+def deepspeed_config_for(preset: dict[str, Any] | None, source: str, overrides: list[str] | None,
+                         *, gpu_count: int | None = None) -> tuple[C.RunConfig, list[str]]:
+    """Build a RunConfig as the CLI does and apply the FSDP equivalents when it is a DeepSpeed run."""
+    cfg = C.build(preset, source, overrides, gpu_count=gpu_count)
+    notes = apply_fsdp_equivalents(cfg, preset, overrides)
+    if notes:
+        C.validate(cfg, source, gpu_count=gpu_count)
+    return cfg, notes
+
+
+# ---------------------------------------------------------------------------------------------------
+# ds_config -> settings
+
+class _Import:
+    """Collects overrides and the report of one import."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.out: dict[str, dict[str, Any]] = {}
+        self.mapped: list[str] = []
+        self.unmapped: list[tuple[str, str]] = []
+        self.defaults: list[str] = []
+
+    def set(self, table: str, key: str, value: Any, from_key: str, note: str = "") -> None:
+        self.out.setdefault(table, {})[key] = value
+        self.mapped.append(f"{from_key} -> {table}.{key} = {value!r}" + (f" ({note})" if note else ""))
+
+    def default(self, table: str, key: str, value: Any) -> None:
+        """A key the file leaves out: DeepSpeed's default is what runs, so it is what the preset gets."""
+        self.out.setdefault(table, {})[key] = value
+        self.defaults.append(f"{table}.{key} = {value!r}")
+
+    def skip(self, key: str, why: str) -> None:
+        self.unmapped.append((key, why))
+
+    def error(self, key: str, msg: str) -> C.ConfigError:
+        return C.ConfigError(f"{self.source}: {key}: {msg}")
+
+    # --- typed reads: None for "auto" (reported), a ConfigError for a wrong type --------------
+    def auto(self, key: str, value: Any, kept: str) -> bool:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            self.skip(key, f"\"auto\" (filled in by the Hugging Face Trainer at run time); keeps {kept}")
+            return True
+        return False
+
+    def number(self, key: str, value: Any, *, integer: bool = False, lo: float | None = 0) -> float | int:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok and integer and isinstance(value, float) and not value.is_integer():
+            ok = False
+        if not ok:
+            kind = "an integer" if integer else "a number"
+            raise self.error(key, f"expected {kind}, got {value!r}")
+        if lo is not None and value < lo:
+            raise self.error(key, f"{value!r} is below {lo}")
+        return int(value) if integer else float(value)
+
+    def boolean(self, key: str, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise self.error(key, f"expected true or false, got {value!r}")
+        return value
+
+
+def _known(key: str, options: list[str]) -> str:
+    m = difflib.get_close_matches(key, options, n=1, cutoff=0.75)
+    return f"unknown key (did you mean {m[0]!r}?)" if m else "not a shardconsole setting"
+
+
+_TOP_KEYS = ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+             "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "communication_data_type",
+             "zero_optimization", *_KNOWN_UNMAPPED]
+_ZERO_ALL = ["stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param",
+             "cpu_offload_use_pin_memory", *ZERO_KEYS, *_ZERO_UNMAPPED]
+
+
+def from_ds_config(d: dict[str, Any], source: str = "ds_config.json", *, world_size: int = 1,
+                   base: C.RunConfig | None = None
+                   ) -> tuple[dict[str, dict[str, Any]], list[str], list[tuple[str, str]]]:
+    """Preset overrides ({table: {key: value}}) describing what DeepSpeed would run with `d`, the lines
+    that say what was mapped, and (key, why) for what was not. `world_size`: ranks the file is run on
+    (it turns train_batch_size into a micro-batch). `base`: the settings that "auto" keys keep (only
+    used in the report). Raises ConfigError, naming the file and key, for values DeepSpeed would reject."""
+    if not isinstance(d, dict):
+        raise C.ConfigError(f"{source}: expected a JSON object at the top level")
+    base = base or C.RunConfig()
+    im = _Import(source)
+    im.out["parallel"] = {"backend": "deepspeed"}
+    _batch(im, d, world_size, base)
+    if "gradient_clipping" in d and not im.auto("gradient_clipping", d["gradient_clipping"],
+                                                f"train.clip_grad_norm = {base.train.clip_grad_norm}"):
+        im.set("train", "clip_grad_norm", im.number("gradient_clipping", d["gradient_clipping"]),
+               "gradient_clipping")
+    elif "gradient_clipping" not in d:
+        im.default("train", "clip_grad_norm", 0.0)
+    _optimizer(im, d.get("optimizer"), base)
+    _scheduler(im, d.get("scheduler"), base)
+    _precision(im, d, base)
+    _zero(im, d.get("zero_optimization"), base)
+    for key, value in d.items():
+        if key in _KNOWN_UNMAPPED:
+            im.skip(key, _KNOWN_UNMAPPED[key])
+        elif key not in _TOP_KEYS:
+            im.skip(key, _known(key, _TOP_KEYS))
+    if im.defaults:
+        im.mapped.append("not in the file, so DeepSpeed's defaults: " + ", ".join(im.defaults))
+    return im.out, im.mapped, im.unmapped
+
+
+def _batch(im: _Import, d: dict, world: int, base: C.RunConfig) -> None:
+    """DeepSpeed's rule: train_batch_size = micro x accumulation x data-parallel ranks; any two give the
+    third, one alone gives accumulation 1."""
+    names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    kept = {"train_batch_size": "the preset's batch", "train_micro_batch_size_per_gpu":
+            f"train.micro_batch = {base.train.micro_batch}", "gradient_accumulation_steps":
+            f"train.grad_accum = {base.train.grad_accum}"}
+    vals: dict[str, int | None] = {}
+    for n in names:
+        v = d.get(n)
+        if v is None or im.auto(n, v, kept[n]):
+            vals[n] = None
+        else:
+            vals[n] = im.number(n, v, integer=True, lo=1)
+    tbs, micro, accum = (vals[n] for n in names)
+    how = f"for {world} rank{'s' if world != 1 else ''}"
+    if micro is not None and accum is not None:
+        if tbs is not None and tbs != micro * accum * world:
+            raise im.error("train_batch_size", f"{tbs} but train_micro_batch_size_per_gpu ({micro}) x "
+                           f"gradient_accumulation_steps ({accum}) x {world} rank(s) = {micro * accum * world}; "
+                           "pass --nproc-per-node for the machine the file was written for")
+        im.set("train", "micro_batch", micro, "train_micro_batch_size_per_gpu")
+        im.set("train", "grad_accum", accum, "gradient_accumulation_steps")
+    elif micro is not None:
+        if tbs is not None:
+            if tbs % (micro * world):
+                raise im.error("train_batch_size", f"{tbs} is not a multiple of train_micro_batch_size_per_gpu "
+                               f"({micro}) x {world} rank(s); pass --nproc-per-node")
+            accum = tbs // (micro * world)
+            im.set("train", "micro_batch", micro, "train_micro_batch_size_per_gpu")
+            im.set("train", "grad_accum", accum, "train_batch_size / (micro x ranks)", how)
+        else:
+            im.set("train", "micro_batch", micro, "train_micro_batch_size_per_gpu")
+            if "gradient_accumulation_steps" not in d:
+                im.default("train", "grad_accum", 1)
+    elif tbs is not None:
+        accum = accum or 1
+        if tbs % (accum * world):
+            raise im.error("train_batch_size", f"{tbs} is not a multiple of gradient_accumulation_steps "
+                           f"({accum}) x {world} rank(s) = {accum * world}; pass --nproc-per-node for the "
+                           "machine the file was written for")
+        im.set("train", "micro_batch", tbs // (accum * world),
+               "train_batch_size / (gradient_accumulation_steps x ranks)", how)
+        if vals["gradient_accumulation_steps"] is not None:
+            im.set("train", "grad_accum", accum, "gradient_accumulation_steps")
+        elif "gradient_accumulation_steps" not in d:
+            im.default("train", "grad_accum", 1)
+    elif accum is not None:
+        im.set("train", "grad_accum", accum, "gradient_accumulation_steps")
+
+
+def _optimizer(im: _Import, opt: Any, base: C.RunConfig) -> None:
+    if opt is None:
+        im.skip("optimizer", "no optimizer block (the training script brings one); shardconsole trains with "
+                f"AdamW at train.lr = {base.train.lr}")
+        return
+    if not isinstance(opt, dict):
+        raise im.error("optimizer", f"expected an object, got {opt!r}")
+    kind = opt.get("type")
+    params = opt.get("params", {}) or {}
+    if not isinstance(params, dict):
+        raise im.error("optimizer.params", f"expected an object, got {params!r}")
+    if not isinstance(kind, str) or kind.lower() not in ("adam", "adamw"):
+        im.skip("optimizer", f"type {kind!r}: shardconsole trains with AdamW, so none of its params carry over")
+        return
+    adam_w = kind.lower() == "adamw" or params.get("adam_w_mode", True) is not False
+    if not adam_w:
+        im.skip("optimizer.params.adam_w_mode", "false (L2-regularised Adam); shardconsole trains with "
+                "AdamW (decoupled weight decay)")
+    t = base.train
+    # What the file leaves out runs at the optimizer's own defaults: lr 1e-3 and betas (0.9, 0.999) for
+    # all of DeepSpeed's Adams; weight decay 0 for FusedAdam / CPUAdam, 0.01 for torch's AdamW.
+    torch_adam = params.get("torch_adam") is True
+    if "torch_adam" not in params:
+        im.default("deepspeed", "torch_adam", False)
+    if "lr" not in params:
+        im.default("train", "lr", 1e-3)
+    if "betas" not in params:
+        im.default("train", "beta1", 0.9)
+        im.default("train", "beta2", 0.999)
+    if "weight_decay" not in params:
+        im.default("train", "weight_decay", 0.01 if torch_adam else 0.0)
+    for key, value in params.items():
+        where = f"optimizer.params.{key}"
+        if key == "lr":
+            if not im.auto(where, value, f"train.lr = {t.lr}"):
+                im.set("train", "lr", im.number(where, value), where)
+        elif key == "betas":
+            if im.auto(where, value, f"train.beta1/beta2 = {t.beta1}, {t.beta2}"):
+                continue
+            if not (isinstance(value, list) and len(value) == 2):
+                raise im.error(where, f"expected [beta1, beta2], got {value!r}")
+            im.set("train", "beta1", im.number(where, value[0]), where + "[0]")
+            im.set("train", "beta2", im.number(where, value[1]), where + "[1]")
+        elif key == "weight_decay":
+            if not im.auto(where, value, f"train.weight_decay = {t.weight_decay}"):
+                im.set("train", "weight_decay", im.number(where, value), where)
+        elif key == "eps":
+            if im.auto(where, value, f"eps = {ADAM_EPS}"):
+                continue
+            if im.number(where, value) != ADAM_EPS:
+                im.skip(where, f"{value}: shardconsole's AdamW uses eps = {ADAM_EPS}")
+            else:
+                im.mapped.append(f"{where} = {value} (shardconsole's AdamW eps)")
+        elif key == "torch_adam":
+            im.set("deepspeed", "torch_adam", im.boolean(where, value), where)
+        elif key == "adam_w_mode":
+            continue   # handled above
+        elif key == "max_grad_norm":
+            im.skip(where, "DeepSpeed rejects it; gradient clipping is the top-level gradient_clipping")
+        else:
+            im.skip(where, "not a shardconsole setting")
+
+
+def _scheduler(im: _Import, sched: Any, base: C.RunConfig) -> None:
+    if sched is None:
+        return
+    if not isinstance(sched, dict):
+        raise im.error("scheduler", f"expected an object, got {sched!r}")
+    kind = sched.get("type")
+    params = sched.get("params", {}) or {}
+    t = base.train
+    if kind not in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+        im.skip("scheduler", f"type {kind!r}: shardconsole's schedules are warm-up + cosine or constant")
+        return
+    for key, value in params.items():
+        where = f"scheduler.params.{key}"
+        if key == "warmup_num_steps":
+            if not im.auto(where, value, f"train.warmup_steps = {t.warmup_steps}"):
+                im.set("train", "warmup_steps", im.number(where, value, integer=True), where)
+        elif key == "total_num_steps" and kind != "WarmupLR":
+            if not im.auto(where, value, f"train.steps = {t.steps}"):
+                im.set("train", "steps", im.number(where, value, integer=True, lo=1), where)
+        elif key == "warmup_max_lr" and kind != "WarmupCosineLR":
+            if not im.auto(where, value, f"train.lr = {t.lr}"):
+                # The scheduler sets the optimizer's lr, so its peak wins over optimizer.params.lr.
+                im.set("train", "lr", im.number(where, value), where, "the scheduler's peak")
+        elif key in ("warmup_min_lr", "warmup_min_ratio"):
+            if im.auto(where, value, "a warm-up from 0"):
+                continue
+            if im.number(where, value) != 0:
+                im.skip(where, f"{value}: shardconsole's warm-up starts from 0")
+        elif key == "cos_min_ratio":
+            if not im.auto(where, value, f"train.min_lr_ratio = {t.min_lr_ratio}"):
+                im.set("train", "min_lr_ratio", im.number(where, value), where)
+        elif key == "warmup_type":
+            if value != "linear":
+                im.skip(where, f"{value!r}: shardconsole's warm-up is linear")
+        else:
+            im.skip(where, "not a shardconsole setting")
+    if "warmup_type" not in params and kind in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+        im.skip("scheduler.params.warmup_type", "not given, so DeepSpeed warms up on a log curve; "
+                "shardconsole's warm-up is linear")
+    if kind == "WarmupLR":
+        im.set("train", "schedule", "constant", "scheduler.type = WarmupLR", "flat after warm-up")
+    elif kind == "WarmupCosineLR":
+        im.set("train", "schedule", "cosine", "scheduler.type = WarmupCosineLR")
+    else:
+        im.set("train", "schedule", "cosine", "scheduler.type = WarmupDecayLR",
+               "approximation: DeepSpeed decays linearly to 0, shardconsole on a cosine")
+        im.set("train", "min_lr_ratio", 0.0, "scheduler.type = WarmupDecayLR", "decays to 0")
+
+
+def _precision(im: _Import, d: dict, base: C.RunConfig) -> None:
+    fp16, bf16 = d.get("fp16"), d.get("bf16", d.get("bfloat16"))
+    bf16_key = "bf16" if "bf16" in d else "bfloat16"
+
+    def enabled(key: str, block: Any) -> bool | None:
+        if block is None:
+            return False
+        if not isinstance(block, dict):
+            raise im.error(key, f"expected an object, got {block!r}")
+        value = block.get("enabled", False)
+        if im.auto(f"{key}.enabled", value, f"precision.dtype = {base.precision.dtype!r}"):
+            return None
+        return im.boolean(f"{key}.enabled", value)
+
+    on16, onbf = enabled("fp16", fp16), enabled(bf16_key, bf16)
+    decided = on16 is not None and onbf is not None
+    if on16 and onbf:
+        raise im.error("fp16.enabled", "fp16 and bf16 are both enabled; DeepSpeed allows one")
+    if on16:
+        im.set("precision", "dtype", "fp16", "fp16.enabled")
+    elif onbf:
+        im.set("precision", "dtype", "bf16", f"{bf16_key}.enabled")
+    elif on16 is False and onbf is False:
+        im.set("precision", "dtype", "fp32", "(no fp16/bf16 enabled)", "DeepSpeed trains in fp32")
+    prec = im.out.setdefault("precision", {})
+    if decided:
+        # The file decides the precision, so what it leaves out runs at DeepSpeed's defaults, which
+        # are shardconsole's "not set" (None: removed from the preset).
+        if "communication_data_type" not in d:
+            prec["reduce_dtype"] = None
+        for key in C.PrecisionSettings.FP16_KEYS:
+            prec[key] = None
+    dtype = im.out.get("precision", {}).get("dtype", base.precision.dtype)
+    for key, value in (fp16 or {}).items():
+        where = f"fp16.{key}"
+        if key == "enabled":
+            continue
+        if key in C.PrecisionSettings.FP16_KEYS:
+            if dtype != "fp16":
+                im.skip(where, f"an fp16 loss-scale setting, but the run's dtype is {dtype!r}")
+            elif not im.auto(where, value, "DeepSpeed's default"):
+                integer = key in ("initial_scale_power", "loss_scale_window", "hysteresis")
+                im.set("precision", key, im.number(where, value, integer=integer), where)
+        elif key == "consecutive_hysteresis":
+            im.skip(where, "not a shardconsole setting (DeepSpeed's default: false)")
+        elif key == "auto_cast":
+            im.skip(where, "not a shardconsole setting; the model's parameters are fp16 already")
+        else:
+            im.skip(where, "not a shardconsole setting")
+    for key in (bf16 or {}):
+        if key != "enabled":
+            im.skip(f"{bf16_key}.{key}", "not a shardconsole setting")
+    if "communication_data_type" in d:
+        v = d["communication_data_type"]
+        if v in ("fp32", "fp16", "bf16"):
+            im.set("precision", "reduce_dtype", v, "communication_data_type")
+        else:
+            im.skip("communication_data_type", f"{v!r}: shardconsole reduces in fp32, fp16 or bf16")
+
+
+def _zero(im: _Import, z: Any, base: C.RunConfig) -> None:
+    if z is None:
+        z = {}
+    if not isinstance(z, dict):
+        raise im.error("zero_optimization", f"expected an object, got {z!r}")
+    stage = z.get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise im.error("zero_optimization.stage", f"expected 0, 1, 2 or 3, got {stage!r}")
+    stage = int(stage)
+    if "stage" in z:
+        im.set("deepspeed", "stage", stage, "zero_optimization.stage")
+    else:
+        im.default("deepspeed", "stage", 0)
+    ds = base.deepspeed
+    for key in ZERO_KEYS:
+        where = f"zero_optimization.{key}"
+        if key in z:
+            value = z[key]
+            if im.auto(where, value, f"deepspeed.{key} = {getattr(ds, key)}"):
+                continue
+            value = im.boolean(where, value) if key in _ZERO_BOOL else im.number(where, value, integer=True)
+            im.set("deepspeed", key, value, where)
+        else:
+            default = DS_ZERO_DEFAULTS[key]
+            im.default("deepspeed", key, stage == 3 if key == "overlap_comm" else default)
+    # Offload: the current blocks, and the pre-0.5 booleans that old example configs still carry.
+    blocks = {"offload_optimizer": z.get("offload_optimizer"), "offload_param": z.get("offload_param")}
+    # (DeepSpeed turns them into blocks with default pinning and ignores cpu_offload_use_pin_memory.)
+    if z.get("cpu_offload") is True and blocks["offload_optimizer"] is None:
+        blocks["offload_optimizer"] = {"device": "cpu"}
+        im.mapped.append("zero_optimization.cpu_offload = true (DeepSpeed's old name for offload_optimizer cpu)")
+    if z.get("cpu_offload_param") is True and blocks["offload_param"] is None:
+        blocks["offload_param"] = {"device": "cpu"}
+        im.mapped.append("zero_optimization.cpu_offload_param = true (DeepSpeed's old name for offload_param cpu)")
+    if "cpu_offload_use_pin_memory" in z:
+        im.skip("zero_optimization.cpu_offload_use_pin_memory", "deprecated; DeepSpeed ignores it (pin_memory "
+                "inside the offload blocks counts)")
+    pins: list[tuple[str, bool]] = []
+    paths: list[tuple[str, str]] = []
+    for name, block in blocks.items():
+        where = f"zero_optimization.{name}"
+        if block is None:
+            im.default("deepspeed", name, "none")
+            continue
+        if not isinstance(block, dict):
+            raise im.error(where, f"expected an object, got {block!r}")
+        dev = block.get("device", "none")
+        if dev not in ("none", "cpu", "nvme"):
+            raise im.error(f"{where}.device", f"expected \"none\", \"cpu\" or \"nvme\", got {dev!r}")
+        im.set("deepspeed", name, dev, f"{where}.device")
+        if dev == "none":
+            continue
+        pins.append((f"{where}.pin_memory", im.boolean(f"{where}.pin_memory",
+                                                       block.get("pin_memory", DS_OFFLOAD_PIN_DEFAULT))))
+        if dev == "nvme":
+            p = block.get("nvme_path")
+            if not isinstance(p, str) or not p:
+                raise im.error(f"{where}.nvme_path", "device \"nvme\" needs nvme_path, a folder on a fast disk")
+            paths.append((f"{where}.nvme_path", p))
+        for key in block:
+            if key in _OFFLOAD_UNMAPPED:
+                im.skip(f"{where}.{key}", "not a shardconsole setting; DeepSpeed's default applies")
+            elif key not in ("device", "pin_memory", "nvme_path"):
+                im.skip(f"{where}.{key}", "not a shardconsole setting")
+    if pins:
+        key, pin = pins[0]
+        im.set("deepspeed", "pin_memory", pin, key)
+        for other, value in pins[1:]:
+            if value != pin:
+                im.skip(other, f"{value}: shardconsole pins both offloads alike; {key} = {pin} wins")
+    if paths:
+        key, path = paths[0]
+        im.set("deepspeed", "nvme_path", path, key)
+        for other, value in paths[1:]:
+            if value != path:
+                im.skip(other, f"{value!r}: shardconsole uses one nvme_path; {key} wins")
+    for key in z:
+        if key in _ZERO_UNMAPPED:
+            im.skip(f"zero_optimization.{key}", _ZERO_UNMAPPED[key])
+        elif key not in _ZERO_ALL:
+            im.skip(f"zero_optimization.{key}", _known(key, _ZERO_ALL))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The CLI commands
+
+def _read_json(path: Path) -> dict[str, Any]:
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in out:
+                raise C.ConfigError(f"{path}: key {k!r} appears twice (DeepSpeed rejects duplicate keys)")
+            out[k] = v
+        return out
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise C.ConfigError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise C.ConfigError(f"{path}: is a folder, not a DeepSpeed JSON config") from None
+    except UnicodeDecodeError:
+        raise C.ConfigError(f"{path}: not a text file (a DeepSpeed config is JSON)") from None
+    except OSError as e:
+        raise C.ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        data = json.loads(text, object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as e:
+        raise C.ConfigError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if not isinstance(data, dict):
+        raise C.ConfigError(f"{path}: expected a JSON object at the top level, got {type(data).__name__}")
+    return data
+
+
+def merge(base: dict[str, Any], over: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A preset dict with `over` on top; a None in `over` removes the key (back to "not set")."""
+    out = copy.deepcopy(base)
+    for table, values in over.items():
+        section = out.setdefault(table, {})
+        for key, value in values.items():
+            if value is None:
+                section.pop(key, None)
+            else:
+                section[key] = value
+    return out
+
+
+def _write_text(text: str, out: str | None, force: bool) -> Path | None:
+    if out is None or out == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return None
+    import os
+    import tempfile
+    path = Path(out).expanduser()
+    if path.exists() and not force:
+        raise C.ConfigError(f"{path}: exists; pass --force to overwrite it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def cmd_export(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="shardconsole export",
+        description="Write the exact DeepSpeed config (ds_config JSON) a preset's run uses, or the resolved "
+                    "preset as TOML. Only the file goes to stdout; notes go to stderr.")
+    ap.add_argument("--preset", default="tiny-cpu", help="preset name or .toml file (default: tiny-cpu)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                    help="override one setting; repeatable")
+    ap.add_argument("--format", choices=("deepspeed", "toml"), default="deepspeed")
+    ap.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
+    ap.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    args = ap.parse_args(argv)
+    from shardconsole import preset_store
+    path = preset_store.find(args.preset)
+    raw = C.load_toml(path)
+    overrides = list(args.overrides)
+    note = []
+    if args.format == "deepspeed":
+        probe = C.build(raw, str(path), overrides)
+        if probe.parallel.backend != "deepspeed":
+            overrides.append("parallel.backend=deepspeed")
+            note.append(f"{args.preset} runs FSDP; this is its DeepSpeed equivalent, what "
+                        f"`--set parallel.backend=deepspeed` runs")
+    cfg, notes = deepspeed_config_for(raw, str(path), overrides)
+    if args.format == "toml":
+        text = C.dumps(cfg)
+    else:
+        device = device_type(cfg)
+        if cfg.parallel.device == "auto":
+            from shardconsole.probes import gpu_count
+            if not gpu_count():
+                device = "cpu"
+                note.append("parallel.device = \"auto\" and this machine has no GPU: written for CPU ranks "
+                            "(torch's AdamW unless the optimizer is offloaded); set parallel.device = \"cuda\" "
+                            "for a GPU machine's file")
+        text = json.dumps(to_ds_config(cfg, device=device), indent=2) + "\n"
+    for line in note + notes:
+        print(f"shardconsole export: {line}", file=sys.stderr)
+    written = _write_text(text, args.output, args.force)
+    if written:
+        print(f"shardconsole export: wrote {written}", file=sys.stderr)
+    if args.format == "deepspeed":
+        print("shardconsole export: the learning-rate schedule (warm-up, cosine) is applied by shardconsole's "
+              "loop, so the file has no \"scheduler\" block", file=sys.stderr)
+    return 0
+
+
+def cmd_import(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="shardconsole import",
+        description="Turn a DeepSpeed config (ds_config JSON) into a preset TOML. Says on stderr which keys "
+                    "were mapped, which were not, and why.")
+    ap.add_argument("ds_config", type=Path, help="the DeepSpeed JSON file")
+    ap.add_argument("-o", "--output", default=None, help="preset file to write (default: the TOML to stdout)")
+    ap.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    ap.add_argument("--preset", default=None,
+                    help="base preset for what the JSON does not say (model, data, steps; default: the defaults)")
+    ap.add_argument("--nproc-per-node", type=int, default=None,
+                    help="ranks per node the JSON is meant for (turns train_batch_size into a micro-batch; "
+                         "default: the base preset's)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                    help="override one setting after the import; repeatable")
+    args = ap.parse_args(argv)
+    data = _read_json(args.ds_config)
+    if args.preset:
+        from shardconsole import preset_store
+        base_path = preset_store.find(args.preset)
+        base_raw, base_src = C.load_toml(base_path), str(base_path)
+    else:
+        base_raw, base_src = {}, "defaults"
+    if args.nproc_per_node is not None:
+        if args.nproc_per_node < 1:
+            raise C.ConfigError(f"--nproc-per-node {args.nproc_per_node}: expected 1 or more")
+        base_raw = merge(base_raw, {"parallel": {"nproc_per_node": args.nproc_per_node}})
+    base = C.build(base_raw, base_src, args.overrides)
+    over, mapped, unmapped = from_ds_config(data, str(args.ds_config), world_size=base.world_size, base=base)
+    name = args.ds_config.name
+    merged = merge(base.to_dict(), over)
+    merged["description"] = f"Imported from {name} by `shardconsole import`" + (
+        f" over preset {args.preset}" if args.preset else "")
+    # --set wins over the JSON, as it wins over a preset.
+    cfg = C.build(merged, f"{args.ds_config} (imported)", args.overrides)
+    err = sys.stderr
+    print(f"shardconsole import: {name}: mapped {len(mapped)} setting(s):", file=err)
+    for line in mapped:
+        print(f"  {line}", file=err)
+    if unmapped:
+        print(f"shardconsole import: {name}: not mapped ({len(unmapped)}):", file=err)
+        for key, why in unmapped:
+            print(f"  {key}: {why}", file=err)
+    if args.output is None or args.output == "-":
+        sys.stdout.write(C.dumps(cfg))
+        sys.stdout.flush()
+        return 0
+    out = Path(args.output).expanduser()
+    try:
+        C.save(cfg, out, overwrite=args.force)
+    except FileExistsError:
+        raise C.ConfigError(f"{out}: exists; pass --force to overwrite it") from None
+    print(f"shardconsole import: wrote {out}; run it with: shardconsole --preset {out} --headless", file=err)
+    return 0

@@ -1,0 +1,315 @@
+"""The DeepSpeed ZeRO rank: build ops, build the model, deepspeed.initialize, train, log, checkpoint.
+Reads top to bottom like fsdp.py; one optimizer step is the inner loop of `train`.
+
+The ds_config comes from shardconsole.ds_json.to_ds_config, the same function behind `shardconsole
+export --format deepspeed`, so the exported file is the config the run used. What each setting maps to
+is written there. The loop owns the learning-rate schedule (common.lr_factor, as in fsdp.py) and sets
+the rate on the optimizer's param groups before each step.
+
+Stage 3 builds the model under deepspeed.zero.Init: each decoder module is partitioned as soon as it is
+constructed, so no rank ever holds the whole model. Random init then fills each rank's partitions in
+place; a local Hugging Face folder is loaded one tensor at a time by rank 0 into gathered parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import warnings
+from pathlib import Path
+
+import torch
+# Must be imported before deepspeed.zero.Init patches tensor constructors, or Init fails on CPU with
+# "TypeError: Signature mismatch between ... new_tensor ... and ... tensor_pynew" (DESIGN.md).
+import torch._dynamo  # noqa: F401
+
+from shardconsole import ds_json
+from shardconsole.backends import common
+from shardconsole.backends.data import make_source
+from shardconsole.models import ModelError
+
+
+# ---------------------------------------------------------------------------------------------------
+# Environment, before DeepSpeed is imported or builds anything
+
+_ARCH_RE = re.compile(r"^(\d+)\.(\d+)([a-zA-Z]+)(\+PTX)?$")
+
+
+def fix_cuda_arch_list(value: str) -> str | None:
+    """TORCH_CUDA_ARCH_LIST that DeepSpeed's op builder can parse, or None when `value` is fine.
+
+    Torch accepts arch-specific entries such as "9.0a" (sm_90a); DeepSpeed's builder does int() on the
+    minor part and crashes ("invalid literal for int() with base 10: '0a'", DESIGN.md). Its ops need
+    no arch-specific instructions, so "9.0a" -> "9.0" (and "10.0a+PTX" -> "10.0+PTX") builds the same
+    kernels for that card."""
+    tokens = [t for t in value.replace(" ", ";").split(";") if t.strip()]
+    out: list[str] = []
+    changed = False
+    for tok in tokens:
+        tok = tok.strip()
+        m = _ARCH_RE.match(tok)
+        if m:
+            tok = f"{m.group(1)}.{m.group(2)}{m.group(4) or ''}"
+            changed = True
+        if tok not in out:
+            out.append(tok)
+    return ";".join(out) if changed else None
+
+
+def prepare_env(r: common.Rank) -> None:
+    # DeepSpeed picks its accelerator once, at import; the rank's device decides it (CPU ranks on a box
+    # with a GPU would otherwise get the CUDA accelerator).
+    want = "cuda" if r.is_cuda else "cpu"
+    if os.environ.get("DS_ACCELERATOR") != want:
+        os.environ["DS_ACCELERATOR"] = want
+    value = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    fixed = fix_cuda_arch_list(value) if value else None
+    if fixed is not None:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = fixed
+        r.event("info", f"TORCH_CUDA_ARCH_LIST={value!r} set to {fixed!r} for this run: DeepSpeed's op builder "
+                        "cannot parse arch-specific entries such as 9.0a")
+
+
+def allow_cpu_fp16(r: common.Rank) -> None:
+    """DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has fp16 kernels (AVX512-FP16 / AMX). Torch
+    runs fp16 on any CPU through its generic kernels, slowly; the loss scaling is DeepSpeed's own code
+    either way. CPU ranks exist to check runs cheaply, so fp16 is allowed there, with a warning."""
+    from deepspeed.accelerator import get_accelerator
+    acc = get_accelerator()
+    if acc.is_fp16_supported():
+        return
+    acc.is_fp16_supported = lambda: True
+    r.event("warning", "fp16 on a CPU without oneDNN fp16 kernels: DeepSpeed's loss scaling runs as on a GPU, "
+                       "the math runs on torch's slow generic kernels (for checks, not for speed)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ops that may be compiled on first use (JIT, cached in TORCH_EXTENSIONS_DIR)
+
+def build_ops(r: common.Rank, ds_cfg: dict) -> None:
+    """Everything that can JIT-compile, up front and under its own phase, so a 30-60 s first build shows
+    as "building ops" rather than as a hang: DeepSpeed's comm layer (CPU: the shm_comm op) and the
+    optimizer's op (CPUAdam when offloaded, FusedAdam on a GPU; none for torch's AdamW)."""
+    r.phase("building ops")
+    t0 = time.perf_counter()
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    common.init_process_group(r)     # our timeout and device binding; DeepSpeed wraps this group
+    deepspeed.init_distributed(dist_backend="nccl" if r.is_cuda else "gloo")
+    names = []
+    params = ds_cfg["optimizer"]["params"]
+    if not params.get("torch_adam"):
+        offload = ds_cfg["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none"
+        name = "CPUAdamBuilder" if offload else "FusedAdamBuilder"
+        get_accelerator().create_op_builder(name).load(verbose=False)
+        names.append(name.replace("Builder", ""))
+    where = os.environ.get("TORCH_EXTENSIONS_DIR") or "~/.cache/torch_extensions"
+    r.event("info", f"DeepSpeed ops ready in {time.perf_counter() - t0:.1f} s "
+                    f"({', '.join(['comm'] + names)}; JIT builds are cached in {where})")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model
+
+def _weight_files(folder: Path) -> list[Path]:
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (folder / index).is_file():
+            shards = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
+            return [folder / s for s in shards]
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if (folder / single).is_file():
+            return [folder / single]
+    raise ModelError(f"{folder}: no weights (model.safetensors or pytorch_model.bin)")
+
+
+def _read_tensors(folder: Path):
+    """(name, tensor) one at a time, so rank 0 never holds the whole model either."""
+    for f in _weight_files(folder):
+        if f.suffix == ".safetensors":
+            from safetensors import safe_open
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():
+                    yield name, fh.get_tensor(name)
+        else:
+            sd = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+            yield from sd.items()
+
+
+@torch.no_grad()
+def load_pretrained_partitions(r: common.Rank, model: common.CausalLMLoss) -> None:
+    """Fill ZeRO-3 partitions from a Hugging Face folder: per parameter, gather it (empty but shaped),
+    let rank 0 copy the file's tensor in, and re-partition on exit (GatheredParameters, modifier 0)."""
+    import deepspeed
+    params = dict(model.lm.named_parameters())
+    tensors = {}
+    if r.rank == 0:
+        want = set(params)
+        for name, t in _read_tensors(Path(r.spec.path)):
+            if name in want:
+                tensors[name] = t
+        missing = sorted(want - set(tensors))
+        if missing:
+            raise ModelError(f"{r.spec.path}: weights lack {', '.join(missing[:5])}"
+                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    for name, p in params.items():
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+            if r.rank == 0:
+                p.data.copy_(tensors.pop(name).to(p.dtype))
+
+
+@torch.no_grad()
+def init_partitions_(model: torch.nn.Module, std: float, seed: int, rank: int) -> None:
+    """common.init_random_ for ZeRO-3: the same rules (normal(0, std) matrices, norm weights 1, biases 0)
+    applied to each rank's own partition (p.ds_tensor), seeded per rank."""
+    gen = torch.Generator(device="cpu").manual_seed(seed * 7919 + rank)
+    for name, p in model.named_parameters():
+        local = p.ds_tensor
+        if local.numel() == 0:
+            continue
+        if "norm" in name.lower() and len(p.ds_shape) == 1:
+            local.fill_(1.0)
+        elif name.endswith("bias"):
+            local.zero_()
+        else:
+            local.copy_(torch.empty(local.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+
+
+def build(r: common.Rank, ds_cfg: dict) -> common.CausalLMLoss:
+    import deepspeed
+    r.phase("loading model")
+    cfg = r.cfg
+    hf_cfg = common.hf_config(r.spec, cfg)
+    pretrained = r.spec.path is not None and r.spec.has_weights
+    std = float(getattr(hf_cfg, "initializer_range", 0.02))
+    if cfg.deepspeed.stage == 3:
+        # Init takes the dtype (fp16 / bf16 / fp32) and the offload_param placement from ds_cfg. No dtype=
+        # argument: DeepSpeed 0.19 reads `dtype or fp16 if fp16_supported else bf16` so, on a CPU without
+        # fp16, dtype=torch.float32 builds bf16 parameters; only the config path gets fp32 right.
+        with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
+            lm = common.build_causal_lm(hf_cfg)
+        model = common.CausalLMLoss(lm)
+        # The loss reads lm_head.weight directly (chunked cross-entropy), outside lm_head's forward:
+        # ZeRO-3 must gather it for the root module's forward and backward.
+        deepspeed.zero.register_external_parameter(model, lm.lm_head.weight)
+        if pretrained:
+            load_pretrained_partitions(r, model)
+        else:
+            init_partitions_(model, std, cfg.train.seed, r.rank)
+    else:
+        # Stages 0-2 keep a full copy of the parameters on every rank by design; DeepSpeed broadcasts
+        # rank 0's values at initialize, and the same seed makes them equal anyway.
+        lm = common.load_pretrained(r.spec, hf_cfg) if pretrained else common.build_causal_lm(hf_cfg)
+        model = common.CausalLMLoss(lm)
+        if not pretrained:
+            common.init_random_(model, std, cfg.train.seed, 0)
+    if cfg.memory.activation_checkpointing:
+        common.enable_checkpointing(model.lm)
+    model.train()
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loss scale, checkpoints
+
+def loss_scale(engine) -> float | None:
+    """The dynamic loss scale in force (fp16 only): ZeRO optimizers expose cur_scale, DeepSpeed's plain
+    fp16 optimizer a loss_scale_config."""
+    opt = engine.optimizer
+    scfg = getattr(opt, "loss_scale_config", None)
+    value = scfg.cur_scale if scfg is not None else getattr(opt, "cur_scale", None)
+    return float(value) if value is not None else None
+
+
+def save(r: common.Rank, engine, step: int) -> None:
+    """engine.save_checkpoint into step_N.partial (DeepSpeed's own layout: global_stepN/, latest,
+    zero_to_fp32.py), made visible as step_N only when every rank is done."""
+    r.phase("saving checkpoint")
+    tmp = common.prepare_checkpoint(r, step)
+    engine.save_checkpoint(str(tmp), tag=f"global_step{step}", client_state={"step": step})
+    common.finish_checkpoint(r, step)
+    r.phase("training")
+
+
+def resume(r: common.Rank, engine) -> int:
+    found = common.latest_checkpoint(r.checkpoint_dir())
+    if found is None:
+        r.event("info", f"no checkpoint in {r.checkpoint_dir()}: starting from step 0")
+        return 0
+    step, path = found
+    if not (path / "latest").is_file():
+        raise FileNotFoundError(f"{path}: not a DeepSpeed checkpoint (no 'latest' file); was it written by "
+                                f"an FSDP run? Point train.checkpoint_dir elsewhere or set train.resume = false")
+    load_path, client = engine.load_checkpoint(str(path))
+    if load_path is None:
+        raise FileNotFoundError(f"{path}: DeepSpeed found nothing to load")
+    r.event("info", f"resumed from {path} (step {step})")
+    return int((client or {}).get("step", step))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training
+
+def train(r: common.Rank) -> None:
+    cfg, t = r.cfg, r.cfg.train
+    # DeepSpeed 0.19 calls these deprecated torch names on every ZeRO collective: one warning line per
+    # step in each rank's log, with nothing for the user to do.
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+    prepare_env(r)
+    ds_cfg = ds_json.to_ds_config(cfg, device=r.device.type)
+    import deepspeed
+    build_ops(r, ds_cfg)
+    if cfg.precision.dtype == "fp16" and not r.is_cuda:
+        allow_cpu_fp16(r)
+    model = build(r, ds_cfg)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+    # zero.Init (stage 3) and the engine's module.half()/bfloat16() (stages 0-2) cast the rotary
+    # frequencies to the compute dtype; rebuilt in fp32 they match the FSDP backend's (and the model's).
+    common.reset_buffers_(model, common.hf_config(r.spec, cfg), r.device)
+    if t.compile:
+        # DeepSpeed's own path for torch.compile under ZeRO hooks (DESIGN.md measured it slower than eager
+        # for ZeRO-3 on one H200; kept because the setting asks for it).
+        engine.compile()
+        r.event("info", "train.compile: engine.compile() (DeepSpeed's torch.compile integration)")
+    start_step = resume(r, engine) if t.resume else 0
+    data = make_source(cfg, r.spec.vocab, r.spec.path, r.rank, r.world)
+    meter = common.StepMeter(r)
+    fp16 = cfg.precision.dtype == "fp16"
+    r.phase("training")
+    for step in range(start_step + 1, t.steps + 1):
+        r.step = step
+        lr = t.lr * common.lr_factor(cfg, step)
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr
+        for _ in range(t.grad_accum):
+            batch = data.batch(t.micro_batch)
+            if r.is_cuda:
+                batch = batch.pin_memory()
+            batch = batch.to(r.device, non_blocking=True)
+            loss = engine(batch[:, :-1], batch[:, 1:])
+            meter.add(loss)
+            engine.backward(loss)        # DeepSpeed divides by grad_accum and applies the loss scale
+            try:
+                engine.step()            # an optimizer step only at the accumulation boundary
+            except Exception as e:
+                if "loss scale already at minimum" in str(e):
+                    raise common.LossScaleFloorError(
+                        f"fp16 overflow at the minimum loss scale "
+                        f"({cfg.precision.fp16_value('min_loss_scale')}) at step {step}") from e
+                raise
+        if fp16 and not engine.was_step_applied():
+            r.event("overflow", f"step {step} skipped: gradient overflow in fp16; loss scale now "
+                                f"{loss_scale(engine):g}")
+        if meter.due(step):
+            mean = meter.report(step, lr, engine.get_global_grad_norm(), loss_scale(engine) if fp16 else None,
+                                engine.skipped_steps)
+            common.check_loss(r, mean, step)
+        if cfg.memory.empty_cache_every and r.is_cuda and step % cfg.memory.empty_cache_every == 0:
+            torch.cuda.empty_cache()
+        if t.checkpoint_every and step % t.checkpoint_every == 0 and step != t.steps:
+            save(r, engine, step)
+    if t.save_final or (t.checkpoint_every and t.steps % t.checkpoint_every == 0):
+        save(r, engine, t.steps)
+    engine.destroy()

@@ -310,7 +310,9 @@ def from_ds_config(d: dict[str, Any], source: str = "ds_config.json", *, world_s
     _precision(im, d, base)
     _zero(im, d.get("zero_optimization"), base)
     for key, value in d.items():
-        if key in _KNOWN_UNMAPPED:
+        if key == "zero_force_ds_cpu_optimizer" and value is False and im.out.get("deepspeed", {}).get("torch_adam"):
+            im.mapped.append("zero_force_ds_cpu_optimizer = false (what lets deepspeed.torch_adam run offloaded)")
+        elif key in _KNOWN_UNMAPPED:
             im.skip(key, _KNOWN_UNMAPPED[key])
         elif key not in _TOP_KEYS:
             im.skip(key, _known(key, _TOP_KEYS))

@@ -336,7 +336,7 @@ def _batch(im: _Import, d: dict, world: int, base: C.RunConfig) -> None:
         else:
             vals[n] = im.number(n, v, integer=True, lo=1)
     tbs, micro, accum = (vals[n] for n in names)
-    how = f"for {world} rank{'s' if world != 1 else ''}"
+    how = f"for {world} rank{'s' if world != 1 else ''}; --nproc-per-node changes it"
     if micro is not None and accum is not None:
         if tbs is not None and tbs != micro * accum * world:
             raise im.error("train_batch_size", f"{tbs} but train_micro_batch_size_per_gpu ({micro}) x "
@@ -723,8 +723,9 @@ def cmd_export(argv: list[str]) -> int:
     else:
         device = device_type(cfg)
         if cfg.parallel.device == "auto":
+            # Written for this machine, as the run would resolve "auto" here.
             from shardconsole.probes import gpu_count
-            if not gpu_count():
+            if not gpu_count() and to_ds_config(cfg, device="cpu") != to_ds_config(cfg, device=device):
                 device = "cpu"
                 note.append("parallel.device = \"auto\" and this machine has no GPU: written for CPU ranks "
                             "(torch's AdamW unless the optimizer is offloaded); set parallel.device = \"cuda\" "

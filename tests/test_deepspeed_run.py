@@ -254,3 +254,37 @@ def test_local_model_folder_under_zero3_matches_fsdp(tmp_path):
     ds = [m.loss for m in of_kind(messages(ds_dir), "step")]
     fsdp = [m.loss for m in of_kind(messages(fsdp_dir), "step")]
     assert ds == pytest.approx(fsdp, abs=2e-4), (ds, fsdp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_ctrl_c_mid_run_ends_every_rank(tmp_path, launcher):
+    """Ctrl-C in the headless front end stops a ZeRO-3 run with optimizer offload (CPUAdam's threads)
+    under either launcher: exit 130, nothing of the process group left."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "shardconsole", "--preset", "tiny-cpu", "--headless",
+                             "--run-dir", str(run_dir), "--set", "parallel.backend=deepspeed",
+                             "--set", f"parallel.launcher={launcher}", "--set", "deepspeed.offload_optimizer=cpu",
+                             "--set", "train.steps=100000", "--set", "train.log_every=1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and '"kind":"step"' in (run_dir / "metrics.jsonl").read_text():
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"run ended before its first step: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("no step line in time")
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == 130, err[-3000:]
+    assert took < 15, f"stop took {took:.1f}s"
+    assert_nothing_left(run_dir, messages(run_dir))

@@ -42,6 +42,13 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("h200-fsdp+ac", "h200-fsdp", ["train.steps=40", "memory.activation_checkpointing=true"]),
         ("3b-fsdp-mb4", "h200-fsdp", ["train.steps=30", "model.name=3b", "train.micro_batch=4"]),
     ],
+    "issue3": [
+        ("zero3-1b", "h200-fsdp", ["parallel.backend=deepspeed", "deepspeed.stage=3", "train.compile=false",
+                                   "train.steps=25", "train.log_every=5"]),
+        ("4090x2-zero3-on-1gpu", "4090x2-zero3", ["parallel.nproc_per_node=1", "train.steps=12",
+                                                  "train.log_every=2"]),
+        ("h200-fsdp", "h200-fsdp", ["train.steps=30"]),
+    ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
     ],

@@ -39,16 +39,22 @@ KiB, MiB, GiB = 2**10, 2**20, 2**30
 # Constants. Each one: value, then where it comes from.
 
 # CUDA context + NCCL communicator + loaded kernels: what NVML counts for a rank beyond the caching
-# allocator's reserved bytes. Awaits calibration (NVML used minus max_memory_reserved on the H200,
-# torch 2.11 / CUDA 13 with lazy module loading).
-CUDA_CONTEXT_BYTES = 700 * MiB
+# allocator's reserved bytes. Measured: NVML used (minus the idle device's) minus max_memory_reserved
+# was 1.29 GiB in every FSDP2 run and 1.67-1.68 GiB in every DeepSpeed run of the calibration
+# (benchmarks/data/plan_calibration.json; H200, torch 2.11 + CUDA 13, DeepSpeed 0.19.8, whose
+# FusedAdam/CPUAdam modules and extra communicators add the difference).
+CUDA_CONTEXT_BYTES = {"fsdp": 1320 * MiB, "deepspeed": 1720 * MiB}
+# NVML reports this much used on an idle H200 (driver and ECC reservations): no process can use it.
+# Measured: 0.60 GiB before every calibration run.
+GPU_DRIVER_RESERVED_BYTES = 615 * MiB
 
-# The caching allocator reserves more than it hands out: blocks are rounded (512 B small, 2 MiB
-# segments for < 10 MiB, 20 MiB-rounded large segments) and split blocks are not always reusable.
-# reserved = allocated * (1 + SLACK) + SLACK_FIXED. Awaits calibration (max_memory_reserved over
-# the model's allocated peak across the calibration matrix).
-ALLOCATOR_SLACK_FRACTION = 0.05
-ALLOCATOR_SLACK_FIXED = 128 * MiB
+# The caching allocator reserves more than it hands out. Most of it is modelled as parts: the pools
+# of the communication streams (blocks cached for one stream are not reused by another) and the
+# buffers freed between moments. What is left, blocks rounded and split, is this fraction of the
+# compute stream's peak plus a constant. Fitted to the 22 finished calibration runs (0.03 and 64 MiB:
+# mean error of the reserved peak +0.6%, largest 6.8%; 0.00-0.05 and 0-128 MiB all stay under 9%).
+ALLOCATOR_SLACK_FRACTION = 0.03
+ALLOCATOR_SLACK_FIXED = 64 * MiB
 
 # cuBLAS / cuBLASLt workspaces, allocated through the caching allocator: torch's default on Hopper
 # is 32 MiB per handle (CUBLAS_WORKSPACE_CONFIG :4096:8) for cuBLAS and cuBLASLt on the compute
@@ -58,18 +64,31 @@ CUBLAS_WORKSPACE_BYTES = 64 * MiB
 # Tokens per chunk of the loss: backends/common.py chunked_cross_entropy(chunk_tokens=4096).
 LOSS_CHUNK_TOKENS = 4096
 
-# Host RSS of one rank before any model byte: Python + torch + CUDA runtime and libraries (cuBLAS,
-# cuDNN, NCCL pages touched) + transformers. Awaits calibration (VmHWM of the ranks of the
-# calibration runs minus the model's host parts).
-RANK_BASE_RSS = {"fsdp": 2_600 * MiB, "deepspeed": 3_000 * MiB}
-# On CPU ranks (device = cpu) there is no CUDA runtime: measured on the CPU CI machine the rank of a
-# tiny 2-rank gloo run holds about 600 MB (torch + transformers imported). Rough.
-RANK_BASE_RSS_CPU = 600 * MiB
+# Host RSS of one rank in training before any model byte: Python + torch + CUDA runtime and
+# libraries + NCCL + transformers (+ DeepSpeed). Measured: VmHWM of the rank in the calibration runs
+# without offload, 1.85-2.01 GiB for FSDP2 whatever the model (125m to 3b); DeepSpeed's ranks' RSS in
+# training (memory lines) 2.01 GiB.
+RANK_BASE_RSS = {"fsdp": 1960 * MiB, "deepspeed": 2060 * MiB}
+# DeepSpeed ZeRO-0/1/2 build the fp32 model on the CPU before the CUDA kernels are loaded: the rank
+# is smaller then. Measured: ds-1b-z2-bf16-mb4-ckpt peaked at 4.90 GiB = this + 4 x 0.94e9 + a cast.
+DS_BUILD_BASE_RSS = 1300 * MiB
+# On CPU ranks (device = cpu) there is no CUDA runtime: 360 MB per rank of a tiny 2-rank gloo run
+# (torch + transformers imported) on the CPU CI machine. Rough.
+RANK_BASE_RSS_CPU = 400 * MiB
 
-# torchrun's agent (imports torch) and the headless front end (psutil, NVML; no torch): both are
-# Python processes of the run on the node. Awaits calibration (VmHWM of both).
-LAUNCHER_RSS = 400 * MiB
-FRONTEND_RSS = 100 * MiB
+# torchrun's agent (imports torch) and the headless front end (psutil, NVML; no torch): the other
+# Python processes of a run. Measured VmHWM: 0.50-0.62 GiB and 0.04-0.05 GiB.
+LAUNCHER_RSS = 530 * MiB
+FRONTEND_RSS = 48 * MiB
+
+# Host transients whose mechanism is not pinned down, measured as VmHWM minus the steady RSS:
+# FSDP2 with CPU offload in fp16 (ShardedGradScaler's inf/nan checks run on the host gradients):
+# 2.62 GiB for 0.94e9 parameters, 0.24 GiB for 0.134e9: about 2.5 bytes a parameter.
+FSDP_FP16_OFFLOAD_HOST_PER_PARAM = 2.5
+# DeepSpeed ZeRO-3 without parameter offload: 1.19-1.75 GiB over the steady RSS for 0.94e9
+# parameters, none for 0.134e9 (zero.Init / partitioning on the host side). Awaits a finer
+# measurement (benchmarks/plan_calibrate.py now records RSS by phase).
+DS_Z3_HOST_TRANSIENT_PER_PARAM = 1.4
 
 # The kernel, page cache and other processes need some RAM: a run is said to fit in host memory only
 # under this fraction of the total. DESIGN.md: a DeepSpeed run was killed at 123 GiB used of 125 GiB,
@@ -236,40 +255,50 @@ def pow2_ceil(n: int) -> int:
 def layer_activation_bytes_per_token(s: Shapes, c: int) -> int:
     """Bytes saved for backward by one decoder layer per token, compute dtype of c bytes, SDPA.
 
-    RMSNorm (x2): the fp32 copy of its input (pow/mul save it: 4h), the normalized tensor in the
-    compute dtype (the weight mul saves it: c*h) and its output, saved by the next linears (c*h).
-    In fp32 the .to(float32) is a no-op and the three are still distinct tensors: 4h + 2*c*h holds.
-    Attention: q and k as projected (saved by q*cos, k*cos), rotate_half(q), rotate_half(k) (saved by
-    the *sin muls), q and k after RoPE and v (saved by SDPA), SDPA's output (saved by flash/efficient
-    backward), its transposed contiguous copy (saved by o_proj), and SDPA's fp32 logsumexp per head.
+    RMSNorm (x2): the fp32 copy of its input (pow and the rsqrt mul save it: 4h), the normalized
+    tensor in the compute dtype (the weight mul saves it: c*h) and its output, saved by the next
+    linears (c*h). In fp32 the casts are no-ops but the three tensors are still distinct: 4h + 2ch.
+    Attention: q and k after RoPE and v (saved by SDPA), SDPA's output (saved by its backward; the
+    transpose(1, 2).contiguous() after it is a no-op because flash returns a [b, s, heads, d]
+    tensor, so o_proj saves the same storage) and SDPA's fp32 logsumexp per head. RoPE saves only
+    cos/sin: q*cos needs cos for q's gradient, and cos needs no gradient.
     MLP: gate out (saved by SiLU), SiLU out and up out (saved by the mul), their product (saved by
     down_proj). Residual adds save nothing.
+    For a 0.95B Llama in bf16 that is 24h + 8I = 93,184 bytes a token a layer; the calibration runs
+    (fsdp-1b-fp16-mb8, fsdp-1b-bf16-mb4) measured 92-93 k.
     """
     h, q, kv, i = s.hidden, s.q_dim, s.kv_dim, s.intermediate
     norms = 2 * (4 * h + 2 * c * h)
-    attn = c * (5 * q + 4 * kv) + 4 * s.heads
+    attn = c * (2 * q + 2 * kv) + 4 * s.heads
     mlp = 4 * c * i
     return norms + attn + mlp
 
 
 def eager_attention_bytes_per_sample(s: Shapes, seq: int, c: int) -> int:
     """Eager attention also keeps the [heads, seq, seq] probabilities: softmax's fp32 output and its
-    cast to the compute dtype (saved by the matmul with v); in fp32 the cast is a no-op."""
+    cast to the compute dtype (saved by the matmul with v); in fp32 the cast is a no-op. Its output
+    is copied by transpose().contiguous() (saved by o_proj, as SDPA's output is) and it keeps no
+    logsumexp."""
     return s.heads * seq * seq * (4 + (c if c != 4 else 0))
 
 
 @dataclass
 class Activations:
-    saved_all: int           # saved by every layer at the end of forward
-    per_layer: int           # one layer's saved tensors (full, as in a recompute)
-    recompute: int           # the one layer recomputed in backward (checkpointing), else 0
+    layers: int
+    saved_layer: int         # what one layer keeps until its backward (its input, if checkpointed)
+    per_layer: int           # one layer's saved tensors in full (as when it is recomputed)
+    recompute: int           # the layer recomputed at its backward (checkpointing), else 0
     final: int               # final norm + the loss input kept by the loss checkpoint
     inputs: int              # token ids (labels are a view of the same batch)
     mask: int                # eager's causal mask, shared by the layers
     layer_backward: int      # transient gradient buffers while one layer runs backward
     loss_forward: int        # one chunk of logits in forward
     loss_backward: int       # one chunk recomputed and differentiated
-    alternative_saved: int   # saved_all + recompute the other way (checkpointing flipped)
+    alternative_saved: int   # all layers' saved activations with checkpointing flipped
+
+    @property
+    def saved_all(self) -> int:
+        return self.layers * self.saved_layer + self.final + self.inputs + self.mask
 
 
 def activations(cfg: C.RunConfig, s: Shapes) -> Activations:
@@ -279,10 +308,8 @@ def activations(cfg: C.RunConfig, s: Shapes) -> Activations:
     eager = cfg.model.attn_implementation == "eager"
     per_layer = tokens * layer_activation_bytes_per_token(s, c)
     if eager:
-        # eager saves no SDPA output or logsumexp, but the probabilities
-        per_layer += mb * eager_attention_bytes_per_sample(s, seq, c) - tokens * (c * s.q_dim + 4 * s.heads)
-    ckpt_saved = s.layers * tokens * c * s.hidden     # each checkpointed layer keeps its input only
-    full_saved = s.layers * per_layer
+        per_layer += mb * eager_attention_bytes_per_sample(s, seq, c) - tokens * 4 * s.heads
+    ckpt_layer = tokens * c * s.hidden        # a checkpointed layer keeps its input only
     ckpt = cfg.memory.activation_checkpointing
     # Backward through one layer: gradient buffers of the MLP's intermediate tensors (about three
     # [tokens, intermediate] at once) and of the residual stream; eager adds the [heads, seq, seq]
@@ -295,21 +322,18 @@ def activations(cfg: C.RunConfig, s: Shapes) -> Activations:
     v = s.vocab
     # Loss forward, per chunk: logits (c) -> .float() (4) -> log_softmax output (4).
     loss_fwd = chunk * v * (c + 4 + 4)
-    # Loss backward, per chunk: the recomputed log_softmax output (4) + the incoming gradient (4) +
-    # log_softmax's gradient (4); then the gradient of the loss input accumulates over the chunks
-    # into one [tokens, hidden] buffer (two while adding).
+    # Loss backward, per chunk: the recomputed log_softmax output (4) + nll_loss's dense gradient (4)
+    # + log_softmax's gradient (4); the gradient of the loss input accumulates over the chunks into
+    # one [tokens, hidden] buffer (two while adding).
     loss_bwd = chunk * v * 12 + 2 * tokens * s.hidden * c
     return Activations(
-        saved_all=ckpt_saved if ckpt else full_saved,
-        per_layer=per_layer,
+        layers=s.layers, saved_layer=ckpt_layer if ckpt else per_layer, per_layer=per_layer,
         recompute=per_layer if ckpt else 0,
         final=tokens * (4 * s.hidden + 2 * c * s.hidden),
         inputs=mb * (seq + 1) * 8,
         mask=mb * seq * seq * c if eager else 0,
-        layer_backward=layer_bwd,
-        loss_forward=loss_fwd,
-        loss_backward=loss_bwd,
-        alternative_saved=full_saved if ckpt else ckpt_saved + per_layer,
+        layer_backward=layer_bwd, loss_forward=loss_fwd, loss_backward=loss_bwd,
+        alternative_saved=s.layers * (per_layer if ckpt else ckpt_layer),
     )
 
 
@@ -318,28 +342,19 @@ def activations(cfg: C.RunConfig, s: Shapes) -> Activations:
 
 @dataclass
 class _Rank:
-    gpu: dict[str, dict[str, int]]          # moment -> part -> allocated bytes (before slack)
+    gpu: dict[str, dict[str, int]]          # moment -> part -> compute-stream allocated bytes
     host: dict[str, dict[str, int]]         # moment -> part -> bytes of one rank's RSS
     notes: list[str] = field(default_factory=list)
-
-
-def _act_parts(a: Activations, moment: str) -> dict[str, int]:
-    """The activation parts alive at a moment of the step."""
-    if moment == "end of forward":
-        return {"activations": a.saved_all + a.final + a.inputs + a.mask, "loss chunk": a.loss_forward}
-    if moment == "start of backward":
-        # the loss backward runs first, then the last layer (recomputed if checkpointed)
-        loss = a.loss_backward
-        layer = a.recompute + a.layer_backward
-        return {"activations": a.saved_all + a.final + a.inputs + a.mask,
-                "loss chunk" if loss >= layer else "layer backward": max(loss, layer)}
-    return {}
+    side: dict[str, int] = field(default_factory=dict)   # pools held beside the compute stream's peak
 
 
 def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
-    """backends/fsdp.py: fully_shard per decoder layer and on the root; parameters fp32 sharded;
-    MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=fp32 by default) unless fp32; fused AdamW
-    with fp32 states shaped like the sharded parameters; explicit prefetch of N layers."""
+    """backends/fsdp.py: fully_shard per decoder layer and on the root (the root kept gathered after
+    forward); parameters fp32 sharded; MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=fp32
+    by default) unless fp32; fused AdamW with fp32 states shaped like the sharded parameters;
+    explicit prefetch of N layers. Peaks are evaluated at the moments where memory turns: the end of
+    forward, the loss backward, the last layer's backward (all activations, no gradients yet), the
+    first layer's backward (all but one layer's gradients), the end of backward, the optimizer step."""
     p, f = cfg.parallel, cfg.fsdp
     world = p.nproc_per_node * p.nnodes
     shard = {"no_shard": 1, "hybrid_shard": p.nproc_per_node}.get(f.sharding, world)
@@ -352,77 +367,89 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
     # Sharded fp32 parameters: dim 0 padded to the shard group (exactly as FSDP2 pads).
     shard_numels = [_shard_numel(sh, shard) for sh in s.all_params()]
     params_b = 4 * sum(shard_numels)
-    grads_b = params_b                 # sharded gradients: the sharded parameter's dtype (fp32)
     adam_b = 2 * params_b              # exp_avg + exp_avg_sq, fp32, like the sharded parameter
-    layer_full = c * s.per_layer       # one layer gathered in the compute dtype
-    root_full = c * s.root             # the root's embedding, final norm and head, gathered
-
-    # A gather: the cast shard (all-gather input), the all-gather output and the unsharded copy-out
-    # tensors coexist until the copy-out ends; with offload the fp32 shard is first copied H2D
-    # (_fsdp_param.py all_gather_inputs, _fsdp_collectives.py foreach_all_gather[_copy_out]).
-    per_layer_shard = sum(_shard_numel(sh, shard) for sh in s.layer_params())
-    gather_tmp = layer_full + c * per_layer_shard + (4 * per_layer_shard if offload else 0)
-    # A reduce-scatter: the unsharded gradient (compute dtype), its fp32 copy as the reduce-scatter
-    # input and the sharded output (_fsdp_collectives.py foreach_reduce).
-    rs_tmp = c * s.per_layer + (reduce_c * s.per_layer if reduce_c != c else 0) + 4 * per_layer_shard
-    root_rs_tmp = c * s.root + (reduce_c * s.root if reduce_c != c else 0) + 4 * sum(
-        _shard_numel(sh, shard) for sh in s.root_params())
+    layer_shard = sum(_shard_numel(sh, shard) for sh in s.layer_params())
+    root_shard = sum(_shard_numel(sh, shard) for sh in s.root_params())
+    g_root = 4 * root_shard            # the root's sharded gradient
+    layer_full = c * s.per_layer       # one layer gathered in the compute dtype (copied out of the
+    root_full = c * s.root             # all-gather buffer); the root stays gathered forward to backward end
+    head_grad = 0 if s.tied else c * s.vocab * s.hidden   # the head's unsharded gradient, from the loss on
 
     # fsdp.py sets explicit prefetch unless no_shard; FSDP2 then still prefetches one layer in
-    # backward by itself (implicit prefetch) and none in forward.
+    # backward by itself.
     sharded = f.sharding != "no_shard"
-    fwd_n = min(f.forward_prefetch if sharded else 0, max(L - 1, 0))
     bwd_n = min(f.backward_prefetch if sharded else 1, max(L - 1, 0))
     if cfg.reshard_after_forward:
-        # at the end of forward the last layer is gathered; in backward the running layer, the
-        # prefetched ones, and one gather in flight
-        gathered_fwd = layer_full
-        gathered_bwd = (1 + bwd_n) * layer_full + (gather_tmp - layer_full if bwd_n else 0)
+        held = 0                       # layers gathered from forward to backward
+        last_fwd = layer_full
     else:
-        # shard_grad_op: every layer stays gathered from its forward to its backward
-        gathered_fwd = gathered_bwd = L * layer_full
-    del fwd_n   # forward prefetch overlaps the forward of the previous layer: not at a peak moment
+        held = L * layer_full          # shard_grad_op: every layer stays gathered from forward to backward
+        last_fwd = 0
     # Gradient accumulation without sync: FSDP2 keeps each layer's unsharded gradient, in the reduce
     # dtype when it differs from the compute dtype (_fsdp_param.py to_accumulated_grad_if_needed).
-    accum_b = (reduce_c if reduce_c != c else c) * s.n_params if cfg.train.grad_accum > 1 else 0
+    accum = (reduce_c if reduce_c != c else c) * s.n_params if cfg.train.grad_accum > 1 else 0
 
-    states = {} if offload else {"parameters (fp32 shards)": params_b, "optimizer states (Adam fp32)": adam_b}
-    gathered = {"gathered root (embedding, head)": root_full}
+    # The compute stream's allocations at each moment. FSDP2 allocates the all-gather buffers on its
+    # all-gather copy-in stream and the reduce-scatter inputs and outputs (the sharded gradients) on
+    # its reduce-scatter stream; the caching allocator keeps a pool per stream, so those pools add to
+    # the compute stream's peak instead of sharing its free blocks (side pools, below).
+    st = {} if offload else {"parameters (fp32 shards)": params_b, "optimizer states (Adam fp32)": adam_b}
     ws = {"cuBLAS workspaces": CUBLAS_WORKSPACE_BYTES}
-    gpu: dict[str, dict[str, int]] = {}
-    gpu["end of forward"] = {**states, **gathered, "gathered layers": gathered_fwd, **_act_parts(a, "end of forward"), "accumulated grads (no sync)": accum_b, **ws}
-    gpu["start of backward"] = {**states, **gathered, "gathered layers + prefetch": gathered_bwd,
-                                "head gradient (unsharded)": c * s.vocab * s.hidden * (0 if s.tied else 1),
-                                **_act_parts(a, "start of backward"), "reduce-scatter buffers": rs_tmp,
-                                "accumulated grads (no sync)": accum_b, **ws}
-    gpu["end of backward"] = {**states, **gathered, "gradients (fp32 shards)": 0 if offload else grads_b,
-                              "root gradients (unsharded)": c * s.root, "reduce-scatter buffers": root_rs_tmp,
-                              "activations": a.inputs, **ws}
-    gpu["optimizer step"] = {**states, "gradients (fp32 shards)": 0 if offload else grads_b, **ws}
+    acc = {"accumulated gradients (no sync)": accum}
+    root = {"gathered root (embedding, head)": root_full}
+    acts_all = a.saved_all
+    unsharded_grad = c * s.per_layer        # a layer's gradient from autograd, before its reduce-scatter
+    acc_c = (reduce_c if reduce_c != c else c)
+    gpu: dict[str, dict[str, int]] = {
+        "end of forward": {**st, **root, "gathered layers": held + last_fwd, "activations": acts_all,
+                           "loss chunk": a.loss_forward, **acc, **ws},
+        "loss backward": {**st, **root, "gathered layers": held, "head gradient (unsharded)": head_grad,
+                          "activations": acts_all, "loss chunk": a.loss_backward, **acc, **ws},
+        "last layer backward": {**st, **root, "gathered layers + prefetch": held + (0 if held else (1 + bwd_n) * layer_full),
+                                "head gradient (unsharded)": head_grad,
+                                "activations": acts_all - a.final + a.recompute,
+                                "layer backward": a.layer_backward + unsharded_grad, **acc, **ws},
+        # the other layers' gradients are in the reduce-scatter pool by now, or, without sync, in fp32
+        # accumulators on this stream
+        "first layer backward": {**st, **root, "gathered layers": layer_full, "head gradient (unsharded)": head_grad,
+                                 "activations": a.saved_layer + a.inputs + a.mask + a.recompute,
+                                 "layer backward": a.layer_backward + unsharded_grad,
+                                 "accumulated gradients (no sync)": acc_c * ((L - 1) * s.per_layer + s.root)
+                                 if accum else 0, **ws},
+        "end of backward": {**st, **root, "root gradients (unsharded)": c * s.root, **ws},
+        "optimizer step": {**st, **ws},
+    }
+    # Side pools. Reduce-scatter stream: every sharded gradient (the reduce-scatter outputs; with
+    # offload each goes to the host at once) and the largest reduce-scatter input (the root's, or two
+    # layers' in flight). All-gather copy-in stream: the largest all-gather buffers in flight (the
+    # root's, or a layer and its prefetch), plus with offload the fp32 shards copied to the GPU.
+    rs_in = reduce_c * max(s.root, 2 * s.per_layer)
+    grads_gpu = (4 * max(root_shard, 2 * layer_shard)) if offload else (L * 4 * layer_shard + g_root)
+    n_ag = 1 + max(min(f.forward_prefetch if sharded else 0, max(L - 1, 0)), bwd_n)
+    ag = c * max(s.root, n_ag * s.per_layer) + (4 * max(root_shard, n_ag * layer_shard) if offload else 0)
+    side = {"reduce-scatter stream pool (sharded gradients, inputs)": grads_gpu + rs_in,
+            "all-gather stream pool": ag}
 
     # Host: one rank's RSS. The model is built on the meta device, so no full copy exists anywhere
     # (backends/fsdp.py build), and init_random_ draws each shard in place on its device.
     base = RANK_BASE_RSS["fsdp"]
-    host: dict[str, dict[str, int]] = {}
-    host["build"] = {"process (python, torch, CUDA)": base}
+    host: dict[str, dict[str, int]] = {"training": {"process (python, torch, CUDA)": base}}
     if offload:
         # to_empty(cpu) allocates the shards unpinned, FSDP2 then pins each (.pin_memory(): rounded to a
         # power of two) and drops the unpinned copy; gradients arrive D2H into pinned tensors
         # (.to("cpu", non_blocking=True) allocates pinned memory); Adam's states are plain zeros_like.
         pinned = pow2_ceil if f.pin_memory else (lambda n: n)
-        params_host = sum(pinned(4 * n) for n in shard_numels)
-        grads_host = sum(pinned(4 * n) for n in shard_numels)
-        host["build"]["parameters (fp32 shards, host)"] = params_host
-        host["training"] = {"process (python, torch, CUDA)": base,
-                            ("parameters (fp32 shards, pinned)" if f.pin_memory else "parameters (fp32 shards)"): params_host,
-                            ("gradients (fp32 shards, pinned)" if f.pin_memory else "gradients (fp32 shards)"): grads_host,
-                            "optimizer states (Adam fp32, host)": adam_b}
-    else:
-        host["training"] = {"process (python, torch, CUDA)": base}
+        tag = ", pinned" if f.pin_memory else ""
+        host["training"].update({
+            f"parameters (fp32 shards{tag})": sum(pinned(4 * n) for n in shard_numels),
+            f"gradients (fp32 shards{tag})": sum(pinned(4 * n) for n in shard_numels),
+            "optimizer states (Adam fp32, host)": adam_b})
+        if cfg.precision.dtype == "fp16":
+            host["training"]["fp16 scaler checks on host gradients"] = FSDP_FP16_OFFLOAD_HOST_PER_PARAM * s.n_params
     notes = []
     if shard == 1 and f.sharding != "no_shard":
         notes.append(f"{f.sharding} over one rank shards nothing: same memory as no_shard")
-    return _Rank(gpu, host, notes)
+    return _Rank(gpu, host, notes, side)
 
 
 def _ds_sub_groups(s: Shapes, world: int, limit: int = DS_SUB_GROUP_SIZE) -> list[int]:
@@ -442,10 +469,10 @@ def _ds_sub_groups(s: Shapes, world: int, limit: int = DS_SUB_GROUP_SIZE) -> lis
 
 def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
     """backends/deepspeed.py with the ds_config of ds_json.to_ds_config, modelled on DeepSpeed 0.19's
-    runtime/zero/stage3.py, stage_1_and_2.py and partition_parameters.py (buffers named as there).
-    Stage 3 builds under zero.Init (partitioned at construction, on the GPU or, with offload_param,
-    on the CPU); stages 0-2 build the whole fp32 model on the CPU of every rank, and DeepSpeed casts it
-    and moves it to the GPU at initialize (engine.py _configure_distributed_model)."""
+    runtime/zero/stage3.py, stage_1_and_2.py, partitioned_param_coordinator.py and
+    partition_parameters.py (buffers named as there). Stage 3 builds under zero.Init (partitioned at
+    construction, on the GPU or, with offload_param, on the CPU); stages 0-2 build the whole fp32
+    model on the CPU of every rank, and DeepSpeed casts it and moves it to the GPU at initialize."""
     d, p = cfg.deepspeed, cfg.parallel
     W = p.nproc_per_node * p.nnodes
     c = DTYPE_BYTES[cfg.precision.dtype]
@@ -457,13 +484,16 @@ def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
     P = s.n_params
     part = -(-P // W)
     pin = pow2_ceil if d.pin_memory else (lambda n: n)
+    ptag = ", pinned" if d.pin_memory else ""
     all_params = s.all_params()
     largest_param = max(_numel(sh) for sh in all_params)
+    head_grad = 0 if s.tied else c * s.vocab * s.hidden
     gpu: dict[str, int] = {}          # held through training
     host: dict[str, int] = {}
+    side: dict[str, int] = {}         # pools held beside the compute stream's peak
     opt_tmp = 0                       # transient at the optimizer step
     gathered = 0                      # stage 3: gathered parameters in forward/backward
-    bucket = 0
+    bucket = 0                        # reduction buffers alive in backward
     build_gpu = 0
     if stage == 3:
         subs = _ds_sub_groups(s, W)
@@ -471,53 +501,81 @@ def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
             # zero.Init pins each parameter's partition on the host; initialize then copies them into
             # one pinned flat buffer (_create_param_groups_fp16_flat_cpu_memory); freed pinned blocks
             # stay in PyTorch's host cache, so both count.
-            host["parameters (partitions, pinned, from init)"] = sum(
-                pin(c * -(-_numel(sh) // W)) for sh in all_params)
-            host["parameters (flat partition, pinned)"] = pin(c * part)
+            host[f"parameters (partitions{ptag}, from init)"] = sum(pin(c * -(-_numel(sh) // W)) for sh in all_params)
+            host[f"parameters (flat partition{ptag})"] = pin(c * part)
         else:
             gpu["parameters (partition)"] = c * part           # lp_param_buffer
             build_gpu = 2 * c * part                             # partitions + the flat buffer they move into
         if off_opt:
-            host["fp32 master (partition, pinned)" if d.pin_memory else "fp32 master (partition)"] = sum(
-                pin(4 * g) for g in subs)
+            host[f"fp32 master (partition{ptag})"] = sum(pin(4 * g) for g in subs)
             host["optimizer states (Adam fp32)"] = 8 * part
-            host["fp32 gradients (pinned)" if d.pin_memory else "fp32 gradients"] = sum(pin(4 * g) for g in subs)
+            host[f"fp32 gradients{ptag}"] = sum(pin(4 * g) for g in subs)
             # grad_partitions_flat_buffer lives on the optimizer's device (the host) in the model dtype
-            host["gradients (partition, pinned)" if d.pin_memory else "gradients (partition)"] = pin(c * part)
+            host[f"gradients (partition{ptag})"] = pin(c * part)
         else:
             gpu["fp32 master (partition)"] = 4 * part
             gpu["optimizer states (Adam fp32)"] = 8 * part
-            gpu["fp32 gradient buffer (largest sub-group)"] = 4 * max(subs)   # initialize_optimizer_states
-            gpu["gradients (partition)"] = c * part                            # grad_partitions_flat_buffer
-        # __ipg_bucket_flat_buffer: reduce_bucket_size elements of the model dtype (contiguous gradients)
-        bucket = c * min(d.reduce_bucket_size, P) if d.contiguous_gradients else 0
-        # Gathered while computing: the output head (an external parameter of the root, gathered for the
-        # whole forward and backward), the running module and the prefetch bucket, at most
-        # stage3_max_live_parameters; parameters under stage3_param_persistence_threshold stay gathered.
+            gpu["gradients (partition)"] = c * part             # grad_partitions_flat_buffer
+            opt_tmp = 4 * max(subs)                             # a sub-group's gradients in fp32 at step()
+        # __ipg_bucket_flat_buffer: reduce_bucket_size elements of the model dtype, allocated in full
+        # whatever the model's size (contiguous gradients). Measured: +0.68 GiB over min(bucket, P) for
+        # the 0.134e9-parameter runs.
+        bucket = c * d.reduce_bucket_size if d.contiguous_gradients else 0
+        # Gathered while computing. With one rank per partition group DeepSpeed does not gather: the
+        # parameter is its partition (partition_parameters.py _no_gather_coalesced), a view when the
+        # partition is on the GPU, a copy when it is offloaded. Otherwise a module's parameters are
+        # released after its forward unless used again within stage3_max_reuse_distance elements of
+        # the fetch trace (partitioned_param_coordinator.py __params_to_release): a layer's next use
+        # is its backward, two passes over the layers after it away, so the last
+        # max_reuse_distance / 2 elements stay gathered into backward; plus the head (an external
+        # parameter of the root, gathered for the whole step), the running module and the prefetch
+        # bucket; at most stage3_max_live_parameters. Parameters under
+        # stage3_param_persistence_threshold stay gathered. Measured with offload_param on one rank
+        # (ds-1b-z3-alloff): the whole model stays on the GPU (max_live_parameters 1e9 > 0.94e9).
         head = 0 if s.tied else s.vocab * s.hidden
         running = max(s.intermediate * s.hidden, s.q_dim * s.hidden)
-        live = min(d.stage3_max_live_parameters, head + running + d.stage3_prefetch_bucket_size)
         persistent = sum(_numel(sh) for sh in all_params if _numel(sh) < d.stage3_param_persistence_threshold)
-        gathered = c * (live + persistent)
+        if W == 1 and not off_par:
+            gathered = 0
+        elif W == 1:
+            gathered = c * min(d.stage3_max_live_parameters, P)
+        else:
+            kept = min(d.stage3_max_reuse_distance // 2, s.layers * s.per_layer)
+            live = min(d.stage3_max_live_parameters, P, kept + head + running + d.stage3_prefetch_bucket_size)
+            gathered = c * (live + persistent)
+        # Beside the compute stream's peak the allocator holds the reduction stream's buffers (the
+        # flattened bucket, its reduced copy and the partition it is copied into: about three
+        # min(reduce_bucket_size, P)) and the fp32 step buffer freed after each step. Fitted to the
+        # ZeRO-3 calibration runs (reserved minus the compute stream's peak: 6.3-6.9 GiB at 0.94e9
+        # parameters without offload, 2.5-2.8 GiB with it, 1.2-1.4 GiB at 0.134e9).
+        side["reduction stream pool (buckets)"] = 3 * c * min(d.reduce_bucket_size, P)
+        side["fp32 step buffer (cached)"] = 0 if off_opt else 4 * max(subs)
     elif stage in (1, 2):
         gpu["parameters (full, flat)"] = c * P                 # bit16_groups_flat
         build_gpu = 2 * c * P                                   # the moved module + its flat copy
         if off_opt:
-            host["fp32 master (partition, pinned)" if d.pin_memory else "fp32 master (partition)"] = pin(4 * part)
+            host[f"fp32 master (partition{ptag})"] = pin(4 * part)
             host["optimizer states (Adam fp32)"] = 8 * part
-            host["fp32 gradients (partition, pinned)" if d.pin_memory else "fp32 gradients (partition)"] = pin(4 * part)
+            host[f"fp32 gradients (partition{ptag})"] = pin(4 * part)
             host["gradient staging (largest parameter)"] = pin(c * largest_param)
             gpu["gradient staging (largest parameter)"] = c * largest_param
+            # accumulated_grads_in_cpu: one host buffer per parameter in the model dtype, pinned one by
+            # one (async_accumulate_grad_in_cpu_via_gpu). Measured: ds-1b-z2-optoff ranks held 1.97 GiB
+            # over the other parts; this sum is 2.25 GiB there.
+            host[f"gradient accumulation buffers (per parameter{ptag})"] = sum(pin(c * _numel(sh)) for sh in all_params)
         else:
             gpu["fp32 master (partition)"] = 4 * part
             gpu["optimizer states (Adam fp32)"] = 8 * part
-            opt_tmp = c * part + 4 * part          # flatten the gradient partition, then its fp32 copy
-        if stage == 2:
-            gpu["gradients (partition)"] = c * part             # grads_in_partition
-        else:
-            gpu["gradients (full)"] = c * P
-        n_buf = 2 if d.overlap_comm else 1                      # setup_buckets: a double buffer
-        bucket = n_buf * c * min(d.reduce_bucket_size, P) if d.contiguous_gradients else 0
+            gpu["gradients (partition)" if stage == 2 else "gradients (full)"] = c * (part if stage == 2 else P)
+            opt_tmp = c * part + 4 * part          # the flattened gradient partition and its fp32 copy
+        # setup_buckets: reduce_bucket_size elements (x2 with overlap_comm), allocated in full at the
+        # first gradient of each backward and released after it (_release_ipg_buffers).
+        n_buf = 2 if d.overlap_comm else 1
+        bucket = n_buf * c * d.reduce_bucket_size if d.contiguous_gradients else 0
+        # Held beside the compute stream's peak: the released buckets and the fp32 gradient partition
+        # of the step. Fitted to the ZeRO-2 calibration runs (reserved minus the compute peak).
+        side["reduce buckets (cached)"] = bucket
+        side["fp32 step buffer (cached)"] = 0 if off_opt else 4 * part
         if W > 1:
             opt_tmp += c * min(d.allgather_bucket_size, P)      # all-gather of the updated parameters
     else:
@@ -535,33 +593,36 @@ def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
 
     ws = {"cuBLAS workspaces": CUBLAS_WORKSPACE_BYTES}
     comm = {"reduce bucket": bucket} if bucket else {}
+    early = comm if stage == 3 else {}     # ZeRO-1/2 allocate their buckets at the first gradient
     gath = {"gathered parameters + prefetch": gathered} if gathered else {}
-    phases: dict[str, dict[str, int]] = {}
-    # Gradient buffers are allocated at initialisation (ZeRO-3) or by the first backward (ZeRO-2) and
-    # stay: they count at every moment of training.
-    phases["end of forward"] = {**gpu, **gath, **comm, **_act_parts(a, "end of forward"), **ws}
-    phases["start of backward"] = {**gpu, **gath, **comm, **_act_parts(a, "start of backward"), **ws}
-    phases["optimizer step"] = {**gpu, **comm, "optimizer temporaries": opt_tmp, **ws}
-    phases["model build"] = {"parameters while built and moved": build_gpu}
+    acts_all = a.saved_all
+    phases: dict[str, dict[str, int]] = {
+        "end of forward": {**gpu, **gath, **early, "activations": acts_all, "loss chunk": a.loss_forward, **ws},
+        "loss backward": {**gpu, **gath, **early, "head gradient (unsharded)": head_grad, "activations": acts_all,
+                          "loss chunk": a.loss_backward, **ws},
+        "last layer backward": {**gpu, **gath, **comm, "head gradient (unsharded)": head_grad,
+                                "activations": acts_all - a.final + a.recompute, "layer backward": a.layer_backward,
+                                **ws},
+        "optimizer step": {**gpu, **early, "optimizer temporaries": opt_tmp, **ws},
+        "model build": {"parameters while built and moved": build_gpu},
+    }
 
-    base = RANK_BASE_RSS["deepspeed"]
     hphases: dict[str, dict[str, int]] = {}
-    if stage == 3:
-        # init_partitions_ draws each partition in fp32 on the CPU before copying it in
-        hphases["build"] = {"process (python, torch, CUDA)": base,
-                            "init buffer (largest partition, fp32)": 4 * -(-largest_param // W)}
-    else:
-        # the whole fp32 model on the CPU (random init in place), then a cast copy per tensor
-        hphases["build"] = {"process (python, torch, CUDA)": base, "model built on the CPU (fp32)": 4 * P,
+    if stage < 3:
+        # the whole fp32 model on the CPU (random init in place), then a cast copy per tensor; the
+        # process is smaller then (no kernels loaded yet): DS_BUILD_BASE_RSS
+        hphases["build"] = {"process (python, torch, CUDA)": DS_BUILD_BASE_RSS, "model built on the CPU (fp32)": 4 * P,
                             "cast copy (largest tensor)": c * largest_param}
-    hphases["training"] = {"process (python, torch, CUDA)": base, **host}
+    hphases["training"] = {"process (python, torch, CUDA)": RANK_BASE_RSS["deepspeed"], **host}
+    if stage == 3 and not off_par:
+        hphases["training"]["ZeRO-3 host transient (measured)"] = int(DS_Z3_HOST_TRANSIENT_PER_PARAM * P)
     notes = []
     if nvme:
         notes.append("NVMe offload is not modelled: its host buffers and files are left out")
     if stage < 3:
         notes.append(f"ZeRO-{stage} builds the whole fp32 model on the CPU of every rank "
                      f"({4 * P / GiB:.1f} GiB each) before DeepSpeed moves it to the GPU")
-    return _Rank(phases, hphases, notes)
+    return _Rank(phases, hphases, notes, side)
 
 
 def _cpu_ranks(cfg: C.RunConfig, s: Shapes) -> _Rank:
@@ -586,19 +647,22 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware) -> Estimate:
     else:
         r = _deepspeed(cfg, s)
 
-    # GPU: the moment with most allocated bytes, then the allocator's slack and the context.
+    # GPU: the compute stream's largest moment, the pools of the other streams, the allocator's
+    # fragmentation, then the context outside the allocator.
     phases = {k: sum(v.values()) for k, v in r.gpu.items()}
     if phases:
         moment = max(phases, key=lambda k: phases[k])
         allocated = phases[moment]
-        slack = int(allocated * ALLOCATOR_SLACK_FRACTION) + ALLOCATOR_SLACK_FIXED
         gpu_parts = {k: int(v) for k, v in r.gpu[moment].items() if v}
+        gpu_parts.update({k: int(v) for k, v in r.side.items() if v})
+        slack = int(allocated * ALLOCATOR_SLACK_FRACTION) + ALLOCATOR_SLACK_FIXED
         gpu_parts["allocator slack (fragmentation)"] = slack
-        allocator_peak = allocated + slack
-        gpu_parts["CUDA context + NCCL"] = CUDA_CONTEXT_BYTES
-        gpu_peak = allocator_peak + CUDA_CONTEXT_BYTES
+        allocator_peak = allocated + sum(r.side.values()) + slack
+        context = CUDA_CONTEXT_BYTES[cfg.parallel.backend]
+        gpu_parts["CUDA context + NCCL"] = context
+        gpu_peak = allocator_peak + context
     else:
-        moment, allocator_peak, gpu_peak, gpu_parts = "", 0, 0, {}
+        moment, allocator_peak, gpu_peak, gpu_parts, context = "", 0, 0, {}, 0
 
     # Host: one rank's largest moment; the node holds every local rank, the launcher and the front end.
     hphases = {k: sum(v.values()) for k, v in r.host.items()}
@@ -616,7 +680,7 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware) -> Estimate:
     gpu_budget = None
     reasons: list[str] = []
     if not on_cpu:
-        card = hw.gpu_memory_bytes - CUDA_CONTEXT_BYTES if hw.gpu_memory_bytes else None
+        card = hw.gpu_memory_bytes - GPU_DRIVER_RESERVED_BYTES - context if hw.gpu_memory_bytes else None
         budgets = [b for b in (cap, card) if b]
         gpu_budget = min(budgets) if budgets else None
         if hw.gpus and per_node > hw.gpus:
@@ -624,7 +688,7 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware) -> Estimate:
         if gpu_budget is not None and allocator_peak > gpu_budget:
             what = f"the {C.format_size(cap)} cap" if cap and cap == gpu_budget else \
                 f"the {C.format_size(hw.gpu_memory_bytes)} card"
-            reasons.append(f"GPU needs {C.format_size(allocator_peak)} (+{C.format_size(CUDA_CONTEXT_BYTES)} "
+            reasons.append(f"GPU needs {C.format_size(allocator_peak)} (+{C.format_size(context)} "
                            f"context) over {what}")
     host_budget = int(hw.host_memory_bytes * HOST_USABLE_FRACTION) if hw.host_memory_bytes else None
     if host_budget is not None and host_peak > host_budget:

@@ -244,6 +244,31 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+class _Tail:
+    """New complete lines of a growing metrics.jsonl, parsed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.pos, self.buf = path, 0, b""
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.pos)
+                data = fh.read()
+        except OSError:
+            return []
+        self.pos += len(data)
+        self.buf += data
+        *lines, self.buf = self.buf.split(b"\n")
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+        return out
+
+
 def _tail(path: Path, n: int = 2500) -> str:
     try:
         return path.read_text(errors="replace")[-n:]
@@ -268,6 +293,9 @@ def measure(run: Run, base_file: Path, runs_root: Path, timeout_s: float, nvml: 
     hwm: dict[int, int] = {}            # pid -> VmHWM seen
     role: dict[int, str] = {proc.pid: "front end"}
     nvml_max = [0] * len(base_used)
+    rss_by_phase: dict[str, int] = {}   # the ranks' summed VmRSS, largest seen in each phase of rank 0
+    phase = "starting"
+    tail = _Tail(run_dir / "metrics.jsonl")
     timed_out = False
     while True:
         rc = proc.poll()
@@ -277,13 +305,20 @@ def measure(run: Run, base_file: Path, runs_root: Path, timeout_s: float, nvml: 
                 role[int(json.loads(job.read_text())["pid"])] = "launcher"
             except (ValueError, KeyError, OSError):
                 pass
-        for m in _read_metrics(run_dir / "metrics.jsonl") if len(role) < 3 or int(time.monotonic() * 5) % 10 == 0 else []:
+        for m in tail.read():
             if m.get("kind") == "hello" and m.get("pid"):
                 role.setdefault(int(m["pid"]), f"rank {m.get('rank', 0)}")
+            elif m.get("kind") == "event" and m.get("name") == "phase" and m.get("rank") == 0:
+                phase = str(m.get("detail"))
+        rss = 0
         for pid in list(role):
             v = _status_kb(pid, "VmHWM")
             if v is not None:
                 hwm[pid] = max(hwm.get(pid, 0), v)
+            if role[pid].startswith("rank"):
+                rss += _status_kb(pid, "VmRSS") or 0
+        if rss:
+            rss_by_phase[phase] = max(rss_by_phase.get(phase, 0), rss)
         for i, u in enumerate(nvml.used()):
             nvml_max[i] = max(nvml_max[i], u)
         if rc is not None:
@@ -347,6 +382,7 @@ def measure(run: Run, base_file: Path, runs_root: Path, timeout_s: float, nvml: 
         "frontend_hwm_bytes": front_hwm or None,
         "host_peak_bytes": (ranks_rss + launcher_hwm + front_hwm) or None,
         "host_used_max_bytes": max((int(h.get("used_bytes") or 0) for h in host_lines), default=None),
+        "ranks_rss_by_phase_bytes": rss_by_phase,
         "tokens_per_s": steps[-1].get("tokens_per_s") if steps else None,
         "step_s": steps[-1].get("step_s") if steps else None,
         "steps_done": len(steps),
@@ -449,6 +485,31 @@ def merge(files: list[Path], out: Path) -> int:
     return 0
 
 
+def hardware_of(doc: dict[str, Any]) -> PL.Hardware:
+    h = doc["hardware"]
+    return PL.Hardware(gpus=h["gpus"], gpu_memory_bytes=h["gpu_memory_bytes"], host_memory_bytes=h["host_memory_bytes"])
+
+
+def run_of(entry: dict[str, Any]) -> Run:
+    return Run(entry["name"], entry["subset"], list(entry["sets"]), entry.get("expect_oom", False))
+
+
+def refresh(path: Path, out: Path) -> int:
+    """Predictions and errors of stored measurements, recomputed with the planner as it is now (the
+    measurements are kept as they were)."""
+    doc = json.loads(path.read_text())
+    BASE_PRESET.clear()
+    BASE_PRESET.update(doc["base_preset"])
+    hw = hardware_of(doc)
+    for entry in doc["runs"]:
+        entry["predicted"] = predict(run_of(entry), hw)
+        entry["errors"] = compare(entry["predicted"], entry["measured"])
+    doc["predictions_refreshed"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    write(out, doc)
+    print_table(doc["runs"])
+    return 0
+
+
 def select(subset: str | None, only: str | None) -> list[Run]:
     runs = MATRIX
     if subset:
@@ -474,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs-root", type=Path, default=None, help="where run folders go (default /tmp/plancal-<time>)")
     ap.add_argument("--dry-run", action="store_true", help="print the matrix and the predictions; run nothing")
     ap.add_argument("--merge", nargs="+", type=Path, default=None, help="merge result files into --out")
+    ap.add_argument("--refresh", type=Path, default=None,
+                    help="recompute the predictions and errors of a result file with the current planner")
     ap.add_argument("--smoke-cpu", action="store_true",
                     help="check the measuring machinery with one tiny 2-rank CPU run (no GPU needed)")
     args = ap.parse_args(argv)
@@ -481,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.out:
             ap.error("--merge needs --out")
         return merge(args.merge, args.out)
+    if args.refresh:
+        return refresh(args.refresh, args.out or args.refresh)
     BASE_PRESET["train"]["steps"] = args.steps
     runs = select(args.subset, args.only)
     if args.smoke_cpu:

@@ -274,6 +274,16 @@ def layer_activation_bytes_per_token(s: Shapes, c: int) -> int:
     return norms + attn + mlp
 
 
+def compiled_layer_activation_bytes_per_token(s: Shapes, c: int) -> int:
+    """The same layer under torch.compile (fsdp.py compiles each decoder layer): inductor's partitioner
+    saves each RMSNorm's input in the compute dtype and its fp32 rstd, and recomputes the norm in
+    backward, instead of the fp32 copy, the normalized tensor and the norm's output; attention and
+    MLP keep what they keep eagerly. For the 0.95B model in bf16: 12h + 8I = 68,608 bytes against a
+    measured 65.8 k (h200-fsdp vs h200-fsdp-nocompile in benchmarks/data/h200_presets.json)."""
+    h, q, kv, i = s.hidden, s.q_dim, s.kv_dim, s.intermediate
+    return c * (2 * h + 2 * q + 2 * kv + 4 * i) + 4 * s.heads + 2 * 4
+
+
 def eager_attention_bytes_per_sample(s: Shapes, seq: int, c: int) -> int:
     """Eager attention also keeps the [heads, seq, seq] probabilities: softmax's fp32 output and its
     cast to the compute dtype (saved by the matmul with v); in fp32 the cast is a no-op. Its output
@@ -306,7 +316,9 @@ def activations(cfg: C.RunConfig, s: Shapes) -> Activations:
     mb, seq = cfg.train.micro_batch, cfg.data.seq_len
     tokens = mb * seq
     eager = cfg.model.attn_implementation == "eager"
-    per_layer = tokens * layer_activation_bytes_per_token(s, c)
+    compiled = cfg.train.compile and cfg.parallel.backend == "fsdp"
+    per_token = compiled_layer_activation_bytes_per_token if compiled else layer_activation_bytes_per_token
+    per_layer = tokens * per_token(s, c)
     if eager:
         per_layer += mb * eager_attention_bytes_per_sample(s, seq, c) - tokens * 4 * s.heads
     ckpt_layer = tokens * c * s.hidden        # a checkpointed layer keeps its input only
@@ -544,11 +556,12 @@ def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
             live = min(d.stage3_max_live_parameters, P, kept + head + running + d.stage3_prefetch_bucket_size)
             gathered = c * (live + persistent)
         # Beside the compute stream's peak the allocator holds the reduction stream's buffers (the
-        # flattened bucket, its reduced copy and the partition it is copied into: about three
-        # min(reduce_bucket_size, P)) and the fp32 step buffer freed after each step. Fitted to the
-        # ZeRO-3 calibration runs (reserved minus the compute stream's peak: 6.3-6.9 GiB at 0.94e9
-        # parameters without offload, 2.5-2.8 GiB with it, 1.2-1.4 GiB at 0.134e9).
-        side["reduction stream pool (buckets)"] = 3 * c * min(d.reduce_bucket_size, P)
+        # flattened bucket, its reduced copy and the partition it is copied into: 2.5 x
+        # min(reduce_bucket_size, P) on average) and the fp32 step buffer freed after each step.
+        # Fitted to the ZeRO-3 runs (reserved minus the compute stream's peak: 6.3-6.9 GiB at 0.94e9
+        # parameters without offload, 1.9-2.8 GiB with it, 1.2-1.4 GiB at 0.134e9; the 1.9 is
+        # 4090x2-zero3 on one GPU in benchmarks/data/h200_issue3.json).
+        side["reduction stream pool (buckets)"] = int(2.5 * c * min(d.reduce_bucket_size, P))
         side["fp32 step buffer (cached)"] = 0 if off_opt else 4 * max(subs)
     elif stage in (1, 2):
         gpu["parameters (full, flat)"] = c * P                 # bit16_groups_flat
@@ -685,7 +698,9 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware) -> Estimate:
         gpu_budget = min(budgets) if budgets else None
         if hw.gpus and per_node > hw.gpus:
             reasons.append(f"{per_node} ranks per node but the node has {hw.gpus} GPU(s)")
-        if gpu_budget is not None and allocator_peak > gpu_budget:
+        if gpu_budget is None:
+            reasons.append("no GPU found here and no GPU size given (--gpu-memory SIZE or memory.gpu_memory_limit)")
+        elif allocator_peak > gpu_budget:
             what = f"the {C.format_size(cap)} cap" if cap and cap == gpu_budget else \
                 f"the {C.format_size(hw.gpu_memory_bytes)} card"
             reasons.append(f"GPU needs {C.format_size(allocator_peak)} (+{C.format_size(context)} "
@@ -708,6 +723,40 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware) -> Estimate:
     return est
 
 
+def model_states(cfg: C.RunConfig, spec: ModelSpec) -> dict[str, dict[str, int]]:
+    """Parameters, gradients and optimizer states of one rank, where they live ("gpu" / "host"), in
+    bytes: the part of the estimate that the article's 16 bytes a parameter and DeepSpeed's
+    estimate_zero*_model_states_mem_needs count (no activations, buffers or allocator)."""
+    s = Shapes.of(spec)
+    p = cfg.parallel
+    W = p.nproc_per_node * p.nnodes
+    c = DTYPE_BYTES[cfg.precision.dtype]
+    out: dict[str, dict[str, int]] = {"gpu": {}, "host": {}}
+    if p.backend == "fsdp":
+        shard = {"no_shard": 1, "hybrid_shard": p.nproc_per_node}.get(cfg.fsdp.sharding, W)
+        n = sum(_shard_numel(sh, shard) for sh in s.all_params())
+        where = out["host" if cfg.fsdp.cpu_offload else "gpu"]
+        where.update({"parameters": 4 * n, "gradients": 4 * n, "optimizer states": 8 * n})
+        return out
+    d = cfg.deepspeed
+    P = s.n_params
+    part = -(-P // W)
+    opt = out["host" if d.offload_optimizer != "none" and d.stage >= 1 else "gpu"]
+    if d.stage == 3:
+        out["host" if d.offload_param != "none" else "gpu"]["parameters"] = c * part
+        opt.update({"gradients": c * part, "optimizer states": 12 * part})        # fp32 master + Adam
+    elif d.stage in (1, 2):
+        out["gpu"]["parameters"] = c * P
+        grads = c * (part if d.stage == 2 else P)
+        opt.update({"optimizer states": 12 * part})
+        (opt if d.offload_optimizer != "none" else out["gpu"])["gradients"] = grads
+    else:
+        fp32_grads = cfg.precision.dtype == "bf16"    # BF16_Optimizer keeps fp32 gradients
+        out["gpu"].update({"parameters": c * P, "gradients": (4 if fp32_grads else c) * P,
+                           "optimizer states": (8 if c == 4 else 12) * P})
+    return out
+
+
 def _verdict(e: Estimate, reasons: list[str], cfg: C.RunConfig) -> str:
     if reasons:
         sized = [(k, v) for k, v in e.gpu_parts.items() if "context" not in k and "slack" not in k]
@@ -719,6 +768,8 @@ def _verdict(e: Estimate, reasons: list[str], cfg: C.RunConfig) -> str:
             hint = f"largest part: {largest}; shard it over more GPUs or offload it to the CPU"
         else:
             hint = ""
+        if e.gpu_budget_bytes is None and e.gpu_parts and len(reasons) == 1:
+            return "cannot tell: " + reasons[0]
         return "does not fit: " + "; ".join(reasons) + (f" ({hint})" if hint else "")
     parts = []
     if e.gpu_budget_bytes:

@@ -14,10 +14,16 @@ and writes them, with the planner's prediction for the same settings, to one JSO
 For each model at least one run is set up to NOT fit under memory.gpu_memory_limit; it must fail
 with gpu_oom. Usage on the H200 test machine (one 10-minute call per subset):
 
-    python3 benchmarks/plan_calibrate.py --subset fsdp --out $OUT/plan_fsdp.json
-    python3 benchmarks/plan_calibrate.py --subset deepspeed --out $OUT/plan_ds.json
-    python3 benchmarks/plan_calibrate.py --merge plan_fsdp.json plan_ds.json --out benchmarks/data/plan_calibration.json
+    python3 benchmarks/plan_calibrate.py --subset fsdp --out $OUT/plan_fsdp.json        # 16 runs, ~7 min
+    python3 benchmarks/plan_calibrate.py --subset deepspeed --out $OUT/plan_ds.json     # 11 runs, ~8.5 min
+    python3 benchmarks/plan_calibrate.py --subset edge --out $OUT/plan_edge.json        # 4 runs, ~2.5 min
+    python3 benchmarks/plan_calibrate.py --merge plan_fsdp.json plan_ds.json plan_edge.json \
+        --out benchmarks/data/plan_calibration.json
+    python3 benchmarks/plan_calibrate.py --refresh benchmarks/data/plan_calibration.json  # after a planner change
+    python3 benchmarks/plan_calibrate.py --docs-table benchmarks/data/plan_calibration.json
     python3 benchmarks/plan_calibrate.py --dry-run            # the matrix with predictions, no GPU needed
+
+The "edge" runs set their cap just above and just below what the planner says the run needs.
 
 A time budget (--time-budget, default 540 s) skips the runs that would not finish in time, so the JSON
 is always written (it is also rewritten after every run).
@@ -69,6 +75,7 @@ class Run:
     sets: list[str]                   # --set overrides on top of BASE_PRESET
     expect_oom: bool = False          # set up not to fit under its cap
     seconds: float = 30.0             # expected wall time on the H200 (start + build + steps), for the budget
+    cap_factor: float = 0.0           # > 0: cap = the planner's required bytes x this (the verdict's edge)
 
     @property
     def model(self) -> str:
@@ -128,10 +135,29 @@ MATRIX: list[Run] = [
     _r("ds-1b-z2-optoff-fp16-mb4-ckpt", "deepspeed", "1b", 2048, 4, "fp16", ckpt=True, extra=Z2_OPT, seconds=45),
     _r("ds-1b-oom-24GiB", "deepspeed", "1b", 2048, 8, cap="24GiB", extra=Z3, oom=True, seconds=30),
 ]
+# The verdict's edge: the cap set just above and just below what the planner says a run needs
+# (gpu_required_bytes: its allocated peak + 5% + 256 MiB), so a wrong margin shows as a wrong verdict.
+for _name, _subset, _model, _mb, _extra in (("fsdp-1b-mb8-ckpt", "fsdp", "1b", 8, ()),
+                                            ("ds-1b-z3-mb4-ckpt", "deepspeed", "1b", 4, Z3)):
+    for _factor, _tag in ((1.08, "above"), (0.92, "below")):
+        _run = _r(f"edge-{_name}-{_tag}", _subset, _model, 2048, _mb, ckpt=True, extra=_extra,
+                  oom=_factor < 1, seconds=35)
+        _run.subset, _run.cap_factor = "edge", _factor
+        MATRIX.append(_run)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Prediction
+
+def resolve_cap(run: Run, hw: PL.Hardware) -> Run:
+    """An edge run's cap in bytes, from the planner's requirement for the same settings uncapped."""
+    if not run.cap_factor or any(x.startswith("memory.gpu_memory_limit=") for x in run.sets):
+        return run
+    cfg = C.build(BASE_PRESET, "calibration base", run.sets)
+    need = PL.estimate(cfg, resolve(cfg.model.name), hw).gpu_required_bytes
+    return Run(run.name, run.subset, run.sets + [f"memory.gpu_memory_limit={int(need * run.cap_factor)}"],
+               run.expect_oom, run.seconds, run.cap_factor)
+
 
 def config_of(run: Run) -> C.RunConfig:
     return C.build(BASE_PRESET, "calibration base", run.sets)
@@ -141,6 +167,7 @@ def predict(run: Run, hw: PL.Hardware) -> dict[str, Any]:
     cfg = config_of(run)
     e = PL.estimate(cfg, resolve(cfg.model.name), hw)
     return {"gpu_peak_bytes": e.gpu_peak_bytes, "gpu_allocator_peak_bytes": e.gpu_allocator_peak_bytes,
+            "gpu_allocated_peak_bytes": e.gpu_allocated_peak_bytes, "gpu_required_bytes": e.gpu_required_bytes,
             "host_peak_bytes": e.host_peak_bytes, "host_rank_bytes": e.host_rank_bytes, "fits": e.fits,
             "phase": e.gpu_peak_phase, "gpu_parts": e.gpu_parts, "host_parts": e.host_parts,
             "verdict": e.verdict}
@@ -491,7 +518,8 @@ def hardware_of(doc: dict[str, Any]) -> PL.Hardware:
 
 
 def run_of(entry: dict[str, Any]) -> Run:
-    return Run(entry["name"], entry["subset"], list(entry["sets"]), entry.get("expect_oom", False))
+    return Run(entry["name"], entry["subset"], list(entry["sets"]), entry.get("expect_oom", False),
+               cap_factor=entry.get("cap_factor", 0.0))
 
 
 def refresh(path: Path, out: Path) -> int:
@@ -508,6 +536,40 @@ def refresh(path: Path, out: Path) -> int:
     write(out, doc)
     print_table(doc["runs"])
     return 0
+
+
+def docs_table(path: Path) -> str:
+    """Markdown: each measured run against this planner, DeepSpeed's estimator and accelerate's."""
+    doc = json.loads(path.read_text())
+    lines = ["| run | measured GPU (NVML) | shardconsole plan | DeepSpeed estimator | accelerate | measured host | "
+             "plan host | DeepSpeed CPU |", "|---|---|---|---|---|---|---|---|"]
+    for r in doc["runs"]:
+        m, p = r["measured"], r["predicted"]
+        sets = dict(x.split("=", 1) for x in r["sets"])
+        z = "zero3" if sets.get("deepspeed.stage", "3") == "3" else "zero2"
+        if sets.get("deepspeed.offload_param") == "cpu" or sets.get("fsdp.cpu_offload") == "true":
+            key = z + "_alloff" if z == "zero3" else z + "_optoff"
+        elif sets.get("deepspeed.offload_optimizer") == "cpu":
+            key = z + "_optoff"
+        else:
+            key = z
+        ds = ((r.get("other_estimators") or {}).get("deepspeed_estimates") or {}).get(key)
+        if ds is None:
+            spec = resolve(sets["model.name"])
+            s = PL.Shapes.of(spec)
+            ds = (deepspeed_estimates(s.n_params, s.vocab * s.hidden).get("deepspeed_estimates") or {}).get(key)
+        acc = (r.get("other_estimators") or {}).get("accelerate_training_bytes")
+        if m["status"] == "finished":
+            meas = f"{(m.get('nvml_used_bytes') or 0) / GiB:.1f}"
+        else:
+            meas = f"OOM under {sets.get('memory.gpu_memory_limit', '?')}" if m.get("cause") == "gpu_oom" else m["status"]
+        plan = f"{p['gpu_peak_bytes'] / GiB:.1f}" + ("" if p["fits"] else " (won't fit)")
+        lines.append(f"| {r['name']} | {meas} | {plan} | {ds['gpu_bytes'] / GiB:.1f} ({key}) | "
+                     f"{(acc or 0) / GiB:.1f} | {(m.get('host_peak_bytes') or 0) / GiB:.1f} | "
+                     f"{p['host_peak_bytes'] / GiB:.1f} | {ds['cpu_bytes'] / GiB:.1f} |" if ds else
+                     f"| {r['name']} | {meas} | {plan} | n/a | {(acc or 0) / GiB:.1f} | "
+                     f"{(m.get('host_peak_bytes') or 0) / GiB:.1f} | {p['host_peak_bytes'] / GiB:.1f} | n/a |")
+    return "\n".join(lines)
 
 
 def select(subset: str | None, only: str | None) -> list[Run]:
@@ -537,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merge", nargs="+", type=Path, default=None, help="merge result files into --out")
     ap.add_argument("--refresh", type=Path, default=None,
                     help="recompute the predictions and errors of a result file with the current planner")
+    ap.add_argument("--docs-table", type=Path, default=None,
+                    help="print the markdown comparison table of a result file (docs/PLANNER.md)")
     ap.add_argument("--smoke-cpu", action="store_true",
                     help="check the measuring machinery with one tiny 2-rank CPU run (no GPU needed)")
     args = ap.parse_args(argv)
@@ -546,6 +610,9 @@ def main(argv: list[str] | None = None) -> int:
         return merge(args.merge, args.out)
     if args.refresh:
         return refresh(args.refresh, args.out or args.refresh)
+    if args.docs_table:
+        print(docs_table(args.docs_table))
+        return 0
     BASE_PRESET["train"]["steps"] = args.steps
     runs = select(args.subset, args.only)
     if args.smoke_cpu:
@@ -558,6 +625,7 @@ def main(argv: list[str] | None = None) -> int:
             print("warning: NVML found no GPU; predictions use the H200's figures", file=sys.stderr)
     else:
         hw = PL.detect_hardware()
+    runs = [resolve_cap(r, hw) for r in runs]
     if args.dry_run:
         total = sum(r.seconds for r in runs)
         print(f"{len(runs)} runs, about {total:.0f} s on the H200 ({hw.gpu_name}, {_fmt(hw.gpu_memory_bytes)} GiB, "
@@ -589,10 +657,11 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     for run in runs:
         entry: dict[str, Any] = {"name": run.name, "model": run.model, "subset": run.subset, "sets": run.sets,
-                                 "expect_oom": run.expect_oom, "predicted": predict(run, hw),
+                                 "expect_oom": run.expect_oom, "cap_factor": run.cap_factor,
+                                 "predicted": predict(run, hw),
                                  "other_estimators": other_estimators(run)}
         elapsed = time.monotonic() - t_start
-        if run.subset == "deepspeed" and not have_ds:
+        if "parallel.backend=deepspeed" in run.sets and not have_ds:
             entry["measured"] = {"status": "skipped", "reason": "deepspeed or shardconsole.backends.deepspeed missing"}
         elif elapsed + run.seconds > args.time_budget:
             entry["measured"] = {"status": "skipped", "reason": f"time budget ({elapsed:.0f} s used)"}

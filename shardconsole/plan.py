@@ -56,6 +56,12 @@ GPU_DRIVER_RESERVED_BYTES = 615 * MiB
 ALLOCATOR_SLACK_FRACTION = 0.03
 ALLOCATOR_SLACK_FIXED = 64 * MiB
 
+# A run under a cap needs its allocated peak plus blocks the allocator cannot free when it retries
+# (split segments with a live block). Not measured yet (the calibration's capped runs are far from
+# their caps; the "boundary" subset of benchmarks/plan_calibrate.py measures it): 5% + 256 MiB.
+REQUIRED_FRAGMENTATION = 0.05
+REQUIRED_FIXED = 256 * MiB
+
 # cuBLAS / cuBLASLt workspaces, allocated through the caching allocator: torch's default on Hopper
 # is 32 MiB per handle (CUBLAS_WORKSPACE_CONFIG :4096:8) for cuBLAS and cuBLASLt on the compute
 # stream. From the torch source; small next to the rest.
@@ -137,7 +143,9 @@ class Estimate:
     gpu_parts: dict[str, int]               # alive at the GPU peak; sums to gpu_peak_bytes
     host_parts: dict[str, int]              # at the host peak; sums to host_peak_bytes
     verdict: str
-    gpu_allocator_peak_bytes: int = 0       # max_memory_reserved of the largest rank: what a cap limits
+    gpu_allocator_peak_bytes: int = 0       # max_memory_reserved of the largest rank, memory to spare
+    gpu_allocated_peak_bytes: int = 0       # max_memory_allocated of the largest rank
+    gpu_required_bytes: int = 0             # what the allocator must be allowed (a cap, a card) to run
     gpu_peak_phase: str = ""                # the moment that sets the GPU peak
     gpu_phases: dict[str, int] = field(default_factory=dict)   # allocated bytes at each moment
     gpu_budget_bytes: int | None = None     # what the allocator may use: the cap, or the card minus context
@@ -156,6 +164,7 @@ class Estimate:
             "fits": self.fits, "verdict": self.verdict,
             "gpu_parts": dict(self.gpu_parts), "host_parts": dict(self.host_parts),
             "gpu_allocator_peak_bytes": self.gpu_allocator_peak_bytes,
+            "gpu_allocated_peak_bytes": self.gpu_allocated_peak_bytes, "gpu_required_bytes": self.gpu_required_bytes,
             "gpu_peak_phase": self.gpu_peak_phase, "gpu_phases": dict(self.gpu_phases),
             "gpu_budget_bytes": self.gpu_budget_bytes, "host_budget_bytes": self.host_budget_bytes,
             "host_rank_bytes": self.host_rank_bytes, "ranks_per_node": self.ranks_per_node,
@@ -358,6 +367,7 @@ class _Rank:
     host: dict[str, dict[str, int]]         # moment -> part -> bytes of one rank's RSS
     notes: list[str] = field(default_factory=list)
     side: dict[str, int] = field(default_factory=dict)   # pools held beside the compute stream's peak
+    side_live: dict[str, int] = field(default_factory=dict)   # moment -> bytes of those pools in use then
 
 
 def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
@@ -426,8 +436,10 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
         "first layer backward": {**st, **root, "gathered layers": layer_full, "head gradient (unsharded)": head_grad,
                                  "activations": a.saved_layer + a.inputs + a.mask + a.recompute,
                                  "layer backward": a.layer_backward + unsharded_grad,
-                                 "accumulated gradients (no sync)": acc_c * ((L - 1) * s.per_layer + s.root)
-                                 if accum else 0, **ws},
+                                 # the root's accumulator, and the layers' where (unsharded, without
+                                 # sync) they outweigh the sharded gradients counted in the pool
+                                 "accumulated gradients (no sync)": acc_c * s.root + max(
+                                     0, (L - 1) * (acc_c * s.per_layer - 4 * layer_shard)) if accum else 0, **ws},
         "end of backward": {**st, **root, "root gradients (unsharded)": c * s.root, **ws},
         "optimizer step": {**st, **ws},
     }
@@ -441,6 +453,13 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
     ag = c * max(s.root, n_ag * s.per_layer) + (4 * max(root_shard, n_ag * layer_shard) if offload else 0)
     side = {"reduce-scatter stream pool (sharded gradients, inputs)": grads_gpu + rs_in,
             "all-gather stream pool": ag}
+    # What of those pools is in use at each moment (the allocated view, and what a cap must hold).
+    g_layer = 0 if offload else 4 * layer_shard
+    in_flight_ag = c * s.per_layer + (4 * layer_shard if offload else 0)
+    side_live = {"last layer backward": in_flight_ag if bwd_n else 0,
+                 "first layer backward": (L - 1) * g_layer + reduce_c * s.per_layer + (4 * layer_shard if offload else 0),
+                 "end of backward": L * g_layer + g_root + reduce_c * s.root,
+                 "optimizer step": 0 if offload else L * g_layer + g_root}
 
     # Host: one rank's RSS. The model is built on the meta device, so no full copy exists anywhere
     # (backends/fsdp.py build), and init_random_ draws each shard in place on its device.
@@ -461,7 +480,7 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
     notes = []
     if shard == 1 and f.sharding != "no_shard":
         notes.append(f"{f.sharding} over one rank shards nothing: same memory as no_shard")
-    return _Rank(gpu, host, notes, side)
+    return _Rank(gpu, host, notes, side, side_live)
 
 
 def _ds_sub_groups(s: Shapes, world: int, limit: int = DS_SUB_GROUP_SIZE) -> list[int]:
@@ -628,14 +647,16 @@ def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
                             "cast copy (largest tensor)": c * largest_param}
     hphases["training"] = {"process (python, torch, CUDA)": RANK_BASE_RSS["deepspeed"], **host}
     if stage == 3 and not off_par:
-        hphases["training"]["ZeRO-3 host transient (measured)"] = int(DS_Z3_HOST_TRANSIENT_PER_PARAM * P)
+        hphases["training"]["ZeRO-3 host transient (measured)"] = int(DS_Z3_HOST_TRANSIENT_PER_PARAM * part)
     notes = []
     if nvme:
         notes.append("NVMe offload is not modelled: its host buffers and files are left out")
     if stage < 3:
         notes.append(f"ZeRO-{stage} builds the whole fp32 model on the CPU of every rank "
                      f"({4 * P / GiB:.1f} GiB each) before DeepSpeed moves it to the GPU")
-    return _Rank(phases, hphases, notes, side)
+    # In use beside the compute stream: one bucket being reduced, during backward (ZeRO-3)
+    side_live = {"last layer backward": c * min(d.reduce_bucket_size, P)} if stage == 3 else {}
+    return _Rank(phases, hphases, notes, side, side_live)
 
 
 def _cpu_ranks(cfg: C.RunConfig, s: Shapes) -> _Rank:
@@ -674,8 +695,15 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware) -> Estimate:
         context = CUDA_CONTEXT_BYTES[cfg.parallel.backend]
         gpu_parts["CUDA context + NCCL"] = context
         gpu_peak = allocator_peak + context
+        # Under a cap the allocator frees its cached blocks and retries before it fails, so a run
+        # needs its largest allocated moment (compute stream + the pools' live part), plus headroom
+        # for blocks it cannot free (split segments).
+        live = {k: v + r.side_live.get(k, 0) for k, v in phases.items()}
+        allocated_peak = max(live.values())
+        required = int(allocated_peak * (1 + REQUIRED_FRAGMENTATION)) + REQUIRED_FIXED
     else:
         moment, allocator_peak, gpu_peak, gpu_parts, context = "", 0, 0, {}, 0
+        allocated_peak = required = 0
 
     # Host: one rank's largest moment; the node holds every local rank, the launcher and the front end.
     hphases = {k: sum(v.values()) for k, v in r.host.items()}
@@ -700,25 +728,38 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware) -> Estimate:
             reasons.append(f"{per_node} ranks per node but the node has {hw.gpus} GPU(s)")
         if gpu_budget is None:
             reasons.append("no GPU found here and no GPU size given (--gpu-memory SIZE or memory.gpu_memory_limit)")
-        elif allocator_peak > gpu_budget:
+        elif required > gpu_budget:
             what = f"the {C.format_size(cap)} cap" if cap and cap == gpu_budget else \
                 f"the {C.format_size(hw.gpu_memory_bytes)} card"
-            reasons.append(f"GPU needs {C.format_size(allocator_peak)} (+{C.format_size(context)} "
+            reasons.append(f"GPU needs {C.format_size(required)} (+{C.format_size(context)} "
                            f"context) over {what}")
     host_budget = int(hw.host_memory_bytes * HOST_USABLE_FRACTION) if hw.host_memory_bytes else None
     if host_budget is not None and host_peak > host_budget:
         reasons.append(f"host needs {C.format_size(host_peak)} over {C.format_size(host_budget)} usable "
                        f"of {C.format_size(hw.host_memory_bytes)}")
     fits = not reasons
+    notes = list(r.notes)
+    if gpu_budget is not None and required <= gpu_budget < allocator_peak:
+        # The allocator stops at the budget: it frees cached blocks and retries instead of growing.
+        excess = allocator_peak - gpu_budget
+        for key in ["allocator slack (fragmentation)"] + [k for k in r.side if k in gpu_parts]:
+            cut = min(excess, gpu_parts.get(key, 0))
+            gpu_parts[key] -= cut
+            excess -= cut
+        allocator_peak = gpu_budget
+        gpu_peak = allocator_peak + context
+        notes.append("the allocator will reach the budget and free cached blocks to go on (steps a little slower); "
+                     "with memory to spare it would reserve more")
     a = activations(cfg, s)
     alt = {("activations without checkpointing" if cfg.memory.activation_checkpointing
             else "activations with checkpointing"): a.alternative_saved}
     est = Estimate(gpu_peak_bytes=int(gpu_peak), host_peak_bytes=int(host_peak), fits=fits,
                    gpu_parts=gpu_parts, host_parts=host_parts, verdict="",
                    gpu_allocator_peak_bytes=int(allocator_peak), gpu_peak_phase=moment,
+                   gpu_allocated_peak_bytes=int(allocated_peak), gpu_required_bytes=int(required),
                    gpu_phases={k: int(v) for k, v in phases.items()}, gpu_budget_bytes=gpu_budget,
                    host_budget_bytes=host_budget, host_rank_bytes=int(rank_host), ranks_per_node=per_node,
-                   alternatives=alt, notes=list(r.notes), model=spec.name, n_params=s.n_params)
+                   alternatives=alt, notes=notes, model=spec.name, n_params=s.n_params)
     est.verdict = _verdict(est, reasons, cfg)
     return est
 
@@ -759,25 +800,26 @@ def model_states(cfg: C.RunConfig, spec: ModelSpec) -> dict[str, dict[str, int]]
 
 def _verdict(e: Estimate, reasons: list[str], cfg: C.RunConfig) -> str:
     if reasons:
-        sized = [(k, v) for k, v in e.gpu_parts.items() if "context" not in k and "slack" not in k]
-        largest = max(sized, key=lambda kv: kv[1])[0] if sized else ""
-        if largest.startswith("activations") or largest in ("loss chunk", "layer backward"):
-            hint = "largest part: activations; lower train.micro_batch or data.seq_len" + (
-                "" if cfg.memory.activation_checkpointing else ", or set memory.activation_checkpointing = true")
-        elif largest:
-            hint = f"largest part: {largest}; shard it over more GPUs or offload it to the CPU"
-        else:
-            hint = ""
         if e.gpu_budget_bytes is None and e.gpu_parts and len(reasons) == 1:
             return "cannot tell: " + reasons[0]
+        hint = ""
+        if any(r.startswith("GPU needs") for r in reasons):
+            sized = [(k, v) for k, v in e.gpu_parts.items()
+                     if "context" not in k and "slack" not in k and "pool" not in k and "cached" not in k]
+            largest = max(sized, key=lambda kv: kv[1])[0] if sized else ""
+            if largest.startswith("activations") or largest in ("loss chunk", "layer backward"):
+                hint = "largest part: activations; lower train.micro_batch or data.seq_len" + (
+                    "" if cfg.memory.activation_checkpointing else ", or set memory.activation_checkpointing = true")
+            elif largest:
+                hint = f"largest part: {largest}; shard it over more GPUs or offload it to the CPU"
         return "does not fit: " + "; ".join(reasons) + (f" ({hint})" if hint else "")
     parts = []
     if e.gpu_budget_bytes:
-        parts.append(f"GPU {C.format_size(e.gpu_allocator_peak_bytes)} of {C.format_size(e.gpu_budget_bytes)} "
-                     f"({100 * e.gpu_allocator_peak_bytes / e.gpu_budget_bytes:.0f}%)")
+        parts.append(f"GPU needs {C.format_size(e.gpu_required_bytes)} of {C.format_size(e.gpu_budget_bytes)} "
+                     f"({100 * e.gpu_required_bytes / e.gpu_budget_bytes:.0f}%)")
     if e.host_budget_bytes:
         parts.append(f"host {C.format_size(e.host_peak_bytes)} of {C.format_size(e.host_budget_bytes)} usable")
-    tight = e.gpu_budget_bytes and e.gpu_allocator_peak_bytes > 0.9 * e.gpu_budget_bytes
+    tight = e.gpu_budget_bytes and e.gpu_required_bytes > 0.9 * e.gpu_budget_bytes
     return ("fits, tight" if tight else "fits") + (": " + ", ".join(parts) if parts else "")
 
 

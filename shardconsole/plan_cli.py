@@ -128,8 +128,9 @@ def format_estimate(est: PL.Estimate, cfg: C.RunConfig, name: str, hw: PL.Hardwa
     lines = [f"plan: {name}: model {est.model} ({human_count(est.n_params)} parameters), {describe(cfg)}",
              f"hardware: {_hw_text(hw)}", ""]
     if est.gpu_parts:
-        lines.append(f"GPU, largest rank: {C.format_size(est.gpu_peak_bytes)} at the {est.gpu_peak_phase} "
-                     f"(allocator {C.format_size(est.gpu_allocator_peak_bytes)} + context)")
+        lines.append(f"GPU, largest rank: peak {C.format_size(est.gpu_peak_bytes)} as NVML shows it, set at the "
+                     f"{est.gpu_peak_phase} (allocator {C.format_size(est.gpu_allocator_peak_bytes)} + context); "
+                     f"needs {C.format_size(est.gpu_required_bytes)} allocatable")
         lines += _parts_lines(est.gpu_parts)
         others = [f"{k} {C.format_size(v)}" for k, v in est.gpu_phases.items() if k != est.gpu_peak_phase]
         if others:
@@ -204,6 +205,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         e = r.estimate
         print(f"  {r.strategy:<20} {r.model or 'none':<7} {human_count(r.n_params) if r.n_params else '-':>7} "
               f"{C.format_size(e.gpu_peak_bytes) if e else '-':>10} {C.format_size(e.host_peak_bytes) if e else '-':>10}")
+    print("  (GPU peak as NVML would show it, context included; host: the node's RAM, ranks + launcher)")
     if cands is not None:
         print(f"\nsettings that fit {cfg.model.name} (seq_len {cfg.data.seq_len}, {cfg.precision.dtype}), fastest first")
         print("  speed is relative tokens/s from DESIGN.md's measured loops (1.00 = FSDP2 on GPU, no checkpointing)")

@@ -176,6 +176,27 @@ def init_partitions_(model: torch.nn.Module, std: float, seed: int, rank: int) -
             local.copy_(torch.empty(local.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
 
 
+@torch.no_grad()
+def init_as_partitions_(model: torch.nn.Module, std: float, seed: int, world: int) -> None:
+    """Stages 0-2 (a full copy on every rank): the values init_partitions_ gives under ZeRO-3, drawn
+    partition by partition (ceil(numel / world) elements each, as DeepSpeed splits a flattened
+    parameter), so one seed is one model at every stage and stages compare step for step."""
+    gens = [torch.Generator(device="cpu").manual_seed(seed * 7919 + k) for k in range(world)]
+    for name, p in model.named_parameters():
+        if "norm" in name.lower() and p.dim() == 1:
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            flat = p.view(-1)
+            part = -(-flat.numel() // world)
+            for k, gen in enumerate(gens):
+                values = torch.empty(part, dtype=torch.float32).normal_(0.0, std, generator=gen)
+                lo = k * part
+                n = max(0, min(part, flat.numel() - lo))
+                flat[lo:lo + n].copy_(values[:n])
+
+
 def build(r: common.Rank, ds_cfg: dict) -> common.CausalLMLoss:
     import deepspeed
     r.phase("loading model")
@@ -198,12 +219,12 @@ def build(r: common.Rank, ds_cfg: dict) -> common.CausalLMLoss:
         else:
             init_partitions_(model, std, cfg.train.seed, r.rank)
     else:
-        # Stages 0-2 keep a full copy of the parameters on every rank by design; DeepSpeed broadcasts
-        # rank 0's values at initialize, and the same seed makes them equal anyway.
+        # Stages 0-2 keep a full copy of the parameters on every rank by design; every rank draws the
+        # same values (and DeepSpeed broadcasts rank 0's at initialize anyway).
         lm = common.load_pretrained(r.spec, hf_cfg) if pretrained else common.build_causal_lm(hf_cfg)
         model = common.CausalLMLoss(lm)
         if not pretrained:
-            common.init_random_(model, std, cfg.train.seed, 0)
+            init_as_partitions_(model, std, cfg.train.seed, r.world)
     if cfg.memory.activation_checkpointing:
         common.enable_checkpointing(model.lm)
     model.train()

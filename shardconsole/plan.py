@@ -91,10 +91,6 @@ FRONTEND_RSS = 48 * MiB
 # FSDP2 with CPU offload in fp16 (ShardedGradScaler's inf/nan checks run on the host gradients):
 # 2.62 GiB for 0.94e9 parameters, 0.24 GiB for 0.134e9: about 2.5 bytes a parameter.
 FSDP_FP16_OFFLOAD_HOST_PER_PARAM = 2.5
-# DeepSpeed ZeRO-3 without parameter offload: 1.19-1.75 GiB over the steady RSS for 0.94e9
-# parameters, none for 0.134e9 (zero.Init / partitioning on the host side). Awaits a finer
-# measurement (benchmarks/plan_calibrate.py now records RSS by phase).
-DS_Z3_HOST_TRANSIENT_PER_PARAM = 1.4
 
 # The kernel, page cache and other processes need some RAM: a run is said to fit in host memory only
 # under this fraction of the total. DESIGN.md: a DeepSpeed run was killed at 123 GiB used of 125 GiB,
@@ -529,14 +525,15 @@ def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
     if stage == 3:
         subs = _ds_sub_groups(s, W)
         if off_par:
-            # zero.Init pins each parameter's partition on the host; initialize then copies them into
-            # one pinned flat buffer (_create_param_groups_fp16_flat_cpu_memory); freed pinned blocks
-            # stay in PyTorch's host cache, so both count.
-            host[f"parameters (partitions{ptag}, from init)"] = sum(pin(c * -(-_numel(sh) // W)) for sh in all_params)
+            # zero.Init puts each parameter's partition on the host; initialize then copies them into
+            # one pinned flat buffer (_create_param_groups_fp16_flat_cpu_memory) and drops them.
+            # Measured (ds-1b-z3-alloff): the per-parameter copies do not stay.
             host[f"parameters (flat partition{ptag})"] = pin(c * part)
         else:
             gpu["parameters (partition)"] = c * part           # lp_param_buffer
-            build_gpu = 2 * c * part                             # partitions + the flat buffer they move into
+            # defragment() moves the partitions into one flat buffer through a host copy, so the GPU
+            # holds one copy at a time (zero/utils.py), and the host holds c * part for a moment
+            build_gpu = c * part
         if off_opt:
             host[f"fp32 master (partition{ptag})"] = sum(pin(4 * g) for g in subs)
             host["optimizer states (Adam fp32)"] = 8 * part
@@ -647,7 +644,13 @@ def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
                             "cast copy (largest tensor)": c * largest_param}
     hphases["training"] = {"process (python, torch, CUDA)": RANK_BASE_RSS["deepspeed"], **host}
     if stage == 3 and not off_par:
-        hphases["training"]["ZeRO-3 host transient (measured)"] = int(DS_Z3_HOST_TRANSIENT_PER_PARAM * part)
+        hphases["build"] = {"process (python, torch, CUDA)": DS_BUILD_BASE_RSS,
+                            "defragment(): partitions copied through the host": c * part}
+    if stage == 3 and off_opt and d.pin_memory:
+        # the gradient partition buffer is allocated on the host, then pinned: a plain copy exists
+        # while its pinned twin is made, after the other optimizer buffers (stage3.py
+        # grad_partitions_flat_buffer). Measured: 1.75 GiB over the steady RSS at 0.94e9 parameters.
+        hphases["training"]["gradient buffer being pinned (transient)"] = c * part
     notes = []
     if nvme:
         notes.append("NVMe offload is not modelled: its host buffers and files are left out")

@@ -124,17 +124,27 @@ def _weight_files(folder: Path) -> list[Path]:
     raise ModelError(f"{folder}: no weights (model.safetensors or pytorch_model.bin)")
 
 
-def _read_tensors(folder: Path):
-    """(name, tensor) one at a time, so rank 0 never holds the whole model either."""
-    for f in _weight_files(folder):
-        if f.suffix == ".safetensors":
-            from safetensors import safe_open
-            with safe_open(str(f), framework="pt") as fh:
-                for name in fh.keys():
-                    yield name, fh.get_tensor(name)
-        else:
-            sd = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
-            yield from sd.items()
+class _Weights:
+    """The tensors of a Hugging Face folder by name, read one at a time when asked for (safetensors
+    and torch.load(mmap=True) map the files), so rank 0 never holds the whole model either."""
+
+    def __init__(self, folder: Path) -> None:
+        self.handles: dict[Path, object] = {}
+        self.where: dict[str, Path] = {}
+        for f in _weight_files(folder):
+            if f.suffix == ".safetensors":
+                from safetensors import safe_open
+                handle = safe_open(str(f), framework="pt")
+                names = list(handle.keys())
+            else:
+                handle = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+                names = list(handle)
+            self.handles[f] = handle
+            self.where.update((n, f) for n in names)
+
+    def get(self, name: str) -> torch.Tensor:
+        handle = self.handles[self.where[name]]
+        return handle.get_tensor(name) if hasattr(handle, "get_tensor") else handle[name]
 
 
 @torch.no_grad()
@@ -143,20 +153,17 @@ def load_pretrained_partitions(r: common.Rank, model: common.CausalLMLoss) -> No
     let rank 0 copy the file's tensor in, and re-partition on exit (GatheredParameters, modifier 0)."""
     import deepspeed
     params = dict(model.lm.named_parameters())
-    tensors = {}
-    if r.rank == 0:
-        want = set(params)
-        for name, t in _read_tensors(Path(r.spec.path)):
-            if name in want:
-                tensors[name] = t
-        missing = sorted(want - set(tensors))
-        if missing:
-            raise ModelError(f"{r.spec.path}: weights lack {', '.join(missing[:5])}"
-                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    # Every rank opens the index (no tensor is read), so a folder that lacks weights fails everywhere
+    # at once instead of leaving ranks 1.. waiting in the first gather.
+    weights = _Weights(Path(r.spec.path))
+    missing = sorted(set(params) - set(weights.where))
+    if missing:
+        raise ModelError(f"{r.spec.path}: weights lack {', '.join(missing[:5])}"
+                         + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
     for name, p in params.items():
         with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
             if r.rank == 0:
-                p.data.copy_(tensors.pop(name).to(p.dtype))
+                p.data.copy_(weights.get(name).to(p.dtype))
 
 
 @torch.no_grad()

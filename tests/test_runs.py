@@ -207,3 +207,35 @@ def test_front_end_killed_then_attach_sees_every_line(tmp_path):
     printed = [l.split()[1] for l in res.stdout.splitlines() if l.startswith("step ")]
     assert printed == [f"{i}/40" for i in range(1, 41)]     # the whole history, then the rest live
     assert_nothing_left(run_dir, msgs)
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
+def test_kill_mid_checkpoint_then_resume_from_the_previous_one(tmp_path, backend):
+    """SIGKILL of every process while step 4's checkpoint is being written: resume picks step 2's."""
+    from shardconsole.launch import Job
+    ckpt, first = tmp_path / "ckpt", tmp_path / "first"
+    common = ["--preset", "tiny-cpu", "--headless", "--set", f"parallel.backend={backend}",
+              "--set", f"train.checkpoint_dir={ckpt}", "--set", "train.log_every=1", "--set", "train.checkpoint_every=2"]
+    proc = subprocess.Popen([sys.executable, "-m", "shardconsole", *common, "--run-dir", str(first),
+                             "--set", "train.steps=6"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "SHARDCONSOLE_FAULT": "slow_save@step=4"})
+    deadline = time.monotonic() + 180
+    while not (ckpt / "step_00000004.partial").exists():
+        assert time.monotonic() < deadline, "the step-4 checkpoint never started"
+        time.sleep(0.1)
+    time.sleep(0.5)
+    job = Job.from_run_dir(first)
+    hellos = [m.pid for m in of_kind(messages(first), "hello")]
+    report = job.stop(grace_s=0.0, rank_pids=tuple(hellos))     # straight to SIGKILL: a crash mid-save
+    proc.kill()
+    proc.wait()
+    assert report.clean
+    assert (ckpt / "step_00000002").is_dir() and not (ckpt / "step_00000004").exists()
+
+    second = tmp_path / "second"
+    res = shardconsole(*common, "--run-dir", str(second), "--set", "train.steps=6", "--set", "train.resume=true")
+    assert res.returncode == 0, res.stderr
+    msgs = messages(second)
+    assert [m.step for m in of_kind(msgs, "step")] == [3, 4, 5, 6]
+    assert any("step_00000002" in m.detail for m in of_kind(msgs, "event") if m.name == "info")
+    assert (ckpt / "step_00000006").is_dir()

@@ -430,6 +430,7 @@ def prepare_checkpoint(r: Rank, step: int) -> Path:
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
+    r.faults.on_save(step)
     return tmp
 
 

@@ -8,7 +8,7 @@ Set SHARDCONSOLE_FAULT to one or more `kind@key=value,...` separated by ';', e.g
     SHARDCONSOLE_FAULT="nan@step=3"                the loss becomes NaN from step 3
     SHARDCONSOLE_FAULT="overflow@step=2"           a gradient becomes inf from step 2 (fp16 skips)
     SHARDCONSOLE_FAULT="raise@rank=1,step=2"       a plain exception
-    SHARDCONSOLE_FAULT="slow_save@rank=0"          sleep 30 s inside each checkpoint save
+    SHARDCONSOLE_FAULT="slow_save@step=4"          sleep 60 s inside checkpoint saves from step 4 on
 Without the variable every hook is a single attribute test.
 """
 
@@ -84,6 +84,6 @@ class Injector:
                         g.view(-1)[0] = float("inf")
                         return
 
-    def on_save(self) -> None:
-        if self.active and self._hit("slow_save"):
-            time.sleep(30)
+    def on_save(self, step: int) -> None:
+        if self.active and self._hit("slow_save", step):
+            time.sleep(60)

@@ -120,7 +120,6 @@ def make_scaler(r: common.Rank):
 def save(r: common.Rank, model, optim, step: int) -> None:
     r.phase("saving checkpoint")
     tmp = common.prepare_checkpoint(r, step)
-    r.faults.on_save()
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim),
              "step": torch.tensor(step)}
     dcp.save(state, checkpoint_id=str(tmp))

@@ -16,19 +16,20 @@ package really do (backends/fsdp.py, backends/deepspeed.py, backends/common.py),
         by PyTorch's CachingHostAllocator), and the launcher and front-end processes.
 
 The peak is not the sum of every part: gradients appear as activations are freed, so the GPU model
-evaluates the moments that can set the peak (end of forward, start of backward, end of backward,
-optimizer step, model build) and reports the parts alive at the largest one.
+evaluates the moments that can set the peak (end of forward, loss backward, last and first layer's
+backward, end of backward, optimizer step, model build) and reports the parts alive at the largest
+one, plus the pools the caching allocator keeps for the communication streams.
 
-Every constant says where it comes from. "Awaits calibration" marks a first value taken from the
-sources or from DESIGN.md's bare loops that benchmarks/plan_calibrate.py measures on the H200 test
-machine (benchmarks/data/plan_calibration.json; docs/PLANNER.md has the comparison).
+Every constant says where it comes from: the sources (PyTorch, DeepSpeed, transformers), or a
+measurement of benchmarks/plan_calibrate.py on the H200 test machine
+(benchmarks/data/plan_calibration.json; docs/PLANNER.md has the comparison and what is fitted).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from shardconsole import config as C
 from shardconsole.models import CATALOG, ModelSpec, resolve

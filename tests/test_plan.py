@@ -12,7 +12,6 @@ import pytest
 from shardconsole import cli
 from shardconsole import config as C
 from shardconsole import plan as PL
-from shardconsole import plan_cli
 from shardconsole.models import CATALOG, resolve
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,0 +1,107 @@
+"""Start a real run and stop it at a random moment, many times; count processes left behind.
+
+    python benchmarks/stop_cycles.py --cycles 50 --backend fsdp
+    python benchmarks/stop_cycles.py --cycles 50 --backend deepspeed
+
+Each cycle starts `tiny-cpu` through launch.Job (the path the front ends use), waits a random time
+in [0, --max-wait] seconds (so stops land in start-up, model load, op builds, training and checkpoint
+saves), stops it (SIGTERM, grace, SIGKILL) and checks that no process of the run is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from shardconsole import config as C, preset_store  # noqa: E402
+from shardconsole.launch import PRESET_FILE, Job, _live  # noqa: E402
+from shardconsole.protocol import decode  # noqa: E402
+
+
+def phase_at_stop(run_dir: Path) -> str:
+    phase = "not started"
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                m = decode(line)
+            except ValueError:
+                continue
+            if m.kind == "event" and m.name == "phase":
+                phase = m.detail
+    return phase
+
+
+def rank_pids(run_dir: Path) -> tuple[int, ...]:
+    out = []
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                m = decode(line)
+            except ValueError:
+                continue
+            if m.kind == "hello":
+                out.append(m.pid)
+    return tuple(out)
+
+
+def cycle(backend: str, root: Path, i: int, wait: float, grace: float) -> dict:
+    cfg = preset_store.load("tiny-cpu", [f"parallel.backend={backend}", "train.steps=100000",
+                                         "train.checkpoint_every=7", "train.log_every=1"])
+    run_dir = root / f"{backend}-{i}"
+    run_dir.mkdir(parents=True)
+    C.save(cfg, run_dir / PRESET_FILE)
+    job = Job.start(cfg, run_dir, run_dir.name)
+    time.sleep(wait)
+    phase = phase_at_stop(run_dir)
+    pids = rank_pids(run_dir)
+    report = job.stop(grace_s=grace, rank_pids=pids)
+    time.sleep(0.2)
+    left = _live(set(report.signalled) | set(pids))
+    return {"cycle": i, "wait_s": round(wait, 2), "phase": phase, "stop_s": round(report.seconds, 2),
+            "killed": report.killed, "left": left + report.left}
+
+
+def run_cycles(backend: str, cycles: int, max_wait: float, grace: float, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    root = Path(tempfile.mkdtemp(prefix="sc-stop-"))
+    # Stratified: cycle i stops somewhere in the i-th slice of [0, max_wait], so even a few cycles
+    # cover start-up, loading and training.
+    return [cycle(backend, root, i, (i + rng.random()) * max_wait / cycles, grace) for i in range(cycles)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cycles", type=int, default=50)
+    ap.add_argument("--backend", choices=["fsdp", "deepspeed"], default="fsdp")
+    ap.add_argument("--max-wait", type=float, default=20.0)
+    ap.add_argument("--grace", type=float, default=5.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    results = run_cycles(args.backend, args.cycles, args.max_wait, args.grace, args.seed)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    phases: dict[str, int] = {}
+    for r in results:
+        phases[r["phase"]] = phases.get(r["phase"], 0) + 1
+    bad = [r for r in results if r["left"]]
+    print(f"{args.backend}: {len(results)} cycles, stops by phase {phases}, "
+          f"max stop {max(r['stop_s'] for r in results):.1f}s, SIGKILL needed {sum(r['killed'] for r in results)}, "
+          f"cycles with processes left: {len(bad)}")
+    for r in bad:
+        print("  left:", r)
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()

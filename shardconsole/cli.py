@@ -42,9 +42,9 @@ def _run_parser() -> argparse.ArgumentParser:
 def load_config(preset: str | None, overrides: list[str]) -> tuple[C.RunConfig, str]:
     """The resolved settings, checked against this machine (GPU count) and the model/data paths."""
     name = preset or DEFAULT_PRESET
-    path = preset_store.find(name)
-    raw = C.load_toml(path)
-    cfg = C.build(raw, str(path), overrides)
+    cfg, path, notes = preset_store.resolve(name, overrides)
+    for note in notes:
+        print(f"shardconsole: {note}", file=sys.stderr)
     if cfg.parallel.device != "cpu":
         from shardconsole.probes import gpu_count
         n = gpu_count()

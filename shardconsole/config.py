@@ -141,7 +141,7 @@ class ParallelSettings:
 class PrecisionSettings:
     dtype: Literal["bf16", "fp16", "fp32"] = _f("bf16", "compute dtype of parameters in forward/backward")
     reduce_dtype: Literal["fp32", "bf16", "fp16"] | None = _f(
-        None, "dtype of gradient reduction (default fp32)")
+        None, "dtype of gradient reduction (default: fp32 for FSDP, the compute dtype for DeepSpeed)")
     # fp16 dynamic loss scaling, with DeepSpeed's names and meanings. None = not set (default applies);
     # setting any of them with a dtype other than fp16 is an error.
     initial_scale_power: int | None = _f(None, "fp16: start the loss scale at 2**this (default 16)", min=0, max=64)

@@ -76,14 +76,8 @@ def hardware_from_args(gpus: int | None, gpu_memory: str | None, host_memory: st
 def load(preset: str | None, overrides: list[str]) -> tuple[C.RunConfig, str]:
     """The run's settings, checked like a launch, but not against this machine's GPUs: a plan is
     often made for another machine."""
-    if preset is None:
-        cfg = C.build(None, "defaults", overrides)
-        name = "defaults"
-    else:
-        path = preset_store.find(preset)
-        cfg = C.build(C.load_toml(path), str(path), overrides)
-        name = preset
-    return cfg, name
+    cfg, _, _ = preset_store.resolve(preset, overrides)
+    return cfg, preset or "defaults"
 
 
 def _spec(cfg: C.RunConfig, source: str):

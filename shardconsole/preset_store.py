@@ -74,8 +74,23 @@ def find(name_or_path: str) -> Path:
                         f"or a path to a .toml file")
 
 
+def resolve(name_or_path: str | None, overrides: list[str] | None = None, *,
+            gpu_count: int | None = None) -> tuple[C.RunConfig, str, list[str]]:
+    """The settings a run of this preset uses: defaults < preset < overrides, and, when the result is a
+    DeepSpeed run made from FSDP settings (`--set parallel.backend=deepspeed`), their ZeRO equivalents
+    for every deepspeed key the user did not set. Returns (settings, source file, notes on the mapping).
+    Every front end (run, plan, export, console) resolves through here, so they agree."""
+    from shardconsole import ds_json
+    if name_or_path is None:
+        cfg, notes = ds_json.deepspeed_config_for(None, "defaults", overrides, gpu_count=gpu_count)
+        return cfg, "defaults", notes
+    path = find(name_or_path)
+    cfg, notes = ds_json.deepspeed_config_for(C.load_toml(path), str(path), overrides, gpu_count=gpu_count)
+    return cfg, str(path), notes
+
+
 def load(name_or_path: str, overrides: list[str] | None = None, *, gpu_count: int | None = None) -> C.RunConfig:
-    return C.load(find(name_or_path), overrides, gpu_count=gpu_count)
+    return resolve(name_or_path, overrides, gpu_count=gpu_count)[0]
 
 
 def save_user_preset(cfg: C.RunConfig, name: str, *, overwrite: bool = False) -> Path:

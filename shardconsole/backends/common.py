@@ -262,7 +262,11 @@ class CausalLMLoss(nn.Module):
 
 
 def enable_checkpointing(lm: nn.Module) -> None:
-    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # transformers 5.x renamed it (the old name warns until v6); older releases only have the old one.
+    try:
+        lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    except (AttributeError, TypeError):
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def load_pretrained(spec: ModelSpec, hf_cfg) -> nn.Module:

@@ -17,7 +17,7 @@ def main() -> None:
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
 
-    from shardconsole.backends import common   # imports torch: after argument parsing
+    from shardconsole.backends import common, failures   # import torch: after argument parsing
     r = None
     code = 0
     t0 = time.time()
@@ -38,7 +38,7 @@ def main() -> None:
         if isinstance(exc, SystemExit) and not exc.code:
             code = 0
         else:
-            common.report_failure(r, exc, args.run_dir, args.run_id)
+            failures.report_failure(r, exc, args.run_dir, args.run_id)
             code = 1
     common.exit_rank(code)
 

@@ -26,7 +26,7 @@ import torch
 import torch._dynamo  # noqa: F401
 
 from shardconsole import ds_json
-from shardconsole.backends import common
+from shardconsole.backends import checkpoints, common, metrics, modeling
 from shardconsole.backends.data import make_source
 from shardconsole.models import ModelError
 
@@ -148,7 +148,7 @@ class _Weights:
 
 
 @torch.no_grad()
-def load_pretrained_partitions(r: common.Rank, model: common.CausalLMLoss) -> None:
+def load_pretrained_partitions(r: common.Rank, model: modeling.CausalLMLoss) -> None:
     """Fill ZeRO-3 partitions from a Hugging Face folder: per parameter, gather it (empty but shaped),
     let rank 0 copy the file's tensor in, and re-partition on exit (GatheredParameters, modifier 0)."""
     import deepspeed
@@ -168,7 +168,7 @@ def load_pretrained_partitions(r: common.Rank, model: common.CausalLMLoss) -> No
 
 @torch.no_grad()
 def init_partitions_(model: torch.nn.Module, std: float, seed: int, rank: int) -> None:
-    """common.init_random_ for ZeRO-3: the same rules (normal(0, std) matrices, norm weights 1, biases 0)
+    """modeling.init_random_ for ZeRO-3: the same rules (normal(0, std) matrices, norm weights 1, biases 0)
     applied to each rank's own partition (p.ds_tensor), seeded per rank."""
     gen = torch.Generator(device="cpu").manual_seed(seed * 7919 + rank)
     for name, p in model.named_parameters():
@@ -204,11 +204,11 @@ def init_as_partitions_(model: torch.nn.Module, std: float, seed: int, world: in
                 flat[lo:lo + n].copy_(values[:n])
 
 
-def build(r: common.Rank, ds_cfg: dict) -> common.CausalLMLoss:
+def build(r: common.Rank, ds_cfg: dict) -> modeling.CausalLMLoss:
     import deepspeed
     r.phase("loading model")
     cfg = r.cfg
-    hf_cfg = common.hf_config(r.spec, cfg)
+    hf_cfg = modeling.hf_config(r.spec, cfg)
     pretrained = r.spec.path is not None and r.spec.has_weights
     std = float(getattr(hf_cfg, "initializer_range", 0.02))
     if cfg.deepspeed.stage == 3:
@@ -216,8 +216,8 @@ def build(r: common.Rank, ds_cfg: dict) -> common.CausalLMLoss:
         # argument: DeepSpeed 0.19 reads `dtype or fp16 if fp16_supported else bf16` so, on a CPU without
         # fp16, dtype=torch.float32 builds bf16 parameters; only the config path gets fp32 right.
         with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
-            lm = common.build_causal_lm(hf_cfg)
-        model = common.CausalLMLoss(lm)
+            lm = modeling.build_causal_lm(hf_cfg)
+        model = modeling.CausalLMLoss(lm)
         # The loss reads lm_head.weight directly (chunked cross-entropy), outside lm_head's forward:
         # ZeRO-3 must gather it for the root module's forward and backward.
         deepspeed.zero.register_external_parameter(model, lm.lm_head.weight)
@@ -228,12 +228,12 @@ def build(r: common.Rank, ds_cfg: dict) -> common.CausalLMLoss:
     else:
         # Stages 0-2 keep a full copy of the parameters on every rank by design; every rank draws the
         # same values (and DeepSpeed broadcasts rank 0's at initialize anyway).
-        lm = common.load_pretrained(r.spec, hf_cfg) if pretrained else common.build_causal_lm(hf_cfg)
-        model = common.CausalLMLoss(lm)
+        lm = modeling.load_pretrained(r.spec, hf_cfg) if pretrained else modeling.build_causal_lm(hf_cfg)
+        model = modeling.CausalLMLoss(lm)
         if not pretrained:
             init_as_partitions_(model, std, cfg.train.seed, r.world)
     if cfg.memory.activation_checkpointing:
-        common.enable_checkpointing(model.lm)
+        modeling.enable_checkpointing(model.lm)
     model.train()
     return model
 
@@ -254,14 +254,14 @@ def save(r: common.Rank, engine, step: int) -> None:
     """engine.save_checkpoint into step_N.partial (DeepSpeed's own layout: global_stepN/, latest,
     zero_to_fp32.py), made visible as step_N only when every rank is done."""
     r.phase("saving checkpoint")
-    tmp = common.prepare_checkpoint(r, step)
+    tmp = checkpoints.prepare_checkpoint(r, step)
     engine.save_checkpoint(str(tmp), tag=f"global_step{step}", client_state={"step": step})
-    common.finish_checkpoint(r, step)
+    checkpoints.finish_checkpoint(r, step)
     r.phase("training")
 
 
 def resume(r: common.Rank, engine) -> int:
-    found = common.latest_checkpoint(r.checkpoint_dir())
+    found = checkpoints.latest_checkpoint(r.checkpoint_dir())
     if found is None:
         r.event("info", f"no checkpoint in {r.checkpoint_dir()}: starting from step 0")
         return 0
@@ -295,7 +295,7 @@ def train(r: common.Rank) -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
     # zero.Init (stage 3) and the engine's module.half()/bfloat16() (stages 0-2) cast the rotary
     # frequencies to the compute dtype; rebuilt in fp32 they match the FSDP backend's (and the model's).
-    common.reset_buffers_(model, common.hf_config(r.spec, cfg), r.device)
+    modeling.reset_buffers_(model, modeling.hf_config(r.spec, cfg), r.device)
     if t.compile:
         # DeepSpeed's own path for torch.compile under ZeRO hooks (DESIGN.md measured it slower than eager
         # for ZeRO-3 on one H200; kept because the setting asks for it).
@@ -303,7 +303,7 @@ def train(r: common.Rank) -> None:
         r.event("info", "train.compile: engine.compile() (DeepSpeed's torch.compile integration)")
     start_step = resume(r, engine) if t.resume else 0
     data = make_source(cfg, r.spec.vocab, r.spec.path, r.rank, r.world)
-    meter = common.StepMeter(r)
+    meter = metrics.StepMeter(r)
     fp16 = cfg.precision.dtype == "fp16"
     r.phase("training")
     for step in range(start_step + 1, t.steps + 1):
@@ -323,7 +323,7 @@ def train(r: common.Rank) -> None:
                 engine.step()            # an optimizer step only at the accumulation boundary
             except Exception as e:
                 if "loss scale already at minimum" in str(e):
-                    raise common.LossScaleFloorError(
+                    raise metrics.LossScaleFloorError(
                         f"fp16 overflow at the minimum loss scale "
                         f"({cfg.precision.fp16_value('min_loss_scale')}) at step {step}") from e
                 raise
@@ -333,7 +333,7 @@ def train(r: common.Rank) -> None:
         if meter.due(step):
             mean = meter.report(step, lr, engine.get_global_grad_norm(), loss_scale(engine) if fp16 else None,
                                 engine.skipped_steps)
-            common.check_loss(r, mean, step)
+            metrics.check_loss(r, mean, step)
         if cfg.memory.empty_cache_every and r.is_cuda and step % cfg.memory.empty_cache_every == 0:
             torch.cuda.empty_cache()
         if t.checkpoint_every and step % t.checkpoint_every == 0 and step != t.steps:

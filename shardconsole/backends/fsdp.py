@@ -9,10 +9,7 @@ Sharding map (torch.distributed.fsdp.fully_shard on each decoder layer, then on 
 
 from __future__ import annotations
 
-import time
-
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
@@ -20,8 +17,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from shardconsole.backends import common
-from shardconsole.backends.faults import Injector
+from shardconsole.backends import checkpoints, common, metrics, modeling
 from shardconsole.backends.data import make_source
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -38,7 +34,7 @@ def make_mesh(r: common.Rank):
     return init_device_mesh(dev, (r.world,), mesh_dim_names=("shard",))
 
 
-def shard_model(r: common.Rank, model: common.CausalLMLoss) -> None:
+def shard_model(r: common.Rank, model: modeling.CausalLMLoss) -> None:
     cfg = r.cfg
     kwargs: dict = {"mesh": make_mesh(r), "reshard_after_forward": cfg.reshard_after_forward}
     if cfg.precision.dtype != "fp32":
@@ -47,7 +43,7 @@ def shard_model(r: common.Rank, model: common.CausalLMLoss) -> None:
     if cfg.fsdp.cpu_offload:
         # Pinned host memory needs an accelerator (DESIGN.md): unpinned on CPU-only runs.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=cfg.fsdp.pin_memory and r.is_cuda)
-    layers = common.decoder_layers(model.lm)
+    layers = modeling.decoder_layers(model.lm)
     for i, layer in enumerate(layers):
         if cfg.train.compile:
             layer.compile()   # per layer, before sharding: DESIGN.md's fastest bare loop
@@ -65,30 +61,30 @@ def shard_model(r: common.Rank, model: common.CausalLMLoss) -> None:
                 layer.set_modules_to_backward_prefetch(list(reversed(layers[max(0, i - bwd):i])))
 
 
-def build(r: common.Rank) -> common.CausalLMLoss:
+def build(r: common.Rank) -> modeling.CausalLMLoss:
     """A sharded model with no full copy on any rank: built on the meta device, sharded, then each
     rank fills its own shards (random init) or receives them from rank 0 (a checkpoint folder)."""
     r.phase("loading model")
     r.faults.on_load()
-    hf_cfg = common.hf_config(r.spec, r.cfg)
+    hf_cfg = modeling.hf_config(r.spec, r.cfg)
     pretrained = r.spec.path is not None and r.spec.has_weights
     full_sd = None
     if pretrained and r.rank == 0:
-        full_sd = common.load_pretrained(r.spec, hf_cfg).state_dict()
+        full_sd = modeling.load_pretrained(r.spec, hf_cfg).state_dict()
     with torch.device("meta"):
-        model = common.CausalLMLoss(common.build_causal_lm(hf_cfg))
+        model = modeling.CausalLMLoss(modeling.build_causal_lm(hf_cfg))
     if r.cfg.memory.activation_checkpointing:
-        common.enable_checkpointing(model.lm)
+        modeling.enable_checkpointing(model.lm)
     shard_model(r, model)
     init_device = "cpu" if r.cfg.fsdp.cpu_offload else r.device
     model.to_empty(device=init_device)
-    common.reset_buffers_(model, hf_cfg, r.device)
+    modeling.reset_buffers_(model, hf_cfg, r.device)
     if pretrained:
         sd = {f"lm.{k}": v for k, v in full_sd.items()} if full_sd is not None else {}
         set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         del full_sd, sd
     else:
-        common.init_random_(model, float(getattr(hf_cfg, "initializer_range", 0.02)), r.cfg.train.seed, r.rank)
+        modeling.init_random_(model, float(getattr(hf_cfg, "initializer_range", 0.02)), r.cfg.train.seed, r.rank)
     model.train()
     return model
 
@@ -119,16 +115,16 @@ def make_scaler(r: common.Rank):
 
 def save(r: common.Rank, model, optim, step: int) -> None:
     r.phase("saving checkpoint")
-    tmp = common.prepare_checkpoint(r, step)
+    tmp = checkpoints.prepare_checkpoint(r, step)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim),
              "step": torch.tensor(step)}
     dcp.save(state, checkpoint_id=str(tmp))
-    common.finish_checkpoint(r, step)
+    checkpoints.finish_checkpoint(r, step)
     r.phase("training")
 
 
 def resume(r: common.Rank, model, optim) -> int:
-    found = common.latest_checkpoint(r.checkpoint_dir())
+    found = checkpoints.latest_checkpoint(r.checkpoint_dir())
     if found is None:
         r.event("info", f"no checkpoint in {r.checkpoint_dir()}: starting from step 0")
         return 0
@@ -150,14 +146,14 @@ def train(r: common.Rank) -> None:
     scaler = make_scaler(r)
     start_step = resume(r, model, optim) if t.resume else 0
     data = make_source(cfg, r.spec.vocab, r.spec.path, r.rank, r.world)
-    meter = common.StepMeter(r)
+    meter = metrics.StepMeter(r)
     skipped = torch.zeros((), device=r.device, dtype=torch.int64)
     min_scale = cfg.precision.fp16_value("min_loss_scale")
     pin = r.is_cuda
     r.phase("training")
     grad_norm = None
     reported_skips = 0
-    floor = common.ScaleFloorWatch(cfg)
+    floor = metrics.ScaleFloorWatch(cfg)
     for step in range(start_step + 1, t.steps + 1):
         r.step = step
         r.faults.on_step(step)
@@ -200,7 +196,7 @@ def train(r: common.Rank) -> None:
                         f"since the last line; loss scale now {scale:g}")
                 reported_skips = n_skipped
             mean = meter.report(step, lr, norm, scale, n_skipped)
-            common.check_loss(r, mean, step)
+            metrics.check_loss(r, mean, step)
             floor.check(step, scale, n_skipped)
         if cfg.memory.empty_cache_every and r.is_cuda and step % cfg.memory.empty_cache_every == 0:
             torch.cuda.empty_cache()

@@ -1,0 +1,121 @@
+"""What a rank measures and reports: step lines (rank 0), memory lines (every rank), and the checks on
+the loss and the fp16 loss scale that end a run which stopped learning."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from shardconsole import config as C
+from shardconsole import protocol as P
+from shardconsole.backends.common import Rank
+from shardconsole.hardware import peak_tflops
+
+
+class NanLossError(RuntimeError):
+    pass
+
+
+class LossScaleFloorError(RuntimeError):
+    pass
+
+
+# Metrics
+
+class StepMeter:
+    """Accumulates on the device between log steps; reads (one sync) only when a line is due."""
+
+    def __init__(self, r: Rank) -> None:
+        self.r = r
+        cfg = r.cfg
+        self.tokens_per_step = cfg.tokens_per_step
+        self.samples_per_step = cfg.train.micro_batch * cfg.train.grad_accum * r.world
+        self.flops_per_token = r.spec.flops_per_token(cfg.data.seq_len)
+        rate = cfg.train.peak_tflops or (peak_tflops(torch.cuda.get_device_name(r.device)) if r.is_cuda else None)
+        self.peak_flops = rate * 1e12 if rate else None
+        self.loss_sum = torch.zeros((), device=r.device, dtype=torch.float32)
+        self.n = 0
+        self.t_last = time.perf_counter()
+        self.tokens_total = 0
+        self.proc = psutil.Process()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss_sum += loss.detach().float()   # stays on the device: no sync
+        self.n += 1
+        self.tokens_total += self.tokens_per_step
+
+    def due(self, step: int) -> bool:
+        return step % self.r.cfg.train.log_every == 0 or step == self.r.cfg.train.steps
+
+    def report(self, step: int, lr: float, grad_norm: torch.Tensor | float | None,
+               loss_scale: float | None = None, skipped: int = 0) -> float:
+        """Emit the step line (rank 0) and a memory line (every rank). Returns the mean loss."""
+        r = self.r
+        if r.is_cuda:
+            torch.cuda.synchronize(r.device)   # host-device sync: only on log steps
+        now = time.perf_counter()
+        loss = self.loss_sum.clone()
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+        mean_loss = loss.item() / max(1, self.n) / r.world
+        steps_done = max(1, self.n)
+        dt = (now - self.t_last) / steps_done
+        tps = self.tokens_per_step / dt if dt > 0 else 0.0
+        mfu = (tps / r.world) * self.flops_per_token / self.peak_flops if self.peak_flops else None
+        gn = float(grad_norm) if grad_norm is not None else None
+        r.emit(memory_message(r, step, self.proc))   # before the step line, which readers print on
+        if r.rank == 0:
+            r.emit(P.Step(run=r.run_id, rank=0, step=step, steps=r.cfg.train.steps, loss=mean_loss, lr=lr,
+                          grad_norm=gn, tokens_per_s=tps,
+                          samples_per_s=self.samples_per_step / dt if dt > 0 else 0.0, step_s=dt, mfu=mfu,
+                          loss_scale=loss_scale, skipped_steps=skipped, tokens=self.tokens_total))
+        self.loss_sum.zero_()
+        self.n = 0
+        self.t_last = time.perf_counter()
+        return mean_loss
+
+
+def memory_message(r: Rank, step: int, proc: psutil.Process | None = None) -> P.Memory:
+    rss = (proc or psutil.Process()).memory_info().rss
+    if r.is_cuda:
+        return P.Memory(run=r.run_id, rank=r.rank, step=step,
+                        allocated_bytes=torch.cuda.memory_allocated(r.device),
+                        reserved_bytes=torch.cuda.memory_reserved(r.device),
+                        peak_reserved_bytes=torch.cuda.max_memory_reserved(r.device),
+                        peak_allocated_bytes=torch.cuda.max_memory_allocated(r.device),
+                        host_rss_bytes=rss, device_index=r.device.index)
+    return P.Memory(run=r.run_id, rank=r.rank, step=step, host_rss_bytes=rss)
+
+
+def check_loss(r: Rank, loss: float, step: int) -> None:
+    if not math.isfinite(loss):
+        raise NanLossError(f"loss is {loss} at step {step}")
+
+
+class ScaleFloorWatch:
+    """fp16: the loss scale sitting at its minimum while every step overflows means training has
+    stopped (each step is skipped). Raise after `patience` such steps in a row instead of burning hours."""
+
+    def __init__(self, cfg: C.RunConfig, patience: int = 8) -> None:
+        self.min_scale = float(cfg.precision.fp16_value("min_loss_scale"))
+        self.patience = patience
+        self.streak = 0
+        self.last_step = 0
+        self.last_skipped = 0
+
+    def check(self, step: int, scale: float | None, skipped: int) -> None:
+        if scale is None:
+            return
+        interval = step - self.last_step
+        new_skips = skipped - self.last_skipped
+        self.last_step, self.last_skipped = step, skipped
+        if scale <= self.min_scale and new_skips >= interval:
+            self.streak += new_skips
+        else:
+            self.streak = 0
+        if self.streak >= self.patience:
+            raise LossScaleFloorError(f"fp16 loss scale stuck at its minimum {self.min_scale:g}: "
+                                      f"the last {self.streak} steps all overflowed and were skipped")

@@ -1,0 +1,129 @@
+"""The trained module: a Llama-style causal LM from the catalog or a local Hugging Face folder, wrapped so
+its forward returns the loss, with a cross-entropy that never holds the full fp32 logits."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardconsole import config as C
+from shardconsole.models import ModelSpec
+
+
+# The model
+
+def hf_config(spec: ModelSpec, cfg: C.RunConfig):
+    from transformers import AutoConfig, LlamaConfig
+    if spec.path is not None:
+        hf = AutoConfig.from_pretrained(spec.path, local_files_only=True)
+    else:
+        hf = LlamaConfig(**spec.config)
+    hf._attn_implementation = cfg.model.attn_implementation
+    hf.use_cache = False
+    return hf
+
+
+def build_causal_lm(hf_cfg) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=hf_cfg._attn_implementation)
+
+
+def decoder_layers(lm: nn.Module) -> nn.ModuleList:
+    """The repeated blocks (the unit of sharding, prefetch and checkpointing)."""
+    for path in ("model.layers", "transformer.h", "model.decoder.layers"):
+        obj = lm
+        try:
+            for part in path.split("."):
+                obj = getattr(obj, part)
+            return obj
+        except AttributeError:
+            continue
+    raise TypeError(f"{type(lm).__name__}: cannot find its decoder layers")
+
+
+@torch.no_grad()
+def init_random_(model: nn.Module, std: float, seed: int, rank: int) -> None:
+    """Random init of (possibly sharded) parameters in place: normal(0, std) for matrices, ones for
+    norm weights, zeros for biases. Works on each rank's local shard, seeded per rank, so a model
+    built on the meta device never needs a full copy anywhere."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.numel() == 0:
+            continue
+        if "norm" in name.lower() and local.dim() == 1:
+            local.fill_(1.0)
+        elif name.endswith("bias"):
+            local.zero_()
+        else:
+            # Generated where the shard lives: a 7B model's 27 GiB of fp32 draws on one CPU core is minutes.
+            gen = gens.get(local.device)
+            if gen is None:
+                gen = gens[local.device] = torch.Generator(device=local.device).manual_seed(seed * 7919 + rank)
+            local.normal_(0.0, std, generator=gen)
+
+
+@torch.no_grad()
+def reset_buffers_(model: nn.Module, hf_cfg, device: torch.device) -> None:
+    """Non-persistent buffers (rotary inv_freq) are garbage after to_empty(): rebuild them."""
+    for name, module in model.named_modules():
+        if name.endswith("rotary_emb"):
+            with torch.device("cpu"):
+                fresh = type(module)(config=hf_cfg)
+            for bname, buf in fresh.named_buffers(recurse=False):
+                module._buffers[bname] = buf.to(device)   # on the compute device even with CPU offload
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                          chunk_tokens: int = 4096) -> torch.Tensor:
+    """Mean next-token loss without ever holding the full [tokens, vocab] fp32 logits.
+
+    Each chunk's logits are recomputed in backward (checkpoint), so the peak is one chunk's logits,
+    not all of them: for seq 2048 x micro-batch 8 x vocab 32000 that is 2 GiB of fp32 saved."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    n = y.numel()
+    if n <= chunk_tokens:
+        return F.cross_entropy((h @ weight.t()).float(), y)
+
+    def part(hc: torch.Tensor, w: torch.Tensor, yc: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy((hc @ w.t()).float(), yc, reduction="sum")
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for i in range(0, n, chunk_tokens):
+        total = total + torch.utils.checkpoint.checkpoint(
+            part, h[i:i + chunk_tokens], weight, y[i:i + chunk_tokens], use_reentrant=False)
+    return total / n
+
+
+class CausalLMLoss(nn.Module):
+    """The trained module: a causal LM whose forward returns the mean next-token loss.
+
+    Wrapping the LM keeps the loss inside the root module's forward, so FSDP2's root hooks (and
+    DeepSpeed's) gather the embedding and output head for it."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden = self.lm.model(input_ids=input_ids).last_hidden_state
+        return chunked_cross_entropy(hidden, self.lm.lm_head.weight, labels)
+
+
+def enable_checkpointing(lm: nn.Module) -> None:
+    # transformers 5.x renamed it (the old name warns until v6); older releases only have the old one.
+    try:
+        lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    except (AttributeError, TypeError):
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def load_pretrained(spec: ModelSpec, hf_cfg) -> nn.Module:
+    if not spec.has_weights:
+        raise FileNotFoundError(f"{spec.path}: no weights (model.safetensors or pytorch_model.bin); "
+                                f"a catalog size trains from random init")
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(spec.path, config=hf_cfg, local_files_only=True,
+                                                torch_dtype=torch.float32)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from shardconsole.launch import _group_pids
+from shardconsole.protocol import decode
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,3 +30,31 @@ def shardconsole(*args: str, timeout: float = 180, env: dict | None = None, cwd:
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "shardconsole", *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=cwd)
+
+
+def messages(run_dir: Path) -> list:
+    """Every message of a run's metrics.jsonl (a bad line fails the test)."""
+    return [decode(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def of_kind(msgs, kind):
+    return [m for m in msgs if m.kind == kind]
+
+
+def pids_alive(pids) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(pid)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return alive
+
+
+def assert_nothing_left(run_dir: Path, msgs) -> None:
+    """No process of the launcher's group, and no rank by its own pid (torchrun gives each its session)."""
+    pgid = json.loads((run_dir / "job.json").read_text())["pgid"]
+    assert _group_pids(pgid) == []
+    assert pids_alive(h.pid for h in of_kind(msgs, "hello")) == []

@@ -17,9 +17,8 @@ import pytest
 
 from shardconsole import config as C
 from shardconsole.headless import EXIT_CODES
-from shardconsole.launch import PRESET_FILE, _group_pids
-from shardconsole.protocol import decode
-from tests.conftest import shardconsole
+from shardconsole.launch import PRESET_FILE
+from tests.conftest import assert_nothing_left, messages, of_kind, shardconsole
 
 RUN_TIMEOUT = 900     # a cold machine builds DeepSpeed's ops inside the first run
 
@@ -31,35 +30,8 @@ def run(run_dir: Path, *sets: str, preset: str = "tiny-cpu"):
     return shardconsole(*args, timeout=RUN_TIMEOUT)
 
 
-def messages(run_dir: Path) -> list:
-    return [decode(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def of_kind(msgs, kind):
-    return [m for m in msgs if m.kind == kind]
-
-
 def events(msgs, name):
     return [m for m in msgs if m.kind == "event" and m.name == name]
-
-
-def pids_alive(pids) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                if fh.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    alive.append(pid)
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return alive
-
-
-def assert_nothing_left(run_dir: Path, msgs) -> None:
-    """No process of the run's process group (launcher and ranks), and no rank by its own pid."""
-    pgid = json.loads((run_dir / "job.json").read_text())["pgid"]
-    assert _group_pids(pgid) == []
-    assert pids_alive(h.pid for h in of_kind(msgs, "hello")) == []
 
 
 def assert_clean_run(res, run_dir: Path) -> list:

@@ -4,7 +4,6 @@ combinations that settings validation refuses. No ranks here: these run in well 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st

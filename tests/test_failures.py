@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shardconsole.headless import EXIT_CODES
-from tests.conftest import shardconsole
-from tests.test_runs import assert_nothing_left, messages, of_kind
+from tests.conftest import assert_nothing_left, messages, of_kind, shardconsole
 
 pytestmark = pytest.mark.slow
 

@@ -2,53 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from shardconsole import config as C
-from shardconsole.launch import PRESET_FILE, _group_pids
-from shardconsole.protocol import Step, decode
-from tests.conftest import shardconsole
+from shardconsole.launch import PRESET_FILE
+from tests.conftest import assert_nothing_left, messages, of_kind, shardconsole
 
 pytestmark = pytest.mark.slow
-
-
-def messages(run_dir: Path) -> list:
-    out = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        out.append(decode(line))
-    return out
-
-
-def of_kind(msgs, kind):
-    return [m for m in msgs if m.kind == kind]
-
-
-def pids_alive(pids) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-            with open(f"/proc/{pid}/stat") as fh:
-                if fh.read().split()[2] != "Z":
-                    alive.append(pid)
-        except (ProcessLookupError, FileNotFoundError):
-            pass
-    return alive
-
-
-def assert_nothing_left(run_dir: Path, msgs) -> None:
-    pgid = json.loads((run_dir / "job.json").read_text())["pgid"]
-    assert _group_pids(pgid) == []
-    assert pids_alive(h.pid for h in of_kind(msgs, "hello")) == []
 
 
 def test_headless_tiny_cpu_trains_and_ends_clean(tmp_path):

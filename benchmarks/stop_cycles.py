@@ -22,36 +22,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from shardconsole import config as C, preset_store  # noqa: E402
-from shardconsole.launch import PRESET_FILE, Job, _live  # noqa: E402
-from shardconsole.protocol import decode  # noqa: E402
+from shardconsole.launch import METRICS_FILE, PRESET_FILE, Job, _live  # noqa: E402
+from shardconsole.runstate import RunState  # noqa: E402
+from shardconsole.stream import MetricsReader  # noqa: E402
 
 
-def phase_at_stop(run_dir: Path) -> str:
-    phase = "not started"
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                m = decode(line)
-            except ValueError:
-                continue
-            if m.kind == "event" and m.name == "phase":
-                phase = m.detail
-    return phase
-
-
-def rank_pids(run_dir: Path) -> tuple[int, ...]:
-    out = []
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                m = decode(line)
-            except ValueError:
-                continue
-            if m.kind == "hello":
-                out.append(m.pid)
-    return tuple(out)
+def stream_state(run_dir: Path) -> RunState:
+    state = RunState()
+    for msg in MetricsReader(run_dir / METRICS_FILE).poll():
+        state.apply(msg)
+    return state
 
 
 def cycle(backend: str, root: Path, i: int, wait: float, grace: float) -> dict:
@@ -62,8 +42,9 @@ def cycle(backend: str, root: Path, i: int, wait: float, grace: float) -> dict:
     C.save(cfg, run_dir / PRESET_FILE)
     job = Job.start(cfg, run_dir, run_dir.name)
     time.sleep(wait)
-    phase = phase_at_stop(run_dir)
-    pids = rank_pids(run_dir)
+    state = stream_state(run_dir)
+    phase = state.phase if state.hellos else "not started"
+    pids = tuple(state.rank_pids)
     report = job.stop(grace_s=grace, rank_pids=pids)
     time.sleep(0.2)
     left = _live(set(report.signalled) | set(pids))

@@ -523,8 +523,12 @@ def save(cfg: RunConfig, path: str | Path, *, overwrite: bool = True) -> Path:
     path = Path(path)
     if path.exists() and not overwrite:
         raise FileExistsError(path)
+    return write_atomic(path, dumps(cfg))
+
+
+def write_atomic(path: Path, text: str) -> Path:
+    """Write text to path so that a reader (or a crash) sees the old file or the new one, never half."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = dumps(cfg)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as fh:

@@ -675,23 +675,10 @@ def _write_text(text: str, out: str | None, force: bool) -> Path | None:
         sys.stdout.write(text)
         sys.stdout.flush()
         return None
-    import os
-    import tempfile
     path = Path(out).expanduser()
     if path.exists() and not force:
         raise C.ConfigError(f"{path}: exists; pass --force to overwrite it")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return C.write_atomic(path, text)
 
 
 def cmd_export(argv: list[str]) -> int:

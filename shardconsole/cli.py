@@ -59,7 +59,22 @@ def load_config(preset: str | None, overrides: list[str]) -> tuple[C.RunConfig, 
         data = Path(cfg.data.path).expanduser()
         if not data.is_file():
             raise C.ConfigError(f"{path}: [data] path: {data}: no such file")
+        if cfg.data.source == "text":
+            _check_text(data, path)
     return cfg, name
+
+
+def _check_text(data: Path, source: str) -> None:
+    """Refuse a binary file before any rank starts (the ranks check it all again as they read it)."""
+    import codecs
+    head = data.open("rb").read(1 << 16)
+    if b"\x00" in head:
+        raise C.ConfigError(f"{source}: [data] path: {data}: not a text file (it holds NUL bytes); "
+                            f"for token ids use data.source = \"tokens\"")
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError as e:
+        raise C.ConfigError(f"{source}: [data] path: {data}: not UTF-8 text (byte {e.start})") from None
 
 
 def cmd_run(argv: list[str]) -> int:

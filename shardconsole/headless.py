@@ -17,7 +17,7 @@ from typing import TextIO
 from shardconsole import config as C
 from shardconsole import protocol as P
 from shardconsole.launch import LAUNCHER_LOG, METRICS_FILE, Job, StopReport
-from shardconsole.probes import GpuProbe, host_sample
+from shardconsole.probes import GpuProbe, host_sample, wait_gpu_released
 from shardconsole.diagnose import Watch, hang_message, where_ranks_are
 from shardconsole.runstate import RunState
 from shardconsole.stream import MetricsReader, MetricsWriter
@@ -250,7 +250,9 @@ def _stop(job: Job, grace_s: float, rank_pids: list[int] = ()) -> StopReport:
     # A second Ctrl-C while stopping must not leave ranks behind: ignore it until the stop is done.
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        return job.stop(grace_s, tuple(rank_pids))
+        report = job.stop(grace_s, tuple(rank_pids))
+        report.gpu_note = wait_gpu_released(GpuProbe(), report.signalled)
+        return report
     finally:
         signal.signal(signal.SIGINT, old)
 
@@ -258,5 +260,6 @@ def _stop(job: Job, grace_s: float, rank_pids: list[int] = ()) -> StopReport:
 def describe_stop(report: StopReport) -> str:
     how = "SIGKILL after the grace period" if report.killed else "SIGTERM"
     if report.clean:
-        return f"stopped: {len(report.signalled)} process(es) ended by {how} in {report.seconds:.1f}s; none left"
+        line = f"stopped: {len(report.signalled)} process(es) ended by {how} in {report.seconds:.1f}s; none left"
+        return line + (f"\n{report.gpu_note}" if report.gpu_note else "")
     return f"stop incomplete: process(es) {report.left} still alive after SIGKILL"

@@ -110,6 +110,7 @@ class StopReport:
     killed: bool = False                                  # SIGKILL was needed
     left: list[int] = field(default_factory=list)         # pids still alive at the end (should be empty)
     seconds: float = 0.0
+    gpu_note: str = ""                                    # what NVML says after the stop (front ends fill it)
 
     @property
     def clean(self) -> bool:

@@ -104,3 +104,25 @@ def _locked_bytes(pids: Iterable[int]) -> int | None:
         except OSError:
             continue
     return total if seen else None
+
+
+def wait_gpu_released(probe: GpuProbe, pids: Iterable[int], timeout_s: float = 10.0) -> str:
+    """After a stop: wait until no GPU lists a process of the run, then say what each GPU holds now.
+    Empty when there is no GPU to check. (Inside a container NVML may not see the ranks' pids; the
+    used memory it reports is then the evidence.)"""
+    import time
+    if probe.unavailable:
+        return ""
+    pids = set(pids)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = probe.sample()
+        holders = {s.index: sorted(pids & set(s.pids)) for s in samples if pids & set(s.pids)}
+        if not holders or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    used = ", ".join(f"GPU{s.index} {s.used_bytes / 2**30:.1f}/{s.total_bytes / 2**30:.0f} GiB used" for s in samples)
+    if holders:
+        held = "; ".join(f"GPU{i} still held by pid(s) {p}" for i, p in holders.items())
+        return f"GPU memory NOT released: {held} ({used})"
+    return f"GPU memory released: no process of the run on any GPU ({used})"

@@ -157,3 +157,12 @@ def test_cli_presets_lists_builtins_with_descriptions():
     lines = {line.split()[0]: line for line in res.stdout.splitlines() if line.strip()}
     assert "built-in" in lines["3090-offload"] and "offload" in lines["3090-offload"].lower()
     assert "tiny-cpu" in lines
+
+
+def test_cli_refuses_a_binary_data_file_before_launch(tmp_path):
+    data = tmp_path / "weights.txt"
+    data.write_bytes(bytes(range(256)) * 64)
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(tmp_path / "run"),
+                       "--set", "data.source=text", "--set", f"data.path={data}", timeout=60)
+    assert res.returncode == 2 and "not a text file" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,66 @@
+"""ShardConsoleApp: the Textual console. `run_console()` is what `shardconsole` and `shardconsole attach` call.
+
+The app is given its launcher and probes (console/services.py), so tests build it with fakes. It always
+keeps the setup screen at the bottom of the stack; a run screen goes on top of it, for a launched run
+or an attached one, and "new run" goes back down to the setup.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+from textual.app import App
+from textual.binding import Binding
+
+from shardconsole.cli import DEFAULT_PRESET
+from shardconsole.console.screens.run import RunScreen
+from shardconsole.console.screens.setup import SetupScreen
+from shardconsole.console.services import Launcher, MachineProbes, Probes, TorchrunLauncher, load_plan
+
+class ShardConsoleApp(App[Path | None]):
+    """Returns the run folder when the user left a run going (so the caller can say how to attach)."""
+
+    TITLE = "shardconsole"
+    ENABLE_COMMAND_PALETTE = False
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+    BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True)]
+
+    def __init__(self, launcher: Launcher, probes: Probes, *, preset: str = DEFAULT_PRESET,
+                 overrides: list[str] | None = None, attach: Path | None = None,
+                 planner: Callable[[], ModuleType | None] = load_plan, stop_grace_s: float = 10.0) -> None:
+        """planner: returns the memory planner module (shardconsole.plan) or None; tests pass a fixed one."""
+        super().__init__()
+        self.launcher = launcher
+        self.probes = probes
+        self.attach_dir = attach
+        self.setup_screen = SetupScreen(launcher, probes, preset=preset, overrides=overrides, planner=planner,
+                                        stop_grace_s=stop_grace_s)
+
+    def on_mount(self) -> None:
+        self.push_screen(self.setup_screen)
+        if self.attach_dir is not None:
+            self.setup_screen._attach_to(self.attach_dir)
+
+    def action_quit(self) -> None:
+        """ctrl+q anywhere: a live run is left running (never stopped by quitting), with its folder."""
+        screen = self.screen
+        if isinstance(screen, RunScreen) and screen.live:
+            screen.action_leave()
+        elif isinstance(screen, RunScreen):
+            screen.action_close()
+        else:
+            self.exit(None)
+
+
+def run_console(preset: str | None = None, overrides: list[str] | None = None, attach: Path | None = None) -> int:
+    """Open the console; returns the exit code: 0, or the headless code of a watched run that failed."""
+    app = ShardConsoleApp(TorchrunLauncher(), MachineProbes(), preset=preset or DEFAULT_PRESET,
+                          overrides=overrides, attach=attach)
+    left = app.run()
+    if left is not None:
+        print(f"The run goes on in its own session. Attach again with: shardconsole attach {left}",
+              file=sys.stderr)
+    return app.return_code or 0

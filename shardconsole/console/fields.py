@@ -1,0 +1,158 @@
+"""The settings forms, derived from config.py's dataclasses; no Textual here, so it is tested as plain code.
+
+Each key of each TOML table becomes a FieldSpec whose widget kind follows its annotation and metadata
+(Literal -> select, bool -> switch, int/float -> number, a "size" string -> size, str -> text). Edits
+are checked by config.py itself (the same path as `--set table.key=value`), so the console shows the
+messages the command line gives, word for word.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+import typing
+from dataclasses import dataclass, fields
+from typing import Any, Literal, get_args, get_origin
+
+from shardconsole import config as C
+from shardconsole.models import human_count
+
+WidgetKind = Literal["select", "switch", "number", "size", "text"]
+
+# Chosen on the pick tab (model list, backend switch), so the forms do not repeat them.
+PICKED: frozenset[str] = frozenset({"model.name", "parallel.backend"})
+# Tables that only one backend reads: the other backend's table is hidden.
+BACKEND_TABLE: dict[str, str] = {"fsdp": "fsdp", "deepspeed": "deepspeed"}
+# The option of an optional select that leaves the setting unset (None: config.py's default applies).
+DEFAULT_CHOICE = "default"
+
+_LOCATION = re.compile(r"\[(\w+)\] (\w+): ")
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    table: str
+    key: str
+    kind: WidgetKind
+    help: str
+    choices: tuple[str, ...] = ()     # select only; DEFAULT_CHOICE first when optional
+    optional: bool = False            # None is allowed (shown as an empty input or DEFAULT_CHOICE)
+
+    @property
+    def path(self) -> str:
+        return f"{self.table}.{self.key}"
+
+
+def spec_for(table: str, key: str) -> FieldSpec:
+    tp = C.field_type(table, key)
+    meta = next(f.metadata for f in fields(C.TABLES[table]) if f.name == key)
+    optional = False
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        optional = len(args) < len(get_args(tp))
+        tp = args[0]
+    helptext = str(meta.get("help", ""))
+    default = (DEFAULT_CHOICE,) if optional else ()
+    if get_origin(tp) is Literal:
+        return FieldSpec(table, key, "select", helptext, default + tuple(str(a) for a in get_args(tp)), optional)
+    if tp is bool:
+        if optional:   # a switch has no third state, so "not set" needs a select
+            return FieldSpec(table, key, "select", helptext, default + ("true", "false"), True)
+        return FieldSpec(table, key, "switch", helptext)
+    if tp in (int, float):
+        return FieldSpec(table, key, "number", helptext, optional=optional)
+    if meta.get("size"):
+        return FieldSpec(table, key, "size", helptext, optional=optional)
+    return FieldSpec(table, key, "text", helptext, optional=optional)
+
+
+def table_specs(table: str) -> list[FieldSpec]:
+    return [spec_for(table, f.name) for f in fields(C.TABLES[table]) if f"{table}.{f.name}" not in PICKED]
+
+
+def visible_tables(backend: str) -> list[str]:
+    """The tables whose settings the chosen backend reads, in TOML order."""
+    return [t for t in C.TABLES if BACKEND_TABLE.get(t, backend) == backend]
+
+
+def value_of(cfg: C.RunConfig, spec: FieldSpec) -> Any:
+    return getattr(getattr(cfg, spec.table), spec.key)
+
+
+def to_text(spec: FieldSpec, value: Any) -> str:
+    """What the widget shows for a value; override_for() reads it back to the same value."""
+    if value is None:
+        return DEFAULT_CHOICE if spec.kind == "select" else ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int) and abs(value) >= 100_000:
+        return f"{value:_}"          # 500_000_000 reads better than 500000000; TOML accepts it
+    return str(value)
+
+
+def override_for(spec: FieldSpec, text: str) -> str:
+    """The `table.key=value` override that a widget's text stands for."""
+    stripped = text.strip()
+    if spec.optional and stripped in ("", DEFAULT_CHOICE):
+        return f"{spec.path}=none"
+    return f"{spec.path}={stripped}"
+
+
+def apply_edit(cfg: C.RunConfig, spec: FieldSpec, text: str) -> C.RunConfig:
+    """A copy of cfg with one field set from its text. Raises ConfigError with config.py's message."""
+    new = C.copy(cfg)
+    if spec.optional and text.strip() in ("", DEFAULT_CHOICE):
+        # Not set: always valid. Set directly, since config.py's `--set key=none` refuses None today.
+        setattr(getattr(new, spec.table), spec.key, None)
+        return new
+    C.apply_overrides(new, [override_for(spec, text)])
+    return new
+
+
+def check(cfg: C.RunConfig, source: str, gpu_count: int | None) -> C.ConfigError | None:
+    """The first impossible combination (config.validate), or None."""
+    try:
+        C.validate(cfg, source, gpu_count=gpu_count)
+    except C.ConfigError as e:
+        return e
+    return None
+
+
+def split_error(message: str) -> tuple[str | None, str]:
+    """("table.key", what is wrong) from a ConfigError's text; the location is the field itself."""
+    m = _LOCATION.search(message)
+    if not m:
+        return None, message
+    return f"{m.group(1)}.{m.group(2)}", message[m.end():]
+
+
+def hint(spec: FieldSpec, value: Any) -> str:
+    """A reading aid shown after the widget: the size in bytes units, a big count in words."""
+    if spec.kind == "switch":
+        return "true" if value else "false"   # a switch's state in words, as the TOML will say it
+    if spec.kind == "size" and isinstance(value, str) and value:
+        try:
+            return "= " + C.format_size(C.parse_size(value))
+        except ValueError:
+            return ""
+    if spec.kind == "number" and isinstance(value, int) and not isinstance(value, bool) and value >= 10_000:
+        return "= " + human_count(value)
+    return ""
+
+
+def diff_entries(cfg: C.RunConfig, base: C.RunConfig) -> list[str]:
+    """'train.steps 30 → 8' for each setting that differs from the preset (RunConfig.diff)."""
+    out = []
+    for path, old, new in cfg.diff(base):
+        out.append(f"{path} {_short(old)} → {_short(new)}")
+    return out
+
+
+def _short(value: Any) -> str:
+    if value is None:
+        return DEFAULT_CHOICE
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return repr(value) if value == "" or " " in value else value
+    return str(value)

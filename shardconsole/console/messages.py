@@ -1,0 +1,55 @@
+"""The messages the console's workers post to its screens (toolong's style: small dataclasses, one module).
+
+Workers run in threads and touch the UI only through these. A message that only carries the latest
+machine samples may replace a stale one still queued (can_replace), so a slow screen skips samples
+instead of falling behind; anything that carries steps, events or log lines is never dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from textual.message import Message
+
+from shardconsole import protocol as P
+from shardconsole.launch import StopReport
+
+from shardconsole.console.services import Machine
+
+
+@dataclass
+class RunUpdate(Message):
+    """New lines of the metrics stream (steps, memory, events, ...) and of the ranks' logs."""
+    messages: list[P.Message] = field(default_factory=list)
+    log_lines: list[str] = field(default_factory=list)
+    bad_lines: int = 0
+
+
+@dataclass
+class MachineSampled(Message):
+    """GPU and host samples read from the stream; the newest supersedes an older one still queued."""
+    samples: list[P.GpuSample | P.HostSample] = field(default_factory=list)
+    gpu_unavailable: str = ""     # why there are no GPU samples ("" when there are)
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, MachineSampled)
+
+
+@dataclass
+class RunEnded(Message):
+    """The launcher ended (or, attached, its processes are gone)."""
+    exit_code: int | None = None
+
+
+@dataclass
+class StopFinished(Message):
+    """A stop ran to its end: who was signalled, what is left, and the GPUs afterwards."""
+    report: StopReport
+    gpus_after: list[P.GpuSample] = field(default_factory=list)
+    gpu_unavailable: str = ""
+
+
+@dataclass
+class MachineDetected(Message):
+    """The one look at the machine the setup screen takes at start (GPUs, host memory, planner)."""
+    machine: Machine

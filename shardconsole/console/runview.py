@@ -1,0 +1,115 @@
+"""RunView: what the run screen shows, folded from the stream. No Textual here: tested as plain code.
+
+RunState (shared with the headless front end) keeps the latest of everything; RunView adds the curves
+(loss and tokens/s by step, memory by time) and the facts derived for the panels.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+from shardconsole import protocol as P
+from shardconsole.runstate import RunState
+
+GIB = 2**30
+
+
+class Trace:
+    """x/y points of a run's metric. Past max_points, neighbours are averaged in pairs, so a long run
+    keeps its whole shape in bounded memory and a plot never walks more than max_points points."""
+
+    def __init__(self, max_points: int = 2048) -> None:
+        self.xs: list[float] = []
+        self.ys: list[float] = []
+        self.max_points = max_points
+
+    def append(self, x: float, y: float) -> None:
+        self.xs.append(float(x))
+        self.ys.append(float(y))
+        if len(self.xs) > self.max_points:
+            self.xs = _halve(self.xs)
+            self.ys = _halve(self.ys)
+
+    def __len__(self) -> int:
+        return len(self.xs)
+
+    @property
+    def last(self) -> float | None:
+        return self.ys[-1] if self.ys else None
+
+
+def _halve(values: list[float]) -> list[float]:
+    """Pairs averaged; an odd last value (the newest) is kept as it is."""
+    out = [(a + b) / 2 for a, b in zip(values[::2], values[1::2])]
+    return out + values[-1:] if len(values) % 2 else out
+
+
+@dataclass
+class RunView:
+    run_id: str = ""
+    state: RunState = field(default_factory=RunState)
+    loss: Trace = field(default_factory=Trace)
+    tokens_per_s: Trace = field(default_factory=Trace)
+    host_used_gib: Trace = field(default_factory=Trace)
+    gpu_used_gib: Trace = field(default_factory=Trace)     # the fullest card: the one that runs out first
+    t0: float | None = None
+    t_last: float | None = None
+    bad_lines: int = 0
+    min_loss: float | None = None
+    local_host: str = field(default_factory=socket.gethostname)
+
+    def apply(self, msg: P.Message) -> None:
+        self.state.apply(msg)
+        if self.t0 is None or msg.t < self.t0:
+            self.t0 = msg.t
+        if self.t_last is None or msg.t > self.t_last:
+            self.t_last = msg.t
+        if isinstance(msg, P.Step):
+            if msg.loss is not None and msg.loss == msg.loss:   # NaN is reported, not plotted
+                self.loss.append(msg.step, msg.loss)
+                self.min_loss = msg.loss if self.min_loss is None else min(self.min_loss, msg.loss)
+            self.tokens_per_s.append(msg.step, msg.tokens_per_s)
+        elif isinstance(msg, P.HostSample):
+            # The front end writes a look's GPU samples just before its host sample: one point per look.
+            x = msg.t - (self.t0 or msg.t)
+            self.host_used_gib.append(x, msg.used_bytes / GIB)
+            if self.state.gpus:
+                self.gpu_used_gib.append(x, max(g.used_bytes for g in self.state.gpus.values()) / GIB)
+
+    # --- derived -----------------------------------------------------------------------------------
+    @property
+    def elapsed_s(self) -> float:
+        """From the first line to the last, so that a replayed run shows the time it took."""
+        return (self.t_last - self.t0) if self.t0 is not None and self.t_last is not None else 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        s = self.state.last_step
+        if s is None or not s.steps or not s.step_s or self.state.finished is not None:
+            return None
+        return max(0.0, (s.steps - s.step) * s.step_s)
+
+    def ranks_by_gpu(self) -> tuple[dict[int, list[int]], list[int]]:
+        """({GPU index: ranks on it}, ranks elsewhere: other hosts or CPU). A rank is on a local GPU when
+        NVML lists its pid there or, when NVML lists no pids (containers), by its device index."""
+        on_gpu: dict[int, list[int]] = {}
+        placed: set[int] = set()
+        pid_to_rank = {h.pid: r for r, h in self.state.hellos.items() if h.host in ("", self.local_host)}
+        for idx, g in self.state.gpus.items():
+            for pid in g.pids:
+                if pid in pid_to_rank:
+                    on_gpu.setdefault(idx, []).append(pid_to_rank[pid])
+                    placed.add(pid_to_rank[pid])
+        for rank, m in self.state.memory.items():
+            hello = self.state.hellos.get(rank)
+            local = hello is None or hello.host in ("", self.local_host)
+            if rank not in placed and local and m.device_index is not None and m.device_index in self.state.gpus:
+                on_gpu.setdefault(m.device_index, []).append(rank)
+                placed.add(rank)
+        ranks = set(self.state.hellos) | set(self.state.memory)
+        return {k: sorted(v) for k, v in on_gpu.items()}, sorted(ranks - placed)
+
+    @property
+    def ranks_rss_bytes(self) -> int:
+        return sum(m.host_rss_bytes for m in self.state.memory.values())

@@ -1,0 +1,192 @@
+"""Modal screens: confirm, a report to read, save a preset, pick a run folder to attach to.
+
+Each returns its answer through dismiss(), so the caller reads it in a callback or with push_screen_wait.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, OptionList, Static
+from textual.widgets.option_list import Option
+
+from shardconsole.console.services import RunListing
+
+HERE = Path(__file__).parent
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """A yes/no question; `y` and `n` answer it from the keyboard."""
+
+    CSS_PATH = HERE / "confirm.tcss"
+    BINDINGS = [
+        Binding("y", "answer(True)", "Yes"),
+        Binding("n,escape", "answer(False)", "No"),
+    ]
+
+    def __init__(self, title: str, body: str, *, yes: str = "Yes", no: str = "No") -> None:
+        super().__init__()
+        self.title_text, self.body, self.yes, self.no = title, body, yes, no
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Label(self.title_text, id="title")
+            yield Static(self.body, id="body", markup=False)
+            with Horizontal(id="buttons"):
+                yield Button(f"{self.yes} (y)", id="yes", variant="error")
+                yield Button(f"{self.no} (n)", id="no", variant="primary")
+
+    def on_mount(self) -> None:
+        self.query_one("#no", Button).focus()   # the safe answer has the focus
+
+    @on(Button.Pressed)
+    def _pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)
+
+
+class ReportScreen(ModalScreen[None]):
+    """A few lines to read (a stop report, a failure); enter or escape closes it."""
+
+    CSS_PATH = HERE / "report.tcss"
+    BINDINGS = [Binding("enter,escape", "close", "Close")]
+
+    def __init__(self, title: str, body: Text | str, *, error: bool = False) -> None:
+        super().__init__()
+        self.title_text, self.body, self.error = title, body, error
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog", classes="-error" if self.error else ""):
+            yield Label(self.title_text, id="title")
+            yield Static(self.body, id="body", markup=False)
+            with Horizontal(id="buttons"):
+                yield Button("Close (enter)", id="close", variant="primary")
+
+    def on_mount(self) -> None:
+        self.query_one("#close", Button).focus()
+
+    @on(Button.Pressed)
+    def _pressed(self) -> None:
+        self.dismiss(None)
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    name: str
+    description: str
+
+
+class SavePresetScreen(ModalScreen[SaveRequest | None]):
+    """Name and description of a preset to save into the user's folder."""
+
+    CSS_PATH = HERE / "save_preset.tcss"
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, name: str, description: str, folder: Path) -> None:
+        super().__init__()
+        self.preset_name, self.description, self.folder = name, description, folder
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Label("Save the current settings as a preset", id="title")
+            yield Label("Name (letters, digits, - and _)")
+            yield Input(self.preset_name, id="name")
+            yield Label("Description (shown in the preset list)")
+            yield Input(self.description, id="description")
+            yield Static(self._where(self.preset_name), id="where", markup=False)
+            with Horizontal(id="buttons"):
+                yield Button("Save (enter)", id="save", variant="primary")
+                yield Button("Cancel (esc)", id="cancel")
+
+    def _where(self, name: str) -> str:
+        return f"→ {self.folder / (name.strip() + '.toml')}"
+
+    @on(Input.Changed, "#name")
+    def _name_changed(self, event: Input.Changed) -> None:
+        self.query_one("#where", Static).update(self._where(event.value))
+
+    @on(Input.Submitted)
+    @on(Button.Pressed, "#save")
+    def _save(self, _event: Message | None = None) -> None:
+        name = self.query_one("#name", Input).value.strip()
+        if not name:
+            self.query_one("#name", Input).focus()
+            self.notify("A preset needs a name", severity="warning")
+            return
+        self.dismiss(SaveRequest(name, self.query_one("#description", Input).value.strip()))
+
+    @on(Button.Pressed, "#cancel")
+    def _cancel(self) -> None:
+        self.dismiss(None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class AttachScreen(ModalScreen[Path | None]):
+    """A run folder: typed, or picked from the runs found under the runs folder (newest first)."""
+
+    CSS_PATH = HERE / "attach.tcss"
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, runs: list[RunListing], runs_root: Path) -> None:
+        super().__init__()
+        self.runs, self.runs_root = runs, runs_root
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Label("Attach to a run", id="title")
+            yield Input(placeholder=f"run folder, e.g. {self.runs_root}/<id>", id="path")
+            if self.runs:
+                yield Label(f"Runs in {self.runs_root}/ (newest first)")
+                yield OptionList(*[self._option(r) for r in self.runs], id="runs")
+            else:
+                yield Label(f"No runs in {self.runs_root}/ yet", classes="dim")
+            with Horizontal(id="buttons"):
+                yield Button("Attach (enter)", id="attach", variant="primary")
+                yield Button("Cancel (esc)", id="cancel")
+
+    @staticmethod
+    def _option(run: RunListing) -> Option:
+        prompt = Text.assemble((run.run_dir.name, "bold"), "  ",
+                               ("running" if run.alive else "ended", "green" if run.alive else "dim"))
+        if run.description:
+            prompt.append(f"\n  {run.description}", "italic")
+        return Option(prompt, id=str(run.run_dir))
+
+    @on(OptionList.OptionHighlighted)
+    def _highlighted(self, event: OptionList.OptionHighlighted) -> None:
+        self.query_one("#path", Input).value = event.option.id or ""
+
+    @on(OptionList.OptionSelected)
+    def _selected(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(Path(event.option.id or ""))
+
+    @on(Input.Submitted)
+    @on(Button.Pressed, "#attach")
+    def _submit_path(self, _event: Message | None = None) -> None:
+        path = self.query_one("#path", Input).value.strip()
+        if path:
+            self.dismiss(Path(path))
+        else:
+            self.notify("Type a run folder or pick one from the list", severity="warning")
+
+    @on(Button.Pressed, "#cancel")
+    def _cancel(self) -> None:
+        self.dismiss(None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,284 @@
+"""The run screen: a started or attached run, live; stop it, leave it running, or start another.
+
+A thread worker follows the run (console/follow.py) and posts what it finds; the screen folds that
+into its RunView and redraws the panels. Stopping runs in its own worker, since it waits for the ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.reactive import reactive
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Log, Static
+from textual.worker import get_current_worker
+
+from shardconsole import protocol as P
+from shardconsole.headless import EXIT_CODES, describe_stop, explain_exit
+from shardconsole.launch import StopReport
+
+from shardconsole.console.follow import RunFollower
+from shardconsole.console.messages import MachineSampled, RunEnded, RunUpdate, StopFinished
+from shardconsole.console.runview import RunView
+from shardconsole.console.screens.dialogs import ConfirmScreen, ReportScreen
+from shardconsole.console.services import Probes, RunHandle
+from shardconsole.console.widgets.run_panels import GpuPanel, HostPanel, LossPanel, ThroughputPanel, duration, gib
+
+HERE = Path(__file__).parent
+POLL_S = 0.25          # how often the follower looks at the stream; samples are taken once a second
+LOG_LINES = 500
+
+# Lifecycle of the run as this screen sees it; the phase inside a live run comes from the stream.
+LIVE = ("running", "stopping")
+
+
+class RunScreen(Screen[None]):
+    CSS_PATH = HERE / "run.tcss"
+    BINDINGS = [
+        Binding("s", "stop", "Stop run"),
+        Binding("l", "leave", "Leave (run goes on)"),
+        Binding("n", "new_run", "New run"),
+        Binding("q", "app.quit", "Quit", show=False),   # ctrl+q (shown) does the same
+    ]
+
+    status: reactive[str] = reactive("running")
+    """running | stopping | stopped | finished | failed"""
+
+    def __init__(self, handle: RunHandle, probes: Probes, *, run_id: str | None = None, attached: bool = False,
+                 sample: bool = True, stop_grace_s: float = 10.0) -> None:
+        super().__init__()
+        self.handle = handle
+        self.probes = probes
+        self.run_id = run_id or handle.run_dir.resolve().name
+        self.attached = attached
+        self.sample = sample
+        self.stop_grace_s = stop_grace_s
+        self.view = RunView(self.run_id)
+        self.gpu_unavailable = ""
+        self.outcome = ""            # the cause, once ended ("ok", "stopped", "gpu_oom", ...)
+        self.note: Text = Text()     # the line under the status: how the run ended
+        self._gpu_before_stop: dict[int, P.GpuSample] = {}
+
+    # --- layout ------------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield Static(id="status", markup=False)
+        with Horizontal(id="panels"):
+            with Vertical(id="machine"):
+                yield GpuPanel("GPUs", id="gpu")
+                yield HostPanel("Host RAM", id="host")
+            with Vertical(id="training"):
+                yield ThroughputPanel("Throughput", id="throughput")
+                yield LossPanel("Loss", id="loss")
+        log = Log(id="logs", max_lines=LOG_LINES, auto_scroll=True)
+        log.border_title = "Logs · launcher and ranks"
+        yield log
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.sub_title = ("attached · " if self.attached else "") + f"run {self.run_id}"
+        self._draw_status()
+        self.follow()
+
+    @property
+    def live(self) -> bool:
+        return self.status in LIVE
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Footer shows only what makes sense now: stop/leave while the run lives, new/quit after."""
+        if action in ("stop", "leave"):
+            return self.status == "running" if action == "stop" else self.live
+        if action == "new_run":
+            return not self.live
+        return True
+
+    def watch_status(self) -> None:
+        self.refresh_bindings()
+        self._draw_status()
+
+    # --- the workers -------------------------------------------------------------------------------
+    @work(thread=True, exclusive=True, group="follow")
+    def follow(self) -> None:
+        worker = get_current_worker()
+        follower = RunFollower(self.handle, self.run_id, self.probes, sample=self.sample)
+        unavailable = self.probes.gpu_unavailable()
+        self.post_message(MachineSampled([], gpu_unavailable=unavailable))
+        try:
+            while not worker.is_cancelled:
+                tick = follower.tick()
+                stream = [m for m in tick.messages if not isinstance(m, (P.GpuSample, P.HostSample))]
+                samples = [m for m in tick.messages if isinstance(m, (P.GpuSample, P.HostSample))]
+                if stream or tick.log_lines or tick.bad_lines != self.view.bad_lines:
+                    self.post_message(RunUpdate(stream, tick.log_lines, tick.bad_lines))
+                if samples:
+                    self.post_message(MachineSampled(samples, gpu_unavailable=unavailable))
+                if tick.ended:
+                    self.post_message(RunEnded(tick.exit_code))
+                    return
+                time.sleep(POLL_S)
+        finally:
+            follower.close()
+
+    @work(thread=True, exclusive=True, group="stop")
+    def stop_run(self) -> None:
+        report = self.handle.stop(self.stop_grace_s)
+        unavailable = self.probes.gpu_unavailable()
+        gpus = [] if unavailable else self.probes.gpus(self.run_id)
+        self.post_message(StopFinished(report, gpus, unavailable))
+
+    # --- what the workers found --------------------------------------------------------------------
+    @on(RunUpdate)
+    def _run_update(self, event: RunUpdate) -> None:
+        for msg in event.messages:
+            self.view.apply(msg)
+        self.view.bad_lines = event.bad_lines
+        if event.log_lines:
+            self.query_one("#logs", Log).write_lines(event.log_lines)
+        self._draw()
+
+    @on(MachineSampled)
+    def _machine_sampled(self, event: MachineSampled) -> None:
+        self.gpu_unavailable = event.gpu_unavailable
+        for msg in event.samples:
+            self.view.apply(msg)
+        self.query_one(GpuPanel).show(self.view, self.gpu_unavailable)
+        self.query_one(HostPanel).show(self.view)
+        self._draw_status()
+
+    @on(RunEnded)
+    def _run_ended(self, event: RunEnded) -> None:
+        state = self.view.state
+        if self.status in ("stopping", "stopped"):
+            self.outcome = "stopped"
+            if self.status == "stopping":
+                return   # StopFinished tells the rest
+        elif state.finished is not None and event.exit_code in (0, None):
+            self.outcome = "ok"
+            steps = state.finished.steps
+            self.note = Text(f"■ finished: {steps} steps in {duration(self.view.elapsed_s)}; "
+                             f"run folder {self.handle.run_dir}", "green")
+            self.status = "finished"
+        else:
+            cause, message = explain_exit(state, event.exit_code, self.handle.run_dir)
+            self.outcome = cause
+            self.note = Text(f"✖ {message.splitlines()[0]}", "red")
+            self.status = "failed"
+            self.app.push_screen(ReportScreen(f"The run failed: {cause}", message, error=True))
+        self._draw_status()
+
+    @on(StopFinished)
+    def _stop_finished(self, event: StopFinished) -> None:
+        self.outcome = "stopped"
+        for sample in event.gpus_after:    # the panel shows the memory given back
+            self.view.apply(sample)
+        self.query_one(GpuPanel).show(self.view, self.gpu_unavailable)
+        lines = stop_details(event.report, self.view, self._gpu_before_stop, event.gpus_after,
+                             event.gpu_unavailable)
+        clean = event.report.clean and all(ok for _, ok in lines)
+        self.note = Text(("■ " if clean else "✖ ") + describe_stop(event.report) +
+                         (" · GPU memory freed" if clean and event.gpus_after else ""),
+                         "green" if clean else "red")
+        self.status = "stopped"
+        body = Text(describe_stop(event.report) + "\n\n")
+        for line, ok in lines:
+            body.append(("✔ " if ok else "✖ ") + line + "\n", "green" if ok else "red")
+        self.app.push_screen(ReportScreen("Run stopped" if clean else "Run stopped, with processes left",
+                                          body, error=not clean))
+
+    # --- actions -----------------------------------------------------------------------------------
+    def action_stop(self) -> None:
+        def answer(yes: bool | None) -> None:
+            if yes and self.status == "running":
+                self._gpu_before_stop = dict(self.view.state.gpus)
+                self.status = "stopping"
+                self.stop_run()
+
+        self.app.push_screen(ConfirmScreen(
+            "Stop the run?",
+            f"Every process of run {self.run_id} gets SIGTERM, then SIGKILL after {self.stop_grace_s:.0f} s. "
+            "Steps since the last checkpoint are lost.", yes="Stop", no="Keep running"), answer)
+
+    def action_leave(self) -> None:
+        """Quit the console; the run goes on in its own session and can be attached to again."""
+        self.app.exit(result=self.handle.run_dir, return_code=0)
+
+    def action_new_run(self) -> None:
+        """Back to the setup screen, which is always under this one."""
+        self.dismiss(None)
+
+    def action_close(self) -> None:
+        self.app.exit(return_code=EXIT_CODES.get(self.outcome, 0))
+
+    # --- drawing -----------------------------------------------------------------------------------
+    def _draw(self) -> None:
+        self.query_one(GpuPanel).show(self.view, self.gpu_unavailable)
+        self.query_one(HostPanel).show(self.view)
+        self.query_one(ThroughputPanel).show(self.view)
+        self.query_one(LossPanel).show(self.view)
+        self._draw_status()
+
+    def _draw_status(self) -> None:
+        if not self.is_mounted:
+            return
+        view, state = self.view, self.view.state
+        s = state.last_step
+        text = Text(no_wrap=True, overflow="ellipsis")
+        phase = {"stopping": "stopping", "stopped": "stopped", "finished": "finished",
+                 "failed": "failed"}.get(self.status, state.phase)
+        color = {"stopped": "yellow", "finished": "green", "failed": "red", "stopping": "yellow"}.get(
+            self.status, "cyan")
+        text.append(f"● {phase}", f"bold {color}")
+        if s is not None and s.steps:
+            frac = min(1.0, s.step / s.steps)
+            width = 20
+            filled = int(frac * width)
+            text.append(f"  step {s.step}/{s.steps} ")
+            text.append("━" * filled, color)
+            text.append("━" * (width - filled), "bright_black")
+            text.append(f" {100 * frac:.0f}%")
+            if view.eta_s is not None and self.live:
+                text.append(f" · eta {duration(view.eta_s)}")
+        elif self.live:
+            text.append("  waiting for the first step", "dim")
+        if state.world:
+            text.append(f" · {state.world} rank(s)")
+        text.append(f" · {duration(view.elapsed_s)} elapsed")
+        if view.bad_lines:
+            text.append(f" · {view.bad_lines} unreadable metrics line(s) skipped", "yellow")
+        if self.note:
+            text.append("\n")
+            text.append_text(self.note)
+        self.query_one("#status", Static).update(text)
+
+
+def stop_details(report: StopReport, view: RunView, before: dict[int, P.GpuSample],
+                 after: list[P.GpuSample], gpu_unavailable: str) -> list[tuple[str, bool]]:
+    """(line, ok) for each rank (has it ended?) and each GPU (does any process of the run still hold
+    memory there?), for the stop report."""
+    out: list[tuple[str, bool]] = []
+    left = set(report.left)
+    for rank, hello in sorted(view.state.hellos.items()):
+        alive = hello.pid in left
+        out.append((f"rank {rank} (pid {hello.pid}): {'still running' if alive else 'ended'}", not alive))
+    others = left - {h.pid for h in view.state.hellos.values()}
+    if others:
+        out.append((f"other process(es) of the run still alive: {sorted(others)}", False))
+    if gpu_unavailable and not after:
+        out.append((f"GPU memory: nothing to free, no GPU here ({gpu_unavailable})", True))
+        return out
+    ours = set(report.signalled) | {h.pid for h in view.state.hellos.values()}
+    for g in after:
+        holders = sorted(set(g.pids) & ours)
+        was = before.get(g.index)
+        change = f"{gib(was.used_bytes)} → {gib(g.used_bytes)} GiB" if was else f"{gib(g.used_bytes)} GiB used"
+        if holders:
+            out.append((f"gpu{g.index}: {change}; still held by pid {holders}", False))
+        else:
+            out.append((f"gpu{g.index}: {change}; no process of the run holds memory", True))
+    return out

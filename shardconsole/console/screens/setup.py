@@ -1,0 +1,477 @@
+"""The setup screen: pick a model, a preset and a backend; edit the settings; see the command; launch.
+
+State is one RunConfig (`cfg`, a reactive replaced on every accepted edit) and the preset it started
+from (`base`). Every edit goes through config.py (fields.apply_edit), so a bad value is refused with the
+CLI's own message, shown at the field; the last good value stays in `cfg` until it is fixed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.events import DescendantFocus
+from textual.reactive import reactive
+from textual.screen import Screen
+from textual.widgets import (Footer, Header, Input, Label, OptionList, RadioButton, RadioSet, Static, TabbedContent,
+                             TabPane)
+from textual.widgets.option_list import Option
+
+from shardconsole import config as C
+from shardconsole import preset_store
+from shardconsole.launch import format_argv
+from shardconsole.models import CATALOG, ModelError, human_count, resolve
+
+from shardconsole.console import fields as F
+from shardconsole.console.messages import MachineDetected
+from shardconsole.console.screens.dialogs import AttachScreen, ConfirmScreen, SavePresetScreen, SaveRequest
+from shardconsole.console.screens.run import RunScreen
+from shardconsole.console.services import (AttachError, Launcher, Machine, PlannedRun, Probes, describe_estimate,
+                                           describe_machine, load_plan, plan_hardware)
+from shardconsole.console.widgets.setting_field import SettingField
+
+HERE = Path(__file__).parent
+BACKENDS = {"fsdp": "FSDP2 (PyTorch)", "deepspeed": "DeepSpeed ZeRO"}
+MODEL_SPEC = F.spec_for("model", "name")
+BACKEND_SPEC = F.spec_for("parallel", "backend")
+
+
+class SetupScreen(Screen[None]):
+    CSS_PATH = HERE / "setup.tcss"
+    BINDINGS = [
+        Binding("ctrl+r", "launch", "Launch"),
+        Binding("ctrl+s", "save_preset", "Save preset"),
+        Binding("ctrl+o", "attach", "Attach"),
+        Binding("ctrl+n", "next_tab", "Next tab"),
+    ]
+
+    cfg: reactive[C.RunConfig] = reactive(C.RunConfig, always_update=True, init=False)
+    """The settings as edited so far (only accepted values)."""
+
+    def __init__(self, launcher: Launcher, probes: Probes, *, preset: str, overrides: list[str] | None = None,
+                 planner: Callable[[], ModuleType | None] = load_plan, stop_grace_s: float = 10.0) -> None:
+        super().__init__()
+        self.launcher = launcher
+        self.probes = probes
+        self.planner = planner
+        self.stop_grace_s = stop_grace_s
+        self.machine = Machine()
+        self.plan = None
+        self.field_errors: dict[str, str] = {}     # path -> config.py's message, for refused edits
+        self.planned: PlannedRun | None = None
+        self._startup_error = ""
+        try:
+            self._load(preset, overrides or [])
+        except C.ConfigError as e:     # the CLI checked it; a file changed since is still no crash
+            self._startup_error = str(e)
+            self.preset_name, self.preset_path = "defaults", None
+            self.base = C.RunConfig()
+            self.set_reactive(SetupScreen.cfg, C.RunConfig())
+
+    def _load(self, preset: str, overrides: list[str]) -> None:
+        path = preset_store.find(preset)
+        raw = C.load_toml(path)
+        base = C.build(raw, str(path))
+        cfg = C.build(raw, str(path), overrides)
+        self.preset_name, self.preset_path, self.base = path.stem, path, base
+        self.field_errors.clear()
+        self.set_reactive(SetupScreen.cfg, cfg)
+
+    @property
+    def source(self) -> str:
+        return str(self.preset_path or "settings")
+
+    # --- layout ------------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with TabbedContent(id="tabs", initial="tab-pick"):
+            with TabPane("Pick", id="tab-pick"):
+                with Horizontal(id="pickers"):
+                    with Vertical(id="model-picker"):
+                        yield Label("Model", classes="picker-title")
+                        yield OptionList(*self._model_options(), id="models")
+                        yield Input(placeholder="or a local model folder…", id="model-dir", compact=True)
+                        yield Static(id="model-info", markup=False)
+                        yield Label("Backend", classes="picker-title")
+                        with RadioSet(id="backend"):
+                            for key, label in BACKENDS.items():
+                                yield RadioButton(label, value=self.cfg.parallel.backend == key, id=f"backend-{key}")
+                    with Vertical(id="preset-picker"):
+                        yield Label("Preset", classes="picker-title")
+                        yield OptionList(*self._preset_options(), id="presets")
+            for table in C.TABLES:
+                with TabPane(table, id=f"tab-{table}"):
+                    # Filled when first shown (_ensure_form): ninety rows of widgets at start would
+                    # double the time to the first paint.
+                    yield VerticalScroll(classes="form", id=f"form-{table}")
+        yield Static(id="help", markup=False)
+        with Vertical(id="summary"):
+            yield Static(id="problems", markup=False)
+            yield Static(id="changes", markup=False)
+            yield Static(id="command", markup=False)
+            yield Static(id="estimate", markup=False)
+            yield Static(id="machine", markup=False)
+        yield Footer()
+
+    @staticmethod
+    def _model_options() -> list[Option]:
+        out = []
+        for name in CATALOG:
+            spec = resolve(name)
+            out.append(Option(Text.assemble((f"{name:<5}", "bold"), f" {human_count(spec.n_params):>7} params"),
+                              id=name))
+        return out
+
+    @staticmethod
+    def _preset_options() -> list[Option]:
+        out = []
+        for info in preset_store.list_presets():
+            prompt = Text.assemble((info.name, "bold"), "  ", (info.origin, "dim"))
+            if info.description:
+                prompt.append("\n" + info.description, "italic")
+            out.append(Option(prompt, id=info.name))
+        return out
+
+    def on_mount(self) -> None:
+        self.sub_title = "set up a run"
+        if self._startup_error:
+            self.notify(self._startup_error, title="Preset not loaded", severity="error", timeout=15)
+        self._show_picks()
+        self._refresh()
+        self.query_one("#models", OptionList).focus()   # the first thing to pick
+        self.detect_machine()
+
+    # --- the machine and the planner (in a thread: NVML can take a moment to start) ----------------
+    @work(thread=True, exclusive=True, group="machine")
+    def detect_machine(self) -> None:
+        unavailable = self.probes.gpu_unavailable()
+        gpus = [] if unavailable else self.probes.gpus()
+        host = self.probes.host()
+        plan = self.planner()
+        machine = Machine(gpus, host, unavailable, plan_hardware(plan, gpus, host), detected=True)
+        self.plan = plan
+        self.post_message(MachineDetected(machine))
+
+    @on(MachineDetected)
+    def _machine_detected(self, event: MachineDetected) -> None:
+        self.machine = event.machine
+        self._refresh()
+
+    # --- picking -----------------------------------------------------------------------------------
+    def _show_picks(self) -> None:
+        """Point the pickers at what cfg holds (after a preset was loaded)."""
+        models = self.query_one("#models", OptionList)
+        name = self.cfg.model.name
+        if name in CATALOG:
+            models.highlighted = list(CATALOG).index(name)
+            self.query_one("#model-dir", Input).value = ""
+        else:
+            models.highlighted = None
+            with self.prevent(Input.Changed):
+                self.query_one("#model-dir", Input).value = name
+        presets = self.query_one("#presets", OptionList)
+        try:
+            presets.highlighted = presets.get_option_index(self.preset_name)
+        except Exception:   # OptionDoesNotExist: loaded from a path outside the preset folders
+            presets.highlighted = None
+        with self.prevent(RadioSet.Changed):
+            self.query_one(f"#backend-{self.cfg.parallel.backend}", RadioButton).value = True
+        self._show_model_info()
+
+    def _show_model_info(self, error: str = "") -> None:
+        info = self.query_one("#model-info", Static)
+        if error:
+            info.update(Text(error, "red"))
+            return
+        try:
+            spec = resolve(self.cfg.model.name)
+        except ModelError as e:
+            info.update(Text(str(e), "red"))
+            return
+        text = Text.assemble((spec.name if spec.path is None else Path(spec.name).name, "bold"),
+                             f": {human_count(spec.n_params)} params · {spec.layers} layers · hidden {spec.hidden}")
+        if spec.path is not None:
+            text.append("; weights found" if spec.has_weights else "; no weights: trains from random init")
+        info.update(text)
+
+    @on(OptionList.OptionSelected, "#models")
+    def _model_selected(self, event: OptionList.OptionSelected) -> None:
+        with self.prevent(Input.Changed):
+            self.query_one("#model-dir", Input).value = ""
+        self._set(MODEL_SPEC, event.option.id or "tiny")
+        self._show_model_info()
+
+    @on(Input.Changed, "#model-dir")
+    def _model_dir_changed(self, event: Input.Changed) -> None:
+        path = event.value.strip()
+        if not path:
+            self.field_errors.pop(MODEL_SPEC.path, None)
+            self._show_model_info()
+            self._refresh()
+            return
+        try:
+            resolve(path)
+        except ModelError as e:
+            # The CLI's wording: "<preset>: [model] name: <why>".
+            self._show_model_info(f"{self.source}: [model] name: {e}")
+            self.field_errors[MODEL_SPEC.path] = str(e)
+            self._refresh()
+            return
+        self.query_one("#models", OptionList).highlighted = None
+        self._set(MODEL_SPEC, path)
+        self._show_model_info()
+
+    @on(OptionList.OptionSelected, "#presets")
+    def _preset_selected(self, event: OptionList.OptionSelected) -> None:
+        name = event.option.id or ""
+        try:
+            self._load(name, [])
+        except C.ConfigError as e:
+            self.notify(str(e), title=f"Preset {name} not loaded", severity="error", timeout=10)
+            return
+        for setting in self.query(SettingField):
+            setting.set_text(F.to_text(setting.spec, F.value_of(self.cfg, setting.spec)))
+        self._show_picks()
+        self._refresh()
+        self.notify(f"Loaded preset {name}", timeout=3)
+
+    @on(RadioSet.Changed, "#backend")
+    def _backend_changed(self, event: RadioSet.Changed) -> None:
+        key = (event.pressed.id or "").removeprefix("backend-")
+        self._set(BACKEND_SPEC, key)
+
+    # --- editing -----------------------------------------------------------------------------------
+    async def _ensure_form(self, table: str) -> None:
+        """Mount the rows of a table's form, once, showing the current values."""
+        form = self.query_one(f"#form-{table}", VerticalScroll)
+        if form.children:
+            return
+        await form.mount_all(SettingField(spec, F.to_text(spec, F.value_of(self.cfg, spec)),
+                                          id=f"field-{table}-{spec.key}") for spec in F.table_specs(table))
+        self._refresh()
+
+    @on(TabbedContent.TabActivated)
+    async def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        pane = event.pane.id or ""
+        if pane.startswith("tab-") and pane != "tab-pick":
+            await self._ensure_form(pane.removeprefix("tab-"))
+
+    @on(SettingField.Edited)
+    def _field_edited(self, event: SettingField.Edited) -> None:
+        self._set(event.setting.spec, event.text)
+
+    def _set(self, spec: F.FieldSpec, text: str) -> None:
+        try:
+            new = F.apply_edit(self.cfg, spec, text)
+        except C.ConfigError as e:
+            self.field_errors[spec.path] = F.split_error(str(e))[1]
+            self._refresh()
+            return
+        self.field_errors.pop(spec.path, None)
+        self.cfg = new
+
+    def watch_cfg(self) -> None:
+        self._refresh()
+
+    def _problems(self) -> list[tuple[str, str]]:
+        """(table.key, message): refused edits first, then the first impossible combination."""
+        out = list(self.field_errors.items())
+        err = F.check(self.cfg, self.source, self.machine.gpu_count)
+        if err is not None:
+            path, detail = F.split_error(str(err))
+            if path not in self.field_errors:
+                out.append((path or "", detail))
+        return out
+
+    def _refresh(self) -> None:
+        """Everything derived from cfg: marks at the fields, tabs, changes, command, estimate."""
+        if not self.is_mounted:
+            return
+        cfg = self.cfg
+        problems = self._problems()
+        by_path = dict(problems)
+        for setting in self.query(SettingField):
+            spec = setting.spec
+            value = F.value_of(cfg, spec)
+            setting.error = by_path.get(spec.path, "")
+            setting.changed = value != F.value_of(self.base, spec)
+            setting.hint = F.hint(spec, value)
+        tabs = self.query_one(TabbedContent)
+        diff = cfg.diff(self.base)
+        visible = F.visible_tables(cfg.parallel.backend)
+        for table in C.TABLES:
+            pane = f"tab-{table}"
+            tab = tabs.get_tab(pane)
+            if (table in visible) == tab.has_class("-hidden"):
+                (tabs.show_tab if table in visible else tabs.hide_tab)(pane)
+            bad = any(p.startswith(table + ".") for p in by_path)
+            changed = any(p.startswith(table + ".") for p, _, _ in diff)
+            label = table + (" ✗" if bad else " •" if changed else "")
+            if str(tab.label) != label:
+                tab.label = label
+        self._draw_summary(problems)
+
+    def _draw_summary(self, problems: list[tuple[str, str]]) -> None:
+        cfg = self.cfg
+        bad = Text(no_wrap=False)
+        if problems:
+            path, detail = problems[0]
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            bad.append(f"✗ {path}: {detail}{more}", "bold red")
+        self.query_one("#problems", Static).update(bad)
+        self.query_one("#problems").display = bool(problems)
+        changes = F.diff_entries(cfg, self.base)
+        line = Text(no_wrap=True, overflow="ellipsis")
+        line.append("Changes ", "bold")
+        if changes:
+            line.append(f"from {self.preset_name}: " + " · ".join(changes))
+        else:
+            line.append(f"from {self.preset_name}: none", "dim")
+        self.query_one("#changes", Static).update(line)
+        self.planned = self.launcher.plan(cfg, self.preset_name)
+        cmd = Text()
+        cmd.append("Command ", "bold")
+        cmd.append(format_argv(self.planned.argv))
+        self.query_one("#command", Static).update(cmd)
+        estimate, fits = describe_estimate(self.plan, cfg, self.machine)
+        self.query_one("#estimate", Static).update(
+            Text(estimate, "red" if fits is False else "dim" if self.plan is None else ""))
+        self.query_one("#machine", Static).update(Text(describe_machine(self.machine), "dim"))
+
+    @on(DescendantFocus)
+    def _focus_moved(self, event: DescendantFocus) -> None:
+        setting = next((w for w in event.widget.ancestors_with_self if isinstance(w, SettingField)), None)
+        help_line = self.query_one("#help", Static)
+        help_line.display = setting is not None
+        if setting is None:
+            return
+        spec = setting.spec
+        kinds = {"select": "choose with enter", "switch": "space toggles", "number": "a number",
+                 "size": "a size such as 24GiB or 512MiB", "text": "text"}
+        help_line.update(Text.assemble((spec.path, "bold"), f" — {spec.help}  ", (f"({kinds[spec.kind]}"
+                                       + (", empty for the default" if spec.optional and spec.kind != "select"
+                                          else "") + ")", "dim")))
+
+    # --- actions -----------------------------------------------------------------------------------
+    async def action_next_tab(self) -> None:
+        """The next table, with the focus in its first field (the pick tab: in the model list)."""
+        tabs = self.query_one(TabbedContent)
+        panes = ["tab-pick"] + [f"tab-{t}" for t in F.visible_tables(self.cfg.parallel.backend)]
+        current = tabs.active if tabs.active in panes else panes[0]
+        pane = panes[(panes.index(current) + 1) % len(panes)]
+        tabs.active = pane
+        if pane == "tab-pick":
+            self.query_one("#models", OptionList).focus()
+            return
+        await self._ensure_form(pane.removeprefix("tab-"))
+        self.query_one(f"#form-{pane.removeprefix('tab-')}").query(".setting--control").first().focus()
+
+    async def _go_to(self, path: str) -> None:
+        """Show the field at `path` (table.key) with the focus in it."""
+        table, _, key = path.partition(".")
+        if path in (MODEL_SPEC.path, BACKEND_SPEC.path) or table not in C.TABLES:
+            self.query_one(TabbedContent).active = "tab-pick"
+            return
+        self.query_one(TabbedContent).active = f"tab-{table}"
+        await self._ensure_form(table)
+        setting = self.query_one(f"#field-{table}-{key}", SettingField)
+        setting.query_one(".setting--control").focus()
+        setting.scroll_visible()
+
+    async def action_launch(self) -> None:
+        problems = self._problems()
+        if problems:
+            path, detail = problems[0]
+            self.notify(f"{path}: {detail}", title="Fix this setting before launching", severity="error")
+            await self._go_to(path)
+            return
+        # The CLI's own last checks (model folder, data file, GPUs of this machine), so that the
+        # console never starts what `shardconsole --headless` would refuse.
+        from shardconsole.cli import load_config
+        overrides = [F.override_for(F.spec_for(*p.split(".", 1)), F.to_text(F.spec_for(*p.split(".", 1)), new))
+                     for p, _, new in self.cfg.diff(self.base)]
+        try:
+            cfg, _ = load_config(str(self.preset_path) if self.preset_path else None, overrides)
+        except (C.ConfigError, ModelError) as e:
+            self.notify(str(e), title="Cannot launch", severity="error", timeout=10)
+            path, _ = F.split_error(str(e))
+            if path:
+                await self._go_to(path)
+            return
+        cfg.description = self.cfg.description
+        planned = self.planned or self.launcher.plan(cfg, self.preset_name)
+        try:
+            handle = self.launcher.start(cfg, planned)
+        except OSError as e:
+            self.notify(f"{planned.run_dir}: {e}", title="Launch failed", severity="error", timeout=10)
+            return
+        self.app.push_screen(RunScreen(handle, self.probes, run_id=handle.run_dir.name,
+                                       stop_grace_s=self.stop_grace_s), self._run_screen_closed)
+
+    def _run_screen_closed(self, _: None = None) -> None:
+        self._refresh()    # a new run folder name for the next launch
+
+    async def action_save_preset(self) -> None:
+        problems = self._problems()
+        if problems:
+            path, detail = problems[0]
+            self.notify(f"{path}: {detail}", title="Fix this setting before saving", severity="error")
+            await self._go_to(path)
+            return
+        name = self.preset_name if self.preset_path and self.preset_path.parent == preset_store.user_dir() \
+            else f"{self.preset_name}-tuned"
+        self.app.push_screen(SavePresetScreen(name, self.cfg.description, preset_store.user_dir()),
+                             self._save_answered)
+
+    def _save_answered(self, request: SaveRequest | None) -> None:
+        if request is None:
+            return
+        cfg = C.copy(self.cfg)
+        cfg.description = request.description
+        try:
+            self._save(cfg, request.name, overwrite=False)
+        except FileExistsError as e:
+            def overwrite(yes: bool | None) -> None:
+                if yes:
+                    self._save(cfg, request.name, overwrite=True)
+
+            self.app.push_screen(ConfirmScreen("Overwrite this preset?", f"{e.args[0]} exists. Replace it with the "
+                                               "current settings?", yes="Overwrite", no="Keep it"), overwrite)
+
+    def _save(self, cfg: C.RunConfig, name: str, *, overwrite: bool) -> None:
+        try:
+            path = preset_store.save_user_preset(cfg, name, overwrite=overwrite)
+        except C.ConfigError as e:
+            self.notify(str(e), title="Not saved", severity="error")
+            return
+        except OSError as e:
+            if isinstance(e, FileExistsError):
+                raise
+            self.notify(f"{e.filename}: {e.strerror}", title="Not saved", severity="error")
+            return
+        self.preset_name, self.preset_path, self.base = path.stem, path, C.copy(cfg)
+        presets = self.query_one("#presets", OptionList)
+        presets.set_options(self._preset_options())
+        self.cfg = cfg
+        self._show_picks()
+        self.notify(f"Saved {path}", title="Preset saved")
+
+    def action_attach(self) -> None:
+        self.app.push_screen(AttachScreen(self.launcher.recent_runs(), self.launcher.runs_root), self._attach_to)
+
+    def _attach_to(self, run_dir: Path | None) -> None:
+        if run_dir is None:
+            return
+        try:
+            handle = self.launcher.attach(run_dir)
+        except AttachError as e:
+            self.notify(str(e), title="Cannot attach", severity="error", timeout=10)
+            return
+        self.app.push_screen(RunScreen(handle, self.probes, attached=True, stop_grace_s=self.stop_grace_s),
+                             self._run_screen_closed)

@@ -1,0 +1,231 @@
+"""What the console is given to work with: a launcher and the machine's probes.
+
+ShardConsoleApp receives one of each (harlequin's injected backend), so tests pass fakes and the UI
+code never reaches for launch.py or NVML directly. The real ones here are thin: they delegate to
+launch.py and probes.py, the same pieces `--headless` uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Protocol
+
+from shardconsole import config as C
+from shardconsole.launch import PRESET_FILE, RUN_FILE, Job, StopReport, build_argv, new_run_dir
+from shardconsole.protocol import GpuSample, HostSample
+
+
+class AttachError(ValueError):
+    """A folder that is not a run folder; str() is the one line shown to the user."""
+
+
+class RunHandle(Protocol):
+    """A started or attached run, as launch.Job provides it."""
+    run_dir: Path
+
+    def poll(self) -> int | None: ...
+    def alive(self) -> bool: ...
+    def stop(self, grace_s: float = 10.0) -> StopReport: ...
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """The folder and the exact command a launch would use now."""
+    run_dir: Path
+    run_id: str
+    argv: list[str]
+
+
+@dataclass(frozen=True)
+class RunListing:
+    run_dir: Path
+    description: str
+    alive: bool
+
+
+class Launcher(Protocol):
+    runs_root: Path
+
+    def plan(self, cfg: C.RunConfig, preset_name: str) -> PlannedRun: ...
+    def start(self, cfg: C.RunConfig, planned: PlannedRun) -> RunHandle: ...
+    def attach(self, run_dir: Path) -> RunHandle: ...
+    def recent_runs(self, limit: int = 30) -> list[RunListing]: ...
+
+
+class Probes(Protocol):
+    def gpu_unavailable(self) -> str:
+        """Why there are no GPU samples ("" when there are)."""
+    def gpus(self, run: str = "") -> list[GpuSample]: ...
+    def host(self, rank_pids: Iterable[int] = (), run: str = "") -> HostSample: ...
+
+
+# ---------------------------------------------------------------------------------------------------
+# The real ones
+
+class TorchrunLauncher:
+    """Starts runs as `--headless` does: a run folder with preset.toml, then launch.Job in its own session."""
+
+    def __init__(self, runs_root: str | Path = "runs") -> None:
+        self.runs_root = Path(runs_root)
+
+    def plan(self, cfg: C.RunConfig, preset_name: str) -> PlannedRun:
+        run_dir = new_run_dir(preset_name, self.runs_root)
+        return PlannedRun(run_dir, run_dir.name, build_argv(cfg, run_dir, run_dir.name))
+
+    def start(self, cfg: C.RunConfig, planned: PlannedRun) -> RunHandle:
+        run_dir = planned.run_dir
+        if run_dir.exists():   # planned a while ago and taken since: the next free name
+            run_dir = new_run_dir(run_dir.name, self.runs_root)
+        run_dir.mkdir(parents=True)
+        # The ranks read their settings from this file: it must exist before they start.
+        C.save(cfg, run_dir / PRESET_FILE, overwrite=False)
+        return Job.start(cfg, run_dir, run_dir.name)
+
+    def attach(self, run_dir: Path) -> RunHandle:
+        run_dir = Path(run_dir).expanduser()
+        if not (run_dir / PRESET_FILE).is_file() or not (run_dir / RUN_FILE).is_file():
+            raise AttachError(f"{run_dir}: not a run folder (no {PRESET_FILE} / {RUN_FILE})")
+        try:
+            return Job.from_run_dir(run_dir)
+        except (ValueError, KeyError, OSError) as e:
+            raise AttachError(f"{run_dir / RUN_FILE}: unreadable ({e})") from None
+
+    def recent_runs(self, limit: int = 30) -> list[RunListing]:
+        if not self.runs_root.is_dir():
+            return []
+        out = []
+        for d in sorted(self.runs_root.iterdir(), key=lambda p: p.name, reverse=True):
+            if len(out) >= limit:
+                break
+            if not (d / RUN_FILE).is_file():
+                continue
+            out.append(RunListing(d, _description(d), _launcher_alive(d)))
+        return out
+
+
+def _description(run_dir: Path) -> str:
+    try:
+        desc = C.load_toml(run_dir / PRESET_FILE).get("description", "")
+    except C.ConfigError:
+        return ""
+    return desc.strip().splitlines()[0] if isinstance(desc, str) and desc.strip() else ""
+
+
+def _launcher_alive(run_dir: Path) -> bool:
+    """Whether the run's launcher process still exists (cheap: one kill(pid, 0), no process scan)."""
+    try:
+        pid = int(json.loads((run_dir / RUN_FILE).read_text())["pid"])
+        os.kill(pid, 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+class MachineProbes:
+    """NVML and psutil (probes.py). NVML starts on first use, in the worker thread, not at start-up."""
+
+    def __init__(self) -> None:
+        self._gpu: Any = None
+        self._lock = threading.Lock()
+
+    def _probe(self) -> Any:
+        with self._lock:
+            if self._gpu is None:
+                from shardconsole.probes import GpuProbe
+                self._gpu = GpuProbe()
+            return self._gpu
+
+    def gpu_unavailable(self) -> str:
+        return self._probe().unavailable
+
+    def gpus(self, run: str = "") -> list[GpuSample]:
+        return self._probe().sample(run)
+
+    def host(self, rank_pids: Iterable[int] = (), run: str = "") -> HostSample:
+        from shardconsole.probes import host_sample
+        return host_sample(rank_pids, run)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The memory planner, written elsewhere: used when it exists, a placeholder otherwise.
+
+@dataclass
+class Machine:
+    """What the setup screen knows of this machine (one sample, taken in a worker at start)."""
+    gpus: list[GpuSample] = field(default_factory=list)
+    host: HostSample | None = None
+    gpu_unavailable: str = ""
+    plan_hardware: Any = None     # plan's own hardware description, when plan exists
+    detected: bool = False
+
+    @property
+    def gpu_count(self) -> int | None:
+        """For config.validate, as the CLI passes it: 0 without a driver; None until detected (no check)."""
+        return len(self.gpus) if self.detected else None
+
+
+def load_plan() -> ModuleType | None:
+    try:
+        from shardconsole import plan
+    except ImportError:
+        return None
+    return plan
+
+
+def plan_hardware(plan: ModuleType | None, gpus: list[GpuSample], host: HostSample | None) -> Any:
+    """plan's description of this machine, built from the injected probes' samples (so tests with fake
+    GPUs get estimates for those GPUs); None without a planner."""
+    hardware = getattr(plan, "Hardware", None)
+    if hardware is None:
+        return None
+    try:
+        return hardware(gpus=len(gpus), gpu_memory_bytes=min((g.total_bytes for g in gpus), default=0),
+                        host_memory_bytes=host.total_bytes if host else 0,
+                        gpu_name=gpus[0].name if gpus else "", source="detected")
+    except Exception:   # a planner whose Hardware changed shape must not stop the console
+        return None
+
+
+def run_estimate(plan: ModuleType | None, cfg: C.RunConfig, machine: Machine) -> Any:
+    """plan.estimate(cfg, spec, hardware) for these settings; None without a planner or hardware.
+    Raises what the planner raises (the caller shows it)."""
+    if plan is None or machine.plan_hardware is None:
+        return None
+    from shardconsole.models import resolve
+    return plan.estimate(cfg, resolve(cfg.model.name), machine.plan_hardware)
+
+
+def describe_machine(machine: Machine) -> str:
+    """One line: the GPUs found (or why none) and the host's memory."""
+    if not machine.detected:
+        return "This machine: looking…"
+    if machine.gpus:
+        names = sorted({g.name for g in machine.gpus})
+        total = max(g.total_bytes for g in machine.gpus)
+        gpus = f"{len(machine.gpus)}× {' / '.join(names)} ({C.format_size(total)})"
+    else:
+        gpus = f"no GPU ({machine.gpu_unavailable or 'NVML found none'})"
+    host = f"host RAM {C.format_size(machine.host.total_bytes)}" if machine.host else "host RAM unknown"
+    return f"This machine: {gpus} · {host}"
+
+
+def describe_estimate(plan: ModuleType | None, cfg: C.RunConfig, machine: Machine) -> tuple[str, bool | None]:
+    """(the estimate line, fits) from the planner; a placeholder while shardconsole.plan does not exist."""
+    if plan is None:
+        return "Memory estimate: not available (the planner, shardconsole.plan, is not in this version)", None
+    if not machine.detected:
+        return "Memory estimate: looking at this machine…", None
+    try:
+        est = run_estimate(plan, cfg, machine)
+    except Exception as e:   # the planner must not take the console down with it
+        return f"Memory estimate failed: {type(e).__name__}: {e}", None
+    if est is None:
+        return "Memory estimate: the planner could not describe this machine", None
+    gpu = "" if cfg.parallel.device == "cpu" else f"GPU peak {C.format_size(est.gpu_peak_bytes)} (largest rank) · "
+    return f"Estimate: {gpu}host peak {C.format_size(est.host_peak_bytes)} · {est.verdict}", bool(est.fits)

@@ -1,0 +1,186 @@
+"""The run screen's panels. Each takes the RunView and draws itself: the screen owns the data.
+
+Memory has two views and both are labelled (STYLE.md): what NVML says a GPU uses, and what each rank's
+allocator holds (reserved / peak). "Not applicable" reads n/a, never 0.
+"""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical, VerticalScroll
+from textual.widgets import Static
+
+from shardconsole.headless import fmt_rate
+from shardconsole.console.runview import GIB, RunView
+from shardconsole.console.widgets.line_plot import LinePlot, PlotSeries
+
+# Hex colours: the plots draw with Rich styles and the legends with Textual markup, which share these.
+HOST_COLOR = "#5fafff"
+GPU_COLOR = "#87d75f"
+TOKENS_COLOR = "#d787ff"
+LOSS_COLOR = "#5fd7d7"
+
+
+def gib(n: int | float | None) -> str:
+    return "n/a" if n is None else f"{n / GIB:.1f}"
+
+
+def bar(used: float, total: float, width: int) -> Text:
+    """A used/total bar; its colour warns as the card fills (OOM is what this tool is about)."""
+    frac = 0.0 if total <= 0 else max(0.0, min(1.0, used / total))
+    filled = round(frac * width)
+    color = "green" if frac < 0.8 else "yellow" if frac < 0.95 else "red"
+    return Text.assemble(("█" * filled, color), ("░" * (width - filled), "bright_black"))
+
+
+def duration(seconds: float) -> str:
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class Panel(Vertical):
+    """A bordered panel with a title; its body is laid out by run.tcss."""
+
+    def __init__(self, title: str, *, id: str | None = None) -> None:
+        super().__init__(id=id, classes="panel")
+        self.border_title = title
+
+
+class GpuPanel(VerticalScroll, can_focus=False):
+    """Scrolls when a node has more GPUs than fit (8 GPUs on an 80x24 terminal)."""
+
+    def __init__(self, title: str, *, id: str | None = None) -> None:
+        super().__init__(id=id, classes="panel")
+        self.border_title = title
+
+    def compose(self) -> ComposeResult:
+        yield Static("waiting for the first sample", id="gpu-text", markup=False)
+
+    def show(self, view: RunView, gpu_unavailable: str) -> None:
+        state = view.state
+        text = Text(no_wrap=True, overflow="ellipsis")
+        width = max(20, self.content_region.width or self.size.width - 2)
+        on_gpu, elsewhere = view.ranks_by_gpu()
+        if not state.gpus:
+            if gpu_unavailable:
+                text.append("No GPU: ", "bold")
+                text.append(f"{gpu_unavailable}.\n", "")
+            else:
+                text.append("No GPU sample yet.\n", "dim")
+        names = {g.name for g in state.gpus.values()}
+        self.border_title = "GPUs" + (f" · {len(state.gpus)}× {names.pop()}" if len(names) == 1 else "")
+        bar_w = max(4, min(24, width - 26))
+        for idx in sorted(state.gpus):
+            g = state.gpus[idx]
+            util = "  n/a" if g.util_pct is None else f"{g.util_pct:4.0f}%"
+            text.append(f"gpu{idx} ")
+            text.append_text(bar(g.used_bytes, g.total_bytes, bar_w))
+            text.append(f" {gib(g.used_bytes)}/{gib(g.total_bytes)} GiB {util}\n")
+            for line in _rank_lines(view, on_gpu.get(idx, [])):
+                text.append("  " + line + "\n", "bright_black" if "n/a" in line else "")
+        if elsewhere:
+            devices = {h.device.split(":")[0] for r, h in state.hellos.items() if r in elsewhere}
+            where = "on cpu" if devices == {"cpu"} else "not on this machine's GPUs"
+            text.append(f"{len(elsewhere)} rank(s) {where}", "bold")
+            if devices == {"cpu"}:
+                text.append(": their memory is under Host RAM\n")
+            else:
+                text.append("\n")
+                for line in _rank_lines(view, elsewhere):
+                    text.append("  " + line + "\n")
+        text.rstrip()
+        self.query_one("#gpu-text", Static).update(text)
+
+
+def _rank_lines(view: RunView, ranks: list[int], limit: int = 4) -> list[str]:
+    """Each rank's allocator: reserved now / peak reserved; many ranks fold into one summary line."""
+    mem = [view.state.memory[r] for r in ranks if r in view.state.memory]
+    if not mem:
+        return []
+    if all(m.reserved_bytes is None for m in mem):
+        return []   # CPU ranks: no allocator figures; their RSS is in the host panel
+    if len(mem) > limit:
+        res = [m.reserved_bytes or 0 for m in mem]
+        peak = max(m.peak_reserved_bytes or 0 for m in mem)
+        return [f"{len(mem)} ranks: reserved {gib(min(res))}-{gib(max(res))} GiB, peak max {gib(peak)} GiB"]
+    return [f"r{m.rank} reserved {gib(m.reserved_bytes)} · peak {gib(m.peak_reserved_bytes)} GiB" for m in mem]
+
+
+class HostPanel(Panel):
+    def compose(self) -> ComposeResult:
+        yield Static("waiting for the first sample", id="host-text", markup=False)
+        yield LinePlot(id="memory-plot", empty="memory over time: waiting for samples", fmt=lambda v: f"{v:.1f}G")
+
+    def show(self, view: RunView) -> None:
+        host = view.state.host
+        text = Text(no_wrap=True, overflow="ellipsis")
+        width = max(20, self.content_region.width or self.size.width - 2)
+        if host is None:
+            text.append("no host sample yet", "dim")
+        else:
+            text.append("RAM ")
+            text.append_text(bar(host.used_bytes, host.total_bytes, max(4, min(24, width - 24))))
+            text.append(f" {gib(host.used_bytes)}/{gib(host.total_bytes)} GiB\n")
+            pinned = "n/a" if host.pinned_bytes is None else f"{gib(host.pinned_bytes)} GiB"
+            # The probe's RSS is live (every second); the ranks' own reports only come on log steps.
+            rss = host.ranks_rss_bytes or view.ranks_rss_bytes
+            text.append(f"ranks RSS {gib(rss)} GiB · pinned {pinned}")
+        ranks = sorted(view.state.memory)
+        if ranks and len(ranks) <= 8:
+            text.append("\n" + " ".join(f"r{r} {gib(view.state.memory[r].host_rss_bytes)}" for r in ranks), "dim")
+        self.query_one("#host-text", Static).update(text)
+        series = [PlotSeries("host", view.host_used_gib.xs, view.host_used_gib.ys, HOST_COLOR)]
+        if len(view.gpu_used_gib):
+            series.append(PlotSeries("gpu", view.gpu_used_gib.xs, view.gpu_used_gib.ys, GPU_COLOR))
+        self.query_one("#memory-plot", LinePlot).series = tuple(series)
+        self.border_subtitle = f"[{HOST_COLOR}]host used[/]" + (
+            f" · [{GPU_COLOR}]fullest GPU[/]" if len(view.gpu_used_gib) else "")
+
+
+class ThroughputPanel(Panel):
+    def compose(self) -> ComposeResult:
+        yield Static("no step yet", id="throughput-text", markup=False)
+        yield LinePlot(id="tokens-plot", empty="tokens/s by step: waiting for steps", fmt=fmt_rate)
+
+    def show(self, view: RunView) -> None:
+        s = view.state.last_step
+        text = Text(no_wrap=True, overflow="ellipsis")
+        if s is None:
+            text.append("no step yet", "dim")
+        else:
+            mfu = "n/a" if s.mfu is None else f"{100 * s.mfu:.1f}%"
+            text.append(f"{fmt_rate(s.tokens_per_s)} tok/s", "bold")
+            text.append(f" · {s.samples_per_s:.1f} samples/s · {s.step_s:.3f} s/step\n")
+            gn = "n/a" if s.grad_norm is None else f"{s.grad_norm:.2f}"
+            text.append(f"MFU {mfu} · lr {s.lr:.2e} · grad norm {gn} · {fmt_rate(s.tokens)} tokens")
+        self.query_one("#throughput-text", Static).update(text)
+        self.query_one("#tokens-plot", LinePlot).series = (
+            PlotSeries("tokens/s", view.tokens_per_s.xs, view.tokens_per_s.ys, TOKENS_COLOR),)
+
+
+class LossPanel(Panel):
+    def compose(self) -> ComposeResult:
+        yield Static("no step yet", id="loss-text", markup=False)
+        yield LinePlot(id="loss-plot", empty="loss by step: waiting for steps", fmt=lambda v: f"{v:.2f}")
+
+    def show(self, view: RunView) -> None:
+        s = view.state.last_step
+        text = Text(no_wrap=True, overflow="ellipsis")
+        if s is None:
+            text.append("no step yet", "dim")
+        else:
+            loss = "n/a" if s.loss is None else f"{s.loss:.4f}"
+            text.append(f"loss {loss}", "bold")
+            if view.min_loss is not None:
+                text.append(f" (min {view.min_loss:.4f})")
+            scale = "n/a (not fp16)" if s.loss_scale is None else f"{s.loss_scale:g}"
+            text.append(f"\nloss scale {scale} · skipped {s.skipped_steps}",
+                        "yellow" if s.skipped_steps else "")
+        self.query_one("#loss-text", Static).update(text)
+        self.query_one("#loss-plot", LinePlot).series = (
+            PlotSeries("loss", view.loss.xs, view.loss.ys, LOSS_COLOR),)

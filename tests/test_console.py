@@ -1,0 +1,567 @@
+"""The console: its pure parts as plain tests, its behaviour through Textual's pilot, and one real run.
+
+The app is built with fakes (FakeLauncher, FakeProbes) except in the `slow` test, which launches a real
+tiny-cpu run (2 CPU ranks over gloo) through the real launcher and stops it from the UI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from shardconsole import config as C
+from shardconsole import preset_store
+from shardconsole import protocol as P
+from shardconsole.launch import METRICS_FILE, PRESET_FILE, RUN_FILE, StopReport, build_argv
+from shardconsole.stream import MetricsWriter
+
+from shardconsole.console import fields as F
+from shardconsole.console.app import ShardConsoleApp
+from shardconsole.console.follow import LogTail, RunFollower
+from shardconsole.console.runview import RunView, Trace
+from shardconsole.console.services import PlannedRun, RunListing
+
+GIB = 2**30
+T0 = 1_800_000_000.0          # frozen wall time of the written streams
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fakes: a launcher that writes a run folder instead of starting ranks, and probes with fixed samples.
+
+class FakeJob:
+    def __init__(self, run_dir: Path, *, alive: bool = True, pids: tuple[int, ...] = (5000, 5001),
+                 on_stop: Callable[[], None] | None = None) -> None:
+        self.run_dir = run_dir
+        self._alive = alive
+        self.pids = pids
+        self.on_stop = on_stop
+        self.stops = 0
+
+    def poll(self) -> int | None:
+        return None if self._alive else 0
+
+    def alive(self) -> bool:
+        return self._alive
+
+    def stop(self, grace_s: float = 10.0) -> StopReport:
+        self.stops += 1
+        self._alive = False
+        if self.on_stop:
+            self.on_stop()
+        return StopReport(signalled=[1000, *self.pids], killed=False, left=[], seconds=0.4)
+
+
+class FakeLauncher:
+    def __init__(self, runs_root: Path, *, run_name: str = "20260101-000000-tiny-cpu",
+                 write: Callable[[Path], None] | None = None, alive: bool = True,
+                 on_stop: Callable[[], None] | None = None) -> None:
+        self.runs_root = runs_root
+        self.run_name = run_name
+        self.write = write
+        self.alive = alive
+        self.on_stop = on_stop
+        self.started: list[C.RunConfig] = []
+        self.jobs: list[FakeJob] = []
+
+    def plan(self, cfg: C.RunConfig, preset_name: str) -> PlannedRun:
+        run_dir = self.runs_root / self.run_name
+        return PlannedRun(run_dir, self.run_name, build_argv(cfg, run_dir, self.run_name, python="python"))
+
+    def start(self, cfg: C.RunConfig, planned: PlannedRun) -> FakeJob:
+        planned.run_dir.mkdir(parents=True, exist_ok=True)
+        C.save(cfg, planned.run_dir / PRESET_FILE)
+        if self.write:
+            self.write(planned.run_dir)
+        self.started.append(cfg)
+        self.jobs.append(FakeJob(planned.run_dir, alive=self.alive, on_stop=self.on_stop))
+        return self.jobs[-1]
+
+    def attach(self, run_dir: Path) -> FakeJob:
+        self.jobs.append(FakeJob(Path(run_dir), alive=self.alive, on_stop=self.on_stop))
+        return self.jobs[-1]
+
+    def recent_runs(self, limit: int = 30) -> list[RunListing]:
+        return [RunListing(d, "", self.alive) for d in sorted(self.runs_root.glob("*"))][:limit]
+
+
+def gpu_sample(i: int, used_gib: float, t: float = T0, pids: tuple[int, ...] = ()) -> P.GpuSample:
+    return P.GpuSample(t=t, index=i, name="NVIDIA H200", used_bytes=int(used_gib * GIB),
+                       total_bytes=int(139.8 * GIB), util_pct=87.0, pids=pids)
+
+
+class FakeProbes:
+    """Fixed samples (with a fixed time, so frozen screens stay frozen however often they are taken)."""
+
+    def __init__(self, gpus: list[P.GpuSample] | None = None, host: P.HostSample | None = None,
+                 unavailable: str = "") -> None:
+        self._gpus = gpus or []
+        self._host = host or P.HostSample(t=T0, used_bytes=40 * GIB, total_bytes=125 * GIB,
+                                          ranks_rss_bytes=12 * GIB, pinned_bytes=2 * GIB)
+        self.unavailable = unavailable
+
+    @classmethod
+    def like(cls, run_dir: Path) -> "FakeProbes":
+        """Probes that answer what the run's stream last says, so a frozen screen is the same whether
+        or not the console's own first sample has arrived when it is taken."""
+        messages = [P.decode(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
+        gpus = {m.index: m for m in messages if isinstance(m, P.GpuSample)}
+        hosts = [m for m in messages if isinstance(m, P.HostSample)]
+        return cls(gpus=[gpus[i] for i in sorted(gpus)], host=hosts[-1] if hosts else None,
+                   unavailable="" if gpus else NO_GPU)
+
+    def free(self) -> None:
+        """What NVML shows once the ranks are gone: the memory is back, no process holds any."""
+        self._gpus = [replace(g, used_bytes=int(0.5 * GIB), pids=(), util_pct=0.0) for g in self._gpus]
+
+    def gpu_unavailable(self) -> str:
+        return self.unavailable
+
+    def gpus(self, run: str = "") -> list[P.GpuSample]:
+        return [replace(g, run=run) for g in self._gpus]
+
+    def host(self, rank_pids: Any = (), run: str = "") -> P.HostSample:
+        return replace(self._host, run=run)
+
+
+NO_GPU = "no NVIDIA GPU driver (NVMLError_LibraryNotFound)"
+
+
+def fixed_planner() -> Any:
+    """A stand-in for shardconsole.plan with a fixed answer (the real planner's numbers still move)."""
+    def estimate(cfg: C.RunConfig, spec: Any, hw: Any) -> Any:
+        return SimpleNamespace(gpu_peak_bytes=int(21.5 * GIB), host_peak_bytes=int(38 * GIB), fits=True,
+                               verdict="fits: GPU 20.8 GiB of 23.3 GiB (89%)")
+    return SimpleNamespace(Hardware=lambda **kw: SimpleNamespace(**kw), estimate=estimate)
+
+
+def write_run(run_dir: Path, *, gpus: int = 2, ranks_per_gpu: int = 1, steps: int = 12, total_steps: int = 30,
+              device: str = "cuda", cfg: C.RunConfig | None = None, finished: bool = False) -> None:
+    """A run folder as the ranks and the headless front end leave it: preset, job, metrics, logs."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run = run_dir.name
+    world = max(1, gpus) * ranks_per_gpu
+    default = {"parallel": {"nproc_per_node": world, "device": "cuda" if device == "cuda" else "cpu"}}
+    C.save(cfg or C.build(default), run_dir / PRESET_FILE)
+    (run_dir / RUN_FILE).write_text(json.dumps({"pid": 999999, "pgid": 999999, "argv": ["python"]}))
+    w = MetricsWriter(run_dir / METRICS_FILE, run, 0)
+    t = T0 - 60
+    for r in range(world):
+        w.emit(P.Hello(run=run, rank=r, t=t, world=world, local_rank=r, host=socket.gethostname(), pid=5000 + r,
+                       device=f"cuda:{r % gpus}" if device == "cuda" else "cpu", backend="fsdp", n_params=940_600_000))
+    for phase in ("starting", "loading model", "training"):
+        w.emit(P.Event(run=run, rank=0, t=t, name="phase", detail=phase))
+    for s in range(1, steps + 1):
+        t = T0 - 60 + 5 * s
+        for g in range(gpus):
+            w.emit(gpu_sample(g, 20 + 1.5 * s / steps * (1 + g), t=t))
+        w.emit(P.HostSample(run=run, t=t, used_bytes=int((30 + s) * GIB), total_bytes=125 * GIB,
+                            ranks_rss_bytes=int(6 * GIB), pinned_bytes=int(2 * GIB) if device == "cuda" else None))
+        for r in range(world):
+            cuda = device == "cuda"
+            w.emit(P.Memory(run=run, rank=r, t=t, step=s, device_index=r % gpus if cuda else None,
+                            allocated_bytes=int(15 * GIB) if cuda else None,
+                            reserved_bytes=int((18 + 0.1 * r) * GIB) if cuda else None,
+                            peak_reserved_bytes=int(21 * GIB) if cuda else None, host_rss_bytes=int(3 * GIB)))
+        w.emit(P.Step(run=run, rank=0, t=t, step=s, steps=total_steps, loss=10.4 - 5 * (1 - 0.8 ** s), lr=3e-4,
+                      grad_norm=1.2, tokens_per_s=61_500 + 300 * (s % 3), samples_per_s=30.0, step_s=0.27,
+                      mfu=0.508 if device == "cuda" else None, tokens=s * 16_384))
+    if finished:
+        w.emit(P.Event(run=run, rank=0, t=t, name="phase", detail="finished"))
+        w.emit(P.Finished(run=run, rank=0, t=t, steps=steps))
+    w.close()
+    logs = run_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    for r in range(min(world, 2)):
+        (logs / f"rank{r}.log").write_text("".join(f"[rank {r}] step {s} done\n" for s in range(1, 4)))
+    (run_dir / "launcher.log").write_text("torchrun: starting 2 workers\n")
+
+
+async def wait_for(pilot: Any, condition: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
+    """Let the app run until condition() is true (workers and messages take a few frames)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        await pilot.pause(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
+
+
+def text_of(widget: Any) -> str:
+    """The plain text a Static shows."""
+    return str(widget.render())
+
+
+async def show_table(pilot: Any, setup: Any, table: str) -> None:
+    """Open a table's tab (its form is built when first shown)."""
+    from textual.widgets import TabbedContent
+    setup.query_one(TabbedContent).active = f"tab-{table}"
+    await wait_for(pilot, lambda: setup.query(f"#form-{table} SettingField"), what=f"the {table} form")
+    # The focus goes along, as ctrl+n does: left in the hidden pick tab, it would switch back to it.
+    setup.query_one(f"#form-{table}").query(".setting--control").first().focus()
+    await pilot.pause()
+
+
+def make_app(tmp_path: Path, *, preset: str = "tiny-cpu", overrides: list[str] | None = None,
+             probes: FakeProbes | None = None, launcher: FakeLauncher | None = None, **kw: Any) -> ShardConsoleApp:
+    return ShardConsoleApp(launcher or FakeLauncher(tmp_path / "runs"), probes or FakeProbes(unavailable=NO_GPU),
+                           preset=preset, overrides=overrides, planner=kw.pop("planner", lambda: None), **kw)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pure parts
+
+def test_widget_kind_follows_the_annotation():
+    kinds = {s.key: s for s in F.table_specs("precision") + F.table_specs("fsdp") + F.table_specs("train")}
+    assert kinds["dtype"].kind == "select" and kinds["dtype"].choices == ("bf16", "fp16", "fp32")
+    assert kinds["reduce_dtype"].kind == "select" and kinds["reduce_dtype"].choices[0] == F.DEFAULT_CHOICE
+    assert kinds["cpu_offload"].kind == "switch"
+    assert kinds["reshard_after_forward"].choices == (F.DEFAULT_CHOICE, "true", "false")   # bool | None
+    assert kinds["steps"].kind == "number" and kinds["lr"].kind == "number"
+    assert kinds["initial_scale_power"].optional
+    assert [s.key for s in F.table_specs("model")] == ["attn_implementation"]   # name is on the pick tab
+
+
+def test_only_the_chosen_backends_table_is_shown():
+    assert "fsdp" in F.visible_tables("fsdp") and "deepspeed" not in F.visible_tables("fsdp")
+    assert "deepspeed" in F.visible_tables("deepspeed") and "fsdp" not in F.visible_tables("deepspeed")
+
+
+def test_an_edit_is_refused_with_the_clis_message():
+    cfg = C.build({})
+    spec = F.spec_for("train", "steps")
+    with pytest.raises(C.ConfigError) as console:
+        F.apply_edit(cfg, spec, "0")
+    with pytest.raises(C.ConfigError) as cli:
+        C.apply_overrides(C.build({}), ["train.steps=0"])
+    assert str(console.value) == str(cli.value)
+    path, detail = F.split_error(str(console.value))
+    assert path == "train.steps" and detail == "0 is below the minimum 1; optimizer steps to run"
+
+
+def test_text_round_trips_through_the_override():
+    cfg = C.build({"deepspeed": {"reduce_bucket_size": 500_000_000}, "train": {"lr": 6e-5}})
+    for table in C.TABLES:
+        for spec in F.table_specs(table):
+            again = F.apply_edit(cfg, spec, F.to_text(spec, F.value_of(cfg, spec)))
+            assert F.value_of(again, spec) == F.value_of(cfg, spec), spec.path
+    cfg = F.apply_edit(cfg, F.spec_for("precision", "reduce_dtype"), "bf16")
+    assert F.apply_edit(cfg, F.spec_for("precision", "reduce_dtype"), F.DEFAULT_CHOICE).precision.reduce_dtype is None
+
+
+def test_trace_stays_bounded_and_keeps_the_newest_point():
+    trace = Trace(max_points=64)
+    for i in range(1000):
+        trace.append(i, float(i))
+    assert len(trace) <= 64 and trace.xs[-1] == 999 and trace.last == 999
+
+
+def test_follower_reads_the_stream_and_logs_and_writes_its_samples(tmp_path):
+    run_dir = tmp_path / "runs" / "r1"
+    write_run(run_dir, gpus=1, steps=3)
+    probes = FakeProbes(gpus=[gpu_sample(0, 30.0)])
+    follower = RunFollower(FakeJob(run_dir), "r1", probes)
+    first = follower.tick()
+    assert sum(isinstance(m, P.Step) for m in first.messages) == 3
+    assert any("[rank 0] step 1 done" in line for line in first.log_lines)
+    assert follower.rank_pids == {0: 5000}
+    second = follower.tick()    # the samples written by the first tick come back through the file
+    assert {type(m) for m in second.messages} == {P.GpuSample, P.HostSample}
+    follower.close()
+
+
+def test_log_tail_starts_near_the_end_of_a_long_log(tmp_path):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "rank3.log").write_text("".join(f"line {i}\n" for i in range(20_000)))
+    lines = LogTail(tmp_path).poll()
+    assert lines[-1] == "    r3│ line 19999" and len(lines) < 2000 and lines[0].endswith(" line " + lines[0].split()[-1])
+
+
+def test_console_never_imports_the_training_libraries():
+    code = ("import sys, shardconsole.console.app; "
+            "bad = [m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules]; print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pilot tests: the setup screen
+
+async def test_pick_a_model_a_preset_and_a_backend(tmp_path):
+    from textual.widgets import OptionList, RadioButton, TabbedContent
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        setup = app.setup_screen
+        models = setup.query_one("#models", OptionList)
+        models.focus()
+        await pilot.press("down", "down", "enter")                 # tiny -> 125m -> 1b
+        assert setup.cfg.model.name == "1b"
+        assert "940.6M parameters" in text_of(setup.query_one("#model-info"))
+        presets = setup.query_one("#presets", OptionList)
+        presets.focus()
+        presets.highlighted = presets.get_option_index("4090x2-zero3")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert setup.preset_name == "4090x2-zero3" and setup.cfg.parallel.backend == "deepspeed"
+        tabs = setup.query_one(TabbedContent)
+        assert tabs.get_tab("tab-fsdp").has_class("-hidden") and not tabs.get_tab("tab-deepspeed").has_class("-hidden")
+        await pilot.click("#backend-fsdp")
+        await pilot.pause()
+        assert setup.cfg.parallel.backend == "fsdp"
+        assert setup.query_one("#backend-fsdp", RadioButton).value
+        assert not tabs.get_tab("tab-fsdp").has_class("-hidden") and tabs.get_tab("tab-deepspeed").has_class("-hidden")
+        assert "parallel.backend deepspeed → fsdp" in text_of(setup.query_one("#changes"))
+
+
+async def test_a_bad_value_is_marked_at_its_field_and_blocks_the_launch(tmp_path):
+    from shardconsole.console.widgets.setting_field import SettingField
+    launcher = FakeLauncher(tmp_path / "runs")
+    app = make_app(tmp_path, launcher=launcher)
+    async with app.run_test(size=(120, 40)) as pilot:
+        setup = app.setup_screen
+        for _ in range(3):
+            await pilot.press("ctrl+n")                             # Pick -> model -> data -> train
+        field = setup.query_one("#field-train-steps", SettingField)
+        assert app.focused is field.query_one(".setting--control")
+        await pilot.press("end", "backspace", "backspace", "0")
+        await pilot.pause()
+        assert field.error == "0 is below the minimum 1; optimizer steps to run"
+        assert field.has_class("-invalid")
+        assert "0 is below the minimum 1" in text_of(field.query_one(".setting--note"))
+        assert "train.steps: 0 is below the minimum 1" in text_of(setup.query_one("#problems"))
+        await pilot.press("ctrl+r")
+        await pilot.pause()
+        assert launcher.started == [] and app.screen is setup
+        await pilot.press("backspace", "8")
+        await pilot.pause()
+        assert field.error == "" and setup.cfg.train.steps == 8
+        assert "train.steps 30 → 8" in text_of(setup.query_one("#changes"))
+
+
+async def test_an_impossible_combination_is_marked_at_the_field_it_names(tmp_path):
+    from textual.widgets import Select
+    from shardconsole.console.widgets.setting_field import SettingField
+    app = make_app(tmp_path, preset="4090x2-zero3")
+    async with app.run_test(size=(120, 40)) as pilot:
+        setup = app.setup_screen
+        await show_table(pilot, setup, "precision")
+        setup.query_one("#field-precision-dtype", SettingField).query_one(Select).value = "bf16"
+        await pilot.pause()
+        field = setup.query_one("#field-precision-loss_scale_window", SettingField)
+        with pytest.raises(C.ConfigError) as cli:
+            C.validate(C.build(C.load_toml(preset_store.find("4090x2-zero3")), "x", ["precision.dtype=bf16"]))
+        assert field.error == F.split_error(str(cli.value))[1]
+
+
+async def test_save_a_preset_and_load_it_back(tmp_path, _user_presets):
+    from textual.widgets import Input, OptionList
+    app = make_app(tmp_path, overrides=["train.steps=7", "train.log_every=1"])
+    async with app.run_test(size=(120, 40)) as pilot:
+        setup = app.setup_screen
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "SavePresetScreen")
+        app.screen.query_one("#name", Input).value = "my-tiny"
+        app.screen.query_one("#description", Input).value = "tiny, 7 steps"
+        await pilot.press("enter")
+        path = _user_presets / "my-tiny.toml"
+        await wait_for(pilot, path.exists, what="the preset file")
+        loaded = C.load(path)
+        expected = C.copy(setup.cfg)
+        assert loaded.description == "tiny, 7 steps" and loaded.train.steps == 7
+        assert C.dumps(loaded) == C.dumps(expected)
+        assert setup.preset_name == "my-tiny" and "none" in text_of(setup.query_one("#changes"))
+        assert setup.query_one("#presets", OptionList).get_option("my-tiny")
+
+        # The same name again: asked first; "n" keeps the file as it was.
+        await show_table(pilot, setup, "train")
+        setup.query_one("#field-train-steps").query_one(Input).value = "9"
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "SavePresetScreen")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen")
+        await pilot.press("n")
+        await pilot.pause()
+        assert C.load(path).train.steps == 7
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "SavePresetScreen")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen")
+        await pilot.press("y")
+        await wait_for(pilot, lambda: C.load(path).train.steps == 9, what="the overwrite")
+
+
+async def test_the_memory_estimate_shows_a_placeholder_without_the_planner(tmp_path):
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.setup_screen.machine.detected)
+        assert "not available" in text_of(app.setup_screen.query_one("#estimate"))
+    app = make_app(tmp_path, planner=fixed_planner)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.setup_screen.machine.detected)
+        await pilot.pause()
+        assert "fits: GPU 20.8 GiB of 23.3 GiB" in text_of(app.setup_screen.query_one("#estimate"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pilot tests: the run screen, with a fake launcher writing a frozen stream
+
+async def test_launch_watch_and_stop_with_a_fake_launcher(tmp_path):
+    from shardconsole.console.screens.run import RunScreen
+    launcher = FakeLauncher(tmp_path / "runs", write=lambda d: write_run(d, gpus=2, steps=12))
+    probes = FakeProbes(gpus=[gpu_sample(0, 21.5, pids=(5000,)), gpu_sample(1, 22.0, pids=(5001,))])
+    app = make_app(tmp_path, launcher=launcher, probes=probes)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("ctrl+r")
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, RunScreen) and app.screen)
+        await wait_for(pilot, lambda: screen.view.state.last_step and screen.view.state.last_step.step == 12)
+        await pilot.pause(0.2)
+        assert "step 12/30" in text_of(screen.query_one("#status"))
+        gpu = text_of(screen.query_one("#gpu-text"))
+        assert "gpu0" in gpu and "r0 reserved 18.0 · peak 21.0 GiB" in gpu and "87%" in gpu
+        assert "61.5k tok/s" in text_of(screen.query_one("#throughput-text"))
+        assert "MFU 50.8%" in text_of(screen.query_one("#throughput-text"))
+        assert "loss scale n/a" in text_of(screen.query_one("#loss-text"))
+        assert "RAM" in text_of(screen.query_one("#host-text"))
+        await pilot.press("s")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen")
+        await pilot.press("y")
+        await wait_for(pilot, lambda: screen.status == "stopped", what="the stop")
+        report = await wait_for(pilot, lambda: type(app.screen).__name__ == "ReportScreen" and app.screen)
+        body = text_of(report.query_one("#body"))
+        assert "none left" in body and "rank 0 (pid 5000): ended" in body
+        assert launcher.jobs[0].stops == 1
+        await pilot.press("enter")
+        assert "none left" in text_of(screen.query_one("#status"))
+        await pilot.press("n")                                      # back to the setup, for another run
+        await wait_for(pilot, lambda: app.screen is app.setup_screen)
+
+
+async def test_attach_to_a_run_folder_from_the_app(tmp_path):
+    from textual.widgets import Input
+    from shardconsole.console.screens.run import RunScreen
+    run_dir = tmp_path / "runs" / "20260101-000000-done"
+    write_run(run_dir, gpus=0, device="cpu", steps=5, total_steps=5, finished=True)
+    launcher = FakeLauncher(tmp_path / "runs", alive=False)
+    app = make_app(tmp_path, launcher=launcher)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "AttachScreen")
+        app.screen.query_one("#path", Input).value = str(run_dir)
+        await pilot.press("enter")
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, RunScreen) and app.screen)
+        await wait_for(pilot, lambda: screen.status == "finished")
+        assert "finished: 5 steps" in text_of(screen.query_one("#status"))
+        assert "No GPU: " + NO_GPU in text_of(screen.query_one("#gpu-text"))
+        assert screen.check_action("stop", ()) is False            # nothing left to stop
+
+
+async def test_quitting_leaves_a_live_run_going(tmp_path):
+    run_dir = tmp_path / "runs" / "live"
+    write_run(run_dir, steps=3)
+    app = make_app(tmp_path, attach=run_dir)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "RunScreen")
+        # A key that ends the app never returns from pilot.press (it waits for an idle app), so the
+        # press runs beside the test, which waits for the app to have exited.
+        press = asyncio.ensure_future(pilot.press("ctrl+q"))
+        deadline = time.monotonic() + 10
+        while app.return_value is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        press.cancel()
+    assert app.return_value == run_dir and app.launcher.jobs[0].stops == 0
+
+
+FLOOD = """
+import sys, time
+from shardconsole import protocol as P
+from shardconsole.stream import MetricsWriter
+GIB = 2**30
+path, seconds, steps_per_s = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+w = MetricsWriter(path, "big", 0)
+end, s = time.monotonic() + seconds, 200
+while time.monotonic() < end:
+    s += 1
+    t = 1_800_000_000.0 + s
+    for r in range(64):
+        w.emit(P.Memory(run="big", rank=r, t=t, step=s, device_index=r % 8, reserved_bytes=20 * GIB,
+                        peak_reserved_bytes=22 * GIB, host_rss_bytes=3 * GIB))
+    w.emit(P.Step(run="big", rank=0, t=t, step=s, steps=100_000, loss=2.0, tokens_per_s=1e6, step_s=0.01))
+    time.sleep(1 / steps_per_s)
+print(s)
+"""
+
+
+async def test_many_gpus_and_ranks_keep_the_ui_responsive(tmp_path):
+    """8 GPUs with 8 ranks each (64 ranks): a long history to replay, then 64 memory lines and a step
+    line 20 times a second from another process, while keys are pressed."""
+    from shardconsole.console.screens.run import RunScreen
+    run_dir = tmp_path / "runs" / "big"
+    write_run(run_dir, gpus=8, ranks_per_gpu=8, steps=200, total_steps=100_000)
+    app = make_app(tmp_path, attach=run_dir, probes=FakeProbes(gpus=[gpu_sample(g, 30) for g in range(8)]))
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, RunScreen) and app.screen)
+        await wait_for(pilot, lambda: screen.view.state.last_step is not None)
+        flood = subprocess.Popen([sys.executable, "-c", FLOOD, str(run_dir / METRICS_FILE), "3", "20"],
+                                 stdout=subprocess.PIPE, text=True)
+        worst = 0.0
+        try:
+            while flood.poll() is None:
+                t = time.monotonic()
+                await pilot.press("tab")
+                worst = max(worst, time.monotonic() - t)
+                await pilot.pause(0.1)
+        finally:
+            last = int(flood.communicate(timeout=30)[0])
+        await wait_for(pilot, lambda: screen.view.state.last_step.step == last, timeout=10,
+                       what="the console to catch up with the stream")
+        print(f"worst key latency {worst:.3f}s under the flood")
+        assert worst < 1.0, f"a key took {worst:.2f}s"
+        assert "8 ranks: reserved" in text_of(screen.query_one("#gpu-text"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The real thing: a tiny-cpu run launched, watched and stopped from the app
+
+@pytest.mark.slow
+async def test_real_tiny_cpu_run_launch_watch_stop(tmp_path, monkeypatch):
+    import psutil
+    from shardconsole.console.screens.run import RunScreen
+    from shardconsole.console.services import MachineProbes, TorchrunLauncher
+    monkeypatch.chdir(tmp_path)
+    app = ShardConsoleApp(TorchrunLauncher(tmp_path / "runs"), MachineProbes(), preset="tiny-cpu",
+                          overrides=["train.steps=20", "train.log_every=1"], planner=lambda: None, stop_grace_s=10)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("ctrl+r")
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, RunScreen) and app.screen)
+        await wait_for(pilot, lambda: (s := screen.view.state.last_step) is not None and s.step >= 2, timeout=180,
+                       what="step 2 of the real run")
+        await pilot.pause(0.3)
+        step = screen.view.state.last_step.step
+        assert f"step {step}/20" in text_of(screen.query_one("#status"))
+        assert "tok/s" in text_of(screen.query_one("#throughput-text"))
+        assert "loss " in text_of(screen.query_one("#loss-text"))
+        assert "ranks RSS" in text_of(screen.query_one("#host-text"))
+        pids = screen.view.state.rank_pids
+        assert len(pids) == 2
+        await pilot.press("s")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen")
+        await pilot.press("y")
+        report = await wait_for(pilot, lambda: type(app.screen).__name__ == "ReportScreen" and app.screen,
+                                timeout=60, what="the stop report")
+        body = text_of(report.query_one("#body"))
+        assert "none left" in body and "rank 0" in body and "still" not in body
+        for pid in pids:
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        assert screen.status == "stopped"

@@ -541,7 +541,7 @@ async def test_real_tiny_cpu_run_launch_watch_stop(tmp_path, monkeypatch):
     from shardconsole.console.services import MachineProbes, TorchrunLauncher
     monkeypatch.chdir(tmp_path)
     app = ShardConsoleApp(TorchrunLauncher(tmp_path / "runs"), MachineProbes(), preset="tiny-cpu",
-                          overrides=["train.steps=20", "train.log_every=1"], planner=lambda: None, stop_grace_s=10)
+                          overrides=["train.steps=20", "train.log_every=1"], planner=lambda: None)
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("ctrl+r")
         screen = await wait_for(pilot, lambda: isinstance(app.screen, RunScreen) and app.screen)

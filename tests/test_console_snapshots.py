@@ -17,6 +17,7 @@ from tests.test_console import (FakeLauncher, FakeProbes, fixed_planner, gpu_sam
                                 write_run)
 
 from shardconsole.console.app import ShardConsoleApp
+from shardconsole.console.screens.run import RunOptions
 
 WIDE, NARROW = (120, 40), (80, 24)
 TWO_GPUS = [gpu_sample(0, 21.5, pids=(5000,)), gpu_sample(1, 22.9, pids=(5001,))]
@@ -41,10 +42,21 @@ async def machine_known(pilot: Any) -> None:
     await pilot.pause()
 
 
+async def still(pilot: Any) -> None:
+    """No blinking cursor: a snapshot must not depend on when in the blink it is taken."""
+    from textual.widgets import Input
+    for screen in pilot.app.screen_stack:
+        for widget in screen.query(Input):
+            widget.cursor_blink = False
+    await pilot.pause()
+
+
 def attached_app(run_dir: Path, alive: bool = True) -> ShardConsoleApp:
+    """The run screen shows the frozen stream alone: the console takes no samples of its own (their
+    timing would move the curves), except the look at the GPUs after a stop."""
     probes = FakeProbes.like(run_dir)
     return ShardConsoleApp(FakeLauncher(Path("runs"), alive=alive, on_stop=probes.free), probes, attach=run_dir,
-                           planner=fixed_planner)
+                           planner=fixed_planner, run_options=RunOptions(sample=False))
 
 
 def until_step(step: int) -> Any:
@@ -70,7 +82,7 @@ def test_setup_invalid_value_at_its_field(snap_compare, in_tmp):
         for _ in range(3):
             await pilot.press("ctrl+n")
         await pilot.press("end", "backspace", "backspace", "0")
-        await pilot.pause()
+        await still(pilot)
     assert snap_compare(setup_app(), terminal_size=NARROW, run_before=run_before)
 
 
@@ -78,7 +90,7 @@ def test_setup_deepspeed_table(snap_compare, in_tmp):
     async def run_before(pilot: Any) -> None:
         await machine_known(pilot)
         await show_table(pilot, pilot.app.setup_screen, "deepspeed")
-        await pilot.pause()
+        await still(pilot)
     assert snap_compare(setup_app("4090x2-zero3"), terminal_size=WIDE, run_before=run_before)
 
 
@@ -87,6 +99,7 @@ def test_save_preset_dialog(snap_compare, in_tmp):
         await machine_known(pilot)
         await pilot.press("ctrl+s")
         await wait_for(pilot, lambda: type(pilot.app.screen).__name__ == "SavePresetScreen")
+        await still(pilot)
     assert snap_compare(setup_app(), terminal_size=NARROW, run_before=run_before)
 
 

@@ -16,7 +16,7 @@ from textual.app import App
 from textual.binding import Binding
 
 from shardconsole.cli import DEFAULT_PRESET
-from shardconsole.console.screens.run import RunScreen
+from shardconsole.console.screens.run import RunOptions, RunScreen
 from shardconsole.console.screens.setup import SetupScreen
 from shardconsole.console.services import Launcher, MachineProbes, Probes, TorchrunLauncher, load_plan
 
@@ -30,14 +30,14 @@ class ShardConsoleApp(App[Path | None]):
 
     def __init__(self, launcher: Launcher, probes: Probes, *, preset: str = DEFAULT_PRESET,
                  overrides: list[str] | None = None, attach: Path | None = None,
-                 planner: Callable[[], ModuleType | None] = load_plan, stop_grace_s: float = 10.0) -> None:
+                 planner: Callable[[], ModuleType | None] = load_plan, run_options: RunOptions = RunOptions()) -> None:
         """planner: returns the memory planner module (shardconsole.plan) or None; tests pass a fixed one."""
         super().__init__()
         self.launcher = launcher
         self.probes = probes
         self.attach_dir = attach
         self.setup_screen = SetupScreen(launcher, probes, preset=preset, overrides=overrides, planner=planner,
-                                        stop_grace_s=stop_grace_s)
+                                        run_options=run_options)
 
     def on_mount(self) -> None:
         self.push_screen(self.setup_screen)

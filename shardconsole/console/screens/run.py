@@ -7,6 +7,7 @@ into its RunView and redraws the panels. Stopping runs in its own worker, since 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.text import Text
@@ -38,6 +39,13 @@ LOG_LINES = 500
 LIVE = ("running", "stopping")
 
 
+@dataclass(frozen=True)
+class RunOptions:
+    """How run screens behave; tests freeze the screen with sample=False (the stream alone is shown)."""
+    stop_grace_s: float = 10.0     # SIGTERM, then SIGKILL after this long
+    sample: bool = True            # sample NVML/psutil once a second into the run's stream
+
+
 class RunScreen(Screen[None]):
     CSS_PATH = HERE / "run.tcss"
     BINDINGS = [
@@ -51,14 +59,14 @@ class RunScreen(Screen[None]):
     """running | stopping | stopped | finished | failed"""
 
     def __init__(self, handle: RunHandle, probes: Probes, *, run_id: str | None = None, attached: bool = False,
-                 sample: bool = True, stop_grace_s: float = 10.0) -> None:
+                 options: RunOptions = RunOptions()) -> None:
         super().__init__()
         self.handle = handle
         self.probes = probes
         self.run_id = run_id or handle.run_dir.resolve().name
         self.attached = attached
-        self.sample = sample
-        self.stop_grace_s = stop_grace_s
+        self.sample = options.sample
+        self.stop_grace_s = options.stop_grace_s
         self.view = RunView(self.run_id)
         self.gpu_unavailable = ""
         self.outcome = ""            # the cause, once ended ("ok", "stopped", "gpu_oom", ...)

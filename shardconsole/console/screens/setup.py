@@ -31,7 +31,7 @@ from shardconsole.models import CATALOG, ModelError, human_count, resolve
 from shardconsole.console import fields as F
 from shardconsole.console.messages import MachineDetected
 from shardconsole.console.screens.dialogs import AttachScreen, ConfirmScreen, SavePresetScreen, SaveRequest
-from shardconsole.console.screens.run import RunScreen
+from shardconsole.console.screens.run import RunOptions, RunScreen
 from shardconsole.console.services import (AttachError, Launcher, Machine, PlannedRun, Probes, describe_estimate,
                                            describe_machine, load_plan, plan_hardware)
 from shardconsole.console.widgets.setting_field import SettingField
@@ -55,12 +55,12 @@ class SetupScreen(Screen[None]):
     """The settings as edited so far (only accepted values)."""
 
     def __init__(self, launcher: Launcher, probes: Probes, *, preset: str, overrides: list[str] | None = None,
-                 planner: Callable[[], ModuleType | None] = load_plan, stop_grace_s: float = 10.0) -> None:
+                 planner: Callable[[], ModuleType | None] = load_plan, run_options: RunOptions = RunOptions()) -> None:
         super().__init__()
         self.launcher = launcher
         self.probes = probes
         self.planner = planner
-        self.stop_grace_s = stop_grace_s
+        self.run_options = run_options
         self.machine = Machine()
         self.plan = None
         self.field_errors: dict[str, str] = {}     # path -> config.py's message, for refused edits
@@ -411,8 +411,8 @@ class SetupScreen(Screen[None]):
         except OSError as e:
             self.notify(f"{planned.run_dir}: {e}", title="Launch failed", severity="error", timeout=10)
             return
-        self.app.push_screen(RunScreen(handle, self.probes, run_id=handle.run_dir.name,
-                                       stop_grace_s=self.stop_grace_s), self._run_screen_closed)
+        self.app.push_screen(RunScreen(handle, self.probes, run_id=handle.run_dir.name, options=self.run_options),
+                             self._run_screen_closed)
 
     def _run_screen_closed(self, _: None = None) -> None:
         self._refresh()    # a new run folder name for the next launch
@@ -473,5 +473,5 @@ class SetupScreen(Screen[None]):
         except AttachError as e:
             self.notify(str(e), title="Cannot attach", severity="error", timeout=10)
             return
-        self.app.push_screen(RunScreen(handle, self.probes, attached=True, stop_grace_s=self.stop_grace_s),
+        self.app.push_screen(RunScreen(handle, self.probes, attached=True, options=self.run_options),
                              self._run_screen_closed)

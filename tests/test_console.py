@@ -308,7 +308,7 @@ async def test_pick_a_model_a_preset_and_a_backend(tmp_path):
         models.focus()
         await pilot.press("down", "down", "enter")                 # tiny -> 125m -> 1b
         assert setup.cfg.model.name == "1b"
-        assert "940.6M parameters" in text_of(setup.query_one("#model-info"))
+        assert "940.6M params" in text_of(setup.query_one("#model-info"))
         presets = setup.query_one("#presets", OptionList)
         presets.focus()
         presets.highlighted = presets.get_option_index("4090x2-zero3")

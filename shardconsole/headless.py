@@ -142,14 +142,17 @@ def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
-_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+_FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
 
 
 def killed_rank(run_dir: Path) -> tuple[int, int] | None:
-    """(rank, signal) when torchrun's report names a rank killed by a signal as the root cause."""
-    m = _ROOT_CAUSE.search(_tail(run_dir / LAUNCHER_LOG, 60))
-    if m and int(m.group(2)) < 0:
-        return int(m.group(1)), -int(m.group(2))
+    """(rank, signal) when torchrun's failure report lists a rank killed by a signal. Such a rank is the
+    cause whatever torchrun calls the "root cause": when one rank is killed its peers fail within the
+    same second with connection errors, and torchrun's ordering of the two is a race."""
+    for m in _FAILED_RANK.finditer(_tail(run_dir / LAUNCHER_LOG, 80)):
+        code = int(m.group(2))
+        if code < 0 and -code != signal.SIGTERM:   # SIGTERM is torchrun ending the others
+            return int(m.group(1)), -code
     return None
 
 

@@ -238,26 +238,27 @@ def test_only_the_chosen_backends_table_is_shown():
     assert "deepspeed" in F.visible_tables("deepspeed") and "fsdp" not in F.visible_tables("deepspeed")
 
 
-def test_an_edit_is_refused_with_the_clis_message():
-    cfg = C.build({})
+def test_an_edit_is_the_clis_override_and_its_error_names_the_field():
     spec = F.spec_for("train", "steps")
-    with pytest.raises(C.ConfigError) as console:
-        F.apply_edit(cfg, spec, "0")
+    assert F.override_for(spec, " 0 ") == "train.steps=0"
     with pytest.raises(C.ConfigError) as cli:
-        C.apply_overrides(C.build({}), ["train.steps=0"])
-    assert str(console.value) == str(cli.value)
-    path, detail = F.split_error(str(console.value))
+        C.apply_overrides(C.build({}), [F.override_for(spec, "0")])
+    path, detail = F.split_error(str(cli.value))
     assert path == "train.steps" and detail == "0 is below the minimum 1; optimizer steps to run"
+    assert F.override_for(F.spec_for("precision", "reduce_dtype"), F.DEFAULT_CHOICE) == "precision.reduce_dtype=none"
 
 
 def test_text_round_trips_through_the_override():
-    cfg = C.build({"deepspeed": {"reduce_bucket_size": 500_000_000}, "train": {"lr": 6e-5}})
+    cfg = C.build({"deepspeed": {"reduce_bucket_size": 500_000_000}, "train": {"lr": 6e-5},
+                   "memory": {"gpu_memory_limit": "24GiB"}})
     for table in C.TABLES:
         for spec in F.table_specs(table):
-            again = F.apply_edit(cfg, spec, F.to_text(spec, F.value_of(cfg, spec)))
-            assert F.value_of(again, spec) == F.value_of(cfg, spec), spec.path
-    cfg = F.apply_edit(cfg, F.spec_for("precision", "reduce_dtype"), "bf16")
-    assert F.apply_edit(cfg, F.spec_for("precision", "reduce_dtype"), F.DEFAULT_CHOICE).precision.reduce_dtype is None
+            value = F.value_of(cfg, spec)
+            if value is None:
+                continue     # "not set" has no override (config.py refuses `--set key=none`)
+            again = C.copy(cfg)
+            C.apply_overrides(again, [F.override_for(spec, F.to_text(spec, value))])
+            assert F.value_of(again, spec) == value, spec.path
 
 
 def test_trace_stays_bounded_and_keeps_the_newest_point():
@@ -515,19 +516,19 @@ async def test_many_gpus_and_ranks_keep_the_ui_responsive(tmp_path):
         await wait_for(pilot, lambda: screen.view.state.last_step is not None)
         flood = subprocess.Popen([sys.executable, "-c", FLOOD, str(run_dir / METRICS_FILE), "3", "20"],
                                  stdout=subprocess.PIPE, text=True)
-        worst = 0.0
+        latencies: list[float] = []
         try:
             while flood.poll() is None:
                 t = time.monotonic()
                 await pilot.press("tab")
-                worst = max(worst, time.monotonic() - t)
+                latencies.append(time.monotonic() - t)
                 await pilot.pause(0.1)
         finally:
             last = int(flood.communicate(timeout=30)[0])
         await wait_for(pilot, lambda: screen.view.state.last_step.step == last, timeout=10,
                        what="the console to catch up with the stream")
-        print(f"worst key latency {worst:.3f}s under the flood")
-        assert worst < 1.0, f"a key took {worst:.2f}s"
+        print("key latencies under the flood:", " ".join(f"{x:.2f}" for x in latencies))
+        assert max(latencies) < 1.0, f"a key took {max(latencies):.2f}s"
         assert "8 ranks: reserved" in text_of(screen.query_one("#gpu-text"))
 
 

@@ -17,7 +17,7 @@ from tests.test_console import (FakeLauncher, FakeProbes, fixed_planner, gpu_sam
                                 write_run)
 
 from shardconsole.console.app import ShardConsoleApp
-from shardconsole.console.screens.run import RunOptions
+from shardconsole.console.services import RunOptions
 
 WIDE, NARROW = (120, 40), (80, 24)
 TWO_GPUS = [gpu_sample(0, 21.5, pids=(5000,)), gpu_sample(1, 22.9, pids=(5001,))]

@@ -16,9 +16,8 @@ from textual.app import App
 from textual.binding import Binding
 
 from shardconsole.cli import DEFAULT_PRESET
-from shardconsole.console.screens.run import RunOptions, RunScreen
 from shardconsole.console.screens.setup import SetupScreen
-from shardconsole.console.services import Launcher, MachineProbes, Probes, TorchrunLauncher, load_plan
+from shardconsole.console.services import Launcher, MachineProbes, Probes, RunOptions, TorchrunLauncher, load_plan
 
 class ShardConsoleApp(App[Path | None]):
     """Returns the run folder when the user left a run going (so the caller can say how to attach)."""
@@ -46,13 +45,14 @@ class ShardConsoleApp(App[Path | None]):
 
     def action_quit(self) -> None:
         """ctrl+q anywhere: a live run is left running (never stopped by quitting), with its folder."""
-        screen = self.screen
-        if isinstance(screen, RunScreen) and screen.live:
-            screen.action_leave()
-        elif isinstance(screen, RunScreen):
-            screen.action_close()
-        else:
+        from shardconsole.console.screens.run import RunScreen
+        run_screen = next((s for s in reversed(self.screen_stack) if isinstance(s, RunScreen)), None)
+        if run_screen is None:
             self.exit(None)
+        elif run_screen.live:
+            run_screen.action_leave()
+        else:
+            run_screen.action_close()
 
 
 def run_console(preset: str | None = None, overrides: list[str] | None = None, attach: Path | None = None) -> int:

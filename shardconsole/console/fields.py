@@ -98,17 +98,6 @@ def override_for(spec: FieldSpec, text: str) -> str:
     return f"{spec.path}={stripped}"
 
 
-def apply_edit(cfg: C.RunConfig, spec: FieldSpec, text: str) -> C.RunConfig:
-    """A copy of cfg with one field set from its text. Raises ConfigError with config.py's message."""
-    new = C.copy(cfg)
-    if spec.optional and text.strip() in ("", DEFAULT_CHOICE):
-        # Not set: always valid. Set directly, since config.py's `--set key=none` refuses None today.
-        setattr(getattr(new, spec.table), spec.key, None)
-        return new
-    C.apply_overrides(new, [override_for(spec, text)])
-    return new
-
-
 def check(cfg: C.RunConfig, source: str, gpu_count: int | None) -> C.ConfigError | None:
     """The first impossible combination (config.validate), or None."""
     try:

@@ -43,6 +43,13 @@ class PlannedRun:
 
 
 @dataclass(frozen=True)
+class RunOptions:
+    """How run screens behave; tests freeze the screen with sample=False (the stream alone is shown)."""
+    stop_grace_s: float = 10.0     # SIGTERM, then SIGKILL after this long
+    sample: bool = True            # sample NVML/psutil once a second into the run's stream
+
+
+@dataclass(frozen=True)
 class RunListing:
     run_dir: Path
     description: str

@@ -7,7 +7,6 @@ into its RunView and redraws the panels. Stopping runs in its own worker, since 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from rich.text import Text
@@ -28,22 +27,15 @@ from shardconsole.console.follow import RunFollower
 from shardconsole.console.messages import MachineSampled, RunEnded, RunUpdate, StopFinished
 from shardconsole.console.runview import RunView
 from shardconsole.console.screens.dialogs import ConfirmScreen, ReportScreen
-from shardconsole.console.services import Probes, RunHandle
+from shardconsole.console.services import Probes, RunHandle, RunOptions
 from shardconsole.console.widgets.run_panels import GpuPanel, HostPanel, LossPanel, ThroughputPanel, duration, gib
 
 HERE = Path(__file__).parent
-POLL_S = 0.25          # how often the follower looks at the stream; samples are taken once a second
+POLL_S = 0.5           # how often the follower looks at the stream (and the panels redraw); samples: 1 Hz
 LOG_LINES = 500
 
 # Lifecycle of the run as this screen sees it; the phase inside a live run comes from the stream.
 LIVE = ("running", "stopping")
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """How run screens behave; tests freeze the screen with sample=False (the stream alone is shown)."""
-    stop_grace_s: float = 10.0     # SIGTERM, then SIGKILL after this long
-    sample: bool = True            # sample NVML/psutil once a second into the run's stream
 
 
 class RunScreen(Screen[None]):

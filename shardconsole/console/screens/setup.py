@@ -1,8 +1,10 @@
 """The setup screen: pick a model, a preset and a backend; edit the settings; see the command; launch.
 
-State is one RunConfig (`cfg`, a reactive replaced on every accepted edit) and the preset it started
-from (`base`). Every edit goes through config.py (fields.apply_edit), so a bad value is refused with the
-CLI's own message, shown at the field; the last good value stays in `cfg` until it is fixed.
+The state is what the command line takes: a preset and `table.key=value` overrides (one per edited
+field). The settings shown (`cfg`) are derived from them the way preset_store.resolve derives them for
+every front end (defaults < preset < overrides, then the ZeRO equivalents of the FSDP settings for a
+DeepSpeed run), except that a bad override is set aside with config.py's message at its field instead
+of stopping at the first. Launching runs the CLI's own checks (cli.load_config) on the same overrides.
 """
 
 from __future__ import annotations
@@ -31,9 +33,8 @@ from shardconsole.models import CATALOG, ModelError, human_count, resolve
 from shardconsole.console import fields as F
 from shardconsole.console.messages import MachineDetected
 from shardconsole.console.screens.dialogs import AttachScreen, ConfirmScreen, SavePresetScreen, SaveRequest
-from shardconsole.console.screens.run import RunOptions, RunScreen
-from shardconsole.console.services import (AttachError, Launcher, Machine, PlannedRun, Probes, describe_estimate,
-                                           describe_machine, load_plan, plan_hardware)
+from shardconsole.console.services import (AttachError, Launcher, Machine, PlannedRun, Probes, RunHandle, RunOptions,
+                                           describe_estimate, describe_machine, load_plan, plan_hardware)
 from shardconsole.console.widgets.setting_field import SettingField
 
 HERE = Path(__file__).parent
@@ -52,7 +53,7 @@ class SetupScreen(Screen[None]):
     ]
 
     cfg: reactive[C.RunConfig] = reactive(C.RunConfig, always_update=True, init=False)
-    """The settings as edited so far (only accepted values)."""
+    """The settings in force: the preset with the accepted overrides (derived by _derive)."""
 
     def __init__(self, launcher: Launcher, probes: Probes, *, preset: str, overrides: list[str] | None = None,
                  planner: Callable[[], ModuleType | None] = load_plan, run_options: RunOptions = RunOptions()) -> None:
@@ -63,25 +64,57 @@ class SetupScreen(Screen[None]):
         self.run_options = run_options
         self.machine = Machine()
         self.plan = None
-        self.field_errors: dict[str, str] = {}     # path -> config.py's message, for refused edits
+        self.overrides: dict[str, str] = {}        # "table.key" -> the value as `--set` takes it
+        self.valid_overrides: list[str] = []       # those config.py accepted, as `table.key=value`
+        self.field_errors: dict[str, str] = {}     # "table.key" -> config.py's message
+        self.model_error = ""                      # a model folder typed but not (yet) usable
+        self.notes: list[str] = []                 # settings filled from the FSDP table for DeepSpeed
         self.planned: PlannedRun | None = None
         self._startup_error = ""
         try:
             self._load(preset, overrides or [])
         except C.ConfigError as e:     # the CLI checked it; a file changed since is still no crash
             self._startup_error = str(e)
-            self.preset_name, self.preset_path = "defaults", None
-            self.base = C.RunConfig()
+            self.preset_name, self.preset_path, self.raw = "defaults", None, {}
+            self._plain = self.base = C.RunConfig()
             self.set_reactive(SetupScreen.cfg, C.RunConfig())
 
     def _load(self, preset: str, overrides: list[str]) -> None:
+        """A preset as the base, with `table.key=value` overrides (from the command line) on top."""
         path = preset_store.find(preset)
         raw = C.load_toml(path)
-        base = C.build(raw, str(path))
-        cfg = C.build(raw, str(path), overrides)
-        self.preset_name, self.preset_path, self.base = path.stem, path, base
-        self.field_errors.clear()
-        self.set_reactive(SetupScreen.cfg, cfg)
+        self._plain = C.build(raw, str(path))                   # before the FSDP -> ZeRO mapping
+        self.base = preset_store.resolve(str(path))[0]          # what the preset alone runs with
+        self.preset_name, self.preset_path, self.raw = path.stem, path, raw
+        self.overrides = {}
+        for text in overrides:
+            table, key, value = C.parse_override(text)
+            self.overrides[f"{table}.{key}"] = value
+        self._derive(notify=False)
+
+    def _derive(self, *, notify: bool = True) -> None:
+        """cfg from the preset and the overrides, as preset_store.resolve builds it."""
+        cfg = C.copy(self._plain)
+        self.field_errors, self.valid_overrides = {}, []
+        for path, text in self.overrides.items():
+            spec = F.spec_for(*path.split(".", 1))
+            if spec.optional and text.strip() in ("", F.DEFAULT_CHOICE):
+                # Back to "not set": always valid. Set directly, since config.py refuses `--set key=none`.
+                setattr(getattr(cfg, spec.table), spec.key, None)
+                continue
+            override = F.override_for(spec, text)
+            try:
+                C.apply_overrides(cfg, [override])
+            except C.ConfigError as e:
+                self.field_errors[path] = F.split_error(str(e))[1]
+                continue
+            self.valid_overrides.append(override)
+        from shardconsole.ds_json import apply_fsdp_equivalents
+        self.notes = apply_fsdp_equivalents(cfg, self.raw, self.valid_overrides)
+        if notify:
+            self.cfg = cfg
+        else:
+            self.set_reactive(SetupScreen.cfg, cfg)
 
     @property
     def source(self) -> str:
@@ -145,7 +178,8 @@ class SetupScreen(Screen[None]):
         self._show_picks()
         self._refresh()
         self.query_one("#models", OptionList).focus()   # the first thing to pick
-        self.detect_machine()
+        # After the first paint: NVML, psutil and the planner's import would otherwise compete with it.
+        self.call_after_refresh(self.detect_machine)
 
     # --- the machine and the planner (in a thread: NVML can take a moment to start) ----------------
     @work(thread=True, exclusive=True, group="machine")
@@ -204,27 +238,29 @@ class SetupScreen(Screen[None]):
     def _model_selected(self, event: OptionList.OptionSelected) -> None:
         with self.prevent(Input.Changed):
             self.query_one("#model-dir", Input).value = ""
+        self.model_error = ""
         self._set(MODEL_SPEC, event.option.id or "tiny")
         self._show_model_info()
 
     @on(Input.Changed, "#model-dir")
     def _model_dir_changed(self, event: Input.Changed) -> None:
+        """A local model folder: used once models.resolve accepts it; until then its error shows."""
         path = event.value.strip()
-        if not path:
-            self.field_errors.pop(MODEL_SPEC.path, None)
-            self._show_model_info()
-            self._refresh()
-            return
-        try:
-            resolve(path)
-        except ModelError as e:
-            # The CLI's wording: "<preset>: [model] name: <why>".
-            self._show_model_info(f"{self.source}: [model] name: {e}")
-            self.field_errors[MODEL_SPEC.path] = str(e)
-            self._refresh()
-            return
-        self.query_one("#models", OptionList).highlighted = None
-        self._set(MODEL_SPEC, path)
+        self.model_error = ""
+        if path:
+            try:
+                resolve(path)
+            except ModelError as e:
+                self.model_error = str(e)   # the CLI says "<preset>: [model] name: <this>"
+                self._show_model_info(f"{self.source}: [model] name: {e}")
+                self._refresh()
+                return
+            self.query_one("#models", OptionList).highlighted = None
+            self._set(MODEL_SPEC, path)
+        elif self.cfg.model.name not in CATALOG:
+            self.overrides.pop(MODEL_SPEC.path, None)      # emptied: back to the preset's model
+            self._derive()
+            self._show_picks()
         self._show_model_info()
 
     @on(OptionList.OptionSelected, "#presets")
@@ -267,14 +303,8 @@ class SetupScreen(Screen[None]):
         self._set(event.setting.spec, event.text)
 
     def _set(self, spec: F.FieldSpec, text: str) -> None:
-        try:
-            new = F.apply_edit(self.cfg, spec, text)
-        except C.ConfigError as e:
-            self.field_errors[spec.path] = F.split_error(str(e))[1]
-            self._refresh()
-            return
-        self.field_errors.pop(spec.path, None)
-        self.cfg = new
+        self.overrides[spec.path] = text
+        self._derive()
 
     def watch_cfg(self) -> None:
         self._refresh()
@@ -282,6 +312,8 @@ class SetupScreen(Screen[None]):
     def _problems(self) -> list[tuple[str, str]]:
         """(table.key, message): refused edits first, then the first impossible combination."""
         out = list(self.field_errors.items())
+        if self.model_error:
+            out.append((MODEL_SPEC.path, self.model_error))
         err = F.check(self.cfg, self.source, self.machine.gpu_count)
         if err is not None:
             path, detail = F.split_error(str(err))
@@ -291,8 +323,6 @@ class SetupScreen(Screen[None]):
 
     def _refresh(self) -> None:
         """Everything derived from cfg: marks at the fields, tabs, changes, command, estimate."""
-        if not self.is_mounted:
-            return
         cfg = self.cfg
         problems = self._problems()
         by_path = dict(problems)
@@ -391,28 +421,25 @@ class SetupScreen(Screen[None]):
             self.notify(f"{path}: {detail}", title="Fix this setting before launching", severity="error")
             await self._go_to(path)
             return
-        # The CLI's own last checks (model folder, data file, GPUs of this machine), so that the
-        # console never starts what `shardconsole --headless` would refuse.
+        # The CLI's own last checks (model folder, data file, GPUs of this machine) on the same preset
+        # and overrides, so that the console never starts what `shardconsole --headless` would refuse.
         from shardconsole.cli import load_config
-        overrides = [F.override_for(F.spec_for(*p.split(".", 1)), F.to_text(F.spec_for(*p.split(".", 1)), new))
-                     for p, _, new in self.cfg.diff(self.base)]
         try:
-            cfg, _ = load_config(str(self.preset_path) if self.preset_path else None, overrides)
+            load_config(str(self.preset_path) if self.preset_path else None, self.valid_overrides)
         except (C.ConfigError, ModelError) as e:
             self.notify(str(e), title="Cannot launch", severity="error", timeout=10)
             path, _ = F.split_error(str(e))
             if path:
                 await self._go_to(path)
             return
-        cfg.description = self.cfg.description
+        cfg = self.cfg
         planned = self.planned or self.launcher.plan(cfg, self.preset_name)
         try:
             handle = self.launcher.start(cfg, planned)
         except OSError as e:
             self.notify(f"{planned.run_dir}: {e}", title="Launch failed", severity="error", timeout=10)
             return
-        self.app.push_screen(RunScreen(handle, self.probes, run_id=handle.run_dir.name, options=self.run_options),
-                             self._run_screen_closed)
+        self._open_run(handle, attached=False)
 
     def _run_screen_closed(self, _: None = None) -> None:
         self._refresh()    # a new run folder name for the next launch
@@ -455,10 +482,10 @@ class SetupScreen(Screen[None]):
                 raise
             self.notify(f"{e.filename}: {e.strerror}", title="Not saved", severity="error")
             return
-        self.preset_name, self.preset_path, self.base = path.stem, path, C.copy(cfg)
+        self._load(str(path), [])
         presets = self.query_one("#presets", OptionList)
         presets.set_options(self._preset_options())
-        self.cfg = cfg
+        self._refresh()
         self._show_picks()
         self.notify(f"Saved {path}", title="Preset saved")
 
@@ -473,5 +500,10 @@ class SetupScreen(Screen[None]):
         except AttachError as e:
             self.notify(str(e), title="Cannot attach", severity="error", timeout=10)
             return
-        self.app.push_screen(RunScreen(handle, self.probes, attached=True, options=self.run_options),
-                             self._run_screen_closed)
+        self._open_run(handle, attached=True)
+
+    def _open_run(self, handle: RunHandle, *, attached: bool) -> None:
+        # Imported here: the run screen and its panels are not needed for the first paint.
+        from shardconsole.console.screens.run import RunScreen
+        self.app.push_screen(RunScreen(handle, self.probes, attached=attached,
+                                       options=self.run_options), self._run_screen_closed)

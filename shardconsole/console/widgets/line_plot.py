@@ -40,10 +40,13 @@ class LinePlot(Widget):
     series: reactive[tuple[PlotSeries, ...]] = reactive((), always_update=True, layout=False)
 
     def __init__(self, *, empty: str = "waiting for data", fmt: Callable[[float], str] | None = None,
-                 name: str | None = None, id: str | None = None, classes: str | None = None) -> None:
+                 y_min: float | None = None, name: str | None = None, id: str | None = None,
+                 classes: str | None = None) -> None:
+        """y_min: a floor for the scale (0 for memory, so a small change does not look like a cliff)."""
         super().__init__(name=name, id=id, classes=classes)
         self.empty = empty
         self.fmt = fmt or (lambda v: f"{v:.3g}")
+        self.y_min = y_min
 
     def render(self) -> Text:
         width, height = self.size.width, self.size.height
@@ -52,6 +55,8 @@ class LinePlot(Widget):
             return Text(self.empty, style="dim", overflow="ellipsis", no_wrap=True)
         lo = min(min(s.ys) for s in points)
         hi = max(max(s.ys) for s in points)
+        if self.y_min is not None:
+            lo = min(lo, self.y_min)
         if hi - lo < 1e-12 * max(1.0, abs(hi)):
             lo, hi = lo - 0.5 * (abs(lo) or 1.0), hi + 0.5 * (abs(hi) or 1.0)
         x0 = min(s.xs[0] for s in points)
@@ -88,14 +93,19 @@ class LinePlot(Widget):
                     for dy in range(a, b + 1):
                         mark(dx, dy, s.color)
         axis = self.get_component_rich_style("line-plot--axis")
+        styles = {s.color: Style(color=s.color) for s in points}
         text = Text(no_wrap=True, overflow="crop")
         for row in range(height):
             label = labels[0] if row == 0 else labels[1] if row == height - 1 else ""
             text.append(label.rjust(margin - 1) + " ", axis)
-            for col in range(cols):
-                bits = cells[row][col]
-                color = colors[row][col]
-                text.append(chr(0x2800 + bits), Style(color=color) if color else None)
+            # One span per run of a colour: a plot redraws several times a second.
+            line, run_color, start = cells[row], colors[row][0], 0
+            for col in range(1, cols + 1):
+                color = colors[row][col] if col < cols else object()
+                if color != run_color:
+                    chunk = "".join(chr(0x2800 + bits) for bits in line[start:col])
+                    text.append(chunk, styles.get(run_color) if run_color else None)
+                    run_color, start = color, col
             if row < height - 1:
                 text.append("\n")
         return text

@@ -114,7 +114,8 @@ def _rank_lines(view: RunView, ranks: list[int], limit: int = 4) -> list[str]:
 class HostPanel(Panel):
     def compose(self) -> ComposeResult:
         yield Static("waiting for the first sample", id="host-text", markup=False)
-        yield LinePlot(id="memory-plot", empty="memory over time: waiting for samples", fmt=lambda v: f"{v:.1f}G")
+        yield LinePlot(id="memory-plot", empty="memory over time: waiting for samples", fmt=lambda v: f"{v:.1f}G",
+                       y_min=0.0)
 
     def show(self, view: RunView) -> None:
         host = view.state.host
@@ -153,11 +154,12 @@ class ThroughputPanel(Panel):
         if s is None:
             text.append("no step yet", "dim")
         else:
+            # Most telling first: a narrow panel cuts the end of each line.
             mfu = "n/a" if s.mfu is None else f"{100 * s.mfu:.1f}%"
             text.append(f"{fmt_rate(s.tokens_per_s)} tok/s", "bold")
-            text.append(f" · {s.samples_per_s:.1f} samples/s · {s.step_s:.3f} s/step\n")
+            text.append(f" · {s.step_s:.3f} s/step · {s.samples_per_s:.1f} samples/s\n")
             gn = "n/a" if s.grad_norm is None else f"{s.grad_norm:.2f}"
-            text.append(f"MFU {mfu} · lr {s.lr:.2e} · grad norm {gn} · {fmt_rate(s.tokens)} tokens")
+            text.append(f"MFU {mfu} · grad norm {gn} · lr {s.lr:.2e} · {fmt_rate(s.tokens)} tokens")
         self.query_one("#throughput-text", Static).update(text)
         self.query_one("#tokens-plot", LinePlot).series = (
             PlotSeries("tokens/s", view.tokens_per_s.xs, view.tokens_per_s.ys, TOKENS_COLOR),)
@@ -176,10 +178,10 @@ class LossPanel(Panel):
         else:
             loss = "n/a" if s.loss is None else f"{s.loss:.4f}"
             text.append(f"loss {loss}", "bold")
-            if view.min_loss is not None:
+            if view.min_loss is not None and (s.loss is None or view.min_loss < s.loss):
                 text.append(f" (min {view.min_loss:.4f})")
             scale = "n/a (not fp16)" if s.loss_scale is None else f"{s.loss_scale:g}"
-            text.append(f"\nloss scale {scale} · skipped {s.skipped_steps}",
+            text.append(f"\nloss scale {scale} · {s.skipped_steps} skipped",
                         "yellow" if s.skipped_steps else "")
         self.query_one("#loss-text", Static).update(text)
         self.query_one("#loss-plot", LinePlot).series = (

@@ -230,6 +230,7 @@ def test_widget_kind_follows_the_annotation():
     assert kinds["reshard_after_forward"].choices == (F.DEFAULT_CHOICE, "true", "false")   # bool | None
     assert kinds["steps"].kind == "number" and kinds["lr"].kind == "number"
     assert kinds["initial_scale_power"].optional
+    assert F.spec_for("memory", "gpu_memory_limit").kind == "size"
     assert [s.key for s in F.table_specs("model")] == ["attn_implementation"]   # name is on the pick tab
 
 

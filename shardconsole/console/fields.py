@@ -25,6 +25,9 @@ PICKED: frozenset[str] = frozenset({"model.name", "parallel.backend"})
 BACKEND_TABLE: dict[str, str] = {"fsdp": "fsdp", "deepspeed": "deepspeed"}
 # The option of an optional select that leaves the setting unset (None: config.py's default applies).
 DEFAULT_CHOICE = "default"
+# Byte sizes written as text ("24GiB"). config.py's field metadata "size" says so; this covers the key
+# config.validate parses with parse_size but whose field does not carry the mark yet.
+SIZE_KEYS: frozenset[str] = frozenset({"memory.gpu_memory_limit"})
 
 _LOCATION = re.compile(r"\[(\w+)\] (\w+): ")
 
@@ -61,7 +64,7 @@ def spec_for(table: str, key: str) -> FieldSpec:
         return FieldSpec(table, key, "switch", helptext)
     if tp in (int, float):
         return FieldSpec(table, key, "number", helptext, optional=optional)
-    if meta.get("size"):
+    if meta.get("size") or f"{table}.{key}" in SIZE_KEYS:
         return FieldSpec(table, key, "size", helptext, optional=optional)
     return FieldSpec(table, key, "text", helptext, optional=optional)
 
@@ -129,12 +132,9 @@ def hint(spec: FieldSpec, value: Any) -> str:
     return ""
 
 
-def diff_entries(cfg: C.RunConfig, base: C.RunConfig) -> list[str]:
-    """'train.steps 30 → 8' for each setting that differs from the preset (RunConfig.diff)."""
-    out = []
-    for path, old, new in cfg.diff(base):
-        out.append(f"{path} {_short(old)} → {_short(new)}")
-    return out
+def diff_entries(diff: list[tuple[str, Any, Any]]) -> list[str]:
+    """'train.steps 30 → 8' for each (table.key, preset's value, value now) of RunConfig.diff."""
+    return [f"{path} {_short(old)} → {_short(new)}" for path, old, new in diff]
 
 
 def _short(value: Any) -> str:

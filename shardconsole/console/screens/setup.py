@@ -63,7 +63,7 @@ class SetupScreen(Screen[None]):
         self.planner = planner
         self.run_options = run_options
         self.machine = Machine()
-        self.plan = None
+        self.plan: ModuleType | None = None
         self.overrides: dict[str, str] = {}        # "table.key" -> the value as `--set` takes it
         self.valid_overrides: list[str] = []       # those config.py accepted, as `table.key=value`
         self.field_errors: dict[str, str] = {}     # "table.key" -> config.py's message
@@ -251,8 +251,8 @@ class SetupScreen(Screen[None]):
             try:
                 resolve(path)
             except ModelError as e:
-                self.model_error = str(e)   # the CLI says "<preset>: [model] name: <this>"
-                self._show_model_info(f"{self.source}: [model] name: {e}")
+                self.model_error = str(e)   # models.resolve's words, as the CLI gives them
+                self._show_model_info(str(e))
                 self._refresh()
                 return
             self.query_one("#models", OptionList).highlighted = None
@@ -271,8 +271,6 @@ class SetupScreen(Screen[None]):
         except C.ConfigError as e:
             self.notify(str(e), title=f"Preset {name} not loaded", severity="error", timeout=10)
             return
-        for setting in self.query(SettingField):
-            setting.set_text(F.to_text(setting.spec, F.value_of(self.cfg, setting.spec)))
         self._show_picks()
         self._refresh()
         self.notify(f"Loaded preset {name}", timeout=3)
@@ -329,6 +327,12 @@ class SetupScreen(Screen[None]):
         for setting in self.query(SettingField):
             spec = setting.spec
             value = F.value_of(cfg, spec)
+            if spec.path not in self.overrides:
+                # Not typed by the user: show the value in force (a preset loaded, an FSDP setting
+                # carried over to DeepSpeed). A typed value stays as typed, even when refused.
+                text = F.to_text(spec, value)
+                if setting.text != text:
+                    setting.set_text(text)
             setting.error = by_path.get(spec.path, "")
             setting.changed = value != F.value_of(self.base, spec)
             setting.hint = F.hint(spec, value)
@@ -345,9 +349,9 @@ class SetupScreen(Screen[None]):
             label = table + (" ✗" if bad else " •" if changed else "")
             if str(tab.label) != label:
                 tab.label = label
-        self._draw_summary(problems)
+        self._draw_summary(problems, diff)
 
-    def _draw_summary(self, problems: list[tuple[str, str]]) -> None:
+    def _draw_summary(self, problems: list[tuple[str, str]], diff: list[tuple[str, object, object]]) -> None:
         cfg = self.cfg
         bad = Text(no_wrap=False)
         if problems:
@@ -356,20 +360,23 @@ class SetupScreen(Screen[None]):
             bad.append(f"✗ {path}: {detail}{more}", "bold red")
         self.query_one("#problems", Static).update(bad)
         self.query_one("#problems").display = bool(problems)
-        changes = F.diff_entries(cfg, self.base)
-        line = Text(no_wrap=True, overflow="ellipsis")
+        changes = F.diff_entries(diff)
+        line = Text()
         line.append("Changes ", "bold")
         if changes:
             line.append(f"from {self.preset_name}: " + " · ".join(changes))
         else:
             line.append(f"from {self.preset_name}: none", "dim")
+        if self.notes:   # deepspeed settings the CLI fills from the fsdp table, said as it says them
+            line.append(" · from the fsdp table: " + "; ".join(self.notes), "dim")
         self.query_one("#changes", Static).update(line)
         self.planned = self.launcher.plan(cfg, self.preset_name)
         cmd = Text()
         cmd.append("Command ", "bold")
         cmd.append(format_argv(self.planned.argv))
         self.query_one("#command", Static).update(cmd)
-        estimate, fits = describe_estimate(self.plan, cfg, self.machine)
+        estimate, fits = (describe_estimate(self.plan, cfg, self.machine) if not problems else
+                          ("Memory estimate: once the settings are valid", None))
         self.query_one("#estimate", Static).update(
             Text(estimate, "red" if fits is False else "dim" if self.plan is None else ""))
         self.query_one("#machine", Static).update(Text(describe_machine(self.machine), "dim"))

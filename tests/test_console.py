@@ -469,6 +469,38 @@ async def test_attach_to_a_run_folder_from_the_app(tmp_path):
         assert screen.check_action("stop", ()) is False            # nothing left to stop
 
 
+async def test_a_failed_run_says_why(tmp_path):
+    from shardconsole.console.screens.run import RunScreen
+    run_dir = tmp_path / "runs" / "oom"
+    write_run(run_dir, gpus=1, steps=3)
+    w = MetricsWriter(run_dir / METRICS_FILE, "oom", 0)
+    w.emit(P.Failed(run="oom", rank=0, t=T0 + 1, cause="gpu_oom", message="CUDA out of memory", step=4,
+                    exc_type="OutOfMemoryError", hint="lower train.micro_batch"))
+    w.close()
+    app = make_app(tmp_path, attach=run_dir, launcher=FakeLauncher(tmp_path / "runs", alive=False))
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await wait_for(pilot, lambda: isinstance(app.screen_stack[-2], RunScreen) and app.screen_stack[-2])
+        report = await wait_for(pilot, lambda: type(app.screen).__name__ == "ReportScreen" and app.screen)
+        assert "gpu_oom" in text_of(report.query_one("#title"))
+        body = text_of(report.query_one("#body"))
+        assert "CUDA out of memory" in body and "lower train.micro_batch" in body
+        assert screen.status == "failed" and "gpu_oom" in text_of(screen.query_one("#status"))
+
+
+async def test_attaching_to_a_folder_that_is_no_run_says_so(tmp_path):
+    from textual.widgets import Input
+    from shardconsole.console.services import TorchrunLauncher
+    app = ShardConsoleApp(TorchrunLauncher(tmp_path / "runs"), FakeProbes(unavailable=NO_GPU), planner=lambda: None)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "AttachScreen")
+        app.screen.query_one("#path", Input).value = str(tmp_path)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.screen is app.setup_screen)
+        await pilot.pause()
+        assert any("not a run folder" in str(n.message) for n in app._notifications)
+
+
 async def test_quitting_leaves_a_live_run_going(tmp_path):
     run_dir = tmp_path / "runs" / "live"
     write_run(run_dir, steps=3)

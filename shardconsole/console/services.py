@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from shardconsole import config as C
+from shardconsole import preset_store
 from shardconsole.launch import PRESET_FILE, RUN_FILE, Job, StopReport, build_argv, new_run_dir
 from shardconsole.protocol import GpuSample, HostSample
 
@@ -112,16 +113,9 @@ class TorchrunLauncher:
                 break
             if not (d / RUN_FILE).is_file():
                 continue
-            out.append(RunListing(d, _description(d), _launcher_alive(d)))
+            # The first line of the run's settings' description, read as the preset list reads it.
+            out.append(RunListing(d, preset_store._describe(d / PRESET_FILE), _launcher_alive(d)))
         return out
-
-
-def _description(run_dir: Path) -> str:
-    try:
-        desc = C.load_toml(run_dir / PRESET_FILE).get("description", "")
-    except C.ConfigError:
-        return ""
-    return desc.strip().splitlines()[0] if isinstance(desc, str) and desc.strip() else ""
 
 
 def _launcher_alive(run_dir: Path) -> bool:

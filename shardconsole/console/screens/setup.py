@@ -421,12 +421,18 @@ class SetupScreen(Screen[None]):
         setting.query_one(".setting--control").focus()
         setting.scroll_visible()
 
-    async def action_launch(self) -> None:
+    async def _refuse_if_invalid(self, doing: str) -> bool:
+        """With a problem left: say it, take the user to its field, and return True."""
         problems = self._problems()
-        if problems:
-            path, detail = problems[0]
-            self.notify(f"{path}: {detail}", title="Fix this setting before launching", severity="error")
-            await self._go_to(path)
+        if not problems:
+            return False
+        path, detail = problems[0]
+        self.notify(f"{path}: {detail}", title=f"Fix this setting before {doing}", severity="error")
+        await self._go_to(path)
+        return True
+
+    async def action_launch(self) -> None:
+        if await self._refuse_if_invalid("launching"):
             return
         # The CLI's own last checks (model folder, data file, GPUs of this machine) on the same preset
         # and overrides, so that the console never starts what `shardconsole --headless` would refuse.
@@ -452,11 +458,7 @@ class SetupScreen(Screen[None]):
         self._refresh()    # a new run folder name for the next launch
 
     async def action_save_preset(self) -> None:
-        problems = self._problems()
-        if problems:
-            path, detail = problems[0]
-            self.notify(f"{path}: {detail}", title="Fix this setting before saving", severity="error")
-            await self._go_to(path)
+        if await self._refuse_if_invalid("saving"):
             return
         name = self.preset_name if self.preset_path and self.preset_path.parent == preset_store.user_dir() \
             else f"{self.preset_name}-tuned"

@@ -358,8 +358,12 @@ class SetupScreen(Screen[None]):
             path, detail = problems[0]
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             bad.append(f"✗ {path}: {detail}{more}", "bold red")
+        elif self.machine.detected and not self.machine.gpus and cfg.parallel.device == "auto":
+            # Valid, but easy to miss: a GPU preset on a machine without one trains on the CPU.
+            bad.append("! parallel.device is auto and this machine has no GPU: the ranks will compute on the "
+                       "CPU (slow for anything but the tiny model)", "yellow")
         self.query_one("#problems", Static).update(bad)
-        self.query_one("#problems").display = bool(problems)
+        self.query_one("#problems").display = bool(bad)
         changes = F.diff_entries(diff)
         line = Text()
         line.append("Changes ", "bold")

@@ -291,7 +291,7 @@ def test_log_tail_starts_near_the_end_of_a_long_log(tmp_path):
 
 
 def test_console_never_imports_the_training_libraries():
-    code = ("import sys, shardconsole.console.app; "
+    code = ("import sys, shardconsole.console.app, shardconsole.console.screens.run; "
             "bad = [m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

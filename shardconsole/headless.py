@@ -6,6 +6,7 @@ It samples NVML and psutil about once a second and appends those samples to the 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import signal
@@ -156,6 +157,26 @@ def killed_rank(run_dir: Path) -> tuple[int, int] | None:
     return None
 
 
+def fitting_settings(run_dir: Path, top: int = 2) -> str:
+    """After a GPU OOM: the planner's fastest settings that fit this machine (or the run's cap)."""
+    try:
+        from shardconsole import plan
+        from shardconsole.models import resolve
+        cfg = C.load(run_dir / "preset.toml")
+        hw = plan.detect_hardware()
+        if cfg.gpu_memory_limit_bytes:
+            hw = dataclasses.replace(hw, gpu_memory_bytes=cfg.gpu_memory_limit_bytes)
+        if not hw.gpus:
+            return ""
+        found = plan.settings_that_fit(cfg, hw, resolve(cfg.model.name))[:top]
+    except Exception:   # a suggestion must never hide the failure itself
+        return ""
+    lines = [f"\n  the planner's fastest settings that fit ({C.format_size(hw.gpu_memory_bytes)} a GPU):"]
+    for cand in found:
+        lines.append(f"    {cand.name}: " + " ".join(f"--set {o}" for o in cand.overrides))
+    return "\n".join(lines) if found else ""
+
+
 def explain_exit(state: RunState, rc: int | None, run_dir: Path) -> tuple[str, str]:
     """(cause, one-paragraph message) for a run that ended without a `finished` line."""
     killed = killed_rank(run_dir)
@@ -174,6 +195,8 @@ def explain_exit(state: RunState, rc: int | None, run_dir: Path) -> tuple[str, s
         msg = f"run failed ({f.cause}) on {where}: {f.exc_type + ': ' if f.exc_type else ''}{f.message}"
         if f.hint:
             msg += f"\n  try: {f.hint}"
+        if f.cause == "gpu_oom":
+            msg += fitting_settings(run_dir)
         msg += f"\n  log: {run_dir / 'logs' / f'rank{f.rank}.log'}"
         return f.cause, msg
     if rc is not None and rc < 0 and -rc == signal.SIGKILL:

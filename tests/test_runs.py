@@ -73,11 +73,13 @@ def _free_port() -> int:
 
 
 def test_two_nodes_on_one_machine(tmp_path):
-    """Two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1), one rank each, one shared folder."""
+    """Two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1), one rank each, one shared folder,
+    with hybrid_shard: a (2 nodes x 1 rank) mesh that replicates across the nodes."""
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "shardconsole", "--preset", "tiny-cpu", "--headless", "--run-dir", str(run_dir),
             "--set", "parallel.nnodes=2", "--set", "parallel.nproc_per_node=1",
             "--set", f"parallel.rdzv_endpoint=127.0.0.1:{_free_port()}", "--set", "train.steps=6",
+            "--set", "fsdp.sharding=hybrid_shard",
             "--set", "train.log_every=3"]
     nodes = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
     time.sleep(1.0)   # the first agent creates the folder; the second joins it

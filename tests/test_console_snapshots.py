@@ -43,11 +43,12 @@ async def machine_known(pilot: Any) -> None:
 
 
 async def still(pilot: Any) -> None:
-    """No blinking cursor: a snapshot must not depend on when in the blink it is taken."""
+    """No blinking cursor and no tab underline on its way: a snapshot must not depend on when it is taken."""
     from textual.widgets import Input
     for screen in pilot.app.screen_stack:
         for widget in screen.query(Input):
             widget.cursor_blink = False
+    await pilot.wait_for_scheduled_animations()
     await pilot.pause()
 
 

@@ -196,7 +196,7 @@ class DeepspeedSettings:
 @dataclass
 class MemorySettings:
     activation_checkpointing: bool = _f(False, "recompute each decoder layer's activations in backward")
-    gpu_memory_limit: str = _f("", "cap each rank's CUDA memory, e.g. 24GiB, to rehearse a smaller card")
+    gpu_memory_limit: str = _f("", "cap each rank's CUDA memory, e.g. 24GiB, to rehearse a smaller card", size=True)
     empty_cache_every: int = _f(0, "call torch.cuda.empty_cache every N steps (0: never)", min=0)
 
 
@@ -289,13 +289,13 @@ def _coerce(tp: Any, value: Any) -> Any:
     """Return value as type tp, or raise ValueError saying what is allowed."""
     origin = get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        args = [a for a in get_args(tp) if a is not type(None)]
-        errors = []
-        for a in args:
+        if value is None and type(None) in get_args(tp):
+            return None   # "not set": the default applies (`--set precision.reduce_dtype=none`)
+        for a in (a for a in get_args(tp) if a is not type(None)):
             try:
                 return _coerce(a, value)
-            except ValueError as e:
-                errors.append(str(e))
+            except ValueError:
+                continue
         raise ValueError(f"expected {_describe(tp)}, got {value!r}")
     if origin is Literal:
         allowed = get_args(tp)

@@ -36,7 +36,8 @@ class PresetInfo:
     description: str
 
 
-def _describe(path: Path) -> str:
+def describe(path: Path) -> str:
+    """The first line of a preset file's description (or why it cannot be read)."""
     try:
         data = C.load_toml(path)
     except C.ConfigError as e:
@@ -51,7 +52,7 @@ def list_presets() -> list[PresetInfo]:
         if not folder.is_dir():
             continue
         for path in sorted(folder.glob("*.toml")):
-            found[path.stem] = PresetInfo(path.stem, path, origin, _describe(path))
+            found[path.stem] = PresetInfo(path.stem, path, origin, describe(path))
     return list(found.values())
 
 

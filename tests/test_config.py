@@ -166,3 +166,9 @@ def test_cli_refuses_a_binary_data_file_before_launch(tmp_path):
                        "--set", "data.source=text", "--set", f"data.path={data}", timeout=60)
     assert res.returncode == 2 and "not a text file" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_optional_keys_can_be_unset_from_the_command_line():
+    cfg = C.build({"precision": {"reduce_dtype": "bf16"}}, "p.toml", ["precision.reduce_dtype=none"])
+    assert cfg.precision.reduce_dtype is None
+    assert "reduce_dtype" not in C.dumps(cfg)

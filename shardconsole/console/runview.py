@@ -58,6 +58,10 @@ class RunView:
     bad_lines: int = 0
     min_loss: float | None = None
     local_host: str = field(default_factory=socket.gethostname)
+    # The planner's prediction for this run (largest rank as NVML shows it; the node's host RAM), shown
+    # beside what is measured. None: no planner, or no prediction for these settings.
+    planned_gpu_bytes: int | None = None
+    planned_host_bytes: int | None = None
 
     def apply(self, msg: P.Message) -> None:
         self.state.apply(msg)

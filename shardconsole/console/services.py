@@ -230,3 +230,22 @@ def describe_estimate(plan: ModuleType | None, cfg: C.RunConfig, machine: Machin
         return "Memory estimate: the planner could not describe this machine", None
     gpu = "" if cfg.parallel.device == "cpu" else f"GPU peak {C.format_size(est.gpu_peak_bytes)} (largest rank) · "
     return f"Estimate: {gpu}host peak {C.format_size(est.host_peak_bytes)} · {est.verdict}", bool(est.fits)
+
+
+def planned_peaks(run_dir: Path, probes: "Probes") -> tuple[int | None, int | None]:
+    """(GPU peak of the largest rank, host peak) the planner predicts for a run folder's settings on
+    this machine; (None, None) when it cannot say. Never raises: a prediction is a courtesy."""
+    plan = load_plan()
+    if plan is None:
+        return None, None
+    try:
+        cfg = C.load(run_dir / PRESET_FILE)
+        gpus = probes.gpus()
+        hw = plan_hardware(plan, gpus, probes.host())
+        if hw is None:
+            return None, None
+        from shardconsole.models import resolve
+        est = plan.estimate(cfg, resolve(cfg.model.name), hw)
+        return (est.gpu_peak_bytes if gpus else None), est.host_peak_bytes
+    except Exception:
+        return None, None

@@ -27,7 +27,7 @@ from shardconsole.console.follow import RunFollower
 from shardconsole.console.messages import MachineSampled, RunEnded, RunUpdate, StopFinished
 from shardconsole.console.runview import RunView
 from shardconsole.console.screens.dialogs import ConfirmScreen, ReportScreen
-from shardconsole.console.services import Probes, RunHandle, RunOptions
+from shardconsole.console.services import Probes, RunHandle, RunOptions, planned_peaks
 from shardconsole.console.widgets.run_panels import GpuPanel, HostPanel, LossPanel, ThroughputPanel, duration, gib
 
 HERE = Path(__file__).parent
@@ -83,6 +83,7 @@ class RunScreen(Screen[None]):
 
     def on_mount(self) -> None:
         self.sub_title = ("attached · " if self.attached else "") + f"run {self.run_id}"
+        self.view.planned_gpu_bytes, self.view.planned_host_bytes = planned_peaks(self.handle.run_dir, self.probes)
         self._draw_status()
         self.follow()
 

@@ -83,6 +83,10 @@ class GpuPanel(VerticalScroll, can_focus=False):
             text.append(f" {gib(g.used_bytes)}/{gib(g.total_bytes)} GiB {util}\n")
             for line in _rank_lines(view, on_gpu.get(idx, [])):
                 text.append("  " + line + "\n", "bright_black" if "n/a" in line else "")
+        if view.planned_gpu_bytes:
+            peak = max((m.peak_reserved_bytes or 0 for m in state.memory.values()), default=0)
+            measured = f" · measured allocator peak {gib(peak)} GiB" if peak else ""
+            text.append(f"planned peak {gib(view.planned_gpu_bytes)} GiB a GPU{measured}\n", "dim")
         if elsewhere:
             devices = {h.device.split(":")[0] for r, h in state.hellos.items() if r in elsewhere}
             where = "on cpu" if devices == {"cpu"} else "not on this machine's GPUs"
@@ -131,6 +135,8 @@ class HostPanel(Panel):
             # The probe's RSS is live (every second); the ranks' own reports only come on log steps.
             rss = host.ranks_rss_bytes or view.ranks_rss_bytes
             text.append(f"ranks RSS {gib(rss)} GiB · pinned {pinned}")
+            if view.planned_host_bytes:
+                text.append(f" · planned peak {gib(view.planned_host_bytes)} GiB", "dim")
         ranks = sorted(view.state.memory)
         if ranks and len(ranks) <= 8:
             text.append("\n" + " ".join(f"r{r} {gib(view.state.memory[r].host_rss_bytes)}" for r in ranks), "dim")

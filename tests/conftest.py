@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,18 @@ def assert_nothing_left(run_dir: Path, msgs) -> None:
     pgid = json.loads((run_dir / "job.json").read_text())["pgid"]
     assert _group_pids(pgid) == []
     assert pids_alive(h.pid for h in of_kind(msgs, "hello")) == []
+
+
+def wait_for_steps(run_dir: Path, n: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    """Until the run's stream holds n step lines; fails the test if the run ends or time runs out."""
+    path = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().count('"kind":"step"') >= n:
+            return
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"run ended before step {n}: {(proc.communicate()[1] or '')[-2000:]}")
+        time.sleep(0.1)
+    if proc is not None:
+        proc.kill()
+    pytest.fail(f"fewer than {n} step lines within {timeout:.0f} s")

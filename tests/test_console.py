@@ -29,7 +29,7 @@ from shardconsole.stream import MetricsWriter
 from shardconsole.console import fields as F
 from shardconsole.console.app import ShardConsoleApp
 from shardconsole.console.follow import LogTail, RunFollower
-from shardconsole.console.runview import RunView, Trace
+from shardconsole.console.runview import Trace
 from shardconsole.console.services import PlannedRun, RunListing
 
 GIB = 2**30

@@ -18,7 +18,7 @@ import pytest
 from shardconsole import config as C
 from shardconsole.headless import EXIT_CODES
 from shardconsole.launch import PRESET_FILE
-from tests.conftest import assert_nothing_left, messages, of_kind, shardconsole
+from tests.conftest import assert_nothing_left, messages, of_kind, shardconsole, wait_for_steps
 
 RUN_TIMEOUT = 900     # a cold machine builds DeepSpeed's ops inside the first run
 
@@ -243,16 +243,7 @@ def test_ctrl_c_mid_run_ends_every_rank(tmp_path, launcher):
                              "--set", f"parallel.launcher={launcher}", "--set", "deepspeed.offload_optimizer=cpu",
                              "--set", "train.steps=100000", "--set", "train.log_every=1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + RUN_TIMEOUT
-    while time.monotonic() < deadline:
-        if (run_dir / "metrics.jsonl").exists() and '"kind":"step"' in (run_dir / "metrics.jsonl").read_text():
-            break
-        if proc.poll() is not None:
-            pytest.fail(f"run ended before its first step: {proc.communicate()[1][-2000:]}")
-        time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail("no step line in time")
+    wait_for_steps(run_dir, 1, RUN_TIMEOUT, proc)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

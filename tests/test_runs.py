@@ -13,7 +13,7 @@ import pytest
 
 from shardconsole import config as C
 from shardconsole.launch import PRESET_FILE
-from tests.conftest import assert_nothing_left, messages, of_kind, shardconsole
+from tests.conftest import assert_nothing_left, messages, of_kind, shardconsole, wait_for_steps
 
 pytestmark = pytest.mark.slow
 
@@ -48,14 +48,7 @@ def test_sigint_mid_run_ends_every_rank(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "shardconsole", "--preset", "tiny-cpu", "--headless",
                              "--run-dir", str(run_dir), "--set", "train.steps=100000", "--set", "train.log_every=1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if (run_dir / "metrics.jsonl").exists() and '"kind":"step"' in (run_dir / "metrics.jsonl").read_text():
-            break
-        time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail("no step within 120 s")
+    wait_for_steps(run_dir, 1, 120, proc)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
@@ -161,12 +154,7 @@ def test_front_end_killed_then_attach_sees_every_line(tmp_path):
     front = subprocess.Popen([sys.executable, "-m", "shardconsole", "--preset", "tiny-cpu", "--headless",
                               "--run-dir", str(run_dir), "--set", "train.steps=40", "--set", "train.log_every=1"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        path = run_dir / "metrics.jsonl"
-        if path.exists() and path.read_text().count('"kind":"step"') >= 2:
-            break
-        time.sleep(0.1)
+    wait_for_steps(run_dir, 2, 120, front)
     front.kill()
     front.wait()
     res = shardconsole("attach", str(run_dir), "--headless")

@@ -52,9 +52,13 @@ def load_config(preset: str | None, overrides: list[str]) -> tuple[C.RunConfig, 
         if cfg.parallel.device == "auto" and n == 0 and cfg.parallel.nproc_per_node > 1:
             pass   # CPU ranks over gloo: allowed (tests and laptops)
     try:
-        resolve(cfg.model.name)
+        spec = resolve(cfg.model.name)
     except ModelError as e:
         raise C.ConfigError(f"{path}: [model] name: {e}") from None
+    if spec.path is not None and not spec.has_weights:
+        raise C.ConfigError(f"{path}: [model] name: {spec.path}: holds a config but no weights "
+                            f"(model.safetensors or pytorch_model.bin); to train this shape from random init, "
+                            f"save weights first or pick a catalog size")
     if cfg.data.source != "synthetic":
         data = Path(cfg.data.path).expanduser()
         if not data.is_file():
@@ -79,6 +83,12 @@ def _check_text(data: Path, source: str) -> None:
 
 def cmd_run(argv: list[str]) -> int:
     args = _run_parser().parse_args(argv)
+    if not args.headless and not args.print_command:
+        # The console checks the machine (NVML) in a worker after its first paint and runs
+        # load_config itself before it launches; here only bad input must stop it (exit 2).
+        name = args.preset or DEFAULT_PRESET
+        preset_store.resolve(name, args.overrides)
+        return _open_console(name, args.overrides)
     cfg, name = load_config(args.preset, args.overrides)
     run_dir = args.run_dir or new_run_dir(name)
     run_id = run_id_of(run_dir) if run_dir.exists() else Path(run_dir).name
@@ -88,16 +98,9 @@ def cmd_run(argv: list[str]) -> int:
             print(f"# run this on each of the {cfg.parallel.nnodes} nodes; {run_dir} must be on a shared "
                   f"filesystem (it holds {PRESET_FILE} and receives metrics)", file=sys.stderr)
         return 0
-    spec = resolve(cfg.model.name)
-    if spec.path is not None and not spec.has_weights:
-        raise C.ConfigError(f"[model] name: {spec.path}: holds a config but no weights (model.safetensors or "
-                            f"pytorch_model.bin); to train this shape from random init, save weights first "
-                            f"or pick a catalog size")
-    if args.headless:
-        _prepare_run_dir(cfg, run_dir)
-        from shardconsole import headless
-        return headless.run(cfg, run_dir, run_dir.resolve().name)
-    return _open_console(cfg, name, args.overrides)
+    _prepare_run_dir(cfg, run_dir)
+    from shardconsole import headless
+    return headless.run(cfg, run_dir, run_dir.resolve().name)
 
 
 def _prepare_run_dir(cfg: C.RunConfig, run_dir: Path) -> None:
@@ -113,7 +116,7 @@ def _prepare_run_dir(cfg: C.RunConfig, run_dir: Path) -> None:
     C.save(cfg, preset)
 
 
-def _open_console(cfg: C.RunConfig, name: str, overrides: list[str]) -> int:
+def _open_console(name: str, overrides: list[str]) -> int:
     try:
         from shardconsole.console.app import run_console
     except ImportError as e:

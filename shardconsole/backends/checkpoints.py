@@ -55,3 +55,14 @@ def prepare_checkpoint(r: Rank, step: int) -> Path:
     dist.barrier()
     r.faults.on_save(step)
     return tmp
+
+
+def save_due(r: Rank, step: int) -> bool:
+    """A periodic checkpoint after this step (the last step is the final save's)."""
+    every = r.cfg.train.checkpoint_every
+    return bool(every) and step % every == 0 and step != r.cfg.train.steps
+
+
+def final_save_due(r: Rank) -> bool:
+    t = r.cfg.train
+    return t.save_final or bool(t.checkpoint_every and t.steps % t.checkpoint_every == 0)

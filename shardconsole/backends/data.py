@@ -122,3 +122,11 @@ def make_source(cfg: RunConfig, vocab: int, model_path: str | None, rank: int, w
     if len(tokens) and int(tokens.max() if len(tokens) < 50_000_000 else tokens[:1_000_000].max()) >= vocab:
         raise DataError(f"{path}: token ids reach {int(tokens.max())} but the model's vocab_size is {vocab}")
     return TokenWindows(tokens, d.seq_len, seed, rank, world, str(path))
+
+
+def next_batch(source, micro_batch: int, device: torch.device) -> torch.Tensor:
+    """The next batch on the rank's device: from pinned host memory, without blocking, on a GPU."""
+    batch = source.batch(micro_batch)
+    if device.type == "cuda":
+        batch = batch.pin_memory()
+    return batch.to(device, non_blocking=True)

@@ -27,7 +27,7 @@ import torch._dynamo  # noqa: F401
 
 from shardconsole import ds_json
 from shardconsole.backends import checkpoints, common, metrics, modeling
-from shardconsole.backends.data import make_source
+from shardconsole.backends.data import make_source, next_batch
 from shardconsole.models import ModelError
 
 
@@ -312,10 +312,7 @@ def train(r: common.Rank) -> None:
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
         for _ in range(t.grad_accum):
-            batch = data.batch(t.micro_batch)
-            if r.is_cuda:
-                batch = batch.pin_memory()
-            batch = batch.to(r.device, non_blocking=True)
+            batch = next_batch(data, t.micro_batch, r.device)
             loss = engine(batch[:, :-1], batch[:, 1:])
             meter.add(loss)
             engine.backward(loss)        # DeepSpeed divides by grad_accum and applies the loss scale
@@ -336,8 +333,8 @@ def train(r: common.Rank) -> None:
             metrics.check_loss(r, mean, step)
         if cfg.memory.empty_cache_every and r.is_cuda and step % cfg.memory.empty_cache_every == 0:
             torch.cuda.empty_cache()
-        if t.checkpoint_every and step % t.checkpoint_every == 0 and step != t.steps:
+        if checkpoints.save_due(r, step):
             save(r, engine, step)
-    if t.save_final or (t.checkpoint_every and t.steps % t.checkpoint_every == 0):
+    if checkpoints.final_save_due(r):
         save(r, engine, t.steps)
     engine.destroy()

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from shardconsole.backends import checkpoints, common, metrics, modeling
-from shardconsole.backends.data import make_source
+from shardconsole.backends.data import make_source, next_batch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -149,7 +149,6 @@ def train(r: common.Rank) -> None:
     meter = metrics.StepMeter(r)
     skipped = torch.zeros((), device=r.device, dtype=torch.int64)
     min_scale = cfg.precision.fp16_value("min_loss_scale")
-    pin = r.is_cuda
     r.phase("training")
     grad_norm = None
     reported_skips = 0
@@ -161,10 +160,7 @@ def train(r: common.Rank) -> None:
         for group in optim.param_groups:
             group["lr"] = lr
         for micro in range(t.grad_accum):
-            batch = data.batch(t.micro_batch)
-            if pin:
-                batch = batch.pin_memory()
-            batch = batch.to(r.device, non_blocking=True)
+            batch = next_batch(data, t.micro_batch, r.device)
             last = micro == t.grad_accum - 1
             # Reduce-scatter gradients only on the last micro-batch (fewer collectives, more memory).
             model.set_requires_gradient_sync(last)
@@ -200,7 +196,7 @@ def train(r: common.Rank) -> None:
             floor.check(step, scale, n_skipped)
         if cfg.memory.empty_cache_every and r.is_cuda and step % cfg.memory.empty_cache_every == 0:
             torch.cuda.empty_cache()
-        if t.checkpoint_every and step % t.checkpoint_every == 0 and step != t.steps:
+        if checkpoints.save_due(r, step):
             save(r, model, optim, step)
-    if t.save_final or (t.checkpoint_every and t.steps % t.checkpoint_every == 0):
+    if checkpoints.final_save_due(r):
         save(r, model, optim, t.steps)

@@ -142,6 +142,10 @@ def to_ds_config(cfg: C.RunConfig, *, device: str | None = None) -> dict[str, An
         out["fp16"] = fp16
     elif prec.dtype == "bf16":
         out["bf16"] = {"enabled": True}
+        if prec.master_dtype == "bf16":
+            # bf16 master weights, gradients and Adam moments (DeepSpeed >= 0.18); with offload the
+            # engine builds CPUAdam with fp32_optimizer_states=False to match.
+            out["bf16"].update({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True})
     if prec.reduce_dtype is not None:
         out["communication_data_type"] = prec.reduce_dtype
     zero: dict[str, Any] = {"stage": d.stage}
@@ -533,9 +537,19 @@ def _precision(im: _Import, d: dict, base: C.RunConfig) -> None:
             im.skip(where, "not a shardconsole setting; the model's parameters are fp16 already")
         else:
             im.skip(where, "not a shardconsole setting")
+    masters = {"bf16_master_weights_and_grads", "bf16_optimizer_states"}
     for key in (bf16 or {}):
+        if key in masters:
+            continue
         if key != "enabled":
             im.skip(f"{bf16_key}.{key}", "not a shardconsole setting")
+    flags = {k: im.boolean(f"{bf16_key}.{k}", (bf16 or {})[k]) for k in masters if k in (bf16 or {})}
+    if flags.get("bf16_master_weights_and_grads"):
+        im.set("precision", "master_dtype", "bf16", f"{bf16_key}.bf16_master_weights_and_grads",
+               "bf16 optimizer states too" if flags.get("bf16_optimizer_states") else
+               "shardconsole keeps the moments in bf16 too (8 bytes a parameter)")
+    elif flags.get("bf16_optimizer_states"):
+        im.skip(f"{bf16_key}.bf16_optimizer_states", "needs bf16_master_weights_and_grads (DeepSpeed refuses it alone)")
     if "communication_data_type" in d:
         v = d["communication_data_type"]
         if v in ("fp32", "fp16", "bf16"):

@@ -330,6 +330,11 @@ def activations(cfg: C.RunConfig, s: Shapes) -> Activations:
         per_layer += mb * eager_attention_bytes_per_sample(s, seq, c) - tokens * 4 * s.heads
     ckpt_layer = tokens * c * s.hidden        # a checkpointed layer keeps its input only
     ckpt = cfg.memory.activation_checkpointing
+    if ckpt and cfg.memory.checkpoint_policy == "selective":
+        # and, selectively, the outputs of its matmuls (q, k, v, o, gate, up, down) and of attention
+        # (with its fp32 logsumexp); measured 30.4 GiB reserved against this plan's 30.2 (1b, mb 8,
+        # compiled, benchmarks/data/h200_issue7.json)
+        ckpt_layer += tokens * (c * (2 * s.hidden + 2 * s.q_dim + 2 * s.kv_dim + 2 * s.intermediate) + 4 * s.heads)
     # Backward through one layer: gradient buffers of the MLP's intermediate tensors (about three
     # [tokens, intermediate] at once) and of the residual stream; eager adds the [heads, seq, seq]
     # gradient of the probabilities (compute dtype) and softmax's backward in fp32 (two buffers).
@@ -347,7 +352,9 @@ def activations(cfg: C.RunConfig, s: Shapes) -> Activations:
     loss_bwd = chunk * v * 12 + 2 * tokens * s.hidden * c
     return Activations(
         layers=s.layers, saved_layer=ckpt_layer if ckpt else per_layer, per_layer=per_layer,
-        recompute=per_layer if ckpt else 0,
+        # the layer being recomputed holds its saved tensors again; selective keeps part of them anyway
+        recompute=(per_layer if cfg.memory.checkpoint_policy == "full" else max(per_layer - ckpt_layer, 0))
+        if ckpt else 0,
         final=tokens * (4 * s.hidden + 2 * c * s.hidden),
         inputs=mb * (seq + 1) * 8,
         mask=mb * seq * seq * c if eager else 0,
@@ -381,16 +388,19 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
     c = DTYPE_BYTES[cfg.precision.dtype]
     reduce_c = 4 if cfg.precision.dtype == "fp32" else DTYPE_BYTES[cfg.precision.reduce_dtype or "fp32"]
     offload = f.cpu_offload
+    # bytes of a kept (sharded) parameter, its gradient and each Adam moment: fp32, or bf16 masters
+    m = 2 if cfg.precision.master_dtype == "bf16" else 4
+    mtag = "bf16" if m == 2 else "fp32"
     a = activations(cfg, s)
     L = s.layers
 
     # Sharded fp32 parameters: dim 0 padded to the shard group (exactly as FSDP2 pads).
     shard_numels = [_shard_numel(sh, shard) for sh in s.all_params()]
-    params_b = 4 * sum(shard_numels)
-    adam_b = 2 * params_b              # exp_avg + exp_avg_sq, fp32, like the sharded parameter
+    params_b = m * sum(shard_numels)
+    adam_b = 2 * params_b              # exp_avg + exp_avg_sq, shaped and typed like the sharded parameter
     layer_shard = sum(_shard_numel(sh, shard) for sh in s.layer_params())
     root_shard = sum(_shard_numel(sh, shard) for sh in s.root_params())
-    g_root = 4 * root_shard            # the root's sharded gradient
+    g_root = m * root_shard            # the root's sharded gradient
     layer_full = c * s.per_layer       # one layer gathered in the compute dtype (copied out of the
     root_full = c * s.root             # all-gather buffer); the root stays gathered forward to backward end
     head_grad = 0 if s.tied else c * s.vocab * s.hidden   # the head's unsharded gradient, from the loss on
@@ -413,7 +423,7 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
     # all-gather copy-in stream and the reduce-scatter inputs and outputs (the sharded gradients) on
     # its reduce-scatter stream; the caching allocator keeps a pool per stream, so those pools add to
     # the compute stream's peak instead of sharing its free blocks (side pools, below).
-    st = {} if offload else {"parameters (fp32 shards)": params_b, "optimizer states (Adam fp32)": adam_b}
+    st = {} if offload else {f"parameters ({mtag} shards)": params_b, f"optimizer states (Adam {mtag})": adam_b}
     ws = {"cuBLAS workspaces": CUBLAS_WORKSPACE_BYTES}
     acc = {"accumulated gradients (no sync)": accum}
     root = {"gathered root (embedding, head)": root_full}
@@ -437,7 +447,7 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
                                  # the root's accumulator, and the layers' where (unsharded, without
                                  # sync) they outweigh the sharded gradients counted in the pool
                                  "accumulated gradients (no sync)": acc_c * s.root + max(
-                                     0, (L - 1) * (acc_c * s.per_layer - 4 * layer_shard)) if accum else 0, **ws},
+                                     0, (L - 1) * (acc_c * s.per_layer - m * layer_shard)) if accum else 0, **ws},
         "end of backward": {**st, **root, "root gradients (unsharded)": c * s.root, **ws},
         "optimizer step": {**st, **ws},
     }
@@ -446,16 +456,16 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
     # layers' in flight). All-gather copy-in stream: the largest all-gather buffers in flight (the
     # root's, or a layer and its prefetch), plus with offload the fp32 shards copied to the GPU.
     rs_in = reduce_c * max(s.root, 2 * s.per_layer)
-    grads_gpu = (4 * max(root_shard, 2 * layer_shard)) if offload else (L * 4 * layer_shard + g_root)
+    grads_gpu = (m * max(root_shard, 2 * layer_shard)) if offload else (L * m * layer_shard + g_root)
     n_ag = 1 + max(min(f.forward_prefetch if sharded else 0, max(L - 1, 0)), bwd_n)
-    ag = c * max(s.root, n_ag * s.per_layer) + (4 * max(root_shard, n_ag * layer_shard) if offload else 0)
+    ag = c * max(s.root, n_ag * s.per_layer) + (m * max(root_shard, n_ag * layer_shard) if offload else 0)
     side = {"reduce-scatter stream pool (sharded gradients, inputs)": grads_gpu + rs_in,
             "all-gather stream pool": ag}
     # What of those pools is in use at each moment (the allocated view, and what a cap must hold).
-    g_layer = 0 if offload else 4 * layer_shard
-    in_flight_ag = c * s.per_layer + (4 * layer_shard if offload else 0)
+    g_layer = 0 if offload else m * layer_shard
+    in_flight_ag = c * s.per_layer + (m * layer_shard if offload else 0)
     side_live = {"last layer backward": in_flight_ag if bwd_n else 0,
-                 "first layer backward": (L - 1) * g_layer + reduce_c * s.per_layer + (4 * layer_shard if offload else 0),
+                 "first layer backward": (L - 1) * g_layer + reduce_c * s.per_layer + (m * layer_shard if offload else 0),
                  "end of backward": L * g_layer + g_root + reduce_c * s.root,
                  "optimizer step": 0 if offload else L * g_layer + g_root}
 
@@ -470,9 +480,9 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
         pinned = pow2_ceil if f.pin_memory else (lambda n: n)
         tag = ", pinned" if f.pin_memory else ""
         host["training"].update({
-            f"parameters (fp32 shards{tag})": sum(pinned(4 * n) for n in shard_numels),
-            f"gradients (fp32 shards{tag})": sum(pinned(4 * n) for n in shard_numels),
-            "optimizer states (Adam fp32, host)": adam_b})
+            f"parameters ({mtag} shards{tag})": sum(pinned(m * n) for n in shard_numels),
+            f"gradients ({mtag} shards{tag})": sum(pinned(m * n) for n in shard_numels),
+            f"optimizer states (Adam {mtag}, host)": adam_b})
         if cfg.precision.dtype == "fp16":
             host["training"]["fp16 scaler checks on host gradients"] = FSDP_FP16_OFFLOAD_HOST_PER_PARAM * s.n_params
     notes = []
@@ -506,6 +516,9 @@ def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
     W = p.nproc_per_node * p.nnodes
     c = DTYPE_BYTES[cfg.precision.dtype]
     stage = d.stage
+    # precision.master_dtype = "bf16": DeepSpeed's bf16_master_weights_and_grads + bf16_optimizer_states
+    m = 2 if cfg.precision.master_dtype == "bf16" and stage >= 1 else 4
+    mtag = "bf16" if m == 2 else "fp32"
     off_opt = d.offload_optimizer == "cpu" and stage >= 1
     off_par = d.offload_param == "cpu" and stage == 3
     nvme = "nvme" in (d.offload_optimizer, d.offload_param)
@@ -537,16 +550,16 @@ def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
             # holds one copy at a time (zero/utils.py), and the host holds c * part for a moment
             build_gpu = c * part
         if off_opt:
-            host[f"fp32 master (partition{ptag})"] = sum(pin(4 * g) for g in subs)
-            host["optimizer states (Adam fp32)"] = 8 * part
-            host[f"fp32 gradients{ptag}"] = sum(pin(4 * g) for g in subs)
+            host[f"{mtag} master (partition{ptag})"] = sum(pin(m * g) for g in subs)
+            host[f"optimizer states (Adam {mtag})"] = 2 * m * part
+            host[f"{mtag} gradients{ptag}"] = sum(pin(m * g) for g in subs)
             # grad_partitions_flat_buffer lives on the optimizer's device (the host) in the model dtype
             host[f"gradients (partition{ptag})"] = pin(c * part)
         else:
-            gpu["fp32 master (partition)"] = 4 * part
-            gpu["optimizer states (Adam fp32)"] = 8 * part
+            gpu[f"{mtag} master (partition)"] = m * part
+            gpu[f"optimizer states (Adam {mtag})"] = 2 * m * part
             gpu["gradients (partition)"] = c * part             # grad_partitions_flat_buffer
-            opt_tmp = 4 * max(subs)                             # a sub-group's gradients in fp32 at step()
+            opt_tmp = m * max(subs)                             # a sub-group's gradients in fp32 at step()
         # __ipg_bucket_flat_buffer: reduce_bucket_size elements of the model dtype, allocated in full
         # whatever the model's size (contiguous gradients). Measured: +0.68 GiB over min(bucket, P) for
         # the 0.134e9-parameter runs.
@@ -580,14 +593,14 @@ def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
         # parameters without offload, 1.9-2.8 GiB with it, 1.2-1.4 GiB at 0.134e9; the 1.9 is
         # 4090x2-zero3 on one GPU in benchmarks/data/h200_issue3.json).
         side["reduction stream pool (buckets)"] = int(2.5 * c * min(d.reduce_bucket_size, P))
-        side["fp32 step buffer (cached)"] = 0 if off_opt else 4 * max(subs)
+        side[f"{mtag} step buffer (cached)"] = 0 if off_opt else m * max(subs)
     elif stage in (1, 2):
         gpu["parameters (full, flat)"] = c * P                 # bit16_groups_flat
         build_gpu = 2 * c * P                                   # the moved module + its flat copy
         if off_opt:
-            host[f"fp32 master (partition{ptag})"] = pin(4 * part)
-            host["optimizer states (Adam fp32)"] = 8 * part
-            host[f"fp32 gradients (partition{ptag})"] = pin(4 * part)
+            host[f"{mtag} master (partition{ptag})"] = pin(m * part)
+            host[f"optimizer states (Adam {mtag})"] = 2 * m * part
+            host[f"{mtag} gradients (partition{ptag})"] = pin(m * part)
             host["gradient staging (largest parameter)"] = pin(c * largest_param)
             gpu["gradient staging (largest parameter)"] = c * largest_param
             # accumulated_grads_in_cpu: one host buffer per parameter in the model dtype, pinned one by
@@ -595,10 +608,10 @@ def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
             # over the other parts; this sum is 2.25 GiB there.
             host[f"gradient accumulation buffers (per parameter{ptag})"] = sum(pin(c * _numel(sh)) for sh in all_params)
         else:
-            gpu["fp32 master (partition)"] = 4 * part
-            gpu["optimizer states (Adam fp32)"] = 8 * part
+            gpu[f"{mtag} master (partition)"] = m * part
+            gpu[f"optimizer states (Adam {mtag})"] = 2 * m * part
             gpu["gradients (partition)" if stage == 2 else "gradients (full)"] = c * (part if stage == 2 else P)
-            opt_tmp = c * part + 4 * part          # the flattened gradient partition and its fp32 copy
+            opt_tmp = c * part + m * part          # the flattened gradient partition and its fp32 copy
         # setup_buckets: reduce_bucket_size elements (x2 with overlap_comm), allocated in full at the
         # first gradient of each backward and released after it (_release_ipg_buffers).
         n_buf = 2 if d.overlap_comm else 1
@@ -606,7 +619,7 @@ def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
         # Held beside the compute stream's peak: the released buckets and the fp32 gradient partition
         # of the step. Fitted to the ZeRO-2 calibration runs (reserved minus the compute peak).
         side["reduce buckets (cached)"] = bucket
-        side["fp32 step buffer (cached)"] = 0 if off_opt else 4 * part
+        side[f"{mtag} step buffer (cached)"] = 0 if off_opt else m * part
         if W > 1:
             opt_tmp += c * min(d.allgather_bucket_size, P)      # all-gather of the updated parameters
     else:
@@ -788,19 +801,21 @@ def model_states(cfg: C.RunConfig, spec: ModelSpec) -> dict[str, dict[str, int]]
         shard = {"no_shard": 1, "hybrid_shard": p.nproc_per_node}.get(cfg.fsdp.sharding, W)
         n = sum(_shard_numel(sh, shard) for sh in s.all_params())
         where = out["host" if cfg.fsdp.cpu_offload else "gpu"]
-        where.update({"parameters": 4 * n, "gradients": 4 * n, "optimizer states": 8 * n})
+        m = 2 if cfg.precision.master_dtype == "bf16" else 4
+        where.update({"parameters": m * n, "gradients": m * n, "optimizer states": 2 * m * n})
         return out
     d = cfg.deepspeed
     P = s.n_params
     part = -(-P // W)
+    m = 2 if cfg.precision.master_dtype == "bf16" and d.stage >= 1 else 4
     opt = out["host" if d.offload_optimizer != "none" and d.stage >= 1 else "gpu"]
     if d.stage == 3:
         out["host" if d.offload_param != "none" else "gpu"]["parameters"] = c * part
-        opt.update({"gradients": c * part, "optimizer states": 12 * part})        # fp32 master + Adam
+        opt.update({"gradients": c * part, "optimizer states": 3 * m * part})     # master + Adam
     elif d.stage in (1, 2):
         out["gpu"]["parameters"] = c * P
         grads = c * (part if d.stage == 2 else P)
-        opt.update({"optimizer states": 12 * part})
+        opt.update({"optimizer states": 3 * m * part})
         (opt if d.offload_optimizer != "none" else out["gpu"])["gradients"] = grads
     else:
         fp32_grads = cfg.precision.dtype == "bf16"    # BF16_Optimizer keeps fp32 gradients

@@ -30,7 +30,7 @@ def owned(cfg: C.RunConfig) -> dict:
     t, p, d = cfg.train, cfg.precision, cfg.deepspeed
     out = {f"train.{k}": getattr(t, k) for k in
            ("micro_batch", "grad_accum", "lr", "beta1", "beta2", "weight_decay", "clip_grad_norm")}
-    out.update({f"precision.{k}": getattr(p, k) for k in ("dtype", "reduce_dtype", *p.FP16_KEYS)})
+    out.update({f"precision.{k}": getattr(p, k) for k in ("dtype", "reduce_dtype", "master_dtype", *p.FP16_KEYS)})
     out.update({f"deepspeed.{k}": getattr(d, k) for k in
                 ("stage", "offload_optimizer", "offload_param", "torch_adam", *ZERO_KEYS)})
     if "none" != d.offload_optimizer or "none" != d.offload_param:
@@ -299,6 +299,8 @@ def deepspeed_settings(draw) -> dict:
     prec: dict = {"dtype": dtype}
     if draw(st.booleans()):
         prec["reduce_dtype"] = draw(st.sampled_from(["fp32", "bf16", "fp16"]))
+    if dtype == "bf16" and stage >= 1 and draw(st.booleans()):
+        prec["master_dtype"] = "bf16"
     if dtype == "fp16":
         for k, s in _fp16_knob.items():
             v = draw(s)
@@ -378,6 +380,28 @@ def test_valid_deepspeed_combinations_load():
                   {"deepspeed": {"stage": 1, "offload_optimizer": "cpu"}},
                   {"precision": {"dtype": "fp16", "hysteresis": 1, "min_loss_scale": 0.5}}):
         C.build(merge(DS, extra), "p.toml")
+
+
+def test_bf16_masters_map_to_deepspeeds_bf16_master_weights_and_back():
+    x = C.build(merge(DS, {"precision": {"dtype": "bf16", "master_dtype": "bf16"},
+                           "deepspeed": {"stage": 3, "offload_optimizer": "cpu"}}), "p.toml")
+    ds = to_ds_config(x, device="cuda")
+    assert ds["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    assert "bf16_master_weights_and_grads" not in json.dumps(to_ds_config(C.build(DS, "p.toml"), device="cuda"))
+    y, mapped, unmapped = imported(ds)
+    assert y.precision.master_dtype == "bf16" and unmapped == []
+    assert any("master_dtype" in line for line in mapped)
+    # DeepSpeed refuses bf16 optimizer states without bf16 masters: reported, not imported
+    _, _, unmapped = imported({"bf16": {"enabled": True, "bf16_optimizer_states": True}})
+    assert "bf16.bf16_optimizer_states" in [k for k, _ in unmapped]
+
+
+@pytest.mark.parametrize("extra", [{"precision": {"dtype": "fp16", "master_dtype": "bf16"}},
+                                   {"precision": {"dtype": "bf16", "master_dtype": "bf16"}, "deepspeed": {"stage": 0}}])
+def test_bf16_masters_need_bf16_compute_and_a_zero_stage(extra):
+    with pytest.raises(C.ConfigError) as e:
+        C.build(merge(DS, extra), "p.toml")
+    assert str(e.value).startswith("p.toml: [precision] master_dtype"), str(e.value)
 
 
 def test_invalid_combination_from_the_command_line_is_exit_2():

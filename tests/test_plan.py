@@ -119,6 +119,43 @@ def test_checkpointing_keeps_one_input_per_layer_plus_one_recomputed_layer():
         0.5 * est("train.micro_batch=8").gpu_peak_bytes
 
 
+def test_selective_checkpointing_sits_between_full_and_none():
+    """Selective keeps each layer's matmul and attention outputs: more than full checkpointing, less
+    than none (measured on the H200, 1b mb 8 compiled: 19.0 / 30.4 / 34.8 GiB reserved)."""
+    sets = ("train.micro_batch=8", "train.compile=true")
+    peaks = [est(*sets, *extra).gpu_peak_bytes for extra in
+             (("memory.activation_checkpointing=true",),
+              ("memory.activation_checkpointing=true", "memory.checkpoint_policy=selective"), ())]
+    assert peaks[0] < peaks[1] < peaks[2]
+    for peak, measured in zip(peaks, (19.0, 30.4, 34.8)):
+        assert peak / GiB == pytest.approx(measured, rel=0.08)
+
+
+def test_bf16_masters_halve_the_model_states():
+    """16 bytes a parameter (fp32 weights, gradients, two Adam moments) become 8 with bf16 masters,
+    for both backends, wherever they live."""
+    for backend_sets in (("fsdp.cpu_offload=true",),
+                         ("parallel.backend=deepspeed", "deepspeed.offload_optimizer=cpu", "deepspeed.offload_param=cpu")):
+        fp32 = PL.model_states(cfg_of(*backend_sets, model="13b"), resolve("13b"))
+        bf16 = PL.model_states(cfg_of(*backend_sets, "precision.master_dtype=bf16", model="13b"), resolve("13b"))
+        assert sum(bf16["host"].values()) < 0.7 * sum(fp32["host"].values())
+    n = resolve("13b").n_params
+    fsdp = PL.model_states(cfg_of("fsdp.cpu_offload=true", "precision.master_dtype=bf16", model="13b"), resolve("13b"))
+    assert sum(fsdp["host"].values()) / n == pytest.approx(8, rel=0.01)
+
+
+def test_13b_trains_on_a_24gib_card_only_with_bf16_masters_unpinned():
+    """What the H200 machine showed (benchmarks/data/h200_issue7.json): 13B with full offload under a
+    24 GiB cap trained with bf16 masters in unpinned host memory (104.7 GiB of the 125 GiB host);
+    pinned, each shard rounds up to a power of two and it does not fit."""
+    host = PL.Hardware(gpus=1, gpu_memory_bytes=24 * GiB, host_memory_bytes=125 * GiB)
+    base = ("fsdp.cpu_offload=true", "memory.activation_checkpointing=true", "train.micro_batch=4")
+    assert not est(*base, model="13b", hw=host).fits
+    assert not est(*base, "precision.master_dtype=bf16", model="13b", hw=host).fits
+    ok = est(*base, "precision.master_dtype=bf16", "fsdp.pin_memory=false", model="13b", hw=host)
+    assert ok.fits and ok.host_peak_bytes / GiB == pytest.approx(104.7, rel=0.1)
+
+
 def test_eager_attention_keeps_the_probabilities():
     s = PL.Shapes.of(resolve("125m"))
     sdpa = PL.activations(cfg_of("data.seq_len=1024", "train.micro_batch=4", model="125m"), s)

@@ -196,3 +196,24 @@ def test_kill_mid_checkpoint_then_resume_from_the_previous_one(tmp_path, backend
     assert [m.step for m in of_kind(msgs, "step")] == [3, 4, 5, 6]
     assert any("step_00000002" in m.detail for m in of_kind(msgs, "event") if m.name == "info")
     assert (ckpt / "step_00000006").is_dir()
+
+
+def test_bf16_masters_with_offload_and_selective_checkpointing(tmp_path):
+    """precision.master_dtype = "bf16" keeps the weights and Adam's moments in bf16 (8 bytes a
+    parameter): the checkpoint the run writes holds bf16 tensors, and the run still learns."""
+    from torch.distributed.checkpoint import FileSystemReader
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run_dir),
+                       "--set", "precision.dtype=bf16", "--set", "precision.master_dtype=bf16",
+                       "--set", "fsdp.cpu_offload=true", "--set", "memory.activation_checkpointing=true",
+                       "--set", "memory.checkpoint_policy=selective", "--set", "train.steps=12",
+                       "--set", "train.log_every=3", "--set", "train.save_final=true",
+                       "--set", f"train.checkpoint_dir={ckpt}")
+    assert res.returncode == 0, res.stderr + res.stdout
+    steps = of_kind(messages(run_dir), "step")
+    assert steps[-1].loss < steps[0].loss - 0.3, [m.loss for m in steps]
+    meta = FileSystemReader(str(ckpt / "step_00000012")).read_metadata().state_dict_metadata
+    weights = {k: v for k, v in meta.items() if k.startswith("model.") and k.endswith("q_proj.weight")}
+    moments = {k: v for k, v in meta.items() if k.startswith("optim.state.") and k.endswith("exp_avg")}
+    assert weights and moments
+    assert {str(v.properties.dtype) for v in [*weights.values(), *moments.values()]} == {"torch.bfloat16"}

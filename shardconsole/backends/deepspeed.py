@@ -233,7 +233,7 @@ def build(r: common.Rank, ds_cfg: dict) -> modeling.CausalLMLoss:
         if not pretrained:
             init_as_partitions_(model, std, cfg.train.seed, r.world)
     if cfg.memory.activation_checkpointing:
-        modeling.enable_checkpointing(model.lm)
+        modeling.apply_checkpointing(model.lm, cfg.memory.checkpoint_policy, compiled=False)
     model.train()
     return model
 

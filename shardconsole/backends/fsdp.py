@@ -73,8 +73,10 @@ def build(r: common.Rank) -> modeling.CausalLMLoss:
         full_sd = modeling.load_pretrained(r.spec, hf_cfg).state_dict()
     with torch.device("meta"):
         model = modeling.CausalLMLoss(modeling.build_causal_lm(hf_cfg))
+    if r.cfg.precision.master_dtype == "bf16":
+        model.to(torch.bfloat16)    # on the meta device: the shards are born bf16 (8 bytes a parameter)
     if r.cfg.memory.activation_checkpointing:
-        modeling.enable_checkpointing(model.lm)
+        modeling.apply_checkpointing(model.lm, r.cfg.memory.checkpoint_policy, compiled=r.cfg.train.compile)
     shard_model(r, model)
     init_device = "cpu" if r.cfg.fsdp.cpu_offload else r.device
     model.to_empty(device=init_device)
@@ -84,7 +86,8 @@ def build(r: common.Rank) -> modeling.CausalLMLoss:
         set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         del full_sd, sd
     else:
-        modeling.init_random_(model, float(getattr(hf_cfg, "initializer_range", 0.02)), r.cfg.train.seed, r.rank)
+        modeling.init_random_(model, float(getattr(hf_cfg, "initializer_range", 0.02)), r.cfg.train.seed, r.rank,
+                              draw_on=r.device if r.is_cuda else None)
     model.train()
     return model
 

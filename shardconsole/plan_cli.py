@@ -180,7 +180,10 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         raise C.ConfigError("--fit: no GPU found on this machine; give --gpu-memory SIZE (and --gpus N)")
     if not hw.host_memory_bytes:
         raise C.ConfigError("--fit: host memory unknown; give --host-memory SIZE")
-    rows = PL.fit_table(hw, seq_len=cfg.data.seq_len, base=cfg)
+    # Checkpointing on (the frugal setting) unless the user turned it off with --set.
+    off = any(o.split("=", 1)[0].strip() == "memory.activation_checkpointing" for o in args.overrides) \
+        and not cfg.memory.activation_checkpointing
+    rows = PL.fit_table(hw, seq_len=cfg.data.seq_len, base=cfg, checkpointing=not off)
     cands = PL.settings_that_fit(cfg, hw, _spec(cfg, name)) if args.model else None
     if args.json:
         out: dict[str, Any] = {"hardware": _hw_dict(hw), "fit_table": [r.to_dict() for r in rows]}

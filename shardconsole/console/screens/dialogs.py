@@ -60,6 +60,9 @@ class ReportScreen(ModalScreen[None]):
 
     CSS_PATH = HERE / "report.tcss"
     BINDINGS = [Binding("enter,escape", "close", "Close")]
+    # Focused by Textual when the screen is shown; a query in on_mount raised NoMatches when the
+    # screen was dismissed (app closing) before its children mounted.
+    AUTO_FOCUS = "#close"
 
     def __init__(self, title: str, body: Text | str, *, error: bool = False) -> None:
         super().__init__()
@@ -71,9 +74,6 @@ class ReportScreen(ModalScreen[None]):
             yield Static(self.body, id="body", markup=False)
             with Horizontal(id="buttons"):
                 yield Button("Close (enter)", id="close", variant="primary")
-
-    def on_mount(self) -> None:
-        self.query_one("#close", Button).focus()
 
     @on(Button.Pressed)
     def _pressed(self) -> None:

@@ -30,7 +30,12 @@ from shardconsole import config as C  # noqa: E402
 from shardconsole.launch import build_argv  # noqa: E402
 from shardconsole.protocol import decode  # noqa: E402
 
-MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
+Z3 = ["parallel.backend=deepspeed", "deepspeed.stage=3", "train.compile=false", "train.steps=15", "train.log_every=5"]
+OFF = ["train.steps=8", "train.log_every=2"]
+CURVE = ["model.name=125m", "train.compile=false", "train.steps=500", "train.log_every=10", "data.seq_len=1024"]
+
+# NAME, PRESET, --set values[, extra environment]
+MATRICES: dict[str, list[tuple]] = {
     "issue2": [
         ("h200-fsdp", "h200-fsdp", ["train.steps=30"]),
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=30", "train.compile=false"]),
@@ -48,6 +53,40 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("4090x2-zero3-on-1gpu", "4090x2-zero3", ["parallel.nproc_per_node=1", "train.steps=12",
                                                   "train.log_every=2"]),
         ("h200-fsdp", "h200-fsdp", ["train.steps=30"]),
+    ],
+    # Issue 7, speed: checkpointing with compiled layers (full: the checkpoint inside the compiled
+    # layer; selective: matmul/attention outputs kept) and ZeRO-3 levers on one GPU.
+    "issue7-perf": [
+        ("fsdp-1b-compile+ac", "h200-fsdp", ["train.steps=30", "train.log_every=5",
+                                             "memory.activation_checkpointing=true"]),
+        ("fsdp-1b-compile+ac-selective", "h200-fsdp", ["train.steps=30", "train.log_every=5",
+                                                       "memory.activation_checkpointing=true",
+                                                       "memory.checkpoint_policy=selective"]),
+        ("z3-1b", "h200-fsdp", Z3),
+        ("z3-1b-persist", "h200-fsdp", Z3 + ["deepspeed.stage3_param_persistence_threshold=10000000000"]),
+        ("z3-1b-nooverlap", "h200-fsdp", Z3 + ["deepspeed.overlap_comm=false"]),
+        ("z3-1b-persist-nocontig", "h200-fsdp", Z3 + ["deepspeed.stage3_param_persistence_threshold=10000000000",
+                                                      "deepspeed.contiguous_gradients=false"]),
+    ],
+    # FSDP2 offload against DeepSpeed's on the 3.1B / 24 GiB case (3090-offload: full shard + offload +
+    # checkpointing, mb 4, seq 2048; as DeepSpeed: ZeRO-3 with params and optimizer on the CPU).
+    "issue7-offload": [
+        ("off-3b-fsdp", "3090-offload", OFF + ["model.name=3b"]),
+        ("off-3b-ds", "3090-offload", OFF + ["model.name=3b", "parallel.backend=deepspeed"]),
+    ],
+    # The 24 GiB table's offload rows and the bf16-master trade-off (issue 7): under the 3090-offload
+    # preset's 24 GiB cap, full offload + checkpointing, on the 125 GiB host of the H200 machine.
+    "issue7": [
+        ("off-7b-fsdp-mb8-unpinned", "3090-offload", ["model.name=7b", "train.micro_batch=8", "fsdp.pin_memory=false",
+                                                      "train.steps=4", "train.log_every=1", "train.warmup_steps=1"]),
+        ("off-13b-fsdp-bf16master-mb4-unpinned", "3090-offload",
+         ["model.name=13b", "train.micro_batch=4", "precision.master_dtype=bf16", "fsdp.pin_memory=false",
+          "train.steps=3", "train.log_every=1", "train.warmup_steps=1"]),
+        ("off-7b-fsdp-bf16master-mb8", "3090-offload", ["model.name=7b", "train.micro_batch=8",
+                                                        "precision.master_dtype=bf16", "train.steps=4",
+                                                        "train.log_every=1", "train.warmup_steps=1"]),
+        ("curve-125m-fp32master", "h200-fsdp", CURVE),
+        ("curve-125m-bf16master", "h200-fsdp", CURVE + ["precision.master_dtype=bf16"]),
     ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
@@ -86,18 +125,20 @@ def summarize_messages(msgs: list, warmup_frac: float = 0.34) -> dict:
         "host_used_gib": max(m.used_bytes for m in host) / 2**30 if host else None,
         "ranks_rss_gib": max(m.ranks_rss_bytes for m in host) / 2**30 if host else None,
         "failed": [f"{f.cause}: {f.message[:200]}" for f in failed],
+        "loss_curve": [[m.step, round(m.loss, 4)] for m in steps],
     }
     return out
 
 
-def run_headless(preset: str, sets: list[str], root: Path, name: str, timeout: int) -> dict:
+def run_headless(preset: str, sets: list[str], root: Path, name: str, timeout: int, env: dict | None = None) -> dict:
     run_dir = root / name
     argv = [sys.executable, "-m", "shardconsole", "--preset", preset, "--headless", "--run-dir", str(run_dir)]
     for s in sets:
         argv += ["--set", s]
     t0 = time.time()
     try:
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                             env={**os.environ, **(env or {})})
         rc, err = res.returncode, res.stderr[-1500:]
     except subprocess.TimeoutExpired:
         rc, err = "timeout", ""
@@ -148,13 +189,13 @@ def main() -> None:
     if args.only:
         matrix = [m for m in matrix if m[0] in args.only]
     if args.list:
-        for name, preset, sets in matrix:
+        for name, preset, sets, *_ in matrix:
             print(name, preset, " ".join(f"--set {s}" for s in sets))
         return
     root = Path(tempfile.mkdtemp(prefix="sc-bench-"))
     results = []
-    for name, preset, sets in matrix:
-        results.append(run_headless(preset, sets, root, name, args.timeout))
+    for name, preset, sets, *env in matrix:
+        results.append(run_headless(preset, sets, root, name, args.timeout, env[0] if env else None))
         print(json.dumps(results[-1]), flush=True)
         if args.overhead is not None and (not args.overhead or name in args.overhead):
             results.append(run_bare(preset, sets, root, name, args.timeout))

@@ -1,0 +1,77 @@
+"""Time one AdamW step on the CPU over N parameters, as an offloaded optimizer runs it: torch's fused
+and foreach AdamW, and DeepSpeed's CPUAdam (AVX + OpenMP, fp32 or bf16 moments).
+
+    python3 benchmarks/cpu_adam.py --params 500e6 --tensors 64
+
+Prints seconds per step and host bytes per parameter for each; --out writes JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+
+def make(n: int, k: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    per = n // k
+    ps = []
+    for _ in range(k):
+        p = torch.nn.Parameter(torch.randn(per, dtype=dtype) * 0.02)
+        p.grad = torch.randn(per, dtype=dtype) * 1e-3
+        ps.append(p)
+    return ps
+
+
+def time_steps(opt, steps: int) -> float:
+    opt.step()   # states allocated on the first step
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.step()
+    return (time.perf_counter() - t0) / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--params", type=float, default=200e6)
+    ap.add_argument("--tensors", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out")
+    ap.add_argument("--torch-only", action="store_true", help="skip DeepSpeed's CPUAdam (no op build)")
+    a = ap.parse_args()
+    n = int(a.params)
+    rows = []
+    cases = [("torch fused fp32", torch.float32, lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)),
+             ("torch foreach fp32", torch.float32, lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True)),
+             ("torch fused bf16", torch.bfloat16, lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True))]
+    try:
+        if a.torch_only:
+            raise ImportError("--torch-only")
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        cases += [("deepspeed cpuadam fp32", torch.float32, lambda ps: DeepSpeedCPUAdam(ps, lr=1e-4)),
+                  ("deepspeed cpuadam bf16", torch.bfloat16,
+                   lambda ps: DeepSpeedCPUAdam(ps, lr=1e-4, fp32_optimizer_states=False))]
+    except Exception as e:   # noqa: BLE001 - report and go on with torch's
+        print(f"DeepSpeedCPUAdam unavailable: {e}")
+    for name, dtype, mk in cases:
+        ps = make(n, a.tensors, dtype)
+        try:
+            s = time_steps(mk(ps), a.steps)
+        except Exception as e:   # noqa: BLE001
+            rows.append({"name": name, "error": str(e)[:200]})
+            continue
+        rows.append({"name": name, "s_per_step": s, "gparams_per_s": n / s / 1e9})
+        del ps
+    print(f"{n / 1e6:.0f}M params, {a.tensors} tensors, {torch.get_num_threads()} threads, {os.cpu_count()} cpus")
+    for r in rows:
+        print(f"{r['name']:<26} " + (f"{r['s_per_step']:.3f} s/step  {r['gparams_per_s']:.2f} Gparam/s"
+                                     if "s_per_step" in r else r["error"]))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"params": n, "threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""Calibrate the memory planner (shardconsole/plan.py) against real runs.
+"""Calibrate the memory planner (shardconsole/plan/) against real runs.
 
 Runs a matrix of short training runs through the product's own headless path
 (`python -m shardconsole --preset BASE --headless --set ... --run-dir DIR`), measures each one's peaks

@@ -1,0 +1,84 @@
+"""Will it fit? Peak GPU memory (largest rank) and host RAM of a run, before it is launched.
+
+Pure functions of the settings (RunConfig), the model's shape (ModelSpec, from its config: nothing is
+built and torch is not imported) and the hardware (Hardware). The model follows what the ranks of this
+package really do (backends/fsdp.py, backends/deepspeed.py, backends/common.py), part by part:
+
+  GPU   parameters, gradients and optimizer states (where the backend keeps them, in which dtype,
+        divided by the shard group), gathered (unsharded) parameters and prefetch, activations saved
+        for backward (per decoder layer, by micro-batch, sequence length, dtype and attention kernel;
+        with checkpointing only each layer's input plus one recomputed layer), the chunked loss
+        (logits in 4096-token chunks, recomputed in backward), communication buffers (FSDP2
+        reduce-scatter; DeepSpeed's reduce bucket, prefetch bucket, live parameters), the caching
+        allocator's slack, and the CUDA context (what NVML shows beyond the allocator).
+  host  each rank's baseline RSS (Python, torch, CUDA, NCCL), the model build path, offloaded
+        parameters, gradients and optimizer states (pinned buffers are rounded up to a power of two
+        by PyTorch's CachingHostAllocator), and the launcher and front-end processes.
+
+The peak is not the sum of every part: gradients appear as activations are freed, so the GPU model
+evaluates the moments that can set the peak (end of forward, loss backward, last and first layer's
+backward, end of backward, optimizer step, model build) and reports the parts alive at the largest
+one, plus the pools the caching allocator keeps for the communication streams.
+
+Every constant says where it comes from: the sources (PyTorch, DeepSpeed, transformers), or a
+measurement of benchmarks/plan_calibrate.py on the H200 test machine
+(benchmarks/data/plan_calibration.json; docs/PLANNER.md has the comparison and what is fitted).
+
+Where it lives (every name is re-exported here, so `from shardconsole import plan as PL; PL.estimate`
+works; to monkeypatch a name that the planner itself looks up, patch the module that uses it):
+
+  constants.py          every constant and where it comes from (KiB/MiB/GiB, CUDA_CONTEXT_BYTES,
+                        allocator slack, base RSS, DTYPE_BYTES, SPEED_FACTOR, ...)
+  shapes.py             Shapes (the model's shape from its config), _numel, _shard_numel, pow2_ceil
+  machine.py            Hardware, detect_hardware
+  activation_memory.py  what autograd saves: layer_activation_bytes_per_token and the compiled and
+                        eager variants, Activations, activations
+  rank.py               _Rank: one rank's memory at each moment of a step
+  fsdp_rank.py          _fsdp: an FSDP2 rank
+  deepspeed_rank.py     _ds_sub_groups, _deepspeed: a DeepSpeed ZeRO rank
+  estimator.py          Estimate, estimate (peaks, budgets, verdict), _cpu_ranks, model_states,
+                        _verdict, replace_cfg
+  fit.py                STRATEGIES, EXTRA_STRATEGIES, speed_score, fit_table (FitRow),
+                        settings_that_fit (Candidate), _strategy_cfg, _spec_of, _toml
+
+Nothing here imports torch (tests/test_plan.py::test_planner_imports_no_torch).
+"""
+
+from __future__ import annotations
+
+from shardconsole.plan.activation_memory import (Activations, activations, compiled_layer_activation_bytes_per_token,
+                                                 eager_attention_bytes_per_sample, layer_activation_bytes_per_token)
+from shardconsole.plan.constants import (ALLOCATOR_SLACK_FIXED, ALLOCATOR_SLACK_FRACTION, CUBLAS_WORKSPACE_BYTES,
+                                         CUDA_CONTEXT_BYTES, DS_BUILD_BASE_RSS, DS_SUB_GROUP_SIZE, DTYPE_BYTES,
+                                         FRONTEND_RSS, FSDP_FP16_OFFLOAD_HOST_PER_PARAM, GPU_DRIVER_RESERVED_BYTES,
+                                         HOST_USABLE_FRACTION, LAUNCHER_RSS, LOSS_CHUNK_TOKENS, RANK_BASE_RSS,
+                                         RANK_BASE_RSS_CPU, REQUIRED_FIXED, REQUIRED_FRAGMENTATION, SPEED_FACTOR,
+                                         GiB, KiB, MiB)
+from shardconsole.plan.deepspeed_rank import _deepspeed, _ds_sub_groups
+from shardconsole.plan.estimator import Estimate, _cpu_ranks, _verdict, estimate, model_states, replace_cfg
+from shardconsole.plan.fit import (EXTRA_STRATEGIES, STRATEGIES, Candidate, FitRow, _spec_of, _strategy_cfg, _toml,
+                                   fit_table, settings_that_fit, speed_score)
+from shardconsole.plan.fsdp_rank import _fsdp
+from shardconsole.plan.machine import Hardware, detect_hardware
+from shardconsole.plan.rank import _Rank
+from shardconsole.plan.shapes import Shapes, _numel, _shard_numel, pow2_ceil
+
+__all__ = [
+    # constants
+    "KiB", "MiB", "GiB", "CUDA_CONTEXT_BYTES", "GPU_DRIVER_RESERVED_BYTES", "ALLOCATOR_SLACK_FRACTION",
+    "ALLOCATOR_SLACK_FIXED", "REQUIRED_FRAGMENTATION", "REQUIRED_FIXED", "CUBLAS_WORKSPACE_BYTES",
+    "LOSS_CHUNK_TOKENS", "RANK_BASE_RSS", "DS_BUILD_BASE_RSS", "RANK_BASE_RSS_CPU", "LAUNCHER_RSS", "FRONTEND_RSS",
+    "FSDP_FP16_OFFLOAD_HOST_PER_PARAM", "HOST_USABLE_FRACTION", "DS_SUB_GROUP_SIZE", "DTYPE_BYTES", "SPEED_FACTOR",
+    # shapes, machine
+    "Shapes", "_numel", "_shard_numel", "pow2_ceil", "Hardware", "detect_hardware",
+    # activation_memory
+    "layer_activation_bytes_per_token", "compiled_layer_activation_bytes_per_token",
+    "eager_attention_bytes_per_sample", "Activations", "activations",
+    # rank, fsdp_rank, deepspeed_rank
+    "_Rank", "_fsdp", "_ds_sub_groups", "_deepspeed",
+    # estimator
+    "Estimate", "estimate", "_cpu_ranks", "model_states", "_verdict", "replace_cfg",
+    # fit
+    "STRATEGIES", "EXTRA_STRATEGIES", "_strategy_cfg", "speed_score", "FitRow", "_spec_of", "fit_table",
+    "Candidate", "settings_that_fit", "_toml",
+]

@@ -1,0 +1,119 @@
+"""Activations: the bytes autograd keeps for backward (per decoder layer, by micro-batch, sequence
+length, dtype, attention kernel, checkpointing and torch.compile), the chunked loss's buffers and
+the transient gradient buffers of one layer's backward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardconsole import config as C
+from shardconsole.plan.constants import DTYPE_BYTES, LOSS_CHUNK_TOKENS
+from shardconsole.plan.shapes import Shapes
+
+
+# ---------------------------------------------------------------------------------------------------
+# Activations: what autograd keeps for backward, per decoder layer, from the HF Llama code path
+# (transformers models/llama/modeling_llama.py) as run by backends/common.py.
+
+def layer_activation_bytes_per_token(s: Shapes, c: int) -> int:
+    """Bytes saved for backward by one decoder layer per token, compute dtype of c bytes, SDPA.
+
+    RMSNorm (x2): the fp32 copy of its input (pow and the rsqrt mul save it: 4h), the normalized
+    tensor in the compute dtype (the weight mul saves it: c*h) and its output, saved by the next
+    linears (c*h). In fp32 the casts are no-ops but the three tensors are still distinct: 4h + 2ch.
+    Attention: q and k after RoPE and v (saved by SDPA), SDPA's output (saved by its backward; the
+    transpose(1, 2).contiguous() after it is a no-op because flash returns a [b, s, heads, d]
+    tensor, so o_proj saves the same storage) and SDPA's fp32 logsumexp per head. RoPE saves only
+    cos/sin: q*cos needs cos for q's gradient, and cos needs no gradient.
+    MLP: gate out (saved by SiLU), SiLU out and up out (saved by the mul), their product (saved by
+    down_proj). Residual adds save nothing.
+    For a 0.95B Llama in bf16 that is 24h + 8I = 93,184 bytes a token a layer; the calibration runs
+    (fsdp-1b-fp16-mb8, fsdp-1b-bf16-mb4) measured 92-93 k.
+    """
+    h, q, kv, i = s.hidden, s.q_dim, s.kv_dim, s.intermediate
+    norms = 2 * (4 * h + 2 * c * h)
+    attn = c * (2 * q + 2 * kv) + 4 * s.heads
+    mlp = 4 * c * i
+    return norms + attn + mlp
+
+
+def compiled_layer_activation_bytes_per_token(s: Shapes, c: int) -> int:
+    """The same layer under torch.compile (fsdp.py compiles each decoder layer): inductor's partitioner
+    saves each RMSNorm's input in the compute dtype and its fp32 rstd, and recomputes the norm in
+    backward, instead of the fp32 copy, the normalized tensor and the norm's output; attention and
+    MLP keep what they keep eagerly. For the 0.95B model in bf16: 12h + 8I = 68,608 bytes against a
+    measured 65.8 k (h200-fsdp vs h200-fsdp-nocompile in benchmarks/data/h200_presets.json)."""
+    h, q, kv, i = s.hidden, s.q_dim, s.kv_dim, s.intermediate
+    return c * (2 * h + 2 * q + 2 * kv + 4 * i) + 4 * s.heads + 2 * 4
+
+
+def eager_attention_bytes_per_sample(s: Shapes, seq: int, c: int) -> int:
+    """Eager attention also keeps the [heads, seq, seq] probabilities: softmax's fp32 output and its
+    cast to the compute dtype (saved by the matmul with v); in fp32 the cast is a no-op. Its output
+    is copied by transpose().contiguous() (saved by o_proj, as SDPA's output is) and it keeps no
+    logsumexp."""
+    return s.heads * seq * seq * (4 + (c if c != 4 else 0))
+
+
+@dataclass
+class Activations:
+    layers: int
+    saved_layer: int         # what one layer keeps until its backward (its input, if checkpointed)
+    per_layer: int           # one layer's saved tensors in full (as when it is recomputed)
+    recompute: int           # the layer recomputed at its backward (checkpointing), else 0
+    final: int               # final norm + the loss input kept by the loss checkpoint
+    inputs: int              # token ids (labels are a view of the same batch)
+    mask: int                # eager's causal mask, shared by the layers
+    layer_backward: int      # transient gradient buffers while one layer runs backward
+    loss_forward: int        # one chunk of logits in forward
+    loss_backward: int       # one chunk recomputed and differentiated
+    alternative_saved: int   # all layers' saved activations with checkpointing flipped
+
+    @property
+    def saved_all(self) -> int:
+        return self.layers * self.saved_layer + self.final + self.inputs + self.mask
+
+
+def activations(cfg: C.RunConfig, s: Shapes) -> Activations:
+    c = DTYPE_BYTES[cfg.precision.dtype]
+    mb, seq = cfg.train.micro_batch, cfg.data.seq_len
+    tokens = mb * seq
+    eager = cfg.model.attn_implementation == "eager"
+    compiled = cfg.train.compile and cfg.parallel.backend == "fsdp"
+    per_token = compiled_layer_activation_bytes_per_token if compiled else layer_activation_bytes_per_token
+    per_layer = tokens * per_token(s, c)
+    if eager:
+        per_layer += mb * eager_attention_bytes_per_sample(s, seq, c) - tokens * 4 * s.heads
+    ckpt_layer = tokens * c * s.hidden        # a checkpointed layer keeps its input only
+    ckpt = cfg.memory.activation_checkpointing
+    if ckpt and cfg.memory.checkpoint_policy == "selective":
+        # and, selectively, the outputs of its matmuls (q, k, v, o, gate, up, down) and of attention
+        # (with its fp32 logsumexp); measured 30.4 GiB reserved against this plan's 30.2 (1b, mb 8,
+        # compiled, benchmarks/data/h200_issue7.json)
+        ckpt_layer += tokens * (c * (2 * s.hidden + 2 * s.q_dim + 2 * s.kv_dim + 2 * s.intermediate) + 4 * s.heads)
+    # Backward through one layer: gradient buffers of the MLP's intermediate tensors (about three
+    # [tokens, intermediate] at once) and of the residual stream; eager adds the [heads, seq, seq]
+    # gradient of the probabilities (compute dtype) and softmax's backward in fp32 (two buffers).
+    # From the autograd graph above; small next to the saved tensors.
+    layer_bwd = tokens * (3 * c * s.intermediate + 2 * c * s.hidden)
+    if eager:
+        layer_bwd += mb * s.heads * seq * seq * (c + 8)
+    chunk = min(LOSS_CHUNK_TOKENS, tokens)
+    v = s.vocab
+    # Loss forward, per chunk: logits (c) -> .float() (4) -> log_softmax output (4).
+    loss_fwd = chunk * v * (c + 4 + 4)
+    # Loss backward, per chunk: the recomputed log_softmax output (4) + nll_loss's dense gradient (4)
+    # + log_softmax's gradient (4); the gradient of the loss input accumulates over the chunks into
+    # one [tokens, hidden] buffer (two while adding).
+    loss_bwd = chunk * v * 12 + 2 * tokens * s.hidden * c
+    return Activations(
+        layers=s.layers, saved_layer=ckpt_layer if ckpt else per_layer, per_layer=per_layer,
+        # the layer being recomputed holds its saved tensors again; selective keeps part of them anyway
+        recompute=(per_layer if cfg.memory.checkpoint_policy == "full" else max(per_layer - ckpt_layer, 0))
+        if ckpt else 0,
+        final=tokens * (4 * s.hidden + 2 * c * s.hidden),
+        inputs=mb * (seq + 1) * 8,
+        mask=mb * seq * seq * c if eager else 0,
+        layer_backward=layer_bwd, loss_forward=loss_fwd, loss_backward=loss_bwd,
+        alternative_saved=s.layers * (per_layer if ckpt else ckpt_layer),
+    )

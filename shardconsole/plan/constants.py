@@ -1,0 +1,92 @@
+"""The planner's constants: sizes, measured overheads, fitted allocator terms, speed factors.
+
+Each one says where it comes from: the sources (PyTorch, DeepSpeed, transformers), or a measurement
+of benchmarks/plan_calibrate.py on the H200 test machine (benchmarks/data/plan_calibration.json;
+docs/PLANNER.md has the comparison and what is fitted)."""
+
+from __future__ import annotations
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+
+# ---------------------------------------------------------------------------------------------------
+# Constants. Each one: value, then where it comes from.
+
+# CUDA context + NCCL communicator + loaded kernels: what NVML counts for a rank beyond the caching
+# allocator's reserved bytes. Measured: NVML used (minus the idle device's) minus max_memory_reserved
+# was 1.29 GiB in every FSDP2 run and 1.67-1.68 GiB in every DeepSpeed run of the calibration
+# (benchmarks/data/plan_calibration.json; H200, torch 2.11 + CUDA 13, DeepSpeed 0.19.8, whose
+# FusedAdam/CPUAdam modules and extra communicators add the difference).
+CUDA_CONTEXT_BYTES = {"fsdp": 1320 * MiB, "deepspeed": 1720 * MiB}
+# NVML reports this much used on an idle H200 (driver and ECC reservations): no process can use it.
+# Measured: 0.60 GiB before every calibration run.
+GPU_DRIVER_RESERVED_BYTES = 615 * MiB
+
+# The caching allocator reserves more than it hands out. Most of it is modelled as parts: the pools
+# of the communication streams (blocks cached for one stream are not reused by another) and the
+# buffers freed between moments. What is left, blocks rounded and split, is this fraction of the
+# compute stream's peak plus a constant. Fitted to the 22 finished calibration runs (0.03 and 64 MiB:
+# mean error of the reserved peak +0.6%, largest 6.8%; 0.00-0.05 and 0-128 MiB all stay under 9%).
+ALLOCATOR_SLACK_FRACTION = 0.03
+ALLOCATOR_SLACK_FIXED = 64 * MiB
+
+# A run under a cap needs its allocated peak plus blocks the allocator cannot free when it retries
+# (split segments with a live block): 5% + 256 MiB. Measured at the edge (benchmarks/plan_calibrate.py
+# --subset edge): FSDP2 1b trained under 1.08x this and died under 0.92x. DeepSpeed needs more (see
+# estimate()).
+REQUIRED_FRAGMENTATION = 0.05
+REQUIRED_FIXED = 256 * MiB
+
+# cuBLAS / cuBLASLt workspaces, allocated through the caching allocator: torch's default on Hopper
+# is 32 MiB per handle (CUBLAS_WORKSPACE_CONFIG :4096:8) for cuBLAS and cuBLASLt on the compute
+# stream. From the torch source; small next to the rest.
+CUBLAS_WORKSPACE_BYTES = 64 * MiB
+
+# Tokens per chunk of the loss: backends/common.py chunked_cross_entropy(chunk_tokens=4096).
+LOSS_CHUNK_TOKENS = 4096
+
+# Host RSS of one rank in training before any model byte: Python + torch + CUDA runtime and
+# libraries + NCCL + transformers (+ DeepSpeed). Measured: VmHWM of the rank in the calibration runs
+# without offload, 1.85-2.01 GiB for FSDP2 whatever the model (125m to 3b); DeepSpeed's ranks' RSS in
+# training (memory lines) 2.01 GiB.
+RANK_BASE_RSS = {"fsdp": 1960 * MiB, "deepspeed": 2060 * MiB}
+# DeepSpeed ZeRO-0/1/2 build the fp32 model on the CPU before the CUDA kernels are loaded: the rank
+# is smaller then. Measured: ds-1b-z2-bf16-mb4-ckpt peaked at 4.90 GiB = this + 4 x 0.94e9 + a cast.
+DS_BUILD_BASE_RSS = 1300 * MiB
+# On CPU ranks (device = cpu) there is no CUDA runtime: 360 MB per rank of a tiny 2-rank gloo run
+# (torch + transformers imported) on the CPU CI machine. Rough.
+RANK_BASE_RSS_CPU = 400 * MiB
+
+# torchrun's agent (imports torch) and the headless front end (psutil, NVML; no torch): the other
+# Python processes of a run. Measured VmHWM: 0.50-0.62 GiB and 0.04-0.05 GiB.
+LAUNCHER_RSS = 530 * MiB
+FRONTEND_RSS = 48 * MiB
+
+# Host transients whose mechanism is not pinned down, measured as VmHWM minus the steady RSS:
+# FSDP2 with CPU offload in fp16 (ShardedGradScaler's inf/nan checks run on the host gradients):
+# 2.62 GiB for 0.94e9 parameters, 0.24 GiB for 0.134e9: about 2.5 bytes a parameter.
+FSDP_FP16_OFFLOAD_HOST_PER_PARAM = 2.5
+
+# The kernel, page cache and other processes need some RAM: a run is said to fit in host memory only
+# under this fraction of the total. DESIGN.md: a DeepSpeed run was killed at 123 GiB used of 125 GiB,
+# an FSDP run with 120 GiB used trained; 0.97 * 125 = 121 GiB.
+HOST_USABLE_FRACTION = 0.97
+
+# The largest segment DeepSpeed may fill before it reduces: reduce_bucket_size is counted in elements
+# (DeepSpeed's zero/config.py). Its ZeRO-3 default sub_group_size is 1e9 elements (same file).
+DS_SUB_GROUP_SIZE = 1_000_000_000
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+# The lever "how fast" for settings_that_fit, relative to FSDP2 without offload or checkpointing, all
+# from DESIGN.md's bare loops on the H200 (0.95B, seq 2048, micro-batch 8 unless said):
+SPEED_FACTOR = {
+    "fsdp": 1.0,                    # 61.5k tokens/s
+    "fsdp_offload": 1.3 / 15.6,     # 3.1B under 24 GiB, full offload + checkpointing: 1.3k, against
+                                    # 19.5k * 0.80 (checkpointing) = 15.6k for the same model on GPU
+    "zero3": 49.1 / 61.5,           # 49.1k tokens/s
+    "zero2": 49.1 / 61.5,           # not measured: assumed as ZeRO-3 (fewer gathers, same reductions)
+    "zero3_offload_opt": 14.7 / 49.1 * 49.1 / 61.5,    # 14.7k
+    "zero3_offload_all": 19.6 / 49.1 * 49.1 / 61.5,    # 19.6k (params+optimizer beat optimizer only)
+    "zero2_offload_opt": 14.7 / 49.1 * 49.1 / 61.5,    # not measured: assumed as ZeRO-3's
+    "checkpointing": 49.4 / 61.5,   # 49.4k with activation checkpointing
+}

@@ -1,0 +1,162 @@
+"""Which settings fit: the article's strategies as settings of this package, the largest catalog
+model each trains on a machine (fit_table), and every strategy x checkpointing x micro-batch that
+fits, fastest first (settings_that_fit)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shardconsole import config as C
+from shardconsole.models import CATALOG, ModelSpec, resolve
+from shardconsole.plan.constants import SPEED_FACTOR
+from shardconsole.plan.estimator import Estimate, estimate, replace_cfg
+from shardconsole.plan.machine import Hardware
+
+
+# ---------------------------------------------------------------------------------------------------
+# Strategies, the fit table and the settings that fit
+
+# The article's strategies as settings of this package (parallel.backend and its table).
+STRATEGIES: dict[str, list[tuple[str, str, Any]]] = {
+    "no_shard": [("parallel", "backend", "fsdp"), ("fsdp", "sharding", "no_shard"), ("fsdp", "cpu_offload", False)],
+    "full_shard": [("parallel", "backend", "fsdp"), ("fsdp", "sharding", "full_shard"), ("fsdp", "cpu_offload", False)],
+    "shard_grad_op": [("parallel", "backend", "fsdp"), ("fsdp", "sharding", "shard_grad_op"),
+                      ("fsdp", "cpu_offload", False)],
+    "full_shard+offload": [("parallel", "backend", "fsdp"), ("fsdp", "sharding", "full_shard"),
+                           ("fsdp", "cpu_offload", True)],
+    "ZeRO-2": [("parallel", "backend", "deepspeed"), ("deepspeed", "stage", 2),
+               ("deepspeed", "offload_optimizer", "none"), ("deepspeed", "offload_param", "none")],
+    "ZeRO-3": [("parallel", "backend", "deepspeed"), ("deepspeed", "stage", 3),
+               ("deepspeed", "offload_optimizer", "none"), ("deepspeed", "offload_param", "none")],
+    "ZeRO-3+offload": [("parallel", "backend", "deepspeed"), ("deepspeed", "stage", 3),
+                       ("deepspeed", "offload_optimizer", "cpu"), ("deepspeed", "offload_param", "cpu")],
+}
+# Also searched by settings_that_fit (the article's two-card recipe offloads the optimizer only).
+EXTRA_STRATEGIES: dict[str, list[tuple[str, str, Any]]] = {
+    "ZeRO-3+optimizer offload": [("parallel", "backend", "deepspeed"), ("deepspeed", "stage", 3),
+                                 ("deepspeed", "offload_optimizer", "cpu"), ("deepspeed", "offload_param", "none")],
+    "ZeRO-2+optimizer offload": [("parallel", "backend", "deepspeed"), ("deepspeed", "stage", 2),
+                                 ("deepspeed", "offload_optimizer", "cpu"), ("deepspeed", "offload_param", "none")],
+}
+
+
+def _strategy_cfg(base: C.RunConfig, name: str, hw: Hardware, *, model: str | None = None,
+                  micro_batch: int | None = None, checkpointing: bool | None = None) -> C.RunConfig:
+    changes = list({**STRATEGIES, **EXTRA_STRATEGIES}[name])
+    changes.append(("parallel", "nproc_per_node", max(1, hw.gpus or base.parallel.nproc_per_node)))
+    changes.append(("parallel", "device", "auto"))
+    if base.parallel.backend != dict((t, v) for t, k, v in changes if k == "backend").get("parallel"):
+        changes.append(("parallel", "launcher", "torchrun"))
+    if model is not None:
+        changes.append(("model", "name", model))
+    if micro_batch is not None:
+        changes.append(("train", "micro_batch", micro_batch))
+    if checkpointing is not None:
+        changes.append(("memory", "activation_checkpointing", checkpointing))
+    return replace_cfg(base, *changes)
+
+
+def speed_score(cfg: C.RunConfig) -> float:
+    """Relative tokens/s (1.0 = FSDP2 on GPU, no checkpointing, 0.95B at micro-batch 8 x 2048),
+    from DESIGN.md's measured bare loops (SPEED_FACTOR). Larger micro-batches use the GPU better:
+    an assumed factor (tokens / (tokens + 2048)) relative to 16k tokens, not measured."""
+    if cfg.parallel.backend == "fsdp":
+        key = "fsdp_offload" if cfg.fsdp.cpu_offload else "fsdp"
+    else:
+        d = cfg.deepspeed
+        z = "zero3" if d.stage == 3 else "zero2"
+        if d.offload_param != "none":
+            key = "zero3_offload_all"
+        elif d.offload_optimizer != "none":
+            key = f"{z}_offload_opt"
+        else:
+            key = z
+    score = SPEED_FACTOR[key]
+    if cfg.memory.activation_checkpointing:
+        score *= SPEED_FACTOR["checkpointing"]
+    tokens = cfg.train.micro_batch * cfg.data.seq_len
+    ref = 16384
+    score *= (tokens / (tokens + 2048)) / (ref / (ref + 2048))
+    return score
+
+
+@dataclass
+class FitRow:
+    strategy: str
+    model: str | None               # largest catalog model that trains, None if none does
+    n_params: int
+    estimate: Estimate | None
+    settings: str                   # the settings it was checked with
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"strategy": self.strategy, "model": self.model, "n_params": self.n_params,
+                "settings": self.settings,
+                "gpu_peak_bytes": self.estimate.gpu_peak_bytes if self.estimate else None,
+                "host_peak_bytes": self.estimate.host_peak_bytes if self.estimate else None}
+
+
+def _spec_of(name: str) -> ModelSpec:
+    return resolve(name)
+
+
+def fit_table(hardware: Hardware, *, seq_len: int = 2048, micro_batch: int = 1, checkpointing: bool = True,
+              base: C.RunConfig | None = None, models: list[str] | None = None) -> list[FitRow]:
+    """For each strategy, the largest catalog model that trains on `hardware` (every GPU of the node
+    one rank) at the most frugal settings of that strategy: micro-batch 1, checkpointing, bf16."""
+    base = base or C.RunConfig()
+    base = replace_cfg(base, ("data", "seq_len", seq_len), ("precision", "dtype", base.precision.dtype))
+    names = [n for n in (models or list(CATALOG)) if n != "tiny"]
+    specs = sorted((_spec_of(n) for n in names), key=lambda sp: sp.n_params)
+    rows = []
+    for strategy in STRATEGIES:
+        best: tuple[ModelSpec, Estimate] | None = None
+        for spec in specs:
+            cfg = _strategy_cfg(base, strategy, hardware, model=spec.name, micro_batch=micro_batch,
+                                checkpointing=checkpointing)
+            est = estimate(cfg, spec, hardware)
+            if est.fits:
+                best = (spec, est)
+        settings = f"micro_batch {micro_batch}, seq_len {seq_len}, " + \
+            ("checkpointing" if checkpointing else "no checkpointing") + f", {base.precision.dtype}"
+        rows.append(FitRow(strategy, best[0].name if best else None, best[0].n_params if best else 0,
+                           best[1] if best else None, settings))
+    return rows
+
+
+@dataclass
+class Candidate:
+    name: str                       # e.g. "ZeRO-3, checkpointing, micro_batch 4"
+    overrides: list[str]            # --set arguments that turn cfg into this candidate
+    estimate: Estimate
+    speed: float                    # relative tokens/s (speed_score)
+
+
+def settings_that_fit(cfg: C.RunConfig, hardware: Hardware, spec: ModelSpec | None = None,
+                      micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> list[Candidate]:
+    """Every strategy x checkpointing x micro-batch for cfg's model, sequence length and dtype that
+    fits on `hardware`, fastest first (speed_score; ties: less GPU memory first)."""
+    spec = spec or resolve(cfg.model.name)
+    out = []
+    for strategy in {**STRATEGIES, **EXTRA_STRATEGIES}:
+        for ckpt in (False, True):
+            for mb in micro_batches:
+                c2 = _strategy_cfg(cfg, strategy, hardware, micro_batch=mb, checkpointing=ckpt)
+                c2 = replace_cfg(c2, ("train", "grad_accum", max(1, cfg.train.micro_batch * cfg.train.grad_accum // mb)))
+                est = estimate(c2, spec, hardware)
+                if not est.fits:
+                    continue
+                overrides = [f"{t}.{k}={_toml(v)}" for t, k, v in {**STRATEGIES, **EXTRA_STRATEGIES}[strategy]]
+                overrides += [f"parallel.nproc_per_node={c2.parallel.nproc_per_node}",
+                              f"memory.activation_checkpointing={_toml(ckpt)}", f"train.micro_batch={mb}",
+                              f"train.grad_accum={c2.train.grad_accum}"]
+                name = f"{strategy}, {'checkpointing' if ckpt else 'no checkpointing'}, micro_batch {mb}"
+                out.append(Candidate(name, overrides, est, speed_score(c2)))
+    out.sort(key=lambda cand: (-round(cand.speed, 6), cand.estimate.gpu_peak_bytes))
+    return out
+
+
+def _toml(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)

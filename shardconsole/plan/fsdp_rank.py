@@ -1,0 +1,126 @@
+"""One FSDP2 rank's memory over the moments of a step (backends/fsdp.py)."""
+
+from __future__ import annotations
+
+from shardconsole import config as C
+from shardconsole.plan.activation_memory import activations
+from shardconsole.plan.constants import (CUBLAS_WORKSPACE_BYTES, DTYPE_BYTES, FSDP_FP16_OFFLOAD_HOST_PER_PARAM,
+                                         RANK_BASE_RSS)
+from shardconsole.plan.rank import _Rank
+from shardconsole.plan.shapes import Shapes, _shard_numel, pow2_ceil
+
+
+def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
+    """backends/fsdp.py: fully_shard per decoder layer and on the root (the root kept gathered after
+    forward); parameters fp32 sharded; MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=fp32
+    by default) unless fp32; fused AdamW with fp32 states shaped like the sharded parameters;
+    explicit prefetch of N layers. Peaks are evaluated at the moments where memory turns: the end of
+    forward, the loss backward, the last layer's backward (all activations, no gradients yet), the
+    first layer's backward (all but one layer's gradients), the end of backward, the optimizer step."""
+    p, f = cfg.parallel, cfg.fsdp
+    world = p.nproc_per_node * p.nnodes
+    shard = {"no_shard": 1, "hybrid_shard": p.nproc_per_node}.get(f.sharding, world)
+    c = DTYPE_BYTES[cfg.precision.dtype]
+    reduce_c = 4 if cfg.precision.dtype == "fp32" else DTYPE_BYTES[cfg.precision.reduce_dtype or "fp32"]
+    offload = f.cpu_offload
+    # bytes of a kept (sharded) parameter, its gradient and each Adam moment: fp32, or bf16 masters
+    m = 2 if cfg.precision.master_dtype == "bf16" else 4
+    mtag = "bf16" if m == 2 else "fp32"
+    a = activations(cfg, s)
+    L = s.layers
+
+    # Sharded fp32 parameters: dim 0 padded to the shard group (exactly as FSDP2 pads).
+    shard_numels = [_shard_numel(sh, shard) for sh in s.all_params()]
+    params_b = m * sum(shard_numels)
+    adam_b = 2 * params_b              # exp_avg + exp_avg_sq, shaped and typed like the sharded parameter
+    layer_shard = sum(_shard_numel(sh, shard) for sh in s.layer_params())
+    root_shard = sum(_shard_numel(sh, shard) for sh in s.root_params())
+    g_root = m * root_shard            # the root's sharded gradient
+    layer_full = c * s.per_layer       # one layer gathered in the compute dtype (copied out of the
+    root_full = c * s.root             # all-gather buffer); the root stays gathered forward to backward end
+    head_grad = 0 if s.tied else c * s.vocab * s.hidden   # the head's unsharded gradient, from the loss on
+
+    # fsdp.py sets explicit prefetch unless no_shard; FSDP2 then still prefetches one layer in
+    # backward by itself.
+    sharded = f.sharding != "no_shard"
+    bwd_n = min(f.backward_prefetch if sharded else 1, max(L - 1, 0))
+    if cfg.reshard_after_forward:
+        held = 0                       # layers gathered from forward to backward
+        last_fwd = layer_full
+    else:
+        held = L * layer_full          # shard_grad_op: every layer stays gathered from forward to backward
+        last_fwd = 0
+    # Gradient accumulation without sync: FSDP2 keeps each layer's unsharded gradient, in the reduce
+    # dtype when it differs from the compute dtype (_fsdp_param.py to_accumulated_grad_if_needed).
+    accum = (reduce_c if reduce_c != c else c) * s.n_params if cfg.train.grad_accum > 1 else 0
+
+    # The compute stream's allocations at each moment. FSDP2 allocates the all-gather buffers on its
+    # all-gather copy-in stream and the reduce-scatter inputs and outputs (the sharded gradients) on
+    # its reduce-scatter stream; the caching allocator keeps a pool per stream, so those pools add to
+    # the compute stream's peak instead of sharing its free blocks (side pools, below).
+    st = {} if offload else {f"parameters ({mtag} shards)": params_b, f"optimizer states (Adam {mtag})": adam_b}
+    ws = {"cuBLAS workspaces": CUBLAS_WORKSPACE_BYTES}
+    acc = {"accumulated gradients (no sync)": accum}
+    root = {"gathered root (embedding, head)": root_full}
+    acts_all = a.saved_all
+    unsharded_grad = c * s.per_layer        # a layer's gradient from autograd, before its reduce-scatter
+    acc_c = (reduce_c if reduce_c != c else c)
+    gpu: dict[str, dict[str, int]] = {
+        "end of forward": {**st, **root, "gathered layers": held + last_fwd, "activations": acts_all,
+                           "loss chunk": a.loss_forward, **acc, **ws},
+        "loss backward": {**st, **root, "gathered layers": held, "head gradient (unsharded)": head_grad,
+                          "activations": acts_all, "loss chunk": a.loss_backward, **acc, **ws},
+        "last layer backward": {**st, **root, "gathered layers + prefetch": held + (0 if held else (1 + bwd_n) * layer_full),
+                                "head gradient (unsharded)": head_grad,
+                                "activations": acts_all - a.final + a.recompute,
+                                "layer backward": a.layer_backward + unsharded_grad, **acc, **ws},
+        # the other layers' gradients are in the reduce-scatter pool by now, or, without sync, in fp32
+        # accumulators on this stream
+        "first layer backward": {**st, **root, "gathered layers": layer_full, "head gradient (unsharded)": head_grad,
+                                 "activations": a.saved_layer + a.inputs + a.mask + a.recompute,
+                                 "layer backward": a.layer_backward + unsharded_grad,
+                                 # the root's accumulator, and the layers' where (unsharded, without
+                                 # sync) they outweigh the sharded gradients counted in the pool
+                                 "accumulated gradients (no sync)": acc_c * s.root + max(
+                                     0, (L - 1) * (acc_c * s.per_layer - m * layer_shard)) if accum else 0, **ws},
+        "end of backward": {**st, **root, "root gradients (unsharded)": c * s.root, **ws},
+        "optimizer step": {**st, **ws},
+    }
+    # Side pools. Reduce-scatter stream: every sharded gradient (the reduce-scatter outputs; with
+    # offload each goes to the host at once) and the largest reduce-scatter input (the root's, or two
+    # layers' in flight). All-gather copy-in stream: the largest all-gather buffers in flight (the
+    # root's, or a layer and its prefetch), plus with offload the fp32 shards copied to the GPU.
+    rs_in = reduce_c * max(s.root, 2 * s.per_layer)
+    grads_gpu = (m * max(root_shard, 2 * layer_shard)) if offload else (L * m * layer_shard + g_root)
+    n_ag = 1 + max(min(f.forward_prefetch if sharded else 0, max(L - 1, 0)), bwd_n)
+    ag = c * max(s.root, n_ag * s.per_layer) + (m * max(root_shard, n_ag * layer_shard) if offload else 0)
+    side = {"reduce-scatter stream pool (sharded gradients, inputs)": grads_gpu + rs_in,
+            "all-gather stream pool": ag}
+    # What of those pools is in use at each moment (the allocated view, and what a cap must hold).
+    g_layer = 0 if offload else m * layer_shard
+    in_flight_ag = c * s.per_layer + (m * layer_shard if offload else 0)
+    side_live = {"last layer backward": in_flight_ag if bwd_n else 0,
+                 "first layer backward": (L - 1) * g_layer + reduce_c * s.per_layer + (m * layer_shard if offload else 0),
+                 "end of backward": L * g_layer + g_root + reduce_c * s.root,
+                 "optimizer step": 0 if offload else L * g_layer + g_root}
+
+    # Host: one rank's RSS. The model is built on the meta device, so no full copy exists anywhere
+    # (backends/fsdp.py build), and init_random_ draws each shard in place on its device.
+    base = RANK_BASE_RSS["fsdp"]
+    host: dict[str, dict[str, int]] = {"training": {"process (python, torch, CUDA)": base}}
+    if offload:
+        # to_empty(cpu) allocates the shards unpinned, FSDP2 then pins each (.pin_memory(): rounded to a
+        # power of two) and drops the unpinned copy; gradients arrive D2H into pinned tensors
+        # (.to("cpu", non_blocking=True) allocates pinned memory); Adam's states are plain zeros_like.
+        pinned = pow2_ceil if f.pin_memory else (lambda n: n)
+        tag = ", pinned" if f.pin_memory else ""
+        host["training"].update({
+            f"parameters ({mtag} shards{tag})": sum(pinned(m * n) for n in shard_numels),
+            f"gradients ({mtag} shards{tag})": sum(pinned(m * n) for n in shard_numels),
+            f"optimizer states (Adam {mtag}, host)": adam_b})
+        if cfg.precision.dtype == "fp16":
+            host["training"]["fp16 scaler checks on host gradients"] = FSDP_FP16_OFFLOAD_HOST_PER_PARAM * s.n_params
+    notes = []
+    if shard == 1 and f.sharding != "no_shard":
+        notes.append(f"{f.sharding} over one rank shards nothing: same memory as no_shard")
+    return _Rank(gpu, host, notes, side, side_live)

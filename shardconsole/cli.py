@@ -15,7 +15,8 @@ from pathlib import Path
 
 from shardconsole import config as C
 from shardconsole import preset_store
-from shardconsole.launch import PRESET_FILE, Job, build_argv, format_argv, new_run_dir, run_id_of
+from shardconsole.launch import (PRESET_FILE, ExternalJob, Job, build_argv, format_argv, new_run_dir, run_id_of,
+                                 slurm_script)
 from shardconsole.models import ModelError, resolve
 
 DEFAULT_PRESET = "tiny-cpu"
@@ -34,18 +35,22 @@ def _run_parser() -> argparse.ArgumentParser:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
                     help="override one setting; repeatable; wins over the preset")
     ap.add_argument("--headless", action="store_true", help="run without the UI, one line per log step")
-    ap.add_argument("--print-command", action="store_true", help="print the launch command and exit")
+    ap.add_argument("--print-command", action="store_true",
+                    help="write the run folder, print the command that starts this node's ranks, and exit")
+    ap.add_argument("--slurm", action="store_true",
+                    help="write the run folder and print an sbatch script for the run (submit with sbatch)")
     ap.add_argument("--run-dir", type=Path, default=None, help="run folder (default: runs/<time>-<preset>)")
     return ap
 
 
-def load_config(preset: str | None, overrides: list[str]) -> tuple[C.RunConfig, str]:
-    """The resolved settings, checked against this machine (GPU count) and the model/data paths."""
+def load_config(preset: str | None, overrides: list[str], *, here: bool = True) -> tuple[C.RunConfig, str]:
+    """The resolved settings, checked against this machine (GPU count; `here`: the ranks run on this
+    machine) and the model/data paths."""
     name = preset or DEFAULT_PRESET
     cfg, path, notes = preset_store.resolve(name, overrides)
     for note in notes:
         print(f"shardconsole: {note}", file=sys.stderr)
-    if cfg.parallel.device != "cpu":
+    if cfg.parallel.device != "cpu" and here:
         from shardconsole.probes import gpu_count
         n = gpu_count()
         C.validate(cfg, str(path), gpu_count=n)
@@ -83,20 +88,32 @@ def _check_text(data: Path, source: str) -> None:
 
 def cmd_run(argv: list[str]) -> int:
     args = _run_parser().parse_args(argv)
-    if not args.headless and not args.print_command:
+    if not args.headless and not args.print_command and not args.slurm:
         # The console checks the machine (NVML) in a worker after its first paint and runs
         # load_config itself before it launches; here only bad input must stop it (exit 2).
         name = args.preset or DEFAULT_PRESET
         preset_store.resolve(name, args.overrides)
         return _open_console(name, args.overrides)
-    cfg, name = load_config(args.preset, args.overrides)
+    if args.headless and (args.print_command or args.slurm):
+        raise UsageError("--headless runs the job here; --print-command and --slurm only write it out: pick one")
+    # A command or a batch script is for the machines that will run it, not for this one's GPUs.
+    cfg, name = load_config(args.preset, args.overrides, here=not (args.print_command or args.slurm))
     run_dir = args.run_dir or new_run_dir(name)
     run_id = run_id_of(run_dir) if run_dir.exists() else Path(run_dir).name
-    if args.print_command:
+    if args.print_command or args.slurm:
+        # The printed command reads the run folder's preset.toml: it must exist for the command to work.
+        _prepare_run_dir(cfg, run_dir)
+        run_id = run_id_of(run_dir)
+        if args.slurm:
+            sys.stdout.write(slurm_script(cfg, run_dir, run_id))
+            print(f"# wrote {run_dir / PRESET_FILE}; submit with `sbatch`, follow with `shardconsole attach "
+                  f"{run_dir}`; {run_dir} must be on a filesystem every node shares", file=sys.stderr)
+            return 0
         print(format_argv(build_argv(cfg, run_dir, run_id)))
-        if cfg.parallel.nnodes > 1:
-            print(f"# run this on each of the {cfg.parallel.nnodes} nodes; {run_dir} must be on a shared "
-                  f"filesystem (it holds {PRESET_FILE} and receives metrics)", file=sys.stderr)
+        where = (f"run this on each of the {cfg.parallel.nnodes} nodes; {run_dir} must be on a shared filesystem"
+                 if cfg.parallel.nnodes > 1 else "run it here")
+        print(f"# wrote {run_dir / PRESET_FILE}; {where}; follow with `shardconsole attach {run_dir}`",
+              file=sys.stderr)
         return 0
     _prepare_run_dir(cfg, run_dir)
     from shardconsole import headless
@@ -142,8 +159,16 @@ def cmd_attach(argv: list[str]) -> int:
     ap.add_argument("--headless", action="store_true")
     args = ap.parse_args(argv)
     run_dir = args.run_dir
-    if not (run_dir / PRESET_FILE).is_file() or not (run_dir / "job.json").is_file():
-        raise UsageError(f"{run_dir}: not a run folder (no {PRESET_FILE} / job.json)")
+    if not (run_dir / PRESET_FILE).is_file():
+        raise UsageError(f"{run_dir}: not a run folder (no {PRESET_FILE})")
+    if not (run_dir / "job.json").is_file():
+        # Started elsewhere (--print-command by hand, --slurm): only the stream to follow.
+        if not args.headless:
+            raise UsageError(f"{run_dir}: started on other machines (no job.json here); "
+                             f"`shardconsole attach {run_dir} --headless` follows it")
+        from shardconsole import headless
+        print(f"following {run_dir} (started elsewhere; Ctrl-C detaches)", file=sys.stderr)
+        return headless.follow(ExternalJob(run_dir), run_dir, run_dir.resolve().name, quiet_history=True)
     try:
         job = Job.from_run_dir(run_dir)
     except (ValueError, KeyError, OSError) as e:

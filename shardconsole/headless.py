@@ -229,10 +229,16 @@ def follow(job: Job, run_dir: Path, run_id: str, out: TextIO = sys.stdout, err: 
         while True:
             rc = job.poll()
             f.pump()
+            if rc is None and job.external:
+                rc = stream_exit_code(f.state)
             if rc is not None:
                 break
             if watch.hung(f.state, time.monotonic()):
                 f.clear_bar()
+                if job.external:
+                    print(f"run hung: no step for {watch.stalled_for(time.monotonic()):.0f}s; it was not started "
+                          f"here, so it is not stopped here (rank logs: {run_dir / 'logs'})", file=err, flush=True)
+                    return EXIT_CODES["hang"]
                 stacks = where_ranks_are(f.state, run_dir)
                 message = hang_message(f.state, stacks, watch.stalled_for(time.monotonic()))
                 print(f"run hung: {message}\n  stopping it; rank logs: {run_dir / 'logs'}", file=err, flush=True)
@@ -241,6 +247,10 @@ def follow(job: Job, run_dir: Path, run_id: str, out: TextIO = sys.stdout, err: 
             time.sleep(0.2)
     except KeyboardInterrupt:
         f.clear_bar()
+        if job.external:
+            print(f"detached from {run_dir}: the run goes on where it was started (a Slurm job stops with "
+                  f"scancel)", file=err, flush=True)
+            return EXIT_CODES["stopped"]
         print("stopping: SIGTERM to every rank ...", file=err, flush=True)
         report = _stop(job, grace_s, f.state.rank_pids)
         f.pump()
@@ -263,6 +273,13 @@ def follow(job: Job, run_dir: Path, run_id: str, out: TextIO = sys.stdout, err: 
     cause, message = explain_exit(state, rc, run_dir)
     print(message, file=err, flush=True)
     return EXIT_CODES.get(cause, 1)
+
+
+def stream_exit_code(state: RunState) -> int | None:
+    """For a run started elsewhere: 0 once it reports finished, 1 once a rank reports a failure."""
+    if state.finished is not None:
+        return 0
+    return 1 if state.first_failure() is not None else None
 
 
 def _hang_timeout(run_dir: Path) -> float:

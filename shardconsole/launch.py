@@ -64,6 +64,42 @@ def build_argv(cfg: C.RunConfig, run_dir: str | Path, run_id: str, python: str =
     return argv + worker
 
 
+SLURM_RDZV_PORT = 20000
+
+
+def slurm_script(cfg: C.RunConfig, run_dir: str | Path, run_id: str, python: str = sys.executable,
+                 workdir: str | Path | None = None) -> str:
+    """An sbatch script for this run: one torchrun agent per node (srun, one task a node), the c10d
+    rendezvous on the job's first node, the job id as the rendezvous id. Slurm places the nodes; the
+    ranks, the stream and the checkpoints are the same as a local run's. The run folder must be on a
+    filesystem every node shares (it holds preset.toml and receives the metrics), as for any
+    multi-node run. The deepspeed launcher is not used under Slurm: torchrun starts DeepSpeed ranks
+    just as well and needs no hostfile or ssh."""
+    p = cfg.parallel
+    run_dir = Path(run_dir).resolve()
+    # A port of the user's, else one per job: two jobs sharing a node must not meet in one rendezvous.
+    port = p.rdzv_endpoint.rsplit(":", 1)[1] if p.rdzv_endpoint else f"$(({SLURM_RDZV_PORT} + SLURM_JOB_ID % 20000))"
+    torchrun = [python, "-m", "torch.distributed.run", f"--nproc-per-node={p.nproc_per_node}", "--max-restarts=0",
+                "--rdzv-backend=c10d"]
+    worker = ["-m", WORKER_MODULE, "--run-dir", str(run_dir), "--run-id", run_id]
+    lines = ["#!/bin/bash",
+             f"# shardconsole run {run_id}: {p.nnodes} node(s) x {p.nproc_per_node} rank(s), backend {p.backend}",
+             f"#SBATCH --job-name={shlex.quote(run_id)}",
+             f"#SBATCH --nodes={p.nnodes}",
+             "#SBATCH --ntasks-per-node=1",
+             f"#SBATCH --output={shlex.quote(str(run_dir / 'slurm-%j.out'))}"]
+    if p.device != "cpu":
+        lines.append(f"#SBATCH --gpus-per-node={p.nproc_per_node}")
+    lines += ["set -euo pipefail", f"cd {shlex.quote(str(Path(workdir or os.getcwd()).resolve()))}"]
+    env = child_env(cfg, base={})
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
+    lines += ['head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+              "# one torchrun agent per node; the first node hosts the rendezvous",
+              f"srun --kill-on-bad-exit=1 {shlex.join(torchrun)} --nnodes=\"$SLURM_NNODES\" "
+              f"--rdzv-endpoint=\"$head_node:{port}\" --rdzv-id=\"$SLURM_JOB_ID\" {shlex.join(worker)}"]
+    return "\n".join(lines) + "\n"
+
+
 def _deepspeed_argv(cfg: C.RunConfig, worker: list[str], python: str) -> list[str]:
     p = cfg.parallel
     argv = [python, "-m", "deepspeed.launcher.runner", f"--num_gpus={p.nproc_per_node}",
@@ -155,6 +191,8 @@ def _group_pids(pgid: int) -> list[int]:
 
 class Job:
     """A started run: the launcher process and its process group."""
+
+    external = False     # started by this machine's front end (see ExternalJob)
 
     def __init__(self, run_dir: Path, pid: int, pgid: int, argv: list[str],
                  proc: subprocess.Popen | None = None) -> None:
@@ -265,3 +303,16 @@ class Job:
     def _reap(self) -> None:
         if self.proc is not None:
             self.proc.poll()
+
+
+class ExternalJob:
+    """A run whose launchers this machine did not start (--print-command run by hand on other nodes, a
+    Slurm job): no process to poll or signal, only its stream, which says when it has ended."""
+
+    external = True
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir, self.pid, self.argv, self.proc = run_dir, 0, [], None
+
+    def poll(self) -> int | None:
+        return None      # the follower decides from the stream (finished / failed lines)

@@ -217,3 +217,44 @@ def test_bf16_masters_with_offload_and_selective_checkpointing(tmp_path):
     moments = {k: v for k, v in meta.items() if k.startswith("optim.state.") and k.endswith("exp_avg")}
     assert weights and moments
     assert {str(v.properties.dtype) for v in [*weights.values(), *moments.values()]} == {"torch.bfloat16"}
+
+
+def _slurm_job_id_with_a_free_port() -> int:
+    """The script's rendezvous port is 20000 + job id % 20000: pick a job id whose port is free."""
+    for _ in range(200):
+        port = _free_port()
+        if 20000 <= port < 40000:
+            return port - 20000
+    return 12345
+
+
+def test_slurm_script_runs_and_attach_follows_it(tmp_path):
+    """The sbatch script shardconsole writes, run as Slurm runs it on a one-node allocation (srun and
+    scontrol stand-ins: srun runs the command once, scontrol names this host), trains for real; attach
+    follows a run it did not start, from the stream alone."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    run_dir = tmp_path / "run"
+    res = shardconsole("--preset", "tiny-cpu", "--slurm", "--run-dir", str(run_dir), "--set", "train.steps=4",
+                       "--set", "train.log_every=2", timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert (run_dir / PRESET_FILE).is_file() and "sbatch" in res.stderr
+    script = tmp_path / "job.sbatch"
+    script.write_text(res.stdout)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node0",
+           "SLURM_NNODES": "1", "SLURM_JOB_ID": str(_slurm_job_id_with_a_free_port())}
+    job = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=180)
+    assert job.returncode == 0, job.stderr[-2000:]
+    msgs = messages(run_dir)
+    assert [m.step for m in of_kind(msgs, "step")] == [2, 4] and of_kind(msgs, "finished")
+    assert not (run_dir / "job.json").exists()          # no front end of ours started it
+
+    res = shardconsole("attach", str(run_dir), "--headless", timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "finished: 4 steps" in res.stderr and "step 4/4" in res.stdout
+    res = shardconsole("attach", str(run_dir), timeout=60)      # the console needs a run it can stop
+    assert res.returncode == 2 and "--headless" in res.stderr

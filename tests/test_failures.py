@@ -22,14 +22,17 @@ def run_with_fault(tmp_path, fault: str, *sets: str):
     return res, msgs
 
 
-@pytest.mark.parametrize("fault, cause, words", [
-    ("oom@rank=1,step=2", "gpu_oom", ["GPU out of memory during step 2", "rank 1", "micro_batch"]),
-    ("oom_load@rank=0", "gpu_oom", ["GPU out of memory while loading the model", "rank 0"]),
-    ("raise@rank=1,step=3", "crash", ["ValueError: injected failure at step 3", "rank1.log"]),
-    ("nan@step=2", "nan_loss", ["loss is nan", "lr"]),
+@pytest.mark.parametrize("backend, fault, cause, words", [
+    ("fsdp", "oom@rank=1,step=2", "gpu_oom", ["GPU out of memory during step 2", "rank 1", "micro_batch"]),
+    ("fsdp", "oom_load@rank=0", "gpu_oom", ["GPU out of memory while loading the model", "rank 0"]),
+    ("fsdp", "raise@rank=1,step=3", "crash", ["ValueError: injected failure at step 3", "rank1.log"]),
+    ("fsdp", "nan@step=2", "nan_loss", ["loss is nan", "lr"]),
+    # the same classes through DeepSpeed's engine
+    ("deepspeed", "oom@rank=1,step=2", "gpu_oom", ["GPU out of memory during step 2", "rank 1"]),
+    ("deepspeed", "nan@step=2", "nan_loss", ["loss is nan"]),
 ])
-def test_failure_in_a_rank_is_classified(tmp_path, fault, cause, words):
-    res, msgs = run_with_fault(tmp_path, fault)
+def test_failure_in_a_rank_is_classified(tmp_path, backend, fault, cause, words):
+    res, msgs = run_with_fault(tmp_path, fault, f"parallel.backend={backend}")
     assert res.returncode == EXIT_CODES[cause], res.stderr
     assert f"({cause})" in res.stderr
     for w in words:

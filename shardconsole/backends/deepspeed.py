@@ -308,12 +308,13 @@ def train(r: common.Rank) -> None:
     r.phase("training")
     for step in range(start_step + 1, t.steps + 1):
         r.step = step
+        r.faults.on_step(step)
         lr = t.lr * common.lr_factor(cfg, step)
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
         for _ in range(t.grad_accum):
             batch = next_batch(data, t.micro_batch, r.device)
-            loss = engine(batch[:, :-1], batch[:, 1:])
+            loss = r.faults.on_loss(engine(batch[:, :-1], batch[:, 1:]), step)
             meter.add(loss)
             engine.backward(loss)        # DeepSpeed divides by grad_accum and applies the loss scale
             try:

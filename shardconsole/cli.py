@@ -164,8 +164,7 @@ def cmd_attach(argv: list[str]) -> int:
     if not (run_dir / "job.json").is_file():
         # Started elsewhere (--print-command by hand, --slurm): only the stream to follow.
         if not args.headless:
-            raise UsageError(f"{run_dir}: started on other machines (no job.json here); "
-                             f"`shardconsole attach {run_dir} --headless` follows it")
+            return _attach_console(run_dir)
         from shardconsole import headless
         print(f"following {run_dir} (started elsewhere; Ctrl-C detaches)", file=sys.stderr)
         return headless.follow(ExternalJob(run_dir), run_dir, run_dir.resolve().name, quiet_history=True)
@@ -176,6 +175,10 @@ def cmd_attach(argv: list[str]) -> int:
     if args.headless:
         from shardconsole import headless
         return headless.follow(job, run_dir, run_dir.resolve().name, quiet_history=True)
+    return _attach_console(run_dir)
+
+
+def _attach_console(run_dir: Path) -> int:
     try:
         from shardconsole.console.app import run_console
     except ImportError as e:

@@ -316,3 +316,6 @@ class ExternalJob:
 
     def poll(self) -> int | None:
         return None      # the follower decides from the stream (finished / failed lines)
+
+    def alive(self) -> bool:
+        return True      # as far as this machine can tell; the stream says when it ends

@@ -47,6 +47,7 @@ class FakeJob:
         self.pids = pids
         self.on_stop = on_stop
         self.stops = 0
+        self.external = False
 
     def poll(self) -> int | None:
         return None if self._alive else 0
@@ -467,6 +468,29 @@ async def test_attach_to_a_run_folder_from_the_app(tmp_path):
         assert "finished: 5 steps" in text_of(screen.query_one("#status"))
         assert "No GPU: " + NO_GPU in text_of(screen.query_one("#gpu-text"))
         assert screen.check_action("stop", ()) is False            # nothing left to stop
+
+
+async def test_a_run_started_elsewhere_is_followed_from_its_stream(tmp_path):
+    """A run folder without job.json (--print-command run by hand, a Slurm job): the console follows it,
+    refuses to stop what it did not start, and sees the end in the stream."""
+    from shardconsole.console.screens.run import RunScreen
+    from shardconsole.console.services import TorchrunLauncher
+    run_dir = tmp_path / "runs" / "slurm-job"
+    write_run(run_dir, gpus=0, device="cpu", steps=3, total_steps=5)
+    (run_dir / RUN_FILE).unlink()
+    app = make_app(tmp_path, attach=run_dir, launcher=TorchrunLauncher(tmp_path / "runs"))
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, RunScreen) and app.screen)
+        await wait_for(pilot, lambda: (s := screen.view.state.last_step) is not None and s.step == 3)
+        assert screen.status == "running"
+        await pilot.press("s")
+        await pilot.pause()
+        assert type(app.screen).__name__ != "ConfirmScreen"
+        assert any("started on other machines" in str(n.message) for n in app._notifications)
+        w = MetricsWriter(run_dir / METRICS_FILE, "slurm-job", 0)
+        w.emit(P.Finished(run="slurm-job", rank=0, t=T0 + 1, steps=5))
+        w.close()
+        await wait_for(pilot, lambda: screen.status == "finished", timeout=15)
 
 
 async def test_a_failed_run_says_why(tmp_path):

@@ -256,5 +256,3 @@ def test_slurm_script_runs_and_attach_follows_it(tmp_path):
     res = shardconsole("attach", str(run_dir), "--headless", timeout=60)
     assert res.returncode == 0, res.stderr
     assert "finished: 4 steps" in res.stderr and "step 4/4" in res.stdout
-    res = shardconsole("attach", str(run_dir), timeout=60)      # the console needs a run it can stop
-    assert res.returncode == 2 and "--headless" in res.stderr

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from shardconsole import config as C
 from shardconsole import preset_store
-from shardconsole.launch import PRESET_FILE, RUN_FILE, Job, StopReport, build_argv, new_run_dir
+from shardconsole.launch import PRESET_FILE, RUN_FILE, ExternalJob, Job, StopReport, build_argv, new_run_dir
 from shardconsole.protocol import GpuSample, HostSample
 
 
@@ -27,8 +27,10 @@ class AttachError(ValueError):
 
 
 class RunHandle(Protocol):
-    """A started or attached run, as launch.Job provides it."""
+    """A started or attached run, as launch.Job provides it (launch.ExternalJob for a run started on
+    other machines: no stop, its end read from the stream)."""
     run_dir: Path
+    external: bool
 
     def poll(self) -> int | None: ...
     def alive(self) -> bool: ...
@@ -97,8 +99,10 @@ class TorchrunLauncher:
 
     def attach(self, run_dir: Path) -> RunHandle:
         run_dir = Path(run_dir).expanduser()
-        if not (run_dir / PRESET_FILE).is_file() or not (run_dir / RUN_FILE).is_file():
-            raise AttachError(f"{run_dir}: not a run folder (no {PRESET_FILE} / {RUN_FILE})")
+        if not (run_dir / PRESET_FILE).is_file():
+            raise AttachError(f"{run_dir}: not a run folder (no {PRESET_FILE})")
+        if not (run_dir / RUN_FILE).is_file():
+            return ExternalJob(run_dir)     # started by --print-command / --slurm on other machines
         try:
             return Job.from_run_dir(run_dir)
         except (ValueError, KeyError, OSError) as e:

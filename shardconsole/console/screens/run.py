@@ -194,6 +194,11 @@ class RunScreen(Screen[None]):
 
     # --- actions -----------------------------------------------------------------------------------
     def action_stop(self) -> None:
+        if getattr(self.handle, "external", False):
+            self.notify("This run was started on other machines (--print-command or --slurm): stop it where it "
+                        "runs, e.g. scancel for a Slurm job. q leaves it running.", severity="warning")
+            return
+
         def answer(yes: bool | None) -> None:
             if yes and self.status == "running":
                 self._gpu_before_stop = dict(self.view.state.gpus)

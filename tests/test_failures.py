@@ -27,8 +27,7 @@ def run_with_fault(tmp_path, fault: str, *sets: str):
     ("fsdp", "oom_load@rank=0", "gpu_oom", ["GPU out of memory while loading the model", "rank 0"]),
     ("fsdp", "raise@rank=1,step=3", "crash", ["ValueError: injected failure at step 3", "rank1.log"]),
     ("fsdp", "nan@step=2", "nan_loss", ["loss is nan", "lr"]),
-    # the same classes through DeepSpeed's engine
-    ("deepspeed", "oom@rank=1,step=2", "gpu_oom", ["GPU out of memory during step 2", "rank 1"]),
+    # through DeepSpeed's engine (the failure report is common code; the loss comes from the engine)
     ("deepspeed", "nan@step=2", "nan_loss", ["loss is nan"]),
 ])
 def test_failure_in_a_rank_is_classified(tmp_path, backend, fault, cause, words):

@@ -40,6 +40,8 @@ def _run_parser() -> argparse.ArgumentParser:
     ap.add_argument("--slurm", action="store_true",
                     help="write the run folder and print an sbatch script for the run (submit with sbatch)")
     ap.add_argument("--run-dir", type=Path, default=None, help="run folder (default: runs/<time>-<preset>)")
+    ap.add_argument("--force", action="store_true",
+                    help="--headless: launch even when the planner says the host's RAM is too small")
     return ap
 
 
@@ -54,8 +56,10 @@ def load_config(preset: str | None, overrides: list[str], *, here: bool = True) 
         from shardconsole.probes import gpu_count
         n = gpu_count()
         C.validate(cfg, str(path), gpu_count=n)
-        if cfg.parallel.device == "auto" and n == 0 and cfg.parallel.nproc_per_node > 1:
-            pass   # CPU ranks over gloo: allowed (tests and laptops)
+        if cfg.parallel.device == "auto" and n == 0:
+            # CPU ranks over gloo: allowed (tests and laptops), but rarely what a GPU preset meant
+            print("shardconsole: parallel.device is auto and this machine has no GPU: the ranks compute on "
+                  "the CPU (slow for anything but the tiny model)", file=sys.stderr)
     try:
         spec = resolve(cfg.model.name)
     except ModelError as e:
@@ -115,9 +119,27 @@ def cmd_run(argv: list[str]) -> int:
         print(f"# wrote {run_dir / PRESET_FILE}; {where}; follow with `shardconsole attach {run_dir}`",
               file=sys.stderr)
         return 0
+    if not args.force:
+        check_host_memory(cfg, name)
     _prepare_run_dir(cfg, run_dir)
     from shardconsole import headless
     return headless.run(cfg, run_dir, run_dir.resolve().name)
+
+
+def check_host_memory(cfg: C.RunConfig, name: str) -> None:
+    """Refuse a launch that the planner says cannot fit this machine's RAM: a host out of memory does
+    not fail cleanly like a GPU OOM, the kernel's OOM killer may take any process (the planner's host
+    figure was within 6% of every calibration run). GPU verdicts are left to the run: a GPU OOM is
+    caught and explained with the settings that fit."""
+    try:
+        from shardconsole import plan
+        est = plan.estimate(cfg, resolve(cfg.model.name), plan.detect_hardware())
+    except Exception:   # a check that cannot run must not block a launch
+        return
+    if est.host_budget_bytes and est.host_peak_bytes > est.host_budget_bytes:
+        raise C.ConfigError(f"{name}: the planner puts this run at {C.format_size(est.host_peak_bytes)} of host "
+                            f"RAM, over the {C.format_size(est.host_budget_bytes)} usable here "
+                            f"(`shardconsole plan --preset {name}` lists the parts; --force launches anyway)")
 
 
 def _prepare_run_dir(cfg: C.RunConfig, run_dir: Path) -> None:

@@ -168,6 +168,17 @@ def test_cli_refuses_a_binary_data_file_before_launch(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_cli_refuses_a_run_the_host_cannot_hold(tmp_path):
+    """13B with fp32 masters fully offloaded needs ~264 GiB of host RAM: refused before anything starts
+    (a host OOM takes down more than the run), with the planner's figure; --force overrides."""
+    res = shardconsole("--preset", "3090-offload", "--headless", "--run-dir", str(tmp_path / "run"),
+                       "--set", "model.name=13b", timeout=60)
+    assert res.returncode == 2, res.stderr
+    err = [line for line in res.stderr.splitlines() if "error" in line]
+    assert len(err) == 1 and "of host RAM, over the" in err[0] and "--force" in err[0]
+    assert not (tmp_path / "run").exists()
+
+
 def test_optional_keys_can_be_unset_from_the_command_line():
     cfg = C.build({"precision": {"reduce_dtype": "bf16"}}, "p.toml", ["precision.reduce_dtype=none"])
     assert cfg.precision.reduce_dtype is None

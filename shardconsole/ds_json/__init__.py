@@ -1,0 +1,60 @@
+"""DeepSpeed's JSON config, in and out: the one mapping between shardconsole's settings and a ds_config.
+
+    to_ds_config(cfg)            the exact dict the DeepSpeed rank passes to deepspeed.initialize
+    from_ds_config(d, source)    a ds_config -> preset overrides, plus which keys mapped and which did not
+    apply_fsdp_equivalents(...)  `--set parallel.backend=deepspeed` on an FSDP preset: the closest ZeRO setup
+    cmd_export / cmd_import      `shardconsole export ... --format deepspeed`, `shardconsole import FILE.json`
+
+Front-end module: no torch, no deepspeed at import time (the console and the CLI stay fast and work on
+a machine with a broken CUDA install).
+
+Choices that shape the JSON:
+- The optimizer is the ds_config's "optimizer" block (AdamW), so DeepSpeed picks the implementation
+  exactly as it would for any user of the file: DeepSpeedCPUAdam when the optimizer is offloaded,
+  FusedAdam on a GPU, torch's AdamW with "torch_adam": true. On CPU ranks without offload the export
+  sets torch_adam, because a FusedAdam build there takes ~36 s and buys nothing (DESIGN.md).
+- No "scheduler" block: the learning-rate schedule (linear warm-up, cosine) is shardconsole's own
+  lr_factor, applied by the loop before each optimizer step, so both backends follow the same curve
+  step for step. DeepSpeed's WarmupCosineLR is not that curve (0 at step 0, off by one in warm-up).
+- fp16 loss-scale knobs are written only when set: DeepSpeed's defaults are shardconsole's defaults
+  (same names, same meanings), so leaving them out runs the same and round-trips exactly.
+- Every zero_optimization key shardconsole owns is written, even those a stage ignores (DeepSpeed
+  ignores them too): the file shows every value in force and imports back to the same settings.
+
+Where it lives (every name is re-exported here, so `from shardconsole import ds_json; ds_json.X` and
+`from shardconsole.ds_json import X` work; to monkeypatch a name that the package itself looks up,
+patch the module that uses it, e.g. shardconsole.ds_json.commands.deepspeed_config_for):
+
+  export.py       settings -> ds_config: ADAM_EPS, ZERO_KEYS, _ZERO_BOOL, DS_ZERO_DEFAULTS,
+                  DS_OFFLOAD_PIN_DEFAULT, device_type, uses_torch_adam, _offload_block, to_ds_config
+  equivalents.py  FSDP settings -> the closest DeepSpeed settings: FSDP_TO_STAGE, _DERIVED_KEYS,
+                  user_set_keys, apply_fsdp_equivalents, deepspeed_config_for
+  importer.py     ds_config -> settings: _KNOWN_UNMAPPED, _ZERO_UNMAPPED, _OFFLOAD_UNMAPPED, _Import,
+                  _known, _TOP_KEYS, _ZERO_ALL, from_ds_config and its per-section readers _batch,
+                  _optimizer, _scheduler, _precision, _zero
+  commands.py     the CLI commands: _read_json, merge, _write_text, cmd_export, cmd_import
+"""
+
+from __future__ import annotations
+
+from shardconsole.ds_json.commands import _read_json, _write_text, cmd_export, cmd_import, merge
+from shardconsole.ds_json.equivalents import (FSDP_TO_STAGE, _DERIVED_KEYS, apply_fsdp_equivalents,
+                                              deepspeed_config_for, user_set_keys)
+from shardconsole.ds_json.export import (ADAM_EPS, DS_OFFLOAD_PIN_DEFAULT, DS_ZERO_DEFAULTS, ZERO_KEYS, _ZERO_BOOL,
+                                         _offload_block, device_type, to_ds_config, uses_torch_adam)
+from shardconsole.ds_json.importer import (_Import, _KNOWN_UNMAPPED, _OFFLOAD_UNMAPPED, _TOP_KEYS, _ZERO_ALL,
+                                           _ZERO_UNMAPPED, _batch, _known, _optimizer, _precision, _scheduler, _zero,
+                                           from_ds_config)
+
+__all__ = [
+    # export
+    "ADAM_EPS", "ZERO_KEYS", "_ZERO_BOOL", "DS_ZERO_DEFAULTS", "DS_OFFLOAD_PIN_DEFAULT", "device_type",
+    "uses_torch_adam", "_offload_block", "to_ds_config",
+    # equivalents
+    "FSDP_TO_STAGE", "_DERIVED_KEYS", "user_set_keys", "apply_fsdp_equivalents", "deepspeed_config_for",
+    # importer
+    "_KNOWN_UNMAPPED", "_ZERO_UNMAPPED", "_OFFLOAD_UNMAPPED", "_Import", "_known", "_TOP_KEYS", "_ZERO_ALL",
+    "from_ds_config", "_batch", "_optimizer", "_scheduler", "_precision", "_zero",
+    # commands
+    "_read_json", "merge", "_write_text", "cmd_export", "cmd_import",
+]

@@ -1,0 +1,174 @@
+"""The CLI commands: `shardconsole export ... --format deepspeed` (cmd_export) and
+`shardconsole import FILE.json` (cmd_import), with their argument parsing, file reading and writing."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from shardconsole import config as C
+from shardconsole.ds_json.equivalents import deepspeed_config_for
+from shardconsole.ds_json.export import device_type, to_ds_config
+from shardconsole.ds_json.importer import from_ds_config
+
+
+# ---------------------------------------------------------------------------------------------------
+# The CLI commands
+
+def _read_json(path: Path) -> dict[str, Any]:
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in out:
+                raise C.ConfigError(f"{path}: key {k!r} appears twice (DeepSpeed rejects duplicate keys)")
+            out[k] = v
+        return out
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise C.ConfigError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise C.ConfigError(f"{path}: is a folder, not a DeepSpeed JSON config") from None
+    except UnicodeDecodeError:
+        raise C.ConfigError(f"{path}: not a text file (a DeepSpeed config is JSON)") from None
+    except OSError as e:
+        raise C.ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        data = json.loads(text, object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as e:
+        raise C.ConfigError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if not isinstance(data, dict):
+        raise C.ConfigError(f"{path}: expected a JSON object at the top level, got {type(data).__name__}")
+    return data
+
+
+def merge(base: dict[str, Any], over: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A preset dict with `over` on top; a None in `over` removes the key (back to "not set")."""
+    out = copy.deepcopy(base)
+    for table, values in over.items():
+        section = out.setdefault(table, {})
+        for key, value in values.items():
+            if value is None:
+                section.pop(key, None)
+            else:
+                section[key] = value
+    return out
+
+
+def _write_text(text: str, out: str | None, force: bool) -> Path | None:
+    if out is None or out == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return None
+    path = Path(out).expanduser()
+    if path.exists() and not force:
+        raise C.ConfigError(f"{path}: exists; pass --force to overwrite it")
+    return C.write_atomic(path, text)
+
+
+def cmd_export(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="shardconsole export",
+        description="Write the exact DeepSpeed config (ds_config JSON) a preset's run uses, or the resolved "
+                    "preset as TOML. Only the file goes to stdout; notes go to stderr.")
+    ap.add_argument("--preset", default="tiny-cpu", help="preset name or .toml file (default: tiny-cpu)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                    help="override one setting; repeatable")
+    ap.add_argument("--format", choices=("deepspeed", "toml"), default="deepspeed")
+    ap.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
+    ap.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    args = ap.parse_args(argv)
+    from shardconsole import preset_store
+    path = preset_store.find(args.preset)
+    raw = C.load_toml(path)
+    overrides = list(args.overrides)
+    note = []
+    if args.format == "deepspeed":
+        probe = C.build(raw, str(path), overrides)
+        if probe.parallel.backend != "deepspeed":
+            overrides.append("parallel.backend=deepspeed")
+            note.append(f"{args.preset} runs FSDP; this is its DeepSpeed equivalent, what "
+                        f"`--set parallel.backend=deepspeed` runs")
+    cfg, notes = deepspeed_config_for(raw, str(path), overrides)
+    if args.format == "toml":
+        text = C.dumps(cfg)
+    else:
+        device = device_type(cfg)
+        if cfg.parallel.device == "auto":
+            # Written for this machine, as the run would resolve "auto" here.
+            from shardconsole.probes import gpu_count
+            if not gpu_count() and to_ds_config(cfg, device="cpu") != to_ds_config(cfg, device=device):
+                device = "cpu"
+                note.append("parallel.device = \"auto\" and this machine has no GPU: written for CPU ranks "
+                            "(torch's AdamW unless the optimizer is offloaded); set parallel.device = \"cuda\" "
+                            "for a GPU machine's file")
+        text = json.dumps(to_ds_config(cfg, device=device), indent=2) + "\n"
+    for line in note + notes:
+        print(f"shardconsole export: {line}", file=sys.stderr)
+    written = _write_text(text, args.output, args.force)
+    if written:
+        print(f"shardconsole export: wrote {written}", file=sys.stderr)
+    if args.format == "deepspeed":
+        print("shardconsole export: the learning-rate schedule (warm-up, cosine) is applied by shardconsole's "
+              "loop, so the file has no \"scheduler\" block", file=sys.stderr)
+    return 0
+
+
+def cmd_import(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="shardconsole import",
+        description="Turn a DeepSpeed config (ds_config JSON) into a preset TOML. Says on stderr which keys "
+                    "were mapped, which were not, and why.")
+    ap.add_argument("ds_config", type=Path, help="the DeepSpeed JSON file")
+    ap.add_argument("-o", "--output", default=None, help="preset file to write (default: the TOML to stdout)")
+    ap.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    ap.add_argument("--preset", default=None,
+                    help="base preset for what the JSON does not say (model, data, steps; default: the defaults)")
+    ap.add_argument("--nproc-per-node", type=int, default=None,
+                    help="ranks per node the JSON is meant for (turns train_batch_size into a micro-batch; "
+                         "default: the base preset's)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                    help="override one setting after the import; repeatable")
+    args = ap.parse_args(argv)
+    data = _read_json(args.ds_config)
+    if args.preset:
+        from shardconsole import preset_store
+        base_path = preset_store.find(args.preset)
+        base_raw, base_src = C.load_toml(base_path), str(base_path)
+    else:
+        base_raw, base_src = {}, "defaults"
+    if args.nproc_per_node is not None:
+        if args.nproc_per_node < 1:
+            raise C.ConfigError(f"--nproc-per-node {args.nproc_per_node}: expected 1 or more")
+        base_raw = merge(base_raw, {"parallel": {"nproc_per_node": args.nproc_per_node}})
+    base = C.build(base_raw, base_src, args.overrides)
+    over, mapped, unmapped = from_ds_config(data, str(args.ds_config), world_size=base.world_size, base=base)
+    name = args.ds_config.name
+    merged = merge(base.to_dict(), over)
+    merged["description"] = f"Imported from {name} by `shardconsole import`" + (
+        f" over preset {args.preset}" if args.preset else "")
+    # --set wins over the JSON, as it wins over a preset.
+    cfg = C.build(merged, f"{args.ds_config} (imported)", args.overrides)
+    err = sys.stderr
+    print(f"shardconsole import: {name}: mapped {len(mapped)} setting(s):", file=err)
+    for line in mapped:
+        print(f"  {line}", file=err)
+    if unmapped:
+        print(f"shardconsole import: {name}: not mapped ({len(unmapped)}):", file=err)
+        for key, why in unmapped:
+            print(f"  {key}: {why}", file=err)
+    if args.output is None or args.output == "-":
+        sys.stdout.write(C.dumps(cfg))
+        sys.stdout.flush()
+        return 0
+    out = Path(args.output).expanduser()
+    try:
+        C.save(cfg, out, overwrite=args.force)
+    except FileExistsError:
+        raise C.ConfigError(f"{out}: exists; pass --force to overwrite it") from None
+    print(f"shardconsole import: wrote {out}; run it with: shardconsole --preset {out} --headless", file=err)
+    return 0

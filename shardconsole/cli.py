@@ -15,7 +15,7 @@ from pathlib import Path
 
 from shardconsole import config as C
 from shardconsole import preset_store
-from shardconsole.launch import (PRESET_FILE, ExternalJob, Job, build_argv, format_argv, new_run_dir, run_id_of,
+from shardconsole.launch import (PRESET_FILE, build_argv, format_argv, new_run_dir, open_run, run_id_of,
                                  slurm_script)
 from shardconsole.models import ModelError, resolve
 
@@ -181,26 +181,15 @@ def cmd_attach(argv: list[str]) -> int:
     ap.add_argument("--headless", action="store_true")
     args = ap.parse_args(argv)
     run_dir = args.run_dir
-    if not (run_dir / PRESET_FILE).is_file():
-        raise UsageError(f"{run_dir}: not a run folder (no {PRESET_FILE})")
-    if not (run_dir / "job.json").is_file():
-        # Started elsewhere (--print-command by hand, --slurm): only the stream to follow.
-        if not args.headless:
-            return _attach_console(run_dir)
-        from shardconsole import headless
-        print(f"following {run_dir} (started elsewhere; Ctrl-C detaches)", file=sys.stderr)
-        return headless.follow(ExternalJob(run_dir), run_dir, run_dir.resolve().name, quiet_history=True)
     try:
-        job = Job.from_run_dir(run_dir)
-    except (ValueError, KeyError, OSError) as e:
-        raise UsageError(f"{run_dir / 'job.json'}: unreadable ({e})") from None
+        job = open_run(run_dir)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.headless and job.external:
+        print(f"following {run_dir} (started elsewhere; Ctrl-C detaches)", file=sys.stderr)
     if args.headless:
         from shardconsole import headless
         return headless.follow(job, run_dir, run_dir.resolve().name, quiet_history=True)
-    return _attach_console(run_dir)
-
-
-def _attach_console(run_dir: Path) -> int:
     try:
         from shardconsole.console.app import run_console
     except ImportError as e:

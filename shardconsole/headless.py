@@ -229,8 +229,6 @@ def follow(job: Job, run_dir: Path, run_id: str, out: TextIO = sys.stdout, err: 
         while True:
             rc = job.poll()
             f.pump()
-            if rc is None and job.external:
-                rc = stream_exit_code(f.state)
             if rc is not None:
                 break
             if watch.hung(f.state, time.monotonic()):
@@ -273,13 +271,6 @@ def follow(job: Job, run_dir: Path, run_id: str, out: TextIO = sys.stdout, err: 
     cause, message = explain_exit(state, rc, run_dir)
     print(message, file=err, flush=True)
     return EXIT_CODES.get(cause, 1)
-
-
-def stream_exit_code(state: RunState) -> int | None:
-    """For a run started elsewhere: 0 once it reports finished, 1 once a rank reports a failure."""
-    if state.finished is not None:
-        return 0
-    return 1 if state.first_failure() is not None else None
 
 
 def _hang_timeout(run_dir: Path) -> float:

@@ -312,10 +312,32 @@ class ExternalJob:
     external = True
 
     def __init__(self, run_dir: Path) -> None:
+        from shardconsole.stream import MetricsReader
         self.run_dir, self.pid, self.argv, self.proc = run_dir, 0, [], None
+        self._reader = MetricsReader(run_dir / METRICS_FILE)
+        self._rc: int | None = None
 
     def poll(self) -> int | None:
-        return None      # the follower decides from the stream (finished / failed lines)
+        """0 once the stream says finished, 1 once a rank reports a failure, else None (still running,
+        as far as this machine can tell). Reads only what was appended since the last call."""
+        from shardconsole.protocol import Failed, Finished
+        for msg in self._reader.poll():
+            if self._rc is None and isinstance(msg, (Finished, Failed)):
+                self._rc = 0 if isinstance(msg, Finished) else 1
+        return self._rc
 
     def alive(self) -> bool:
-        return True      # as far as this machine can tell; the stream says when it ends
+        return self.poll() is None
+
+
+def open_run(run_dir: Path) -> Job | ExternalJob:
+    """The run in a folder, for attach: the job this machine started (job.json), or one started
+    elsewhere that only its stream describes. ValueError with a one-line reason otherwise."""
+    if not (run_dir / PRESET_FILE).is_file():
+        raise ValueError(f"{run_dir}: not a run folder (no {PRESET_FILE})")
+    if not (run_dir / RUN_FILE).is_file():
+        return ExternalJob(run_dir)     # started by --print-command / --slurm on other machines
+    try:
+        return Job.from_run_dir(run_dir)
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"{run_dir / RUN_FILE}: unreadable ({e})") from None

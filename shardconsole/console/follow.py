@@ -115,9 +115,6 @@ class RunFollower:
         for msg in out.messages:
             if isinstance(msg, P.Hello):
                 self.rank_pids[msg.rank] = msg.pid
-            elif getattr(self.handle, "external", False) and isinstance(msg, (P.Finished, P.Failed)):
-                # A run started elsewhere: its stream is all there is to say it has ended.
-                out.exit_code, out.ended = (0 if isinstance(msg, P.Finished) else 1), True
         if due and not out.ended and self._sample:
             out.messages.extend(self._take_samples())
         out.log_lines = self.logs.poll()

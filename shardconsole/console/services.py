@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from shardconsole import config as C
 from shardconsole import preset_store
-from shardconsole.launch import PRESET_FILE, RUN_FILE, ExternalJob, Job, StopReport, build_argv, new_run_dir
+from shardconsole.launch import PRESET_FILE, RUN_FILE, Job, StopReport, build_argv, new_run_dir, open_run
 from shardconsole.protocol import GpuSample, HostSample
 
 
@@ -98,15 +98,10 @@ class TorchrunLauncher:
         return Job.start(cfg, run_dir, run_dir.name)
 
     def attach(self, run_dir: Path) -> RunHandle:
-        run_dir = Path(run_dir).expanduser()
-        if not (run_dir / PRESET_FILE).is_file():
-            raise AttachError(f"{run_dir}: not a run folder (no {PRESET_FILE})")
-        if not (run_dir / RUN_FILE).is_file():
-            return ExternalJob(run_dir)     # started by --print-command / --slurm on other machines
         try:
-            return Job.from_run_dir(run_dir)
-        except (ValueError, KeyError, OSError) as e:
-            raise AttachError(f"{run_dir / RUN_FILE}: unreadable ({e})") from None
+            return open_run(Path(run_dir).expanduser())
+        except ValueError as e:
+            raise AttachError(str(e)) from None
 
     def recent_runs(self, limit: int = 30) -> list[RunListing]:
         if not self.runs_root.is_dir():

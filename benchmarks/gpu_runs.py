@@ -34,8 +34,8 @@ Z3 = ["parallel.backend=deepspeed", "deepspeed.stage=3", "train.compile=false", 
 OFF = ["train.steps=8", "train.log_every=2"]
 CURVE = ["model.name=125m", "train.compile=false", "train.steps=500", "train.log_every=10", "data.seq_len=1024"]
 
-# NAME, PRESET, --set values[, extra environment]
-MATRICES: dict[str, list[tuple]] = {
+# NAME, PRESET, --set values
+MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
     "issue2": [
         ("h200-fsdp", "h200-fsdp", ["train.steps=30"]),
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=30", "train.compile=false"]),
@@ -130,15 +130,14 @@ def summarize_messages(msgs: list, warmup_frac: float = 0.34) -> dict:
     return out
 
 
-def run_headless(preset: str, sets: list[str], root: Path, name: str, timeout: int, env: dict | None = None) -> dict:
+def run_headless(preset: str, sets: list[str], root: Path, name: str, timeout: int) -> dict:
     run_dir = root / name
     argv = [sys.executable, "-m", "shardconsole", "--preset", preset, "--headless", "--run-dir", str(run_dir)]
     for s in sets:
         argv += ["--set", s]
     t0 = time.time()
     try:
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                             env={**os.environ, **(env or {})})
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO)
         rc, err = res.returncode, res.stderr[-1500:]
     except subprocess.TimeoutExpired:
         rc, err = "timeout", ""
@@ -189,13 +188,13 @@ def main() -> None:
     if args.only:
         matrix = [m for m in matrix if m[0] in args.only]
     if args.list:
-        for name, preset, sets, *_ in matrix:
+        for name, preset, sets in matrix:
             print(name, preset, " ".join(f"--set {s}" for s in sets))
         return
     root = Path(tempfile.mkdtemp(prefix="sc-bench-"))
     results = []
-    for name, preset, sets, *env in matrix:
-        results.append(run_headless(preset, sets, root, name, args.timeout, env[0] if env else None))
+    for name, preset, sets in matrix:
+        results.append(run_headless(preset, sets, root, name, args.timeout))
         print(json.dumps(results[-1]), flush=True)
         if args.overhead is not None and (not args.overhead or name in args.overhead):
             results.append(run_bare(preset, sets, root, name, args.timeout))

@@ -103,7 +103,6 @@ def cmd_run(argv: list[str]) -> int:
     # A command or a batch script is for the machines that will run it, not for this one's GPUs.
     cfg, name = load_config(args.preset, args.overrides, here=not (args.print_command or args.slurm))
     run_dir = args.run_dir or new_run_dir(name)
-    run_id = run_id_of(run_dir) if run_dir.exists() else Path(run_dir).name
     if args.print_command or args.slurm:
         # The printed command reads the run folder's preset.toml: it must exist for the command to work.
         _prepare_run_dir(cfg, run_dir)

@@ -138,6 +138,9 @@ def start(run_dir: Path, run_id: str) -> Rank:
 
 def init_process_group(r: Rank) -> None:
     backend = "nccl" if r.is_cuda else "gloo"
+    if r.is_cuda and r.cfg.parallel.backend == "fsdp" and r.cfg.fsdp.cpu_offload:
+        # Offloaded gradients live on the host: clipping's norm reduces CPU tensors, which NCCL cannot.
+        backend = "cuda:nccl,cpu:gloo"
     timeout = timedelta(seconds=r.cfg.parallel.timeout_s)
     if r.is_cuda:
         dist.init_process_group(backend, timeout=timeout, device_id=r.device)

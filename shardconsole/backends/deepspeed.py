@@ -232,10 +232,28 @@ def build(r: common.Rank, ds_cfg: dict) -> modeling.CausalLMLoss:
         model = modeling.CausalLMLoss(lm)
         if not pretrained:
             init_as_partitions_(model, std, cfg.train.seed, r.world)
+    per_layer = compiles_per_layer(cfg)
+    if cfg.deepspeed.stage == 3 and cfg.deepspeed.stage3_layer_gather:
+        # Hooks on the decoder layer only, none on its Linears and norms: ZeRO-3 fetches the whole layer
+        # at its pre-forward hook (as FSDP2's per-layer unit does) instead of running ~9 hook pairs a
+        # layer in Python, and the layer body is free of hooks so it can be compiled.
+        from deepspeed.utils import set_z3_leaf_modules
+        set_z3_leaf_modules(model, [type(modeling.decoder_layers(lm)[0])])
     if cfg.memory.activation_checkpointing:
-        modeling.apply_checkpointing(model.lm, cfg.memory.checkpoint_policy, compiled=False)
+        modeling.apply_checkpointing(model.lm, cfg.memory.checkpoint_policy, compiled=per_layer)
+    if per_layer:
+        for layer in modeling.decoder_layers(lm):
+            # The forward, not __call__: DeepSpeed's hooks stay outside the compiled graph.
+            layer.forward = torch.compile(layer.forward)
     model.train()
     return model
+
+
+def compiles_per_layer(cfg) -> bool:
+    """train.compile as torch.compile of each decoder layer's body, as the FSDP2 backend does: possible
+    when no ZeRO hook sits inside a layer (stages 0-2, or stage 3 gathering by layer)."""
+    d = cfg.deepspeed
+    return cfg.train.compile and (d.stage < 3 or d.stage3_layer_gather)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -296,11 +314,12 @@ def train(r: common.Rank) -> None:
     # zero.Init (stage 3) and the engine's module.half()/bfloat16() (stages 0-2) cast the rotary
     # frequencies to the compute dtype; rebuilt in fp32 they match the FSDP backend's (and the model's).
     modeling.reset_buffers_(model, modeling.hf_config(r.spec, cfg), r.device)
-    if t.compile:
-        # DeepSpeed's own path for torch.compile under ZeRO hooks (DESIGN.md measured it slower than eager
-        # for ZeRO-3 on one H200; kept because the setting asks for it).
+    if t.compile and not compiles_per_layer(cfg):
+        # Stage 3 with hooks inside each layer: DeepSpeed's own torch.compile integration (DESIGN.md
+        # measured it slower than eager on one H200; kept because the setting asks for it).
         engine.compile()
-        r.event("info", "train.compile: engine.compile() (DeepSpeed's torch.compile integration)")
+        r.event("info", "train.compile with deepspeed.stage3_layer_gather = false: engine.compile() "
+                        "(DeepSpeed's torch.compile integration, slower than compiling each layer)")
     start_step = resume(r, engine) if t.resume else 0
     data = make_source(cfg, r.spec.vocab, r.spec.path, r.rank, r.world)
     meter = metrics.StepMeter(r)

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from shardconsole.backends import checkpoints, common, metrics, modeling
+from shardconsole.backends import checkpoints, common, metrics, modeling, offload
 from shardconsole.backends.data import make_source, next_batch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -88,8 +88,25 @@ def build(r: common.Rank) -> modeling.CausalLMLoss:
     else:
         modeling.init_random_(model, float(getattr(hf_cfg, "initializer_range", 0.02)), r.cfg.train.seed, r.rank,
                               draw_on=r.device if r.is_cuda else None)
+    if uses_compute_copy(r.cfg):
+        copy = r.extra["compute_copy"] = offload.ComputeCopy(model, DTYPES[r.cfg.precision.dtype],
+                                                             pin=r.cfg.fsdp.pin_memory and r.is_cuda)
+        r.log(f"offload: all-gathers read a {r.cfg.precision.dtype} host copy of {len(copy.params)} shards "
+              f"({copy.nbytes / 2**20:,.1f} MiB)")
     model.train()
     return model
+
+
+def uses_compute_copy(cfg) -> bool:
+    """fsdp.offload_compute_copy applies: offloaded fp32 shards computed in a lower precision."""
+    return (cfg.fsdp.cpu_offload and cfg.fsdp.offload_compute_copy and cfg.precision.dtype != "fp32"
+            and cfg.precision.master_dtype == "fp32")
+
+
+def refresh_compute_copy(r: common.Rank) -> None:
+    copy = r.extra.get("compute_copy")
+    if copy is not None:
+        copy.refresh()
 
 
 def make_optimizer(r: common.Rank, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -137,6 +154,7 @@ def resume(r: common.Rank, model, optim) -> int:
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optim, state["optim"])
+    refresh_compute_copy(r)
     r.event("info", f"resumed from {path} (step {step})")
     return int(state["step"])
 
@@ -156,8 +174,12 @@ def train(r: common.Rank) -> None:
     grad_norm = None
     reported_skips = 0
     floor = metrics.ScaleFloorWatch(cfg)
+    # Fused AdamW applies the clip factor as it reads each gradient (no fp16 scaler: that sets grad_scale).
+    fold_clip = scaler is None and optim.defaults.get("fused")
+    phases = metrics.PhaseTimes(r)
     for step in range(start_step + 1, t.steps + 1):
         r.step = step
+        phases.start()
         r.faults.on_step(step)
         lr = t.lr * common.lr_factor(cfg, step)
         for group in optim.param_groups:
@@ -170,12 +192,17 @@ def train(r: common.Rank) -> None:
             loss = r.faults.on_loss(model(batch[:, :-1], batch[:, 1:]), step)
             meter.add(loss)
             scaled = loss / t.grad_accum
+            phases.mark("forward")
             (scaler.scale(scaled) if scaler else scaled).backward()
+            phases.mark("backward")
         r.faults.on_grads(model.parameters(), step)
         if scaler:
             scaler.unscale_(optim)
-        if t.clip_grad_norm > 0:
+        if t.clip_grad_norm > 0 and fold_clip:
+            grad_norm = offload.fold_clip_into_step(model.parameters(), optim, t.clip_grad_norm, r.device)
+        elif t.clip_grad_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad_norm)
+        phases.mark("clip")
         if scaler:
             before = scaler._scale.clone()
             scaler.step(optim)
@@ -185,7 +212,10 @@ def train(r: common.Rank) -> None:
                 scaler._scale.clamp_(min=float(min_scale))   # in place on the device: no sync
         else:
             optim.step()
+        phases.mark("step")
+        refresh_compute_copy(r)
         optim.zero_grad(set_to_none=True)
+        phases.mark("copy+zero")
         if meter.due(step):
             norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             scale = float(scaler.get_scale()) if scaler else None
@@ -197,6 +227,7 @@ def train(r: common.Rank) -> None:
             mean = meter.report(step, lr, norm, scale, n_skipped)
             metrics.check_loss(r, mean, step)
             floor.check(step, scale, n_skipped)
+            phases.report(step)
         if cfg.memory.empty_cache_every and r.is_cuda and step % cfg.memory.empty_cache_every == 0:
             torch.cuda.empty_cache()
         if checkpoints.save_due(r, step):

@@ -4,6 +4,7 @@ the loss and the fp16 loss scale that end a run which stopped learning."""
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import psutil
@@ -119,3 +120,38 @@ class ScaleFloorWatch:
         if self.streak >= self.patience:
             raise LossScaleFloorError(f"fp16 loss scale stuck at its minimum {self.min_scale:g}: "
                                       f"the last {self.streak} steps all overflowed and were skipped")
+
+
+class PhaseTimes:
+    """SHARDCONSOLE_PHASE_TIMES=1 (benchmarks): synchronize the device at each phase boundary of a step
+    and print the mean seconds of each phase to rank 0's log at every log step. Off: no syncs, no cost.
+    Synchronizing removes the overlap between phases, so the step is slower while this is on."""
+
+    def __init__(self, r: Rank) -> None:
+        self.on = os.environ.get("SHARDCONSOLE_PHASE_TIMES") == "1" and r.rank == 0
+        self.r = r
+        self.sums: dict[str, float] = {}
+        self.count = 0
+        self.t = 0.0
+
+    def _now(self) -> float:
+        if self.r.is_cuda:
+            torch.cuda.synchronize(self.r.device)
+        return time.perf_counter()
+
+    def start(self) -> None:
+        if self.on:
+            self.t = self._now()
+            self.count += 1
+
+    def mark(self, name: str) -> None:
+        if self.on:
+            now = self._now()
+            self.sums[name] = self.sums.get(name, 0.0) + now - self.t
+            self.t = now
+
+    def report(self, step: int) -> None:
+        if self.on and self.count:
+            parts = " ".join(f"{k} {v / self.count:.3f}" for k, v in self.sums.items())
+            self.r.log(f"phase times (s, mean of {self.count} steps to step {step}): {parts}")
+            self.sums, self.count = {}, 0

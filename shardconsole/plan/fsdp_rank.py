@@ -118,6 +118,11 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
             f"parameters ({mtag} shards{tag})": sum(pinned(m * n) for n in shard_numels),
             f"gradients ({mtag} shards{tag})": sum(pinned(m * n) for n in shard_numels),
             f"optimizer states (Adam {mtag}, host)": adam_b})
+        if (f.offload_compute_copy and cfg.precision.dtype != "fp32"
+                and cfg.precision.master_dtype == "fp32"):
+            # backends/offload.py ComputeCopy: one flat buffer, page-locked in place (no rounding).
+            host["training"][f"{cfg.precision.dtype} copy of the shards (all-gather input, pinned)"] = \
+                2 * sum(shard_numels)
         if cfg.precision.dtype == "fp16":
             host["training"]["fp16 scaler checks on host gradients"] = FSDP_FP16_OFFLOAD_HOST_PER_PARAM * s.n_params
     notes = []

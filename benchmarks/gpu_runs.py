@@ -88,6 +88,21 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("curve-125m-fp32master", "h200-fsdp", CURVE),
         ("curve-125m-bf16master", "h200-fsdp", CURVE + ["precision.master_dtype=bf16"]),
     ],
+    # Issue 7, second pass. ZeRO-3 1b: each decoder layer gathered whole (deepspeed.stage3_layer_gather,
+    # now the default) eager and with the layer bodies compiled (the preset's train.compile), against
+    # the per-Linear hooks of before. Offload 3.1B: FSDP2 (the clip folded into the fused step, the norm
+    # on every host core) with and without the bf16 host copy as all-gather input, and DeepSpeed.
+    "issue7-z3": [
+        ("z3-1b-layer", "h200-fsdp", Z3 + ["train.steps=30"]),
+        ("z3-1b-layer-compile", "h200-fsdp", [s for s in Z3 if s != "train.compile=false"] + ["train.steps=30"]),
+        ("z3-1b-modules", "h200-fsdp", Z3 + ["train.steps=30", "deepspeed.stage3_layer_gather=false"]),
+        ("z3-1b-layer-compile-2", "h200-fsdp", [s for s in Z3 if s != "train.compile=false"] + ["train.steps=30"]),
+    ],
+    "issue7-offload2": [
+        ("off-3b-fsdp-copy", "3090-offload", OFF + ["model.name=3b", "fsdp.offload_compute_copy=true"]),
+        ("off-3b-fsdp-nocopy", "3090-offload", OFF + ["model.name=3b", "fsdp.offload_compute_copy=false"]),
+        ("off-3b-ds", "3090-offload", OFF + ["model.name=3b", "parallel.backend=deepspeed"]),
+    ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
     ],

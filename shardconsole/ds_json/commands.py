@@ -115,6 +115,10 @@ def cmd_export(argv: list[str]) -> int:
     if args.format == "deepspeed":
         print("shardconsole export: the learning-rate schedule (warm-up, cosine) is applied by shardconsole's "
               "loop, so the file has no \"scheduler\" block", file=sys.stderr)
+        if cfg.deepspeed.stage == 3 and cfg.deepspeed.stage3_layer_gather:
+            print("shardconsole export: deepspeed.stage3_layer_gather is a call, not a config key: in your own "
+                  "script, call deepspeed.utils.set_z3_leaf_modules(model, [YourDecoderLayer]) before "
+                  "deepspeed.initialize to gather by layer as shardconsole does", file=sys.stderr)
     return 0
 
 

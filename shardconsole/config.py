@@ -258,6 +258,13 @@ class RunConfig:
         return self.fsdp.sharding != "shard_grad_op"
 
     @property
+    def compiles_layers(self) -> bool:
+        """train.compile as torch.compile of each decoder layer's body: always under FSDP2; under DeepSpeed
+        when no ZeRO hook sits inside a layer (stages 0-2, or stage 3 gathering by layer)."""
+        d = self.deepspeed
+        return self.train.compile and (self.parallel.backend == "fsdp" or d.stage < 3 or d.stage3_layer_gather)
+
+    @property
     def tokens_per_step(self) -> int:
         """Global tokens consumed by one optimizer step."""
         t = self.train

@@ -232,7 +232,7 @@ def build(r: common.Rank, ds_cfg: dict) -> modeling.CausalLMLoss:
         model = modeling.CausalLMLoss(lm)
         if not pretrained:
             init_as_partitions_(model, std, cfg.train.seed, r.world)
-    per_layer = compiles_per_layer(cfg)
+    per_layer = cfg.compiles_layers
     if cfg.deepspeed.stage == 3 and cfg.deepspeed.stage3_layer_gather:
         # Hooks on the decoder layer only, none on its Linears and norms: ZeRO-3 fetches the whole layer
         # at its pre-forward hook (as FSDP2's per-layer unit does) instead of running ~9 hook pairs a
@@ -248,12 +248,6 @@ def build(r: common.Rank, ds_cfg: dict) -> modeling.CausalLMLoss:
     model.train()
     return model
 
-
-def compiles_per_layer(cfg) -> bool:
-    """train.compile as torch.compile of each decoder layer's body, as the FSDP2 backend does: possible
-    when no ZeRO hook sits inside a layer (stages 0-2, or stage 3 gathering by layer)."""
-    d = cfg.deepspeed
-    return cfg.train.compile and (d.stage < 3 or d.stage3_layer_gather)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -314,7 +308,7 @@ def train(r: common.Rank) -> None:
     # zero.Init (stage 3) and the engine's module.half()/bfloat16() (stages 0-2) cast the rotary
     # frequencies to the compute dtype; rebuilt in fp32 they match the FSDP backend's (and the model's).
     modeling.reset_buffers_(model, modeling.hf_config(r.spec, cfg), r.device)
-    if t.compile and not compiles_per_layer(cfg):
+    if t.compile and not cfg.compiles_layers:
         # Stage 3 with hooks inside each layer: DeepSpeed's own torch.compile integration (DESIGN.md
         # measured it slower than eager on one H200; kept because the setting asks for it).
         engine.compile()

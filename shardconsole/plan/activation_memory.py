@@ -79,7 +79,10 @@ def activations(cfg: C.RunConfig, s: Shapes) -> Activations:
     mb, seq = cfg.train.micro_batch, cfg.data.seq_len
     tokens = mb * seq
     eager = cfg.model.attn_implementation == "eager"
-    compiled = cfg.train.compile and cfg.parallel.backend == "fsdp"
+    # Compiled layers under DeepSpeed (stage3_layer_gather) saved less than under FSDP2: 42.9 GiB reserved
+    # against 46.3 eager (1b, mb 8, benchmarks/data/h200_issue7b.json), where the compiled-layer model
+    # below would plan 40.6 GiB; planned as eager there (48.5 GiB at NVML against 45.1 measured: over).
+    compiled = cfg.compiles_layers and cfg.parallel.backend == "fsdp"
     per_token = compiled_layer_activation_bytes_per_token if compiled else layer_activation_bytes_per_token
     per_layer = tokens * per_token(s, c)
     if eager:

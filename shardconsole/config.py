@@ -177,10 +177,8 @@ class FsdpSettings:
     backward_prefetch: int = _f(1, "decoder layers whose all-gather is issued ahead in backward", min=0, max=8)
     pin_memory: bool = _f(True, "pin host memory of offloaded parameters (GPU only)")
     offload_compute_copy: bool = _f(
-        False, "with cpu_offload and fp32 masters: keep a host copy of the shards in the compute dtype "
-        "(bf16/fp16), refreshed after each step, and copy that to the GPU: half the bytes over PCIe, for "
-        "2 more host bytes a parameter and a host cast each step (a gain only where PCIe is slower than "
-        "host memory)")
+        False, "offload with fp32 masters: send the GPU a bf16/fp16 host copy of the shards (half the PCIe "
+        "bytes; 2 more host bytes a parameter and a cast each step)")
 
 
 @dataclass
@@ -203,8 +201,8 @@ class DeepspeedSettings:
     stage3_max_reuse_distance: int = _f(1_000_000_000, "stage 3: keep a parameter if reused within this", min=0)
     torch_adam: bool = _f(False, "use torch's AdamW instead of DeepSpeed's fused/CPU Adam (no op build)")
     stage3_layer_gather: bool = _f(
-        True, "stage 3: gather each decoder layer whole (DeepSpeed's z3 leaf modules), one pair of hooks a "
-        "layer instead of one per Linear, as FSDP2 shards by layer; needed for train.compile under stage 3")
+        True, "stage 3: gather each decoder layer whole (z3 leaf modules): fewer hooks, and train.compile "
+        "can compile the layers")
 
 
 @dataclass

@@ -45,3 +45,59 @@ def test_folded_clip_is_the_same_update_as_clip_grad_norm():
         torch.testing.assert_close(mb, ma, rtol=1e-5, atol=1e-9)
         torch.testing.assert_close(b.data, a.data, rtol=1e-5, atol=1e-7)
         assert not torch.allclose(mc, ma, rtol=0.5)
+
+
+class _SlowAdamW(torch.optim.AdamW):
+    """Steps late, so that a forward that did not wait for its layer's update would see the old one."""
+
+    def step(self, closure=None):
+        import time
+        time.sleep(0.05)
+        return super().step(closure)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(4, 4)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).sum()
+
+
+def test_overlapped_step_makes_each_layer_wait_for_its_own_update():
+    """Every layer's forward must see its parameters already stepped, the root's before the first layer;
+    a layer may run before later layers are stepped (that is the overlap)."""
+    net = _Net()
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)
+    optim = _SlowAdamW(net.parameters(), lr=0.1)
+    overlap = offload.OverlappedStep(net, list(net.layers), forward_prefetch=1)
+    seen: list[list[int]] = []
+    for layer in net.layers:
+        layer.register_forward_pre_hook(
+            lambda m, a: seen.append([int(optim.state[p]["step"]) if p in optim.state else 0 for p in m.parameters()]))
+    before = [p.detach().clone() for p in net.layers[0].parameters()]
+    overlap.launch(optim)
+    net(torch.ones(1, 4))
+    assert seen == [[1, 1]] * 4
+    assert not any(torch.equal(a, b) for a, b in zip(before, net.layers[0].parameters()))
+    overlap.wait_all()
+    assert all(p.grad is None for p in net.parameters())       # zero_grad, unit by unit
+    assert all(int(optim.state[p]["step"]) == 1 for p in net.parameters())
+
+
+def test_a_failed_step_in_the_thread_fails_the_next_forward():
+    net = _Net()
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)
+    optim = torch.optim.AdamW(net.parameters(), lr=0.1)
+    optim.param_groups[0]["lr"] = "not a number"      # the step raises inside the thread
+    overlap = offload.OverlappedStep(net, list(net.layers), forward_prefetch=1)
+    overlap.launch(optim)
+    import pytest
+    with pytest.raises(TypeError):
+        net(torch.ones(1, 4))

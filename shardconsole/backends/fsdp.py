@@ -176,6 +176,9 @@ def train(r: common.Rank) -> None:
     floor = metrics.ScaleFloorWatch(cfg)
     # Fused AdamW applies the clip factor as it reads each gradient (no fp16 scaler: that sets grad_scale).
     fold_clip = scaler is None and optim.defaults.get("fused")
+    overlap = None
+    if cfg.fsdp.overlap_optimizer_step:
+        overlap = offload.OverlappedStep(model, list(modeling.decoder_layers(model.lm)), cfg.fsdp.forward_prefetch)
     phases = metrics.PhaseTimes(r)
     for step in range(start_step + 1, t.steps + 1):
         r.step = step
@@ -210,11 +213,14 @@ def train(r: common.Rank) -> None:
             skipped += (scaler._scale < before).to(torch.int64)   # on device: no sync
             if min_scale:
                 scaler._scale.clamp_(min=float(min_scale))   # in place on the device: no sync
+        elif overlap is not None:
+            overlap.launch(optim)      # steps and drops the gradients in a thread, under the next forward
         else:
             optim.step()
         phases.mark("step")
         refresh_compute_copy(r)
-        optim.zero_grad(set_to_none=True)
+        if overlap is None:
+            optim.zero_grad(set_to_none=True)
         phases.mark("copy+zero")
         if meter.due(step):
             norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
@@ -231,6 +237,10 @@ def train(r: common.Rank) -> None:
         if cfg.memory.empty_cache_every and r.is_cuda and step % cfg.memory.empty_cache_every == 0:
             torch.cuda.empty_cache()
         if checkpoints.save_due(r, step):
+            if overlap is not None:
+                overlap.wait_all()
             save(r, model, optim, step)
+    if overlap is not None:
+        overlap.wait_all()
     if checkpoints.final_save_due(r):
         save(r, model, optim, t.steps)

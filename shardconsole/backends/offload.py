@@ -6,14 +6,17 @@ FSDPParam.all_gather_inputs): 4 bytes a parameter over PCIe, twice a step. DeepS
 the bf16 copy it keeps on the host: 2 bytes. ComputeCopy gives FSDP2 the same: a host copy of every
 shard in the compute dtype, refreshed after each optimizer step, which the all-gather copies instead.
 
-`fold_clip_into_step` is the other saving: clipping by global norm, done by torch's clip_grad_norm_,
-multiplies every gradient in place, a pass over all of them; offloaded, that is a read and a write of
-4 bytes a parameter in host memory. Fused AdamW already divides each gradient by its `grad_scale` as
-it reads it (the AMP hook), so the clip factor rides along for free.
+`grad_norm` and `fold_clip_into_step` are the measured saving (1.3 s -> 0.28 s of a 3.1B step on the
+H200 host): torch's CPU norm runs on one core, and clip_grad_norm_ then rewrites every host gradient.
+Here the norm runs on every core, and fused AdamW divides each gradient by the clip factor as it reads
+it (its `grad_scale`, the AMP hook), so the clip costs no pass of its own.
+
+OverlappedStep runs the host optimizer step in a thread, a layer at a time, under the next forward.
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -162,3 +165,89 @@ def fold_clip_into_step(params, optim: torch.optim.Optimizer, max_norm: float,
     # clip_grad_norm_'s own factor: max_norm / (norm + 1e-6), clamped at 1.
     optim.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
     return norm
+
+
+class OverlappedStep:
+    """fsdp.overlap_optimizer_step: the host optimizer step runs in a thread, one FSDP unit at a time in
+    the order the next forward gathers them (the root's embeddings and head, then each decoder layer),
+    while the main thread goes on into that forward. Each unit's pre-forward hook waits until its own
+    shards, and those its all-gather prefetches, are stepped; so the forward's transfers and compute
+    hide part of the step, and no all-gather ever reads a shard mid-update.
+
+    The step is torch's own AdamW step, run on a view of the optimizer that holds one unit's parameters
+    and shares the optimizer's state, so checkpoints are the same as without the overlap. The
+    hyperparameters (the learning rate) are taken when the step is launched."""
+
+    def __init__(self, model: torch.nn.Module, layers: list[torch.nn.Module], forward_prefetch: int) -> None:
+        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        self.units = [[p for p in model.parameters() if id(p) not in in_layers]]
+        self.units += [list(layer.parameters()) for layer in layers]
+        self.done = [threading.Event() for _ in self.units]
+        for event in self.done:
+            event.set()
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        last = len(self.units) - 1
+        # Before FSDP2's own pre-forward hook (prepend): it issues this unit's all-gather and, for a
+        # layer, those of the next `forward_prefetch` layers.
+        model.register_forward_pre_hook(self._waiter(0), prepend=True)
+        for i, layer in enumerate(layers):
+            layer.register_forward_pre_hook(self._waiter(min(last, i + 1 + forward_prefetch)), prepend=True)
+
+    def _waiter(self, unit: int):
+        @torch.compiler.disable
+        def hook(module, args):
+            self.wait(unit)
+        return hook
+
+    def wait(self, unit: int) -> None:
+        for k in range(unit + 1):
+            self.done[k].wait()
+        if self.error is not None:
+            raise self.error
+
+    def wait_all(self) -> None:
+        """Before anything reads or writes the parameters or the optimizer state (a checkpoint, the end)."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            raise self.error
+
+    def launch(self, optim: torch.optim.Optimizer) -> None:
+        """Step every unit in the thread and drop its gradients (zero_grad per unit)."""
+        self.wait_all()
+        if len(optim.param_groups) != 1:
+            raise RuntimeError("fsdp.overlap_optimizer_step expects one parameter group")
+        group = optim.param_groups[0]
+        # The clip factor lives on the GPU; copied to the host here, where the GPU has just finished the
+        # backward. In the thread the copy would queue behind the next forward's kernels.
+        scale = getattr(optim, "grad_scale", None)
+        scales: dict[torch.device, torch.Tensor] = {}
+        views = []
+        for params in self.units:
+            view = object.__new__(type(optim))
+            view.__dict__.update(optim.__dict__)            # shares .state, .defaults and the hooks
+            view.param_groups = [{**group, "params": params}]   # the learning rate of this step, fixed now
+            if scale is not None and params:
+                where = params[0].device
+                if where not in scales:
+                    scales[where] = scale.to(where)
+                view.grad_scale = scales[where]
+            views.append(view)
+        for event in self.done:
+            event.clear()
+        self.thread = threading.Thread(target=self._run, args=(views,), name="optimizer-step", daemon=True)
+        self.thread.start()
+
+    def _run(self, views: list[torch.optim.Optimizer]) -> None:
+        try:
+            for k, view in enumerate(views):
+                view.step()
+                for p in view.param_groups[0]["params"]:
+                    p.grad = None
+                self.done[k].set()
+        except BaseException as e:   # noqa: BLE001 - raised again in the main thread at its next wait
+            self.error = e
+            for event in self.done:
+                event.set()

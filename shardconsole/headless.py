@@ -88,8 +88,14 @@ class Follower:
     def __init__(self, run_dir: Path, run_id: str, out: TextIO, sample: bool = True) -> None:
         self.run_dir, self.run_id, self.out = run_dir, run_id, out
         self.reader = MetricsReader(run_dir / METRICS_FILE)
-        self.writer = MetricsWriter(run_dir / METRICS_FILE, run_id, -1) if sample else None
-        self.gpu = GpuProbe() if sample else None
+        self.writer = None
+        if sample:
+            try:
+                self.writer = MetricsWriter(run_dir / METRICS_FILE, run_id, -1)
+            except OSError:
+                # Someone else's run (attach): follow it read-only, without adding machine samples.
+                pass
+        self.gpu = GpuProbe() if self.writer is not None else None
         self.state = RunState()
         self.tty = out.isatty()
         self._last_sample = 0.0

@@ -50,3 +50,22 @@ Root Cause (first observed failure):
     assert headless.killed_rank(tmp_path) == (1, 9)
     (tmp_path / "launcher.log").write_text("rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 1)\n")
     assert headless.killed_rank(tmp_path) is None
+
+
+def test_follower_of_a_read_only_run_folder_reads_without_sampling(tmp_path, monkeypatch):
+    """attach --headless on someone else's run (a folder it cannot write) follows the stream; it only
+    leaves out the machine samples it would have appended."""
+    import io
+    from shardconsole.stream import MetricsWriter
+    run = tmp_path / "run"
+    w = MetricsWriter(run / "metrics.jsonl", "r", 0)
+    w.emit(P.Step(run="r", rank=0, step=1, steps=2, loss=3.0, lr=1e-4, tokens_per_s=1.0, step_s=1.0))
+    w.close()
+
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(headless, "MetricsWriter", refuse)
+    out = io.StringIO()
+    f = headless.Follower(run, "r", out)
+    f.pump()
+    assert f.writer is None and "step 1/2" in out.getvalue()

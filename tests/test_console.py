@@ -451,6 +451,33 @@ async def test_launch_watch_and_stop_with_a_fake_launcher(tmp_path):
         await wait_for(pilot, lambda: app.screen is app.setup_screen)
 
 
+async def test_a_launch_past_the_host_ram_asks_first(tmp_path):
+    """What `--headless` refuses without --force (the planner's host peak over this machine's RAM), the
+    console asks about: "Back" launches nothing, "Launch anyway" launches."""
+    from shardconsole.console.screens.run import RunScreen
+
+    def over_host() -> Any:
+        def estimate(cfg: C.RunConfig, spec: Any, hw: Any) -> Any:
+            return SimpleNamespace(gpu_peak_bytes=int(10 * GIB), host_peak_bytes=int(200 * GIB),
+                                   host_budget_bytes=int(120 * GIB), fits=False, verdict="does not fit: host")
+        return SimpleNamespace(Hardware=lambda **kw: SimpleNamespace(**kw), estimate=estimate)
+    launcher = FakeLauncher(tmp_path / "runs", write=lambda d: write_run(d, gpus=0, device="cpu", steps=2))
+    app = make_app(tmp_path, launcher=launcher, planner=over_host)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.setup_screen.machine.detected)
+        await pilot.press("ctrl+r")
+        ask = await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen" and app.screen)
+        assert "200.0 GiB" in text_of(ask.query_one("#body")) and "120.0 GiB" in text_of(ask.query_one("#body"))
+        await pilot.press("n")
+        await wait_for(pilot, lambda: app.screen is app.setup_screen)
+        assert launcher.jobs == []
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen")
+        await pilot.press("y")
+        await wait_for(pilot, lambda: isinstance(app.screen, RunScreen))
+        assert len(launcher.jobs) == 1
+
+
 async def test_attach_to_a_run_folder_from_the_app(tmp_path):
     from textual.widgets import Input
     from shardconsole.console.screens.run import RunScreen

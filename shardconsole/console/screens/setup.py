@@ -34,7 +34,8 @@ from shardconsole.console import fields as F
 from shardconsole.console.messages import MachineDetected
 from shardconsole.console.screens.dialogs import AttachScreen, ConfirmScreen, SavePresetScreen, SaveRequest
 from shardconsole.console.services import (AttachError, Launcher, Machine, PlannedRun, Probes, RunHandle, RunOptions,
-                                           describe_estimate, describe_machine, load_plan, plan_hardware)
+                                           describe_estimate, describe_machine, host_overrun, load_plan,
+                                           plan_hardware)
 from shardconsole.console.widgets.setting_field import SettingField
 
 HERE = Path(__file__).parent
@@ -449,6 +450,22 @@ class SetupScreen(Screen[None]):
             if path:
                 await self._go_to(path)
             return
+        over = host_overrun(self.plan, self.cfg, self.machine)
+        if over is not None:
+            def answered(yes: bool | None) -> None:
+                if yes:
+                    self._start()
+            peak, budget = (C.format_size(b) for b in over)
+            self.app.push_screen(ConfirmScreen(
+                "Launch past this machine's RAM?",
+                f"The planner puts this run at {peak} of host RAM, over the {budget} usable here. A host out "
+                f"of memory is not a clean failure: the kernel may kill any process, this console included. "
+                f"`shardconsole --headless` refuses this launch unless given --force.",
+                yes="Launch anyway", no="Back"), answered)
+            return
+        self._start()
+
+    def _start(self) -> None:
         cfg = self.cfg
         planned = self.planned or self.launcher.plan(cfg, self.preset_name)
         try:

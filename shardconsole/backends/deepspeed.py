@@ -249,7 +249,6 @@ def build(r: common.Rank, ds_cfg: dict) -> modeling.CausalLMLoss:
     return model
 
 
-
 # ---------------------------------------------------------------------------------------------------
 # Loss scale, checkpoints
 

@@ -45,7 +45,7 @@ def shard_model(r: common.Rank, model: modeling.CausalLMLoss) -> None:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=cfg.fsdp.pin_memory and r.is_cuda)
     layers = modeling.decoder_layers(model.lm)
     for i, layer in enumerate(layers):
-        if cfg.train.compile:
+        if cfg.compiles_layers:
             layer.compile()   # per layer, before sharding: DESIGN.md's fastest bare loop
         fully_shard(layer, **kwargs)
     # The root (embeddings, final norm, output head) is needed again at once by backward: keep it
@@ -76,7 +76,7 @@ def build(r: common.Rank) -> modeling.CausalLMLoss:
     if r.cfg.precision.master_dtype == "bf16":
         model.to(torch.bfloat16)    # on the meta device: the shards are born bf16 (8 bytes a parameter)
     if r.cfg.memory.activation_checkpointing:
-        modeling.apply_checkpointing(model.lm, r.cfg.memory.checkpoint_policy, compiled=r.cfg.train.compile)
+        modeling.apply_checkpointing(model.lm, r.cfg.memory.checkpoint_policy, compiled=r.cfg.compiles_layers)
     shard_model(r, model)
     init_device = "cpu" if r.cfg.fsdp.cpu_offload else r.device
     model.to_empty(device=init_device)

@@ -103,14 +103,13 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("off-3b-fsdp-nocopy", "3090-offload", OFF + ["model.name=3b", "fsdp.offload_compute_copy=false"]),
         ("off-3b-ds", "3090-offload", OFF + ["model.name=3b", "parallel.backend=deepspeed"]),
     ],
-    # The next measurement (not made: this session's device time ran out): FSDP2 offload with the step
-    # overlapped with the next forward (fsdp.overlap_optimizer_step) against plain FSDP2 and DeepSpeed,
-    # interleaved and repeated, since runs of one setting on this shared host spread by up to 20%.
-    "issue7-offload-repeat": [
+    # Issue 7, third pass (2026-11-30): the norm summed on the GPU at each reduce-scatter
+    # (offload.DeviceGradNorm, on for every offloaded FSDP2 run) against DeepSpeed, interleaved and
+    # repeated: runs of one setting on this shared host spread by up to 20% between calls.
+    "issue7-offload3": [
         (f"off-3b-{name}-{k}", "3090-offload", OFF + ["model.name=3b"] + sets)
         for k in (1, 2)
-        for name, sets in (("fsdp", []), ("fsdp-overlap", ["fsdp.overlap_optimizer_step=true"]),
-                           ("ds", ["parallel.backend=deepspeed"]))
+        for name, sets in (("fsdp", []), ("ds", ["parallel.backend=deepspeed"]))
     ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),

@@ -176,9 +176,6 @@ class FsdpSettings:
     forward_prefetch: int = _f(1, "decoder layers whose all-gather is issued ahead in forward", min=0, max=8)
     backward_prefetch: int = _f(1, "decoder layers whose all-gather is issued ahead in backward", min=0, max=8)
     pin_memory: bool = _f(True, "pin host memory of offloaded parameters (GPU only)")
-    overlap_optimizer_step: bool = _f(
-        False, "offload: step the optimizer in a thread, layer by layer, while the next forward starts "
-        "(each layer waits for its own update)")
     offload_compute_copy: bool = _f(
         False, "offload with fp32 masters: send the GPU a bf16/fp16 host copy of the shards (half the PCIe "
         "bytes; 2 more host bytes a parameter and a cast each step)")
@@ -491,14 +488,6 @@ def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = 
         if f.cpu_offload and f.sharding == "no_shard":
             raise err("fsdp", "cpu_offload", "needs sharded parameters; with sharding = \"no_shard\" "
                       "nothing is offloaded: use full_shard or shard_grad_op")
-        if f.overlap_optimizer_step:
-            if not f.cpu_offload:
-                raise err("fsdp", "overlap_optimizer_step", "overlaps the host optimizer step: needs cpu_offload = true")
-            if prec.dtype == "fp16":
-                raise err("fsdp", "overlap_optimizer_step", "not with dtype = \"fp16\" (the loss scaler must see "
-                          "every gradient before any step); use bf16")
-            if f.offload_compute_copy:
-                raise err("fsdp", "overlap_optimizer_step", "not with offload_compute_copy = true; choose one")
         if f.sharding == "hybrid_shard" and p.nnodes < 2 and p.nproc_per_node < 2:
             raise err("fsdp", "sharding", "hybrid_shard needs more than one rank")
         if p.launcher == "deepspeed":

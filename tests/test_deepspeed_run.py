@@ -256,8 +256,9 @@ def test_ctrl_c_mid_run_ends_every_rank(tmp_path, launcher):
 @pytest.mark.slow
 def test_one_seed_is_one_model_at_every_stage_and_in_fsdp(tmp_path):
     """Random init draws the same values whether the parameters are ZeRO-3 partitions, a full copy
-    (ZeRO-2) or FSDP2 shards, so in fp32 the runs give the same losses step for step; ZeRO-3 gathering
-    each decoder layer whole (the default) and per Linear (DeepSpeed's own hooks) too."""
+    (ZeRO-2) or FSDP2 shards (on the device or offloaded), so in fp32 the runs give the same losses step
+    for step; ZeRO-3 gathering each decoder layer whole (the default) and per Linear (DeepSpeed's own
+    hooks) too."""
     common = ["precision.dtype=fp32", "train.steps=3", "train.log_every=1"]
     losses, norms = {}, {}
     for name, sets in (("zero2", ["deepspeed.stage=2"]), ("zero3", ["deepspeed.stage=3"]),
@@ -266,15 +267,20 @@ def test_one_seed_is_one_model_at_every_stage_and_in_fsdp(tmp_path):
         assert_clean_run(run(d, *sets, *common), d)
         losses[name] = [m.loss for m in of_kind(messages(d), "step")]
         norms[name] = [m.grad_norm for m in of_kind(messages(d), "step")]
-    d = tmp_path / "fsdp"
-    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(d),
-                       *[a for s in common for a in ("--set", s)], timeout=RUN_TIMEOUT)
-    assert res.returncode == 0, res.stderr
-    losses["fsdp"] = [m.loss for m in of_kind(messages(d), "step")]
-    norms["fsdp"] = [m.grad_norm for m in of_kind(messages(d), "step")]
+    for name, sets in (("fsdp", []), ("fsdp-offload", ["fsdp.cpu_offload=true"])):
+        d = tmp_path / name
+        res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(d),
+                           *[a for s in common + sets for a in ("--set", s)], timeout=RUN_TIMEOUT)
+        assert res.returncode == 0, res.stderr
+        losses[name] = [m.loss for m in of_kind(messages(d), "step")]
+        norms[name] = [m.grad_norm for m in of_kind(messages(d), "step")]
+    # Offloaded, FSDP2 sums the norm as each reduce-scatter lands (offload.DeviceGradNorm), not on the host.
+    assert "summed where each reduce-scatter lands" in (tmp_path / "fsdp-offload" / "logs" / "rank0.log").read_text()
     assert losses["zero2"] == pytest.approx(losses["zero3"], abs=1e-4), losses
     assert losses["zero3-modules"] == pytest.approx(losses["zero3"], abs=1e-4), losses
     assert losses["zero3"] == pytest.approx(losses["fsdp"], abs=1e-4), losses
     # The gradient norm FSDP2 reports (backends/offload.grad_norm: local shards, summed over the mesh)
     # is DeepSpeed's, computed its own way.
     assert norms["fsdp"] == pytest.approx(norms["zero3"], rel=1e-4), norms
+    assert losses["fsdp-offload"] == pytest.approx(losses["fsdp"], abs=1e-4), losses
+    assert norms["fsdp-offload"] == pytest.approx(norms["zero3"], rel=1e-4), norms

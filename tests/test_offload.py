@@ -1,5 +1,6 @@
-"""The offloaded step's pieces, on plain CPU tensors: the global norm over every core and the clip
-folded into fused AdamW's grad_scale (the real 2-rank runs in test_runs.py cover the sharded path)."""
+"""The offloaded step's pieces: the global norm over every core and the clip folded into fused AdamW's
+grad_scale on plain CPU tensors, and the norm summed at each reduce-scatter on a one-process FSDP2 model
+(the real 2-rank runs in test_runs.py and test_deepspeed_run.py cover the sharded path)."""
 
 from __future__ import annotations
 
@@ -47,57 +48,45 @@ def test_folded_clip_is_the_same_update_as_clip_grad_norm():
         assert not torch.allclose(mc, ma, rtol=0.5)
 
 
-class _SlowAdamW(torch.optim.AdamW):
-    """Steps late, so that a forward that did not wait for its layer's update would see the old one."""
-
-    def step(self, closure=None):
-        import time
-        time.sleep(0.05)
-        return super().step(closure)
-
-
 class _Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.head = torch.nn.Linear(4, 4)
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+        self.embed = torch.nn.Linear(8, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
 
     def forward(self, x):
+        x = self.embed(x)
         for layer in self.layers:
-            x = layer(x)
-        return self.head(x).sum()
+            x = torch.tanh(layer(x))
+        return x.square().sum()
 
 
-def test_overlapped_step_makes_each_layer_wait_for_its_own_update():
-    """Every layer's forward must see its parameters already stepped, the root's before the first layer;
-    a layer may run before later layers are stepped (that is the overlap)."""
-    net = _Net()
-    for p in net.parameters():
-        p.grad = torch.ones_like(p)
-    optim = _SlowAdamW(net.parameters(), lr=0.1)
-    overlap = offload.OverlappedStep(net, list(net.layers), forward_prefetch=1)
-    seen: list[list[int]] = []
-    for layer in net.layers:
-        layer.register_forward_pre_hook(
-            lambda m, a: seen.append([int(optim.state[p]["step"]) if p in optim.state else 0 for p in m.parameters()]))
-    before = [p.detach().clone() for p in net.layers[0].parameters()]
-    overlap.launch(optim)
-    net(torch.ones(1, 4))
-    assert seen == [[1, 1]] * 4
-    assert not any(torch.equal(a, b) for a, b in zip(before, net.layers[0].parameters()))
-    overlap.wait_all()
-    assert all(p.grad is None for p in net.parameters())       # zero_grad, unit by unit
-    assert all(int(optim.state[p]["step"]) == 1 for p in net.parameters())
-
-
-def test_a_failed_step_in_the_thread_fails_the_next_forward():
-    net = _Net()
-    for p in net.parameters():
-        p.grad = torch.ones_like(p)
-    optim = torch.optim.AdamW(net.parameters(), lr=0.1)
-    optim.param_groups[0]["lr"] = "not a number"      # the step raises inside the thread
-    overlap = offload.OverlappedStep(net, list(net.layers), forward_prefetch=1)
-    overlap.launch(optim)
-    import pytest
-    with pytest.raises(TypeError):
-        net(torch.ones(1, 4))
+def test_norm_summed_at_each_reduce_scatter_is_the_host_gradients_norm(tmp_path):
+    """DeviceGradNorm reads each unit's reduced gradient in FSDP2's all-reduce hook (one process, gloo,
+    offloaded to the host as a run does); it must give the norm of the gradients the step then reads,
+    and None (so the caller reads the host gradients) when a unit did not report."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = _Net()
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in net.layers:
+            fully_shard(layer, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        fully_shard(net, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        assert offload.DeviceGradNorm.applies(net, None)
+        norm = offload.DeviceGradNorm(net, torch.device("cpu"))
+        for _ in range(2):     # the sum restarts each step
+            net(torch.randn(4, 8)).backward()
+            got = norm.take()
+            want = offload.grad_norm(list(net.parameters()), torch.device("cpu"))
+            assert float(want) > 0
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+            net.zero_grad(set_to_none=True)
+        net.layers[2].set_requires_gradient_sync(False)   # that unit does not reduce: no norm from the hook
+        net(torch.randn(4, 8)).backward()
+        assert norm.take() is None
+    finally:
+        dist.destroy_process_group()

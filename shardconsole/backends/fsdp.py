@@ -176,9 +176,13 @@ def train(r: common.Rank) -> None:
     floor = metrics.ScaleFloorWatch(cfg)
     # Fused AdamW applies the clip factor as it reads each gradient (no fp16 scaler: that sets grad_scale).
     fold_clip = scaler is None and optim.defaults.get("fused")
-    overlap = None
-    if cfg.fsdp.overlap_optimizer_step:
-        overlap = offload.OverlappedStep(model, list(modeling.decoder_layers(model.lm)), cfg.fsdp.forward_prefetch)
+    device_norm = None
+    if fold_clip and t.clip_grad_norm > 0 and cfg.fsdp.cpu_offload:
+        reduce = DTYPES[cfg.precision.reduce_dtype or "fp32"] if cfg.precision.dtype != "fp32" else None
+        if offload.DeviceGradNorm.applies(model, reduce):
+            device_norm = offload.DeviceGradNorm(model, r.device)
+            r.log("offload: the gradient norm is summed where each reduce-scatter lands, before the copy to the host")
+    norm_fallback_told = False
     phases = metrics.PhaseTimes(r)
     for step in range(start_step + 1, t.steps + 1):
         r.step = step
@@ -202,7 +206,12 @@ def train(r: common.Rank) -> None:
         if scaler:
             scaler.unscale_(optim)
         if t.clip_grad_norm > 0 and fold_clip:
-            grad_norm = offload.fold_clip_into_step(model.parameters(), optim, t.clip_grad_norm, r.device)
+            known = device_norm.take() if device_norm is not None else None
+            if device_norm is not None and known is None and not norm_fallback_told:
+                r.event("warning", "the gradient norm was not seen at every reduce-scatter; reading the host "
+                        "gradients instead (slower)")
+                norm_fallback_told = True
+            grad_norm = offload.fold_clip_into_step(model.parameters(), optim, t.clip_grad_norm, r.device, known)
         elif t.clip_grad_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad_norm)
         phases.mark("clip")
@@ -213,14 +222,11 @@ def train(r: common.Rank) -> None:
             skipped += (scaler._scale < before).to(torch.int64)   # on device: no sync
             if min_scale:
                 scaler._scale.clamp_(min=float(min_scale))   # in place on the device: no sync
-        elif overlap is not None:
-            overlap.launch(optim)      # steps and drops the gradients in a thread, under the next forward
         else:
             optim.step()
         phases.mark("step")
         refresh_compute_copy(r)
-        if overlap is None:
-            optim.zero_grad(set_to_none=True)
+        optim.zero_grad(set_to_none=True)
         phases.mark("copy+zero")
         if meter.due(step):
             norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
@@ -237,10 +243,6 @@ def train(r: common.Rank) -> None:
         if cfg.memory.empty_cache_every and r.is_cuda and step % cfg.memory.empty_cache_every == 0:
             torch.cuda.empty_cache()
         if checkpoints.save_due(r, step):
-            if overlap is not None:
-                overlap.wait_all()
             save(r, model, optim, step)
-    if overlap is not None:
-        overlap.wait_all()
     if checkpoints.final_save_due(r):
         save(r, model, optim, t.steps)

@@ -111,6 +111,10 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
         for k in (1, 2)
         for name, sets in (("fsdp", []), ("ds", ["parallel.backend=deepspeed"]))
     ],
+    # The presets the tables above left out (tiny-cpu runs on CPU ranks by design).
+    "presets-rest": [
+        ("ddp-baseline", "ddp-baseline", []),
+    ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
     ],

@@ -115,6 +115,10 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
     "presets-rest": [
         ("ddp-baseline", "ddp-baseline", []),
     ],
+    # Issue 8 (several GPUs), on nvidia-h200-x2: the one-GPU h200-fsdp preset on both GPUs.
+    "issue8-x2": [
+        ("h200-fsdp-2gpu", "h200-fsdp", ["parallel.nproc_per_node=2", "train.steps=20", "train.log_every=5"]),
+    ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
     ],

@@ -75,14 +75,16 @@ class Injector:
             return loss * float("nan")
         return loss
 
-    def on_grads(self, params, step: int) -> None:
+    def on_grads(self, params, step: int) -> bool:
+        """True when a gradient was changed (a norm taken before this is stale)."""
         if self.active and self._hit("overflow", step):
             for p in params:
                 if p.grad is not None:
                     g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                     if g.numel():
                         g.view(-1)[0] = float("inf")
-                        return
+                        return True
+        return False
 
     def on_save(self, step: int) -> None:
         if self.active and self._hit("slow_save", step):

@@ -202,12 +202,14 @@ def train(r: common.Rank) -> None:
             phases.mark("forward")
             (scaler.scale(scaled) if scaler else scaled).backward()
             phases.mark("backward")
-        r.faults.on_grads(model.parameters(), step)
+        grads_changed = r.faults.on_grads(model.parameters(), step)
         if scaler:
             scaler.unscale_(optim)
         if t.clip_grad_norm > 0 and fold_clip:
             known = device_norm.take() if device_norm is not None else None
-            if device_norm is not None and known is None and not norm_fallback_told:
+            if grads_changed:
+                known = None     # a test fault wrote an inf after the reduce-scatters: read the host's
+            elif device_norm is not None and known is None and not norm_fallback_told:
                 r.event("warning", "the gradient norm was not seen at every reduce-scatter; reading the host "
                         "gradients instead (slower)")
                 norm_fallback_told = True

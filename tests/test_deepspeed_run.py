@@ -1,9 +1,9 @@
 """Real DeepSpeed runs through the real headless path: `shardconsole --headless` starts torchrun (or the
 deepspeed launcher), 2 CPU ranks over gloo run DeepSpeed's ZeRO engine on the tiny model.
 
-The first DeepSpeed run on a machine JIT-builds DeepSpeed's shm_comm op (~25-60 s, shown as the phase
-"building ops"); the offload test also builds CPUAdam (~35 s or more). Both are cached in
-~/.cache/torch_extensions, so later runs take 10-30 s each.
+The first offloaded DeepSpeed run on a machine JIT-builds CPUAdam (~110 s on 2 cores, shown as the phase
+"building ops"; cached in ~/.cache/torch_extensions), so later runs take 10-30 s each. DeepSpeed's CPU
+comm op (shm_comm, ~60 s more) is not built: ZeRO training does not use it (deepspeed.skip_shm_comm_op).
 """
 
 from __future__ import annotations

@@ -88,14 +88,27 @@ def allow_cpu_fp16(r: common.Rank) -> None:
 # ---------------------------------------------------------------------------------------------------
 # Ops that may be compiled on first use (JIT, cached in TORCH_EXTENSIONS_DIR)
 
+def skip_shm_comm_op() -> None:
+    """On a CPU accelerator DeepSpeed's comm layer JIT-builds a shared-memory all-reduce op at init (62 s
+    on 2 cores, once per machine). Only its inference all-reduce (tensor-parallel layers) uses it, and
+    that falls back to torch.distributed's all_reduce without it: ZeRO training never calls it."""
+    import importlib
+    # Not `import deepspeed.comm.torch`: deepspeed.comm's attribute `torch` is the torch package.
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    if hasattr(ds_torch, "build_shm_op"):
+        ds_torch.build_shm_op = lambda: None
+
+
 def build_ops(r: common.Rank, ds_cfg: dict) -> None:
     """Everything that can JIT-compile, up front and under its own phase, so a 30-60 s first build shows
-    as "building ops" rather than as a hang: DeepSpeed's comm layer (CPU: the shm_comm op) and the
-    optimizer's op (CPUAdam when offloaded, FusedAdam on a GPU; none for torch's AdamW)."""
+    as "building ops" rather than as a hang: the optimizer's op (CPUAdam when offloaded, FusedAdam on a
+    GPU; none for torch's AdamW). DeepSpeed's CPU comm op is skipped (skip_shm_comm_op)."""
     r.phase("building ops")
     t0 = time.perf_counter()
     import deepspeed
     from deepspeed.accelerator import get_accelerator
+    if not r.is_cuda:
+        skip_shm_comm_op()
     common.init_process_group(r)     # our timeout and device binding; DeepSpeed wraps this group
     deepspeed.init_distributed(dist_backend="nccl" if r.is_cuda else "gloo")
     names = []

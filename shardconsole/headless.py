@@ -21,7 +21,7 @@ from shardconsole.launch import LAUNCHER_LOG, METRICS_FILE, Job, StopReport
 from shardconsole.probes import GpuProbe, host_sample, wait_gpu_released
 from shardconsole.diagnose import Watch, hang_message, where_ranks_are
 from shardconsole.runstate import RunState
-from shardconsole.stream import MetricsReader, MetricsWriter
+from shardconsole.stream import MetricsReader, SampleAppender
 
 # Exit codes of `shardconsole --headless`, by failure class (documented in README.md).
 EXIT_CODES = {
@@ -88,14 +88,8 @@ class Follower:
     def __init__(self, run_dir: Path, run_id: str, out: TextIO, sample: bool = True) -> None:
         self.run_dir, self.run_id, self.out = run_dir, run_id, out
         self.reader = MetricsReader(run_dir / METRICS_FILE)
-        self.writer = None
-        if sample:
-            try:
-                self.writer = MetricsWriter(run_dir / METRICS_FILE, run_id, -1)
-            except OSError:
-                # Someone else's run (attach): follow it read-only, without adding machine samples.
-                pass
-        self.gpu = GpuProbe() if self.writer is not None else None
+        self.samples = SampleAppender(run_dir / METRICS_FILE, run_id) if sample else None
+        self.gpu = GpuProbe() if sample else None
         self.state = RunState()
         self.tty = out.isatty()
         self._last_sample = 0.0
@@ -113,11 +107,11 @@ class Follower:
             elif isinstance(msg, P.Event) and msg.name == "phase" and msg.detail != "training":
                 self.print(f"-- {msg.detail}")
         now = time.monotonic()
-        if self.writer is not None and now - self._last_sample >= 1.0:
+        if self.samples is not None and now - self._last_sample >= 1.0:
             self._last_sample = now
-            for g in self.gpu.sample(self.run_id):
-                self.writer.emit(g)
-            self.writer.emit(host_sample(self.state.rank_pids, self.run_id))
+            taken = [*self.gpu.sample(self.run_id), host_sample(self.state.rank_pids, self.run_id)]
+            for msg in self.samples.append(taken):    # a read-only run folder: shown, not written
+                self.state.apply(msg)
         if self.tty and not quiet:
             self._draw_bar()
 

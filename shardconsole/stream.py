@@ -42,6 +42,35 @@ class MetricsWriter:
             self._fd = None
 
 
+class SampleAppender:
+    """The front end's machine samples (each GPU, the host) into a run's stream, so the file keeps the
+    whole story and a later attach replays the memory curves too. Shared by `--headless` and the
+    console. A run folder this user cannot write (someone else's run, attached) is followed read-only:
+    `append` then hands the samples back for the caller to show instead of writing them."""
+
+    def __init__(self, path: str | Path, run: str) -> None:
+        self.path, self.run = Path(path), run
+        self.writable = True
+        self._writer: MetricsWriter | None = None
+
+    def append(self, samples: list[Message]) -> list[Message]:
+        """Write `samples` to the stream; returns those not written (a read-only folder)."""
+        if self.writable and self._writer is None:
+            try:
+                self._writer = MetricsWriter(self.path, self.run, -1)
+            except OSError:
+                self.writable = False
+        if self._writer is None:
+            return samples
+        for s in samples:
+            self._writer.emit(s)
+        return []
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
 class MetricsReader:
     """Follows a metrics.jsonl from the start. poll() returns the messages written since last time."""
 

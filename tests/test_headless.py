@@ -52,9 +52,9 @@ Root Cause (first observed failure):
     assert headless.killed_rank(tmp_path) is None
 
 
-def test_follower_of_a_read_only_run_folder_reads_without_sampling(tmp_path, monkeypatch):
-    """attach --headless on someone else's run (a folder it cannot write) follows the stream; it only
-    leaves out the machine samples it would have appended."""
+def test_follower_of_a_read_only_run_folder_shows_samples_without_writing(tmp_path, monkeypatch):
+    """attach --headless on someone else's run (a folder it cannot write) follows the stream; the machine
+    samples it would have appended are shown (the host figure in the step lines) instead of written."""
     import io
     from shardconsole.stream import MetricsWriter
     run = tmp_path / "run"
@@ -64,8 +64,11 @@ def test_follower_of_a_read_only_run_folder_reads_without_sampling(tmp_path, mon
 
     def refuse(*a, **k):
         raise PermissionError(13, "Permission denied")
-    monkeypatch.setattr(headless, "MetricsWriter", refuse)
+    from shardconsole import stream
+    monkeypatch.setattr(stream, "MetricsWriter", refuse)
     out = io.StringIO()
     f = headless.Follower(run, "r", out)
     f.pump()
-    assert f.writer is None and "step 1/2" in out.getvalue()
+    assert not f.samples.writable and "step 1/2" in out.getvalue()
+    assert f.state.host is not None      # sampled, kept in memory
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1     # nothing appended

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from shardconsole import protocol as P
 from shardconsole.launch import LAUNCHER_LOG, METRICS_FILE
-from shardconsole.stream import MetricsReader, MetricsWriter
+from shardconsole.stream import MetricsReader, SampleAppender
 
 from shardconsole.console.services import Probes, RunHandle
 
@@ -97,8 +97,7 @@ class RunFollower:
         self.logs = LogTail(handle.run_dir)
         self.rank_pids: dict[int, int] = {}
         self._sample = sample
-        self._writer: MetricsWriter | None = None
-        self._writable = True
+        self._samples = SampleAppender(handle.run_dir / METRICS_FILE, run_id)
         self._last_look = float("-inf")
 
     def tick(self) -> Tick:
@@ -124,19 +123,8 @@ class RunFollower:
     def _take_samples(self) -> list[P.Message]:
         """Append a sample of each GPU and of the host to the stream; returned only when the run folder is
         not writable (someone else's run), since otherwise the reader brings them back next tick."""
-        samples: list[P.Message] = [*self.probes.gpus(self.run_id),
-                                    self.probes.host(self.rank_pids.values(), self.run_id)]
-        if self._writable and self._writer is None:
-            try:
-                self._writer = MetricsWriter(self.handle.run_dir / METRICS_FILE, self.run_id, -1)
-            except OSError:
-                self._writable = False
-        if self._writer is None:
-            return samples
-        for s in samples:
-            self._writer.emit(s)
-        return []
+        return self._samples.append([*self.probes.gpus(self.run_id),
+                                     self.probes.host(self.rank_pids.values(), self.run_id)])
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        self._samples.close()

@@ -210,7 +210,10 @@ async def show_table(pilot: Any, setup: Any, table: str) -> None:
     setup.query_one(TabbedContent).active = f"tab-{table}"
     await wait_for(pilot, lambda: setup.query(f"#form-{table} SettingField"), what=f"the {table} form")
     # The focus goes along, as ctrl+n does: left in the hidden pick tab, it would switch back to it.
-    setup.query_one(f"#form-{table}").query(".setting--control").first().focus()
+    control = setup.query_one(f"#form-{table}").query(".setting--control").first()
+    control.focus()
+    # Focus moves on a later message; its row's highlight is drawn after that (snapshots saw either).
+    await wait_for(pilot, lambda: pilot.app.focused is control, what=f"the focus in the {table} form")
     await pilot.pause()
 
 

@@ -252,6 +252,7 @@ def follow(job: Job, run_dir: Path, run_id: str, out: TextIO = sys.stdout, err: 
         print("stopping: SIGTERM to every rank ...", file=err, flush=True)
         report = _stop(job, grace_s, f.state.rank_pids)
         f.pump()
+        f.clear_bar()      # pump redraws the bar on a terminal; the report goes on a line of its own
         print(describe_stop(report), file=err, flush=True)
         return EXIT_CODES["stopped"]
     time.sleep(0.05)

@@ -219,31 +219,28 @@ def test_bf16_masters_with_offload_and_selective_checkpointing(tmp_path):
     assert {str(v.properties.dtype) for v in [*weights.values(), *moments.values()]} == {"torch.bfloat16"}
 
 
-def test_offload_variants_train_the_same_model_across_a_resume(tmp_path):
-    """The offload options change where and when work happens, never the model:
-    - fsdp.offload_compute_copy: the all-gathers read a bf16 host copy of the fp32 shards, which must be
-      their values at every step: after a resume (loaded after the copy was first made) and after each
-      optimizer step;
-    Resumed from one checkpoint, each variant gives the same losses and norms as plain offload."""
+def test_offload_compute_copy_trains_the_same_model_and_follows_a_resume(tmp_path):
+    """fsdp.offload_compute_copy: the all-gathers read a bf16 host copy of the fp32 shards. The copy must
+    be the shards' values at every step: after a resume (loaded after the copy was first made) and after
+    each optimizer step. Resumed from one checkpoint, with and without the copy, the runs are identical."""
     ckpt = tmp_path / "ckpt"
     base = ["--preset", "tiny-cpu", "--headless", "--set", "precision.dtype=bf16", "--set", "fsdp.cpu_offload=true",
             "--set", f"train.checkpoint_dir={ckpt}", "--set", "train.log_every=1", "--set", "train.clip_grad_norm=0.1"]
     res = shardconsole(*base, "--run-dir", str(tmp_path / "first"), "--set", "train.steps=3",
-                       "--set", "train.save_final=true")
+                       "--set", "train.save_final=true", "--set", "fsdp.offload_compute_copy=false")
     assert res.returncode == 0, res.stderr
-    runs = {"plain": [], "copy": ["fsdp.offload_compute_copy=true"]}
-    curves = {}
-    for name, sets in runs.items():
-        run_dir = tmp_path / name
+    losses = {}
+    for copy in ("true", "false"):
+        run_dir = tmp_path / f"copy-{copy}"
         res = shardconsole(*base, "--run-dir", str(run_dir), "--set", "train.steps=6", "--set", "train.resume=true",
-                           *[a for s in sets for a in ("--set", s)])
+                           "--set", f"fsdp.offload_compute_copy={copy}")
         assert res.returncode == 0, res.stderr
         steps = of_kind(messages(run_dir), "step")
         assert [m.step for m in steps] == [4, 5, 6]
-        curves[name] = [(m.loss, m.grad_norm) for m in steps]
+        losses[copy] = [(m.loss, m.grad_norm) for m in steps]
         log = (run_dir / "logs" / "rank0.log").read_text()
-        assert ("bf16 host copy of" in log) == (name == "copy"), log[-2000:]
-    assert curves["copy"] == pytest.approx(curves["plain"], rel=1e-6), curves
+        assert ("bf16 host copy of" in log) == (copy == "true"), log[-2000:]
+    assert losses["true"] == pytest.approx(losses["false"], rel=1e-6), losses
 
 
 def _slurm_job_id_with_a_free_port() -> int:

@@ -34,12 +34,20 @@ def make_mesh(r: common.Rank):
     return init_device_mesh(dev, (r.world,), mesh_dim_names=("shard",))
 
 
+def reduce_dtype(cfg) -> torch.dtype | None:
+    """The dtype gradients are reduce-scattered in; None for fp32 runs (no mixed-precision policy: the
+    parameters' own)."""
+    if cfg.precision.dtype == "fp32":
+        return None
+    return DTYPES[cfg.precision.reduce_dtype or "fp32"]
+
+
 def shard_model(r: common.Rank, model: modeling.CausalLMLoss) -> None:
     cfg = r.cfg
     kwargs: dict = {"mesh": make_mesh(r), "reshard_after_forward": cfg.reshard_after_forward}
     if cfg.precision.dtype != "fp32":
-        reduce = DTYPES[cfg.precision.reduce_dtype or "fp32"]
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.precision.dtype], reduce_dtype=reduce)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.precision.dtype],
+                                                   reduce_dtype=reduce_dtype(cfg))
     if cfg.fsdp.cpu_offload:
         # Pinned host memory needs an accelerator (DESIGN.md): unpinned on CPU-only runs.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=cfg.fsdp.pin_memory and r.is_cuda)
@@ -178,8 +186,7 @@ def train(r: common.Rank) -> None:
     fold_clip = scaler is None and optim.defaults.get("fused")
     device_norm = None
     if fold_clip and t.clip_grad_norm > 0 and cfg.fsdp.cpu_offload:
-        reduce = DTYPES[cfg.precision.reduce_dtype or "fp32"] if cfg.precision.dtype != "fp32" else None
-        if offload.DeviceGradNorm.applies(model, reduce):
+        if offload.DeviceGradNorm.applies(model, reduce_dtype(cfg)):
             device_norm = offload.DeviceGradNorm(model, r.device)
             r.log("offload: the gradient norm is summed where each reduce-scatter lands, before the copy to the host")
     norm_fallback_told = False

@@ -21,10 +21,7 @@ from pathlib import Path
 
 from shardconsole import config as C
 
-RUN_FILE = "job.json"          # pid / pgid / argv of a started run, for attach and stop
-PRESET_FILE = "preset.toml"
-METRICS_FILE = "metrics.jsonl"
-LAUNCHER_LOG = "launcher.log"
+from shardconsole.runfolder import JOB_FILE as RUN_FILE, LAUNCHER_LOG, METRICS_FILE, PRESET_FILE  # noqa: F401
 WORKER_MODULE = "shardconsole.backends"
 
 

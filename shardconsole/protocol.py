@@ -109,6 +109,35 @@ class Failed(Message):
 
 
 @dataclass(frozen=True)
+class Eval(Message):
+    """Held-out loss over the whole eval set, all ranks (rank 0 writes it)."""
+    kind: ClassVar[str] = "eval"
+    step: int = 0
+    loss: float | None = None        # mean token loss over every token under loss in the eval set
+    tokens: int = 0                  # tokens under loss that the mean covers
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class DataSummary(Message):
+    """What the ranks will train on, sent once at start by rank 0."""
+    kind: ClassVar[str] = "data"
+    source: str = ""                 # the file or folder ("synthetic" for generated tokens)
+    format: str = ""                 # text, chat, prompt_completion, alpaca, tokens, synthetic
+    tokenizer: str = ""              # where the tokenizer came from, or "bytes"
+    template: str = ""               # chat template in use ("" when none applies)
+    records: int = 0
+    tokens: int = 0                  # training tokens after packing
+    samples: int = 0                 # packed training windows of seq_len
+    loss_share: float = 1.0          # fraction of tokens under loss
+    epochs: float = 0.0              # passes over the training samples this run makes
+    eval_records: int = 0
+    eval_samples: int = 0
+    cross_document_attention: bool = True
+    note: str = ""
+
+
+@dataclass(frozen=True)
 class GpuSample(Message):
     """NVML view of one GPU, sampled by the front end (rank = -1)."""
     kind: ClassVar[str] = "gpu"
@@ -131,10 +160,11 @@ class HostSample(Message):
 
 
 KINDS: dict[str, type[Message]] = {
-    m.kind: m for m in (Hello, Step, Memory, Event, Finished, Failed, GpuSample, HostSample)
+    m.kind: m for m in (Hello, Step, Memory, Event, Finished, Failed, Eval, DataSummary, GpuSample, HostSample)
 }
 _FIELDS = {kind: {f.name: f for f in fields(cls)} for kind, cls in KINDS.items()}
-_TEXT_FIELDS = ("detail", "message", "traceback_tail", "hint", "name", "host")
+_TEXT_FIELDS = ("detail", "message", "traceback_tail", "hint", "name", "host", "source", "format",
+                "tokenizer", "template", "note")
 
 
 def _clean(value: Any) -> Any:

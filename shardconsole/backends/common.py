@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from shardconsole import config as C
 from shardconsole import protocol as P
-from shardconsole.launch import METRICS_FILE, PRESET_FILE
+from shardconsole.runfolder import METRICS_FILE, PRESET_FILE
 from shardconsole.models import ModelSpec, resolve
 from shardconsole.stream import MetricsWriter
 

@@ -14,7 +14,7 @@ from shardconsole import config as C
 from shardconsole import protocol as P
 from shardconsole.backends.common import Rank
 from shardconsole.backends.metrics import LossScaleFloorError, NanLossError
-from shardconsole.launch import METRICS_FILE
+from shardconsole.runfolder import METRICS_FILE
 from shardconsole.stream import MetricsWriter
 
 

@@ -1,0 +1,6 @@
+"""The run session: everything between "settings resolved" and "run ended" that has no UI in it.
+
+Both front ends (headless.py and console/) are thin renderers of what lives here: preflight (the checks
+before a launch), the watcher (stream, machine samples, rank logs, hang watch, rank pids), the outcome
+(exit classification and its explanation) and the one stop path. No torch, no textual.
+"""

@@ -1,0 +1,62 @@
+"""Real Hugging Face model folders made in a test: a tiny Llama config, random weights saved with
+save_pretrained, and a byte-level BPE tokenizer trained by `tokenizers` in well under a second.
+
+    folder = make_hf_model(tmp_path / "model")                 # a base model: no chat template
+    folder = make_hf_model(tmp_path / "chat", chat_template=True)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Sharded training keeps parameters, gradients and optimizer states split across ranks.",
+    "A checkpoint holds the model, the optimizer and the data position.",
+    "User: what is two plus two? Assistant: two plus two is four.",
+    "Question: name a colour. Answer: blue.",
+    "Offload moves the optimizer step to the host, where memory is larger and slower.",
+] * 20
+
+# A ChatML-like template, as many instruct models ship it.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+
+
+def train_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE fast tokenizer (transformers' PreTrainedTokenizerFast) with an EOS and a pad."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>",
+                                   bos_token=None, unk_token=None)
+
+
+def make_hf_model(folder: Path, *, chat_template: bool = False, vocab_size: int = 384, seed: int = 0,
+                  tie_word_embeddings: bool = False) -> Path:
+    """A Llama-architecture model folder (config.json, generation_config.json, model.safetensors,
+    tokenizer files) that models.resolve and transformers' Auto classes both accept."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(vocab_size)
+    if chat_template:
+        tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(folder)
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                         intermediate_size=176, vocab_size=len(tok), max_position_embeddings=1024,
+                         tie_word_embeddings=tie_word_embeddings, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, bos_token_id=None)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder

@@ -113,7 +113,11 @@ class TrainSettings:
     seed: int = _f(1234, "random seed", min=0)
     log_every: int = _f(1, "steps between step lines (each is a host-device sync)", min=1)
     checkpoint_every: int = _f(0, "steps between checkpoints (0: only at the end, if save_final)", min=0)
-    save_final: bool = _f(False, "write a checkpoint after the last step")
+    save_final: bool = _f(True, "write a checkpoint after the last step (nothing trained is lost)")
+    keep_checkpoints: int = _f(0, "complete checkpoints kept, the oldest removed after a new one (0: all)", min=0)
+    save_on_stop: bool = _f(True, "a stop (Ctrl-C, console, SIGTERM) saves at the next step boundary first")
+    stop_save_timeout_s: float = _f(300.0, "seconds a save on stop may take before the ranks end without it",
+                                    min=1.0)
     checkpoint_dir: str = _f("", "where checkpoints go (empty: <run dir>/checkpoints)")
     resume: bool = _f(False, "continue from the newest complete checkpoint in checkpoint_dir")
     compile: bool = _f(False, "torch.compile each decoder layer (GPU; first steps are slower)")

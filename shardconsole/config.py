@@ -89,12 +89,20 @@ class ModelSettings:
 
 @dataclass
 class DataSettings:
-    source: Literal["synthetic", "text", "tokens"] = _f(
-        "synthetic", "synthetic tokens, a .txt/.jsonl file, or a pre-tokenized token file")
-    path: str = _f("", "the data file for source = text or tokens")
+    source: Literal["auto", "synthetic", "text", "tokens"] = _f(
+        "auto", "auto: synthetic tokens without a path, the file's records with one; "
+        "tokens: a pre-tokenized token file (text: the file's records, as auto)")
+    path: str = _f("", "a local .jsonl/.json/.parquet/.csv/.txt file or a save_to_disk folder "
+                   "(text, chat messages, prompt/completion or alpaca records), or a token file")
     seq_len: int = _f(256, "tokens per sample", min=8, max=1_048_576)
     token_dtype: Literal["uint16", "uint32"] = _f("uint16", "element type of a token file")
-    text_key: str = _f("text", "field holding the text in a .jsonl file")
+    text_key: str = _f("text", "field holding the text of a plain-text record")
+    cross_document_attention: bool = _f(
+        False, "let packed documents attend to the ones before them in a sample (false: positions "
+        "restart and attention is block-diagonal per document)")
+    eval_fraction: float = _f(0.0, "share of the records held out for the eval loss (by train.seed)",
+                              min=0.0, max=0.5)
+    eval_path: str = _f("", "a separate file or folder of eval records (instead of eval_fraction)")
 
 
 @dataclass
@@ -112,6 +120,8 @@ class TrainSettings:
     clip_grad_norm: float = _f(1.0, "gradient clipping by global norm (0 turns it off)", min=0.0)
     seed: int = _f(1234, "random seed", min=0)
     log_every: int = _f(1, "steps between step lines (each is a host-device sync)", min=1)
+    eval_every: int = _f(0, "steps between eval losses (0: only after the last step, when there is eval data)",
+                         min=0)
     checkpoint_every: int = _f(0, "steps between checkpoints (0: only at the end, if save_final)", min=0)
     save_final: bool = _f(True, "write a checkpoint after the last step (nothing trained is lost)")
     keep_checkpoints: int = _f(0, "complete checkpoints kept, the oldest removed after a new one (0: all)", min=0)
@@ -536,8 +546,20 @@ def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = 
             raise err("memory", "gpu_memory_limit", str(e)) from None
         if limit < 256 * 2**20:
             raise err("memory", "gpu_memory_limit", "is below 256 MiB; a CUDA context alone needs more")
-    if cfg.data.source != "synthetic" and not cfg.data.path:
+    if cfg.data.source in ("text", "tokens") and not cfg.data.path:
         raise err("data", "path", f"source = {cfg.data.source!r} needs a file path")
+    if cfg.data.source == "synthetic" and cfg.data.path:
+        raise err("data", "source", f"is \"synthetic\" but [data] path is set ({cfg.data.path!r}): "
+                  "remove the path, or set source = \"auto\" to train on the file")
+    if cfg.data.eval_path and cfg.data.eval_fraction:
+        raise err("data", "eval_path", "and eval_fraction are both set: hold out a fraction of "
+                  "data.path or read eval_path, not both")
+    if (cfg.data.eval_path or cfg.data.eval_fraction) and cfg.data.source in ("synthetic", "tokens"):
+        raise err("data", "eval_path" if cfg.data.eval_path else "eval_fraction",
+                  f"needs records (source = \"auto\" with a path), not source = {cfg.data.source!r}")
+    if (cfg.data.eval_path or cfg.data.eval_fraction) and not cfg.data.path:
+        raise err("data", "eval_path" if cfg.data.eval_path else "eval_fraction",
+                  "needs training records too: set data.path")
     if cfg.train.compile and p.device == "cpu":
         raise err("train", "compile", "torch.compile of the layers is for GPUs; set it to false on CPU")
 

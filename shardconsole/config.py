@@ -30,7 +30,44 @@ import tomli_w
 
 
 class ConfigError(ValueError):
-    """Bad input in a preset or an override. str() is the one line shown to the user."""
+    """Bad input in a preset or an override. str() is the one line shown to the user.
+
+    As data: `source` (where the value came from: a preset file, `--set table.key`, `console: [table]
+    key`), `table` and `key` (None when the error is not about one setting) and `reason` (what is wrong
+    and what is allowed). The console marks a field from table/key, never from the text."""
+
+    def __init__(self, reason: str, *, source: str = "", table: str | None = None, key: str | None = None) -> None:
+        self.reason, self.source, self.table, self.key = reason, source, table, key
+        super().__init__(self._line())
+
+    @property
+    def path(self) -> str | None:
+        """"table.key" of the setting at fault, or None."""
+        return f"{self.table}.{self.key}" if self.table and self.key else None
+
+    def _line(self) -> str:
+        if not self.source:
+            return self.reason
+        if self.path is None or names_key(self.source):
+            return f"{self.source}: {self.reason}"
+        return f"{self.source}: [{self.table}] {self.key}: {self.reason}"
+
+    def __reduce__(self) -> Any:   # keeps the fields across pickling (multiprocessing, pytest-xdist)
+        return (_rebuild_error, (self.reason, self.source, self.table, self.key))
+
+
+def _rebuild_error(reason: str, source: str, table: str | None, key: str | None) -> ConfigError:
+    return ConfigError(reason, source=source, table=table, key=key)
+
+
+def override_source(origin: str, table: str, key: str) -> str:
+    """The source of one override: `--set table.key` from the command line, `console: [table] key` from a
+    console field. Such a source names its key, so the error line does not repeat it."""
+    return f"--set {table}.{key}" if origin == "--set" else f"{origin}: [{table}] {key}"
+
+
+def names_key(source: str) -> bool:
+    return source.startswith("--set ") or source.startswith("console: [")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -346,6 +383,9 @@ def _coerce(tp: Any, value: Any) -> Any:
         raise ValueError(f"expected true or false, got {value!r}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not -2**63 <= value < 2**63:
+                # TOML integers are 64-bit: a bigger one would be written as a file no reader accepts.
+                raise ValueError(f"{value} is out of range; TOML integers are 64-bit (at most {2**63 - 1})")
             return value
         if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
             return int(value)  # 5e8 written in TOML as a float
@@ -398,15 +438,14 @@ def _apply(cfg: RunConfig, data: dict[str, Any], source: str) -> None:
     for key, value in data.items():
         if key in TOP_LEVEL_KEYS:
             if not isinstance(value, str):
-                raise ConfigError(f"{source}: description: expected a string, got {value!r}")
+                raise ConfigError(f"description: expected a string, got {value!r}", source=source)
             cfg.description = value
             continue
         if key not in TABLES:
-            raise ConfigError(
-                f"{source}: unknown table [{key}]{_close(key, list(TABLES) + list(TOP_LEVEL_KEYS))}; "
-                f"tables are {', '.join(TABLES)}")
+            raise ConfigError(f"unknown table [{key}]{_close(key, list(TABLES) + list(TOP_LEVEL_KEYS))}; "
+                              f"tables are {', '.join(TABLES)}", source=source)
         if not isinstance(value, dict):
-            raise ConfigError(f"{source}: [{key}] must be a table, got {value!r}")
+            raise ConfigError(f"[{key}] must be a table, got {value!r}", source=source, table=key)
         for k, v in value.items():
             _set(cfg, key, k, v, source)
 
@@ -416,8 +455,8 @@ def _set(cfg: RunConfig, table: str, key: str, value: Any, source: str, *, from_
     hints = _hints(type(section))
     names = [f.name for f in fields(section)]
     if key not in names:
-        raise ConfigError(f"{source}: [{table}] unknown key {key!r}{_close(key, names)}; "
-                          f"keys are {', '.join(names)}")
+        raise ConfigError(f"unknown key {key!r}{_close(key, names)}; keys are {', '.join(names)}",
+                          source=source, table=table, key=key)
     tp = hints[key]
     if from_text:
         value = _parse_override_value(tp, value)
@@ -431,28 +470,31 @@ def _set(cfg: RunConfig, table: str, key: str, value: Any, source: str, *, from_
             if hi is not None and value > hi:
                 raise ValueError(f"{value!r} is above the maximum {hi}")
     except ValueError as e:
-        raise ConfigError(f"{source}: [{table}] {key}: {e}; {meta.get('help', '')}".rstrip("; ")) from None
+        raise ConfigError(f"{e}; {meta.get('help', '')}".rstrip("; "), source=source, table=table, key=key) from None
     setattr(section, key, value)
 
 
 def parse_override(text: str) -> tuple[str, str, str]:
     """'table.key=value' -> (table, key, value text)."""
-    if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected table.key=value, e.g. train.steps=50")
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError("expected table.key=value, e.g. train.steps=50", source=f"--set {text!r}")
     path, value = text.split("=", 1)
-    if "." not in path:
-        raise ConfigError(f"--set {text!r}: expected table.key=value, e.g. train.steps=50")
     table, key = path.strip().split(".", 1)
     if table not in TABLES:
-        raise ConfigError(f"--set {text!r}: unknown table {table!r}{_close(table, list(TABLES))}; "
-                          f"tables are {', '.join(TABLES)}")
+        raise ConfigError(f"unknown table {table!r}{_close(table, list(TABLES))}; tables are {', '.join(TABLES)}",
+                          source=f"--set {text!r}")
     return table, key.strip(), value
+
+
+def set_from_text(cfg: RunConfig, table: str, key: str, text: str, source: str) -> None:
+    """One override, its value as `--set` takes it; errors name `source`."""
+    _set(cfg, table, key, text, source, from_text=True)
 
 
 def apply_overrides(cfg: RunConfig, overrides: list[str]) -> None:
     for text in overrides:
         table, key, value = parse_override(text)
-        _set(cfg, table, key, value, f"--set {table}.{key}", from_text=True)
+        set_from_text(cfg, table, key, value, override_source("--set", table, key))
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -461,15 +503,15 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         with open(path, "rb") as fh:
             return tomllib.load(fh)
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
+        raise ConfigError("no such file", source=str(path)) from None
     except IsADirectoryError:
-        raise ConfigError(f"{path}: is a folder, not a preset file") from None
+        raise ConfigError("is a folder, not a preset file", source=str(path)) from None
     except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not a text file (a preset is TOML)") from None
+        raise ConfigError("not a text file (a preset is TOML)", source=str(path)) from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        raise ConfigError(f"not valid TOML: {e}", source=str(path)) from None
     except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+        raise ConfigError(f"cannot read: {e.strerror}", source=str(path)) from None
 
 
 def build(preset: dict[str, Any] | None = None, source: str = "preset",
@@ -479,14 +521,18 @@ def build(preset: dict[str, Any] | None = None, source: str = "preset",
     if preset:
         _apply(cfg, preset, source)
     apply_overrides(cfg, overrides or [])
-    validate(cfg, source, gpu_count=gpu_count)
+    origins = {f"{t}.{k}": override_source("--set", t, k) for t, k, _ in map(parse_override, overrides or [])}
+    validate(cfg, source, gpu_count=gpu_count, origins=origins)
     return cfg
 
 
-def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = None) -> None:
-    """Impossible combinations. gpu_count: GPUs on this machine when known (None: do not check)."""
+def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = None,
+             origins: dict[str, str] | None = None) -> None:
+    """Impossible combinations. gpu_count: GPUs on this machine when known (None: do not check).
+    origins: "table.key" -> the source that set it (an override); the error blames the key it names
+    with that source, `source` (the preset) otherwise."""
     def err(table: str, key: str, msg: str) -> ConfigError:
-        return ConfigError(f"{source}: [{table}] {key}: {msg}")
+        return ConfigError(msg, source=(origins or {}).get(f"{table}.{key}", source), table=table, key=key)
 
     p, f, d, prec = cfg.parallel, cfg.fsdp, cfg.deepspeed, cfg.precision
     if prec.master_dtype == "bf16" and prec.dtype != "bf16":
@@ -596,11 +642,6 @@ def write_atomic(path: Path, text: str) -> Path:
 
 def load(path: str | Path, overrides: list[str] | None = None, *, gpu_count: int | None = None) -> RunConfig:
     return build(load_toml(path), str(path), overrides, gpu_count=gpu_count)
-
-
-def field_help(table: str, key: str) -> str:
-    section = TABLES[table]
-    return next(f.metadata.get("help", "") for f in fields(section) if f.name == key)
 
 
 def field_type(table: str, key: str) -> Any:

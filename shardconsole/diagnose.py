@@ -47,7 +47,7 @@ class Watch:
         s = state.last_step
         if s is None or self._last_step_at is None:
             return FIRST_STEP_GRACE_S
-        interval = max(1, s.step - (state.steps[-2].step if len(state.steps) > 1 else 0))
+        interval = max(1, s.step - (state.prev_step.step if state.prev_step is not None else 0))
         return max(MIN_HANG_S, 20.0 * s.step_s * interval)
 
     def stalled_for(self, now: float) -> float:

@@ -13,6 +13,7 @@ class RunState:
     world: int | None = None
     hellos: dict[int, P.Hello] = field(default_factory=dict)
     last_step: P.Step | None = None
+    prev_step: P.Step | None = None      # the step line before last_step: the hang watch's interval
     memory: dict[int, P.Memory] = field(default_factory=dict)
     gpus: dict[int, P.GpuSample] = field(default_factory=dict)
     host: P.HostSample | None = None
@@ -20,15 +21,15 @@ class RunState:
     events: list[P.Event] = field(default_factory=list)
     failed: list[P.Failed] = field(default_factory=list)
     finished: P.Finished | None = None
-    steps: list[P.Step] = field(default_factory=list)
+    data: P.DataSummary | None = None
+    evals: list[P.Eval] = field(default_factory=list)
 
     def apply(self, msg: P.Message) -> None:
         if isinstance(msg, P.Hello):
             self.hellos[msg.rank] = msg
             self.world = msg.world
         elif isinstance(msg, P.Step):
-            self.last_step = msg
-            self.steps.append(msg)
+            self.prev_step, self.last_step = self.last_step, msg
         elif isinstance(msg, P.Memory):
             self.memory[msg.rank] = msg
         elif isinstance(msg, P.GpuSample):
@@ -43,10 +44,14 @@ class RunState:
             self.failed.append(msg)
         elif isinstance(msg, P.Finished):
             self.finished = msg
+        elif isinstance(msg, P.DataSummary):
+            self.data = msg
+        elif isinstance(msg, P.Eval):
+            self.evals.append(msg)
 
     @property
     def rank_pids(self) -> list[int]:
-        return [h.pid for h in self.hellos.values()]
+        return [h.pid for h in self.hellos.values() if h.pid > 0]
 
     def first_failure(self) -> P.Failed | None:
         """The root cause: the earliest failure that is not a consequence of another rank dying."""

@@ -72,28 +72,48 @@ class SampleAppender:
 
 
 class MetricsReader:
-    """Follows a metrics.jsonl from the start. poll() returns the messages written since last time."""
+    """Follows a metrics.jsonl from the start. poll() returns the messages written since last time.
+
+    The file stays open once found: the ranks append through descriptors of their own, so a
+    metrics.jsonl deleted or replaced mid-run still grows under the old inode, and this reader keeps
+    reading it there (`lost` then says what happened to the name, for the front end to show)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.bad_lines = 0
         self.last_error = ""
+        self.lost = ""              # set once the file's name no longer leads to the file being read
+        self._fd: int | None = None
         self._pos = 0
         self._partial = b""
+        self._skipping = False      # inside an over-long line: dropped up to its newline, counted once
 
     def poll(self, max_bytes: int = 8 << 20) -> list[Message]:
+        if self._fd is None:
+            try:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            except OSError as e:    # not there yet; or another user's 0600 file
+                if not isinstance(e, FileNotFoundError):
+                    self.last_error = f"{self.path}: {e.strerror}"
+                return []
         try:
-            with open(self.path, "rb") as fh:
-                fh.seek(self._pos)
-                chunk = fh.read(max_bytes)
-        except FileNotFoundError:
+            chunk = os.pread(self._fd, max_bytes, self._pos)
+        except OSError as e:
+            self.last_error = f"{self.path}: {e.strerror}"
             return []
         self._pos += len(chunk)
+        if not chunk:
+            self._check_name()
         data = self._partial + chunk
         lines = data.split(b"\n")
         self._partial = lines.pop()  # an unfinished line stays for the next poll
+        if self._skipping and lines:
+            lines.pop(0)             # the tail of the over-long line
+            self._skipping = False
         if len(self._partial) > MAX_LINE:
-            self._count_bad("line too long")
+            if not self._skipping:
+                self._count_bad("line too long")
+            self._skipping = True
             self._partial = b""
         out: list[Message] = []
         for raw in lines:
@@ -105,6 +125,24 @@ class MetricsReader:
                 self._count_bad(str(e))
         return out
 
+    def _check_name(self) -> None:
+        if self.lost or self._fd is None:
+            return
+        try:
+            mine = os.fstat(self._fd)
+            now = os.stat(self.path)
+            if (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino):
+                self.lost = f"{self.path} was replaced by another file; still reading the one the ranks write to"
+        except FileNotFoundError:
+            self.lost = f"{self.path} was deleted; still reading the ranks' open file (a later attach cannot)"
+        except OSError:
+            pass
+
     def _count_bad(self, why: str) -> None:
         self.bad_lines += 1
         self.last_error = why
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

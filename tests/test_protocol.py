@@ -25,6 +25,10 @@ SAMPLES = [
              traceback_tail="...", step=4, hint="lower micro_batch"),
     P.GpuSample(run="r", index=0, name="H200", used_bytes=5, total_bytes=10, util_pct=99.0, pids=(1, 2)),
     P.HostSample(run="r", used_bytes=5, total_bytes=10, ranks_rss_bytes=3, pinned_bytes=None),
+    P.Eval(run="r", rank=0, step=10, loss=2.25, tokens=4096, seconds=1.5),
+    P.DataSummary(run="r", rank=0, source="corpus.jsonl", format="chat", tokenizer="my-llama", template="chatml",
+                  records=12, tokens=3000, samples=46, loss_share=0.4, epochs=1.5, eval_records=2,
+                  eval_samples=3, cross_document_attention=False, note="n"),
 ]
 
 
@@ -58,6 +62,13 @@ def test_oversized_text_is_cut_to_fit():
     "", "not json", "[1,2]", '{"v": 99, "kind": "step"}', '{"v": 1, "kind": "nope"}',
     '{"v": 1, "kind": "step", "step": "five"}', '{"v": 1, "kind": "memory", "rank": true}',
     '{"v": 1, "kind": "step", "loss": "high"}', "{" * 5000, b"\xff\xfe",
+    # issue 22 item 4: each of these once passed decode and crashed a front end further on
+    '{"v": 1, "kind": "step", "lr": null}', '{"v": 1, "kind": "hello", "pid": -1}',
+    '{"v": 1, "kind": "step", "tokens_per_s": "fast"}', '{"v": 1, "kind": "gpu", "pids": [1, "x"]}',
+    '{"v": 1, "kind": "gpu", "util_pct": [1]}', '{"v": 1, "kind": "host", "pinned_bytes": 1.5}',
+    '{"v": 1, "kind": "eval", "loss": {}}', '{"v": 1, "kind": "data", "loss_share": "most"}',
+    '{"v": 1, "kind": "data", "cross_document_attention": 1}', '{"v": 1, "kind": "finished", "elapsed_s": null}',
+    '{"v": 1, "kind": "memory", "host_rss_bytes": -5}', '{"v": 1, "kind": "event", "step": 2.5}',
 ])
 def test_decode_rejects_garbage(bad):
     with pytest.raises(P.DecodeError):
@@ -82,8 +93,51 @@ def test_reader_follows_partial_lines_and_counts_bad_ones(tmp_path):
     assert MetricsReader(tmp_path / "absent.jsonl").poll() == []
 
 
-def test_writer_never_raises(tmp_path):
+def test_writer_on_a_full_disk_drops_and_counts_never_raises(tmp_path):
+    full = MetricsWriter("/dev/full")       # every write fails with ENOSPC, as on a full disk
+    full.emit(SAMPLES[0])
+    full.emit(SAMPLES[1])
+    assert full.dropped == 2
     w = MetricsWriter(tmp_path / "m.jsonl")
     w.close()
-    w.emit(SAMPLES[0])      # closed: silently nothing
-    MetricsWriter(None).emit(SAMPLES[0])
+    w.emit(SAMPLES[0])      # closed: nothing written
+    assert (tmp_path / "m.jsonl").read_bytes() == b""
+
+
+def test_every_numeric_field_is_type_checked():
+    """Each int/float field of each kind, given a string, makes the line a bad line (not a crash later)."""
+    checked = 0
+    for kind, types in P._TYPES.items():
+        for name, annotation in types.items():
+            if annotation.split(" |")[0] in ("int", "float"):
+                with pytest.raises(P.DecodeError, match=name):
+                    P.decode(json.dumps({"v": 1, "kind": kind, name: "12"}))
+                checked += 1
+    assert checked > 40
+
+
+def test_a_20_mib_line_is_one_bad_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    reader = MetricsReader(path)
+    with open(path, "wb") as fh:
+        fh.write(b"x" * (20 << 20) + b"\n" + P.encode(SAMPLES[1]).encode() + b"\n")
+    got = []
+    for _ in range(5):
+        got += reader.poll()
+    assert got == [SAMPLES[1]]
+    assert reader.bad_lines == 1
+
+
+def test_reader_keeps_reading_a_deleted_stream(tmp_path):
+    """Deleting metrics.jsonl mid-run: the ranks write on through their open descriptors, and so the
+    reader reads on, saying once that the name is gone (issue 22 item 14)."""
+    path = tmp_path / "metrics.jsonl"
+    w = MetricsWriter(path, "r", 0)
+    w.emit(SAMPLES[1])
+    reader = MetricsReader(path)
+    assert reader.poll() == [SAMPLES[1]]
+    path.unlink()
+    w.emit(SAMPLES[5])
+    assert reader.poll() == [SAMPLES[5]]
+    assert reader.poll() == [] and "deleted" in reader.lost
+    w.close()

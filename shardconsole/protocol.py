@@ -21,7 +21,7 @@ MAX_LINE = 4096
 # Phases a run goes through, reported with Event(name="phase", detail=<phase>).
 PHASES = ("starting", "loading model", "building ops", "training", "saving checkpoint", "finished")
 
-# Failure classes, also used for exit codes (see headless.EXIT_CODES).
+# Failure classes, also used for exit codes (see session/outcome.EXIT_CODES).
 FAILURE_CAUSES = ("gpu_oom", "host_oom", "nccl_timeout", "hang", "nan_loss", "loss_scale_floor",
                   "config_error", "crash", "stopped")
 
@@ -226,7 +226,7 @@ def decode(line: str | bytes) -> Message:
     for k, v in body.items():
         if k in ("v", "kind") or k not in known:
             continue  # unknown fields are ignored: a newer writer may add some
-        if isinstance(v, str) and v in ("nan", "inf", "-inf") and k not in _TEXT_FIELDS:
+        if isinstance(v, str) and v in ("nan", "inf", "-inf") and _TYPES[kind][k].startswith("float"):
             v = float(v)
         if isinstance(v, list):
             v = tuple(v)
@@ -240,23 +240,31 @@ def decode(line: str | bytes) -> Message:
 
 
 def _check_types(msg: Message) -> None:
-    """Cheap sanity checks on the fields a reader does arithmetic with."""
-    if not isinstance(msg.rank, int) or isinstance(msg.rank, bool):
-        raise DecodeError("rank is not an integer")
-    if not isinstance(msg.t, (int, float)) or isinstance(msg.t, bool):
-        raise DecodeError("t is not a number")
-    if not isinstance(msg.run, str):
-        raise DecodeError("run is not a string")
-    for name in ("step", "steps", "world", "index", "used_bytes", "total_bytes", "host_rss_bytes"):
-        v = getattr(msg, name, 0)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-            raise DecodeError(f"{name} is not an integer")
-    for name in ("loss", "lr", "tokens_per_s", "step_s", "allocated_bytes", "reserved_bytes",
-                 "peak_reserved_bytes", "loss_scale", "mfu", "grad_norm"):
-        v = getattr(msg, name, None)
-        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)):
-            raise DecodeError(f"{name} is not a number")
-    for name in _TEXT_FIELDS + ("cause", "exc_type", "device"):
-        v = getattr(msg, name, "")
-        if v is not None and not isinstance(v, str):
+    """Every field of the type its annotation names, counts never negative: a reader does arithmetic and
+    formatting with these, and a line that would make it raise is skipped and counted instead."""
+    for name, annotation in _TYPES[msg.kind].items():
+        v = getattr(msg, name)
+        if v is None and "None" in annotation:
+            continue
+        base = annotation.split(" |")[0]
+        if base == "int" or base.startswith("tuple[int"):
+            items = v if base.startswith("tuple") and isinstance(v, tuple) else (v,)
+            if base.startswith("tuple") and not isinstance(v, tuple):
+                raise DecodeError(f"{name} is not a list of integers")
+            for x in items:
+                if not isinstance(x, int) or isinstance(x, bool):
+                    raise DecodeError(f"{name} is not an integer")
+                if x < 0 and name not in _SIGNED:
+                    raise DecodeError(f"{name} is negative")
+        elif base == "float":
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise DecodeError(f"{name} is not a number")
+        elif base == "bool":
+            if not isinstance(v, bool):
+                raise DecodeError(f"{name} is not true or false")
+        elif base == "str" and not isinstance(v, str):
             raise DecodeError(f"{name} is not a string")
+
+
+_SIGNED = ("rank",)   # -1: the front end
+_TYPES = {kind: {f.name: str(f.type) for f in fields(cls)} for kind, cls in KINDS.items()}

@@ -1,132 +1,272 @@
-"""Batches for the ranks: synthetic tokens, a text/jsonl file, or a pre-tokenized token file.
+"""Batches for the ranks: synthetic tokens, the records of a data file (corpus.py reads them, token_cache.py
+tokenizes them once per machine), or a pre-tokenized token file.
 
-Each rank reads its own shard: sample i of a step goes to rank (i mod world), so ranks never read
-the same window. Batches are built on the host and moved with non_blocking copies from pinned memory
-when the device is a GPU.
+A rank's samples are a pure function of (seed, global sample index, rank, world): global sample g of
+the run is window perm_e[g mod n] of epoch e = g // n (a fresh permutation of the n windows per epoch,
+seeded by (seed, e)), and micro-batch j of a step on rank r holds samples consumed + j*world + r.
+source.seek(consumed) therefore resumes exactly, on any world size.
+
+Documents (records) are packed back to back, each ending with EOS, into windows of seq_len + 1 tokens
+(inputs and next-token labels). With data.cross_document_attention = false (the default) position ids
+restart at 0 at each document start inside a window, which transformers turns into a block-diagonal
+causal mask: a token never attends to another document (benchmarks/packing_attention.py measures the
+cost). The first token of a document is never under loss in either mode.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from shardconsole import protocol as P
+from shardconsole.backends import token_cache
+from shardconsole.backends.corpus import DOC_START, LOSS, DataError
 from shardconsole.config import RunConfig
 
+IGNORE = -100
 
-class DataError(ValueError):
-    pass
+__all__ = ["Batch", "DataError", "make_source", "make_eval_source", "next_batch"]
 
 
-class SyntheticTokens:
+@dataclass
+class Batch:
+    inputs: torch.Tensor                 # [B, S] token ids
+    labels: torch.Tensor                 # [B, S] next-token ids, IGNORE where not under loss
+    positions: torch.Tensor | None       # [B, S] position ids restarting per document, or None (0..S-1)
+
+    def to(self, device: torch.device) -> "Batch":
+        def move(t):
+            if t is None:
+                return None
+            return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+        return Batch(move(self.inputs), move(self.labels), move(self.positions))
+
+
+def _positions(flags: np.ndarray) -> np.ndarray:
+    """Per row: index minus the index of the last document start at or before it (0 at the row start)."""
+    idx = np.broadcast_to(np.arange(flags.shape[-1]), flags.shape)
+    starts = np.where(flags & DOC_START, idx, 0)
+    return idx - np.maximum.accumulate(starts, axis=-1)
+
+
+def windows_to_batch(ids: np.ndarray, flags: np.ndarray, cross_doc: bool) -> Batch:
+    """[B, S+1] ids and flags -> Batch: labels are the next token where it is under loss."""
+    ids = ids.astype(np.int64)
+    labels = np.where(flags[:, 1:] & LOSS, ids[:, 1:], IGNORE)
+    pos = None if cross_doc else torch.from_numpy(np.ascontiguousarray(_positions(flags[:, :-1])))
+    return Batch(torch.from_numpy(np.ascontiguousarray(ids[:, :-1])), torch.from_numpy(labels), pos)
+
+
+class _Global:
+    """The bookkeeping shared by every training source: which global samples a rank takes next."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world, self.consumed = rank, world, 0
+
+    def seek(self, consumed: int) -> None:
+        self.consumed = int(consumed)
+
+    def take(self, n: int) -> list[int]:
+        g = [self.consumed + j * self.world + self.rank for j in range(n)]
+        self.consumed += n * self.world
+        return g
+
+
+class SyntheticTokens(_Global):
     """Sequences a model can learn, so a falling loss means training works (not just "it ran").
 
-    Each sequence reads a fixed random ordering of the vocabulary from a random start position:
-    x[t] = perm[(start + t) mod vocab], so the next token is a fixed function of the current one. The loss starts near ln(vocab) and falls towards 0 as the model learns the
-    permutation; the compute per token is that of any data, which is what memory and speed tuning need.
-    """
+    Each sequence reads a fixed random ordering of the vocabulary from a start drawn from (seed, global
+    sample index): x[t] = perm[(start + t) mod vocab], so the next token is a fixed function of the
+    current one. The loss starts near ln(vocab) and falls towards 0; the compute per token is that of
+    any data, which is what memory and speed tuning need."""
 
-    def __init__(self, vocab: int, seq_len: int, seed: int, rank: int) -> None:
-        self.vocab, self.seq_len = vocab, seq_len
-        g = torch.Generator().manual_seed(seed)            # same permutation on every rank
-        self.perm = torch.randperm(vocab, generator=g)
-        self.gen = torch.Generator().manual_seed(seed * 1000 + rank + 1)   # different samples per rank
+    def __init__(self, vocab: int, seq_len: int, seed: int, rank: int, world: int = 1) -> None:
+        super().__init__(rank, world)
+        self.vocab, self.seq_len, self.seed = vocab, seq_len, seed
+        self.perm = np.random.default_rng(seed).permutation(vocab)
 
-    def batch(self, micro_batch: int) -> torch.Tensor:
-        start = torch.randint(0, self.vocab, (micro_batch, 1), generator=self.gen)
-        return self.perm[(start + torch.arange(self.seq_len + 1)) % self.vocab]
+    def windows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        starts = np.array([np.random.default_rng([self.seed, g]).integers(self.vocab) for g in self.take(n)])
+        ids = self.perm[(starts[:, None] + np.arange(self.seq_len + 1)) % self.vocab]
+        flags = np.full(ids.shape, LOSS, dtype=np.uint8)
+        return ids, flags
+
+    def batch(self, micro_batch: int) -> Batch:
+        return windows_to_batch(*self.windows(micro_batch), cross_doc=True)
 
 
-class TokenWindows:
-    """Windows of seq_len+1 tokens over one long token array, strided across ranks."""
+class PackedWindows(_Global):
+    """Windows of seq_len + 1 tokens over memory-mapped ids and flags, in a per-epoch shuffled order."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, rank: int, world: int, source: str) -> None:
-        self.tokens, self.seq_len = tokens, seq_len
-        self.n_windows = (len(tokens) - 1) // seq_len
-        if self.n_windows < world:
-            raise DataError(f"{source}: {len(tokens)} tokens make {self.n_windows} samples of "
-                            f"{seq_len + 1} tokens, fewer than the {world} ranks; lower data.seq_len")
+    def __init__(self, ids: np.ndarray, flags: np.ndarray | None, seq_len: int, seed: int, rank: int,
+                 world: int, name: str, cross_doc: bool = True) -> None:
+        super().__init__(rank, world)
+        self.ids, self.flags, self.seq_len, self.seed, self.cross_doc = ids, flags, seq_len, seed, cross_doc
+        self.n = (len(ids) - 1) // seq_len if len(ids) else 0
+        if self.n < world:
+            raise DataError(f"{name}: {len(ids)} tokens make {self.n} samples of {seq_len + 1} tokens, fewer "
+                            f"than the {world} ranks; lower data.seq_len or add data")
+        self._epoch, self._perm = -1, None
+
+    def window_of(self, g: int) -> int:
+        epoch, i = divmod(g, self.n)
+        if epoch != self._epoch:
+            self._epoch, self._perm = epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        return int(self._perm[i])
+
+    def windows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        S = self.seq_len
+        ws = [self.window_of(g) for g in self.take(n)]
+        ids = np.stack([np.asarray(self.ids[w * S: w * S + S + 1]) for w in ws])
+        if self.flags is None:
+            flags = np.full(ids.shape, LOSS, dtype=np.uint8)
+        else:
+            flags = np.stack([np.asarray(self.flags[w * S: w * S + S + 1]) for w in ws])
+        return ids, flags
+
+    def batch(self, micro_batch: int) -> Batch:
+        return windows_to_batch(*self.windows(micro_batch), cross_doc=self.cross_doc)
+
+
+class EvalWindows:
+    """The whole held-out split, windows r, r + world, ... on rank r, in batches of the same count on
+    every rank: the last ones padded with windows whose labels are all IGNORE (FSDP and ZeRO need
+    every rank in every forward)."""
+
+    def __init__(self, ids: np.ndarray, flags: np.ndarray, seq_len: int, rank: int, world: int,
+                 cross_doc: bool) -> None:
+        self.ids, self.flags, self.seq_len, self.cross_doc = ids, flags, seq_len, cross_doc
         self.rank, self.world = rank, world
-        self.order = np.random.default_rng(seed).permutation(self.n_windows)
-        self.pos = rank
+        self.n = max(0, -(-(len(ids) - 1) // seq_len))     # every token under loss lands in one window
+        self.per_rank = -(-self.n // world)
 
-    def batch(self, micro_batch: int) -> torch.Tensor:
-        rows = []
-        for _ in range(micro_batch):
-            w = int(self.order[self.pos % self.n_windows])
-            self.pos += self.world
-            rows.append(np.asarray(self.tokens[w * self.seq_len: w * self.seq_len + self.seq_len + 1],
-                                   dtype=np.int64))
-        return torch.from_numpy(np.stack(rows))
+    def samples(self) -> int:
+        return self.n
 
-
-def _read_text(path: Path, text_key: str) -> str:
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise DataError(f"{path}: cannot read: {e.strerror}") from None
-    if b"\x00" in raw[:65536]:
-        raise DataError(f"{path}: not a text file (it holds NUL bytes); for token ids use data.source = \"tokens\"")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    if path.suffix == ".jsonl":
-        parts = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                raise DataError(f"{path}:{n}: not a JSON object (a .jsonl file holds one per line)") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
-                raise DataError(f"{path}:{n}: no string field {text_key!r} (set data.text_key)")
-            parts.append(obj[text_key])
-        text = "\n\n".join(parts)
-    return text
+    def batches(self, micro_batch: int):
+        S = self.seq_len
+        mine = [self.rank + k * self.world for k in range(self.per_rank)]
+        n_batches = -(-self.per_rank // micro_batch)
+        for b in range(n_batches):
+            ids = np.zeros((micro_batch, S + 1), dtype=np.int64)
+            flags = np.zeros((micro_batch, S + 1), dtype=np.uint8)
+            flags[:, 0] = DOC_START
+            for j, k in enumerate(range(b * micro_batch, min((b + 1) * micro_batch, len(mine)))):
+                w = mine[k]
+                if w < self.n:
+                    part = np.asarray(self.ids[w * S: w * S + S + 1])
+                    ids[j, :len(part)] = part
+                    flags[j, :len(part)] = self.flags[w * S: w * S + S + 1]
+            yield windows_to_batch(ids, flags, self.cross_doc)
 
 
-def tokenize(text: str, model_path: str | None, vocab: int) -> np.ndarray:
-    """With the model folder's tokenizer when it has one; else UTF-8 bytes (needs vocab >= 256)."""
-    if model_path is not None:
-        try:
-            from transformers import AutoTokenizer
-            tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-            ids = tok(text, add_special_tokens=False)["input_ids"]
-            return np.asarray(ids, dtype=np.int64)
-        except (OSError, ValueError):
-            pass   # no usable tokenizer in the folder: fall back to bytes
-    if vocab < 256:
-        raise DataError(f"text data without a tokenizer is read as bytes, which needs vocab_size >= 256 (model has {vocab})")
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+# ---------------------------------------------------------------------------------------------------
+# Building the sources
 
-
-def make_source(cfg: RunConfig, vocab: int, model_path: str | None, rank: int, world: int):
-    d, seed = cfg.data, cfg.train.seed
-    if d.source == "synthetic":
-        return SyntheticTokens(vocab, d.seq_len, seed, rank)
+def _token_file(cfg: RunConfig, vocab: int, rank: int, world: int) -> PackedWindows:
+    d = cfg.data
     path = Path(d.path).expanduser()
     if not path.is_file():
         raise DataError(f"[data] path: {path}: no such file")
-    if d.source == "text":
-        tokens = tokenize(_read_text(path, d.text_key), model_path, vocab)
-    else:
-        dtype = np.uint16 if d.token_dtype == "uint16" else np.uint32
-        if path.stat().st_size % np.dtype(dtype).itemsize:
-            raise DataError(f"{path}: size is not a multiple of {np.dtype(dtype).itemsize} bytes "
-                            f"({d.token_dtype} tokens); check data.token_dtype")
-        tokens = np.memmap(path, dtype=dtype, mode="r")
+    dtype = np.uint16 if d.token_dtype == "uint16" else np.uint32
+    if path.stat().st_size % np.dtype(dtype).itemsize:
+        raise DataError(f"{path}: size is not a multiple of {np.dtype(dtype).itemsize} bytes "
+                        f"({d.token_dtype} tokens); check data.token_dtype")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
     if len(tokens) and int(tokens.max() if len(tokens) < 50_000_000 else tokens[:1_000_000].max()) >= vocab:
         raise DataError(f"{path}: token ids reach {int(tokens.max())} but the model's vocab_size is {vocab}")
-    return TokenWindows(tokens, d.seq_len, seed, rank, world, str(path))
+    return PackedWindows(tokens, None, d.seq_len, cfg.train.seed, rank, world, str(path))
 
 
-def next_batch(source, micro_batch: int, device: torch.device) -> torch.Tensor:
-    """The next batch on the rank's device: from pinned host memory, without blocking, on a GPU."""
-    batch = source.batch(micro_batch)
-    if device.type == "cuda":
-        batch = batch.pin_memory()
-    return batch.to(device, non_blocking=True)
+def _entry(cfg: RunConfig, vocab: int, model_path: str | None, has_tokenizer: bool, log):
+    return token_cache.open_entry(cfg.data, cfg.train.seed, model_path, has_tokenizer, vocab, log)
+
+
+def _build(cfg: RunConfig, vocab: int, model_path: str | None, has_tokenizer: bool, rank: int, world: int,
+           log=print):
+    """(train source, cache entry or None)."""
+    d = cfg.data
+    if d.source == "tokens":
+        return _token_file(cfg, vocab, rank, world), None
+    if d.source == "synthetic" or not d.path:
+        return SyntheticTokens(vocab, d.seq_len, cfg.train.seed, rank, world), None
+    entry = _entry(cfg, vocab, model_path, has_tokenizer, log)
+    src = PackedWindows(entry.train.ids, entry.train.flags, d.seq_len, cfg.train.seed, rank, world,
+                        f"[data] path: {d.path}", cross_doc=d.cross_document_attention)
+    return src, entry
+
+
+def summary(cfg: RunConfig, world: int, src, entry) -> P.DataSummary:
+    t, d = cfg.train, cfg.data
+    global_batch = t.micro_batch * t.grad_accum * world
+    if entry is None:
+        kind = "tokens" if d.source == "tokens" else "synthetic"
+        samples = src.n if kind == "tokens" else 0
+        return P.DataSummary(source=d.path if kind == "tokens" else "synthetic", format=kind,
+                             tokenizer="" if kind == "synthetic" else "pre-tokenized", samples=samples,
+                             tokens=samples * d.seq_len, records=0,
+                             epochs=round(t.steps * global_batch / samples, 3) if samples else 0.0,
+                             cross_document_attention=True)
+    m = entry.meta
+    tr = m["splits"]["train"]
+    ev = m["splits"].get("eval")
+    ev_samples = -(-(ev["tokens"] - 1) // d.seq_len) if ev and ev["tokens"] > 1 else 0
+    note = ""
+    if m["tokenizer"] == "bytes":
+        note = "no tokenizer in the model: text is read as UTF-8 bytes"
+    if m["template"] == "shardconsole-plain":
+        note = (note + "; " if note else "") + "the tokenizer has no chat template: chats use the plain " \
+            "\"User: ... / Assistant: ...\" template"
+    return P.DataSummary(source=m["source"], format=m["format"], tokenizer=m["tokenizer"], template=m["template"],
+                         records=tr["records"], tokens=tr["tokens"], samples=src.n,
+                         loss_share=round(tr["loss_tokens"] / max(1, tr["tokens"]), 4),
+                         epochs=round(t.steps * global_batch / src.n, 3),
+                         eval_records=ev["records"] if ev else 0, eval_samples=ev_samples,
+                         cross_document_attention=d.cross_document_attention, note=note)
+
+
+def make_source(r, *legacy):
+    """The rank's training source. make_source(r) with a backends.common.Rank: rank 0 emits the data
+    summary. The old form make_source(cfg, vocab, model_path, rank, world) returns a source whose
+    next_batch() is a [B, S+1] tensor of raw windows (every token under loss), for the loops until they
+    move to Batch."""
+    if legacy:
+        cfg, (vocab, model_path, rank, world) = r, legacy
+        has_tok = model_path is not None and any(Path(model_path, f).is_file() for f in
+                                                 ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+        src, _ = _build(cfg, vocab, model_path, has_tok, rank, world)
+        src.legacy = True
+        return src
+    src, entry = _build(r.cfg, r.spec.vocab, r.spec.path, r.spec.has_tokenizer, r.rank, r.world, r.log)
+    r.extra["data_entry"] = entry
+    if r.rank == 0:
+        s = summary(r.cfg, r.world, src, entry)
+        r.emit(dataclasses.replace(s, run=r.run_id, rank=r.rank))
+        if entry is not None and s.epochs > 1:
+            r.event("info", f"data: {s.samples} samples; {r.cfg.train.steps} steps make {s.epochs} epochs")
+    return src
+
+
+def make_eval_source(r) -> EvalWindows | None:
+    """The held-out windows of this rank, or None when there is no eval data (needs make_source first)."""
+    entry = r.extra.get("data_entry")
+    if entry is None and "data_entry" not in r.extra:
+        _, entry = _build(r.cfg, r.spec.vocab, r.spec.path, r.spec.has_tokenizer, r.rank, r.world, r.log)
+        r.extra["data_entry"] = entry
+    if entry is None or entry.eval is None or len(entry.eval.ids) < 2:
+        return None
+    return EvalWindows(entry.eval.ids, entry.eval.flags, r.cfg.data.seq_len, r.rank, r.world,
+                       r.cfg.data.cross_document_attention)
+
+
+def next_batch(source, micro_batch: int, device: torch.device):
+    """The next Batch on the rank's device (a [B, S+1] tensor for a source made the old way)."""
+    if getattr(source, "legacy", False):
+        ids, _ = source.windows(micro_batch)
+        t = torch.from_numpy(np.ascontiguousarray(ids.astype(np.int64)))
+        return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+    return source.batch(micro_batch).to(device)

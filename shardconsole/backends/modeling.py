@@ -82,29 +82,40 @@ def reset_buffers_(model: nn.Module, hf_cfg, device: torch.device) -> None:
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          chunk_tokens: int = 4096) -> torch.Tensor:
-    """Mean next-token loss without ever holding the full [tokens, vocab] fp32 logits.
+                          chunk_tokens: int = 4096, reduction: str = "mean"):
+    """Next-token loss over the labels that are not -100, without ever holding the full [tokens, vocab]
+    fp32 logits. reduction="mean": the mean over those labels (0, with a zero gradient, when there are
+    none: a window of prompt tokens only); "sum": (sum of their losses, their count as a tensor), for a
+    mean over several batches or ranks.
 
     Each chunk's logits are recomputed in backward (checkpoint), so the peak is one chunk's logits,
     not all of them: for seq 2048 x micro-batch 8 x vocab 32000 that is 2 GiB of fp32 saved."""
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     n = y.numel()
+    count = (y != -100).sum()
     if n <= chunk_tokens:
-        return F.cross_entropy((h @ weight.t()).float(), y)
+        total = F.cross_entropy((h @ weight.t()).float(), y, ignore_index=-100, reduction="sum")
+    else:
+        def part(hc: torch.Tensor, w: torch.Tensor, yc: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy((hc @ w.t()).float(), yc, ignore_index=-100, reduction="sum")
 
-    def part(hc: torch.Tensor, w: torch.Tensor, yc: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy((hc @ w.t()).float(), yc, reduction="sum")
-
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for i in range(0, n, chunk_tokens):
-        total = total + torch.utils.checkpoint.checkpoint(
-            part, h[i:i + chunk_tokens], weight, y[i:i + chunk_tokens], use_reentrant=False)
-    return total / n
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for i in range(0, n, chunk_tokens):
+            total = total + torch.utils.checkpoint.checkpoint(
+                part, h[i:i + chunk_tokens], weight, y[i:i + chunk_tokens], use_reentrant=False)
+    if reduction == "sum":
+        return total, count
+    return total / count.clamp(min=1)
 
 
 class CausalLMLoss(nn.Module):
-    """The trained module: a causal LM whose forward returns the mean next-token loss.
+    """The trained module: a causal LM whose forward returns the next-token loss.
+
+    model(inputs, labels[, positions]) is the mean over labels != -100; with reduction="sum" it is
+    (loss sum, token count), which evaluation and token-weighted accumulation add up across batches.
+    positions (None: 0..S-1) restart per packed document; transformers then masks attention
+    block-diagonally (data.cross_document_attention = false).
 
     Wrapping the LM keeps the loss inside the root module's forward, so FSDP2's root hooks (and
     DeepSpeed's) gather the embedding and output head for it."""
@@ -113,9 +124,10 @@ class CausalLMLoss(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        hidden = self.lm.model(input_ids=input_ids).last_hidden_state
-        return chunked_cross_entropy(hidden, self.lm.lm_head.weight, labels)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
+                reduction: str = "mean"):
+        hidden = self.lm.model(input_ids=input_ids, position_ids=positions).last_hidden_state
+        return chunked_cross_entropy(hidden, self.lm.lm_head.weight, labels, reduction=reduction)
 
 
 def enable_checkpointing(lm: nn.Module) -> None:

@@ -1,0 +1,216 @@
+"""Tokenize once per machine, not once per rank: the token ids and per-token flags of the training (and
+held-out) records, in a cache folder keyed by everything that changes them.
+
+The key hashes the data file's content (every file of a save_to_disk folder), the eval file's, the model
+folder's tokenizer files (and so its chat template), the built-in plain template, data.text_key,
+data.seq_len, the eval split (eval_fraction and train.seed) and this module's format version. The first
+rank to take the key's file lock builds the entry (progress lines in its log) into a temporary folder
+and renames it into place; the other ranks wait on the lock and then find it. Every rank then
+memory-maps the arrays: host memory does not grow with the corpus.
+
+Cache folder: $SHARDCONSOLE_CACHE_DIR/tokens, else platformdirs' user cache dir for shardconsole.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from shardconsole.backends import corpus
+from shardconsole.backends.corpus import DataError
+
+FORMAT_VERSION = 1
+META = "meta.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+
+
+def cache_root() -> Path:
+    env = os.environ.get("SHARDCONSOLE_CACHE_DIR")
+    if env:
+        return Path(env).expanduser() / "tokens"
+    import platformdirs
+    return Path(platformdirs.user_cache_dir("shardconsole")) / "tokens"
+
+
+def _hash_files(h, files: list[Path], base: Path) -> None:
+    for f in files:
+        h.update(str(f.relative_to(base)).encode() + b"\0")
+        with f.open("rb") as fh:
+            while block := fh.read(1 << 20):
+                h.update(block)
+        h.update(b"\0")
+
+
+def content_hash(path: Path) -> str:
+    """sha256 of a file's bytes, or of a folder's file names and contents."""
+    h = hashlib.sha256()
+    if path.is_dir():
+        _hash_files(h, sorted(p for p in path.rglob("*") if p.is_file()), path)
+    else:
+        _hash_files(h, [path], path.parent)
+    return h.hexdigest()
+
+
+def tokenizer_hash(model_path: str | None) -> str:
+    """The model folder's files other than weights: tokenizer files, chat template, config."""
+    if model_path is None:
+        return "bytes"
+    base = Path(model_path).expanduser()
+    h = hashlib.sha256()
+    _hash_files(h, sorted(p for p in base.iterdir() if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES)
+                          and not p.name.endswith(".index.json")), base)
+    return h.hexdigest()
+
+
+def cache_key(d, seed: int, model_path: str | None, vocab: int) -> str:
+    parts = {
+        "version": FORMAT_VERSION, "data": content_hash(Path(d.path).expanduser()),
+        "eval": content_hash(Path(d.eval_path).expanduser()) if d.eval_path else "",
+        "tokenizer": tokenizer_hash(model_path), "plain_template": corpus.PLAIN_TEMPLATE,
+        "text_key": d.text_key, "seq_len": d.seq_len, "vocab": vocab,
+        "eval_fraction": d.eval_fraction, "seed": seed if d.eval_fraction else None,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@dataclass
+class Split:
+    ids: np.ndarray       # token ids, memory-mapped
+    flags: np.ndarray     # corpus.LOSS | corpus.DOC_START per token, memory-mapped
+    records: int
+
+
+@dataclass
+class Entry:
+    folder: Path
+    meta: dict
+    train: Split
+    eval: Split | None
+    built_here: bool
+
+
+def open_entry(d, seed: int, model_path: str | None, has_tokenizer: bool, vocab: int,
+               log: Callable[[str], None]) -> Entry:
+    """The cache entry for these settings: built by the first rank to ask, memory-mapped by all."""
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    key = cache_key(d, seed, model_path, vocab)
+    folder = root / key
+    built = False
+    if not (folder / META).is_file():
+        with open(root / f"{key}.lock", "a") as lock:
+            t0 = time.monotonic()
+            fcntl.flock(lock, fcntl.LOCK_EX)      # held by the building rank; the others wait here
+            if time.monotonic() - t0 > 1:
+                log(f"data: waited {time.monotonic() - t0:.1f} s for another rank to tokenize")
+            if not (folder / META).is_file():
+                _build(folder, d, seed, model_path, has_tokenizer, vocab, log)
+                built = True
+    meta = json.loads((folder / META).read_text())
+    dtype = np.dtype(meta["dtype"])
+
+    def split(name: str) -> Split | None:
+        info = meta["splits"].get(name)
+        if info is None:
+            return None
+        n = info["tokens"]
+        # np.memmap refuses an empty file; an empty split has no tokens to map.
+        ids = np.memmap(folder / f"{name}.ids", dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
+        flags = np.memmap(folder / f"{name}.flags", dtype=np.uint8, mode="r", shape=(n,)) if n else np.zeros(0, np.uint8)
+        return Split(ids, flags, info["records"])
+    return Entry(folder, meta, split("train"), split("eval"), built)
+
+
+class _Writer:
+    def __init__(self, folder: Path, name: str, dtype) -> None:
+        self.ids = open(folder / f"{name}.ids", "wb")
+        self.flags = open(folder / f"{name}.flags", "wb")
+        self.dtype, self.records, self.tokens, self.loss_tokens = dtype, 0, 0, 0
+
+    def add(self, ids: np.ndarray, flags: np.ndarray) -> None:
+        self.ids.write(ids.astype(self.dtype).tobytes())
+        self.flags.write(flags.tobytes())
+        self.records += 1
+        self.tokens += len(ids)
+        self.loss_tokens += int((flags & corpus.LOSS).astype(bool).sum())
+
+    def close(self) -> dict:
+        self.ids.close()
+        self.flags.close()
+        return {"records": self.records, "tokens": self.tokens, "loss_tokens": self.loss_tokens}
+
+
+def _build(folder: Path, d, seed: int, model_path: str | None, has_tokenizer: bool, vocab: int,
+           log: Callable[[str], None]) -> None:
+    scratch = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    try:
+        out = scratch / "out"
+        out.mkdir()
+        enc = corpus.load_encoder(model_path, has_tokenizer, vocab)
+        dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
+        train, evalw = _Writer(out, "train", dtype), None
+        ds, path, where = corpus.load_records(d.path, "path", d.text_key, scratch / "hf")
+        fmt = corpus.detect_format(ds.column_names, d.text_key, str(path))
+        renderer = corpus.Renderer(fmt, d.text_key, enc.tokenizer)
+        n = len(ds)
+        if n == 0:
+            raise DataError(f"[data] path: {path}: no records")
+        held = np.zeros(n, dtype=bool)
+        if d.eval_fraction:
+            k = max(1, round(n * d.eval_fraction))
+            if n - k < 1:
+                raise DataError(f"[data] eval_fraction: {d.eval_fraction} of {n} record(s) leaves none to train on")
+            held[np.random.default_rng(seed).permutation(n)[:k]] = True
+            evalw = _Writer(out, "eval", dtype)
+        log(f"data: tokenizing {path} ({n} records, format {fmt}) with {enc.name}")
+        _tokenize_into(ds, renderer, enc, where, path.name, log, lambda i: evalw if held[i] else train)
+        eval_fmt = None
+        if d.eval_path:
+            eds, epath, ewhere = corpus.load_records(d.eval_path, "eval_path", d.text_key, scratch / "hf")
+            eval_fmt = corpus.detect_format(eds.column_names, d.text_key, str(epath))
+            if len(eds) == 0:
+                raise DataError(f"[data] eval_path: {epath}: no records")
+            evalw = _Writer(out, "eval", dtype)
+            _tokenize_into(eds, corpus.Renderer(eval_fmt, d.text_key, enc.tokenizer), enc, ewhere,
+                           epath.name, log, lambda i: evalw)
+        meta = {
+            "version": FORMAT_VERSION, "source": str(path), "format": fmt, "eval_format": eval_fmt or fmt,
+            "tokenizer": enc.name, "template": renderer.template_name, "dtype": dtype.name,
+            "seq_len": d.seq_len,
+            "splits": {"train": train.close(), **({"eval": evalw.close()} if evalw else {})},
+        }
+        (out / META).write_text(json.dumps(meta, indent=1))
+        try:
+            os.rename(out, folder)
+        except OSError:
+            if not (folder / META).is_file():   # another machine sharing the folder won the race
+                raise
+        log(f"data: token cache written to {folder}")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _tokenize_into(ds, renderer, enc, where, name: str, log, writer_of) -> None:
+    n = len(ds)
+    shown = -1
+    tokens = 0
+    for i, ids, flags in corpus.tokenize_records(enumerate(ds), renderer, enc, where):
+        if int(ids.max()) >= 1 << (8 * writer_of(i).dtype.itemsize):
+            raise DataError(f"{where(i)}: token id {int(ids.max())} does not fit the cache's {writer_of(i).dtype}")
+        writer_of(i).add(ids, flags)
+        tokens += len(ids)
+        tenth = (i + 1) * 10 // n
+        if tenth != shown:
+            shown = tenth
+            log(f"data: {name} [{'#' * tenth}{'.' * (10 - tenth)}] {tenth * 10:3d}% "
+                f"{i + 1}/{n} records, {tokens} tokens")

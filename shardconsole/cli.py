@@ -188,7 +188,7 @@ def cmd_attach(argv: list[str]) -> int:
         print(f"following {run_dir} (started elsewhere; Ctrl-C detaches)", file=sys.stderr)
     if args.headless:
         from shardconsole import headless
-        return headless.follow(job, run_dir, run_dir.resolve().name, quiet_history=True)
+        return headless.follow(job, run_dir, run_id_of(run_dir))
     try:
         from shardconsole.console.app import run_console
     except ImportError as e:
@@ -197,7 +197,20 @@ def cmd_attach(argv: list[str]) -> int:
     return run_console(attach=run_dir)
 
 
-SUBCOMMANDS = {"presets": cmd_presets, "attach": cmd_attach}
+def cmd_stop(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="shardconsole stop",
+                                 description="stop a run of this machine from any shell: every rank ended, "
+                                             "GPUs released (exit 0); a second Ctrl-C skips a checkpoint save")
+    ap.add_argument("run_dir", type=Path)
+    args = ap.parse_args(argv)
+    from shardconsole.session.stop import StopRefused, stop_folder
+    try:
+        return stop_folder(args.run_dir, sys.stderr)
+    except StopRefused as e:
+        raise UsageError(str(e)) from None
+
+
+SUBCOMMANDS = {"presets": cmd_presets, "attach": cmd_attach, "stop": cmd_stop}
 
 
 def _register_optional() -> None:
@@ -217,6 +230,18 @@ def _register_optional() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from shardconsole.session.signals import Detach, front_end_signals, quiet_stdout
+    try:
+        with front_end_signals():
+            return _dispatch(argv)
+    except BrokenPipeError:     # output into a closed pipe (`| head -1`): quiet, as a Unix tool is
+        quiet_stdout()
+        return 141
+    except Detach:
+        return 129
+
+
+def _dispatch(argv: list[str]) -> int:
     try:
         if argv and not argv[0].startswith("-"):
             _register_optional()

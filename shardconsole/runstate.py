@@ -58,4 +58,6 @@ class RunState:
         if not self.failed:
             return None
         primary = [f for f in self.failed if f.cause != "crash" or "terminated" not in f.message.lower()]
-        return min(primary or self.failed, key=lambda f: f.t)
+        # A rank that stopped on request is not a cause when another rank failed for real.
+        real = [f for f in primary if f.cause != "stopped"]
+        return min(real or primary or self.failed, key=lambda f: f.t)

@@ -1,0 +1,174 @@
+"""The one stop path: Ctrl-C and SIGTERM to the headless front end, the console's `s`, the hang stop
+and `shardconsole stop RUN_DIR` all come here.
+
+A stop first writes who asked into the stream (so every front end on the run reports "stopped", not a
+crash), then SIGTERMs every process of the run, the ranks by their own pids too (a launcher killed
+earlier no longer leads to them). Ranks that start a checkpoint save on SIGTERM say so (Event
+"stop_save"): the stop then waits for them up to train.stop_save_timeout_s before SIGKILL; `hurry`
+(a second Ctrl-C, `s` again) skips that wait. Last, it waits for the GPUs to let go of the ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TextIO
+
+from shardconsole import config as C
+from shardconsole import protocol as P
+from shardconsole.launch import Job, StopReport, _live
+from shardconsole.runfolder import RunFolder
+from shardconsole.session.outcome import STOP_REQUESTED
+from shardconsole.stream import MetricsWriter
+
+STOP_SAVE = "stop_save"
+DEFAULT_STOP_SAVE_TIMEOUT_S = 120.0
+
+
+class Hurry:
+    """Set to skip the wait: a plain flag, safe to set from a signal handler (an Event's lock is not)."""
+
+    def __init__(self) -> None:
+        self.flag = False
+
+    def set(self) -> None:
+        self.flag = True
+
+    def is_set(self) -> bool:
+        return self.flag
+
+
+def stop_save_timeout(run_dir) -> float:
+    try:
+        return float(getattr(C.load(RunFolder(run_dir).preset).train, "stop_save_timeout_s",
+                             DEFAULT_STOP_SAVE_TIMEOUT_S))
+    except (C.ConfigError, OSError):
+        return DEFAULT_STOP_SAVE_TIMEOUT_S
+
+
+def announce(run_dir, run_id: str, who: str) -> None:
+    """Say in the stream who stops the run, before any signal; a read-only folder just goes without."""
+    try:
+        w = MetricsWriter(RunFolder(run_dir).metrics, run_id, -1)
+    except OSError:
+        return
+    w.emit(P.Event(run=run_id, rank=-1, name=STOP_REQUESTED, detail=who))
+    w.close()
+
+
+def stop_run(job: Job, rank_pids, *, who: str, grace_s: float = 10.0, save_timeout_s: float | None = None,
+             watcher=None, hurry: Hurry | None = None, check_gpus: bool = True) -> StopReport:
+    """SIGTERM every process of the run, wait (grace_s, or the save timeout once a rank says it saves),
+    then SIGKILL; report what is left and what the GPUs hold. `watcher` (session.watcher.Watcher) is
+    read meanwhile for the ranks' stop_save event."""
+    hurry = hurry or Hurry()
+    run_dir = job.run_dir
+    announce(run_dir, RunFolder(run_dir).run_id, who)
+    if save_timeout_s is None:
+        save_timeout_s = stop_save_timeout(run_dir)
+    seen = len(watcher.state.events) if watcher is not None else 0
+    t0 = time.monotonic()
+    rank_pids = tuple(p for p in rank_pids if p > 0)
+    targets = job.processes(rank_pids)
+    report = StopReport(signalled=targets)
+    job._signal_all(targets, signal.SIGTERM)
+    deadline, saving = t0 + grace_s, False
+    while True:
+        job._reap()
+        if not _live(targets):
+            break
+        if watcher is not None and not saving:
+            watcher.poll()
+            if any(e.name == STOP_SAVE for e in watcher.state.events[seen:]):
+                saving = True
+                deadline = max(deadline, t0 + save_timeout_s)
+        if hurry.is_set() or time.monotonic() >= deadline:
+            report.killed = True
+            targets = sorted(set(targets) | set(job.processes(rank_pids)))
+            job._signal_all(targets, signal.SIGKILL)
+            end = time.monotonic() + 5.0
+            while time.monotonic() < end and _live(targets):
+                job._reap()
+                time.sleep(0.05)
+            break
+        time.sleep(0.05)
+    job._reap()
+    report.left = _live(set(targets) | set(job.processes(rank_pids)))
+    report.seconds = time.monotonic() - t0
+    if check_gpus:
+        from shardconsole.probes import GpuProbe, wait_gpu_released
+        report.gpu_note = wait_gpu_released(GpuProbe(), report.signalled)
+    return report
+
+
+@contextlib.contextmanager
+def interrupts_hurry(hurry: Hurry) -> Iterator[None]:
+    """While a stop runs in the main thread: Ctrl-C and SIGTERM do not abort it (that would leave ranks
+    behind), they make it skip the wait for a checkpoint save and SIGKILL now; SIGHUP waits too."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, lambda *_: hurry.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    old[signal.SIGHUP] = signal.signal(signal.SIGHUP, signal.SIG_IGN)   # a closed terminal: finish the stop
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def describe_stop(report: StopReport) -> str:
+    how = "SIGKILL after the grace period" if report.killed else "SIGTERM"
+    if report.clean:
+        line = f"stopped: {len(report.signalled)} process(es) ended by {how} in {report.seconds:.1f}s; none left"
+        return line + (f"\n{report.gpu_note}" if report.gpu_note else "")
+    return f"stop incomplete: process(es) {report.left} still alive after SIGKILL"
+
+
+class StopRefused(Exception):
+    """Not a run this shell can stop (not a run folder, started on another host): one line."""
+
+
+def stop_folder(run_dir: Path, err: TextIO) -> int:
+    """`shardconsole stop RUN_DIR`: the same stop as Ctrl-C in the front end that started the run, from
+    any shell of this host. 0 once every process of the run has ended (or it had already ended)."""
+    from shardconsole.launch import open_run
+    from shardconsole.session.outcome import classify
+    from shardconsole.session.watcher import HOST, Watcher
+    folder = RunFolder(Path(run_dir))
+    try:
+        job = open_run(folder.path)
+    except ValueError as e:
+        raise StopRefused(str(e)) from None
+    if job.external:
+        raise StopRefused(f"{folder.path}: this run was started elsewhere (--print-command or --slurm; no "
+                          f"{folder.job.name}): stop it where it runs, e.g. scancel for a Slurm job")
+    try:
+        host = json.loads(folder.job.read_text()).get("host", "")
+    except (OSError, ValueError, AttributeError):
+        host = ""
+    if host and host != HOST:
+        raise StopRefused(f"{folder.path}: this run was started on host {host}, not {HOST}: run "
+                          f"`shardconsole stop {folder.path}` there")
+    watcher = Watcher(job, folder.path, folder.run_id, None, logs=False, look_every_s=0.0)
+    try:
+        watcher.poll()          # the whole history: rank pids, whether it already ended
+        if watcher.ended:
+            cause, message = classify(watcher.state, watcher.exit_code, folder.path)
+            print(f"nothing to stop: the run has already ended ({cause}): {message.splitlines()[0]}", file=err)
+            return 0
+        print(f"stopping {folder.path}: SIGTERM to every rank ... (Ctrl-C: SIGKILL now)", file=err, flush=True)
+        hurry = Hurry()
+        with interrupts_hurry(hurry):
+            report = stop_run(job, watcher.rank_pids, who=f"`shardconsole stop` (pid {os.getpid()})",
+                              watcher=watcher, hurry=hurry)
+        print(describe_stop(report), file=err, flush=True)
+        return 0 if report.clean else 1
+    finally:
+        watcher.close()

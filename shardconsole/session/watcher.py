@@ -1,0 +1,206 @@
+"""The one watcher of a run, for both front ends: its stream, the machine samples it appends, the rank
+logs' tail, the hang watch and the ranks' pids. No UI: `poll()` returns what it found, the front end
+draws it.
+
+When the run has ended is decided here, and the stream comes first: the launcher's exit alone is not
+the end, since torchrun may exit while its ranks (each in a session of its own) are still writing their
+last lines. The run has ended once the launcher has exited and no rank of this host is alive; the
+stream is read once more after that, so the classification sees every line a rank wrote.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from shardconsole import protocol as P
+from shardconsole.diagnose import Watch
+from shardconsole.runfolder import RunFolder
+from shardconsole.runstate import RunState
+from shardconsole.session.logtail import LogTail
+from shardconsole.session.outcome import DETACHED
+from shardconsole.stream import MetricsReader, SampleAppender
+
+HOST = os.uname().nodename
+
+
+class Probes(Protocol):
+    def gpu_unavailable(self) -> str:
+        """Why there are no GPU samples ("" when there are)."""
+    def gpus(self, run: str = "") -> list[P.GpuSample]: ...
+    def host(self, rank_pids: Iterable[int] = (), run: str = "") -> P.HostSample: ...
+
+
+class MachineProbes:
+    """NVML and psutil (probes.py). NVML starts on first use, in the caller's thread."""
+
+    def __init__(self) -> None:
+        self._gpu: Any = None
+        self._lock = threading.Lock()
+
+    def _probe(self) -> Any:
+        with self._lock:
+            if self._gpu is None:
+                from shardconsole.probes import GpuProbe
+                self._gpu = GpuProbe()
+            return self._gpu
+
+    def gpu_unavailable(self) -> str:
+        return self._probe().unavailable
+
+    def gpus(self, run: str = "") -> list[P.GpuSample]:
+        return self._probe().sample(run)
+
+    def host(self, rank_pids: Iterable[int] = (), run: str = "") -> P.HostSample:
+        from shardconsole.probes import host_sample
+        return host_sample(rank_pids, run)
+
+
+@dataclass
+class Tick:
+    """What one look at the run found."""
+    messages: list[P.Message] = field(default_factory=list)   # stream lines and, read-only, samples
+    log_lines: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)            # things to say once (the stream was deleted, ...)
+    bad_lines: int = 0
+    exit_code: int | None = None       # the launcher's, once it has exited
+    ended: bool = False                # the launcher has exited and no rank of this host is alive
+
+
+def rank_alive(hello: P.Hello) -> bool:
+    """Whether the process that said hello still runs: same pid, started no later than its hello (a pid
+    reused since by another process is not the rank). Never raises."""
+    if hello.pid <= 0 or (hello.host and hello.host != HOST):
+        return False
+    try:
+        import psutil
+        proc = psutil.Process(hello.pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and proc.create_time() <= hello.t + 2.0
+    except Exception:    # NoSuchProcess, AccessDenied, a pid psutil refuses
+        return False
+
+
+class Watcher:
+    def __init__(self, job: Any, run_dir: Path, run_id: str, probes: Probes | None = None, *,
+                 sample_every_s: float = 1.0, look_every_s: float = 1.0, logs: bool = True,
+                 hang_timeout_s: float = 0.0) -> None:
+        self.job = job
+        self.folder = RunFolder(Path(run_dir))
+        self.run_id = run_id
+        self.probes = probes
+        self.sample_every_s, self.look_every_s = sample_every_s, look_every_s
+        self.state = RunState()
+        self.reader = MetricsReader(self.folder.metrics)
+        self.samples = SampleAppender(self.folder.metrics, run_id)
+        self.logs = LogTail(self.folder.path) if logs else None
+        self.watch = Watch(timeout_s=hang_timeout_s)
+        self.exit_code: int | None = None
+        self.ended = False
+        self.foreign_lines = 0
+        self._own = getattr(job, "proc", None) is not None      # our child: poll() is one waitpid
+        self._last_look = float("-inf")
+        self._last_sample = float("-inf")
+        self._said_lost = False
+        self._said_orphans = False
+
+    @property
+    def external(self) -> bool:
+        return bool(getattr(self.job, "external", False))
+
+    @property
+    def rank_pids(self) -> list[int]:
+        """The pids of this host's ranks, from their hello lines."""
+        return [h.pid for h in self.state.hellos.values() if h.pid > 0 and (not h.host or h.host == HOST)]
+
+    def live_ranks(self) -> list[int]:
+        return sorted(r for r, h in self.state.hellos.items() if rank_alive(h))
+
+    def poll(self) -> Tick:
+        tick = Tick()
+        now = time.monotonic()
+        # The launcher is asked before the stream is read, so every line written before it ended is read
+        # below. An attached launcher is found by scanning processes: once a second is enough.
+        if self.exit_code is None and not self.external and (self._own or now - self._last_look >= self.look_every_s):
+            self._last_look = now
+            try:
+                self.exit_code = self.job.poll()
+            except Exception:   # psutil refusing a pid from a hand-edited job.json: treat as gone
+                self.exit_code = 0
+        tick.messages = self._read()
+        if self.probes is not None and not self.ended and now - self._last_sample >= self.sample_every_s:
+            self._last_sample = now
+            tick.messages += self._take_samples()
+        if self.logs is not None:
+            tick.log_lines = self.logs.poll()
+        if self.reader.lost and not self._said_lost:
+            self._said_lost = True
+            tick.notes.append(self.reader.lost)
+        if not self.ended:
+            self._check_end(tick)
+        tick.ended, tick.exit_code, tick.bad_lines = self.ended, self.exit_code, self.reader.bad_lines
+        return tick
+
+    def _check_end(self, tick: Tick) -> None:
+        if self.external:
+            # Started elsewhere: only its stream can say it ended.
+            if self.state.finished is not None or self.state.failed:
+                self.ended = True
+                self.exit_code = 0 if self.state.finished is not None and not self.state.failed else 1
+            return
+        if self.exit_code is None:
+            return
+        live = self.live_ranks()
+        if not live:
+            tick.messages += self._read()    # the last lines of ranks that ended after their launcher
+            self.ended = True
+        elif not self._said_orphans and self.exit_code < 0:
+            self._said_orphans = True
+            tick.notes.append(f"the launcher ended (signal {-self.exit_code}) but rank(s) {live} still run: "
+                              f"watching them by pid; a stop reaches them")
+
+    def _read(self) -> list[P.Message]:
+        out = []
+        for msg in self.reader.poll():
+            if isinstance(msg, (P.Finished, P.Failed)) and msg.run and msg.run != self.run_id:
+                self.foreign_lines += 1     # another run's end in this folder is not this run's end
+                continue
+            if isinstance(msg, P.Finished) and msg.rank != 0:
+                self.foreign_lines += 1
+                continue
+            self.state.apply(msg)
+            out.append(msg)
+        return out
+
+    def _take_samples(self) -> list[P.Message]:
+        """Append a sample of each GPU and of the host to the stream; returned only when the run folder is
+        not writable (someone else's run), since otherwise the reader brings them back next time."""
+        try:
+            taken = [*self.probes.gpus(self.run_id), self.probes.host(self.rank_pids, self.run_id)]
+        except Exception:   # a probe must never take the watcher down
+            return []
+        kept = self.samples.append(taken)
+        for msg in kept:
+            self.state.apply(msg)
+        return kept
+
+    def hung(self) -> bool:
+        return self.watch.hung(self.state, time.monotonic())
+
+    def stalled_for(self) -> float:
+        return self.watch.stalled_for(time.monotonic())
+
+    def note(self, name: str, detail: str) -> None:
+        """An event line of the front end's (rank -1) in the run's stream; nothing when it is read-only."""
+        self.samples.append([P.Event(run=self.run_id, rank=-1, name=name, detail=detail)])
+
+    def detach(self, why: str) -> None:
+        self.note(DETACHED, f"the front end (pid {os.getpid()}) detached: {why}; the run goes on")
+
+    def close(self) -> None:
+        self.samples.close()
+        self.reader.close()

@@ -126,7 +126,8 @@ class CausalLMLoss(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
                 reduction: str = "mean"):
-        hidden = self.lm.model(input_ids=input_ids, position_ids=positions).last_hidden_state
+        # No KV cache: with one, transformers ignores the restarted positions and masks causally only.
+        hidden = self.lm.model(input_ids=input_ids, position_ids=positions, use_cache=False).last_hidden_state
         return chunked_cross_entropy(hidden, self.lm.lm_head.weight, labels, reduction=reduction)
 
 

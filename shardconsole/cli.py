@@ -226,6 +226,8 @@ def _register_optional() -> None:
         SUBCOMMANDS.setdefault("plan", plan_cli.cmd_plan)
     except ImportError:
         pass
+    from shardconsole import resume_cli
+    SUBCOMMANDS.setdefault("resume", resume_cli.cmd_resume)
 
 
 def main(argv: list[str] | None = None) -> int:

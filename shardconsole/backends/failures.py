@@ -23,6 +23,11 @@ from shardconsole.stream import MetricsWriter
 def classify(exc: BaseException) -> tuple[str, str]:
     """(cause, hint) for a failure inside a rank."""
     text = f"{type(exc).__name__}: {exc}"
+    if type(exc).__name__ == "Stopped":
+        return "stopped", "continue it with `shardconsole resume RUN_DIR`"
+    if type(exc).__name__ == "CheckpointError":
+        return "config_error", ("move that folder away to resume from the one before it, or set "
+                                "train.resume = false")
     if isinstance(exc, torch.OutOfMemoryError) or "CUDA out of memory" in text:
         return "gpu_oom", ("lower train.micro_batch, turn on memory.activation_checkpointing, "
                            "or offload (fsdp.cpu_offload / deepspeed.offload_optimizer)")

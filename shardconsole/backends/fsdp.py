@@ -17,8 +17,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from shardconsole.backends import checkpoints, common, metrics, modeling, offload
-from shardconsole.backends.data import make_source, next_batch
+from shardconsole.backends import checkpoints, common, fsdp_step, metrics, modeling, offload, trainstate
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -126,71 +125,83 @@ def make_optimizer(r: common.Rank, model: torch.nn.Module) -> torch.optim.Optimi
                              fused=fused, foreach=None if fused else True)
 
 
-def make_scaler(r: common.Rank):
-    """fp16 only: dynamic loss scaling over sharded gradients."""
-    if r.cfg.precision.dtype != "fp16":
-        return None
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-    p = r.cfg.precision
-    if p.hysteresis is not None:
-        r.event("warning", "precision.hysteresis is a DeepSpeed setting; FSDP's scaler cuts the scale on "
-                "the first overflow")
-    static = p.fp16_value("loss_scale")
-    return ShardedGradScaler(device=r.device.type, init_scale=static or 2.0 ** p.fp16_value("initial_scale_power"),
-                             growth_interval=p.fp16_value("loss_scale_window") if not static else 10**9,
-                             growth_factor=1.0 if static else 2.0, backoff_factor=1.0 if static else 0.5)
-
-
-def save(r: common.Rank, model, optim, step: int) -> None:
+def save(r: common.Rank, model, optim, scaling: fsdp_step.LossScaling, data: trainstate.Data, step: int) -> None:
     r.phase("saving checkpoint")
     tmp = checkpoints.prepare_checkpoint(r, step)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim),
              "step": torch.tensor(step)}
     dcp.save(state, checkpoint_id=str(tmp))
-    checkpoints.finish_checkpoint(r, step)
+    checkpoints.write_rank_state(tmp, r.rank, {"rng": trainstate.rng_state(r.device), "scaler": scaling.state()})
+    checkpoints.finish_checkpoint(r, step, {"samples_consumed": data.samples})
     r.phase("training")
 
 
-def resume(r: common.Rank, model, optim) -> int:
-    found = checkpoints.latest_checkpoint(r.checkpoint_dir())
+def resume(r: common.Rank, model, optim, scaling: fsdp_step.LossScaling, data: trainstate.Data) -> int:
+    """Load the newest complete checkpoint (any world size: DCP reshards); 0 when there is none."""
+    checkpoints.remove_partials(r)
+    found = checkpoints.newest_complete(r)
     if found is None:
         r.event("info", f"no checkpoint in {r.checkpoint_dir()}: starting from step 0")
         return 0
-    step, path = found
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim),
              "step": torch.tensor(0)}
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, storage_reader=fsdp_step.SafeReader(str(found.path)),
+                 planner=fsdp_step.safe_load_planner())
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:   # DCP's CheckpointException (a BaseException) wraps each rank's error
+        raise checkpoints.CheckpointError(f"{found.path}: cannot be read as an FSDP2 checkpoint: "
+                                          f"{_first_cause(e)}") from e
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optim, state["optim"])
     refresh_compute_copy(r)
-    r.event("info", f"resumed from {path} (step {step})")
-    return int(state["step"])
+    step = int(state["step"])
+    _restore_rank_state(r, found, scaling)
+    data.seek(int(found.meta.get("samples_consumed", step * data.samples_per_step)))
+    r.event("info", f"resumed from {found.path} (step {step})")
+    return step
+
+
+def _restore_rank_state(r: common.Rank, found: checkpoints.Found, scaling) -> None:
+    own = checkpoints.read_rank_state(found.path, r.rank)
+    if own is None or found.meta.get("world", r.world) != r.world:
+        # Another rank count: the weights and moments reshard, the per-rank RNG streams do not.
+        r.event("warning", f"{found.path} was written by {found.meta.get('world', '?')} rank(s), this run has "
+                           f"{r.world}: weights and optimizer resharded, random states start afresh")
+        own = checkpoints.read_rank_state(found.path, 0) if own is None else own
+        if own:
+            scaling.load(own.get("scaler"))
+        return
+    trainstate.set_rng_state(own["rng"], r.device)
+    scaling.load(own.get("scaler"))
+
+
+def _first_cause(e: BaseException) -> str:
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        inner = getattr(inner, "exc", inner)
+        return f"{type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"[:400]
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
 
 
 def train(r: common.Rank) -> None:
     cfg, t = r.cfg, r.cfg.train
     common.init_process_group(r)
+    stop = trainstate.StopRequest(r)
     model = build(r)
     optim = make_optimizer(r, model)
-    scaler = make_scaler(r)
-    start_step = resume(r, model, optim) if t.resume else 0
-    data = make_source(cfg, r.spec.vocab, r.spec.path, r.rank, r.world)
+    scaling = fsdp_step.LossScaling(r)
+    data = trainstate.Data(r)                 # before resume: resume moves it to the checkpoint's position
+    evaluator = trainstate.Evaluator(r)
+    start_step = resume(r, model, optim, scaling, data) if t.resume else 0
+    clip = fsdp_step.Clip(r, model, optim, scaling, reduce_dtype(cfg))
     meter = metrics.StepMeter(r)
-    skipped = torch.zeros((), device=r.device, dtype=torch.int64)
-    min_scale = cfg.precision.fp16_value("min_loss_scale")
-    r.phase("training")
-    grad_norm = None
-    reported_skips = 0
     floor = metrics.ScaleFloorWatch(cfg)
-    # Fused AdamW applies the clip factor as it reads each gradient (no fp16 scaler: that sets grad_scale).
-    fold_clip = scaler is None and optim.defaults.get("fused")
-    device_norm = None
-    if fold_clip and t.clip_grad_norm > 0 and cfg.fsdp.cpu_offload:
-        if offload.DeviceGradNorm.applies(model, reduce_dtype(cfg)):
-            device_norm = offload.DeviceGradNorm(model, r.device)
-            r.log("offload: the gradient norm is summed where each reduce-scatter lands, before the copy to the host")
-    norm_fallback_told = False
     phases = metrics.PhaseTimes(r)
+    r.phase("training")
+    stop.start_round()
     for step in range(start_step + 1, t.steps + 1):
         r.step = step
         phases.start()
@@ -199,59 +210,38 @@ def train(r: common.Rank) -> None:
         for group in optim.param_groups:
             group["lr"] = lr
         for micro in range(t.grad_accum):
-            batch = next_batch(data, t.micro_batch, r.device)
-            last = micro == t.grad_accum - 1
+            inputs, labels, positions = data.next()
             # Reduce-scatter gradients only on the last micro-batch (fewer collectives, more memory).
-            model.set_requires_gradient_sync(last)
-            loss = r.faults.on_loss(model(batch[:, :-1], batch[:, 1:]), step)
+            model.set_requires_gradient_sync(micro == t.grad_accum - 1)
+            loss = r.faults.on_loss(trainstate.forward(model, inputs, labels, positions), step)
             meter.add(loss)
-            scaled = loss / t.grad_accum
             phases.mark("forward")
-            (scaler.scale(scaled) if scaler else scaled).backward()
+            scaling.backward(loss / t.grad_accum)
             phases.mark("backward")
         grads_changed = r.faults.on_grads(model.parameters(), step)
-        if scaler:
-            scaler.unscale_(optim)
-        if t.clip_grad_norm > 0 and fold_clip:
-            known = device_norm.take() if device_norm is not None else None
-            if grads_changed:
-                known = None     # a test fault wrote an inf after the reduce-scatters: read the host's
-            elif device_norm is not None and known is None and not norm_fallback_told:
-                r.event("warning", "the gradient norm was not seen at every reduce-scatter; reading the host "
-                        "gradients instead (slower)")
-                norm_fallback_told = True
-            grad_norm = offload.fold_clip_into_step(model.parameters(), optim, t.clip_grad_norm, r.device, known)
-        elif t.clip_grad_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad_norm)
+        scaling.unscale(optim)
+        grad_norm = clip(grads_changed)
         phases.mark("clip")
-        if scaler:
-            before = scaler._scale.clone()
-            scaler.step(optim)
-            scaler.update()
-            skipped += (scaler._scale < before).to(torch.int64)   # on device: no sync
-            if min_scale:
-                scaler._scale.clamp_(min=float(min_scale))   # in place on the device: no sync
-        else:
-            optim.step()
+        scaling.step(optim)
         phases.mark("step")
         refresh_compute_copy(r)
         optim.zero_grad(set_to_none=True)
         phases.mark("copy+zero")
         if meter.due(step):
             norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            scale = float(scaler.get_scale()) if scaler else None
-            n_skipped = int(skipped)
-            if n_skipped > reported_skips:
-                r.event("overflow", f"{n_skipped - reported_skips} step(s) skipped on fp16 overflow "
-                        f"since the last line; loss scale now {scale:g}")
-                reported_skips = n_skipped
-            mean = meter.report(step, lr, norm, scale, n_skipped)
+            skipped = scaling.skipped_since_last_line()
+            mean = meter.report(step, lr, norm, scaling.value(), skipped)
             metrics.check_loss(r, mean, step)
-            floor.check(step, scale, n_skipped)
+            floor.check(step, scaling.value(), skipped)
             phases.report(step)
         if cfg.memory.empty_cache_every and r.is_cuda and step % cfg.memory.empty_cache_every == 0:
             torch.cuda.empty_cache()
+        if evaluator.due(step):
+            evaluator.run(model, step)
+        if stop.agreed():
+            trainstate.stop_with_save(r, stop, lambda: save(r, model, optim, scaling, data, step))
         if checkpoints.save_due(r, step):
-            save(r, model, optim, step)
-    if checkpoints.final_save_due(r):
-        save(r, model, optim, t.steps)
+            save(r, model, optim, scaling, data, step)
+        stop.start_round()
+    if checkpoints.final_save_due(r) and start_step < t.steps:
+        save(r, model, optim, scaling, data, t.steps)

@@ -1,0 +1,243 @@
+"""What a rank keeps beside the model for an exact resume, and the stop request.
+
+- `rng_state` / `set_rng_state`: torch (CPU and the rank's CUDA device), numpy and Python's RNGs as
+  JSON, so a checkpoint's rank state is read without unpickling anything.
+- `Data`: the training batches and their position (global samples consumed), built before resume and
+  moved to the checkpoint's position, so a resumed run reads the batches the stopped one would have.
+- `StopRequest`: SIGTERM / SIGINT (a console stop, Ctrl-C, torchrun forwarding either) asks for a
+  save at the next step boundary; every rank agrees on that boundary through a one-int all-reduce on
+  a gloo group, started at one step boundary and read at the next (no device sync, no wait). A
+  second signal, later than the launcher's copy of the first, ends the rank without the save.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import random
+import signal
+import threading
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from shardconsole.backends import data as data_mod
+
+
+# ---------------------------------------------------------------------------------------------------
+# RNG states
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def rng_state(device: torch.device) -> dict:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, state, gauss_next = random.getstate()
+    out = {"torch": _b64(torch.get_rng_state()),
+           "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+           "python": [version, list(state), gauss_next]}
+    if device.type == "cuda":
+        out["cuda"] = _b64(torch.cuda.get_rng_state(device))
+    return out
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(_unb64(state["torch"]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    version, st, gauss_next = state["python"]
+    random.setstate((version, tuple(st), gauss_next))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(_unb64(state["cuda"]), device)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data and its position
+
+class Data:
+    """The rank's training batches and the global count of samples consumed (all ranks together).
+
+    Written against the data interface of issue 15 (`make_source(r)`, `source.seek(samples)`,
+    `next_batch(...) -> Batch(inputs, labels, positions)`, `make_eval_source(r)`); with the older
+    module (a source of token windows) it seeks by drawing the batches already consumed, which for
+    those sources (random draws or a strided index) lands on the same position."""
+
+    def __init__(self, r) -> None:
+        self.r = r
+        t = r.cfg.train
+        self.micro_batch = t.micro_batch
+        self.samples_per_step = t.micro_batch * t.grad_accum * r.world
+        self.new_api = hasattr(data_mod, "Batch")
+        if self.new_api:
+            self.source = data_mod.make_source(r)
+        else:
+            self.source = data_mod.make_source(r.cfg, r.spec.vocab, r.spec.path, r.rank, r.world)
+        self.samples = 0
+
+    def seek(self, samples: int) -> None:
+        self.samples = samples
+        if not samples:
+            return
+        if hasattr(self.source, "seek"):
+            self.source.seek(samples)
+            return
+        per_rank = samples // self.r.world
+        for _ in range(per_rank // self.micro_batch):
+            self.source.batch(self.micro_batch)
+
+    def next(self):
+        """(inputs, labels, positions or None) on the rank's device."""
+        self.samples += self.micro_batch * self.r.world
+        if self.new_api:
+            b = data_mod.next_batch(self.source, self.micro_batch, self.r.device)
+            return b.inputs, b.labels, b.positions
+        batch = data_mod.next_batch(self.source, self.micro_batch, self.r.device)
+        return batch[:, :-1], batch[:, 1:], None
+
+
+def forward(model, inputs, labels, positions):
+    """The loss; positions only when the data has them (packed documents), so both model signatures work."""
+    if positions is None:
+        return model(inputs, labels)
+    return model(inputs, labels, positions)
+
+
+class Evaluator:
+    """Held-out loss every train.eval_every steps and after the last step, when there is eval data."""
+
+    def __init__(self, r) -> None:
+        self.r = r
+        self.every = int(getattr(r.cfg.train, "eval_every", 0) or 0)
+        make = getattr(data_mod, "make_eval_source", None)
+        self.source = make(r) if make is not None else None
+
+    def due(self, step: int) -> bool:
+        if self.source is None:
+            return False
+        return (self.every and step % self.every == 0) or step == self.r.cfg.train.steps
+
+    def run(self, model, step: int) -> None:
+        from shardconsole import protocol as P
+        from shardconsole.backends import evaluation
+        r = self.r
+        r.phase("evaluating") if "evaluating" in P.PHASES else None
+        t0 = time.perf_counter()
+        loss, tokens = evaluation.evaluate(model, self.source, r.cfg.train.micro_batch, r.device)
+        if r.rank == 0:
+            r.emit(P.Eval(run=r.run_id, rank=0, step=step, loss=float(loss), tokens=int(tokens),
+                          seconds=time.perf_counter() - t0))
+        r.phase("training")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stop requests
+
+class StopRequest:
+    """Signals become a flag read at step boundaries. A watcher thread reads them from the wakeup fd,
+    so a second signal ends the rank even while the main thread sits in a collective or a write."""
+
+    DEBOUNCE_S = 2.0     # the front end signals the ranks and the launcher forwards its own copy
+
+    def __init__(self, r) -> None:
+        self.r = r
+        self.local = False
+        self.first_at: float | None = None
+        self.skip_save = False
+        self.group = None
+        self.work = None
+        self.buf = torch.zeros(1, dtype=torch.int32)
+        if threading.current_thread() is not threading.main_thread():
+            return
+        rfd, wfd = os.pipe()
+        os.set_blocking(wfd, False)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)     # the watcher thread acts on it
+        signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(rfd,), daemon=True, name="stop-watch").start()
+
+    def _watch(self, rfd: int) -> None:
+        while True:
+            try:
+                data = os.read(rfd, 64)
+            except OSError:
+                return
+            for sig in data:
+                if sig not in (signal.SIGTERM, signal.SIGINT):
+                    continue
+                now = time.monotonic()
+                if self.first_at is None:
+                    self.first_at = now
+                    self.local = True
+                elif now - self.first_at > self.DEBOUNCE_S:
+                    self.skip_save = True
+                    end_now(self.r, "a second stop signal: ended without saving")
+
+    def start_round(self) -> None:
+        """At a step boundary: share this rank's flag; the answer is read at the next boundary."""
+        if self.group is None:
+            # A gloo group of its own: no device sync under NCCL, and never queued among the training's
+            # collectives on the default group.
+            self.group = dist.new_group(backend="gloo")
+        self.buf.fill_(1 if self.local else 0)
+        self.work = dist.all_reduce(self.buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+    def agreed(self) -> bool:
+        """Whether any rank had been asked to stop at the previous boundary (the same answer everywhere)."""
+        if self.work is None:
+            return False
+        self.work.wait()
+        self.work = None
+        return bool(int(self.buf.item()))
+
+
+class Stopped(Exception):
+    """The run was asked to stop (failures.classify: cause "stopped")."""
+
+
+def end_now(r, why: str) -> None:
+    """From any thread: report the stop and end the process at once (no save, no teardown)."""
+    from shardconsole import protocol as P
+    r.writer.emit(P.Failed(run=r.run_id, rank=r.rank, cause="stopped", message=f"stopped at step {r.step}: {why}",
+                           exc_type="Stopped", step=r.step))
+    from shardconsole.backends.common import exit_rank
+    exit_rank(1)
+
+
+def _launcher_grace_s(r) -> float:
+    """Seconds the launcher waits after forwarding SIGTERM before it SIGKILLs the ranks: torchrun's
+    --shutdown-timeout / TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30 s by default); the deepspeed launcher's
+    terminate_process_tree waits a fixed 30 s."""
+    if r.cfg.parallel.launcher == "torchrun":
+        try:
+            return float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+        except ValueError:
+            return 30.0
+    return 30.0
+
+
+def stop_with_save(r, stop: StopRequest, save) -> None:
+    """Every rank at the same step boundary: save (unless train.save_on_stop is off), bounded by
+    train.stop_save_timeout_s and by what the launcher allows, then raise Stopped."""
+    t = r.cfg.train
+    if not t.save_on_stop or stop.skip_save:
+        raise Stopped(f"stopped at step {r.step} without a save (train.save_on_stop = false)")
+    elapsed = time.monotonic() - stop.first_at if stop.first_at is not None else 0.0
+    budget = min(t.stop_save_timeout_s, _launcher_grace_s(r) - elapsed - 2.0)
+    r.event("stop_save", f"saving step {r.step} before stopping")
+    timer = threading.Timer(max(1.0, budget), end_now,
+                            (r, f"the save of step {r.step} took longer than {max(1.0, budget):.0f}s; its "
+                                f".partial folder is removed at the next save or resume"))
+    timer.daemon = True
+    timer.start()
+    try:
+        save()
+    finally:
+        timer.cancel()
+    raise Stopped(f"stopped at step {r.step}; saved it")

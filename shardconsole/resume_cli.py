@@ -1,0 +1,22 @@
+"""`shardconsole resume RUN_DIR [--set table.key=value ...]`: continue a stopped, failed or finished run
+in its own folder, through the same headless path as a new run (session/resume.py prepares it)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def cmd_resume(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="shardconsole resume",
+        description="continue a run from its newest complete checkpoint, in the same folder (its metrics.jsonl "
+                    "grows; the previous settings are kept as preset.toml.prev)")
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                    help="change a setting for the rest of the run, e.g. train.steps=200")
+    args = ap.parse_args(argv)
+    from shardconsole.session.resume import prepare_resume, resume_run_id
+    cfg = prepare_resume(args.run_dir, args.overrides)
+    from shardconsole import headless
+    return headless.run(cfg, args.run_dir, resume_run_id(args.run_dir))

@@ -14,7 +14,6 @@ import difflib
 import os
 import re
 import sys
-import tempfile
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -627,7 +626,9 @@ def save(cfg: RunConfig, path: str | Path, *, overwrite: bool = True) -> Path:
 def write_atomic(path: Path, text: str) -> Path:
     """Write text to path so that a reader (or a crash) sees the old file or the new one, never half."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # 0o666 and the umask decide (mkstemp's 0600 hid preset.toml from a follower of another uid)
+    tmp = str(path.parent / f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)

@@ -18,23 +18,49 @@ from shardconsole.protocol import MAX_LINE, DecodeError, Message, decode, encode
 
 
 class MetricsWriter:
+    """Appends one rank's (or the front end's) lines. A line the file refuses (a full disk, a folder
+    gone read-only) is dropped and counted, never raised into training; the first refusal is told once
+    on stderr, which is the rank's log (session.rundir.stream_stopped_note reads it back), because the
+    stream itself cannot carry the news."""
+
     def __init__(self, path: str | Path | None, run: str = "", rank: int = -1) -> None:
         self.path = Path(path) if path else None
         self.run, self.rank = run, rank
         self.dropped = 0
+        self.last_error = ""          # why the last line was dropped ("No space left on device")
+        self.last_step = 0            # the last step line written whole
+        self._torn = False            # a short write left half a line: the next line ends it first
         self._fd: int | None = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            # 0o666 and the umask decide, like every file of the run folder: a follower reads them all
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
 
     def emit(self, msg: Message) -> None:
         if self._fd is None:
             return
         try:
-            data = (encode(msg) + "\n").encode()
-            os.write(self._fd, data)
-        except (OSError, ValueError):
+            data = (("\n" if self._torn else "") + encode(msg) + "\n").encode()
+            n = os.write(self._fd, data)
+            self._torn = n < len(data)
+            if self._torn:
+                raise OSError(f"short write ({n} of {len(data)} bytes)")
+            if msg.kind == "step":
+                self.last_step = getattr(msg, "step", self.last_step)
+        except (OSError, ValueError) as e:
             self.dropped += 1
+            first = not self.last_error
+            self.last_error = getattr(e, "strerror", None) or str(e)
+            if first and self.rank >= 0:
+                self._tell(f"shardconsole: metrics stream: rank {self.rank} could not write a line to {self.path} "
+                           f"after step {self.last_step}: {self.last_error}; later lines are dropped and counted")
+
+    @staticmethod
+    def _tell(line: str) -> None:
+        try:
+            os.write(2, (line + "\n").encode())
+        except OSError:
+            pass     # the log is on the same full disk: stream_stopped_note then sees the disk itself
 
     def close(self) -> None:
         if self._fd is not None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from shardconsole import config as C
 from shardconsole.launch import build_argv, new_run_dir, slurm_script
@@ -14,14 +17,16 @@ from tests.conftest import shardconsole
 def test_single_node_torchrun():
     cfg = C.build({"parallel": {"nproc_per_node": 2}})
     argv = build_argv(cfg, Path("runs/x"), "x", python="py")
-    assert argv[:3] == ["py", "-m", "torch.distributed.run"]
-    assert "--nproc-per-node=2" in argv and "--nnodes=1" in argv and "--standalone" in argv
+    # torchrun through the wrapper whose stores listen on loopback (a real run checks it: test_run_faults)
+    assert argv[:3] == ["py", "-m", "shardconsole.loopback_torchrun"]
+    assert "--nproc-per-node=2" in argv and "--nnodes=1" in argv and "--standalone" not in argv
+    assert "--rdzv-endpoint=127.0.0.1:0" in argv and "--local-addr=127.0.0.1" in argv
     assert argv[-6:] == ["-m", "shardconsole.backends", "--run-dir", "runs/x", "--run-id", "x"]
 
 
 def test_fixed_port():
     argv = build_argv(C.build({"parallel": {"master_port": 29511}}), Path("r"), "r", python="py")
-    assert "--master-port=29511" in argv and "--standalone" not in argv
+    assert "--rdzv-endpoint=127.0.0.1:29511" in argv and "--standalone" not in argv
 
 
 def test_multi_node_rendezvous():
@@ -58,7 +63,7 @@ def test_new_run_dir_is_unique(tmp_path):
 def test_print_command_cli(tmp_path):
     res = shardconsole("--preset", "tiny-cpu", "--print-command", "--run-dir", str(tmp_path / "r"), timeout=60)
     assert res.returncode == 0, res.stderr
-    assert "torch.distributed.run" in res.stdout and "--nproc-per-node=2" in res.stdout
+    assert "shardconsole.loopback_torchrun" in res.stdout and "--nproc-per-node=2" in res.stdout
     # the printed command reads the run folder's preset: it is written, with the resolved settings
     assert C.load(tmp_path / "r" / "preset.toml").parallel.nproc_per_node == 2
     res = shardconsole("--preset", "tiny-cpu", "--print-command", "--set", "parallel.nnodes=2",
@@ -86,3 +91,129 @@ def test_slurm_script(tmp_path):
     cpu = slurm_script(C.build({}, overrides=["parallel.device=cpu"]), tmp_path, "x", python="py")
     assert "--gpus-per-node" not in cpu and "export CUDA_VISIBLE_DEVICES=''" in cpu
     assert "SLURM_JOB_ID % 20000" in cpu
+
+
+def test_slurm_script_names_cannot_inject_lines_or_commands(tmp_path):
+    """Issue 22 item 10: a newline or $(...) in the run folder's name stays inside one line / one word."""
+    evil = "r\nrm -rf $(touch PWNED)\n#SBATCH --nodes=99"
+    cfg = C.build({}, overrides=["parallel.device=cpu"])
+    text = slurm_script(cfg, tmp_path / evil, evil, python="py", workdir=tmp_path)
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    lines = text.splitlines()
+    comment = [line for line in lines if line.startswith("# shardconsole run ")]
+    assert len(comment) == 1 and "\\n" in comment[0]                 # escaped, still one line
+    assert not any(line.startswith(("rm ", "#SBATCH --nodes=99")) for line in lines)
+    assert [line for line in lines if line.startswith("#SBATCH --nodes=")] == ["#SBATCH --nodes=1"]
+    # run for real (srun and scontrol stand-ins on PATH): no command of the name runs, and the rank
+    # command still receives the name byte for byte
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho n0\n")
+    (bin_dir / "srun").write_text(f"#!/bin/sh\nprintf '%s\\0' \"$@\" > {tmp_path / 'srun.args'}\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    res = subprocess.run(["bash", "-c", text], cwd=tmp_path, text=True, capture_output=True,
+                         env={"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_NNODES": "1",
+                              "SLURM_JOB_NODELIST": "n0"})
+    assert res.returncode == 0, res.stderr
+    assert not (tmp_path / "PWNED").exists()
+    args = (tmp_path / "srun.args").read_bytes().decode().split("\0")
+    assert args[args.index("--run-dir") + 1] == str((tmp_path / evil).resolve())
+    assert args[args.index("--run-id") + 1] == evil
+
+
+def test_one_explicit_run_dir_one_winner(tmp_path):
+    """Issue 22 item 5: launches racing for one --run-dir: exactly one creates it."""
+    import threading
+    from shardconsole.session.rundir import RunDirError, create_run_dir
+    cfg = C.build({})
+    target, n = tmp_path / "runs" / "same", 8
+    barrier, won, lost = threading.Barrier(n), [], []
+
+    def launch():
+        barrier.wait()
+        try:
+            won.append(create_run_dir(cfg, target, explicit=True))
+        except RunDirError as e:
+            lost.append(str(e))
+
+    threads = [threading.Thread(target=launch) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert won == [target] and len(lost) == n - 1
+    assert all("folder exists" in why for why in lost)
+    assert C.load(target / "preset.toml") == cfg
+
+
+def test_default_names_in_one_second_both_start(tmp_path):
+    """Two default launches in the same second get two folders (the second a suffix); no refusal
+    naming a --run-dir the user never gave."""
+    from shardconsole.session.rundir import create_run_dir
+    cfg = C.build({})
+    name = new_run_dir("tiny-cpu", tmp_path)          # both launches computed this name
+    a = create_run_dir(cfg, name, explicit=False)
+    b = create_run_dir(cfg, name, explicit=False)
+    assert a == name and b == name.with_name(name.name + "-2")
+    assert (a / "preset.toml").is_file() and (b / "preset.toml").is_file()
+
+
+def test_empty_folder_made_by_the_user_is_taken_a_full_one_refused(tmp_path):
+    from shardconsole.session.rundir import RunDirError, create_run_dir
+    cfg = C.build({})
+    (tmp_path / "empty").mkdir()
+    assert create_run_dir(cfg, tmp_path / "empty") == tmp_path / "empty"
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "notes.txt").write_text("mine")
+    with pytest.raises(RunDirError, match="folder exists"):
+        create_run_dir(cfg, tmp_path / "home")
+    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["notes.txt"]
+
+
+def test_fixed_master_port_in_use_is_refused_before_launch(tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        res = shardconsole("--preset", "tiny-cpu", "--headless", "--set", f"parallel.master_port={port}",
+                           "--run-dir", str(tmp_path / "r"), timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.count("\n") == 1 and "master_port" in res.stderr and f"port {port} is already in use" in res.stderr
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.fixture
+def read_only_mount(tmp_path):
+    """A real read-only filesystem (root ignores permission bits, not a read-only mount)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True)
+    if res.returncode != 0:     # no mount here: a folder without write permission does it for non-root
+        assert os.getuid() != 0, f"cannot mount a read-only tmpfs as root: {res.stderr!r}"
+        ro.chmod(0o555)
+        yield ro
+        ro.chmod(0o755)
+        return
+    yield ro
+    subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_read_only_runs_folder_one_line_exit_2(read_only_mount, tmp_path):
+    """Issue 22 item 6: read-only runs/ (default name) and a read-only --run-dir: one line, exit 2."""
+    res = shardconsole("--preset", "tiny-cpu", "--headless", cwd=read_only_mount, timeout=60,
+                       env={"PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert "Traceback" not in res.stderr and "runs" in res.stderr
+    res = shardconsole("--preset", "tiny-cpu", "--print-command", "--run-dir", str(read_only_mount / "r"), timeout=60)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert "Read-only file system" in res.stderr or "Permission denied" in res.stderr
+
+
+def test_read_only_checkpoint_dir_found_before_launch(read_only_mount, tmp_path):
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--set", f"train.checkpoint_dir={read_only_mount / 'ck'}",
+                       "--run-dir", str(tmp_path / "r"), timeout=60)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert "checkpoint_dir" in res.stderr and str(read_only_mount) in res.stderr
+    assert not (tmp_path / "r").exists()       # refused before anything was written

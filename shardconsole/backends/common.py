@@ -87,7 +87,7 @@ def _redirect_output(run_dir: Path, rank: int) -> None:
     """Each rank's stdout/stderr go to logs/rank<N>.log (also C-level output: NCCL, gloo, aborts)."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    fd = os.open(logs / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(logs / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)

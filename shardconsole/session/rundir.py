@@ -1,0 +1,217 @@
+"""The run folder before and after a run: created once and atomically, checked for room to write, and
+asked why its stream stopped.
+
+- `create_run_dir`: two launches naming one --run-dir cannot both pass (the first to create
+  preset.toml with O_EXCL wins); a default name taken by a launch in the same second gets a suffix.
+- `check_writable` / `check_port_free`: what would otherwise fail minutes or hours into the run (a
+  read-only checkpoint_dir at the first save, a fixed master_port in use at the rendezvous) is found
+  before the launch, as one line naming the key.
+- `stream_stopped_note`: a stream that ends without a finished or failed line, explained (a full disk
+  writes nothing more to the stream, so the rank says it in its log, once).
+No torch, no UI.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from shardconsole import config as C
+from shardconsole.runfolder import PRESET_FILE, RunFolder
+
+# The line MetricsWriter prints into a rank's log when the stream refuses a line (stream.py).
+DROP_NOTE = re.compile(r"^shardconsole: metrics stream: .*?after step (\d+): (.+?); later lines", re.M)
+_LOW_SPACE = 64 << 10
+
+
+Origin = Callable[[str, str], str]     # settings.Resolved.origin: where a key's value came from
+
+
+def _source(origin: Origin | None, table: str, key: str) -> str:
+    return origin(table, key) if origin is not None else "settings"
+
+
+class RunDirError(C.ConfigError):
+    """A run folder that cannot be made or used: one line, exit 2 (the CLI catches ConfigError)."""
+
+
+def create_run_dir(cfg: C.RunConfig, run_dir: Path, *, explicit: bool = True) -> Path:
+    """Make run_dir with the resolved settings in it and return it. explicit (--run-dir given): a
+    folder already holding a run is refused, except a multi-node run's agents joining one shared
+    folder with the same settings. Not explicit (a default runs/<time>-<preset> name): a taken name
+    gets the next suffix, -2, -3, ..."""
+    where = f"--run-dir {run_dir}" if explicit else str(run_dir)
+    try:
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(f"{where}: cannot create {_first_missing(run_dir.parent)}: {e.strerror}") from None
+    for n in range(1, 1000):
+        path = run_dir if n == 1 else run_dir.with_name(f"{run_dir.name}-{n}")
+        made = _claim(path, where)
+        if made is not None:
+            break
+        if explicit:
+            preset = path / PRESET_FILE
+            if cfg.parallel.nnodes > 1 and _same_settings(preset, cfg):
+                return path
+            raise RunDirError(f"{where}: folder exists and holds a run or other files; pick a new one "
+                              f"(or `shardconsole attach {path}`)")
+    else:
+        raise RunDirError(f"{where}: 999 run folders of this name exist")
+    try:
+        C.save(cfg, path / PRESET_FILE)
+    except OSError as e:
+        _unclaim(path, made)
+        raise RunDirError(f"{where}: cannot write {path / PRESET_FILE}: {e.strerror}") from None
+    return path
+
+
+def _claim(path: Path, where: str) -> bool | None:
+    """Take path for this launch: True (the folder was created here), False (an empty folder the
+    user made, taken), None (someone else's). The O_EXCL create of preset.toml is the one atomic
+    step that two racing launches cannot both pass."""
+    created = True
+    try:
+        path.mkdir()
+    except FileExistsError:
+        created = False
+        if not path.is_dir():
+            return None
+    except OSError as e:
+        raise RunDirError(f"{where}: cannot create {path}: {e.strerror}") from None
+    try:
+        fd = os.open(path / PRESET_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except FileExistsError:
+        return None
+    except OSError as e:
+        if created:
+            _rmdir(path)
+        raise RunDirError(f"{where}: cannot write in {path}: {e.strerror}") from None
+    os.close(fd)
+    if not created and any(p.name != PRESET_FILE for p in path.iterdir()):
+        (path / PRESET_FILE).unlink(missing_ok=True)
+        return None
+    return created
+
+
+def _unclaim(path: Path, created: bool) -> None:
+    try:
+        (path / PRESET_FILE).unlink(missing_ok=True)
+    except OSError:
+        pass
+    if created:
+        _rmdir(path)
+
+
+def _rmdir(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:
+        pass
+
+
+def _same_settings(preset: Path, cfg: C.RunConfig) -> bool:
+    try:
+        return preset.is_file() and C.dumps(C.load(preset)) == C.dumps(cfg)
+    except (C.ConfigError, OSError):
+        return False
+
+
+def _first_missing(path: Path) -> Path:
+    """The folder whose creation fails: the nearest one that does not exist yet, else path."""
+    missing = path
+    for p in [path, *path.parents]:
+        if p.exists():
+            break
+        missing = p
+    return missing
+
+
+def check_writable(cfg: C.RunConfig, run_dir: Path, origin: Origin | None = None) -> None:
+    """Refuse, before a launch, a run folder or a checkpoint folder this process cannot write (a
+    read-only mount, a folder of another user, a path through a file). Probes by creating and removing
+    a file: permission bits alone do not say it (root, read-only mounts, ACLs)."""
+    _probe(run_dir, lambda why: RunDirError(f"run folder {run_dir}: {why}"))
+    if not _saves_checkpoints(cfg):
+        return
+    ckpt = RunFolder(run_dir).checkpoints(cfg.train.checkpoint_dir)
+    _probe(ckpt, lambda why: C.ConfigError(f"{ckpt}: {why}", source=_source(origin, "train", "checkpoint_dir"),
+                                           table="train", key="checkpoint_dir"))
+
+
+def _saves_checkpoints(cfg: C.RunConfig) -> bool:
+    t = cfg.train
+    return bool(getattr(t, "checkpoint_every", 0) or getattr(t, "save_final", False)
+                or getattr(t, "save_on_stop", False) or getattr(t, "resume", False))
+
+
+def _probe(path: Path, error) -> None:
+    path = path.expanduser()
+    target = path
+    while not target.exists():
+        if target.parent == target:
+            break
+        target = target.parent
+    if not target.is_dir():
+        raise error(f"{target} is not a folder, so nothing can be created under it")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=target, prefix=".shardconsole-probe-")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        what = "cannot be created" if target != path else "is not writable"
+        raise error(f"{what} ({target.resolve()}: {e.strerror})") from None
+
+
+def check_port_free(cfg: C.RunConfig, origin: Origin | None = None) -> None:
+    """A fixed parallel.master_port of a one-node run must be free here: two runs sharing one would
+    meet in one rendezvous, and the loser dies with EADDRINUSE on the last line of its log."""
+    port = cfg.parallel.master_port
+    if not port or cfg.parallel.nnodes > 1:
+        return
+    for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET, "0.0.0.0")):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as TCPStore does: TIME_WAIT is fine
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    continue
+                raise C.ConfigError(f"port {port} is already in use on this machine (another run or program "
+                                    f"listens on it); pick a free port, or 0 for any",
+                                    source=_source(origin, "parallel", "master_port"), table="parallel",
+                                    key="master_port") from None
+
+
+def stream_stopped_note(run_dir: Path) -> str:
+    """Why the stream of a run ended without a finished or failed line, when the run folder can say:
+    "the stream stopped at step N: No space left on device (logs/rank0.log)", or a full disk seen
+    now. '' when nothing explains it (then it was a crash)."""
+    folder = RunFolder(run_dir)
+    found = []
+    for log in sorted(folder.logs.glob("rank*.log")):
+        try:
+            with open(log, "rb") as fh:
+                text = fh.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        for m in DROP_NOTE.finditer(text):
+            found.append((int(m.group(1)), m.group(2), log))
+            break
+    if found:
+        step, why, log = min(found, key=lambda f: f[0])
+        return f"the stream stopped at step {step}: {why} ({log.relative_to(run_dir)})"
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        return ""
+    if free < _LOW_SPACE:
+        return (f"the disk holding {run_dir} is full ({free} bytes free): the stream and the rank logs could "
+                f"not be written")
+    return ""

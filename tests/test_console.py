@@ -28,7 +28,8 @@ from shardconsole.stream import MetricsWriter
 
 from shardconsole.console import fields as F
 from shardconsole.console.app import ShardConsoleApp
-from shardconsole.console.follow import LogTail, RunFollower
+from shardconsole.session.logtail import LogTail
+from shardconsole.session.watcher import Watcher
 from shardconsole.console.runview import Trace
 from shardconsole.console.services import PlannedRun, RunListing
 
@@ -55,8 +56,9 @@ class FakeJob:
     def alive(self) -> bool:
         return self._alive
 
-    def stop(self, grace_s: float = 10.0) -> StopReport:
+    def stop(self, grace_s: float, rank_pids, *, who: str, hurry) -> StopReport:
         self.stops += 1
+        self.stopped_by = who
         self._alive = False
         if self.on_stop:
             self.on_stop()
@@ -277,14 +279,14 @@ def test_follower_reads_the_stream_and_logs_and_writes_its_samples(tmp_path):
     run_dir = tmp_path / "runs" / "r1"
     write_run(run_dir, gpus=1, steps=3)
     probes = FakeProbes(gpus=[gpu_sample(0, 30.0)])
-    follower = RunFollower(FakeJob(run_dir), "r1", probes)
-    first = follower.tick()
+    watcher = Watcher(FakeJob(run_dir), run_dir, "r1", probes, sample_every_s=0.0)
+    first = watcher.poll()
     assert sum(isinstance(m, P.Step) for m in first.messages) == 3
     assert any("[rank 0] step 1 done" in line for line in first.log_lines)
-    assert follower.rank_pids == {0: 5000}
-    second = follower.tick()    # the samples written by the first tick come back through the file
+    assert watcher.rank_pids == [5000]
+    second = watcher.poll()    # the samples written by the first look come back through the file
     assert {type(m) for m in second.messages} == {P.GpuSample, P.HostSample}
-    follower.close()
+    watcher.close()
 
 
 def test_log_tail_starts_near_the_end_of_a_long_log(tmp_path):

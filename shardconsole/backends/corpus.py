@@ -75,14 +75,15 @@ def load_records(value: str, key: str, text_key: str, scratch: Path):
         raise
     except Exception as e:
         if path.suffix.lower() in (".jsonl", ".json"):
-            _find_bad_json_line(path, key)
+            _find_bad_json_line(path, key, text_key)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise DataError(f"[data] {key}: {path}: cannot read its records: {first}") from None
     return ds, path, where
 
 
-def _find_bad_json_line(path: Path, key: str) -> None:
+def _find_bad_json_line(path: Path, key: str, text_key: str) -> None:
     """`datasets` names no line for a bad JSON Lines record: find it (the first one) and name it."""
+    renderer = None
     with path.open(encoding="utf-8", errors="replace") as fh:
         head = fh.read(1)
         fh.seek(0)
@@ -97,6 +98,10 @@ def _find_bad_json_line(path: Path, key: str) -> None:
                 raise DataError(f"[data] {key}: {path}:{n}: not valid JSON ({e.msg}, column {e.colno})") from None
             if not isinstance(obj, dict):
                 raise DataError(f"[data] {key}: {path}:{n}: not a JSON object (a .jsonl file holds one per line)")
+            # Arrow could not give the records one schema: a field of the wrong type is the usual cause.
+            if renderer is None:
+                renderer = Renderer(detect_format(list(obj), text_key, f"{path}:{n}"), text_key, None)
+            renderer.segments(obj, f"{path}:{n}")
 
 
 def _where(path: Path, kind: str) -> Callable[[int], str]:

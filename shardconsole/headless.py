@@ -21,7 +21,7 @@ from shardconsole import protocol as P
 from shardconsole.diagnose import hang_message, where_ranks_are
 from shardconsole.launch import Job
 from shardconsole.runfolder import RunFolder
-from shardconsole.runstate import RunState
+from shardconsole.runstate import RunState, fmt_rate
 from shardconsole.session.outcome import EXIT_CODES, classify
 from shardconsole.session.signals import Detach, quiet_stdout
 from shardconsole.session.stop import Hurry, describe_stop, interrupts_hurry, stop_run
@@ -30,10 +30,6 @@ from shardconsole.session.watcher import MachineProbes, Tick, Watcher
 __all__ = ["EXIT_CODES", "run", "follow", "step_line", "progress_bar", "fmt_rate"]
 
 POLL_S = 0.2
-
-
-def fmt_rate(x: float) -> str:
-    return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
 
 
 def _num(x: float | None, fmt: str) -> str:
@@ -236,7 +232,7 @@ def _hung(watcher: Watcher, printer: Printer, err: TextIO, grace_s: float) -> in
 def _stop(watcher: Watcher, grace_s: float, who: str, printer: Printer, err: TextIO) -> None:
     hurry = Hurry()
     with interrupts_hurry(hurry):
-        report = stop_run(watcher.job, watcher.rank_pids, who=who, grace_s=grace_s, watcher=watcher, hurry=hurry)
+        report = stop_run(watcher.job, watcher.rank_pids, who=who, grace_s=grace_s, hurry=hurry)
         try:
             printer.render(watcher.poll(), watcher.state)
         except OSError:

@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 from shardconsole import protocol as P
 
 
+def fmt_rate(x: float) -> str:
+    """Tokens a second as both front ends print them: 61.5k."""
+    return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
+
+
 @dataclass
 class RunState:
     """What the front ends know of a run, folded from the stream."""
@@ -48,6 +53,14 @@ class RunState:
             self.data = msg
         elif isinstance(msg, P.Eval):
             self.evals.append(msg)
+
+    def new_session(self) -> None:
+        """A resumed run appends a new session to the same stream: its ranks, its end, its events."""
+        self.hellos.clear()
+        self.failed.clear()
+        self.events.clear()
+        self.finished = None
+        self.phase = "starting"
 
     @property
     def rank_pids(self) -> list[int]:

@@ -23,6 +23,7 @@ class RunUpdate(Message):
     messages: list[P.Message] = field(default_factory=list)
     log_lines: list[str] = field(default_factory=list)
     bad_lines: int = 0
+    notes: list[str] = field(default_factory=list)     # said once: the stream was deleted, ...
 
 
 @dataclass
@@ -37,8 +38,23 @@ class MachineSampled(Message):
 
 @dataclass
 class RunEnded(Message):
-    """The launcher ended (or, attached, its processes are gone)."""
+    """The run ended (its launcher and every rank of this host), classified by session/outcome.py."""
     exit_code: int | None = None
+    cause: str = "ok"
+    message: str = ""
+
+
+@dataclass
+class RunHung(Message):
+    """No step for far longer than a step takes; where each rank is (diagnose.hang_message)."""
+    message: str = ""
+
+
+@dataclass
+class RunResumed(Message):
+    """`r` on an ended run: the same folder, a new session from its newest checkpoint."""
+    handle: object = None
+    run_id: str = ""
 
 
 @dataclass

@@ -50,6 +50,7 @@ class RunView:
     run_id: str = ""
     state: RunState = field(default_factory=RunState)
     loss: Trace = field(default_factory=Trace)
+    eval_loss: Trace = field(default_factory=Trace)
     tokens_per_s: Trace = field(default_factory=Trace)
     host_used_gib: Trace = field(default_factory=Trace)
     gpu_used_gib: Trace = field(default_factory=Trace)     # the fullest card: the one that runs out first
@@ -74,6 +75,9 @@ class RunView:
                 self.loss.append(msg.step, msg.loss)
                 self.min_loss = msg.loss if self.min_loss is None else min(self.min_loss, msg.loss)
             self.tokens_per_s.append(msg.step, msg.tokens_per_s)
+        elif isinstance(msg, P.Eval):
+            if msg.loss is not None and msg.loss == msg.loss:
+                self.eval_loss.append(msg.step, msg.loss)
         elif isinstance(msg, P.HostSample):
             # The front end writes a look's GPU samples just before its host sample: one point per look.
             x = msg.t - (self.t0 or msg.t)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,8 @@ from shardconsole import config as C
 from shardconsole import preset_store
 from shardconsole.launch import PRESET_FILE, RUN_FILE, Job, StopReport, build_argv, new_run_dir, open_run
 from shardconsole.protocol import GpuSample, HostSample
+from shardconsole.session.stop import Hurry, stop_run
+from shardconsole.session.watcher import MachineProbes, Probes  # noqa: F401  (the console's probes)
 
 
 class AttachError(ValueError):
@@ -27,14 +28,34 @@ class AttachError(ValueError):
 
 
 class RunHandle(Protocol):
-    """A started or attached run, as launch.Job provides it (launch.ExternalJob for a run started on
-    other machines: no stop, its end read from the stream)."""
+    """A started or attached run: SessionRun here (launch.ExternalJob for a run started on other
+    machines: no stop, its end read from the stream). The session's watcher polls it."""
     run_dir: Path
     external: bool
 
     def poll(self) -> int | None: ...
     def alive(self) -> bool: ...
-    def stop(self, grace_s: float = 10.0) -> StopReport: ...
+    def stop(self, grace_s: float, rank_pids: Iterable[int], *, who: str, hurry: Hurry) -> StopReport: ...
+
+
+class SessionRun:
+    """launch.Job with the session's one stop path (session/stop.py) as its stop."""
+
+    external = False
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.run_dir = job.run_dir
+        self.proc = job.proc      # our child: the watcher polls it every look
+
+    def poll(self) -> int | None:
+        return self.job.poll()
+
+    def alive(self) -> bool:
+        return self.job.alive()
+
+    def stop(self, grace_s: float, rank_pids: Iterable[int], *, who: str, hurry: Hurry) -> StopReport:
+        return stop_run(self.job, list(rank_pids), who=who, grace_s=grace_s, hurry=hurry)
 
 
 @dataclass(frozen=True)
@@ -65,14 +86,8 @@ class Launcher(Protocol):
     def plan(self, cfg: C.RunConfig, preset_name: str) -> PlannedRun: ...
     def start(self, cfg: C.RunConfig, planned: PlannedRun) -> RunHandle: ...
     def attach(self, run_dir: Path) -> RunHandle: ...
+    def resume(self, run_dir: Path) -> tuple[RunHandle, str]: ...
     def recent_runs(self, limit: int = 30) -> list[RunListing]: ...
-
-
-class Probes(Protocol):
-    def gpu_unavailable(self) -> str:
-        """Why there are no GPU samples ("" when there are)."""
-    def gpus(self, run: str = "") -> list[GpuSample]: ...
-    def host(self, rank_pids: Iterable[int] = (), run: str = "") -> HostSample: ...
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -95,13 +110,22 @@ class TorchrunLauncher:
         run_dir.mkdir(parents=True)
         # The ranks read their settings from this file: it must exist before they start.
         C.save(cfg, run_dir / PRESET_FILE, overwrite=False)
-        return Job.start(cfg, run_dir, run_dir.name)
+        return SessionRun(Job.start(cfg, run_dir, run_dir.name))
 
     def attach(self, run_dir: Path) -> RunHandle:
         try:
-            return open_run(Path(run_dir).expanduser())
+            job = open_run(Path(run_dir).expanduser())
         except ValueError as e:
             raise AttachError(str(e)) from None
+        return job if job.external else SessionRun(job)
+
+    def resume(self, run_dir: Path) -> tuple[RunHandle, str]:
+        """Continue an ended run in its own folder (session/resume.py: newest complete checkpoint);
+        (the run, the run id of this session). ConfigError with one line when it cannot."""
+        from shardconsole.session.resume import prepare_resume, resume_run_id
+        cfg = prepare_resume(run_dir, [])
+        run_id = resume_run_id(run_dir)
+        return SessionRun(Job.start(cfg, Path(run_dir), run_id)), run_id
 
     def recent_runs(self, limit: int = 30) -> list[RunListing]:
         if not self.runs_root.is_dir():
@@ -125,31 +149,6 @@ def _launcher_alive(run_dir: Path) -> bool:
     except (OSError, ValueError, KeyError, TypeError):
         return False
     return True
-
-
-class MachineProbes:
-    """NVML and psutil (probes.py). NVML starts on first use, in the worker thread, not at start-up."""
-
-    def __init__(self) -> None:
-        self._gpu: Any = None
-        self._lock = threading.Lock()
-
-    def _probe(self) -> Any:
-        with self._lock:
-            if self._gpu is None:
-                from shardconsole.probes import GpuProbe
-                self._gpu = GpuProbe()
-            return self._gpu
-
-    def gpu_unavailable(self) -> str:
-        return self._probe().unavailable
-
-    def gpus(self, run: str = "") -> list[GpuSample]:
-        return self._probe().sample(run)
-
-    def host(self, rank_pids: Iterable[int] = (), run: str = "") -> HostSample:
-        from shardconsole.probes import host_sample
-        return host_sample(rank_pids, run)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from shardconsole import protocol as P
 from shardconsole.launch import Job, StopReport, _live
 from shardconsole.runfolder import RunFolder
 from shardconsole.session.outcome import STOP_REQUESTED
-from shardconsole.stream import MetricsWriter
+from shardconsole.stream import MetricsReader, MetricsWriter
 
 STOP_SAVE = "stop_save"
 DEFAULT_STOP_SAVE_TIMEOUT_S = 120.0
@@ -63,16 +63,16 @@ def announce(run_dir, run_id: str, who: str) -> None:
 
 
 def stop_run(job: Job, rank_pids, *, who: str, grace_s: float = 10.0, save_timeout_s: float | None = None,
-             watcher=None, hurry: Hurry | None = None, check_gpus: bool = True) -> StopReport:
+             hurry: Hurry | None = None, check_gpus: bool = True) -> StopReport:
     """SIGTERM every process of the run, wait (grace_s, or the save timeout once a rank says it saves),
-    then SIGKILL; report what is left and what the GPUs hold. `watcher` (session.watcher.Watcher) is
-    read meanwhile for the ranks' stop_save event."""
+    then SIGKILL; report what is left and what the GPUs hold."""
     hurry = hurry or Hurry()
     run_dir = job.run_dir
+    asked_at = time.time()
     announce(run_dir, RunFolder(run_dir).run_id, who)
     if save_timeout_s is None:
         save_timeout_s = stop_save_timeout(run_dir)
-    seen = len(watcher.state.events) if watcher is not None else 0
+    stream = MetricsReader(RunFolder(run_dir).metrics)     # for the ranks' stop_save event
     t0 = time.monotonic()
     rank_pids = tuple(p for p in rank_pids if p > 0)
     targets = job.processes(rank_pids)
@@ -83,11 +83,10 @@ def stop_run(job: Job, rank_pids, *, who: str, grace_s: float = 10.0, save_timeo
         job._reap()
         if not _live(targets):
             break
-        if watcher is not None and not saving:
-            watcher.poll()
-            if any(e.name == STOP_SAVE for e in watcher.state.events[seen:]):
-                saving = True
-                deadline = max(deadline, t0 + save_timeout_s)
+        if not saving and any(isinstance(m, P.Event) and m.name == STOP_SAVE and m.t >= asked_at - 1.0
+                              for m in stream.poll()):
+            saving = True
+            deadline = max(deadline, t0 + save_timeout_s)
         if hurry.is_set() or time.monotonic() >= deadline:
             report.killed = True
             targets = sorted(set(targets) | set(job.processes(rank_pids)))
@@ -99,6 +98,7 @@ def stop_run(job: Job, rank_pids, *, who: str, grace_s: float = 10.0, save_timeo
             break
         time.sleep(0.05)
     job._reap()
+    stream.close()
     report.left = _live(set(targets) | set(job.processes(rank_pids)))
     report.seconds = time.monotonic() - t0
     if check_gpus:
@@ -166,8 +166,7 @@ def stop_folder(run_dir: Path, err: TextIO) -> int:
         print(f"stopping {folder.path}: SIGTERM to every rank ... (Ctrl-C: SIGKILL now)", file=err, flush=True)
         hurry = Hurry()
         with interrupts_hurry(hurry):
-            report = stop_run(job, watcher.rank_pids, who=f"`shardconsole stop` (pid {os.getpid()})",
-                              watcher=watcher, hurry=hurry)
+            report = stop_run(job, watcher.rank_pids, who=f"`shardconsole stop` (pid {os.getpid()})", hurry=hurry)
         print(describe_stop(report), file=err, flush=True)
         return 0 if report.clean else 1
     finally:

@@ -73,14 +73,14 @@ class Tick:
 
 
 def rank_alive(hello: P.Hello) -> bool:
-    """Whether the process that said hello still runs: same pid, started no later than its hello (a pid
-    reused since by another process is not the rank). Never raises."""
+    """Whether the process that said hello still runs: same pid, started in the hour before its hello
+    (a pid reused since by another process is not the rank). Never raises."""
     if hello.pid <= 0 or (hello.host and hello.host != HOST):
         return False
     try:
         import psutil
         proc = psutil.Process(hello.pid)
-        return proc.status() != psutil.STATUS_ZOMBIE and proc.create_time() <= hello.t + 2.0
+        return proc.status() != psutil.STATUS_ZOMBIE and hello.t - 3600.0 <= proc.create_time() <= hello.t + 2.0
     except Exception:    # NoSuchProcess, AccessDenied, a pid psutil refuses
         return False
 
@@ -102,6 +102,9 @@ class Watcher:
         self.exit_code: int | None = None
         self.ended = False
         self.foreign_lines = 0
+        self.session = run_id          # the run id whose finished/failed lines end the run
+        self._resumed_prefix = f"{self.folder.run_id}-resume-"
+        self._sessions: set[str] = set()
         self._own = getattr(job, "proc", None) is not None      # our child: poll() is one waitpid
         self._last_look = float("-inf")
         self._last_sample = float("-inf")
@@ -166,7 +169,15 @@ class Watcher:
     def _read(self) -> list[P.Message]:
         out = []
         for msg in self.reader.poll():
-            if isinstance(msg, (P.Finished, P.Failed)) and msg.run and msg.run != self.run_id:
+            if isinstance(msg, P.Hello) and msg.run not in self._sessions and (
+                    msg.run == self.session or msg.run.startswith(self._resumed_prefix)):
+                # A session's first hello: what came before (an earlier session's end, a stop asked of
+                # it) is history. `shardconsole resume` appends sessions under run ids of their own.
+                self._sessions.add(msg.run)
+                if msg.run != self.folder.run_id:       # not the first session: forget the earlier ones' end
+                    self.state.new_session()
+                self.session = msg.run
+            if isinstance(msg, (P.Finished, P.Failed)) and msg.run and msg.run != self.session:
                 self.foreign_lines += 1     # another run's end in this folder is not this run's end
                 continue
             if isinstance(msg, P.Finished) and msg.rank != 0:

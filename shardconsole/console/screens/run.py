@@ -1,7 +1,8 @@
-"""The run screen: a started or attached run, live; stop it, leave it running, or start another.
+"""The run screen: a started or attached run, live; stop it, leave it running, resume it, or start another.
 
-A thread worker follows the run (console/follow.py) and posts what it finds; the screen folds that
-into its RunView and redraws the panels. Stopping runs in its own worker, since it waits for the ranks.
+A thread worker runs the session's watcher (session/watcher.py, the one the headless front end uses)
+and posts what it finds; the screen folds that into its RunView and redraws the panels. Stopping runs
+in its own worker through the session's stop path, since it waits for the ranks.
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Log, Static
 from textual.worker import get_current_worker
 
+from shardconsole import config as C
 from shardconsole import protocol as P
-from shardconsole.headless import EXIT_CODES, describe_stop, explain_exit
+from shardconsole.diagnose import hang_message, where_ranks_are
 from shardconsole.launch import StopReport
+from shardconsole.runfolder import RunFolder
+from shardconsole.session.outcome import EXIT_CODES, classify
+from shardconsole.session.stop import Hurry, describe_stop
+from shardconsole.session.watcher import Watcher
 
-from shardconsole.console.follow import RunFollower
-from shardconsole.console.messages import MachineSampled, RunEnded, RunUpdate, StopFinished
+from shardconsole.console.messages import MachineSampled, RunEnded, RunHung, RunResumed, RunUpdate, StopFinished
 from shardconsole.console.runview import RunView
 from shardconsole.console.screens.dialogs import ConfirmScreen, ReportScreen
 from shardconsole.console.services import Probes, RunHandle, RunOptions, planned_peaks
@@ -43,6 +48,7 @@ class RunScreen(Screen[None]):
     BINDINGS = [
         Binding("s", "stop", "Stop run"),
         Binding("l", "leave", "Leave (run goes on)"),
+        Binding("r", "resume", "Resume"),
         Binding("n", "new_run", "New run"),
         Binding("q", "app.quit", "Quit", show=False),   # ctrl+q (shown) does the same
     ]
@@ -50,12 +56,13 @@ class RunScreen(Screen[None]):
     status: reactive[str] = reactive("running")
     """running | stopping | stopped | finished | failed"""
 
-    def __init__(self, handle: RunHandle, probes: Probes, *, run_id: str | None = None, attached: bool = False,
-                 options: RunOptions = RunOptions()) -> None:
+    def __init__(self, handle: RunHandle, probes: Probes, *, attached: bool = False,
+                 options: RunOptions = RunOptions(), session_id: str | None = None) -> None:
+        """session_id: the run id of a resumed session (its own end lines); the folder's name otherwise."""
         super().__init__()
         self.handle = handle
         self.probes = probes
-        self.run_id = run_id or handle.run_dir.resolve().name
+        self.run_id = session_id or RunFolder(handle.run_dir).run_id
         self.attached = attached
         self.sample = options.sample
         self.stop_grace_s = options.stop_grace_s
@@ -64,6 +71,8 @@ class RunScreen(Screen[None]):
         self.outcome = ""            # the cause, once ended ("ok", "stopped", "gpu_oom", ...)
         self.note: Text = Text()     # the line under the status: how the run ended
         self._gpu_before_stop: dict[int, P.GpuSample] = {}
+        self._hurry = Hurry()
+        self._stop_reason = ""
 
     # --- layout ------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -92,11 +101,17 @@ class RunScreen(Screen[None]):
         return self.status in LIVE
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """Footer shows only what makes sense now: stop/leave while the run lives, new/quit after."""
-        if action in ("stop", "leave"):
-            return self.status == "running" if action == "stop" else self.live
+        """Footer shows only what makes sense now: stop/leave while the run lives (stop again while
+        stopping: SIGKILL now), new/resume/quit after."""
+        if action == "stop":
+            return self.live
+        if action == "leave":
+            return self.live
         if action == "new_run":
             return not self.live
+        if action == "resume":
+            return not self.live and not getattr(self.handle, "external", False) \
+                and hasattr(self.app, "launcher") and hasattr(self.app.launcher, "resume")
         return True
 
     def watch_status(self) -> None:
@@ -107,31 +122,47 @@ class RunScreen(Screen[None]):
     @work(thread=True, exclusive=True, group="follow")
     def follow(self) -> None:
         worker = get_current_worker()
-        follower = RunFollower(self.handle, self.run_id, self.probes, sample=self.sample)
+        watcher = Watcher(self.handle, self.handle.run_dir, self.run_id, self.probes if self.sample else None,
+                          look_every_s=POLL_S, hang_timeout_s=_hang_timeout(self.handle.run_dir))
         unavailable = self.probes.gpu_unavailable()
         self.post_message(MachineSampled([], gpu_unavailable=unavailable))
+        hang_said = False
         try:
             while not worker.is_cancelled:
-                tick = follower.tick()
+                tick = watcher.poll()
                 stream = [m for m in tick.messages if not isinstance(m, (P.GpuSample, P.HostSample))]
                 samples = [m for m in tick.messages if isinstance(m, (P.GpuSample, P.HostSample))]
-                if stream or tick.log_lines or tick.bad_lines != self.view.bad_lines:
-                    self.post_message(RunUpdate(stream, tick.log_lines, tick.bad_lines))
+                if stream or tick.log_lines or tick.notes or tick.bad_lines != self.view.bad_lines:
+                    self.post_message(RunUpdate(stream, tick.log_lines, tick.bad_lines, tick.notes))
                 if samples:
                     self.post_message(MachineSampled(samples, gpu_unavailable=unavailable))
                 if tick.ended:
-                    self.post_message(RunEnded(tick.exit_code))
+                    cause, message = classify(watcher.state, tick.exit_code, self.handle.run_dir)
+                    self.post_message(RunEnded(tick.exit_code, cause, message))
                     return
+                if not hang_said and self.status == "running" and watcher.hung():
+                    hang_said = True
+                    stacks = {} if watcher.external else where_ranks_are(watcher.state, self.handle.run_dir)
+                    self.post_message(RunHung(hang_message(watcher.state, stacks, watcher.stalled_for())))
                 time.sleep(POLL_S)
         finally:
-            follower.close()
+            watcher.close()
 
     @work(thread=True, exclusive=True, group="stop")
-    def stop_run(self) -> None:
-        report = self.handle.stop(self.stop_grace_s)
+    def stop_run(self, who: str) -> None:
+        report = self.handle.stop(self.stop_grace_s, self.view.state.rank_pids, who=who, hurry=self._hurry)
         unavailable = self.probes.gpu_unavailable()
         gpus = [] if unavailable else self.probes.gpus(self.run_id)
         self.post_message(StopFinished(report, gpus, unavailable))
+
+    @work(thread=True, exclusive=True, group="resume")
+    def resume_run(self) -> None:
+        try:
+            handle, run_id = self.app.launcher.resume(self.handle.run_dir)
+        except (C.ConfigError, OSError, ValueError) as e:
+            self.app.call_from_thread(self.notify, str(e), title="Cannot resume", severity="error", timeout=10)
+            return
+        self.post_message(RunResumed(handle, run_id))
 
     # --- what the workers found --------------------------------------------------------------------
     @on(RunUpdate)
@@ -141,6 +172,8 @@ class RunScreen(Screen[None]):
         self.view.bad_lines = event.bad_lines
         if event.log_lines:
             self.query_one("#logs", Log).write_lines(event.log_lines)
+        for note in event.notes:
+            self.notify(note, title="The run's stream", severity="warning", timeout=15)
         self._draw()
 
     @on(MachineSampled)
@@ -154,28 +187,50 @@ class RunScreen(Screen[None]):
 
     @on(RunEnded)
     def _run_ended(self, event: RunEnded) -> None:
-        state = self.view.state
-        if self.status in ("stopping", "stopped"):
-            self.outcome = "stopped"
-            if self.status == "stopping":
-                return   # StopFinished tells the rest
-        elif state.finished is not None and event.exit_code in (0, None):
-            self.outcome = "ok"
-            steps = state.finished.steps
+        if self.status in ("stopping", "stopped") or (self.outcome == "hang" and event.cause != "ok"):
+            self.outcome = self.outcome or "stopped"
+            return   # StopFinished tells the rest
+        self.outcome = event.cause
+        if event.cause == "ok":
+            steps = self.view.state.finished.steps if self.view.state.finished else 0
             self.note = Text(f"■ finished: {steps} steps in {duration(self.view.elapsed_s)}; "
                              f"run folder {self.handle.run_dir}", "green")
             self.status = "finished"
+        elif event.cause == "stopped":      # stopped from elsewhere: another front end, `shardconsole stop`
+            self.note = Text(f"■ {event.message.splitlines()[0]}", "yellow")
+            self.status = "stopped"
         else:
-            cause, message = explain_exit(state, event.exit_code, self.handle.run_dir)
-            self.outcome = cause
-            self.note = Text(f"✖ {message.splitlines()[0]}", "red")
+            self.note = Text(f"✖ {event.message.splitlines()[0]}", "red")
             self.status = "failed"
-            self.app.push_screen(ReportScreen(f"The run failed: {cause}", message, error=True))
+            self.app.push_screen(ReportScreen(f"The run failed: {event.cause}", event.message, error=True))
         self._draw_status()
+
+    @on(RunHung)
+    def _run_hung(self, event: RunHung) -> None:
+        if getattr(self.handle, "external", False):
+            self.note = Text(f"✖ run hung: {event.message}; it was not started here, so it is not stopped here",
+                             "red")
+            self._draw_status()
+            return
+        self.outcome = "hang"
+        self.note = Text(f"✖ run hung: {event.message}; stopping it", "red")
+        self._begin_stop("the console: hang, " + event.message.split(";")[0])
+
+    @on(RunResumed)
+    def _run_resumed(self, event: RunResumed) -> None:
+        """The same screen follows the new session: the whole stream again, the old curves included."""
+        self.handle, self.run_id = event.handle, event.run_id
+        self.view = RunView(self.run_id)
+        self.view.planned_gpu_bytes, self.view.planned_host_bytes = planned_peaks(self.handle.run_dir, self.probes)
+        self.outcome, self.note, self._hurry = "", Text(), Hurry()
+        self.query_one("#logs", Log).clear()
+        self.status = "running"
+        self.sub_title = f"resumed · run {self.run_id}"
+        self.follow()
 
     @on(StopFinished)
     def _stop_finished(self, event: StopFinished) -> None:
-        self.outcome = "stopped"
+        self.outcome = self.outcome or "stopped"
         for sample in event.gpus_after:    # the panel shows the memory given back
             self.view.apply(sample)
         self.query_one(GpuPanel).show(self.view, self.gpu_unavailable)
@@ -198,17 +253,29 @@ class RunScreen(Screen[None]):
             self.notify("This run was started on other machines (--print-command or --slurm): stop it where it "
                         "runs, e.g. scancel for a Slurm job. q leaves it running.", severity="warning")
             return
+        if self.status == "stopping":
+            self._hurry.set()
+            self.notify("Not waiting for the ranks' checkpoint save: SIGKILL now.", severity="warning")
+            return
 
         def answer(yes: bool | None) -> None:
             if yes and self.status == "running":
-                self._gpu_before_stop = dict(self.view.state.gpus)
-                self.status = "stopping"
-                self.stop_run()
+                self._begin_stop("the console's s")
 
         self.app.push_screen(ConfirmScreen(
             "Stop the run?",
-            f"Every process of run {self.run_id} gets SIGTERM, then SIGKILL after {self.stop_grace_s:.0f} s. "
-            "Steps since the last checkpoint are lost.", yes="Stop", no="Keep running"), answer)
+            f"Every process of run {self.run_id} gets SIGTERM, then SIGKILL after {self.stop_grace_s:.0f} s "
+            "(ranks saving a checkpoint on stop get longer; s again skips that). Steps since the last "
+            "checkpoint are lost.", yes="Stop", no="Keep running"), answer)
+
+    def _begin_stop(self, who: str) -> None:
+        self._gpu_before_stop = dict(self.view.state.gpus)
+        self.status = "stopping"
+        self.stop_run(who)
+
+    def action_resume(self) -> None:
+        if not self.live:
+            self.resume_run()
 
     def action_leave(self) -> None:
         """Quit the console; the run goes on in its own session and can be attached to again."""
@@ -288,3 +355,10 @@ def stop_details(report: StopReport, view: RunView, before: dict[int, P.GpuSampl
         else:
             out.append((f"gpu{g.index}: {change}; no process of the run holds memory", True))
     return out
+
+
+def _hang_timeout(run_dir: Path) -> float:
+    try:
+        return C.load(RunFolder(run_dir).preset).train.hang_timeout_s
+    except (C.ConfigError, OSError):
+        return 0.0

@@ -11,7 +11,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Static
 
-from shardconsole.headless import fmt_rate
+from shardconsole.runstate import fmt_rate
 from shardconsole.console.runview import GIB, RunView
 from shardconsole.console.widgets.line_plot import LinePlot, PlotSeries
 
@@ -20,6 +20,7 @@ HOST_COLOR = "#5fafff"
 GPU_COLOR = "#87d75f"
 TOKENS_COLOR = "#d787ff"
 LOSS_COLOR = "#5fd7d7"
+EVAL_COLOR = "#ffaf5f"
 
 
 def gib(n: int | float | None) -> str:
@@ -186,9 +187,20 @@ class LossPanel(Panel):
             text.append(f"loss {loss}", "bold")
             if view.min_loss is not None and (s.loss is None or view.min_loss < s.loss):
                 text.append(f" (min {view.min_loss:.4f})")
+            evals = view.state.evals
+            if evals:
+                e = evals[-1]
+                text.append(f" · eval {'n/a' if e.loss is None else f'{e.loss:.4f}'} at step {e.step}", EVAL_COLOR)
             scale = "n/a (not fp16)" if s.loss_scale is None else f"{s.loss_scale:g}"
             text.append(f"\nloss scale {scale} · {s.skipped_steps} skipped",
                         "yellow" if s.skipped_steps else "")
+        d = view.state.data
+        if d is not None:
+            text.append(f"\ndata {d.format}: {d.records} records, {d.tokens} tokens, {d.samples} samples, "
+                        f"{100 * d.loss_share:.0f}% under loss, {d.epochs:.2f} epochs · tokenizer "
+                        f"{d.tokenizer or 'n/a'}", "dim")
         self.query_one("#loss-text", Static).update(text)
-        self.query_one("#loss-plot", LinePlot).series = (
-            PlotSeries("loss", view.loss.xs, view.loss.ys, LOSS_COLOR),)
+        series = [PlotSeries("loss", view.loss.xs, view.loss.ys, LOSS_COLOR)]
+        if len(view.eval_loss):
+            series.append(PlotSeries("eval", view.eval_loss.xs, view.eval_loss.ys, EVAL_COLOR))
+        self.query_one("#loss-plot", LinePlot).series = tuple(series)

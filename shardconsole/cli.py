@@ -14,12 +14,12 @@ import sys
 from pathlib import Path
 
 from shardconsole import config as C
-from shardconsole import preset_store
+from shardconsole import preset_store, settings
 from shardconsole.launch import (PRESET_FILE, build_argv, format_argv, new_run_dir, open_run, run_id_of,
                                  slurm_script)
-from shardconsole.models import ModelError, resolve
-
-DEFAULT_PRESET = "tiny-cpu"
+from shardconsole.models import ModelError
+from shardconsole.session import preflight
+from shardconsole.settings import DEFAULT_PRESET
 
 
 class UsageError(Exception):
@@ -45,63 +45,33 @@ def _run_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def load_config(preset: str | None, overrides: list[str], *, here: bool = True) -> tuple[C.RunConfig, str]:
-    """The resolved settings, checked against this machine (GPU count; `here`: the ranks run on this
-    machine) and the model/data paths."""
-    name = preset or DEFAULT_PRESET
-    cfg, path, notes = preset_store.resolve(name, overrides)
-    for note in notes:
+def load_config(preset: str | None, overrides: list[str], *, here: bool = True) -> settings.Resolved:
+    """The settings of this command, resolved once (settings.resolve) and checked before a launch
+    (session/preflight): the model folder, the data files and, when `here` (the ranks run on this
+    machine), its GPU count. Notes and warnings go to stderr."""
+    r = settings.resolve(preset or DEFAULT_PRESET, settings.from_cli(overrides))
+    for note in r.notes:
         print(f"shardconsole: {note}", file=sys.stderr)
-    if cfg.parallel.device != "cpu" and here:
+    gpus = None
+    if here and r.cfg.parallel.device != "cpu":
         from shardconsole.probes import gpu_count
-        n = gpu_count()
-        C.validate(cfg, str(path), gpu_count=n)
-        if cfg.parallel.device == "auto" and n == 0:
-            # CPU ranks over gloo: allowed (tests and laptops), but rarely what a GPU preset meant
-            print("shardconsole: parallel.device is auto and this machine has no GPU: the ranks compute on "
-                  "the CPU (slow for anything but the tiny model)", file=sys.stderr)
-    try:
-        spec = resolve(cfg.model.name)
-    except ModelError as e:
-        raise C.ConfigError(f"{path}: [model] name: {e}") from None
-    if spec.path is not None and not spec.has_weights:
-        raise C.ConfigError(f"{path}: [model] name: {spec.path}: holds a config but no weights "
-                            f"(model.safetensors or pytorch_model.bin); to train this shape from random init, "
-                            f"save weights first or pick a catalog size")
-    if cfg.data.source != "synthetic":
-        data = Path(cfg.data.path).expanduser()
-        if not data.is_file():
-            raise C.ConfigError(f"{path}: [data] path: {data}: no such file")
-        if cfg.data.source == "text":
-            _check_text(data, path)
-    return cfg, name
-
-
-def _check_text(data: Path, source: str) -> None:
-    """Refuse a binary file before any rank starts (the ranks check it all again as they read it)."""
-    import codecs
-    head = data.open("rb").read(1 << 16)
-    if b"\x00" in head:
-        raise C.ConfigError(f"{source}: [data] path: {data}: not a text file (it holds NUL bytes); "
-                            f"for token ids use data.source = \"tokens\"")
-    try:
-        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
-    except UnicodeDecodeError as e:
-        raise C.ConfigError(f"{source}: [data] path: {data}: not UTF-8 text (byte {e.start})") from None
+        gpus = gpu_count()
+    for warning in preflight.check_launch(r, gpu_count=gpus):
+        print(f"shardconsole: {warning}", file=sys.stderr)
+    return r
 
 
 def cmd_run(argv: list[str]) -> int:
     args = _run_parser().parse_args(argv)
     if not args.headless and not args.print_command and not args.slurm:
-        # The console checks the machine (NVML) in a worker after its first paint and runs
-        # load_config itself before it launches; here only bad input must stop it (exit 2).
-        name = args.preset or DEFAULT_PRESET
-        preset_store.resolve(name, args.overrides)
-        return _open_console(name, args.overrides)
+        # Bad input stops here (exit 2); the console checks the machine (NVML) in a worker after its
+        # first paint and runs the same preflight before it launches.
+        return _open_console(settings.resolve(args.preset or DEFAULT_PRESET, settings.from_cli(args.overrides)))
     if args.headless and (args.print_command or args.slurm):
         raise UsageError("--headless runs the job here; --print-command and --slurm only write it out: pick one")
     # A command or a batch script is for the machines that will run it, not for this one's GPUs.
-    cfg, name = load_config(args.preset, args.overrides, here=not (args.print_command or args.slurm))
+    resolved = load_config(args.preset, args.overrides, here=not (args.print_command or args.slurm))
+    cfg, name = resolved.cfg, resolved.preset
     run_dir = args.run_dir or new_run_dir(name)
     if args.print_command or args.slurm:
         # The printed command reads the run folder's preset.toml: it must exist for the command to work.
@@ -119,26 +89,10 @@ def cmd_run(argv: list[str]) -> int:
               file=sys.stderr)
         return 0
     if not args.force:
-        check_host_memory(cfg, name)
+        preflight.check_host_memory(resolved, preflight.check_model(resolved))
     _prepare_run_dir(cfg, run_dir)
     from shardconsole import headless
     return headless.run(cfg, run_dir, run_dir.resolve().name)
-
-
-def check_host_memory(cfg: C.RunConfig, name: str) -> None:
-    """Refuse a launch that the planner says cannot fit this machine's RAM: a host out of memory does
-    not fail cleanly like a GPU OOM, the kernel's OOM killer may take any process (the planner's host
-    figure was within 6% of every calibration run). GPU verdicts are left to the run: a GPU OOM is
-    caught and explained with the settings that fit."""
-    try:
-        from shardconsole import plan
-        est = plan.estimate(cfg, resolve(cfg.model.name), plan.detect_hardware())
-    except Exception:   # a check that cannot run must not block a launch
-        return
-    if est.host_budget_bytes and est.host_peak_bytes > est.host_budget_bytes:
-        raise C.ConfigError(f"{name}: the planner puts this run at {C.format_size(est.host_peak_bytes)} of host "
-                            f"RAM, over the {C.format_size(est.host_budget_bytes)} usable here "
-                            f"(`shardconsole plan --preset {name}` lists the parts; --force launches anyway)")
 
 
 def _prepare_run_dir(cfg: C.RunConfig, run_dir: Path) -> None:
@@ -154,13 +108,13 @@ def _prepare_run_dir(cfg: C.RunConfig, run_dir: Path) -> None:
     C.save(cfg, preset)
 
 
-def _open_console(name: str, overrides: list[str]) -> int:
+def _open_console(resolved: settings.Resolved) -> int:
     try:
         from shardconsole.console.app import run_console
     except ImportError as e:
         print(f"shardconsole: the console is not available ({e}); use --headless", file=sys.stderr)
         return 1
-    return run_console(preset=name, overrides=overrides)
+    return run_console(resolved=resolved)
 
 
 def cmd_presets(argv: list[str]) -> int:

@@ -7,7 +7,10 @@ backends/common.py.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,6 +112,7 @@ def resolve(name: str) -> ModelSpec:
         raise ModelError(f"{cfg_file}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ModelError(f"{cfg_file}: expected a JSON object")
+    raw = config
     # Multimodal / nested configs keep the language model under text_config.
     if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
         config = {**config["text_config"], "model_type": config["text_config"].get("model_type", "llama")}
@@ -116,11 +120,44 @@ def resolve(name: str) -> ModelSpec:
                            "vocab_size") if k not in config]
     if missing:
         raise ModelError(f"{cfg_file}: not a decoder-only transformer config (missing {', '.join(missing)})")
+    _check_buildable(raw, cfg_file)
     has_weights = any((path / f).exists() for f in WEIGHT_FILES)
     has_tok = any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
     return ModelSpec(name=name, config=config, path=str(path.resolve()), has_weights=has_weights,
                      has_tokenizer=has_tok)
 
 
-def catalog_specs() -> list[ModelSpec]:
-    return [resolve(n) for n in CATALOG]
+
+@functools.cache
+def causal_lm_types() -> frozenset[str] | None:
+    """The model_type values transformers' AutoModelForCausalLM builds, read from its source text: importing
+    transformers would take seconds and pull torch into the console. None when it cannot be read (then
+    nothing is refused on this ground; the ranks still say what they cannot build)."""
+    try:
+        spec = importlib.util.find_spec("transformers")
+        root = Path(next(iter(spec.submodule_search_locations or [])))
+        text = (root / "models" / "auto" / "modeling_auto.py").read_text()
+        start = text.index("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES = OrderedDict(")
+        block = text[start:text.index("\n)\n", start)]
+    except (AttributeError, StopIteration, OSError, ValueError):
+        return None
+    found = frozenset(re.findall(r'\(\s*"([\w-]+)",', block))
+    return found or None
+
+
+def _check_buildable(config: dict[str, Any], cfg_file: Path) -> None:
+    """Refuse up front what the ranks could only crash on: a model that needs the folder's own code
+    (shardconsole never runs it: no trust_remote_code), or a model_type transformers cannot build as a
+    causal LM."""
+    if "auto_map" in config:
+        raise ModelError(f"{cfg_file}: the model needs its own code (auto_map); shardconsole trains only "
+                         f"architectures transformers ships and never runs a model folder's code")
+    model_type = config.get("model_type")
+    known = causal_lm_types()
+    if known is None:
+        return
+    if not isinstance(model_type, str) or not model_type:
+        raise ModelError(f"{cfg_file}: no model_type; transformers needs it to know the architecture")
+    if model_type not in known:
+        raise ModelError(f"{cfg_file}: model_type {model_type!r} is not a causal language model that this "
+                         f"transformers builds (AutoModelForCausalLM); use a decoder-only model such as llama")

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 from shardconsole import config as C
 from shardconsole import plan as PL
-from shardconsole import preset_store
-from shardconsole.models import ModelError, human_count, resolve
+from shardconsole import settings
+from shardconsole.models import human_count
+from shardconsole.session import preflight
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,18 +73,10 @@ def hardware_from_args(gpus: int | None, gpu_memory: str | None, host_memory: st
         source="given" if not found else ("detected + given" if given else "detected"))
 
 
-def load(preset: str | None, overrides: list[str]) -> tuple[C.RunConfig, str]:
-    """The run's settings, checked like a launch, but not against this machine's GPUs: a plan is
-    often made for another machine."""
-    cfg, _, _ = preset_store.resolve(preset, overrides)
-    return cfg, preset or "defaults"
-
-
-def _spec(cfg: C.RunConfig, source: str):
-    try:
-        return resolve(cfg.model.name)
-    except ModelError as e:
-        raise C.ConfigError(f"{source}: [model] name: {e}") from None
+def load(preset: str | None, overrides: list[settings.Override]) -> settings.Resolved:
+    """The run's settings, resolved as a launch resolves them, but not checked against this machine's
+    GPUs: a plan is often made for another machine."""
+    return settings.resolve(preset, overrides)
 
 
 def _hw_text(hw: PL.Hardware) -> str:
@@ -150,8 +142,9 @@ def cmd_plan(argv: list[str]) -> int:
     if args.model or args.seq_len:
         raise C.ConfigError("--model and --seq-len go with --fit; to plan a run use --set model.name=... "
                             "and --set data.seq_len=...")
-    cfg, name = load(args.preset, args.overrides)
-    spec = _spec(cfg, name)
+    resolved = load(args.preset, settings.from_cli(args.overrides))
+    cfg, name = resolved.cfg, args.preset or "defaults"
+    spec = preflight.check_model(resolved, weights=False)
     hw = hardware_from_args(args.gpus, args.gpu_memory, args.host_memory)
     est = PL.estimate(cfg, spec, hw)
     if args.json:
@@ -166,10 +159,11 @@ def cmd_plan(argv: list[str]) -> int:
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
-    overrides = list(args.overrides)
+    overrides = settings.from_cli(args.overrides)
     if args.model:
-        overrides.append(f"model.name={args.model}")
-    cfg, name = load(args.preset, overrides)
+        overrides.append(settings.Override("model", "name", args.model, "--model"))
+    resolved = load(args.preset, overrides)
+    cfg = resolved.cfg
     if args.seq_len is not None:
         cfg = PL.replace_cfg(cfg, ("data", "seq_len", args.seq_len))
         C.validate(cfg, "--seq-len")
@@ -184,7 +178,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     off = any(o.split("=", 1)[0].strip() == "memory.activation_checkpointing" for o in args.overrides) \
         and not cfg.memory.activation_checkpointing
     rows = PL.fit_table(hw, seq_len=cfg.data.seq_len, base=cfg, checkpointing=not off)
-    cands = PL.settings_that_fit(cfg, hw, _spec(cfg, name)) if args.model else None
+    cands = PL.settings_that_fit(cfg, hw, preflight.check_model(resolved, weights=False)) if args.model else None
     if args.json:
         out: dict[str, Any] = {"hardware": _hw_dict(hw), "fit_table": [r.to_dict() for r in rows]}
         if cands is not None:
@@ -218,7 +212,3 @@ def _cmd_fit(args: argparse.Namespace) -> int:
             print("\nfastest: " + " ".join(f"--set {o}" for o in cands[0].overrides))
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    from shardconsole.cli import main
-    sys.exit(main(["plan", *sys.argv[1:]]))

@@ -7,6 +7,7 @@ folder (platformdirs' config dir, or $SHARDCONSOLE_PRESETS_DIR) shadows built-in
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,27 +76,33 @@ def find(name_or_path: str) -> Path:
                         f"or a path to a .toml file")
 
 
-def resolve(name_or_path: str | None, overrides: list[str] | None = None, *,
-            gpu_count: int | None = None) -> tuple[C.RunConfig, str, list[str]]:
-    """The settings a run of this preset uses: defaults < preset < overrides, and, when the result is a
-    DeepSpeed run made from FSDP settings (`--set parallel.backend=deepspeed`), their ZeRO equivalents
-    for every deepspeed key the user did not set. Returns (settings, source file, notes on the mapping).
-    Every front end (run, plan, export, console) resolves through here, so they agree."""
-    from shardconsole import ds_json
-    if name_or_path is None:
-        cfg, notes = ds_json.deepspeed_config_for(None, "defaults", overrides, gpu_count=gpu_count)
-        return cfg, "defaults", notes
+def load(name_or_path: str, overrides: list[str] | None = None) -> C.RunConfig:
+    """A preset file's settings with `--set` overrides, as written: no DeepSpeed equivalents of FSDP
+    settings and no machine checks. What a run uses comes from settings.resolve."""
     path = find(name_or_path)
-    cfg, notes = ds_json.deepspeed_config_for(C.load_toml(path), str(path), overrides, gpu_count=gpu_count)
-    return cfg, str(path), notes
+    return C.build(C.load_toml(path), str(path), overrides)
 
 
-def load(name_or_path: str, overrides: list[str] | None = None, *, gpu_count: int | None = None) -> C.RunConfig:
-    return resolve(name_or_path, overrides, gpu_count=gpu_count)[0]
+# Letters, digits, '-' and '_', not first a '-' (it would read as an option) and short enough for any
+# file system (255 bytes a name, with ".toml").
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}")
+
+
+def check_name(name: str) -> str:
+    """A preset name to save under, or ConfigError saying the rule. Built-in names are taken: a user
+    preset of the same name would hide the built-in from every front end."""
+    if not _NAME.fullmatch(name):
+        shown = name if len(name) <= 40 else name[:37] + "..."
+        hint = " (leave out .toml)" if name.endswith(".toml") else ""
+        raise C.ConfigError(f"{shown!r} is not a preset name{hint}: use up to 64 letters, digits, '-' and '_', "
+                            f"not starting with '-'", source="preset name")
+    if (builtin_dir() / f"{name}.toml").is_file():
+        raise C.ConfigError(f"{name!r} is a built-in preset; pick another name (a user preset of that name "
+                            f"would hide the built-in)", source="preset name")
+    return name
 
 
 def save_user_preset(cfg: C.RunConfig, name: str, *, overwrite: bool = False) -> Path:
-    """Write cfg as <user dir>/<name>.toml. Raises FileExistsError unless overwrite."""
-    if not name or any(c in name for c in "/\\") or name.startswith("."):
-        raise C.ConfigError(f"preset name {name!r}: use letters, digits, '-' and '_'")
-    return C.save(cfg, user_dir() / f"{name}.toml", overwrite=overwrite)
+    """Write cfg as <user dir>/<name>.toml. Raises ConfigError for a name check_name refuses, and
+    FileExistsError unless overwrite."""
+    return C.save(cfg, user_dir() / f"{check_name(name)}.toml", overwrite=overwrite)

@@ -15,7 +15,7 @@ from types import ModuleType
 from textual.app import App
 from textual.binding import Binding
 
-from shardconsole.cli import DEFAULT_PRESET
+from shardconsole import settings
 from shardconsole.console.screens.setup import SetupScreen
 from shardconsole.console.services import Launcher, MachineProbes, Probes, RunOptions, TorchrunLauncher, load_plan
 
@@ -27,16 +27,18 @@ class ShardConsoleApp(App[Path | None]):
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
     BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True)]
 
-    def __init__(self, launcher: Launcher, probes: Probes, *, preset: str = DEFAULT_PRESET,
-                 overrides: list[str] | None = None, attach: Path | None = None,
-                 planner: Callable[[], ModuleType | None] = load_plan, run_options: RunOptions = RunOptions()) -> None:
-        """planner: returns the memory planner module (shardconsole.plan) or None; tests pass a fixed one."""
+    def __init__(self, launcher: Launcher, probes: Probes, *, preset: str = settings.DEFAULT_PRESET,
+                 overrides: list[str] | None = None, resolved: settings.Resolved | None = None,
+                 attach: Path | None = None, planner: Callable[[], ModuleType | None] = load_plan,
+                 run_options: RunOptions = RunOptions()) -> None:
+        """planner: returns the memory planner module (shardconsole.plan) or None; tests pass a fixed one.
+        resolved: the command line's settings, resolved once by the CLI (else preset and overrides)."""
         super().__init__()
         self.launcher = launcher
         self.probes = probes
         self.attach_dir = attach
-        self.setup_screen = SetupScreen(launcher, probes, preset=preset, overrides=overrides, planner=planner,
-                                        run_options=run_options)
+        self.setup_screen = SetupScreen(launcher, probes, preset=preset, overrides=overrides, resolved=resolved,
+                                        planner=planner, run_options=run_options)
 
     def on_mount(self) -> None:
         self.push_screen(self.setup_screen)
@@ -55,10 +57,10 @@ class ShardConsoleApp(App[Path | None]):
             run_screen.action_close()
 
 
-def run_console(preset: str | None = None, overrides: list[str] | None = None, attach: Path | None = None) -> int:
-    """Open the console; returns the exit code: 0, or the headless code of a watched run that failed."""
-    app = ShardConsoleApp(TorchrunLauncher(), MachineProbes(), preset=preset or DEFAULT_PRESET,
-                          overrides=overrides, attach=attach)
+def run_console(resolved: settings.Resolved | None = None, attach: Path | None = None) -> int:
+    """Open the console on settings the CLI resolved (None: the default preset); returns the exit code:
+    0, or the headless code of a watched run that failed."""
+    app = ShardConsoleApp(TorchrunLauncher(), MachineProbes(), resolved=resolved, attach=attach)
     left = app.run()
     if left is not None:
         print(f"The run goes on in its own session. Attach again with: shardconsole attach {left}",

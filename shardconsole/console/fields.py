@@ -2,19 +2,20 @@
 
 Each key of each TOML table becomes a FieldSpec whose widget kind follows its annotation and metadata
 (Literal -> select, bool -> switch, int/float -> number, a "size" string -> size, str -> text). Edits
-are checked by config.py itself (the same path as `--set table.key=value`), so the console shows the
-messages the command line gives, word for word.
+are checked by the settings pipeline itself (the same path as `--set table.key=value`, with the field as
+the source), so the console shows the reasons the command line gives, word for word; a field's error
+comes from the ConfigError's table, key and reason, never from its text.
 """
 
 from __future__ import annotations
 
-import re
 import types
 import typing
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args, get_origin
 
 from shardconsole import config as C
+from shardconsole import settings
 from shardconsole.models import human_count
 
 WidgetKind = Literal["select", "switch", "number", "size", "text"]
@@ -25,8 +26,6 @@ PICKED: frozenset[str] = frozenset({"model.name", "parallel.backend"})
 BACKEND_TABLE: dict[str, str] = {"fsdp": "fsdp", "deepspeed": "deepspeed"}
 # The option of an optional select that leaves the setting unset (None: config.py's default applies).
 DEFAULT_CHOICE = "default"
-
-_LOCATION = re.compile(r"\[(\w+)\] (\w+): ")
 
 
 @dataclass(frozen=True)
@@ -98,21 +97,10 @@ def override_for(spec: FieldSpec, text: str) -> str:
     return f"{spec.path}={stripped}"
 
 
-def check(cfg: C.RunConfig, source: str, gpu_count: int | None) -> C.ConfigError | None:
-    """The first impossible combination (config.validate), or None."""
-    try:
-        C.validate(cfg, source, gpu_count=gpu_count)
-    except C.ConfigError as e:
-        return e
-    return None
-
-
-def split_error(message: str) -> tuple[str | None, str]:
-    """("table.key", what is wrong) from a ConfigError's text; the location is the field itself."""
-    m = _LOCATION.search(message)
-    if not m:
-        return None, message
-    return f"{m.group(1)}.{m.group(2)}", message[m.end():]
+def override(spec: FieldSpec, text: str) -> settings.Override:
+    """The override a widget's text stands for, with the field as its source (`console: [table] key`)."""
+    value = override_for(spec, text).split("=", 1)[1]
+    return settings.from_console(spec.table, spec.key, value)
 
 
 def hint(spec: FieldSpec, value: Any) -> str:

@@ -2,7 +2,6 @@
 
     to_ds_config(cfg)            the exact dict the DeepSpeed rank passes to deepspeed.initialize
     from_ds_config(d, source)    a ds_config -> preset overrides, plus which keys mapped and which did not
-    apply_fsdp_equivalents(...)  `--set parallel.backend=deepspeed` on an FSDP preset: the closest ZeRO setup
     cmd_export / cmd_import      `shardconsole export ... --format deepspeed`, `shardconsole import FILE.json`
 
 Front-end module: no torch, no deepspeed at import time (the console and the CLI stay fast and work on
@@ -23,12 +22,11 @@ Choices that shape the JSON:
 
 Where it lives (every name is re-exported here, so `from shardconsole import ds_json; ds_json.X` and
 `from shardconsole.ds_json import X` work; to monkeypatch a name that the package itself looks up,
-patch the module that uses it, e.g. shardconsole.ds_json.commands.deepspeed_config_for):
+patch the module that uses it, e.g. shardconsole.ds_json.commands.to_ds_config). The FSDP -> ZeRO
+equivalents of `--set parallel.backend=deepspeed` belong to the settings pipeline (settings.py).
 
   export.py       settings -> ds_config: ADAM_EPS, ZERO_KEYS, _ZERO_BOOL, DS_ZERO_DEFAULTS,
                   DS_OFFLOAD_PIN_DEFAULT, device_type, uses_torch_adam, _offload_block, to_ds_config
-  equivalents.py  FSDP settings -> the closest DeepSpeed settings: FSDP_TO_STAGE, _DERIVED_KEYS,
-                  user_set_keys, apply_fsdp_equivalents, deepspeed_config_for
   importer.py     ds_config -> settings: _KNOWN_UNMAPPED, _ZERO_UNMAPPED, _OFFLOAD_UNMAPPED, _Import,
                   _known, _TOP_KEYS, _ZERO_ALL, from_ds_config and its per-section readers _batch,
                   _optimizer, _scheduler, _precision, _zero
@@ -38,8 +36,6 @@ patch the module that uses it, e.g. shardconsole.ds_json.commands.deepspeed_conf
 from __future__ import annotations
 
 from shardconsole.ds_json.commands import _read_json, _write_text, cmd_export, cmd_import, merge
-from shardconsole.ds_json.equivalents import (FSDP_TO_STAGE, _DERIVED_KEYS, apply_fsdp_equivalents,
-                                              deepspeed_config_for, user_set_keys)
 from shardconsole.ds_json.export import (ADAM_EPS, DS_OFFLOAD_PIN_DEFAULT, DS_ZERO_DEFAULTS, ZERO_KEYS, _ZERO_BOOL,
                                          _offload_block, device_type, to_ds_config, uses_torch_adam)
 from shardconsole.ds_json.importer import (_Import, _KNOWN_UNMAPPED, _OFFLOAD_UNMAPPED, _TOP_KEYS, _ZERO_ALL,
@@ -50,8 +46,6 @@ __all__ = [
     # export
     "ADAM_EPS", "ZERO_KEYS", "_ZERO_BOOL", "DS_ZERO_DEFAULTS", "DS_OFFLOAD_PIN_DEFAULT", "device_type",
     "uses_torch_adam", "_offload_block", "to_ds_config",
-    # equivalents
-    "FSDP_TO_STAGE", "_DERIVED_KEYS", "user_set_keys", "apply_fsdp_equivalents", "deepspeed_config_for",
     # importer
     "_KNOWN_UNMAPPED", "_ZERO_UNMAPPED", "_OFFLOAD_UNMAPPED", "_Import", "_known", "_TOP_KEYS", "_ZERO_ALL",
     "from_ds_config", "_batch", "_optimizer", "_scheduler", "_precision", "_zero",

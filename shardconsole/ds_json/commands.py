@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from shardconsole import config as C
-from shardconsole.ds_json.equivalents import deepspeed_config_for
+from shardconsole import preset_store, settings
 from shardconsole.ds_json.export import device_type, to_ds_config
 from shardconsole.ds_json.importer import from_ds_config
 
@@ -82,18 +82,15 @@ def cmd_export(argv: list[str]) -> int:
     ap.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
     ap.add_argument("--force", action="store_true", help="overwrite an existing output file")
     args = ap.parse_args(argv)
-    from shardconsole import preset_store
-    path = preset_store.find(args.preset)
-    raw = C.load_toml(path)
-    overrides = list(args.overrides)
+    overrides = settings.from_cli(args.overrides)
+    resolved = settings.resolve(args.preset, overrides)
     note = []
-    if args.format == "deepspeed":
-        probe = C.build(raw, str(path), overrides)
-        if probe.parallel.backend != "deepspeed":
-            overrides.append("parallel.backend=deepspeed")
-            note.append(f"{args.preset} runs FSDP; this is its DeepSpeed equivalent, what "
-                        f"`--set parallel.backend=deepspeed` runs")
-    cfg, notes = deepspeed_config_for(raw, str(path), overrides)
+    if args.format == "deepspeed" and resolved.cfg.parallel.backend != "deepspeed":
+        # An FSDP run has no ds_config: the file is the one of the DeepSpeed run these settings become.
+        resolved = settings.resolve(args.preset, [*overrides, *settings.from_cli(["parallel.backend=deepspeed"])])
+        note.append(f"{args.preset} runs FSDP; this is its DeepSpeed equivalent, what "
+                    f"`--set parallel.backend=deepspeed` runs")
+    cfg, notes = resolved.cfg, resolved.notes
     if args.format == "toml":
         text = C.dumps(cfg)
     else:
@@ -139,24 +136,24 @@ def cmd_import(argv: list[str]) -> int:
                     help="override one setting after the import; repeatable")
     args = ap.parse_args(argv)
     data = _read_json(args.ds_config)
+    overrides = settings.from_cli(args.overrides)
     if args.preset:
-        from shardconsole import preset_store
-        base_path = preset_store.find(args.preset)
-        base_raw, base_src = C.load_toml(base_path), str(base_path)
+        base_path: Path | None = preset_store.find(args.preset)
+        base_raw, base_name = C.load_toml(base_path), base_path.stem
     else:
-        base_raw, base_src = {}, "defaults"
+        base_path, base_raw, base_name = None, {}, "defaults"
     if args.nproc_per_node is not None:
         if args.nproc_per_node < 1:
             raise C.ConfigError(f"--nproc-per-node {args.nproc_per_node}: expected 1 or more")
         base_raw = merge(base_raw, {"parallel": {"nproc_per_node": args.nproc_per_node}})
-    base = C.build(base_raw, base_src, args.overrides)
+    base = settings.resolve_doc(base_raw, base_name, base_path, overrides).cfg
     over, mapped, unmapped = from_ds_config(data, str(args.ds_config), world_size=base.world_size, base=base)
     name = args.ds_config.name
     merged = merge(base.to_dict(), over)
     merged["description"] = f"Imported from {name} by `shardconsole import`" + (
         f" over preset {args.preset}" if args.preset else "")
     # --set wins over the JSON, as it wins over a preset.
-    cfg = C.build(merged, f"{args.ds_config} (imported)", args.overrides)
+    cfg = settings.resolve_doc(merged, name, f"{args.ds_config} (imported)", overrides).cfg
     err = sys.stderr
     print(f"shardconsole import: {name}: mapped {len(mapped)} setting(s):", file=err)
     for line in mapped:

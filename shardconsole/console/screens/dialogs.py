@@ -18,6 +18,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
+from shardconsole import config as C
+from shardconsole import preset_store
 from shardconsole.console.services import RunListing
 
 HERE = Path(__file__).parent
@@ -125,6 +127,12 @@ class SavePresetScreen(ModalScreen[SaveRequest | None]):
         if not name:
             self.query_one("#name", Input).focus()
             self.notify("A preset needs a name", severity="warning")
+            return
+        try:
+            preset_store.check_name(name)   # the rule save_user_preset enforces, said before the dialog closes
+        except C.ConfigError as e:
+            self.query_one("#name", Input).focus()
+            self.notify(e.reason, title="Not a preset name", severity="error")
             return
         self.dismiss(SaveRequest(name, self.query_one("#description", Input).value.strip()))
 

@@ -1,10 +1,10 @@
 """The setup screen: pick a model, a preset and a backend; edit the settings; see the command; launch.
 
-The state is what the command line takes: a preset and `table.key=value` overrides (one per edited
-field). The settings shown (`cfg`) are derived from them the way preset_store.resolve derives them for
-every front end (defaults < preset < overrides, then the ZeRO equivalents of the FSDP settings for a
-DeepSpeed run), except that a bad override is set aside with config.py's message at its field instead
-of stopping at the first. Launching runs the CLI's own checks (cli.load_config) on the same overrides.
+The state is what the command line takes: a preset and `table.key=value` overrides (those given on
+the command line, then one per edited field, each with its source). The settings shown are the settings
+pipeline's (settings.resolve, lenient: a bad override is set aside and marked at its field instead of
+stopping at the first). Launching runs the same preflight as `--headless` (session/preflight) on that
+Resolved and starts exactly its settings.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from textual.widgets import (Footer, Header, Input, Label, OptionList, RadioButt
 from textual.widgets.option_list import Option
 
 from shardconsole import config as C
-from shardconsole import preset_store
+from shardconsole import preset_store, settings
 from shardconsole.launch import format_argv
 from shardconsole.models import CATALOG, ModelError, human_count, resolve
+from shardconsole.session import preflight
 
 from shardconsole.console import fields as F
 from shardconsole.console.messages import MachineDetected
@@ -54,10 +55,13 @@ class SetupScreen(Screen[None]):
     ]
 
     cfg: reactive[C.RunConfig] = reactive(C.RunConfig, always_update=True, init=False)
-    """The settings in force: the preset with the accepted overrides (derived by _derive)."""
+    """The settings in force: resolved.cfg, the preset with the accepted overrides (set by _derive)."""
 
-    def __init__(self, launcher: Launcher, probes: Probes, *, preset: str, overrides: list[str] | None = None,
+    def __init__(self, launcher: Launcher, probes: Probes, *, preset: str = settings.DEFAULT_PRESET,
+                 overrides: list[str] | None = None, resolved: settings.Resolved | None = None,
                  planner: Callable[[], ModuleType | None] = load_plan, run_options: RunOptions = RunOptions()) -> None:
+        """resolved: the command line's settings, already resolved (`shardconsole --preset ... --set ...`);
+        otherwise preset and overrides are resolved here."""
         super().__init__()
         self.launcher = launcher
         self.probes = probes
@@ -65,61 +69,44 @@ class SetupScreen(Screen[None]):
         self.run_options = run_options
         self.machine = Machine()
         self.plan: ModuleType | None = None
-        self.overrides: dict[str, str] = {}        # "table.key" -> the value as `--set` takes it
-        self.valid_overrides: list[str] = []       # those config.py accepted, as `table.key=value`
-        self.field_errors: dict[str, str] = {}     # "table.key" -> config.py's message
+        self.overrides: dict[str, settings.Override] = {}   # "table.key" -> the last override of it
+        self.resolved = settings.Resolved(C.RunConfig(), "defaults", None)
         self.model_error = ""                      # a model folder typed but not (yet) usable
-        self.notes: list[str] = []                 # settings filled from the FSDP table for DeepSpeed
         self.planned: PlannedRun | None = None
         self._startup_error = ""
         try:
-            self._load(preset, overrides or [])
+            if resolved is not None:
+                self._load(str(resolved.path) if resolved.path else None, resolved.overrides)
+            else:
+                self._load(preset, settings.from_cli(overrides or []))
         except C.ConfigError as e:     # the CLI checked it; a file changed since is still no crash
             self._startup_error = str(e)
-            self.preset_name, self.preset_path, self.raw = "defaults", None, {}
-            self._plain = self.base = C.RunConfig()
-            self.set_reactive(SetupScreen.cfg, C.RunConfig())
+            self._load(None, [])
 
-    def _load(self, preset: str, overrides: list[str]) -> None:
-        """A preset as the base, with `table.key=value` overrides (from the command line) on top."""
-        path = preset_store.find(preset)
-        raw = C.load_toml(path)
-        self._plain = C.build(raw, str(path))                   # before the FSDP -> ZeRO mapping
-        self.base = preset_store.resolve(str(path))[0]          # what the preset alone runs with
-        self.preset_name, self.preset_path, self.raw = path.stem, path, raw
-        self.overrides = {}
-        for text in overrides:
-            table, key, value = C.parse_override(text)
-            self.overrides[f"{table}.{key}"] = value
+    def _load(self, preset: str | None, overrides: list[settings.Override]) -> None:
+        """A preset as the base (None: the defaults), with overrides (from the command line) on top."""
+        path = preset_store.find(preset) if preset is not None else None
+        raw = C.load_toml(path) if path is not None else {}
+        name = path.stem if path is not None else "defaults"
+        self.base = settings.resolve_doc(raw, name, path).cfg     # what the preset alone runs with
+        self.preset_name, self.preset_path, self.raw = name, path, raw
+        self.overrides = {o.path: o for o in overrides}
         self._derive(notify=False)
 
     def _derive(self, *, notify: bool = True) -> None:
-        """cfg from the preset and the overrides, as preset_store.resolve builds it."""
-        cfg = C.copy(self._plain)
-        self.field_errors, self.valid_overrides = {}, []
-        for path, text in self.overrides.items():
-            spec = F.spec_for(*path.split(".", 1))
-            if spec.optional and text.strip() in ("", F.DEFAULT_CHOICE):
-                # Back to "not set": always valid. Set directly, since config.py refuses `--set key=none`.
-                setattr(getattr(cfg, spec.table), spec.key, None)
-                continue
-            override = F.override_for(spec, text)
-            try:
-                C.apply_overrides(cfg, [override])
-            except C.ConfigError as e:
-                self.field_errors[path] = F.split_error(str(e))[1]
-                continue
-            self.valid_overrides.append(override)
-        from shardconsole.ds_json import apply_fsdp_equivalents
-        self.notes = apply_fsdp_equivalents(cfg, self.raw, self.valid_overrides)
+        """The settings from the preset and the overrides, through the one pipeline (lenient: refused
+        overrides and the impossible combination come back as data for the fields)."""
+        self.resolved = settings.resolve_doc(self.raw, self.preset_name, self.preset_path, self.overrides.values(),
+                                             gpu_count=self.machine.gpu_count, lenient=True)
         if notify:
-            self.cfg = cfg
+            self.cfg = self.resolved.cfg
         else:
-            self.set_reactive(SetupScreen.cfg, cfg)
+            self.set_reactive(SetupScreen.cfg, self.resolved.cfg)
 
     @property
-    def source(self) -> str:
-        return str(self.preset_path or "settings")
+    def notes(self) -> list[str]:
+        """deepspeed settings filled from the fsdp table, as the CLI says them."""
+        return self.resolved.notes
 
     # --- layout ------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -196,7 +183,7 @@ class SetupScreen(Screen[None]):
     @on(MachineDetected)
     def _machine_detected(self, event: MachineDetected) -> None:
         self.machine = event.machine
-        self._refresh()
+        self._derive()     # now checked against this machine's GPU count
 
     # --- picking -----------------------------------------------------------------------------------
     def _show_picks(self) -> None:
@@ -302,22 +289,18 @@ class SetupScreen(Screen[None]):
         self._set(event.setting.spec, event.text)
 
     def _set(self, spec: F.FieldSpec, text: str) -> None:
-        self.overrides[spec.path] = text
+        self.overrides[spec.path] = F.override(spec, text)
         self._derive()
 
     def watch_cfg(self) -> None:
         self._refresh()
 
     def _problems(self) -> list[tuple[str, str]]:
-        """(table.key, message): refused edits first, then the first impossible combination."""
-        out = list(self.field_errors.items())
+        """(table.key, what is wrong): refused edits first, then the first impossible combination; from
+        the ConfigErrors' own fields."""
+        out = [(e.path or "", e.reason) for e in self.resolved.problems]
         if self.model_error:
-            out.append((MODEL_SPEC.path, self.model_error))
-        err = F.check(self.cfg, self.source, self.machine.gpu_count)
-        if err is not None:
-            path, detail = F.split_error(str(err))
-            if path not in self.field_errors:
-                out.append((path or "", detail))
+            out.insert(len(self.resolved.refused), (MODEL_SPEC.path, self.model_error))
         return out
 
     def _refresh(self) -> None:
@@ -439,22 +422,23 @@ class SetupScreen(Screen[None]):
     async def action_launch(self) -> None:
         if await self._refuse_if_invalid("launching"):
             return
-        # The CLI's own last checks (model folder, data file, GPUs of this machine) on the same preset
-        # and overrides, so that the console never starts what `shardconsole --headless` would refuse.
-        from shardconsole.cli import load_config
+        # The checks `--headless` makes before a launch (model folder, data files, GPUs of this machine),
+        # on the settings resolved here, so that the console never starts what it would refuse.
+        resolved = self.resolved
         try:
-            load_config(str(self.preset_path) if self.preset_path else None, self.valid_overrides)
-        except (C.ConfigError, ModelError) as e:
+            warnings = preflight.check_launch(resolved, gpu_count=self.machine.gpu_count)
+        except C.ConfigError as e:
             self.notify(str(e), title="Cannot launch", severity="error", timeout=10)
-            path, _ = F.split_error(str(e))
-            if path:
-                await self._go_to(path)
+            if e.path:
+                await self._go_to(e.path)
             return
-        over = host_overrun(self.plan, self.cfg, self.machine)
+        for warning in warnings:
+            self.notify(warning, severity="warning", timeout=8)
+        over = host_overrun(self.plan, resolved.cfg, self.machine)
         if over is not None:
             def answered(yes: bool | None) -> None:
                 if yes:
-                    self._start()
+                    self._start(resolved)
             peak, budget = (C.format_size(b) for b in over)
             self.app.push_screen(ConfirmScreen(
                 "Launch past this machine's RAM?",
@@ -463,10 +447,11 @@ class SetupScreen(Screen[None]):
                 f"`shardconsole --headless` refuses this launch unless given --force.",
                 yes="Launch anyway", no="Back"), answered)
             return
-        self._start()
+        self._start(resolved)
 
-    def _start(self) -> None:
-        cfg = self.cfg
+    def _start(self, resolved: settings.Resolved) -> None:
+        """Start exactly the settings that were checked."""
+        cfg = resolved.cfg
         planned = self.planned or self.launcher.plan(cfg, self.preset_name)
         try:
             handle = self.launcher.start(cfg, planned)
@@ -483,8 +468,8 @@ class SetupScreen(Screen[None]):
             return
         name = self.preset_name if self.preset_path and self.preset_path.parent == preset_store.user_dir() \
             else f"{self.preset_name}-tuned"
-        self.app.push_screen(SavePresetScreen(name, self.cfg.description, preset_store.user_dir()),
-                             self._save_answered)
+        # The description starts empty: the base preset's would describe another preset.
+        self.app.push_screen(SavePresetScreen(name, "", preset_store.user_dir()), self._save_answered)
 
     def _save_answered(self, request: SaveRequest | None) -> None:
         if request is None:

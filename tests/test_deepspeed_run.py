@@ -17,7 +17,7 @@ import pytest
 
 from shardconsole import config as C
 from shardconsole.headless import EXIT_CODES
-from shardconsole.launch import PRESET_FILE
+from shardconsole.runfolder import PRESET_FILE
 from tests.conftest import assert_nothing_left, messages, of_kind, shardconsole, wait_for_steps
 
 RUN_TIMEOUT = 900     # a cold machine builds DeepSpeed's ops inside the first run
@@ -177,17 +177,13 @@ def test_fp16_overflow_at_the_minimum_scale_is_a_classified_failure(tmp_path):
 
 @pytest.mark.slow
 def test_optimizer_and_param_offload_to_cpu(tmp_path):
-    """ZeRO-3 with optimizer and parameter offload: DeepSpeed's C++ CPUAdam, JIT-built on first use."""
-    if not (shutil.which("c++") or shutil.which("g++")):
-        pytest.skip("no C++ compiler: DeepSpeed's CPUAdam cannot be built on this machine")
+    """ZeRO-3 with optimizer and parameter offload: DeepSpeed's C++ CPUAdam, JIT-built on first use. A
+    build that fails is this test failing (the offload presets depend on it), never a skip; the C++
+    compiler is part of the test environment (README's set-up)."""
+    assert shutil.which("c++") or shutil.which("g++"), "no C++ compiler: DeepSpeed's CPUAdam cannot be built"
     run_dir = tmp_path / "run"
     res = run(run_dir, "deepspeed.offload_optimizer=cpu", "deepspeed.offload_param=cpu", "train.steps=10",
               "train.log_every=5")
-    if res.returncode != 0:
-        failed = of_kind(messages(run_dir), "failed")
-        text = " ".join(f.message + f.traceback_tail for f in failed)
-        if any(s in text for s in ("Error building extension", "CPUAdam", "ninja", "cpu_adam")):
-            pytest.skip(f"DeepSpeed's CPUAdam does not build here: {failed[0].message[:300]}")
     msgs = assert_clean_run(res, run_dir)
     assert any("CPUAdam" in e.detail for e in events(msgs, "info"))
     steps = of_kind(msgs, "step")

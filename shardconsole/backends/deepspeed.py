@@ -26,8 +26,8 @@ import torch
 import torch._dynamo  # noqa: F401
 
 from shardconsole import ds_json
-from shardconsole.backends import checkpoints, common, metrics, modeling
-from shardconsole.backends.data import make_source, next_batch
+from shardconsole.backends import checkpoints, common, metrics, modeling, trainstate
+from shardconsole.backends.ds_checkpoint import resume, save
 from shardconsole.models import ModelError
 
 
@@ -263,7 +263,7 @@ def build(r: common.Rank, ds_cfg: dict) -> modeling.CausalLMLoss:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Loss scale, checkpoints
+# Loss scale (checkpoints: ds_checkpoint.py)
 
 def loss_scale(engine) -> float | None:
     """The dynamic loss scale in force (fp16 only): ZeRO optimizers expose cur_scale, DeepSpeed's plain
@@ -274,37 +274,11 @@ def loss_scale(engine) -> float | None:
     return float(value) if value is not None else None
 
 
-def save(r: common.Rank, engine, step: int) -> None:
-    """engine.save_checkpoint into step_N.partial (DeepSpeed's own layout: global_stepN/, latest,
-    zero_to_fp32.py), made visible as step_N only when every rank is done."""
-    r.phase("saving checkpoint")
-    tmp = checkpoints.prepare_checkpoint(r, step)
-    engine.save_checkpoint(str(tmp), tag=f"global_step{step}", client_state={"step": step})
-    checkpoints.finish_checkpoint(r, step)
-    r.phase("training")
-
-
-def resume(r: common.Rank, engine) -> int:
-    found = checkpoints.latest_checkpoint(r.checkpoint_dir())
-    if found is None:
-        r.event("info", f"no checkpoint in {r.checkpoint_dir()}: starting from step 0")
-        return 0
-    step, path = found
-    if not (path / "latest").is_file():
-        raise FileNotFoundError(f"{path}: not a DeepSpeed checkpoint (no 'latest' file); was it written by "
-                                f"an FSDP run? Point train.checkpoint_dir elsewhere or set train.resume = false")
-    load_path, client = engine.load_checkpoint(str(path))
-    if load_path is None:
-        raise FileNotFoundError(f"{path}: DeepSpeed found nothing to load")
-    r.event("info", f"resumed from {path} (step {step})")
-    return int((client or {}).get("step", step))
-
-
 # ---------------------------------------------------------------------------------------------------
 # Training
 
 def train(r: common.Rank) -> None:
-    cfg, t = r.cfg, r.cfg.train
+    cfg = r.cfg
     # DeepSpeed 0.19 calls these deprecated torch names on every ZeRO collective: one warning line per
     # step in each rank's log, with nothing for the user to do.
     warnings.filterwarnings("ignore", category=FutureWarning,
@@ -313,10 +287,19 @@ def train(r: common.Rank) -> None:
     ds_cfg = ds_json.to_ds_config(cfg, device=r.device.type)
     import deepspeed
     build_ops(r, ds_cfg)
+    stop = trainstate.StopRequest(r)
     if cfg.precision.dtype == "fp16" and not r.is_cuda:
         allow_cpu_fp16(r)
     model = build(r, ds_cfg)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+    try:
+        _train(r, engine, model, stop)
+    finally:
+        engine.destroy()
+
+
+def _train(r: common.Rank, engine, model, stop: trainstate.StopRequest) -> None:
+    cfg, t = r.cfg, r.cfg.train
     # zero.Init (stage 3) and the engine's module.half()/bfloat16() (stages 0-2) cast the rotary
     # frequencies to the compute dtype; rebuilt in fp32 they match the FSDP backend's (and the model's).
     modeling.reset_buffers_(model, modeling.hf_config(r.spec, cfg), r.device)
@@ -326,11 +309,13 @@ def train(r: common.Rank) -> None:
         engine.compile()
         r.event("info", "train.compile with deepspeed.stage3_layer_gather = false: engine.compile() "
                         "(DeepSpeed's torch.compile integration, slower than compiling each layer)")
-    start_step = resume(r, engine) if t.resume else 0
-    data = make_source(cfg, r.spec.vocab, r.spec.path, r.rank, r.world)
+    data = trainstate.Data(r)                  # before resume: resume moves it to the checkpoint's position
+    evaluator = trainstate.Evaluator(r)
+    start_step = resume(r, engine, data) if t.resume else 0
     meter = metrics.StepMeter(r)
     fp16 = cfg.precision.dtype == "fp16"
     r.phase("training")
+    stop.start_round()
     for step in range(start_step + 1, t.steps + 1):
         r.step = step
         r.faults.on_step(step)
@@ -338,8 +323,8 @@ def train(r: common.Rank) -> None:
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
         for _ in range(t.grad_accum):
-            batch = next_batch(data, t.micro_batch, r.device)
-            loss = r.faults.on_loss(engine(batch[:, :-1], batch[:, 1:]), step)
+            inputs, labels, positions = data.next()
+            loss = r.faults.on_loss(trainstate.forward(engine, inputs, labels, positions), step)
             meter.add(loss)
             engine.backward(loss)        # DeepSpeed divides by grad_accum and applies the loss scale
             try:
@@ -359,8 +344,12 @@ def train(r: common.Rank) -> None:
             metrics.check_loss(r, mean, step)
         if cfg.memory.empty_cache_every and r.is_cuda and step % cfg.memory.empty_cache_every == 0:
             torch.cuda.empty_cache()
+        if evaluator.due(step):
+            evaluator.run(engine, step)
+        if stop.agreed():
+            trainstate.stop_with_save(r, stop, lambda: save(r, engine, data, step))
         if checkpoints.save_due(r, step):
-            save(r, engine, step)
-    if checkpoints.final_save_due(r):
-        save(r, engine, t.steps)
-    engine.destroy()
+            save(r, engine, data, step)
+        stop.start_round()
+    if checkpoints.final_save_due(r) and start_step < t.steps:
+        save(r, engine, data, t.steps)

@@ -7,6 +7,8 @@ in its own worker through the session's stop path, since it waits for the ranks.
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import time
 from pathlib import Path
 
@@ -72,7 +74,8 @@ class RunScreen(Screen[None]):
         self.note: Text = Text()     # the line under the status: how the run ended
         self._gpu_before_stop: dict[int, P.GpuSample] = {}
         self._hurry = Hurry()
-        self._stop_reason = ""
+        self._exit_after_stop = False
+        self._sigterm_before = None
 
     # --- layout ------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -95,6 +98,35 @@ class RunScreen(Screen[None]):
         self.view.planned_gpu_bytes, self.view.planned_host_bytes = planned_peaks(self.handle.run_dir, self.probes)
         self._draw_status()
         self.follow()
+        if not self.attached:
+            self._catch_sigterm()
+
+    def _catch_sigterm(self) -> None:
+        """SIGTERM to the console that started this run stops the run, then quits (the terminal restored)."""
+        try:
+            before = signal.getsignal(signal.SIGTERM)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._sigterm)
+            self._sigterm_before = before
+        except (RuntimeError, ValueError, NotImplementedError):   # not the main thread
+            pass
+
+    def on_unmount(self) -> None:
+        if self._sigterm_before is not None:
+            try:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
+            except RuntimeError:
+                pass
+            signal.signal(signal.SIGTERM, self._sigterm_before)   # remove_signal_handler left SIG_DFL
+
+    def _sigterm(self) -> None:
+        if self.status == "running" and not getattr(self.handle, "external", False):
+            self._exit_after_stop = True
+            self._begin_stop("SIGTERM to the console")
+        elif self.status == "stopping":
+            self._exit_after_stop = True
+            self._hurry.set()
+        else:
+            self.app.exit(return_code=EXIT_CODES["stopped"])
 
     @property
     def live(self) -> bool:
@@ -244,6 +276,9 @@ class RunScreen(Screen[None]):
         body = Text(describe_stop(event.report) + "\n\n")
         for line, ok in lines:
             body.append(("✔ " if ok else "✖ ") + line + "\n", "green" if ok else "red")
+        if self._exit_after_stop:
+            self.app.exit(return_code=EXIT_CODES["stopped"])
+            return
         self.app.push_screen(ReportScreen("Run stopped" if clean else "Run stopped, with processes left",
                                           body, error=not clean))
 

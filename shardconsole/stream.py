@@ -42,9 +42,10 @@ class MetricsWriter:
         try:
             data = (("\n" if self._torn else "") + encode(msg) + "\n").encode()
             n = os.write(self._fd, data)
-            self._torn = n < len(data)
-            if self._torn:
-                raise OSError(f"short write ({n} of {len(data)} bytes)")
+            if n < len(data):          # the disk filled mid-line: the rest, to learn why (ENOSPC)
+                self._torn = True
+                os.write(self._fd, data[n:])
+            self._torn = False
             if msg.kind == "step":
                 self.last_step = getattr(msg, "step", self.last_step)
         except (OSError, ValueError) as e:

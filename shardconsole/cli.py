@@ -75,7 +75,7 @@ def cmd_run(argv: list[str]) -> int:
     run_dir = args.run_dir or new_run_dir(name)
     if args.print_command or args.slurm:
         # The printed command reads the run folder's preset.toml: it must exist for the command to work.
-        _prepare_run_dir(cfg, run_dir)
+        run_dir = _prepare_run_dir(cfg, run_dir, explicit=args.run_dir is not None)
         run_id = run_id_of(run_dir)
         if args.slurm:
             sys.stdout.write(slurm_script(cfg, run_dir, run_id))
@@ -90,22 +90,21 @@ def cmd_run(argv: list[str]) -> int:
         return 0
     if not args.force:
         preflight.check_host_memory(resolved, preflight.check_model(resolved))
-    _prepare_run_dir(cfg, run_dir)
+    run_dir = _prepare_run_dir(cfg, run_dir, explicit=args.run_dir is not None, launch=resolved)
     from shardconsole import headless
     return headless.run(cfg, run_dir, run_dir.resolve().name)
 
 
-def _prepare_run_dir(cfg: C.RunConfig, run_dir: Path) -> None:
-    """Create the run folder with the resolved preset. A multi-node run's agents share one folder (on a
-    shared filesystem): a node may join a folder whose preset.toml holds the same settings."""
-    preset = run_dir / PRESET_FILE
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if cfg.parallel.nnodes > 1 and preset.is_file() and C.dumps(C.load(preset)) == C.dumps(cfg):
-            return
-        raise UsageError(f"--run-dir {run_dir}: folder exists and is not empty; pick a new one "
-                         f"(or `shardconsole attach {run_dir}`)")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    C.save(cfg, preset)
+def _prepare_run_dir(cfg: C.RunConfig, run_dir: Path, explicit: bool = True,
+                     launch: settings.Resolved | None = None) -> Path:
+    """Create the run folder with the resolved preset, atomically (session/rundir.py); returns it (a
+    default name taken in the same second gets a suffix). launch (the settings of a run that starts
+    here): a fixed master_port in use or an unwritable run/checkpoint folder is refused first."""
+    from shardconsole.session import rundir
+    if launch is not None:
+        rundir.check_port_free(cfg, launch.origin)
+        rundir.check_writable(cfg, run_dir, launch.origin)
+    return rundir.create_run_dir(cfg, run_dir, explicit=explicit)
 
 
 def _open_console(resolved: settings.Resolved) -> int:

@@ -1,12 +1,25 @@
-"""The headless front end's pure pieces: the step line, the OOM advice, torchrun's failure report."""
+"""The headless front end and the session layer under it, without ranks: the step line, the outcome (OOM
+advice, torchrun's report, the stream first), the watcher on odd streams, detaching."""
 
 from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 from shardconsole import config as C
 from shardconsole import headless, plan, preset_store
 from shardconsole import protocol as P
+from shardconsole.launch import ExternalJob, Job
 from shardconsole.models import resolve
 from shardconsole.runstate import RunState
+from shardconsole.session import outcome
+from shardconsole.session.watcher import MachineProbes, Watcher
+from shardconsole.stream import MetricsWriter
+
+HERE = Path(__file__).resolve().parent
 
 
 def test_step_line_has_every_figure():
@@ -27,7 +40,7 @@ def test_gpu_oom_advice_comes_from_the_planner(tmp_path, monkeypatch):
     C.save(cfg, tmp_path / "preset.toml")
     monkeypatch.setattr(plan, "detect_hardware",
                         lambda: plan.Hardware(gpus=1, gpu_memory_bytes=80 * 2**30, host_memory_bytes=128 * 2**30))
-    text = headless.fitting_settings(tmp_path)
+    text = outcome.fitting_settings(tmp_path)
     assert "24.0 GiB a GPU" in text                 # the run's cap, not the card
     first = text.splitlines()[2]
     sets = [s.split("=", 1) for s in first.split("--set ")[1:]]
@@ -47,28 +60,109 @@ Root Cause (first observed failure):
   rank      : 1 (local_rank: 1)
   exitcode  : -9 (pid: 10775)  (SIGKILL)
 """)
-    assert headless.killed_rank(tmp_path) == (1, 9)
+    assert outcome.killed_rank(tmp_path) == (1, 9)
     (tmp_path / "launcher.log").write_text("rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 1)\n")
-    assert headless.killed_rank(tmp_path) is None
+    assert outcome.killed_rank(tmp_path) is None
 
 
-def test_follower_of_a_read_only_run_folder_shows_samples_without_writing(tmp_path, monkeypatch):
-    """attach --headless on someone else's run (a folder it cannot write) follows the stream; the machine
-    samples it would have appended are shown (the host figure in the step lines) instead of written."""
-    import io
-    from shardconsole.stream import MetricsWriter
+def test_watcher_of_a_read_only_run_folder_shows_samples_without_writing(tmp_path, monkeypatch):
+    """attach on someone else's run (a folder it cannot write) follows the stream; the machine samples it
+    would have appended are kept in memory (the host figure in the step lines) instead of written."""
     run = tmp_path / "run"
-    w = MetricsWriter(run / "metrics.jsonl", "r", 0)
-    w.emit(P.Step(run="r", rank=0, step=1, steps=2, loss=3.0, lr=1e-4, tokens_per_s=1.0, step_s=1.0))
+    w = MetricsWriter(run / "metrics.jsonl", "run", 0)
+    w.emit(P.Step(run="run", rank=0, step=1, steps=2, loss=3.0, lr=1e-4, tokens_per_s=1.0, step_s=1.0))
     w.close()
 
     def refuse(*a, **k):
         raise PermissionError(13, "Permission denied")
     from shardconsole import stream
     monkeypatch.setattr(stream, "MetricsWriter", refuse)
-    out = io.StringIO()
-    f = headless.Follower(run, "r", out)
-    f.pump()
-    assert not f.samples.writable and "step 1/2" in out.getvalue()
-    assert f.state.host is not None      # sampled, kept in memory
+    watcher = Watcher(ExternalJob(run), run, "run", MachineProbes(), logs=False)
+    tick = watcher.poll()
+    assert not watcher.samples.writable and any(isinstance(m, P.Step) for m in tick.messages)
+    assert watcher.state.host is not None      # sampled, kept in memory
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 1     # nothing appended
+
+
+def _run_folder(tmp_path, run_id="run"):
+    run = tmp_path / run_id
+    run.mkdir()
+    C.save(preset_store.load("tiny-cpu"), run / "preset.toml")
+    return run
+
+
+def test_attach_to_a_run_started_elsewhere_ends_only_on_rank_0s_finished_line_of_that_run(tmp_path):
+    run = _run_folder(tmp_path)
+    w = MetricsWriter(run / "metrics.jsonl", "run", 0)
+    w.emit(P.Finished(run="run", rank=1, steps=3))          # a rank other than 0 does not end a run
+    w.emit(P.Finished(run="other-run", rank=0, steps=3))    # nor another run's line in a shared folder
+    watcher = Watcher(ExternalJob(run), run, "run", None, logs=False)
+    assert not watcher.poll().ended and watcher.foreign_lines == 2
+    w.emit(P.Finished(run="run", rank=0, steps=3))
+    assert watcher.poll().ended and watcher.exit_code == 0
+    w.close()
+
+
+class _InterruptedOut(io.StringIO):
+    """A terminal where the user presses Ctrl-C while the history is being printed."""
+
+    def write(self, text):
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_during_the_history_replay_detaches_and_never_claims_a_stop(tmp_path):
+    run = _run_folder(tmp_path)
+    w = MetricsWriter(run / "metrics.jsonl", "run", 0)
+    for i in range(1, 4):
+        w.emit(P.Step(run="run", rank=0, step=i, steps=9, loss=3.0, lr=1e-4))
+    w.close()
+    err = io.StringIO()
+    rc = headless.follow(ExternalJob(run), run, "run", out=_InterruptedOut(), err=err)
+    assert rc == outcome.EXIT_CODES["detached"] == 8
+    assert "detached (Ctrl-C during the history replay): the run goes on" in err.getvalue()
+    assert "stopped" not in err.getvalue()
+    events = [P.decode(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(isinstance(e, P.Event) and e.name == "detached" for e in events)
+
+
+def test_malformed_lines_are_skipped_and_counted_never_crash(tmp_path):
+    """Issue 22 item 4: each of these once crashed a front end (lr null in step_line, pid -1 in psutil)."""
+    run = _run_folder(tmp_path)
+    with open(run / "metrics.jsonl", "w") as fh:
+        fh.write('{"v":1,"kind":"hello","run":"run","rank":0,"t":1.0,"pid":-1,"world":1}\n')
+        fh.write('{"v":1,"kind":"step","run":"run","rank":0,"t":1.0,"step":1,"steps":2,"lr":null}\n')
+        fh.write('{"v":1,"kind":"memory","run":"run","rank":0,"t":1.0,"host_rss_bytes":"big"}\n')
+        fh.write(P.encode(P.Step(run="run", rank=0, step=2, steps=2, loss=1.5, lr=1e-4)) + "\n")
+        fh.write(P.encode(P.Finished(run="run", rank=0, steps=2)) + "\n")
+    out, err = io.StringIO(), io.StringIO()
+    assert headless.follow(ExternalJob(run), run, "run", out=out, err=err) == 0
+    assert "step 2/2 | loss 1.5000" in out.getvalue()
+    assert "warning: 3 unreadable metrics line(s) skipped" in err.getvalue()
+
+
+def test_the_outcome_waits_for_ranks_that_outlive_their_launcher(tmp_path):
+    """Issue 14 item 6, made certain: the launcher exits 1 with torchrun's failure dump while its two
+    ranks (real processes in sessions of their own, as torchrun starts them) write `failed nan_loss` a
+    moment later. The front end classifies from those lines: exit 6, not 1."""
+    run = _run_folder(tmp_path)
+    proc = subprocess.Popen([sys.executable, str(HERE / "late_ranks.py"), str(run)], start_new_session=True)
+    job = Job(run, proc.pid, proc.pid, [], proc)
+    err = io.StringIO()
+    rc = headless.follow(job, run, "run", out=io.StringIO(), err=err)
+    assert rc == outcome.EXIT_CODES["nan_loss"] == 6, err.getvalue()
+    assert "run failed (nan_loss) on rank" in err.getvalue()
+    assert "ChildFailedError" in (run / "launcher.log").read_text()
+
+
+def test_a_run_stopped_from_elsewhere_is_stopped_not_a_crash(tmp_path):
+    """Two front ends on one run: the stop path writes who stopped it before any signal, so the other
+    front end, seeing the ranks gone without a `finished` line, says "stopped"."""
+    from shardconsole.session.stop import announce
+    run = _run_folder(tmp_path)
+    state = RunState()
+    state.apply(P.Hello(run="run", rank=0, pid=os.getpid()))
+    assert outcome.classify(state, -15, run)[0] == "crash"
+    announce(run, "run", "`shardconsole stop` (pid 1)")
+    state.apply(P.decode((run / "metrics.jsonl").read_text().splitlines()[-1]))
+    cause, message = outcome.classify(state, -15, run)
+    assert cause == "stopped" and "shardconsole stop" in message

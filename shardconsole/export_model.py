@@ -52,51 +52,70 @@ class Checkpoint:
 # ---------------------------------------------------------------------------------------------------
 # Finding the checkpoint
 
-def checkpoint_kind(path: Path) -> str | None:
-    """Which writer made this step folder, or None when it is not complete."""
-    if (path / ".metadata").is_file():
-        return "dcp"
-    latest = path / "latest"
-    if latest.is_file():
-        tag = latest.read_text().strip()
-        if tag and (path / tag).is_dir():
-            return "deepspeed"
-    return None
-
-
-def complete_checkpoints(root: Path) -> list[Checkpoint]:
-    """step_<N> folders that a reader can use, oldest first (step_<N>.partial ones are still being written)."""
+def step_folders(root: Path) -> list[tuple[int, Path]]:
+    """step_<N> folders, newest first (step_<N>.partial ones are saves still being written, or killed)."""
     found = []
     if root.is_dir():
         for p in root.iterdir():
             if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit():
-                kind = checkpoint_kind(p)
-                if kind:
-                    found.append(Checkpoint(int(p.name[5:]), p, kind))
-    return sorted(found, key=lambda c: c.step)
+                found.append((int(p.name[5:]), p))
+    return sorted(found, reverse=True)
 
 
-def pick_checkpoint(root: Path, step: int | None) -> Checkpoint:
-    found = complete_checkpoints(root)
-    if not found:
-        raise ExportError(f"{root}: no complete checkpoint to export (a run writes one at the end with "
+def pick_checkpoint(root: Path, step: int | None, backend: str) -> Checkpoint:
+    """The newest complete checkpoint, or the one of `step`; complete as resume judges it (the manifest's
+    files all there at their sizes: backends/checkpoints.why_incomplete)."""
+    from shardconsole.backends.checkpoints import why_incomplete
+    kind = "dcp" if backend == "fsdp" else "deepspeed"
+    folders = step_folders(root)
+    if not folders:
+        raise ExportError(f"{root}: no checkpoint to export (a run writes one at the end with "
                           f"train.save_final = true, or every train.checkpoint_every steps)")
-    if step is None:
-        return found[-1]
-    for c in found:
-        if c.step == step:
-            return c
-    steps = ", ".join(str(c.step) for c in found[-8:])
-    raise ExportError(f"--step {step}: no complete checkpoint of that step in {root} (steps there: {steps})")
+    if step is not None:
+        path = dict(folders).get(step)
+        if path is None:
+            steps = ", ".join(str(n) for n, _ in folders[:8])
+            raise ExportError(f"--step {step}: no checkpoint of that step in {root} (steps there: {steps})")
+        why = why_incomplete(path, backend)
+        if why:
+            raise ExportError(f"--step {step}: {path} is not a complete checkpoint: {why}")
+        return Checkpoint(step, path, kind)
+    for n, path in folders:
+        why = why_incomplete(path, backend)
+        if why is None:
+            return Checkpoint(n, path, kind)
+        print(f"shardconsole: skipping {path}: {why}; trying the one before", file=sys.stderr)
+    raise ExportError(f"{root}: no complete checkpoint to export (every step folder there is incomplete)")
 
 
 # ---------------------------------------------------------------------------------------------------
 # Reading the model's weights
 
+@contextlib.contextmanager
+def _no_code_from_pickles(allowed: list):
+    """Every torch.load inside (DeepSpeed's zero_to_fp32 passes weights_only=False itself) builds only
+    tensors, containers and the `allowed` classes: a crafted checkpoint file cannot run code."""
+    import torch.serialization
+    before = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(allowed):
+            yield
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before
+
+
 def read_model_state(ckpt: Checkpoint) -> dict:
     """The trained weights under the Hugging Face model's own key names, as the checkpoint keeps them
     (fp32 or bf16 master weights)."""
-    raw = _read_dcp(ckpt.path) if ckpt.kind == "dcp" else _read_deepspeed(ckpt.path)
+    import pickle
+    try:
+        raw = _read_dcp(ckpt.path) if ckpt.kind == "dcp" else _read_deepspeed(ckpt.path)
+    except (pickle.UnpicklingError, OSError, EOFError) as e:
+        raise ExportError(f"{ckpt.path}: cannot read the checkpoint: {str(e).strip().splitlines()[0]}") from None
     bad = [k for k in raw if not k.startswith(PREFIX)]
     if bad or not raw:
         raise ExportError(f"{ckpt.path}: not a shardconsole model checkpoint (expected every weight under "
@@ -106,13 +125,15 @@ def read_model_state(ckpt: Checkpoint) -> dict:
 
 def _read_dcp(path: Path) -> dict:
     """FSDP2's torch.distributed.checkpoint, read whole in this process: DCP reassembles each tensor from
-    however many ranks wrote it, so neither the world size nor a process group is needed."""
-    from torch.distributed.checkpoint import FileSystemReader
+    however many ranks wrote it, so neither the world size nor a process group is needed. Only the
+    "model" entries; the .metadata pickle through the ranks' own restricted reader."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-    with warnings.catch_warnings():
+
+    from shardconsole.backends.fsdp_step import SafeReader
+    with warnings.catch_warnings(), _no_code_from_pickles([]):
         # "torch.distributed is unavailable or uninitialized, assuming ... a single process": that is the point
         warnings.simplefilter("ignore")
-        state = _load_state_dict_from_keys({"model"}, storage_reader=FileSystemReader(str(path)))
+        state = _load_state_dict_from_keys({"model"}, storage_reader=SafeReader(str(path)))
     model = state.get("model")
     if not isinstance(model, dict):
         raise ExportError(f"{path}: this DCP checkpoint holds no 'model' entry (was it written by shardconsole?)")
@@ -136,7 +157,9 @@ def _read_deepspeed(path: Path) -> dict:
     states = sorted(folder.glob("*model_states.pt"))
     if not states:
         raise ExportError(f"{folder}: no *model_states.pt file: the DeepSpeed checkpoint is incomplete")
-    meta = torch.load(states[0], map_location="cpu", weights_only=False, mmap=True)
+    allowed = _deepspeed_classes()
+    with _no_code_from_pickles(allowed):
+        meta = torch.load(states[0], map_location="cpu", weights_only=True, mmap=True)
     ds_cfg = meta.get("ds_config") or {}
     stage = int((ds_cfg.get("zero_optimization") or {}).get("stage", 0))
     half = [k for k in ("bf16", "fp16") if (ds_cfg.get(k) or {}).get("enabled")]
@@ -144,11 +167,20 @@ def _read_deepspeed(path: Path) -> dict:
         return _stage0_masters(meta, folder, half[0]) if half else dict(meta["module"])
     # zero_to_fp32 prints its progress on stdout and draws tqdm bars on stderr: the command's own output is
     # one line, and an error still surfaces as the exception it raises.
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+            _no_code_from_pickles(allowed):
         try:
             return dict(zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag))
         except (ValueError, FileNotFoundError) as e:
             raise ExportError(f"{folder}: DeepSpeed cannot merge this ZeRO-{stage} checkpoint: {e}") from None
+
+
+def _deepspeed_classes() -> list:
+    """The classes DeepSpeed's own checkpoint files hold besides tensors (the ranks' resume allows the same)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 def _stage0_masters(meta: dict, folder: Path, half: str) -> dict:
@@ -316,7 +348,7 @@ def cmd_export_model(argv: list[str]) -> int:
     except ModelError as e:
         raise ExportError(f"{run.preset}: [model] name: {e} (the export takes the model's config and "
                           f"tokenizer from it)") from None
-    ckpt = pick_checkpoint(run.checkpoints(cfg.train.checkpoint_dir), args.step)
+    ckpt = pick_checkpoint(run.checkpoints(cfg.train.checkpoint_dir), args.step, cfg.parallel.backend)
 
     import torch
     state = read_model_state(ckpt)

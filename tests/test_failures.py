@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardconsole.headless import EXIT_CODES
+from shardconsole.session.outcome import EXIT_CODES
 from tests.conftest import assert_nothing_left, messages, of_kind, shardconsole
 
 pytestmark = pytest.mark.slow

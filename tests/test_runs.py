@@ -13,7 +13,7 @@ import pytest
 
 from shardconsole import config as C
 from shardconsole.launch import PRESET_FILE
-from tests.conftest import assert_nothing_left, messages, of_kind, shardconsole, wait_for_steps
+from tests.conftest import assert_nothing_left, messages, of_kind, pids_alive, shardconsole, wait_for_steps
 
 pytestmark = pytest.mark.slow
 
@@ -43,20 +43,136 @@ def test_headless_tiny_cpu_trains_and_ends_clean(tmp_path):
     assert_nothing_left(run_dir, msgs)
 
 
-def test_sigint_mid_run_ends_every_rank(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_mid_run_ends_every_rank(tmp_path, sig):
+    """Ctrl-C, or SIGTERM (`timeout 120 shardconsole --headless ...`), to the front end that started the
+    run stops it: every rank ended, none left."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "shardconsole", "--preset", "tiny-cpu", "--headless",
-                             "--run-dir", str(run_dir), "--set", "train.steps=100000", "--set", "train.log_every=1"],
+                             "--run-dir", str(run_dir), "--set", "train.steps=100000", "--set", "train.log_every=1",
+                             "--set", "train.save_on_stop=false"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_steps(run_dir, 1, 120, proc)
     t0 = time.monotonic()
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=30)
     took = time.monotonic() - t0
     assert proc.returncode == 130, err
     assert took < 10, f"stop took {took:.1f}s"
-    assert "none left" in err
+    assert "none left" in err and "Traceback" not in err
     assert_nothing_left(run_dir, messages(run_dir))
+
+
+def _steps_in(run_dir) -> int:
+    return (run_dir / "metrics.jsonl").read_text().count('"kind":"step"')
+
+
+def _read_until(stream, predicate, timeout: float) -> list[str]:
+    """Lines of a live front end's stdout until one matches (the front end prints as the run goes)."""
+    import selectors
+    sel = selectors.DefaultSelector()
+    sel.register(stream, selectors.EVENT_READ)
+    lines, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sel.select(timeout=max(0.0, deadline - time.monotonic())):
+            line = stream.readline()
+            if not line:
+                break
+            lines.append(line)
+            if predicate(line):
+                return lines
+    pytest.fail(f"no matching line within {timeout:.0f}s: {lines[-5:]}")
+
+
+def test_front_ends_die_the_run_goes_on_then_stop_ends_it(tmp_path):
+    """Issue 14 item 4 on one real run: the starting front end's stdout closes (`| head -3`): exit 8, no
+    traceback, the ranks train on and the folder says the front end detached. An attach hung up on
+    (SIGHUP): exit 8, still training. A second attach follows while `shardconsole stop` ends every rank:
+    that attach reports "stopped" (130), not a crash. Then stop and attach on the stopped run say so."""
+    run_dir = tmp_path / "run"
+    front = subprocess.Popen([sys.executable, "-m", "shardconsole", "--preset", "tiny-cpu", "--headless",
+                              "--run-dir", str(run_dir), "--set", "train.steps=5000", "--set", "train.log_every=1",
+                              "--set", "train.save_on_stop=false"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(3):
+        front.stdout.readline()
+    front.stdout.close()                                  # what `| head -3` does after three lines
+    front.wait(timeout=120)
+    err = front.stderr.read()
+    assert front.returncode == 8, err
+    assert "Traceback" not in err and "detached (its output pipe closed): the run goes on" in err
+    msgs = messages(run_dir)
+    assert any(e.name == "detached" for e in of_kind(msgs, "event"))
+    n = _steps_in(run_dir)
+    wait_for_steps(run_dir, n + 3, 60)                    # the ranks train on, nothing watching them
+
+    attach = subprocess.Popen([sys.executable, "-m", "shardconsole", "attach", str(run_dir), "--headless"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _read_until(attach.stdout, lambda l: l.startswith("step "), 60)
+    attach.send_signal(signal.SIGHUP)
+    out, err = attach.communicate(timeout=30)
+    assert attach.returncode == 8 and "the terminal closed" in err and "Traceback" not in err, err
+    n = _steps_in(run_dir)
+    wait_for_steps(run_dir, n + 3, 60)
+
+    watching = subprocess.Popen([sys.executable, "-m", "shardconsole", "attach", str(run_dir), "--headless"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _read_until(watching.stdout, lambda l: l.startswith("step "), 60)
+    res = shardconsole("stop", str(run_dir), timeout=60)
+    assert res.returncode == 0 and "none left" in res.stderr, res.stderr
+    out, err = watching.communicate(timeout=60)
+    assert watching.returncode == 130 and "run stopped by `shardconsole stop`" in err, err
+    msgs = messages(run_dir)
+    assert_nothing_left(run_dir, msgs)
+
+    again = shardconsole("stop", str(run_dir), timeout=60)
+    assert again.returncode == 0 and "nothing to stop: the run has already ended (stopped)" in again.stderr
+    later = shardconsole("attach", str(run_dir), "--headless", timeout=60)
+    assert later.returncode == 130 and "run stopped" in later.stderr and "Traceback" not in later.stderr
+
+
+def test_stop_refuses_what_it_cannot_stop(tmp_path):
+    res = shardconsole("stop", str(tmp_path), timeout=60)
+    assert res.returncode == 2 and "not a run folder" in res.stderr
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    C.save(C.build({}), run_dir / PRESET_FILE)
+    (run_dir / "job.json").write_text('{"pid": 1, "pgid": 1, "argv": [], "host": "another-node"}')
+    res = shardconsole("stop", str(run_dir), timeout=60)
+    assert res.returncode == 2 and "started on host another-node" in res.stderr, res.stderr
+    (run_dir / "job.json").unlink()
+    res = shardconsole("stop", str(run_dir), timeout=60)
+    assert res.returncode == 2 and "started elsewhere" in res.stderr
+
+
+@pytest.mark.parametrize("argv", [["presets"], ["plan", "--preset", "tiny-cpu"]])
+def test_output_into_a_closed_pipe_is_a_quiet_exit(argv):
+    """`shardconsole plan ... | head -1`: the reader is gone before the first write (closed here before the
+    interpreter has even started), so the write fails for certain: exit 141, nothing on stderr about it."""
+    proc = subprocess.Popen([sys.executable, "-m", "shardconsole", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err
+
+
+def test_a_deleted_stream_does_not_make_a_healthy_run_hung(tmp_path):
+    """Issue 22 item 14: metrics.jsonl deleted mid-run. The ranks write on through their open files, the
+    front end reads on through its own and says so; the run finishes (a hang watch of 6 s never fires)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "shardconsole", "--preset", "tiny-cpu", "--headless",
+                             "--run-dir", str(run_dir), "--set", "train.steps=120", "--set", "train.log_every=1",
+                             "--set", "train.hang_timeout_s=6"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(run_dir, 5, 120, proc)
+    hellos = [m.pid for m in of_kind(messages(run_dir), "hello")]
+    (run_dir / "metrics.jsonl").unlink()
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    assert "was deleted; still reading" in err and "finished: 120 steps" in err
+    assert "step 120/120" in out
+    assert pids_alive(hellos) == []
 
 
 def _free_port() -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shardconsole import config as C
-from shardconsole import preset_store
+from shardconsole import preset_store, settings
 from tests.conftest import shardconsole
 
 
@@ -183,3 +183,90 @@ def test_optional_keys_can_be_unset_from_the_command_line():
     cfg = C.build({"precision": {"reduce_dtype": "bf16"}}, "p.toml", ["precision.reduce_dtype=none"])
     assert cfg.precision.reduce_dtype is None
     assert "reduce_dtype" not in C.dumps(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Errors name the source the value came from (issue 14 item 2), and what TOML and the file system allow
+# (issue 22 item 14). Real CLI subprocesses: exit 2, one line, no traceback, nothing written.
+
+@pytest.mark.parametrize("sets, line", [
+    (["memory.gpu_memory_limit=24XB"],
+     "--set memory.gpu_memory_limit: '24XB' is not a size: use a number with a unit such as 24GiB, 512MiB, 2GB"),
+    (["fsdp.sharding=full_shrad"],
+     "--set fsdp.sharding: 'full_shrad' is not allowed; expected one of 'full_shard', 'shard_grad_op', 'no_shard', "
+     "'hybrid_shard' (did you mean 'full_shard'?); what is sharded: params+grads+optimizer, grads+optimizer, "
+     "nothing, or full within a node"),
+    (["train.stepz=3"], "--set train.stepz: unknown key 'stepz' (did you mean 'steps'?); keys are "),
+    # A check across keys blames the source of the key it names: here the override, not the preset.
+    (["fsdp.sharding=no_shard", "fsdp.cpu_offload=true"],
+     "--set fsdp.cpu_offload: needs sharded parameters; with sharding = \"no_shard\" nothing is offloaded: use "
+     "full_shard or shard_grad_op"),
+    (["train.steps=99999999999999999999"],
+     "--set train.steps: 99999999999999999999 is out of range; TOML integers are 64-bit (at most "
+     "9223372036854775807); optimizer steps to run"),
+])
+def test_cli_set_errors_name_the_override(tmp_path, sets, line):
+    args = [a for s in sets for a in ("--set", s)]
+    res = shardconsole("--preset", "tiny-cpu", *args, "--headless", "--run-dir", str(tmp_path / "run"), timeout=60)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert res.stderr.startswith(f"shardconsole: error: {line}"), res.stderr
+    assert "tiny-cpu.toml" not in res.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_cross_key_check_blames_the_preset_for_the_presets_key(tmp_path):
+    p = tmp_path / "p.toml"
+    p.write_text('[fsdp]\ncpu_offload = true\n')
+    with pytest.raises(C.ConfigError) as e:
+        settings.resolve(str(p), ["fsdp.sharding=no_shard"])
+    assert (e.value.source, e.value.table, e.value.key) == (str(p), "fsdp", "cpu_offload")
+    assert str(e.value).startswith(f"{p}: [fsdp] cpu_offload: needs sharded parameters")
+
+
+def test_the_largest_toml_integer_is_taken_and_one_more_is_not():
+    assert settings.resolve("tiny-cpu", [f"train.steps={2**63 - 1}"]).cfg.train.steps == 2**63 - 1
+    with pytest.raises(C.ConfigError, match="out of range; TOML integers are 64-bit"):
+        settings.resolve("tiny-cpu", [f"train.steps={2**63}"])
+    with pytest.raises(C.ConfigError, match=r"^p.toml: \[train\] seed: .* out of range"):
+        C.build({"train": {"seed": 2**64}}, "p.toml")
+
+
+@pytest.mark.parametrize("name", ["my.toml", "-x", "my\nname", "x" * 300, "my tiny", "myreset!", "", ".hidden"])
+def test_preset_names_outside_the_rule_are_refused(_user_presets, name):
+    with pytest.raises(C.ConfigError) as e:
+        preset_store.save_user_preset(C.RunConfig(), name)
+    assert "\n" not in str(e.value) and "letters, digits, '-' and '_'" in str(e.value)
+    assert list(_user_presets.iterdir()) == []
+
+
+def test_a_preset_cannot_take_a_builtins_name(_user_presets):
+    with pytest.raises(C.ConfigError, match="'tiny-cpu' is a built-in preset; pick another name"):
+        preset_store.save_user_preset(C.RunConfig(), "tiny-cpu")
+    assert list(_user_presets.iterdir()) == []
+    assert preset_store.save_user_preset(C.RunConfig(), "Tiny_2-b").name == "Tiny_2-b.toml"
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    from tests.hf_fixtures import make_hf_model
+    return make_hf_model(tmp_path_factory.mktemp("hf") / "llama")
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"auto_map": {"AutoModelForCausalLM": "modeling_mine.MineForCausalLM"}}, "needs its own code (auto_map)"),
+    ({"model_type": "mine"}, "model_type 'mine' is not a causal language model that this transformers builds"),
+])
+def test_cli_refuses_a_model_transformers_cannot_build_up_front(tmp_path, hf_model, change, words):
+    import json
+    import shutil
+    folder = tmp_path / "model"
+    shutil.copytree(hf_model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    res = shardconsole("--preset", "tiny-cpu", "--set", f"model.name={folder}", "--headless",
+                       "--run-dir", str(tmp_path / "run"), timeout=60)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shardconsole: error: --set model.name: ") and words in lines[0]
+    assert not (tmp_path / "run").exists()

@@ -47,10 +47,6 @@ class GpuProbe:
     def count(self) -> int:
         return len(self._handles)
 
-    @property
-    def names(self) -> list[str]:
-        return list(self._names)
-
     def sample(self, run: str = "") -> list[GpuSample]:
         out = []
         for i, h in enumerate(self._handles):

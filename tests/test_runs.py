@@ -191,7 +191,10 @@ def test_two_nodes_on_one_machine(tmp_path):
             "--set", "fsdp.sharding=hybrid_shard",
             "--set", "train.log_every=3"]
     nodes = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
-    time.sleep(1.0)   # the first agent creates the folder; the second joins it
+    deadline = time.monotonic() + 60      # the first agent creates the folder; the second joins it
+    while not (run_dir / PRESET_FILE).is_file():
+        assert time.monotonic() < deadline and nodes[0].poll() is None, "the first agent made no run folder"
+        time.sleep(0.05)
     nodes.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = [n.communicate(timeout=240) for n in nodes]
     for n, (out, err) in zip(nodes, results):
@@ -296,9 +299,11 @@ def test_kill_mid_checkpoint_then_resume_from_the_previous_one(tmp_path, backend
     while not (ckpt / "step_00000004.partial").exists():
         assert time.monotonic() < deadline, "the step-4 checkpoint never started"
         time.sleep(0.1)
-    time.sleep(0.5)
+    # Mid-save now (slow_save holds step 4's save open); what the kill needs is every rank's pid.
+    while len(hellos := [m.pid for m in of_kind(messages(first), "hello")]) < 2:
+        assert time.monotonic() < deadline, "the ranks' hello lines never came"
+        time.sleep(0.05)
     job = Job.from_run_dir(first)
-    hellos = [m.pid for m in of_kind(messages(first), "hello")]
     report = job.stop(grace_s=0.0, rank_pids=tuple(hellos))     # straight to SIGKILL: a crash mid-save
     proc.kill()
     proc.wait()

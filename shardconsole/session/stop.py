@@ -22,7 +22,8 @@ from typing import TextIO
 
 from shardconsole import config as C
 from shardconsole import protocol as P
-from shardconsole.launch import Job, StopReport, _live
+from shardconsole.launch import Job, StopReport
+from shardconsole.process_identity import live as _live
 from shardconsole.runfolder import RunFolder
 from shardconsole.session.outcome import STOP_REQUESTED
 from shardconsole.stream import MetricsReader, MetricsWriter
@@ -75,8 +76,9 @@ def stop_run(job: Job, rank_pids, *, who: str, grace_s: float = 10.0, save_timeo
     stream = MetricsReader(RunFolder(run_dir).metrics)     # for the ranks' stop_save event
     t0 = time.monotonic()
     rank_pids = tuple(p for p in rank_pids if p > 0)
+    state, why = job.launcher_state() if hasattr(job, "launcher_state") else ("ours", "")
     targets = job.processes(rank_pids)
-    report = StopReport(signalled=targets)
+    report = StopReport(signalled=targets, refused=why if state == "stranger" else "")
     job._signal_all(targets, signal.SIGTERM)
     deadline, saving = t0 + grace_s, False
     while True:
@@ -125,6 +127,12 @@ def interrupts_hurry(hurry: Hurry) -> Iterator[None]:
 
 def describe_stop(report: StopReport) -> str:
     how = "SIGKILL after the grace period" if report.killed else "SIGTERM"
+    if report.refused:
+        return _describe(report, how) + f"\nnot signalled: {report.refused}"
+    return _describe(report, how)
+
+
+def _describe(report: StopReport, how: str) -> str:
     if report.clean:
         line = f"stopped: {len(report.signalled)} process(es) ended by {how} in {report.seconds:.1f}s; none left"
         return line + (f"\n{report.gpu_note}" if report.gpu_note else "")

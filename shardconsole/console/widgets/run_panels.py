@@ -1,6 +1,6 @@
 """The run screen's panels. Each takes the RunView and draws itself: the screen owns the data.
 
-Memory has two views and both are labelled (STYLE.md): what NVML says a GPU uses, and what each rank's
+Memory has two views and both are labelled: what NVML says a GPU uses, and what each rank's
 allocator holds (reserved / peak). "Not applicable" reads n/a, never 0.
 """
 

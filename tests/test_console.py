@@ -403,7 +403,9 @@ async def test_save_a_preset_and_load_it_back(tmp_path, _user_presets):
         await pilot.press("enter")
         await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen")
         await pilot.press("n")
-        await pilot.pause()
+        # The answer is processed once the question is gone (a positive event); only then is "kept" checked.
+        await wait_for(pilot, lambda: type(app.screen).__name__ not in ("ConfirmScreen", "SavePresetScreen"),
+                       what="the answer")
         assert C.load(path).train.steps == 7
         await pilot.press("ctrl+s")
         await wait_for(pilot, lambda: type(app.screen).__name__ == "SavePresetScreen")
@@ -525,9 +527,10 @@ async def test_a_run_started_elsewhere_is_followed_from_its_stream(tmp_path):
         await wait_for(pilot, lambda: (s := screen.view.state.last_step) is not None and s.step == 3)
         assert screen.status == "running"
         await pilot.press("s")
-        await pilot.pause()
+        # The refusal is a notification: wait for it (positive), then check no stop question came with it.
+        await wait_for(pilot, lambda: any("started on other machines" in str(n.message) for n in app._notifications),
+                       what="the refusal")
         assert type(app.screen).__name__ != "ConfirmScreen"
-        assert any("started on other machines" in str(n.message) for n in app._notifications)
         w = MetricsWriter(run_dir / METRICS_FILE, "slurm-job", 0)
         w.emit(P.Finished(run="slurm-job", rank=0, t=T0 + 1, steps=5))
         w.close()

@@ -415,6 +415,44 @@ async def test_save_a_preset_and_load_it_back(tmp_path, _user_presets):
         await wait_for(pilot, lambda: C.load(path).train.steps == 9, what="the overwrite")
 
 
+async def test_a_wrong_data_path_typed_in_the_console_names_the_field(tmp_path):
+    """The launch runs --headless's preflight on what the screen resolved: the error names the console
+    field the value came from (not the preset file), the focus goes to it, and nothing starts."""
+    from textual.widgets import Input, Select
+    from shardconsole.console.widgets.setting_field import SettingField
+    launcher = FakeLauncher(tmp_path / "runs")
+    app = make_app(tmp_path, launcher=launcher)
+    async with app.run_test(size=(120, 40)) as pilot:
+        setup = app.setup_screen
+        await wait_for(pilot, lambda: setup.machine.detected)
+        await show_table(pilot, setup, "data")
+        setup.query_one("#field-data-source", SettingField).query_one(Select).value = "auto"
+        path_field = setup.query_one("#field-data-path", SettingField)
+        path_field.query_one(Input).value = str(tmp_path / "nowhere.txt")
+        await wait_for(pilot, lambda: setup.cfg.data.path == str(tmp_path / "nowhere.txt"), what="the edit")
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: app._notifications, what="the refusal")
+        [note] = [str(n.message) for n in app._notifications]
+        assert note == f"console: [data] path: {tmp_path / 'nowhere.txt'}: no such file or folder"
+        await wait_for(pilot, lambda: app.focused is path_field.query_one(".setting--control"), what="the focus")
+        assert launcher.started == [] and app.screen is setup
+
+
+async def test_the_save_dialog_refuses_a_bad_name_and_starts_without_a_description(tmp_path, _user_presets):
+    from textual.widgets import Input
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("ctrl+s")
+        dialog = await wait_for(pilot, lambda: type(app.screen).__name__ == "SavePresetScreen" and app.screen)
+        assert dialog.query_one("#description", Input).value == ""      # not tiny-cpu's description
+        for name, words in (("my.toml", "leave out .toml"), ("tiny-cpu", "is a built-in preset")):
+            dialog.query_one("#name", Input).value = name
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: any(words in str(n.message) for n in app._notifications), what=words)
+            assert app.screen is dialog
+        assert list(_user_presets.iterdir()) == []
+
+
 async def test_the_memory_estimate_shows_a_placeholder_without_the_planner(tmp_path):
     app = make_app(tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:

@@ -10,6 +10,7 @@ field); warnings come back as lines for the front end to show.
 from __future__ import annotations
 
 import codecs
+from dataclasses import fields
 from pathlib import Path
 
 from shardconsole import config as C
@@ -44,14 +45,28 @@ def check_model(r: Resolved, *, weights: bool = True) -> ModelSpec:
     return spec
 
 
+_MARK = "\x00preflight"   # a source no file or override has: its prefix in data_check's lines is ours
+
+
 def check_data(r: Resolved) -> None:
-    """The data files exist and are what the ranks read (data_check.check_data, the ranks' own rules)."""
+    """The data files exist and are what the ranks read (data_check.check_data, the ranks' own rules).
+    Its lines start "<source>: [table] key: "; run with a marker for the source, the line is rebuilt as a
+    ConfigError of that setting that blames the source of its value."""
     try:
         from shardconsole.data_check import check_data as check
     except ImportError:
         _check_data_file(r)
         return
-    check(r.cfg, r.origin("data", "path"))
+    try:
+        check(r.cfg, _MARK)
+    except C.ConfigError as e:
+        text = str(e)
+        for table in ("data", "model"):
+            for key in (f.name for f in fields(C.TABLES[table])):
+                prefix = f"{_MARK}: [{table}] {key}: "
+                if text.startswith(prefix):
+                    raise r.error(table, key, text[len(prefix):]) from None
+        raise C.ConfigError(text.replace(_MARK, r.source)) from None
 
 
 def _check_data_file(r: Resolved) -> None:

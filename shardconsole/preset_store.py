@@ -88,10 +88,14 @@ def load(name_or_path: str, overrides: list[str] | None = None) -> C.RunConfig:
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}")
 
 
+def valid_name(name: str) -> bool:
+    return bool(_NAME.fullmatch(name))
+
+
 def check_name(name: str) -> str:
     """A preset name to save under, or ConfigError saying the rule. Built-in names are taken: a user
     preset of the same name would hide the built-in from every front end."""
-    if not _NAME.fullmatch(name):
+    if not valid_name(name):
         shown = name if len(name) <= 40 else name[:37] + "..."
         hint = " (leave out .toml)" if name.endswith(".toml") else ""
         raise C.ConfigError(f"{shown!r} is not a preset name{hint}: use up to 64 letters, digits, '-' and '_', "

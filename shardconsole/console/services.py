@@ -202,7 +202,8 @@ def run_estimate(plan: ModuleType | None, cfg: C.RunConfig, machine: Machine) ->
 
 def host_overrun(plan: ModuleType | None, cfg: C.RunConfig, machine: Machine) -> tuple[int, int] | None:
     """(planned host peak, usable host RAM) when the planner puts the run over this machine's RAM, the
-    check `--headless` refuses a launch on (cli.check_host_memory); None when it fits or cannot say."""
+    check `--headless` refuses a launch on (session/preflight.check_host_memory); None when it fits or
+    cannot say."""
     try:
         est = run_estimate(plan, cfg, machine)
     except Exception:   # a check that cannot run must not block a launch

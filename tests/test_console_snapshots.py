@@ -13,8 +13,11 @@ from typing import Any
 
 import pytest
 
-from tests.test_console import (FakeLauncher, FakeProbes, fixed_planner, gpu_sample, show_table, wait_for,
-                                write_run)
+from tests import test_console as TC
+from tests.test_console import FakeLauncher, FakeProbes, gpu_sample, show_table, wait_for, write_run
+
+# test_console's planner for frozen screens (being renamed fixed_planner -> real_planner by the settings work)
+fixed_planner = getattr(TC, "real_planner", None) or TC.fixed_planner
 
 from shardconsole.console.app import ShardConsoleApp
 from shardconsole.console.services import RunOptions

@@ -1,0 +1,260 @@
+"""`shardconsole export-model`: real 2-rank CPU runs exported with the real CLI, then loaded by transformers.
+
+Three runs, one per checkpoint writer (module fixtures, a few steps each):
+- FSDP2 from a make_hf_model folder (chat template, tokenizer) on a .jsonl with a held-out split, a
+  checkpoint at step 2 and the final one at 4;
+- DeepSpeed ZeRO-3 in fp32 on the catalog's tiny model;
+- DeepSpeed ZeRO-2 in bf16 with bf16 master weights, from a folder whose embeddings are tied.
+The expected tensors come from the checkpoint read by torch's and DeepSpeed's own converters
+(dcp_to_torch_save, zero_to_fp32), never by the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from shardconsole import config as C
+from tests.conftest import messages, of_kind, shardconsole
+from tests.hf_fixtures import CORPUS, make_hf_model
+
+pytestmark = pytest.mark.slow
+RUN_TIMEOUT = 900          # a cold machine builds DeepSpeed's ops inside the first DeepSpeed run
+
+
+def _run(run_dir: Path, cache: Path, *sets: str) -> None:
+    args = ["--preset", "tiny-cpu", "--headless", "--run-dir", str(run_dir), "--set", "train.save_final=true"]
+    for s in sets:
+        args += ["--set", s]
+    res = shardconsole(*args, timeout=RUN_TIMEOUT, env={"SHARDCONSOLE_CACHE_DIR": str(cache),
+                                                         "DS_ACCELERATOR": "cpu"})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def _export(run_dir: Path, out: Path, *extra: str):
+    return shardconsole("export-model", str(run_dir), "-o", str(out), *extra, timeout=300)
+
+
+def _exported(run_dir: Path, out: Path, *extra: str) -> Path:
+    res = _export(run_dir, out, *extra)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export-fsdp")
+    model = make_hf_model(root / "model", chat_template=True)
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"{i}: {t}"}) + "\n" for i, t in enumerate(CORPUS[:60])))
+    run_dir = root / "run"
+    _run(run_dir, root / "cache", f"model.name={model}", "data.source=auto", f"data.path={corpus}", "data.seq_len=32",
+         "data.eval_fraction=0.2", "train.eval_every=2", "train.steps=4", "train.checkpoint_every=2",
+         "train.micro_batch=2")
+    out = _exported(run_dir, root / "hf", "--max-shard-size", "100KB")    # ~0.6 MB of fp32: several files
+    return SimpleNamespace(root=root, run=run_dir, model=model, out=out, cache=root / "cache")
+
+
+@pytest.fixture(scope="module")
+def zero3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export-zero3")
+    run_dir = root / "run"
+    _run(run_dir, root / "cache", "parallel.backend=deepspeed", "deepspeed.stage=3", "train.steps=4")
+    return SimpleNamespace(root=root, run=run_dir, out=_exported(run_dir, root / "hf"))
+
+
+@pytest.fixture(scope="module")
+def zero2_bf16_tied(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export-zero2")
+    model = make_hf_model(root / "model", tie_word_embeddings=True)
+    run_dir = root / "run"
+    _run(run_dir, root / "cache", f"model.name={model}", "parallel.backend=deepspeed", "deepspeed.stage=2",
+         "precision.dtype=bf16", "precision.master_dtype=bf16", "train.steps=4")
+    return SimpleNamespace(root=root, run=run_dir, model=model, out=_exported(run_dir, root / "hf"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The checkpoint as torch and DeepSpeed read it, and the trained module around it
+
+def _step_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:08d}"
+
+
+def dcp_model_state(ckpt: Path, tmp: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(str(ckpt), str(tmp / "full.pt"))
+    return torch.load(tmp / "full.pt", weights_only=False)["model"]
+
+
+def zero_model_state(ckpt: Path) -> dict:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    return get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+
+
+def trained_module(run_dir: Path, state: dict):
+    """CausalLMLoss(lm) as the ranks build it, holding the checkpoint's weights (strict: every key)."""
+    from shardconsole.backends import modeling
+    from shardconsole.models import resolve
+    cfg = C.load(run_dir / "preset.toml")
+    hf_cfg = modeling.hf_config(resolve(cfg.model.name), cfg)
+    module = modeling.CausalLMLoss(modeling.build_causal_lm(hf_cfg))
+    module.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    return module.eval()
+
+
+def load_export(out: Path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype=dtype)
+    assert {k: v for k, v in info.items() if v} == {}, info       # no missing, unexpected or mismatched key
+    return model.eval()
+
+
+def fixed_batch(vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(0, vocab, (2, 33), generator=g)
+
+
+def assert_same_loss(run_dir: Path, state: dict, hf_model) -> None:
+    """The exported model's loss on a fixed batch (transformers' own labels= path, which shifts) equals
+    the trained module's on the same tokens."""
+    x = fixed_batch(hf_model.config.vocab_size)
+    with torch.no_grad():
+        ours = trained_module(run_dir, state)(x[:, :-1], x[:, 1:]).item()
+        theirs = hf_model(input_ids=x, labels=x).loss.item()
+    assert abs(ours - theirs) < 1e-3, (ours, theirs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# FSDP2
+
+def test_fsdp_export_loads_whole_with_the_checkpoints_tensors(fsdp, tmp_path):
+    files = sorted(p.name for p in fsdp.out.iterdir())
+    assert {"config.json", "generation_config.json", "model.safetensors.index.json", "README.md"} <= set(files)
+    assert len([f for f in files if f.endswith(".safetensors")]) > 1          # --max-shard-size 100KB
+    assert not [p for p in fsdp.root.iterdir() if p.name.startswith(".hf")]    # no temporary folder left
+    hf = load_export(fsdp.out)
+    state = dcp_model_state(_step_dir(fsdp.run, 4), tmp_path)
+    exported = hf.state_dict()
+    assert set(exported) == {k.removeprefix("lm.") for k in state}
+    for key, value in state.items():
+        assert torch.equal(exported[key.removeprefix("lm.")], value), key
+    assert_same_loss(fsdp.run, state, hf)
+
+
+def test_fsdp_export_keeps_the_folders_tokenizer_and_architecture(fsdp):
+    from transformers import AutoConfig, AutoTokenizer
+    src_tok, out_tok = AutoTokenizer.from_pretrained(fsdp.model), AutoTokenizer.from_pretrained(fsdp.out)
+    text = "Sharded training keeps parameters split across ranks."
+    assert out_tok(text)["input_ids"] == src_tok(text)["input_ids"]
+    assert out_tok.chat_template == src_tok.chat_template and out_tok.eos_token == "<|endoftext|>"
+    src_cfg, out_cfg = AutoConfig.from_pretrained(fsdp.model), AutoConfig.from_pretrained(fsdp.out)
+    assert out_cfg.architectures == src_cfg.architectures == ["LlamaForCausalLM"]
+    for key in ("vocab_size", "max_position_embeddings", "eos_token_id", "pad_token_id", "hidden_size"):
+        assert getattr(out_cfg, key) == getattr(src_cfg, key), key
+    assert out_cfg.max_position_embeddings == 1024          # the folder's, not the catalog tiny's 2048
+
+
+def test_exported_loss_on_the_eval_set_equals_the_runs_last_eval_loss(fsdp, monkeypatch):
+    """The issue's check: the held-out windows the ranks evaluated (C's token cache, the run's own
+    settings), through the exported model in fp32 on the CPU, give the run's last eval loss."""
+    from shardconsole.backends import data, token_cache
+    from shardconsole.models import resolve
+    last = of_kind(messages(fsdp.run), "eval")[-1]
+    assert last.step == 4
+    monkeypatch.setenv("SHARDCONSOLE_CACHE_DIR", str(fsdp.cache))
+    cfg = C.load(fsdp.run / "preset.toml")
+    spec = resolve(cfg.model.name)
+    entry = token_cache.open_entry(cfg.data, cfg.train.seed, spec.path, spec.has_tokenizer, spec.vocab, print)
+    windows = data.EvalWindows(entry.eval.ids, entry.eval.flags, cfg.data.seq_len, 0, 1,
+                               cfg.data.cross_document_attention)
+    hf = load_export(fsdp.out)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in windows.batches(2):
+            logits = hf(input_ids=b.inputs, position_ids=b.positions, use_cache=False).logits.float()
+            total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), b.labels.flatten(),
+                                                       ignore_index=-100, reduction="sum").item()
+            count += int((b.labels != -100).sum())
+    assert count == last.tokens
+    assert abs(total / count - last.loss) < 1e-3, (total / count, last.loss)
+
+
+def test_readme_holds_the_settings_and_the_last_eval_loss(fsdp):
+    readme = (fsdp.out / "README.md").read_text()
+    last = of_kind(messages(fsdp.run), "eval")[-1]
+    assert f"{last.loss:.4f} at step 4" in readme
+    assert (fsdp.run / "preset.toml").read_text().strip() in readme
+    assert "step 4" in readme and str(fsdp.model) in readme
+
+
+def test_step_picks_an_earlier_checkpoint(fsdp, tmp_path):
+    out = _exported(fsdp.run, tmp_path / "step2", "--step", "2", "--dtype", "bf16")
+    hf = load_export(out, dtype=None)
+    state = dcp_model_state(_step_dir(fsdp.run, 2), tmp_path)
+    for key, value in state.items():
+        got = hf.state_dict()[key.removeprefix("lm.")]
+        assert got.dtype == torch.bfloat16 and torch.equal(got, value.to(torch.bfloat16)), key
+    assert not torch.equal(state["lm.lm_head.weight"],
+                           dcp_model_state(_step_dir(fsdp.run, 4), tmp_path)["lm.lm_head.weight"])
+    evals = {e.step: e.loss for e in of_kind(messages(fsdp.run), "eval")}
+    assert f"{evals[2]:.4f} at step 2" in (out / "README.md").read_text()   # not step 4's: other weights
+
+
+# ---------------------------------------------------------------------------------------------------
+# DeepSpeed
+
+def test_zero3_export_loads_whole_with_the_checkpoints_tensors(zero3):
+    hf = load_export(zero3.out)
+    state = zero_model_state(_step_dir(zero3.run, 4))
+    exported = hf.state_dict()
+    assert set(exported) == {k.removeprefix("lm.") for k in state}
+    for key, value in state.items():
+        assert value.dtype == torch.float32 and torch.equal(exported[key.removeprefix("lm.")], value), key
+    assert_same_loss(zero3.run, state, hf)
+    readme = (zero3.out / "README.md").read_text()
+    assert "none was recorded" in readme and "DeepSpeed ZeRO stage 3" in readme
+    assert not any((zero3.out / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def test_zero2_bf16_masters_and_tied_embeddings(zero2_bf16_tied, tmp_path):
+    """bf16 masters come out as they are (bf16 by default, exact); the tied head is the embedding."""
+    state = zero_model_state(_step_dir(zero2_bf16_tied.run, 4))
+    assert {v.dtype for v in state.values()} == {torch.bfloat16}
+    hf = load_export(zero2_bf16_tied.out, dtype=None)
+    assert hf.config.tie_word_embeddings and hf.lm_head.weight is hf.model.embed_tokens.weight
+    for key, value in state.items():
+        got = hf.state_dict()[key.removeprefix("lm.")]
+        assert got.dtype == torch.bfloat16 and torch.equal(got, value), key
+    fp32 = load_export(_exported(zero2_bf16_tied.run, tmp_path / "fp32", "--dtype", "fp32"))
+    assert fp32.model.embed_tokens.weight.dtype == torch.float32
+    assert_same_loss(zero2_bf16_tied.run, state, fp32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input: one line, exit 2, nothing written
+
+def _one_line_error(res) -> str:
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shardconsole: error: "), res.stderr
+    return lines[0]
+
+
+def test_refusals_are_one_line_and_write_nothing(fsdp, tmp_path):
+    out = tmp_path / "out"
+    assert "--step 3" in _one_line_error(_export(fsdp.run, out, "--step", "3"))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    assert "not an empty folder" in _one_line_error(_export(fsdp.run, tmp_path / "full"))
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    fresh = tmp_path / "fresh"                 # a run folder whose run wrote no checkpoint yet
+    res = shardconsole("--preset", "tiny-cpu", "--print-command", "--run-dir", str(fresh))
+    assert res.returncode == 0, res.stderr
+    assert "no checkpoint" in _one_line_error(_export(fresh, out))
+    assert "not a run folder" in _one_line_error(_export(tmp_path / "nowhere", out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "full"]

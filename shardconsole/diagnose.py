@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 import signal
 import time
 from dataclasses import dataclass
@@ -97,12 +98,13 @@ def short(frame: str) -> str:
     return f"{Path(path).name}:{rest}"
 
 
-def where_ranks_are(state: RunState, run_dir: Path, wait_s: float = 1.5) -> dict[int, list[str]]:
-    """Ask every local rank for its stack (SIGUSR1) and read it from its log."""
-    host = os.uname().nodename
+def where_ranks_are(state: RunState, run_dir: Path, ranks: Iterable[int], wait_s: float = 1.5) -> dict[int, list[str]]:
+    """Ask each of `ranks` (this host's, checked alive as this run's ranks by the caller: SIGUSR1 would end
+    any other process) for its stack and read it from its log."""
+    ranks = set(ranks)
     sizes = {}
     for rank, hello in state.hellos.items():
-        if hello.host and hello.host != host:
+        if rank not in ranks:
             continue
         log = run_dir / "logs" / f"rank{rank}.log"
         sizes[rank] = log.stat().st_size if log.exists() else 0

@@ -222,7 +222,7 @@ def _hung(watcher: Watcher, printer: Printer, err: TextIO, grace_s: float) -> in
         _say(err, f"run hung: no step for {watcher.stalled_for():.0f}s; it was not started here, so it is not "
                   f"stopped here (rank logs: {run_dir.logs})")
         return EXIT_CODES["hang"]
-    stacks = where_ranks_are(watcher.state, run_dir.path)
+    stacks = where_ranks_are(watcher.state, run_dir.path, watcher.live_ranks())
     message = hang_message(watcher.state, stacks, watcher.stalled_for())
     _say(err, f"run hung: {message}\n  stopping it; rank logs: {run_dir.logs}")
     _stop(watcher, grace_s, "hang: " + message.split(";")[0], printer, err)

@@ -1,6 +1,6 @@
 """A stand-in launcher for tests/test_headless.py: exits 1 with torchrun's failure dump at once, while its
 two "ranks" (sessions of their own, as torchrun starts them) write their `failed nan_loss` lines a moment
-later. Usage: late_ranks.py RUN_DIR   (a rank: late_ranks.py RUN_DIR RANK)"""
+later. Usage: late_ranks.py RUN_DIR   (a rank: late_ranks.py RUN_DIR RANK ...)"""
 
 import os
 import subprocess
@@ -11,7 +11,7 @@ from shardconsole import protocol as P
 from shardconsole.stream import MetricsWriter
 
 run_dir = sys.argv[1]
-if len(sys.argv) == 3:
+if len(sys.argv) > 2:
     rank = int(sys.argv[2])
     w = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"), "run", rank)
     w.emit(P.Hello(run="run", rank=rank, world=2, pid=os.getpid(), host=os.uname().nodename))
@@ -19,7 +19,10 @@ if len(sys.argv) == 3:
     w.emit(P.Failed(run="run", rank=rank, cause="nan_loss", message="loss is nan at step 2", step=2))
     sys.exit(1)
 
-ranks = [subprocess.Popen([sys.executable, __file__, run_dir, str(r)], start_new_session=True) for r in (0, 1)]
+# The ranks' command lines carry what a real rank's does (the worker module, --run-id, --run-dir): the
+# front end recognises a live rank by it (process_identity.is_rank_of), never by its pid alone.
+ranks = [subprocess.Popen([sys.executable, __file__, run_dir, str(r), "shardconsole.backends", "--run-id", "run",
+                           "--run-dir", run_dir], start_new_session=True) for r in (0, 1)]
 metrics = os.path.join(run_dir, "metrics.jsonl")
 deadline = time.monotonic() + 60
 while time.monotonic() < deadline:      # both hellos written: the front end knows the ranks' pids

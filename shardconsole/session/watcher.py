@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from shardconsole import process_identity as PI
 from shardconsole import protocol as P
 from shardconsole.diagnose import Watch
 from shardconsole.runfolder import RunFolder
@@ -26,7 +27,7 @@ from shardconsole.session.logtail import LogTail
 from shardconsole.session.outcome import DETACHED
 from shardconsole.stream import MetricsReader, SampleAppender
 
-HOST = os.uname().nodename
+HOST = PI.this_host()
 
 
 class Probes(Protocol):
@@ -72,16 +73,15 @@ class Tick:
     ended: bool = False                # the launcher has exited and no rank of this host is alive
 
 
-def rank_alive(hello: P.Hello) -> bool:
-    """Whether the process that said hello still runs: same pid, started in the hour before its hello
-    (a pid reused since by another process is not the rank). Never raises."""
+def rank_alive(hello: P.Hello, run_dir: Path) -> bool:
+    """Whether the process that said hello still runs as this run's rank: its pid on this host, with the
+    command line of a rank of this run (a pid reused since by another process is not the rank; a hello
+    line forged or replayed names nobody to signal). Never raises."""
     if hello.pid <= 0 or (hello.host and hello.host != HOST):
         return False
     try:
-        import psutil
-        proc = psutil.Process(hello.pid)
-        return proc.status() != psutil.STATUS_ZOMBIE and hello.t - 3600.0 <= proc.create_time() <= hello.t + 2.0
-    except Exception:    # NoSuchProcess, AccessDenied, a pid psutil refuses
+        return PI.is_rank_of(hello.pid, hello.host or None, run_dir, hello.run)
+    except Exception:    # a pid psutil refuses
         return False
 
 
@@ -121,7 +121,7 @@ class Watcher:
         return [h.pid for h in self.state.hellos.values() if h.pid > 0 and (not h.host or h.host == HOST)]
 
     def live_ranks(self) -> list[int]:
-        return sorted(r for r, h in self.state.hellos.items() if rank_alive(h))
+        return sorted(r for r, h in self.state.hellos.items() if rank_alive(h, self.folder.path))
 
     def poll(self) -> Tick:
         tick = Tick()

@@ -174,7 +174,8 @@ class RunScreen(Screen[None]):
                     return
                 if not hang_said and self.status == "running" and watcher.hung():
                     hang_said = True
-                    stacks = {} if watcher.external else where_ranks_are(watcher.state, self.handle.run_dir)
+                    stacks = {} if watcher.external else where_ranks_are(watcher.state, self.handle.run_dir,
+                                                                           watcher.live_ranks())
                     self.post_message(RunHung(hang_message(watcher.state, stacks, watcher.stalled_for())))
                 time.sleep(POLL_S)
         finally:

@@ -142,8 +142,10 @@ def _deepspeed_argv(cfg: C.RunConfig, worker: list[str], python: str) -> list[st
         # The runner's default port is 29500 for every run, so two runs on one machine would meet in
         # one rendezvous (torchrun's --standalone picks a free port; this does the same).
         argv += [f"--master_port={_free_port()}"]
-    # deepspeed's runner takes the script and its args; --module runs a module instead of a file.
-    return argv + ["--module", worker[1]] + worker[2:]
+    # deepspeed's runner takes the script and its args; --module runs a module instead of a file. One
+    # node: the rank module through loopback_rank, so rank 0's rendezvous store listens on 127.0.0.1.
+    module = PI.LOOPBACK_WORKER_MODULE if p.nnodes == 1 else worker[1]
+    return argv + ["--module", module] + worker[2:]
 
 
 def _free_port() -> int:

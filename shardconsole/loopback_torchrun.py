@@ -41,6 +41,15 @@ def _install() -> None:
     static_tcp_rendezvous.TCPStore = LoopbackTCPStore
 
 
+def install_in_rank() -> None:
+    """For ranks that host the env:// rendezvous store themselves (the deepspeed launcher's)."""
+    import importlib
+    # the module: `from torch.distributed import rendezvous` gives the function of that name
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    dist.TCPStore = LoopbackTCPStore
+    rendezvous.TCPStore = LoopbackTCPStore                 # imported by name there
+
+
 def main() -> None:
     _install()
     from torch.distributed.run import main as torchrun_main

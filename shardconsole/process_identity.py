@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 
 WORKER_MODULE = "shardconsole.backends"
+LOOPBACK_WORKER_MODULE = "shardconsole.loopback_rank"     # the same rank, its store on loopback
 # create_time is derived from the boot time and the start tick; two reads of one process agree to far
 # better than this, while a reused pid starts at a different moment.
 _START_SLACK_S = 0.05
@@ -100,7 +101,7 @@ def is_rank_of(pid: int, host: str | None, run_dir: Path, run_id: str) -> bool:
     if _never(pid):
         return False
     cmd = _cmdline(pid)
-    if not cmd or WORKER_MODULE not in cmd:
+    if not cmd or not {WORKER_MODULE, LOOPBACK_WORKER_MODULE} & set(cmd):
         return False
     ids = [cmd[i + 1] for i, a in enumerate(cmd[:-1]) if a == "--run-id"]
     return ids == [run_id] and _names_run_dir(cmd, run_dir)

@@ -149,6 +149,7 @@ def _listening(pids) -> list[str]:
     return [line for line in out.splitlines() if any(re.search(rf"pid={p},", line) for p in pids)]
 
 
+@pytest.mark.slow
 def test_rendezvous_listens_on_loopback_only(orphaned_run):
     """Item 9: torchrun's stores (and gloo's pair sockets) of a one-node run listen on 127.0.0.1 only."""
     _, _, _, listening = orphaned_run
@@ -157,6 +158,25 @@ def test_rendezvous_listens_on_loopback_only(orphaned_run):
     assert all(addr.startswith("127.0.0.1:") for addr in local), listening
 
 
+@pytest.mark.slow
+def test_deepspeed_launcher_rendezvous_listens_on_loopback_only(tmp_path):
+    """Item 9, the deepspeed launcher: rank 0 hosts the env:// store itself (loopback_rank.py)."""
+    cfg = C.load(REPO / "presets" / "tiny-cpu.toml", ["train.steps=3000", "train.log_every=1",
+                                                       "parallel.backend=deepspeed", "parallel.launcher=deepspeed",
+                                                       "train.save_final=false"])
+    run_dir = create_run_dir(cfg, tmp_path / "run")
+    job = Job.start(cfg, run_dir, run_dir.name, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    try:
+        _wait(lambda: of_kind(_msgs(run_dir), "step"), 240, "a step")
+        listening = _listening(job.processes())
+    finally:
+        report = job.stop(grace_s=0.0)
+    assert report.clean
+    assert len(listening) >= 3, listening           # rank 0's store, and gloo's pairs
+    assert all(line.split()[3].startswith("127.0.0.1:") for line in listening), listening
+
+
+@pytest.mark.slow
 def test_killed_launcher_leaves_ranks_that_are_seen_and_stopped(orphaned_run):
     """Item 2: the ranks of a SIGKILLed torchrun train on; a front end (this one, or attach/stop from
     job.json) sees them through the hello pids, says the launcher is gone, and stops every rank."""
@@ -175,6 +195,7 @@ def test_killed_launcher_leaves_ranks_that_are_seen_and_stopped(orphaned_run):
     assert not attached.alive() and attached.poll() == 0 and job.poll() == -signal.SIGKILL
 
 
+@pytest.mark.slow
 def test_a_follower_of_another_uid_reads_the_run(orphaned_run):
     """Item 11: one permission policy (0o666 and the umask), and `attach --headless` as another user."""
     run_dir, job, hellos, _ = orphaned_run

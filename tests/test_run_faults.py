@@ -25,7 +25,7 @@ from shardconsole.launch import Job
 from shardconsole.runfolder import RunFolder
 from shardconsole.session.rundir import create_run_dir, stream_stopped_note
 from shardconsole.stream import MetricsReader
-from tests.conftest import messages, of_kind, pids_alive
+from tests.conftest import messages, of_kind, pids_alive, shardconsole
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -99,6 +99,10 @@ def test_a_stranger_is_never_signalled(tmp_path, stranger):
         assert report.signalled == [] and report.clean, name
         assert whys[name] in report.refused, (name, report.refused)
         assert pids_alive([proc.pid, child]) == [proc.pid, child], f"{name}: the stranger was signalled"
+        if name in ("reused", "pid-1"):     # the same through the commands a user types
+            res = shardconsole("stop", str(run_dir), timeout=60)
+            assert "Traceback" not in res.stderr, res.stderr
+            assert pids_alive([proc.pid, child]) == [proc.pid, child], f"{name}: `shardconsole stop` signalled it"
     assert proc.poll() is None
 
 

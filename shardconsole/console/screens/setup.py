@@ -4,7 +4,7 @@ The state is what the command line takes: a preset and `table.key=value` overrid
 the command line, then one per edited field, each with its source). The settings shown are the settings
 pipeline's (settings.resolve, lenient: a bad override is set aside and marked at its field instead of
 stopping at the first). Launching runs the same preflight as `--headless` (session/preflight) on that
-Resolved and starts exactly its settings.
+Resolved and starts exactly its settings (setup_actions.py: launch, save, attach).
 """
 
 from __future__ import annotations
@@ -29,14 +29,12 @@ from shardconsole import config as C
 from shardconsole import preset_store, settings
 from shardconsole.launch import format_argv
 from shardconsole.models import CATALOG, ModelError, human_count, resolve
-from shardconsole.session import preflight
 
 from shardconsole.console import fields as F
 from shardconsole.console.messages import MachineDetected
-from shardconsole.console.screens.dialogs import AttachScreen, ConfirmScreen, SavePresetScreen, SaveRequest
-from shardconsole.console.services import (AttachError, Launcher, Machine, PlannedRun, Probes, RunHandle, RunOptions,
-                                           describe_estimate, describe_machine, host_overrun, load_plan,
-                                           plan_hardware)
+from shardconsole.console.screens.setup_actions import SetupActions
+from shardconsole.console.services import (Launcher, Machine, PlannedRun, Probes, RunOptions, describe_estimate,
+                                           describe_machine, load_plan, plan_hardware)
 from shardconsole.console.widgets.setting_field import SettingField
 
 HERE = Path(__file__).parent
@@ -45,7 +43,7 @@ MODEL_SPEC = F.spec_for("model", "name")
 BACKEND_SPEC = F.spec_for("parallel", "backend")
 
 
-class SetupScreen(Screen[None]):
+class SetupScreen(SetupActions, Screen[None]):
     CSS_PATH = HERE / "setup.tcss"
     BINDINGS = [
         Binding("ctrl+r", "launch", "Launch"),
@@ -408,117 +406,3 @@ class SetupScreen(Screen[None]):
         setting = self.query_one(f"#field-{table}-{key}", SettingField)
         setting.query_one(".setting--control").focus()
         setting.scroll_visible()
-
-    async def _refuse_if_invalid(self, doing: str) -> bool:
-        """With a problem left: say it, take the user to its field, and return True."""
-        problems = self._problems()
-        if not problems:
-            return False
-        path, detail = problems[0]
-        self.notify(f"{path}: {detail}", title=f"Fix this setting before {doing}", severity="error")
-        await self._go_to(path)
-        return True
-
-    async def action_launch(self) -> None:
-        if await self._refuse_if_invalid("launching"):
-            return
-        # The checks `--headless` makes before a launch (model folder, data files, GPUs of this machine),
-        # on the settings resolved here, so that the console never starts what it would refuse.
-        resolved = self.resolved
-        try:
-            warnings = preflight.check_launch(resolved, gpu_count=self.machine.gpu_count)
-        except C.ConfigError as e:
-            self.notify(str(e), title="Cannot launch", severity="error", timeout=10)
-            if e.path:
-                await self._go_to(e.path)
-            return
-        for warning in warnings:
-            self.notify(warning, severity="warning", timeout=8)
-        over = host_overrun(self.plan, resolved.cfg, self.machine)
-        if over is not None:
-            def answered(yes: bool | None) -> None:
-                if yes:
-                    self._start(resolved)
-            peak, budget = (C.format_size(b) for b in over)
-            self.app.push_screen(ConfirmScreen(
-                "Launch past this machine's RAM?",
-                f"The planner puts this run at {peak} of host RAM, over the {budget} usable here. A host out "
-                f"of memory is not a clean failure: the kernel may kill any process, this console included. "
-                f"`shardconsole --headless` refuses this launch unless given --force.",
-                yes="Launch anyway", no="Back"), answered)
-            return
-        self._start(resolved)
-
-    def _start(self, resolved: settings.Resolved) -> None:
-        """Start exactly the settings that were checked."""
-        cfg = resolved.cfg
-        planned = self.planned or self.launcher.plan(cfg, self.preset_name)
-        try:
-            handle = self.launcher.start(cfg, planned)
-        except OSError as e:
-            self.notify(f"{planned.run_dir}: {e}", title="Launch failed", severity="error", timeout=10)
-            return
-        self._open_run(handle, attached=False)
-
-    def _run_screen_closed(self, _: None = None) -> None:
-        self._refresh()    # a new run folder name for the next launch
-
-    async def action_save_preset(self) -> None:
-        if await self._refuse_if_invalid("saving"):
-            return
-        name = self.preset_name if self.preset_path and self.preset_path.parent == preset_store.user_dir() \
-            else f"{self.preset_name}-tuned"
-        # The description starts empty: the base preset's would describe another preset.
-        self.app.push_screen(SavePresetScreen(name, "", preset_store.user_dir()), self._save_answered)
-
-    def _save_answered(self, request: SaveRequest | None) -> None:
-        if request is None:
-            return
-        cfg = C.copy(self.cfg)
-        cfg.description = request.description
-        try:
-            self._save(cfg, request.name, overwrite=False)
-        except FileExistsError as e:
-            def overwrite(yes: bool | None) -> None:
-                if yes:
-                    self._save(cfg, request.name, overwrite=True)
-
-            self.app.push_screen(ConfirmScreen("Overwrite this preset?", f"{e.args[0]} exists. Replace it with the "
-                                               "current settings?", yes="Overwrite", no="Keep it"), overwrite)
-
-    def _save(self, cfg: C.RunConfig, name: str, *, overwrite: bool) -> None:
-        try:
-            path = preset_store.save_user_preset(cfg, name, overwrite=overwrite)
-        except C.ConfigError as e:
-            self.notify(str(e), title="Not saved", severity="error")
-            return
-        except OSError as e:
-            if isinstance(e, FileExistsError):
-                raise
-            self.notify(f"{e.filename}: {e.strerror}", title="Not saved", severity="error")
-            return
-        self._load(str(path), [])
-        presets = self.query_one("#presets", OptionList)
-        presets.set_options(self._preset_options())
-        self._refresh()
-        self._show_picks()
-        self.notify(f"Saved {path}", title="Preset saved")
-
-    def action_attach(self) -> None:
-        self.app.push_screen(AttachScreen(self.launcher.recent_runs(), self.launcher.runs_root), self._attach_to)
-
-    def _attach_to(self, run_dir: Path | None) -> None:
-        if run_dir is None:
-            return
-        try:
-            handle = self.launcher.attach(run_dir)
-        except AttachError as e:
-            self.notify(str(e), title="Cannot attach", severity="error", timeout=10)
-            return
-        self._open_run(handle, attached=True)
-
-    def _open_run(self, handle: RunHandle, *, attached: bool) -> None:
-        # Imported here: the run screen and its panels are not needed for the first paint.
-        from shardconsole.console.screens.run import RunScreen
-        self.app.push_screen(RunScreen(handle, self.probes, attached=attached,
-                                       options=self.run_options), self._run_screen_closed)

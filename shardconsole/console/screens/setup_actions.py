@@ -1,0 +1,138 @@
+"""What leaves the setup screen: launch (after --headless's preflight), save a preset, attach to a run.
+
+A part of SetupScreen (setup.py), kept apart so that each file reads as one concern: setup.py shows and
+edits the settings, this one acts on what it resolved.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual.widgets import OptionList
+
+from shardconsole import config as C
+from shardconsole import preset_store, settings
+from shardconsole.session import preflight
+
+from shardconsole.console.screens.dialogs import AttachScreen, ConfirmScreen, SavePresetScreen, SaveRequest
+from shardconsole.console.services import AttachError, RunHandle, host_overrun
+
+
+class SetupActions:
+    """Launch, save and attach; mixed into SetupScreen, whose state it reads (resolved, machine, plan,
+    launcher, preset_name, preset_path) and whose methods it calls (_problems, _go_to, _load, _refresh,
+    _show_picks, _preset_options)."""
+
+    async def _refuse_if_invalid(self, doing: str) -> bool:
+        """With a problem left: say it, take the user to its field, and return True."""
+        problems = self._problems()
+        if not problems:
+            return False
+        path, detail = problems[0]
+        self.notify(f"{path}: {detail}", title=f"Fix this setting before {doing}", severity="error")
+        await self._go_to(path)
+        return True
+
+    async def action_launch(self) -> None:
+        if await self._refuse_if_invalid("launching"):
+            return
+        # The checks `--headless` makes before a launch (model folder, data files, GPUs of this machine),
+        # on the settings resolved here, so that the console never starts what it would refuse.
+        resolved = self.resolved
+        try:
+            warnings = preflight.check_launch(resolved, gpu_count=self.machine.gpu_count)
+        except C.ConfigError as e:
+            self.notify(str(e), title="Cannot launch", severity="error", timeout=10)
+            if e.path:
+                await self._go_to(e.path)
+            return
+        for warning in warnings:
+            self.notify(warning, severity="warning", timeout=8)
+        over = host_overrun(self.plan, resolved.cfg, self.machine)
+        if over is not None:
+            def answered(yes: bool | None) -> None:
+                if yes:
+                    self._start(resolved)
+            peak, budget = (C.format_size(b) for b in over)
+            self.app.push_screen(ConfirmScreen(
+                "Launch past this machine's RAM?",
+                f"The planner puts this run at {peak} of host RAM, over the {budget} usable here. A host out "
+                f"of memory is not a clean failure: the kernel may kill any process, this console included. "
+                f"`shardconsole --headless` refuses this launch unless given --force.",
+                yes="Launch anyway", no="Back"), answered)
+            return
+        self._start(resolved)
+
+    def _start(self, resolved: settings.Resolved) -> None:
+        """Start exactly the settings that were checked."""
+        cfg = resolved.cfg
+        planned = self.planned or self.launcher.plan(cfg, self.preset_name)
+        try:
+            handle = self.launcher.start(cfg, planned)
+        except OSError as e:
+            self.notify(f"{planned.run_dir}: {e}", title="Launch failed", severity="error", timeout=10)
+            return
+        self._open_run(handle, attached=False)
+
+    def _run_screen_closed(self, _: None = None) -> None:
+        self._refresh()    # a new run folder name for the next launch
+
+    async def action_save_preset(self) -> None:
+        if await self._refuse_if_invalid("saving"):
+            return
+        name = self.preset_name if self.preset_path and self.preset_path.parent == preset_store.user_dir() \
+            else f"{self.preset_name}-tuned"
+        # The description starts empty: the base preset's would describe another preset.
+        self.app.push_screen(SavePresetScreen(name, "", preset_store.user_dir()), self._save_answered)
+
+    def _save_answered(self, request: SaveRequest | None) -> None:
+        if request is None:
+            return
+        cfg = C.copy(self.cfg)
+        cfg.description = request.description
+        try:
+            self._save(cfg, request.name, overwrite=False)
+        except FileExistsError as e:
+            def overwrite(yes: bool | None) -> None:
+                if yes:
+                    self._save(cfg, request.name, overwrite=True)
+
+            self.app.push_screen(ConfirmScreen("Overwrite this preset?", f"{e.args[0]} exists. Replace it with the "
+                                               "current settings?", yes="Overwrite", no="Keep it"), overwrite)
+
+    def _save(self, cfg: C.RunConfig, name: str, *, overwrite: bool) -> None:
+        try:
+            path = preset_store.save_user_preset(cfg, name, overwrite=overwrite)
+        except C.ConfigError as e:
+            self.notify(str(e), title="Not saved", severity="error")
+            return
+        except OSError as e:
+            if isinstance(e, FileExistsError):
+                raise
+            self.notify(f"{e.filename}: {e.strerror}", title="Not saved", severity="error")
+            return
+        self._load(str(path), [])
+        presets = self.query_one("#presets", OptionList)
+        presets.set_options(self._preset_options())
+        self._refresh()
+        self._show_picks()
+        self.notify(f"Saved {path}", title="Preset saved")
+
+    def action_attach(self) -> None:
+        self.app.push_screen(AttachScreen(self.launcher.recent_runs(), self.launcher.runs_root), self._attach_to)
+
+    def _attach_to(self, run_dir: Path | None) -> None:
+        if run_dir is None:
+            return
+        try:
+            handle = self.launcher.attach(run_dir)
+        except AttachError as e:
+            self.notify(str(e), title="Cannot attach", severity="error", timeout=10)
+            return
+        self._open_run(handle, attached=True)
+
+    def _open_run(self, handle: RunHandle, *, attached: bool) -> None:
+        # Imported here: the run screen and its panels are not needed for the first paint.
+        from shardconsole.console.screens.run import RunScreen
+        self.app.push_screen(RunScreen(handle, self.probes, attached=attached,
+                                       options=self.run_options), self._run_screen_closed)

@@ -166,3 +166,21 @@ def test_a_run_stopped_from_elsewhere_is_stopped_not_a_crash(tmp_path):
     state.apply(P.decode((run / "metrics.jsonl").read_text().splitlines()[-1]))
     cause, message = outcome.classify(state, -15, run)
     assert cause == "stopped" and "shardconsole stop" in message
+
+
+def test_the_data_summary_and_each_eval_get_a_line():
+    """Issue 15's front-end part: what the ranks train on, once at start, and each eval as it comes."""
+    from shardconsole.session.watcher import Tick
+    state = RunState()
+    msgs = [P.DataSummary(source="chat.jsonl", format="chat", tokenizer="my-llama", template="chatml", records=120,
+                          tokens=30_000, samples=58, loss_share=0.42, epochs=1.5, eval_records=6, eval_samples=3),
+            P.Eval(step=20, loss=2.125, tokens=4096, seconds=1.25)]
+    for m in msgs:
+        state.apply(m)
+    out = io.StringIO()
+    headless.Printer(out).render(Tick(messages=msgs), state)
+    lines = out.getvalue().splitlines()
+    assert lines == ["data: chat.jsonl (chat), tokenizer my-llama, template chatml: 120 records, 30000 tokens, "
+                     "58 packed samples, 42% of tokens under loss, 1.50 epochs; eval 6 records, 3 samples",
+                     "eval step 20: loss 2.1250 over 4096 tokens (1.2 s)"]
+    assert state.data is msgs[0] and state.evals == [msgs[1]]

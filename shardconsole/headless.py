@@ -63,6 +63,8 @@ def step_line(state: RunState) -> str:
 
 def data_line(d: P.DataSummary) -> str:
     """What the ranks train on, once at start (issue 15)."""
+    if d.format == "synthetic":
+        return "data: synthetic random tokens (no data set, no tokenizer)" + (f"; {d.note}" if d.note else "")
     text = (f"data: {d.source} ({d.format}), tokenizer {d.tokenizer or 'n/a'}"
             + (f", template {d.template}" if d.template else "")
             + f": {d.records} records, {d.tokens} tokens, {d.samples} packed samples, "

@@ -202,8 +202,8 @@ def _follow(watcher: Watcher, printer: Printer, err: TextIO, grace_s: float, sta
                       f"with scancel)")
             watcher.detach("Ctrl-C")
             return EXIT_CODES["detached"]
-        _say(err, "stopping: SIGTERM to every rank ... (Ctrl-C again: SIGKILL now)")
-        _stop(watcher, grace_s, "Ctrl-C in the front end" if started_here else "Ctrl-C in attach", printer, err)
+        _stop(watcher, grace_s, "Ctrl-C in the front end" if started_here else "Ctrl-C in attach", printer, err,
+              announce="stopping: SIGTERM to every rank ... (Ctrl-C again: SIGKILL now)")
         return EXIT_CODES["stopped"]
     printer.clear_bar()
     if watcher.reader.bad_lines:
@@ -231,9 +231,11 @@ def _hung(watcher: Watcher, printer: Printer, err: TextIO, grace_s: float) -> in
     return EXIT_CODES["hang"]
 
 
-def _stop(watcher: Watcher, grace_s: float, who: str, printer: Printer, err: TextIO) -> None:
+def _stop(watcher: Watcher, grace_s: float, who: str, printer: Printer, err: TextIO, announce: str = "") -> None:
     hurry = Hurry()
-    with interrupts_hurry(hurry):
+    with interrupts_hurry(hurry):      # first: a second Ctrl-C from here on hurries, never aborts the stop
+        if announce:
+            _say(err, announce)
         report = stop_run(watcher.job, watcher.rank_pids, who=who, grace_s=grace_s, hurry=hurry)
         try:
             printer.render(watcher.poll(), watcher.state)

@@ -27,9 +27,10 @@ equivalents of `--set parallel.backend=deepspeed` belong to the settings pipelin
 
   export.py       settings -> ds_config: ADAM_EPS, ZERO_KEYS, _ZERO_BOOL, DS_ZERO_DEFAULTS,
                   DS_OFFLOAD_PIN_DEFAULT, device_type, uses_torch_adam, _offload_block, to_ds_config
-  importer.py     ds_config -> settings: _KNOWN_UNMAPPED, _ZERO_UNMAPPED, _OFFLOAD_UNMAPPED, _Import,
-                  _known, _TOP_KEYS, _ZERO_ALL, from_ds_config and its per-section readers _batch,
-                  _optimizer, _scheduler, _precision, _zero
+  import_report.py  what an import reports: _KNOWN_UNMAPPED, _ZERO_UNMAPPED, _OFFLOAD_UNMAPPED, _Import,
+                  _known
+  importer.py     ds_config -> settings: _TOP_KEYS, _ZERO_ALL, from_ds_config and its per-section readers
+                  _batch, _optimizer, _scheduler, _precision, _zero
   commands.py     the CLI commands: _read_json, merge, _write_text, cmd_export, cmd_import
 """
 
@@ -38,8 +39,8 @@ from __future__ import annotations
 from shardconsole.ds_json.commands import _read_json, _write_text, cmd_export, cmd_import, merge
 from shardconsole.ds_json.export import (ADAM_EPS, DS_OFFLOAD_PIN_DEFAULT, DS_ZERO_DEFAULTS, ZERO_KEYS, _ZERO_BOOL,
                                          _offload_block, device_type, to_ds_config, uses_torch_adam)
-from shardconsole.ds_json.importer import (_Import, _KNOWN_UNMAPPED, _OFFLOAD_UNMAPPED, _TOP_KEYS, _ZERO_ALL,
-                                           _ZERO_UNMAPPED, _batch, _known, _optimizer, _precision, _scheduler, _zero,
+from shardconsole.ds_json.import_report import _Import, _KNOWN_UNMAPPED, _OFFLOAD_UNMAPPED, _ZERO_UNMAPPED, _known
+from shardconsole.ds_json.importer import (_TOP_KEYS, _ZERO_ALL, _batch, _optimizer, _precision, _scheduler, _zero,
                                            from_ds_config)
 
 __all__ = [

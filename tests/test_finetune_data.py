@@ -182,6 +182,32 @@ def test_checks_before_launch(tmp_path, models):
         entry_for(cfg.data.path, broken)
 
 
+def test_a_path_without_a_source_trains_on_the_file(tmp_path, models):
+    from shardconsole.backends.data import PackedWindows, make_source
+    f = write_jsonl(tmp_path / "chat.jsonl", CHAT * 20)
+    cfg = C.build({"model": {"name": str(models["chat"])}, "data": {"path": str(f), "seq_len": 16}}, "p.toml",
+                  gpu_count=0)
+    assert cfg.data.source == "auto"
+    src = make_source(cfg, 384, str(models["chat"]), 0, 2)
+    assert isinstance(src, PackedWindows) and isinstance(src.ids, np.memmap)
+
+
+def test_held_out_records_by_fraction_or_from_a_file(tmp_path, models, tok):
+    rows = [{"prompt": f"Q{i}:", "completion": f" A{i}."} for i in range(8)]
+    f = write_jsonl(tmp_path / "pc.jsonl", rows)
+    e = entry_for(f, models["chat"], eval_fraction=0.25)
+    assert (e.train.records, e.eval.records) == (6, 2)
+    held = {t for t in tok.decode(np.asarray(e.eval.ids).tolist()).split("<|endoftext|>") if t}
+    kept = {t for t in tok.decode(np.asarray(e.train.ids).tolist()).split("<|endoftext|>") if t}
+    assert len(held) == 2 and not held & kept and held | kept == {f"Q{i}: A{i}." for i in range(8)}
+    again = token_cache.open_entry(C.DataSettings(path=str(f), eval_fraction=0.25), 99, str(models["chat"]),
+                                   True, 384, lambda s: None)
+    assert again.built_here        # the split follows train.seed, so the seed is part of the key
+    ev = write_jsonl(tmp_path / "eval.jsonl", CHAT)
+    e = entry_for(f, models["chat"], eval_path=str(ev))
+    assert (e.train.records, e.eval.records, e.meta["eval_format"]) == (8, 1, "chat")
+
+
 def test_text_without_a_tokenizer_is_bytes(tmp_path):
     f = tmp_path / "notes.txt"
     f.write_text("héllo\n\nworld\n")

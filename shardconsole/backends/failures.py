@@ -62,7 +62,8 @@ def _oom_context(r: Rank | None) -> str:
 
 def report_failure(r: Rank | None, exc: BaseException, run_dir: Path, run_id: str) -> None:
     cause, hint = classify(exc)
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    # A stop is not a crash: no traceback in the report.
+    tb = "" if cause == "stopped" else "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     print(tb, file=sys.stderr, flush=True)
     rank = r.rank if r else int(os.environ.get("RANK", "0"))
     writer = r.writer if r else MetricsWriter(run_dir / METRICS_FILE, run_id, rank)

@@ -181,7 +181,7 @@ def _first_cause(e: BaseException) -> str:
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
         inner = next(iter(failures.values()))
-        inner = getattr(inner, "exc", inner)
+        inner = inner[0] if isinstance(inner, tuple) and inner else getattr(inner, "exc", inner)
         return f"{type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"[:400]
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
 

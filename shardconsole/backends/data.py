@@ -3,7 +3,8 @@ tokenizes them once per machine), or a pre-tokenized token file.
 
 A rank's samples are a pure function of (seed, global sample index, rank, world): global sample g of
 the run is window perm_e[g mod n] of epoch e = g // n (a fresh permutation of the n windows per epoch,
-seeded by (seed, e)), and micro-batch j of a step on rank r holds samples consumed + j*world + r.
+chosen by (seed, e) and computed per sample by shuffled()), and micro-batch j of a step on rank r holds
+samples consumed + j*world + r.
 source.seek(consumed) therefore resumes exactly, on any world size.
 
 Documents (records) are packed back to back, each ending with EOS, into windows of seq_len + 1 tokens
@@ -65,6 +66,33 @@ def windows_to_batch(ids: np.ndarray, flags: np.ndarray, cross_doc: bool) -> Bat
     return Batch(torch.from_numpy(np.ascontiguousarray(ids[:, :-1])), torch.from_numpy(labels), pos)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a well-spread 64-bit hash of x."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def shuffled(i: int, n: int, key: int) -> int:
+    """Position i of a pseudo-random permutation of range(n) chosen by key, in O(1) memory: a 4-round
+    Feistel network on the smallest even-bit power of two >= n, walked until it lands below n. A stored
+    permutation would be 8 bytes per window on every rank, growing with the corpus."""
+    half = max(1, (max(n - 1, 1).bit_length() + 1) // 2)
+    lo_mask = (1 << half) - 1
+    x = i
+    while True:
+        left, right = x >> half, x & lo_mask
+        for rnd in range(4):
+            left, right = right, left ^ (_mix((key << 3) ^ (rnd << 60) ^ right) & lo_mask)
+        x = (left << half) | right
+        if x < n:
+            return x
+
+
 class _Global:
     """The bookkeeping shared by every training source: which global samples a rank takes next."""
 
@@ -114,13 +142,10 @@ class PackedWindows(_Global):
         if self.n < world:
             raise DataError(f"{name}: {len(ids)} tokens make {self.n} samples of {seq_len + 1} tokens, fewer "
                             f"than the {world} ranks; lower data.seq_len or add data")
-        self._epoch, self._perm = -1, None
 
     def window_of(self, g: int) -> int:
         epoch, i = divmod(g, self.n)
-        if epoch != self._epoch:
-            self._epoch, self._perm = epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n)
-        return int(self._perm[i])
+        return shuffled(i, self.n, self.seed * 1_000_003 + epoch)
 
     def windows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         S = self.seq_len

@@ -257,4 +257,6 @@ def test_refusals_are_one_line_and_write_nothing(fsdp, tmp_path):
     assert res.returncode == 0, res.stderr
     assert "no checkpoint" in _one_line_error(_export(fresh, out))
     assert "not a run folder" in _one_line_error(_export(tmp_path / "nowhere", out))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "full"]
+    (tmp_path / "a-file").write_text("")
+    assert "writing failed" in _one_line_error(_export(fsdp.run, tmp_path / "a-file" / "out"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "fresh", "full"]

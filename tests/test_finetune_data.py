@@ -127,6 +127,8 @@ def test_cache_is_reused_and_keyed(tmp_path, models):
     assert first.built_here and not again.built_here and again.folder == first.folder
     assert isinstance(again.train.ids, np.memmap)
     assert entry_for(f, models["chat"], seq_len=64).built_here           # seq_len is part of the key
+    write_jsonl(f, CHAT * 4)                                               # new content, same path
+    assert entry_for(f, models["chat"]).built_here
     # A changed chat template (in a copy of the model folder) tokenizes again.
     other = tmp_path / "other-template"
     shutil.copytree(models["chat"], other)

@@ -270,3 +270,18 @@ def test_cli_refuses_a_model_transformers_cannot_build_up_front(tmp_path, hf_mod
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("shardconsole: error: --set model.name: ") and words in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_the_consoles_lenient_resolution_sets_each_bad_override_aside_and_blames_the_field():
+    """The console resolves through the same pipeline, leniently: every refused field comes back with its
+    own error (not only the first), and an impossible combination names the field that set its key."""
+    fields = [settings.from_console("train", "steps", "0"), settings.from_console("train", "lr", "fast"),
+              settings.from_console("fsdp", "sharding", "no_shard"), settings.from_console("fsdp", "cpu_offload", "true")]
+    r = settings.resolve("tiny-cpu", fields, lenient=True)
+    assert sorted(r.refused) == ["train.lr", "train.steps"]
+    assert str(r.refused["train.lr"]) == "console: [train] lr: expected a number, got 'fast'; peak learning rate"
+    assert r.cfg.train.steps == settings.resolve("tiny-cpu").cfg.train.steps     # set aside, not half-applied
+    assert (r.invalid.source, r.invalid.path) == ("console: [fsdp] cpu_offload", "fsdp.cpu_offload")
+    assert [e.path for e in r.problems] == ["train.steps", "train.lr", "fsdp.cpu_offload"]
+    with pytest.raises(C.ConfigError, match=r"^console: \[train\] steps: 0 is below the minimum 1"):
+        settings.resolve("tiny-cpu", fields)          # strict (every other front end): the first error

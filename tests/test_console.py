@@ -257,6 +257,22 @@ def test_an_edit_is_the_clis_override_and_its_error_names_the_field():
     assert r.cfg.precision.reduce_dtype is None
 
 
+def test_the_console_starts_from_what_the_cli_resolved(tmp_path):
+    """`shardconsole --preset P --set ...` resolves once and hands the Resolved over: the screen keeps
+    each override with its --set source, and a later edit of that field takes the field's source."""
+    from shardconsole import settings
+    resolved = settings.resolve("3090-offload", ["train.steps=5", "parallel.backend=deepspeed"])
+    app = ShardConsoleApp(FakeLauncher(tmp_path / "runs"), FakeProbes(unavailable=NO_GPU), resolved=resolved,
+                          planner=lambda: None)
+    setup = app.setup_screen
+    assert setup.preset_name == "3090-offload" and setup.cfg == resolved.cfg
+    assert setup.resolved.origins == {"train.steps": "--set train.steps", "parallel.backend": "--set parallel.backend"}
+    assert setup.notes == resolved.notes and any("offload_param" in n for n in setup.notes)
+    setup.overrides["train.steps"] = F.override(F.spec_for("train", "steps"), "0")   # what an edit does
+    setup._derive(notify=False)      # (no app running: the widgets are not redrawn)
+    assert str(setup.resolved.refused["train.steps"]).startswith("console: [train] steps: 0 is below the minimum 1")
+
+
 def test_text_round_trips_through_the_override():
     cfg = C.build({"deepspeed": {"reduce_bucket_size": 500_000_000}, "train": {"lr": 6e-5},
                    "memory": {"gpu_memory_limit": "24GiB"}})

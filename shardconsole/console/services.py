@@ -200,20 +200,6 @@ def run_estimate(plan: ModuleType | None, cfg: C.RunConfig, machine: Machine) ->
     return plan.estimate(cfg, resolve(cfg.model.name), machine.plan_hardware)
 
 
-def host_overrun(plan: ModuleType | None, cfg: C.RunConfig, machine: Machine) -> tuple[int, int] | None:
-    """(planned host peak, usable host RAM) when the planner puts the run over this machine's RAM, the
-    check `--headless` refuses a launch on (session/preflight.check_host_memory); None when it fits or
-    cannot say."""
-    try:
-        est = run_estimate(plan, cfg, machine)
-    except Exception:   # a check that cannot run must not block a launch
-        return None
-    budget = getattr(est, "host_budget_bytes", None)
-    if est is None or not budget or est.host_peak_bytes <= budget:
-        return None
-    return est.host_peak_bytes, budget
-
-
 def describe_machine(machine: Machine) -> str:
     """One line: the GPUs found (or why none) and the host's memory."""
     if not machine.detected:

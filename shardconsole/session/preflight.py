@@ -12,6 +12,8 @@ from __future__ import annotations
 import codecs
 from dataclasses import fields
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from shardconsole import config as C
 from shardconsole.models import ModelError, ModelSpec, resolve as resolve_model
@@ -90,12 +92,16 @@ def _check_data_file(r: Resolved) -> None:
         raise r.error("data", "path", f"{data}: not UTF-8 text (byte {e.start})") from None
 
 
-def host_overrun(r: Resolved, spec: ModelSpec, hardware: object | None = None) -> tuple[int, int] | None:
+def host_overrun(r: Resolved, spec: ModelSpec | None = None, hardware: Any = None,
+                 planner: ModuleType | None = None) -> tuple[int, int] | None:
     """(planned host peak, usable host RAM) when the planner puts the run over this machine's RAM; None
-    when it fits or the planner cannot say (a check that cannot run must not block a launch)."""
+    when it fits or the planner cannot say (a check that cannot run must not block a launch). The
+    console passes its own planner and the hardware its probes saw; --headless detects them."""
     try:
-        from shardconsole import plan
-        est = plan.estimate(r.cfg, spec, hardware if hardware is not None else plan.detect_hardware())
+        if planner is None:
+            from shardconsole import plan as planner
+        spec = spec or resolve_model(r.cfg.model.name)
+        est = planner.estimate(r.cfg, spec, hardware if hardware is not None else planner.detect_hardware())
     except Exception:
         return None
     budget = getattr(est, "host_budget_bytes", None)

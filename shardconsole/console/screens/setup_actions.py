@@ -15,7 +15,7 @@ from shardconsole import preset_store, settings
 from shardconsole.session import preflight
 
 from shardconsole.console.screens.dialogs import AttachScreen, ConfirmScreen, SavePresetScreen, SaveRequest
-from shardconsole.console.services import AttachError, RunHandle, host_overrun
+from shardconsole.console.services import AttachError, RunHandle
 
 
 class SetupActions:
@@ -48,7 +48,8 @@ class SetupActions:
             return
         for warning in warnings:
             self.notify(warning, severity="warning", timeout=8)
-        over = host_overrun(self.plan, resolved.cfg, self.machine)
+        over = (preflight.host_overrun(resolved, hardware=self.machine.plan_hardware, planner=self.plan)
+                if self.plan is not None and self.machine.plan_hardware is not None else None)
         if over is not None:
             def answered(yes: bool | None) -> None:
                 if yes:

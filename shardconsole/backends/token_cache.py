@@ -150,8 +150,10 @@ def open_entry(d, seed: int, model_path: str | None, has_tokenizer: bool, vocab:
             return None
         n = info["tokens"]
         # np.memmap refuses an empty file; an empty split has no tokens to map.
-        ids = np.memmap(folder / f"{name}.ids", dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
-        flags = np.memmap(folder / f"{name}.flags", dtype=np.uint8, mode="r", shape=(n,)) if n else np.zeros(0, np.uint8)
+        if not n:
+            return Split(np.zeros(0, dtype), np.zeros(0, np.uint8), info["records"])
+        ids = np.memmap(folder / f"{name}.ids", dtype=dtype, mode="r", shape=(n,))
+        flags = np.memmap(folder / f"{name}.flags", dtype=np.uint8, mode="r", shape=(n,))
         return Split(ids, flags, info["records"])
     return Entry(folder, meta, split("train"), split("eval"), built)
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from shardconsole import config as C
+from shardconsole import settings
 from shardconsole.runfolder import RunFolder
 
 PREV_SUFFIX = ".prev"
@@ -53,7 +54,8 @@ def _running(folder: RunFolder) -> bool:
         return False
 
 
-def prepare_resume(run_dir: Path, overrides: list[str]) -> C.RunConfig:
+def prepare_resume(run_dir: Path, overrides: list) -> C.RunConfig:
+    """overrides: `table.key=value` strings (errors name `--set table.key`) or settings.Override objects."""
     folder = RunFolder(Path(run_dir))
     if not folder.path.is_dir():
         raise C.ConfigError(f"{folder.path}: no such run folder")
@@ -62,7 +64,7 @@ def prepare_resume(run_dir: Path, overrides: list[str]) -> C.RunConfig:
     if _running(folder):
         raise C.ConfigError(f"{folder.path}: the run is still going; stop it first "
                             f"(`shardconsole stop {folder.path}`), or follow it with `shardconsole attach`")
-    cfg = C.load(folder.preset, list(overrides))
+    cfg = settings.resolve_doc(C.load_toml(folder.preset), folder.path.name, folder.preset, list(overrides)).cfg
     ckpt_dir = folder.checkpoints(cfg.train.checkpoint_dir)
     found = checkpoints_in(ckpt_dir)
     if not found:

@@ -718,8 +718,9 @@ async def test_real_tiny_cpu_run_launch_watch_stop(tmp_path, monkeypatch):
         await pilot.press("s")
         await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen")
         await pilot.press("y")
-        report = await wait_for(pilot, lambda: type(app.screen).__name__ == "ReportScreen" and app.screen,
-                                timeout=60, what="the stop report")
+        # The report's body is composed a frame after the screen is pushed: wait for the body itself.
+        report = await wait_for(pilot, lambda: type(app.screen).__name__ == "ReportScreen" and app.screen.query("#body")
+                                and app.screen, timeout=60, what="the stop report")
         body = text_of(report.query_one("#body"))
         assert "none left" in body and "rank 0" in body and "still" not in body
         for pid in pids:

@@ -509,7 +509,8 @@ async def test_launch_watch_and_stop_with_a_fake_launcher(tmp_path):
         await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen")
         await pilot.press("y")
         await wait_for(pilot, lambda: screen.status == "stopped", what="the stop")
-        report = await wait_for(pilot, lambda: type(app.screen).__name__ == "ReportScreen" and app.screen)
+        report = await wait_for(pilot, lambda: type(app.screen).__name__ == "ReportScreen" and app.screen.query("#body")
+                                and app.screen)
         body = text_of(report.query_one("#body"))
         assert "none left" in body and "rank 0 (pid 5000): ended" in body
         assert launcher.jobs[0].stops == 1
@@ -602,7 +603,8 @@ async def test_a_failed_run_says_why(tmp_path):
     app = make_app(tmp_path, attach=run_dir, launcher=FakeLauncher(tmp_path / "runs", alive=False))
     async with app.run_test(size=(120, 40)) as pilot:
         screen = await wait_for(pilot, lambda: isinstance(app.screen_stack[-2], RunScreen) and app.screen_stack[-2])
-        report = await wait_for(pilot, lambda: type(app.screen).__name__ == "ReportScreen" and app.screen)
+        report = await wait_for(pilot, lambda: type(app.screen).__name__ == "ReportScreen" and app.screen.query("#body")
+                                and app.screen)
         assert "gpu_oom" in text_of(report.query_one("#title"))
         body = text_of(report.query_one("#body"))
         assert "CUDA out of memory" in body and "lower train.micro_batch" in body

@@ -2,11 +2,14 @@
 each rank's RNG states and the data position beside DeepSpeed's own files, and a resume that reads
 those files with torch.load(weights_only=True) instead of DeepSpeed's weights_only=False.
 
-What DeepSpeed allows on resume: the ZeRO partitions load only at the rank count that saved them
-(engine.load_checkpoint on another data-parallel size fails or mis-assigns partitions). Another rank
-count goes through DeepSpeed's universal checkpoint: `python -m deepspeed.checkpoint.ds_to_universal
---input_folder step_N/global_stepN --output_folder ...` and `"checkpoint": {"load_universal": true}`,
-not wired into shardconsole yet; resume refuses a different rank count with that advice.
+What DeepSpeed allows on resume (0.19.8, checked at stages 2 and 3): the ZeRO partitions load only at
+the rank count that saved them; engine.load_checkpoint on another raises ZeRORuntimeException ("used
+a DP world size of 2 but the current world size is 1"). Another rank count goes through DeepSpeed's
+universal checkpoint: `python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state
+--input_folder step_N/global_stepN --output_folder OUT` converts our checkpoints (the flag adds the
+universal_checkpoint_info that Megatron-DeepSpeed writes and we do not), and a ds_config with
+`"checkpoint": {"load_universal": true}` loads OUT; that load is not wired into shardconsole yet, so
+resume refuses a different rank count with this advice before DeepSpeed is asked.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def resume(r: common.Rank, engine, data: trainstate.Data) -> int:
         raise checkpoints.CheckpointError(
             f"{found.path}: written by {saved_world} DeepSpeed rank(s), this run has {r.world}; DeepSpeed loads "
             f"ZeRO partitions only at the rank count that saved them (convert it with "
-            f"`python -m deepspeed.checkpoint.ds_to_universal` for another)")
+            f"`python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state` for another)")
     safe_checkpoint_loads(engine)
     try:
         load_path, client = engine.load_checkpoint(str(found.path))

@@ -219,26 +219,30 @@ def test_text_without_a_tokenizer_is_bytes(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_rank_finetune_on_chat_with_eval(tmp_path, models):
-    """The README path: a model folder and a .jsonl of chats, data.path without a source, a held-out
-    fraction: the data summary and an eval loss reach metrics.jsonl."""
-    chats = [{"messages": [{"role": "user", "content": f"what is {i} plus {i}?"},
-                           {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]} for i in range(60)]
-    data = write_jsonl(tmp_path / "chats.jsonl", chats)
+def test_two_rank_finetune_on_chat_with_eval(tmp_path, models, tok):
+    """The README path: a model folder, a .jsonl of chats (data.path without a source) and a file of
+    held-out chats: the data summary, and an eval loss over every held-out answer token on both ranks."""
+    def chat(i):
+        return {"messages": [{"role": "user", "content": f"what is {i} plus {i}?"},
+                             {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]}
+    data = write_jsonl(tmp_path / "chats.jsonl", [chat(i) for i in range(60)])
+    held = write_jsonl(tmp_path / "held.jsonl", [chat(i) for i in range(100, 107)])
     run_dir = tmp_path / "run"
     res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run_dir),
                        "--set", f"model.name={models['chat']}", "--set", "data.source=auto",
-                       "--set", f"data.path={data}", "--set", "data.seq_len=64", "--set", "data.eval_fraction=0.1",
+                       "--set", f"data.path={data}", "--set", "data.seq_len=64", "--set", f"data.eval_path={held}",
                        "--set", "train.steps=4", "--set", "train.micro_batch=2", "--set", "train.log_every=1",
                        env={"SHARDCONSOLE_CACHE_DIR": str(tmp_path / "cache")})
     assert res.returncode == 0, res.stderr[-3000:]
     msgs = messages(run_dir)
     [summary] = of_kind(msgs, "data")
-    assert (summary.format, summary.records, summary.eval_records) == ("chat", 54, 6)
+    assert (summary.format, summary.records, summary.eval_records) == ("chat", 60, 7)
     assert summary.template == "tokenizer's chat template" and 0 < summary.loss_share < 0.6
     assert summary.epochs == pytest.approx(4 * 2 * 2 / summary.samples, abs=1e-3)
     evals = of_kind(msgs, "eval")
-    assert evals and evals[-1].step == 4 and evals[-1].tokens > 0 and 0 < evals[-1].loss < 10
+    # Under loss in each held-out chat: the answer, its end-of-turn marker and the EOS.
+    expected = sum(len(ids_of(tok, f"{i} plus {i} is {2 * i}.<|im_end|>\n")) + 1 for i in range(100, 107))
+    assert evals and evals[-1].step == 4 and evals[-1].tokens == expected and 0 < evals[-1].loss < 10
     # Tokenized once for both ranks: one rank wrote the cache.
     logs = [(run_dir / "logs" / f"rank{n}.log").read_text() for n in range(2)]
     assert sum("token cache written" in text for text in logs) == 1

@@ -25,6 +25,13 @@ def _user_presets(tmp_path_factory, monkeypatch):
     return d
 
 
+@pytest.fixture(autouse=True)
+def _token_cache(tmp_path_factory, monkeypatch):
+    """Token caches of test runs go to a temporary folder, never the user's cache (one per session:
+    tests that read the same file share its cache, as ranks of one machine do)."""
+    monkeypatch.setenv("SHARDCONSOLE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "token-cache"))
+
+
 def shardconsole(*args: str, timeout: float = 180, env: dict | None = None, cwd: Path | None = None
                  ) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess, as a user would."""

@@ -23,7 +23,9 @@ from shardconsole import config as C
 from shardconsole import protocol as P
 from shardconsole.launch import Job
 from shardconsole.runfolder import RunFolder
+from shardconsole.session.outcome import classify
 from shardconsole.session.rundir import create_run_dir, stream_stopped_note
+from shardconsole.session.watcher import Watcher
 from shardconsole.stream import MetricsReader
 from tests.conftest import messages, of_kind, pids_alive, shardconsole
 
@@ -247,6 +249,7 @@ def test_full_disk_is_told_in_the_rank_log_and_explained(small_tmpfs):
         "from shardconsole.stream import MetricsWriter\n"
         "print('[rank 1] starting', flush=True)\n"          # a rank's log holds its start-up lines
         f"w = MetricsWriter({str(folder.metrics)!r}, 'run', 1)\n"
+        "w.emit(P.Event(run='run', rank=1, name='phase', detail='training'))\n"
         "step = 0\n"
         "while w.dropped < 20:\n"
         "    step += 1\n"
@@ -264,3 +267,29 @@ def test_full_disk_is_told_in_the_rank_log_and_explained(small_tmpfs):
     assert written == list(range(1, len(written) + 1)) and reader.bad_lines <= 1   # at most one torn line
     note = stream_stopped_note(run_dir)
     assert note == f"the stream stopped at step {written[-1]}: No space left on device (logs/rank1.log)", note
+
+
+class _LiveLauncher:
+    """A launcher that has not ended (what the watcher is told while the ranks train on)."""
+    external = False
+    proc = None
+
+    def poll(self):
+        return None
+
+
+def test_a_stream_stopped_by_a_full_disk_is_not_a_hang_and_the_end_says_why(small_tmpfs):
+    """The ranks of a run whose disk filled up may train on without a step line reaching the stream: the
+    hang watch must not kill them, and the outcome names the full disk, not a crash without a report."""
+    test_full_disk_is_told_in_the_rank_log_and_explained(small_tmpfs)
+    run_dir = small_tmpfs / "run"
+    w = Watcher(_LiveLauncher(), run_dir, "run", hang_timeout_s=0.001)
+    notes, deadline = [], time.monotonic() + 10
+    while time.monotonic() < deadline and not notes:
+        notes += w.poll().notes
+        assert not w.hung(), "a stream stopped by a full disk was judged a hang"
+    notes += w.poll().notes
+    assert any("No space left on device" in n and "not judged hung" in n for n in notes), notes
+    cause, message = classify(w.state, 0, run_dir)
+    assert cause == "crash" and "No space left on device" in message and "exit code 0" in message, message
+    w.close()

@@ -14,6 +14,7 @@ from pathlib import Path
 from shardconsole import config as C
 from shardconsole.runfolder import RunFolder
 from shardconsole.runstate import RunState
+from shardconsole.session.rundir import stream_stopped_note
 
 # Exit codes of `shardconsole --headless` and `attach`, by how the run (or the watching) ended.
 # README.md's exit-code table lists the same.
@@ -120,6 +121,11 @@ def explain_exit(state: RunState, rc: int | None, run_dir: Path) -> tuple[str, s
     if rc is not None and rc < 0 and -rc == signal.SIGKILL:
         return "host_oom", (f"the launcher was killed (SIGKILL): most often the kernel's OOM killer; "
                             f"lower host memory use (offload less, fewer ranks)\n  log: {folder.launcher_log}")
+    lost = stream_stopped_note(run_dir)
+    if lost:
+        # The ranks could not write their lines (a full disk): what they did after that is unknown here.
+        return "crash", (f"run ended (launcher exit code {rc}) but {lost}: no report of its end could be "
+                         f"written; check the last checkpoint in {folder.path} before trusting it")
     # A rank killed from outside leaves no `failed` line: torchrun's log says which and how.
     log = _tail(folder.launcher_log)
     cause = "host_oom" if "Signals.SIGKILL" in log or "exitcode: -9" in log else "crash"

@@ -25,6 +25,7 @@ from shardconsole.runfolder import RunFolder
 from shardconsole.runstate import RunState
 from shardconsole.session.logtail import LogTail
 from shardconsole.session.outcome import DETACHED
+from shardconsole.session.rundir import stream_stopped_note
 from shardconsole.stream import MetricsReader, SampleAppender
 
 HOST = PI.this_host()
@@ -110,6 +111,8 @@ class Watcher:
         self._last_sample = float("-inf")
         self._said_lost = False
         self._said_orphans = False
+        self._notes: list[str] = []
+        self._stream_stopped = ""
 
     @property
     def external(self) -> bool:
@@ -140,6 +143,8 @@ class Watcher:
             tick.messages += self._take_samples()
         if self.logs is not None:
             tick.log_lines = self.logs.poll()
+        tick.notes += self._notes
+        self._notes.clear()
         if self.reader.lost and not self._said_lost:
             self._said_lost = True
             tick.notes.append(self.reader.lost)
@@ -200,7 +205,17 @@ class Watcher:
         return kept
 
     def hung(self) -> bool:
-        return self.watch.hung(self.state, time.monotonic())
+        """No step line for longer than the hang limit, and nothing else explains the silence. A stream
+        that stopped because its disk filled up (the ranks say so in their logs) is not a hang: the ranks
+        may be training on, so they are watched by pid and never killed for it."""
+        if not self.watch.hung(self.state, time.monotonic()):
+            return False
+        if not self._stream_stopped:
+            self._stream_stopped = stream_stopped_note(self.folder.path)
+            if self._stream_stopped:
+                self._notes.append(f"{self._stream_stopped}; no step lines can arrive, so the run is watched "
+                                   f"by its ranks' pids and not judged hung")
+        return not self._stream_stopped
 
     def stalled_for(self) -> float:
         return self.watch.stalled_for(time.monotonic())

@@ -167,6 +167,13 @@ def stop_folder(run_dir: Path, err: TextIO) -> int:
     watcher = Watcher(job, folder.path, folder.run_id, None, logs=False, look_every_s=0.0)
     try:
         watcher.poll()          # the whole history: rank pids, whether it already ended
+        facts = job.facts(tuple(watcher.rank_pids))
+        if watcher.ended and facts.launcher == "stranger":
+            # job.json names a process that is not this run's launcher (a stale folder after pid reuse, a
+            # hand-edited file): say so rather than classify a run whose end this folder cannot tell.
+            print(f"nothing to stop: no process of this run is running; {facts.note}: nothing was signalled",
+                  file=err)
+            return 0
         if watcher.ended:
             cause, message = classify(watcher.state, watcher.exit_code, folder.path)
             print(f"nothing to stop: the run has already ended ({cause}): {message.splitlines()[0]}", file=err)

@@ -17,7 +17,7 @@ import pytest
 
 from shardconsole import config as C
 from shardconsole.headless import EXIT_CODES
-from shardconsole.runfolder import PRESET_FILE
+from shardconsole.runfolder import PRESET_FILE, RunFolder
 from tests.conftest import assert_nothing_left, messages, of_kind, shardconsole, wait_for_steps
 
 RUN_TIMEOUT = 900     # a cold machine builds DeepSpeed's ops inside the first run
@@ -108,7 +108,10 @@ def test_zero3_two_ranks_trains_and_ends_clean(tmp_path):
     assert {m.rank for m in mem} == {0, 1} and all(m.host_rss_bytes > 0 for m in mem)
     assert {(m.rank, m.step) for m in mem} >= {(0, 10), (1, 10)}
     phases = [e.detail for e in events(msgs, "phase")]
-    assert phases == ["starting", "building ops", "loading model", "training", "finished"]
+    # train.save_final is on by default: the trained weights are saved before the run ends.
+    assert phases == ["starting", "building ops", "loading model", "training", "saving checkpoint", "finished"]
+    assert [e.detail for e in events(msgs, "checkpoint_saved")] == [str(RunFolder(run_dir).checkpoints() /
+                                                                       "step_00000010")]
     assert any("DeepSpeed ops ready" in e.detail for e in events(msgs, "info"))
     assert C.load(run_dir / PRESET_FILE).deepspeed.stage == 3
 

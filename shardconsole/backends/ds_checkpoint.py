@@ -25,7 +25,8 @@ def save(r: common.Rank, engine, data: trainstate.Data, step: int) -> None:
     engine.save_checkpoint(str(tmp), tag=f"global_step{step}", client_state={"step": step})
     checkpoints.write_rank_state(tmp, r.rank, {"rng": trainstate.rng_state(r.device)})
     checkpoints.finish_checkpoint(r, step, {"samples_consumed": data.samples})
-    r.phase("training")
+    if step < r.cfg.train.steps:
+        r.phase("training")
 
 
 def resume(r: common.Rank, engine, data: trainstate.Data) -> int:

@@ -133,7 +133,8 @@ def save(r: common.Rank, model, optim, scaling: fsdp_step.LossScaling, data: tra
     dcp.save(state, checkpoint_id=str(tmp))
     checkpoints.write_rank_state(tmp, r.rank, {"rng": trainstate.rng_state(r.device), "scaler": scaling.state()})
     checkpoints.finish_checkpoint(r, step, {"samples_consumed": data.samples})
-    r.phase("training")
+    if step < r.cfg.train.steps:
+        r.phase("training")
 
 
 def resume(r: common.Rank, model, optim, scaling: fsdp_step.LossScaling, data: trainstate.Data) -> int:

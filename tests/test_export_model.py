@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -205,6 +206,21 @@ def test_step_picks_an_earlier_checkpoint(fsdp, tmp_path):
     assert f"{evals[2]:.4f} at step 2" in (out / "README.md").read_text()   # not step 4's: other weights
 
 
+def test_an_incomplete_newest_checkpoint_is_skipped(fsdp, tmp_path):
+    """A newest step folder cut short (a full disk, a copy stopped midway) is not exported by default:
+    the one before is, with a line saying why; asked for by --step it is refused in one line."""
+    run = tmp_path / "run"
+    shutil.copytree(fsdp.run, run)
+    shard = next(_step_dir(run, 4).glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert "not a complete checkpoint" in _one_line_error(_export(run, tmp_path / "x", "--step", "4"))
+    res = _export(run, tmp_path / "out")
+    assert res.returncode == 0, res.stderr
+    assert "skipping" in res.stderr and "step_00000004" in res.stderr and "truncated" in res.stderr
+    assert "from step 2" in res.stdout
+    assert not (tmp_path / "x").exists()
+
+
 # ---------------------------------------------------------------------------------------------------
 # DeepSpeed
 
@@ -219,6 +235,32 @@ def test_zero3_export_loads_whole_with_the_checkpoints_tensors(zero3):
     readme = (zero3.out / "README.md").read_text()
     assert "none was recorded" in readme and "DeepSpeed ZeRO stage 3" in readme
     assert not any((zero3.out / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+class _RunsCode:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_pickle_that_would_run_code_is_refused(zero3, tmp_path):
+    """zero_to_fp32 itself loads with weights_only=False; the export forces weights_only on every load."""
+    run = tmp_path / "run"
+    shutil.copytree(zero3.run, run)
+    marker = tmp_path / "ran"
+    # rank 1's file: only zero_to_fp32 reads it (the export reads rank 0's for the stage, weights_only itself)
+    states = sorted((_step_dir(run, 4) / "global_step4").glob("*model_states.pt"))[-1]
+    sd = torch.load(states, weights_only=False)
+    sd["extra"] = _RunsCode(marker)
+    torch.save(sd, states)
+    manifest = _step_dir(run, 4) / "shardconsole.json"      # a crafted file comes with a matching manifest
+    meta = json.loads(manifest.read_text())
+    meta["files"][str(states.relative_to(_step_dir(run, 4)))] = states.stat().st_size
+    manifest.write_text(json.dumps(meta))
+    assert "cannot read the checkpoint" in _one_line_error(_export(run, tmp_path / "out"))
+    assert not marker.exists() and not (tmp_path / "out").exists()
 
 
 def test_zero2_bf16_masters_and_tied_embeddings(zero2_bf16_tied, tmp_path):

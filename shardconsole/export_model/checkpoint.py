@@ -45,17 +45,17 @@ def step_folders(root: Path) -> list[tuple[int, Path]]:
 def pick_checkpoint(root: Path, step: int | None, backend: str) -> Checkpoint:
     """The newest complete checkpoint, or the one of `step`; complete as resume judges it (the manifest's
     files all there at their sizes: backends/checkpoints.why_incomplete)."""
-    from shardconsole.backends.checkpoints import why_incomplete
     kind = "dcp" if backend == "fsdp" else "deepspeed"
     folders = step_folders(root)
     if not folders:
         raise ExportError(f"{root}: no checkpoint to export (a run writes one at the end with "
                           f"train.save_final = true, or every train.checkpoint_every steps)")
+    if step is not None and step not in dict(folders):
+        steps = ", ".join(str(n) for n, _ in folders[:8])
+        raise ExportError(f"--step {step}: no checkpoint of that step in {root} (steps there: {steps})")
+    from shardconsole.backends.checkpoints import why_incomplete     # imports torch: after the quick refusals
     if step is not None:
-        path = dict(folders).get(step)
-        if path is None:
-            steps = ", ".join(str(n) for n, _ in folders[:8])
-            raise ExportError(f"--step {step}: no checkpoint of that step in {root} (steps there: {steps})")
+        path = dict(folders)[step]
         why = why_incomplete(path, backend)
         if why:
             raise ExportError(f"--step {step}: {path} is not a complete checkpoint: {why}")
@@ -91,16 +91,28 @@ def _no_code_from_pickles(allowed: list):
 def read_model_state(ckpt: Checkpoint) -> dict:
     """The trained weights under the Hugging Face model's own key names, as the checkpoint keeps them
     (fp32 or bf16 master weights)."""
-    import pickle
     try:
         raw = _read_dcp(ckpt.path) if ckpt.kind == "dcp" else _read_deepspeed(ckpt.path)
-    except (pickle.UnpicklingError, OSError, EOFError) as e:
-        raise ExportError(f"{ckpt.path}: cannot read the checkpoint: {str(e).strip().splitlines()[0]}") from None
+    except (ExportError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:     # DCP's CheckpointException is a BaseException
+        # damaged or foreign files fail deep inside torch or DeepSpeed: one line, not a traceback
+        raise ExportError(f"{ckpt.path}: cannot read the checkpoint ({_first_cause(e)})") from None
     bad = [k for k in raw if not k.startswith(PREFIX)]
     if bad or not raw:
         raise ExportError(f"{ckpt.path}: not a shardconsole model checkpoint (expected every weight under "
                           f"{PREFIX!r}, found {bad[0] if bad else 'no weights'!r})")
     return {k[len(PREFIX):]: v for k, v in raw.items()}
+
+
+def _first_cause(e: BaseException) -> str:
+    """DCP wraps each rank's failure ({rank: (exception, frames)}); the user needs the first one's line."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        e = first[0] if isinstance(first, tuple) else first
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 def _read_dcp(path: Path) -> dict:

@@ -217,3 +217,23 @@ def test_read_only_checkpoint_dir_found_before_launch(read_only_mount, tmp_path)
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
     assert "checkpoint_dir" in res.stderr and str(read_only_mount) in res.stderr
     assert not (tmp_path / "r").exists()       # refused before anything was written
+
+
+def test_the_run_folder_keeps_absolute_paths(tmp_path, monkeypatch):
+    """Relative paths are read from where the run starts; the run folder's preset.toml holds them
+    absolute, so resume, attach and export-model work from any directory."""
+    from shardconsole.session.rundir import create_run_dir
+    (tmp_path / "model").mkdir()
+    (tmp_path / "tiny").mkdir()          # a folder named like a catalog size does not shadow the size
+    monkeypatch.chdir(tmp_path)
+    cfg = C.build({"model": {"name": "model"}, "data": {"path": "d/chats.jsonl", "eval_path": "d/eval.jsonl"},
+                   "train": {"checkpoint_dir": "ckpt"}})
+    run = create_run_dir(cfg, tmp_path / "runs" / "r")
+    saved = C.load(run / "preset.toml")
+    assert saved.model.name == str(tmp_path / "model")
+    assert saved.data.path == str(tmp_path / "d" / "chats.jsonl")
+    assert saved.data.eval_path == str(tmp_path / "d" / "eval.jsonl")
+    assert saved.train.checkpoint_dir == str(tmp_path / "ckpt")
+    cfg.model.name = "tiny"
+    saved = C.load(create_run_dir(cfg, tmp_path / "runs" / "t") / "preset.toml")
+    assert saved.model.name == "tiny"

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from shardconsole import config as C
+from shardconsole.models import CATALOG
 from shardconsole.runfolder import PRESET_FILE, RunFolder
 
 # The line MetricsWriter prints into a rank's log when the stream refuses a line (stream.py).
@@ -47,6 +48,7 @@ def create_run_dir(cfg: C.RunConfig, run_dir: Path, *, explicit: bool = True) ->
     folder with the same settings. Not explicit (a default runs/<time>-<preset> name): a taken name
     gets the next suffix, -2, -3, ..."""
     where = f"--run-dir {run_dir}" if explicit else str(run_dir)
+    cfg = anchor_paths(cfg)
     try:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -70,6 +72,23 @@ def create_run_dir(cfg: C.RunConfig, run_dir: Path, *, explicit: bool = True) ->
         _unclaim(path, made)
         raise RunDirError(f"{where}: cannot write {path / PRESET_FILE}: {e.strerror}") from None
     return path
+
+
+def anchor_paths(cfg: C.RunConfig) -> C.RunConfig:
+    """The settings with every relative path made absolute (relative to the directory the run is
+    started from, as the ranks read them), for the run folder's preset.toml: `shardconsole resume`,
+    `attach` and `export-model` then work from any directory."""
+    cfg = C.copy(cfg)
+    name = cfg.model.name
+    if name not in CATALOG and Path(name).expanduser().exists() and not Path(name).is_absolute():
+        cfg.model.name = str(Path(cfg.model.name).expanduser().resolve())
+    for section, key in (("data", "path"), ("data", "eval_path"), ("train", "checkpoint_dir"),
+                         ("deepspeed", "nvme_path")):
+        table = getattr(cfg, section)
+        value = getattr(table, key, "")
+        if value and not Path(value).expanduser().is_absolute() and "://" not in value:
+            setattr(table, key, str(Path(value).expanduser().absolute()))
+    return cfg
 
 
 def _claim(path: Path, where: str) -> bool | None:

@@ -208,13 +208,14 @@ def test_deepspeed_launcher_runs_the_ranks(tmp_path):
 @pytest.mark.slow
 def test_local_model_folder_under_zero3_matches_fsdp(tmp_path):
     """A Hugging Face folder loaded into ZeRO-3 partitions (rank 0 reads one tensor at a time) gives the
-    FSDP backend's first losses: same weights, same forward, same update."""
+    FSDP backend's first losses: same weights, same forward, same update. Its config names a pad token,
+    as most released models' do (transformers' init of the padding row once crashed under zero.Init)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from shardconsole.models import _COMMON, CATALOG
     torch.manual_seed(0)
     model_dir = tmp_path / "tiny-llama"
-    LlamaForCausalLM(LlamaConfig(**{**_COMMON, **CATALOG["tiny"]})).save_pretrained(model_dir)
+    LlamaForCausalLM(LlamaConfig(**{**_COMMON, **CATALOG["tiny"]}, pad_token_id=0)).save_pretrained(model_dir)
     common = [f"model.name={model_dir}", "precision.dtype=fp32", "train.steps=2", "train.log_every=1",
               "memory.activation_checkpointing=true"]
     ds_dir, fsdp_dir = tmp_path / "ds", tmp_path / "fsdp"

@@ -217,6 +217,26 @@ def init_as_partitions_(model: torch.nn.Module, std: float, seed: int, world: in
                 flat[lo:lo + n].copy_(values[:n])
 
 
+def _build_partitioned(hf_cfg, ds_cfg: dict) -> torch.nn.Module:
+    """The LM built under zero.Init. transformers' init zeroes the embedding's padding row
+    (weight[pad_token_id]) after zero.Init has already partitioned that weight to an empty tensor: an
+    IndexError on every model whose config names a pad token. So it is built without one, and the
+    embedding gets its padding_idx back for forward and backward (the row's values come from the
+    checkpoint or from init_partitions_)."""
+    import deepspeed
+    pad = getattr(hf_cfg, "pad_token_id", None)
+    hf_cfg.pad_token_id = None
+    try:
+        with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
+            lm = modeling.build_causal_lm(hf_cfg)
+    finally:
+        hf_cfg.pad_token_id = pad
+    embed = lm.get_input_embeddings()
+    if pad is not None and isinstance(embed, torch.nn.Embedding):
+        embed.padding_idx = pad
+    return lm
+
+
 def build(r: common.Rank, ds_cfg: dict) -> modeling.CausalLMLoss:
     import deepspeed
     r.phase("loading model")
@@ -228,8 +248,7 @@ def build(r: common.Rank, ds_cfg: dict) -> modeling.CausalLMLoss:
         # Init takes the dtype (fp16 / bf16 / fp32) and the offload_param placement from ds_cfg. No dtype=
         # argument: DeepSpeed 0.19 reads `dtype or fp16 if fp16_supported else bf16` so, on a CPU without
         # fp16, dtype=torch.float32 builds bf16 parameters; only the config path gets fp32 right.
-        with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
-            lm = modeling.build_causal_lm(hf_cfg)
+        lm = _build_partitioned(hf_cfg, ds_cfg)
         model = modeling.CausalLMLoss(lm)
         # The loss reads lm_head.weight directly (chunked cross-entropy), outside lm_head's forward:
         # ZeRO-3 must gather it for the root module's forward and backward.

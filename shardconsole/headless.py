@@ -110,7 +110,7 @@ class Printer:
                 self.print(step_line(_at(state, msg)))
             elif isinstance(msg, P.Event) and msg.name != "phase":
                 self.print(f"[{msg.name}] {msg.detail}")
-            elif isinstance(msg, P.Event) and msg.detail != "training":
+            elif isinstance(msg, P.Event) and msg.detail not in ("training", "evaluating"):   # an eval has its own line
                 self.print(f"-- {msg.detail}")
             elif isinstance(msg, P.DataSummary):
                 self.print(data_line(msg))

@@ -159,6 +159,10 @@ def child_env(cfg: C.RunConfig, base: dict[str, str] | None = None) -> dict[str,
         env["CUDA_VISIBLE_DEVICES"] = ""   # the ranks must not grab a GPU they were told not to use
     if cfg.parallel.backend == "deepspeed" and cfg.parallel.device == "cpu":
         env.setdefault("DS_ACCELERATOR", "cpu")
+    if cfg.train.save_on_stop:
+        # torchrun's agent SIGKILLs its workers this long after it forwards a SIGTERM (30 s by default): a
+        # checkpoint saved on stop must fit inside it (the ranks read the same variable for their bound).
+        env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(cfg.train.stop_save_timeout_s) + 30))
     return env
 
 

@@ -237,3 +237,13 @@ def test_the_run_folder_keeps_absolute_paths(tmp_path, monkeypatch):
     cfg.model.name = "tiny"
     saved = C.load(create_run_dir(cfg, tmp_path / "runs" / "t") / "preset.toml")
     assert saved.model.name == "tiny"
+
+
+def test_torchrun_waits_for_a_save_on_stop():
+    """torchrun SIGKILLs its workers 30 s after forwarding a SIGTERM unless told otherwise: a run that saves
+    on stop gives it stop_save_timeout_s and a margin; one that does not leaves torchrun's default."""
+    from shardconsole.launch_command import child_env
+    cfg = C.build({"train": {"stop_save_timeout_s": 100}})
+    assert child_env(cfg, base={})["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "130"
+    cfg.train.save_on_stop = False
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in child_env(cfg, base={})

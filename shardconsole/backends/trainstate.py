@@ -127,11 +127,13 @@ class Evaluator:
         from shardconsole import protocol as P
         from shardconsole.backends import evaluation
         r = self.r
+        r.phase("evaluating")      # a long eval is not a hang: the hang watch counts only "training"
         t0 = time.perf_counter()
         loss, tokens = evaluation.evaluate(model, self.source, r.cfg.train.micro_batch, r.device)
         if r.rank == 0:
             r.emit(P.Eval(run=r.run_id, rank=0, step=step, loss=float(loss), tokens=int(tokens),
                           seconds=time.perf_counter() - t0))
+        r.phase("training")
 
 
 # ---------------------------------------------------------------------------------------------------

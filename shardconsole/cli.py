@@ -181,10 +181,10 @@ def _register_optional() -> None:
         SUBCOMMANDS.setdefault("plan", plan_cli.cmd_plan)
     except ImportError:
         pass
-    from shardconsole import export_model
-    SUBCOMMANDS.setdefault("export-model", export_model.cmd_export_model)
     from shardconsole import resume_cli
     SUBCOMMANDS.setdefault("resume", resume_cli.cmd_resume)
+    from shardconsole import export_model
+    SUBCOMMANDS.setdefault("export-model", export_model.cmd_export_model)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,3 +63,42 @@ def test_fp16_loss_scale_floor(tmp_path):
     assert steps[0].loss_scale == 8.0 and steps[-1].loss_scale == 2.0
     assert steps[-1].skipped_steps >= 8
     assert any(e.name == "overflow" for e in of_kind(msgs, "event"))
+
+
+# torchrun's report after rank 0 failed and rank 1 outlived the SIGTERM it was sent (copied from a real
+# launcher.log of this suite, torch 2.13): the SIGKILL is torchrun's own, not the kernel's OOM killer.
+_FORCED_LOG = """\
+W1201 03:18:37.731000 3327 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 3333 closing signal SIGTERM
+W1201 03:19:07.732000 3327 torch/distributed/elastic/multiprocessing/api.py:1047] Unable to shutdown process 3333 via 15, forcefully exiting via 9
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+shardconsole.backends FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-01_03:19:07
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 3333)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 3333
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_03:18:37
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 3332)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
+def test_a_rank_torchrun_killed_itself_is_not_the_oom_killer(tmp_path):
+    from shardconsole.session.outcome import killed_rank
+    (tmp_path / "launcher.log").write_text(_FORCED_LOG)
+    assert killed_rank(tmp_path) is None
+    # the same report without torchrun's own kill: a SIGKILL from outside, the kernel's OOM killer's mark
+    (tmp_path / "launcher.log").write_text(_FORCED_LOG.replace("Unable to shutdown process 3333", "(none)"))
+    assert killed_rank(tmp_path) == (1, 9)

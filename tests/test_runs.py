@@ -353,8 +353,9 @@ def test_offload_compute_copy_trains_the_same_model_and_follows_a_resume(tmp_pat
     losses = {}
     for copy in ("true", "false"):
         run_dir = tmp_path / f"copy-{copy}"
+        # No final save: the second resume must start from step 3 again, not from the first one's step 6.
         res = shardconsole(*base, "--run-dir", str(run_dir), "--set", "train.steps=6", "--set", "train.resume=true",
-                           "--set", f"fsdp.offload_compute_copy={copy}")
+                           "--set", "train.save_final=false", "--set", f"fsdp.offload_compute_copy={copy}")
         assert res.returncode == 0, res.stderr
         steps = of_kind(messages(run_dir), "step")
         assert [m.step for m in steps] == [4, 5, 6]

@@ -148,6 +148,7 @@ class StopRequest:
     def __init__(self, r) -> None:
         self.r = r
         self.local = False
+        self.armed = False       # in the training loop: a stop waits for the next step boundary
         self.first_at: float | None = None
         self.skip_save = False
         self.group = None
@@ -172,6 +173,10 @@ class StopRequest:
                 if sig not in (signal.SIGTERM, signal.SIGINT):
                     continue
                 now = time.monotonic()
+                if not self.armed:
+                    # Loading, building ops: nothing to save yet, and a rank blocked in a collective
+                    # whose peer failed must end now, not when the launcher SIGKILLs it.
+                    end_now(self.r, "a stop signal before training began")
                 if self.first_at is None:
                     self.first_at = now
                     self.local = True
@@ -181,6 +186,7 @@ class StopRequest:
 
     def start_round(self) -> None:
         """At a step boundary: share this rank's flag; the answer is read at the next boundary."""
+        self.armed = True
         if self.group is None:
             # A gloo group of its own: no device sync under NCCL, and never queued among the training's
             # collectives on the default group.

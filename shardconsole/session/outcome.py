@@ -46,16 +46,22 @@ def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
-_FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+_FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)(?:\s*\(pid:\s*(\d+)\))?")
+# torchrun's own SIGKILL of a worker that outlived its shutdown timeout after a SIGTERM
+_FORCED = re.compile(r"Unable to shutdown process (\d+) via")
 
 
 def killed_rank(run_dir: Path) -> tuple[int, int] | None:
-    """(rank, signal) when torchrun's failure report lists a rank killed by a signal. Such a rank is the
-    cause whatever torchrun calls the "root cause": when one rank is killed its peers fail within the
-    same second with connection errors, and torchrun's ordering of the two is a race."""
-    for m in _FAILED_RANK.finditer(_tail(RunFolder(run_dir).launcher_log, 80)):
+    """(rank, signal) when torchrun's failure report lists a rank killed by a signal from outside. Such a
+    rank is the cause whatever torchrun calls the "root cause": when one rank is killed its peers fail
+    within the same second with connection errors, and torchrun's ordering of the two is a race. A rank
+    torchrun itself SIGKILLed (it outlived the shutdown timeout after another rank failed) is not."""
+    log = _tail(RunFolder(run_dir).launcher_log, 400)
+    forced = {int(p) for p in _FORCED.findall(log)}
+    for m in _FAILED_RANK.finditer(log):
         code = int(m.group(2))
-        if code < 0 and -code != signal.SIGTERM:   # SIGTERM is torchrun ending the others
+        pid = int(m.group(3)) if m.group(3) else None
+        if code < 0 and -code != signal.SIGTERM and pid not in forced:   # SIGTERM is torchrun ending the others
             return int(m.group(1)), -code
     return None
 
@@ -128,7 +134,8 @@ def explain_exit(state: RunState, rc: int | None, run_dir: Path) -> tuple[str, s
                          f"written; check the last checkpoint in {folder.path} before trusting it")
     # A rank killed from outside leaves no `failed` line: torchrun's log says which and how.
     log = _tail(folder.launcher_log)
-    cause = "host_oom" if "Signals.SIGKILL" in log or "exitcode: -9" in log else "crash"
+    outside_kill = killed_rank(run_dir)
+    cause = "host_oom" if outside_kill and outside_kill[1] == signal.SIGKILL else "crash"
     hint = ("a rank was killed with SIGKILL, most often by the kernel's OOM killer: check `dmesg`, "
             "offload less or lower micro_batch" if cause == "host_oom" else "")
     return cause, (f"run ended with exit code {rc} and no report from the ranks ({cause})"

@@ -12,13 +12,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import re
 import sys
-import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -28,82 +26,9 @@ else:  # pragma: no cover
 import tomli_w
 
 
-class ConfigError(ValueError):
-    """Bad input in a preset or an override. str() is the one line shown to the user.
-
-    As data: `source` (where the value came from: a preset file, `--set table.key`, `console: [table]
-    key`), `table` and `key` (None when the error is not about one setting) and `reason` (what is wrong
-    and what is allowed). The console marks a field from table/key, never from the text."""
-
-    def __init__(self, reason: str, *, source: str = "", table: str | None = None, key: str | None = None) -> None:
-        self.reason, self.source, self.table, self.key = reason, source, table, key
-        super().__init__(self._line())
-
-    @property
-    def path(self) -> str | None:
-        """"table.key" of the setting at fault, or None."""
-        return f"{self.table}.{self.key}" if self.table and self.key else None
-
-    def _line(self) -> str:
-        if not self.source:
-            return self.reason
-        if self.path is None or names_key(self.source):
-            return f"{self.source}: {self.reason}"
-        return f"{self.source}: [{self.table}] {self.key}: {self.reason}"
-
-    def __reduce__(self) -> Any:   # keeps the fields across pickling (multiprocessing, pytest-xdist)
-        return (_rebuild_error, (self.reason, self.source, self.table, self.key))
-
-
-def _rebuild_error(reason: str, source: str, table: str | None, key: str | None) -> ConfigError:
-    return ConfigError(reason, source=source, table=table, key=key)
-
-
-def override_source(origin: str, table: str, key: str) -> str:
-    """The source of one override: `--set table.key` from the command line, `console: [table] key` from a
-    console field. Such a source names its key, so the error line does not repeat it."""
-    return f"--set {table}.{key}" if origin == "--set" else f"{origin}: [{table}] {key}"
-
-
-def names_key(source: str) -> bool:
-    return source.startswith("--set ") or source.startswith("console: [")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Sizes: "24GiB", "512MB", "1.5e9", or a plain number of bytes.
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str | int | float) -> int:
-    """Bytes from "24GiB", "500MB", "1e9" or a number. Raises ValueError with the allowed forms."""
-    if isinstance(text, bool):
-        raise ValueError("expected a size such as 24GiB, 512MiB or a number of bytes")
-    if isinstance(text, (int, float)):
-        if text < 0:
-            raise ValueError("a size cannot be negative")
-        return int(text)
-    m = _SIZE_RE.match(text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{text!r} is not a size: use a number with a unit such as 24GiB, 512MiB, 2GB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def format_size(n: int | float | None) -> str:
-    """Short human form with binary units: 23.8 GiB."""
-    if n is None:
-        return "n/a"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # unreachable
+from shardconsole.config_rules import validate  # noqa: F401  (config.validate, as before)
+from shardconsole.config_values import (ConfigError, _coerce, _parse_override_value,  # noqa: F401
+                                        format_size, names_key, override_source, parse_size)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -347,83 +272,6 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _describe(tp: Any) -> str:
-    origin = get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        parts = [_describe(a) for a in get_args(tp) if a is not type(None)]
-        return " or ".join(parts)
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
-
-
-def _coerce(tp: Any, value: Any) -> Any:
-    """Return value as type tp, or raise ValueError saying what is allowed."""
-    origin = get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in get_args(tp):
-            return None   # "not set": the default applies (`--set precision.reduce_dtype=none`)
-        for a in (a for a in get_args(tp) if a is not type(None)):
-            try:
-                return _coerce(a, value)
-            except ValueError:
-                continue
-        raise ValueError(f"expected {_describe(tp)}, got {value!r}")
-    if origin is Literal:
-        allowed = get_args(tp)
-        if value in allowed and type(value) is type(allowed[0]):
-            return value
-        close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"{value!r} is not allowed; expected {_describe(tp)}{hint}")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ValueError(f"expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            if not -2**63 <= value < 2**63:
-                # TOML integers are 64-bit: a bigger one would be written as a file no reader accepts.
-                raise ValueError(f"{value} is out of range; TOML integers are 64-bit (at most {2**63 - 1})")
-            return value
-        if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
-            return int(value)  # 5e8 written in TOML as a float
-        raise ValueError(f"expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if value != value or value in (float("inf"), float("-inf")):
-                raise ValueError(f"expected a finite number, got {value!r}")
-            return float(value)
-        raise ValueError(f"expected a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ValueError(f"expected a string, got {value!r}")
-    raise ValueError(f"unsupported type {tp}")  # pragma: no cover - a bug in this module
-
-
-def _parse_override_value(tp: Any, text: str) -> Any:
-    """A --set value: strings stay strings for string fields; others are read as TOML values."""
-    origin = get_origin(tp)
-    args = get_args(tp) if origin in (typing.Union, types.UnionType, Literal) else ()
-    wants_str = tp is str or (origin is Literal and all(isinstance(a, str) for a in args)) or (
-        origin in (typing.Union, types.UnionType) and any(
-            a is str or (get_origin(a) is Literal and isinstance(get_args(a)[0], str)) for a in args))
-    stripped = text.strip()
-    if wants_str and not (stripped.startswith('"') or stripped.startswith("'")):
-        if stripped.lower() in ("none", "null") and type(None) in args:
-            return None
-        return stripped
-    if stripped.lower() in ("none", "null") and type(None) in args:
-        return None
-    try:
-        return tomllib.loads(f"v = {stripped}")["v"]
-    except tomllib.TOMLDecodeError:
-        if stripped.lower() in ("true", "false"):
-            return stripped.lower() == "true"
-        return stripped  # let _coerce say what was expected
-
-
 # ---------------------------------------------------------------------------------------------------
 # Building a RunConfig from dicts, with errors that name where the value came from.
 
@@ -523,90 +371,6 @@ def build(preset: dict[str, Any] | None = None, source: str = "preset",
     origins = {f"{t}.{k}": override_source("--set", t, k) for t, k, _ in map(parse_override, overrides or [])}
     validate(cfg, source, gpu_count=gpu_count, origins=origins)
     return cfg
-
-
-def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = None,
-             origins: dict[str, str] | None = None) -> None:
-    """Impossible combinations. gpu_count: GPUs on this machine when known (None: do not check).
-    origins: "table.key" -> the source that set it (an override); the error blames the key it names
-    with that source, `source` (the preset) otherwise."""
-    def err(table: str, key: str, msg: str) -> ConfigError:
-        return ConfigError(msg, source=(origins or {}).get(f"{table}.{key}", source), table=table, key=key)
-
-    p, f, d, prec = cfg.parallel, cfg.fsdp, cfg.deepspeed, cfg.precision
-    if prec.master_dtype == "bf16" and prec.dtype != "bf16":
-        raise err("precision", "master_dtype", f"\"bf16\" needs dtype = \"bf16\" (dtype is {prec.dtype!r})")
-    if prec.master_dtype == "bf16" and p.backend == "deepspeed" and d.stage == 0:
-        raise err("precision", "master_dtype", "\"bf16\" needs ZeRO stage 1, 2 or 3 with DeepSpeed (stage is 0)")
-    if prec.dtype != "fp16":
-        for key in prec.FP16_KEYS:
-            if getattr(prec, key) is not None:
-                raise err("precision", key, f"is an fp16 loss-scale setting but dtype is {prec.dtype!r}; "
-                          "remove it or set precision.dtype = \"fp16\"")
-    if p.backend == "fsdp":
-        if f.cpu_offload and f.sharding == "no_shard":
-            raise err("fsdp", "cpu_offload", "needs sharded parameters; with sharding = \"no_shard\" "
-                      "nothing is offloaded: use full_shard or shard_grad_op")
-        if f.sharding == "hybrid_shard" and p.nnodes < 2 and p.nproc_per_node < 2:
-            raise err("fsdp", "sharding", "hybrid_shard needs more than one rank")
-        if p.launcher == "deepspeed":
-            raise err("parallel", "launcher", "the deepspeed launcher starts DeepSpeed runs; "
-                      "FSDP runs use \"torchrun\"")
-    if p.backend == "deepspeed":
-        if d.offload_param != "none" and d.stage != 3:
-            raise err("deepspeed", "offload_param", f"needs stage = 3 (stage is {d.stage}); "
-                      "parameters are partitioned only in stage 3")
-        if d.offload_optimizer != "none" and d.stage == 0:
-            raise err("deepspeed", "offload_optimizer", "needs stage 1, 2 or 3 (stage is 0)")
-        for key in ("offload_optimizer", "offload_param"):
-            if getattr(d, key) == "nvme" and not d.nvme_path:
-                raise err("deepspeed", "nvme_path", f"{key} = \"nvme\" needs nvme_path, a folder on a fast disk")
-        if d.offload_param == "nvme" and d.offload_optimizer == "none":
-            pass  # allowed by DeepSpeed
-        if d.offload_optimizer == "nvme" and d.stage != 3:
-            # Stages 1-2 have no NVMe swapper: DeepSpeed would quietly keep the states in host memory.
-            raise err("deepspeed", "offload_optimizer", f"\"nvme\" needs stage = 3 (ZeRO-Infinity; stage is "
-                      f"{d.stage}); stages 1 and 2 offload to \"cpu\" only")
-        if p.launcher == "deepspeed" and p.nnodes > 1:
-            # The deepspeed runner reaches other nodes through a hostfile and ssh/pdsh; torchrun's c10d
-            # rendezvous starts DeepSpeed ranks on every node from the same command.
-            raise err("parallel", "launcher", f"the deepspeed launcher needs a hostfile and ssh for nnodes = "
-                      f"{p.nnodes}; use launcher = \"torchrun\" (it runs DeepSpeed ranks on every node)")
-    if p.nnodes > 1 and not p.rdzv_endpoint:
-        raise err("parallel", "rdzv_endpoint", f"nnodes = {p.nnodes} needs the host:port of node 0, "
-                  "e.g. rdzv_endpoint = \"node0:29400\"")
-    if p.rdzv_endpoint and not re.match(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$", p.rdzv_endpoint):
-        raise err("parallel", "rdzv_endpoint", f"{p.rdzv_endpoint!r} is not host:port")
-    if p.node_rank >= p.nnodes:
-        raise err("parallel", "node_rank", f"{p.node_rank} but nnodes is {p.nnodes}: use 0..{p.nnodes - 1}")
-    if p.device == "cuda" and gpu_count == 0:
-        raise err("parallel", "device", "is \"cuda\" but this machine has no CUDA GPU; use \"cpu\" or \"auto\"")
-    if gpu_count and p.device != "cpu" and p.nproc_per_node > gpu_count:
-        raise err("parallel", "nproc_per_node", f"{p.nproc_per_node} ranks but this machine has "
-                  f"{gpu_count} GPU(s): use at most {gpu_count}, or device = \"cpu\"")
-    if cfg.memory.gpu_memory_limit:
-        try:
-            limit = parse_size(cfg.memory.gpu_memory_limit)
-        except ValueError as e:
-            raise err("memory", "gpu_memory_limit", str(e)) from None
-        if limit < 256 * 2**20:
-            raise err("memory", "gpu_memory_limit", "is below 256 MiB; a CUDA context alone needs more")
-    if cfg.data.source in ("text", "tokens") and not cfg.data.path:
-        raise err("data", "path", f"source = {cfg.data.source!r} needs a file path")
-    if cfg.data.source == "synthetic" and cfg.data.path:
-        raise err("data", "source", f"is \"synthetic\" but [data] path is set ({cfg.data.path!r}): "
-                  "remove the path, or set source = \"auto\" to train on the file")
-    if cfg.data.eval_path and cfg.data.eval_fraction:
-        raise err("data", "eval_path", "and eval_fraction are both set: hold out a fraction of "
-                  "data.path or read eval_path, not both")
-    if (cfg.data.eval_path or cfg.data.eval_fraction) and cfg.data.source in ("synthetic", "tokens"):
-        raise err("data", "eval_path" if cfg.data.eval_path else "eval_fraction",
-                  f"needs records (source = \"auto\" with a path), not source = {cfg.data.source!r}")
-    if (cfg.data.eval_path or cfg.data.eval_fraction) and not cfg.data.path:
-        raise err("data", "eval_path" if cfg.data.eval_path else "eval_fraction",
-                  "needs training records too: set data.path")
-    if cfg.train.compile and p.device == "cpu":
-        raise err("train", "compile", "torch.compile of the layers is for GPUs; set it to false on CPU")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -3,6 +3,9 @@
     shardconsole [--preset NAME|FILE] [--set table.key=value ...] [--headless | --print-command]
     shardconsole presets
     shardconsole attach RUN_DIR [--headless]
+    shardconsole stop RUN_DIR
+    shardconsole resume RUN_DIR [--set table.key=value ...]
+    shardconsole export-model RUN_DIR -o OUT_DIR [--step N] [--dtype bf16|fp32]
 
 Bad input (a preset, an override, a model folder) is one line on stderr and exit code 2.
 """
@@ -30,7 +33,8 @@ def _run_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="shardconsole",
         description="A terminal console for PyTorch FSDP2 and DeepSpeed ZeRO training. Subcommands: "
-                    "presets, attach, export, import, plan (see `shardconsole SUBCOMMAND --help`).")
+                    "presets, attach, stop, resume, export-model, export, import, plan (see `shardconsole "
+                    "SUBCOMMAND --help`).")
     ap.add_argument("--preset", default=None, help=f"preset name or .toml file (default: {DEFAULT_PRESET})")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
                     help="override one setting; repeatable; wins over the preset")

@@ -10,7 +10,7 @@ import torch
 from shardconsole import config as C
 from shardconsole.backends.corpus import DOC_START, LOSS
 from shardconsole.backends.data import (IGNORE, DataError, EvalWindows, PackedWindows, SyntheticTokens,
-                                        make_source, windows_to_batch)
+                                        _token_file, windows_to_batch)
 from shardconsole.backends.modeling import CausalLMLoss, chunked_cross_entropy
 
 
@@ -105,16 +105,16 @@ def test_eval_windows_cover_every_label_once_with_the_same_batch_count_on_every_
 def test_token_file_memmap(tmp_path):
     f = tmp_path / "tok.bin"
     np.arange(1000, dtype=np.uint16).tofile(f)
-    src = make_source(cfg_for(source="tokens", path=str(f), seq_len=10), 1000, None, 0, 2)
+    src = _token_file(cfg_for(source="tokens", path=str(f), seq_len=10), 1000, 0, 2)
     assert isinstance(src.ids, np.memmap)
     row = src.windows(1)[0][0]
     assert (row[1:] - row[:-1] == 1).all()
     with pytest.raises(DataError, match="vocab_size is 500"):
-        make_source(cfg_for(source="tokens", path=str(f), seq_len=10), 500, None, 0, 2)
+        _token_file(cfg_for(source="tokens", path=str(f), seq_len=10), 500, 0, 2)
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\x00" * 7)
     with pytest.raises(DataError, match="multiple of 2 bytes"):
-        make_source(cfg_for(source="tokens", path=str(odd), seq_len=2), 1000, None, 0, 1)
+        _token_file(cfg_for(source="tokens", path=str(odd), seq_len=2), 1000, 0, 1)
 
 
 def test_too_little_data_for_the_ranks():

@@ -185,12 +185,12 @@ def test_checks_before_launch(tmp_path, models):
 
 
 def test_a_path_without_a_source_trains_on_the_file(tmp_path, models):
-    from shardconsole.backends.data import PackedWindows, make_source
+    from shardconsole.backends.data import PackedWindows, _build
     f = write_jsonl(tmp_path / "chat.jsonl", CHAT * 20)
     cfg = C.build({"model": {"name": str(models["chat"])}, "data": {"path": str(f), "seq_len": 16}}, "p.toml",
                   gpu_count=0)
     assert cfg.data.source == "auto"
-    src = make_source(cfg, 384, str(models["chat"]), 0, 2)
+    src, _ = _build(cfg, 384, str(models["chat"]), True, 0, 2)
     assert isinstance(src, PackedWindows) and isinstance(src.ids, np.memmap)
 
 

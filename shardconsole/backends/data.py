@@ -258,18 +258,8 @@ def summary(cfg: RunConfig, world: int, src, entry) -> P.DataSummary:
                          cross_document_attention=d.cross_document_attention, note=note)
 
 
-def make_source(r, *legacy):
-    """The rank's training source. make_source(r) with a backends.common.Rank: rank 0 emits the data
-    summary. The old form make_source(cfg, vocab, model_path, rank, world) returns a source whose
-    next_batch() is a [B, S+1] tensor of raw windows (every token under loss), for the loops until they
-    move to Batch."""
-    if legacy:
-        cfg, (vocab, model_path, rank, world) = r, legacy
-        has_tok = model_path is not None and any(Path(model_path, f).is_file() for f in
-                                                 ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-        src, _ = _build(cfg, vocab, model_path, has_tok, rank, world)
-        src.legacy = True
-        return src
+def make_source(r):
+    """The rank's training source (r: a backends.common.Rank); rank 0 emits the data summary."""
     src, entry = _build(r.cfg, r.spec.vocab, r.spec.path, r.spec.has_tokenizer, r.rank, r.world, r.log)
     r.extra["data_entry"] = entry
     if r.rank == 0:
@@ -292,10 +282,6 @@ def make_eval_source(r) -> EvalWindows | None:
                        r.cfg.data.cross_document_attention)
 
 
-def next_batch(source, micro_batch: int, device: torch.device):
-    """The next Batch on the rank's device (a [B, S+1] tensor for a source made the old way)."""
-    if getattr(source, "legacy", False):
-        ids, _ = source.windows(micro_batch)
-        t = torch.from_numpy(np.ascontiguousarray(ids.astype(np.int64)))
-        return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+def next_batch(source, micro_batch: int, device: torch.device) -> Batch:
+    """The next Batch on the rank's device."""
     return source.batch(micro_batch).to(device)

@@ -342,8 +342,8 @@ def _train(r: common.Rank, engine, model, stop: trainstate.StopRequest) -> None:
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
         for _ in range(t.grad_accum):
-            inputs, labels, positions = data.next()
-            loss = r.faults.on_loss(trainstate.forward(engine, inputs, labels, positions), step)
+            batch = data.next()
+            loss = r.faults.on_loss(engine(batch.inputs, batch.labels, batch.positions), step)
             meter.add(loss)
             engine.backward(loss)        # DeepSpeed divides by grad_accum and applies the loss scale
             try:

@@ -211,10 +211,10 @@ def train(r: common.Rank) -> None:
         for group in optim.param_groups:
             group["lr"] = lr
         for micro in range(t.grad_accum):
-            inputs, labels, positions = data.next()
+            batch = data.next()
             # Reduce-scatter gradients only on the last micro-batch (fewer collectives, more memory).
             model.set_requires_gradient_sync(micro == t.grad_accum - 1)
-            loss = r.faults.on_loss(trainstate.forward(model, inputs, labels, positions), step)
+            loss = r.faults.on_loss(model(batch.inputs, batch.labels, batch.positions), step)
             meter.add(loss)
             phases.mark("forward")
             scaling.backward(loss / t.grad_accum)

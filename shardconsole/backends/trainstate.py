@@ -62,51 +62,24 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 # Data and its position
 
 class Data:
-    """The rank's training batches and the global count of samples consumed (all ranks together).
-
-    Written against the data interface of issue 15 (`make_source(r)`, `source.seek(samples)`,
-    `next_batch(...) -> Batch(inputs, labels, positions)`, `make_eval_source(r)`); with the older
-    module (a source of token windows) it seeks by drawing the batches already consumed, which for
-    those sources (random draws or a strided index) lands on the same position."""
+    """The rank's training batches and the global count of samples consumed (all ranks together)."""
 
     def __init__(self, r) -> None:
         self.r = r
         t = r.cfg.train
         self.micro_batch = t.micro_batch
         self.samples_per_step = t.micro_batch * t.grad_accum * r.world
-        self.new_api = hasattr(data_mod, "Batch")
-        if self.new_api:
-            self.source = data_mod.make_source(r)
-        else:
-            self.source = data_mod.make_source(r.cfg, r.spec.vocab, r.spec.path, r.rank, r.world)
+        self.source = data_mod.make_source(r)
         self.samples = 0
 
     def seek(self, samples: int) -> None:
         self.samples = samples
-        if not samples:
-            return
-        if hasattr(self.source, "seek"):
-            self.source.seek(samples)
-            return
-        per_rank = samples // self.r.world
-        for _ in range(per_rank // self.micro_batch):
-            self.source.batch(self.micro_batch)
+        self.source.seek(samples)
 
-    def next(self):
-        """(inputs, labels, positions or None) on the rank's device."""
+    def next(self) -> data_mod.Batch:
+        """The next Batch (inputs, labels, positions or None) on the rank's device."""
         self.samples += self.micro_batch * self.r.world
-        if self.new_api:
-            b = data_mod.next_batch(self.source, self.micro_batch, self.r.device)
-            return b.inputs, b.labels, b.positions
-        batch = data_mod.next_batch(self.source, self.micro_batch, self.r.device)
-        return batch[:, :-1], batch[:, 1:], None
-
-
-def forward(model, inputs, labels, positions):
-    """The loss; positions only when the data has them (packed documents), so both model signatures work."""
-    if positions is None:
-        return model(inputs, labels)
-    return model(inputs, labels, positions)
+        return data_mod.next_batch(self.source, self.micro_batch, self.r.device)
 
 
 class Evaluator:
@@ -115,8 +88,7 @@ class Evaluator:
     def __init__(self, r) -> None:
         self.r = r
         self.every = int(getattr(r.cfg.train, "eval_every", 0) or 0)
-        make = getattr(data_mod, "make_eval_source", None)
-        self.source = make(r) if make is not None else None
+        self.source = data_mod.make_eval_source(r)
 
     def due(self, step: int) -> bool:
         if self.source is None:

@@ -171,9 +171,29 @@ def cmd_stop(argv: list[str]) -> int:
 
 SUBCOMMANDS = {"presets": cmd_presets, "attach": cmd_attach, "stop": cmd_stop}
 
+# Subcommands in their own modules, imported only when named ("module:function"): start-up stays
+# as light as the console needs, and each command's module owns its parser.
+LAZY_SUBCOMMANDS = {
+    "tune": "shardconsole.tune.cli:cmd_tune",
+    "runs": "shardconsole.history.cli:cmd_runs",
+    "compare": "shardconsole.history.cli:cmd_compare",
+    "doctor": "shardconsole.doctor:cmd_doctor",
+    "settings": "shardconsole.settings_cli:cmd_settings",
+}
+
+
+def _lazy(target: str):
+    def command(argv: list[str]) -> int:
+        import importlib
+        module, func = target.split(":")
+        return getattr(importlib.import_module(module), func)(argv)
+    return command
+
 
 def _register_optional() -> None:
     """Subcommands that live in their own modules (kept out of start-up when unused)."""
+    for name, target in LAZY_SUBCOMMANDS.items():
+        SUBCOMMANDS.setdefault(name, _lazy(target))
     try:
         from shardconsole import ds_json
         SUBCOMMANDS.setdefault("export", ds_json.cmd_export)

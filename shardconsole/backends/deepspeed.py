@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -116,11 +117,36 @@ def build_ops(r: common.Rank, ds_cfg: dict) -> None:
     if not params.get("torch_adam"):
         offload = ds_cfg["zero_optimization"].get("offload_optimizer", {}).get("device", "none") != "none"
         name = "CPUAdamBuilder" if offload else "FusedAdamBuilder"
-        get_accelerator().create_op_builder(name).load(verbose=False)
-        names.append(name.replace("Builder", ""))
+        builder = get_accelerator().create_op_builder(name)
+        label = name.replace("Builder", "")
+        so = extension_dir(builder.name) / f"{builder.name}.so"
+        before = so.stat().st_mtime if so.exists() else None
+        # Said before the build, so the front end can show what is being built, and where, while it waits.
+        r.event("op_build", f"{label} (DeepSpeed JIT, ninja) in {so.parent}: " + (
+            "a build is there, reused if its sources and flags match" if before is not None else
+            "no build there yet, compiling (minutes on a few cores)"))
+        t1 = time.perf_counter()
+        builder.load(verbose=False)
+        built = so.exists() and so.stat().st_mtime != before
+        names.append(f"{label} {'built' if built else 'cached'} in {time.perf_counter() - t1:.1f} s")
     where = os.environ.get("TORCH_EXTENSIONS_DIR") or "~/.cache/torch_extensions"
     r.event("info", f"DeepSpeed ops ready in {time.perf_counter() - t0:.1f} s "
                     f"({', '.join(['comm'] + names)}; JIT builds are cached in {where})")
+
+
+def extension_dir(name: str) -> Path:
+    """Where torch's JIT puts extension `name` (torch.utils.cpp_extension._get_build_directory's rule,
+    without its mkdir): TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/py<ver>_<cpu|cuXY>. The
+    folder is keyed by Python and CUDA versions only: environments with another torch or DeepSpeed
+    share it, and ninja rebuilds the op each time the build flags differ (switching environments)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+        acc = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip else
+               f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
+        py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(get_default_build_root(), f"{py}_{acc}")
+    return Path(root) / name
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from shardconsole import protocol as P
 from shardconsole.runstate import RunState
 
 GIB = 2**30
+OP_BUILD = "op_build"     # the event a rank sends before it builds (or loads) a DeepSpeed op
 
 
 class Trace:
@@ -63,9 +64,15 @@ class RunView:
     # beside what is measured. None: no planner, or no prediction for these settings.
     planned_gpu_bytes: int | None = None
     planned_host_bytes: int | None = None
+    phase_t: float | None = None     # when the current phase began (the stream's clock)
+    building: str = ""               # the op being built, while the phase is "building ops"
 
     def apply(self, msg: P.Message) -> None:
         self.state.apply(msg)
+        if isinstance(msg, P.Event) and msg.name == "phase":
+            self.phase_t, self.building = msg.t, ""
+        elif isinstance(msg, P.Event) and msg.name == OP_BUILD:
+            self.building = msg.detail
         if self.t0 is None or msg.t < self.t0:
             self.t0 = msg.t
         if self.t_last is None or msg.t > self.t_last:
@@ -91,6 +98,10 @@ class RunView:
         """From the first line to the last, so that a replayed run shows the time it took."""
         return (self.t_last - self.t0) if self.t0 is not None and self.t_last is not None else 0.0
 
+    def phase_elapsed_s(self, now: float) -> float | None:
+        """How long the current phase has lasted, by the wall clock (a build sends nothing while it runs)."""
+        return None if self.phase_t is None else max(0.0, now - self.phase_t)
+
     @property
     def eta_s(self) -> float | None:
         s = self.state.last_step
@@ -100,18 +111,25 @@ class RunView:
 
     def ranks_by_gpu(self) -> tuple[dict[int, list[int]], list[int]]:
         """({GPU index: ranks on it}, ranks elsewhere: other hosts or CPU). A rank is on a local GPU when
-        NVML lists its pid there or, when NVML lists no pids (containers), by its device index."""
+        its hello's UUID is that card's (NVML's index is not CUDA's on a mixed rig), else when NVML lists
+        its pid there or, when NVML lists no pids (containers), by its device index."""
         on_gpu: dict[int, list[int]] = {}
         placed: set[int] = set()
+        by_uuid = {P.gpu_uuid_key(g.uuid): idx for idx, g in self.state.gpus.items() if g.uuid}
+        for rank, h in self.state.hellos.items():
+            if h.host in ("", self.local_host) and h.gpu_uuid and P.gpu_uuid_key(h.gpu_uuid) in by_uuid:
+                on_gpu.setdefault(by_uuid[P.gpu_uuid_key(h.gpu_uuid)], []).append(rank)
+                placed.add(rank)
         pid_to_rank = {h.pid: r for r, h in self.state.hellos.items() if h.host in ("", self.local_host)}
         for idx, g in self.state.gpus.items():
             for pid in g.pids:
-                if pid in pid_to_rank:
+                if pid in pid_to_rank and pid_to_rank[pid] not in placed:
                     on_gpu.setdefault(idx, []).append(pid_to_rank[pid])
                     placed.add(pid_to_rank[pid])
         for rank, m in self.state.memory.items():
             hello = self.state.hellos.get(rank)
-            local = hello is None or hello.host in ("", self.local_host)
+            # A CUDA device index is NVML's only by luck: used only when the rank sent no UUID.
+            local = hello is None or (hello.host in ("", self.local_host) and not hello.gpu_uuid)
             if rank not in placed and local and m.device_index is not None and m.device_index in self.state.gpus:
                 on_gpu.setdefault(m.device_index, []).append(rank)
                 placed.add(rank)
@@ -121,3 +139,34 @@ class RunView:
     @property
     def ranks_rss_bytes(self) -> int:
         return sum(m.host_rss_bytes for m in self.state.memory.values())
+
+
+def log_line(msg: P.Message) -> str | None:
+    """The Logs panel's line for a stream message worth reading there (phases, ops, warnings, saves,
+    the data, evals, the end), labelled like the log files' lines; None for the rest (steps, samples,
+    memory: the panels show them). A healthy run writes nothing to its log files: this is what it says."""
+    label = "run" if msg.rank < 0 else f"r{msg.rank}"
+    if isinstance(msg, P.Event):
+        if msg.name == "phase":
+            text = f"▸ {msg.detail}"
+        elif msg.name == OP_BUILD:
+            text = f"▸ building ops: {msg.detail}"
+        else:
+            text = f"{msg.name.replace('_', ' ')}: {msg.detail}" if msg.detail else msg.name.replace("_", " ")
+    elif isinstance(msg, P.Hello):
+        gpu = f" ({msg.gpu_name})" if msg.gpu_name else ""
+        text = f"started: {msg.backend or 'rank'} on {msg.device or '?'}{gpu}, pid {msg.pid}" + \
+            (f" on {msg.host}" if msg.host else "")
+    elif isinstance(msg, P.DataSummary):
+        text = f"data: {msg.format} from {msg.source}, {msg.records} records, {msg.samples} samples, " \
+               f"{100 * msg.loss_share:.0f}% under loss" + (f"; {msg.note}" if msg.note else "")
+    elif isinstance(msg, P.Eval):
+        text = f"eval at step {msg.step}: loss {'n/a' if msg.loss is None else f'{msg.loss:.4f}'} " \
+               f"({msg.tokens} tokens, {msg.seconds:.1f} s)"
+    elif isinstance(msg, P.Failed):
+        text = f"failed ({msg.cause}): {msg.message}".splitlines()[0]
+    elif isinstance(msg, P.Finished):
+        text = f"finished: {msg.steps} steps in {msg.elapsed_s:.0f} s"
+    else:
+        return None
+    return f"{label:>6}│ {text}"

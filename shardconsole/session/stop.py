@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -63,6 +64,14 @@ def announce(run_dir, run_id: str, who: str) -> None:
     w.close()
 
 
+@dataclass
+class StopOutcome(StopReport):
+    """A StopReport that knows which signalled pid was the launcher and which were ranks, so the report
+    names them ("the launcher and 2 ranks") instead of a bare count that matches nothing on screen."""
+    launcher_pid: int = 0
+    rank_pids: tuple[int, ...] = ()
+
+
 def stop_run(job: Job, rank_pids, *, who: str, grace_s: float = 10.0, save_timeout_s: float | None = None,
              hurry: Hurry | None = None, check_gpus: bool = True) -> StopReport:
     """SIGTERM every process of the run, wait (grace_s, or the save timeout once a rank says it saves),
@@ -78,7 +87,9 @@ def stop_run(job: Job, rank_pids, *, who: str, grace_s: float = 10.0, save_timeo
     rank_pids = tuple(p for p in rank_pids if p > 0)
     state, why = job.launcher_state() if hasattr(job, "launcher_state") else ("ours", "")
     targets = job.processes(rank_pids)
-    report = StopReport(signalled=targets, refused=why if state == "stranger" else "")
+    report = StopOutcome(signalled=targets, refused=why if state == "stranger" else "",
+                         launcher_pid=job.pid if job.pid in targets else 0,
+                         rank_pids=tuple(p for p in rank_pids if p in targets))
     job._signal_all(targets, signal.SIGTERM)
     deadline, saving = t0 + grace_s, False
     while True:
@@ -105,8 +116,17 @@ def stop_run(job: Job, rank_pids, *, who: str, grace_s: float = 10.0, save_timeo
     report.seconds = time.monotonic() - t0
     if check_gpus:
         from shardconsole.probes import GpuProbe, wait_gpu_released
-        report.gpu_note = wait_gpu_released(GpuProbe(), report.signalled)
+        report.gpu_note = wait_gpu_released(GpuProbe(), report.signalled, rank_uuids=_rank_uuids(run_dir))
     return report
+
+
+def _rank_uuids(run_dir) -> dict[int, str]:
+    """Each rank's GPU by UUID, from its hello line: the release check names the run's own cards."""
+    reader = MetricsReader(RunFolder(run_dir).metrics)
+    try:
+        return {m.rank: m.gpu_uuid for m in reader.poll() if isinstance(m, P.Hello) and m.gpu_uuid}
+    finally:
+        reader.close()
 
 
 @contextlib.contextmanager
@@ -134,9 +154,27 @@ def describe_stop(report: StopReport) -> str:
 
 def _describe(report: StopReport, how: str) -> str:
     if report.clean:
-        line = f"stopped: {len(report.signalled)} process(es) ended by {how} in {report.seconds:.1f}s; none left"
+        line = f"stopped: {_who(report)} ended by {how} in {report.seconds:.1f}s; none left"
         return line + (f"\n{report.gpu_note}" if report.gpu_note else "")
     return f"stop incomplete: process(es) {report.left} still alive after SIGKILL"
+
+
+def _who(report: StopReport) -> str:
+    """'the launcher (torchrun, pid 12) and 2 ranks (pids 13, 14)': what was signalled, by role."""
+    n = len(report.signalled)
+    launcher = getattr(report, "launcher_pid", 0)
+    ranks = [p for p in getattr(report, "rank_pids", ()) if p in report.signalled]
+    if not launcher and not ranks:
+        return f"{n} process(es)"
+    parts = []
+    if launcher:
+        parts.append(f"the launcher (torchrun, pid {launcher})")
+    if ranks:
+        parts.append(f"{len(ranks)} rank(s) (pid {', '.join(map(str, sorted(ranks)))})")
+    others = n - len(ranks) - (1 if launcher else 0)
+    if others > 0:
+        parts.append(f"{others} other process(es) of the run (the ranks' children)")
+    return (", ".join(parts[:-1]) + " and " + parts[-1]) if len(parts) > 1 else parts[0]
 
 
 class StopRefused(Exception):

@@ -32,7 +32,7 @@ from shardconsole.session.stop import Hurry, describe_stop
 from shardconsole.session.watcher import Watcher
 
 from shardconsole.console.messages import MachineSampled, RunEnded, RunHung, RunResumed, RunUpdate, StopFinished
-from shardconsole.console.runview import RunView
+from shardconsole.console.runview import RunView, log_line
 from shardconsole.console.screens.dialogs import ConfirmScreen, ReportScreen
 from shardconsole.console.services import Probes, RunHandle, RunOptions, planned_peaks
 from shardconsole.console.widgets.run_panels import GpuPanel, HostPanel, LossPanel, ThroughputPanel, duration, gib
@@ -97,6 +97,7 @@ class RunScreen(Screen[None]):
         self.sub_title = ("attached · " if self.attached else "") + f"run {self.run_id}"
         self.view.planned_gpu_bytes, self.view.planned_host_bytes = planned_peaks(self.handle.run_dir, self.probes)
         self._draw_status()
+        self.set_interval(1.0, self._tick_clock)
         self.follow()
         if not self.attached:
             self._catch_sigterm()
@@ -127,6 +128,11 @@ class RunScreen(Screen[None]):
             self._hurry.set()
         else:
             self.app.exit(return_code=EXIT_CODES["stopped"])
+
+    def _tick_clock(self) -> None:
+        """An op build sends nothing for minutes: its elapsed time is redrawn by the clock."""
+        if self.live and self.view.state.phase == "building ops":
+            self._draw_status()
 
     @property
     def live(self) -> bool:
@@ -200,11 +206,15 @@ class RunScreen(Screen[None]):
     # --- what the workers found --------------------------------------------------------------------
     @on(RunUpdate)
     def _run_update(self, event: RunUpdate) -> None:
+        said = []
         for msg in event.messages:
             self.view.apply(msg)
+            line = log_line(msg)
+            if line is not None:
+                said.append(line)
         self.view.bad_lines = event.bad_lines
-        if event.log_lines:
-            self.query_one("#logs", Log).write_lines(event.log_lines)
+        if said or event.log_lines:
+            self.query_one("#logs", Log).write_lines(said + event.log_lines)
         for note in event.notes:
             self.notify(note, title="The run's stream", severity="warning", timeout=15)
         self._draw()
@@ -353,6 +363,12 @@ class RunScreen(Screen[None]):
             text.append(f" {100 * frac:.0f}%")
             if view.eta_s is not None and self.live:
                 text.append(f" · eta {duration(view.eta_s)}")
+        elif self.live and state.phase == "building ops":
+            # A first build takes minutes and sends nothing while it runs: the clock says it is alive.
+            took = view.phase_elapsed_s(time.time())
+            text.append(f" {duration(took or 0)}", "bold")
+            text.append(" (a first JIT build takes minutes on a few cores; later runs load the cached build)"
+                        if not view.building else "", "dim")
         elif self.live:
             text.append("  waiting for the first step", "dim")
         if state.world:
@@ -363,6 +379,8 @@ class RunScreen(Screen[None]):
         if self.note:
             text.append("\n")
             text.append_text(self.note)
+        elif self.live and state.phase == "building ops" and view.building:
+            text.append("\n" + view.building, "dim")
         self.query_one("#status", Static).update(text)
 
 

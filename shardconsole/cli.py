@@ -6,6 +6,9 @@
     shardconsole stop RUN_DIR
     shardconsole resume RUN_DIR [--set table.key=value ...]
     shardconsole export-model RUN_DIR -o OUT_DIR [--step N] [--dtype bf16|fp32]
+    shardconsole settings [TABLE] [--json]      every setting: type, default, allowed values, help
+    shardconsole plan | export | import | tune | runs | compare | doctor   (each has --help)
+    shardconsole --version
 
 Bad input (a preset, an override, a model folder) is one line on stderr and exit code 2.
 """
@@ -20,6 +23,7 @@ from shardconsole import config as C
 from shardconsole import preset_store, settings
 from shardconsole.launch import (PRESET_FILE, build_argv, format_argv, new_run_dir, open_run, run_id_of,
                                  slurm_script)
+from shardconsole.launch_command import runs_root
 from shardconsole.models import ModelError
 from shardconsole.session import preflight
 from shardconsole.settings import DEFAULT_PRESET
@@ -33,8 +37,10 @@ def _run_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="shardconsole",
         description="A terminal console for PyTorch FSDP2 and DeepSpeed ZeRO training. Subcommands: "
-                    "presets, attach, stop, resume, export-model, export, import, plan (see `shardconsole "
-                    "SUBCOMMAND --help`).")
+                    "presets, settings, attach, stop, resume, export-model, export, import, plan, tune, runs, "
+                    "compare, doctor (see `shardconsole SUBCOMMAND --help`).")
+    ap.add_argument("--version", action="store_true", help="print the versions of shardconsole, torch, "
+                    "deepspeed, transformers and textual, and exit")
     ap.add_argument("--preset", default=None, help=f"preset name or .toml file (default: {DEFAULT_PRESET})")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
                     help="override one setting; repeatable; wins over the preset")
@@ -43,7 +49,10 @@ def _run_parser() -> argparse.ArgumentParser:
                     help="write the run folder, print the command that starts this node's ranks, and exit")
     ap.add_argument("--slurm", action="store_true",
                     help="write the run folder and print an sbatch script for the run (submit with sbatch)")
-    ap.add_argument("--run-dir", type=Path, default=None, help="run folder (default: runs/<time>-<preset>)")
+    ap.add_argument("--run-dir", type=Path, default=None, help="run folder (default: <runs root>/<time>-<preset>)")
+    ap.add_argument("--runs-root", default=None, metavar="DIR",
+                    help="where new run folders go (default: $SHARDCONSOLE_RUNS_ROOT, else the per-user folder "
+                         "`shardconsole runs` prints)")
     ap.add_argument("--force", action="store_true",
                     help="--headless: launch even when the planner says the host's RAM is too small")
     return ap
@@ -70,13 +79,14 @@ def cmd_run(argv: list[str]) -> int:
     if not args.headless and not args.print_command and not args.slurm:
         # Bad input stops here (exit 2); the console checks the machine (NVML) in a worker after its
         # first paint and runs the same preflight before it launches.
-        return _open_console(settings.resolve(args.preset or DEFAULT_PRESET, settings.from_cli(args.overrides)))
+        return _open_console(settings.resolve(args.preset or DEFAULT_PRESET, settings.from_cli(args.overrides)),
+                             runs_root(args.runs_root))
     if args.headless and (args.print_command or args.slurm):
         raise UsageError("--headless runs the job here; --print-command and --slurm only write it out: pick one")
     # A command or a batch script is for the machines that will run it, not for this one's GPUs.
     resolved = load_config(args.preset, args.overrides, here=not (args.print_command or args.slurm))
     cfg, name = resolved.cfg, resolved.preset
-    run_dir = args.run_dir or new_run_dir(name)
+    run_dir = args.run_dir or new_run_dir(name, runs_root(args.runs_root))
     if args.print_command or args.slurm:
         # The printed command reads the run folder's preset.toml: it must exist for the command to work.
         run_dir = _prepare_run_dir(cfg, run_dir, explicit=args.run_dir is not None)
@@ -111,13 +121,22 @@ def _prepare_run_dir(cfg: C.RunConfig, run_dir: Path, explicit: bool = True,
     return rundir.create_run_dir(cfg, run_dir, explicit=explicit)
 
 
-def _open_console(resolved: settings.Resolved) -> int:
+def _open_console(resolved: settings.Resolved, root: Path | None = None) -> int:
     try:
         from shardconsole.console.app import run_console
     except ImportError as e:
         print(f"shardconsole: the console is not available ({e}); use --headless", file=sys.stderr)
         return 1
-    return run_console(resolved=resolved)
+    return run_console(resolved=resolved, runs_root=root)
+
+
+def _run_folder(ref: str) -> Path:
+    """A run folder from a path or a run id under the runs root (history/index.find_run)."""
+    from shardconsole.history.index import find_run
+    try:
+        return find_run(ref)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def cmd_presets(argv: list[str]) -> int:
@@ -135,10 +154,10 @@ def cmd_presets(argv: list[str]) -> int:
 
 def cmd_attach(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="shardconsole attach", description="follow a run started earlier")
-    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("run_dir", metavar="RUN", help="a run folder, or a run id under the runs root")
     ap.add_argument("--headless", action="store_true")
     args = ap.parse_args(argv)
-    run_dir = args.run_dir
+    run_dir = _run_folder(args.run_dir)
     try:
         job = open_run(run_dir)
     except ValueError as e:
@@ -160,11 +179,11 @@ def cmd_stop(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="shardconsole stop",
                                  description="stop a run of this machine from any shell: every rank ended, "
                                              "GPUs released (exit 0); a second Ctrl-C skips a checkpoint save")
-    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("run_dir", metavar="RUN", help="a run folder, or a run id under the runs root")
     args = ap.parse_args(argv)
     from shardconsole.session.stop import StopRefused, stop_folder
     try:
-        return stop_folder(args.run_dir, sys.stderr)
+        return stop_folder(_run_folder(args.run_dir), sys.stderr)
     except StopRefused as e:
         raise UsageError(str(e)) from None
 
@@ -225,6 +244,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(argv: list[str]) -> int:
+    from shardconsole import __version__
+    from shardconsole.torch_version import torch_problem, version_line
+    if argv[:1] == ["-V"] or (argv[:1] and argv[0].startswith("-") and "--version" in argv):
+        print(version_line(__version__))
+        problem = torch_problem()
+        if problem:
+            print(f"shardconsole: {problem}", file=sys.stderr)
+        return 0
+    problem = torch_problem()
+    if problem and argv[:1] not in (["-h"], ["--help"]):
+        print(f"shardconsole: error: {problem}", file=sys.stderr)
+        return 2
     try:
         if argv and not argv[0].startswith("-"):
             _register_optional()

@@ -28,7 +28,7 @@ import tomli_w
 
 from shardconsole.config_rules import validate  # noqa: F401  (config.validate, as before)
 from shardconsole.config_values import (ConfigError, _coerce, _parse_override_value,  # noqa: F401
-                                        format_size, names_key, override_source, parse_size)
+                                        familiar_name, format_size, names_key, override_source, parse_size)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -123,6 +123,13 @@ class PrecisionSettings:
     master_dtype: Literal["fp32", "bf16"] = _f(
         "fp32", "dtype of the kept weights, their gradients and Adam's moments (bf16: 8 bytes a parameter "
         "instead of 16; updates below bf16's resolution are lost)")
+    # How an fp32 update lands in bf16 masters (backends/master_update.py). stochastic: rounded up or down
+    # with the probability of its distance, so small updates survive on average (8 bytes a parameter);
+    # kahan: a bf16 buffer keeps what rounding dropped (10 bytes); nearest: torch's AdamW as is.
+    master_rounding: Literal["stochastic", "kahan", "nearest"] = _f(
+        "stochastic", "master_dtype = bf16: how updates are rounded into the bf16 weights (stochastic: "
+        "unbiased, same 8 bytes a parameter; kahan: +2 bytes a parameter for a compensation buffer; "
+        "nearest: small updates are lost)")
     # fp16 dynamic loss scaling, with DeepSpeed's names and meanings. None = not set (default applies);
     # setting any of them with a dtype other than fp16 is an error.
     initial_scale_power: int | None = _f(None, "fp16: start the loss scale at 2**this (default 16)", min=0, max=64)
@@ -280,6 +287,13 @@ def _close(name: str, options: list[str]) -> str:
     return f" (did you mean {m[0]!r}?)" if m else ""
 
 
+def _familiar(key: str, table: str | None = None) -> str:
+    """" (did you mean train.lr?)" for a name of another tool or another table's key; "" otherwise."""
+    known = {t: [f.name for f in fields(cls)] for t, cls in TABLES.items()}
+    means = familiar_name(key, known=known)
+    return f" (did you mean {means}?)" if means and means != f"{table}.{key}" else ""
+
+
 def _apply(cfg: RunConfig, data: dict[str, Any], source: str) -> None:
     """Merge a parsed TOML document into cfg in place. `source` names the file for errors."""
     for key, value in data.items():
@@ -289,6 +303,9 @@ def _apply(cfg: RunConfig, data: dict[str, Any], source: str) -> None:
             cfg.description = value
             continue
         if key not in TABLES:
+            if not isinstance(value, dict) and _familiar(key):
+                raise ConfigError(f"unknown top-level key {key!r}{_familiar(key)}; settings live in the "
+                                  f"tables {', '.join(TABLES)}", source=source)
             raise ConfigError(f"unknown table [{key}]{_close(key, list(TABLES) + list(TOP_LEVEL_KEYS))}; "
                               f"tables are {', '.join(TABLES)}", source=source)
         if not isinstance(value, dict):
@@ -302,7 +319,8 @@ def _set(cfg: RunConfig, table: str, key: str, value: Any, source: str, *, from_
     hints = _hints(type(section))
     names = [f.name for f in fields(section)]
     if key not in names:
-        raise ConfigError(f"unknown key {key!r}{_close(key, names)}; keys are {', '.join(names)}",
+        raise ConfigError(f"unknown key {key!r}{_familiar(key, table) or _close(key, names)}; keys are "
+                          f"{', '.join(names)}",
                           source=source, table=table, key=key)
     tp = hints[key]
     if from_text:
@@ -324,7 +342,10 @@ def _set(cfg: RunConfig, table: str, key: str, value: Any, source: str, *, from_
 def parse_override(text: str) -> tuple[str, str, str]:
     """'table.key=value' -> (table, key, value text)."""
     if "=" not in text or "." not in text.split("=", 1)[0]:
-        raise ConfigError("expected table.key=value, e.g. train.steps=50", source=f"--set {text!r}")
+        name, _, value = text.partition("=")
+        means = familiar_name(name, known={t: [f.name for f in fields(cls)] for t, cls in TABLES.items()})
+        hint = f" (did you mean {means}={value.strip()}?)" if means else ""
+        raise ConfigError(f"expected table.key=value, e.g. train.steps=50{hint}", source=f"--set {text!r}")
     path, value = text.split("=", 1)
     table, key = path.strip().split(".", 1)
     if table not in TABLES:

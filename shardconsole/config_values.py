@@ -59,6 +59,68 @@ def names_key(source: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Names users bring from other tools (HF Trainer's TrainingArguments, DeepSpeed's ds_config, torchrun,
+# Megatron / nanoGPT scripts), each with the shardconsole setting that means the same: an unknown key
+# of one of these names gets "did you mean table.key" where spelling distance finds nothing.
+
+FAMILIAR_NAMES: dict[str, str] = {
+    # HF Trainer (TrainingArguments) and DeepSpeed's ds_config
+    "gradient_accumulation_steps": "train.grad_accum", "accumulate_grad_batches": "train.grad_accum",
+    "per_device_train_batch_size": "train.micro_batch", "train_micro_batch_size_per_gpu": "train.micro_batch",
+    "micro_batch_size": "train.micro_batch", "batch_size": "train.micro_batch",
+    "learning_rate": "train.lr", "max_lr": "train.lr", "warmup_max_lr": "train.lr",
+    "max_grad_norm": "train.clip_grad_norm", "gradient_clipping": "train.clip_grad_norm",
+    "grad_clip": "train.clip_grad_norm", "clip_grad": "train.clip_grad_norm",
+    "max_steps": "train.steps", "total_num_steps": "train.steps", "train_iters": "train.steps",
+    "max_iters": "train.steps", "num_steps": "train.steps",
+    "warmup_num_steps": "train.warmup_steps", "lr_warmup_steps": "train.warmup_steps",
+    "warmup_iters": "train.warmup_steps",
+    "lr_scheduler_type": "train.schedule", "lr_scheduler": "train.schedule", "scheduler": "train.schedule",
+    "lr_decay_style": "train.schedule", "cos_min_ratio": "train.min_lr_ratio", "min_lr_rate": "train.min_lr_ratio",
+    "adam_beta1": "train.beta1", "adam_beta2": "train.beta2",
+    "save_steps": "train.checkpoint_every", "save_interval": "train.checkpoint_every",
+    "eval_steps": "train.eval_every", "eval_interval": "train.eval_every",
+    "logging_steps": "train.log_every", "steps_per_print": "train.log_every", "log_interval": "train.log_every",
+    "save_total_limit": "train.keep_checkpoints", "output_dir": "train.checkpoint_dir",
+    "save_dir": "train.checkpoint_dir", "resume_from_checkpoint": "train.resume",
+    "torch_compile": "train.compile", "data_seed": "train.seed",
+    "gradient_checkpointing": "memory.activation_checkpointing",
+    "activation_checkpointing": "memory.activation_checkpointing",
+    "bf16": "precision.dtype", "fp16": "precision.dtype", "mixed_precision": "precision.dtype",
+    "torch_dtype": "precision.dtype", "communication_data_type": "precision.reduce_dtype",
+    "max_seq_length": "data.seq_len", "max_length": "data.seq_len", "seq_length": "data.seq_len",
+    "block_size": "data.seq_len", "model_max_length": "data.seq_len", "max_position_embeddings": "data.seq_len",
+    "model_name_or_path": "model.name", "model_path": "model.name", "model_name": "model.name",
+    "dataset": "data.path", "dataset_name": "data.path", "train_file": "data.path", "data_path": "data.path",
+    "dataset_text_field": "data.text_key", "validation_file": "data.eval_path",
+    "eval_dataset": "data.eval_path", "validation_split_percentage": "data.eval_fraction",
+    "packing": "data.cross_document_attention",
+    # ZeRO, FSDP and the launchers
+    "zero_stage": "deepspeed.stage", "zero_optimization": "deepspeed.stage",
+    "sharding_strategy": "fsdp.sharding", "fsdp_sharding_strategy": "fsdp.sharding",
+    "fsdp_offload_params": "fsdp.cpu_offload", "offload_params": "fsdp.cpu_offload",
+    "fsdp_reshard_after_forward": "fsdp.reshard_after_forward",
+    "nproc": "parallel.nproc_per_node", "num_gpus": "parallel.nproc_per_node",
+    "num_processes": "parallel.nproc_per_node", "world_size": "parallel.nproc_per_node",
+    "num_nodes": "parallel.nnodes", "num_machines": "parallel.nnodes",
+    "master_addr": "parallel.rdzv_endpoint", "ddp_timeout": "parallel.timeout_s",
+    "ddp_backend": "parallel.backend",
+}
+
+
+def familiar_name(key: str, *, known: dict[str, list[str]] | None = None) -> str | None:
+    """The setting ("table.key") that `key`, a name from another tool or from another table, means.
+    known: table -> its keys, so a key of another table (`train.seq_len`) finds `data.seq_len`."""
+    k = key.strip().lower().replace("-", "_").lstrip("_")
+    if k in FAMILIAR_NAMES:
+        return FAMILIAR_NAMES[k]
+    for table, names in (known or {}).items():
+        if k in names:
+            return f"{table}.{k}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
 # Sizes: "24GiB", "512MB", "1.5e9", or a plain number of bytes.
 
 _UNITS = {

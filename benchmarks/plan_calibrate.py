@@ -39,6 +39,7 @@ import platform
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,7 @@ if str(ROOT) not in sys.path:
 from shardconsole import config as C  # noqa: E402
 from shardconsole import plan as PL  # noqa: E402
 from shardconsole.models import resolve  # noqa: E402
+from shardconsole.plan.calibration import code_version  # noqa: E402
 
 GiB = 2**30
 
@@ -76,6 +78,7 @@ class Run:
     expect_oom: bool = False          # set up not to fit under its cap
     seconds: float = 30.0             # expected wall time on the H200 (start + build + steps), for the budget
     cap_factor: float = 0.0           # > 0: cap = the planner's required bytes x this (the verdict's edge)
+    lane: int = 0                     # --lanes: runs of different lanes run at the same time on one GPU
 
     @property
     def model(self) -> str:
@@ -135,6 +138,32 @@ MATRIX: list[Run] = [
     _r("ds-1b-z2-optoff-fp16-mb4-ckpt", "deepspeed", "1b", 2048, 4, "fp16", ckpt=True, extra=Z2_OPT, seconds=45),
     _r("ds-1b-oom-24GiB", "deepspeed", "1b", 2048, 8, cap="24GiB", extra=Z3, oom=True, seconds=30),
 ]
+# Issue 16: the planner on today's backends (ZeRO-3 gathers each decoder layer whole; bf16 masters;
+# pinned and unpinned host buffers; 1b-7b). Run in lanes on the one H200 (--lanes 3): the peaks are
+# per process (memory lines, VmHWM, NVML's per-process bytes), so lanes do not disturb them; the
+# host RAM of the lanes' runs is kept under the machine's 128 GiB (the 7b run overlaps only small ones).
+BF16M = ("precision.master_dtype=bf16",)
+UNPIN_F, UNPIN_D = ("fsdp.pin_memory=false",), ("deepspeed.pin_memory=false",)
+for _run, _lane in (
+        (_r("i16-ds-1b-z3-alloff-mb4-ckpt-cap24", "deepspeed", "1b", 2048, 4, ckpt=True, cap="24GiB", extra=Z3_ALL,
+            seconds=100), 0),
+        (_r("i16-ds-3b-z3-alloff-bf16m-mb4-ckpt-cap24", "deepspeed", "3b", 2048, 4, ckpt=True, cap="24GiB",
+            extra=Z3_ALL + BF16M, seconds=110), 0),
+        (_r("i16-ds-1b-z3-optoff-bf16m-unpinned-mb4-ckpt", "deepspeed", "1b", 2048, 4, ckpt=True, cap="24GiB",
+            extra=Z3_OPT + BF16M + UNPIN_D, seconds=50), 0),
+        (_r("i16-fsdp-7b-offload-bf16m-mb8-ckpt-cap24", "fsdp", "7b", 2048, 8, ckpt=True, cap="24GiB",
+            extra=OFF + BF16M, seconds=70), 1),
+        (_r("i16-fsdp-1b-offload-bf16m-unpinned-mb8-ckpt", "fsdp", "1b", 2048, 8, ckpt=True, cap="24GiB",
+            extra=OFF + BF16M + UNPIN_F, seconds=35), 1),
+        (_r("i16-fsdp-1b-offload-mb8-ckpt-cap24", "fsdp", "1b", 2048, 8, ckpt=True, cap="24GiB", extra=OFF,
+            seconds=40), 1),
+        (_r("i16-ds-1b-z3-bf16-mb4-ckpt", "deepspeed", "1b", 2048, 4, ckpt=True, extra=Z3, seconds=35), 2),
+        (_r("i16-ds-3b-z3-bf16m-mb4-ckpt", "deepspeed", "3b", 2048, 4, ckpt=True, extra=Z3 + BF16M, seconds=50), 2),
+        (_r("i16-fsdp-3b-fp16-mb4-ckpt", "fsdp", "3b", 2048, 4, "fp16", ckpt=True, seconds=45), 2),
+        (_r("i16-ds-1b-z2-optoff-bf16-mb4-ckpt", "deepspeed", "1b", 2048, 4, ckpt=True, extra=Z2_OPT, seconds=45), 2)):
+    _run.lane, _run.subset = _lane, "issue16"
+    MATRIX.append(_run)
+
 # The verdict's edge: the cap set just above and just below what the planner says a run needs
 # (gpu_required_bytes: its allocated peak + 5% + 256 MiB), so a wrong margin shows as a wrong verdict.
 for _name, _subset, _model, _mb, _extra in (("fsdp-1b-mb8-ckpt", "fsdp", "1b", 8, ()),
@@ -156,7 +185,7 @@ def resolve_cap(run: Run, hw: PL.Hardware) -> Run:
     cfg = C.build(BASE_PRESET, "calibration base", run.sets)
     need = PL.estimate(cfg, resolve(cfg.model.name), hw).gpu_required_bytes
     return Run(run.name, run.subset, run.sets + [f"memory.gpu_memory_limit={int(need * run.cap_factor)}"],
-               run.expect_oom, run.seconds, run.cap_factor)
+               run.expect_oom, run.seconds, run.cap_factor, run.lane)
 
 
 def config_of(run: Run) -> C.RunConfig:
@@ -248,6 +277,23 @@ class Nvml:
                 out.append(0)
         return out
 
+    def used_by(self, pids: set[int]) -> int | None:
+        """NVML's bytes of these processes (context included), summed over the devices; None when
+        NVML cannot list processes. Runs sharing the GPU (--lanes) are told apart by this."""
+        if not self.handles:
+            return None
+        total, seen = 0, False
+        for h in self.handles:
+            try:
+                procs = self.nv.nvmlDeviceGetComputeRunningProcesses(h)
+            except Exception:
+                return None
+            for pr in procs:
+                if pr.pid in pids and pr.usedGpuMemory:
+                    total += int(pr.usedGpuMemory)
+                    seen = True
+        return total if seen else None
+
     def info(self) -> dict[str, Any]:
         if not self.handles:
             return {}
@@ -303,7 +349,8 @@ def _tail(path: Path, n: int = 2500) -> str:
         return ""
 
 
-def measure(run: Run, base_file: Path, runs_root: Path, timeout_s: float, nvml: Nvml) -> dict[str, Any]:
+def measure(run: Run, base_file: Path, runs_root: Path, timeout_s: float, nvml: Nvml,
+            shared: bool = False) -> dict[str, Any]:
     run_dir = runs_root / run.name
     argv = [sys.executable, "-m", "shardconsole", "--preset", str(base_file), "--headless"]
     for s in run.sets:
@@ -320,6 +367,7 @@ def measure(run: Run, base_file: Path, runs_root: Path, timeout_s: float, nvml: 
     hwm: dict[int, int] = {}            # pid -> VmHWM seen
     role: dict[int, str] = {proc.pid: "front end"}
     nvml_max = [0] * len(base_used)
+    nvml_proc_max = 0
     rss_by_phase: dict[str, int] = {}   # the ranks' summed VmRSS, largest seen in each phase of rank 0
     phase = "starting"
     tail = _Tail(run_dir / "metrics.jsonl")
@@ -348,6 +396,9 @@ def measure(run: Run, base_file: Path, runs_root: Path, timeout_s: float, nvml: 
             rss_by_phase[phase] = max(rss_by_phase.get(phase, 0), rss)
         for i, u in enumerate(nvml.used()):
             nvml_max[i] = max(nvml_max[i], u)
+        mine = nvml.used_by({p for p, r in role.items() if r.startswith("rank")})
+        if mine:
+            nvml_proc_max = max(nvml_proc_max, mine)
         if rc is not None:
             break
         if time.monotonic() - t0 > timeout_s:
@@ -401,7 +452,10 @@ def measure(run: Run, base_file: Path, runs_root: Path, timeout_s: float, nvml: 
         "peak_reserved_bytes": max(per_rank_reserved.values(), default=None),
         "peak_allocated_bytes": max(per_rank_alloc.values(), default=None),
         "peak_reserved_by_rank": per_rank_reserved,
-        "nvml_used_bytes": max(nvml_here, nvml_front_net) or None,
+        # With lanes the device is shared: the ranks' own bytes (per-process NVML) are the measure.
+        "nvml_used_bytes": (nvml_proc_max if shared else max(nvml_here, nvml_front_net)) or None,
+        "nvml_process_bytes": nvml_proc_max or None,
+        "nvml_device_net_bytes": max(nvml_here, nvml_front_net) or None,
         "nvml_baseline_bytes": base_used[0] if base_used else None,
         "host_rss_memory_lines_bytes": sum(per_rank_rss.values()) or None,
         "ranks_hwm_bytes": ranks_hwm or None,
@@ -601,6 +655,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="recompute the predictions and errors of a result file with the current planner")
     ap.add_argument("--docs-table", type=Path, default=None,
                     help="print the markdown comparison table of a result file (docs/PLANNER.md)")
+    ap.add_argument("--lanes", type=int, default=1,
+                    help="run the matrix's lanes at the same time on one GPU (peaks per process)")
     ap.add_argument("--smoke-cpu", action="store_true",
                     help="check the measuring machinery with one tiny 2-rank CPU run (no GPU needed)")
     args = ap.parse_args(argv)
@@ -653,11 +709,15 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine_info(nvml), "hardware": {"gpus": hw.gpus, "gpu_memory_bytes": hw.gpu_memory_bytes,
                                                      "host_memory_bytes": hw.host_memory_bytes},
-        "base_preset": BASE_PRESET, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": []}
+        "base_preset": BASE_PRESET, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": [],
+        "code_version": code_version(), "lanes": args.lanes}
     t_start = time.monotonic()
-    for run in runs:
+    lock = threading.Lock()
+    shared = args.lanes > 1
+
+    def one(run: Run) -> None:
         entry: dict[str, Any] = {"name": run.name, "model": run.model, "subset": run.subset, "sets": run.sets,
-                                 "expect_oom": run.expect_oom, "cap_factor": run.cap_factor,
+                                 "expect_oom": run.expect_oom, "cap_factor": run.cap_factor, "lane": run.lane,
                                  "predicted": predict(run, hw),
                                  "other_estimators": other_estimators(run)}
         elapsed = time.monotonic() - t_start
@@ -667,14 +727,26 @@ def main(argv: list[str] | None = None) -> int:
             entry["measured"] = {"status": "skipped", "reason": f"time budget ({elapsed:.0f} s used)"}
         else:
             print(f"[{elapsed:5.0f}s] {run.name} ...", flush=True)
-            entry["measured"] = measure(run, base_file, runs_root, args.run_timeout, nvml)
+            entry["measured"] = measure(run, base_file, runs_root, args.run_timeout, nvml, shared)
             m = entry["measured"]
-            print(f"         {m['status']} {m.get('cause') or ''} in {m['wall_s']} s, reserved "
+            print(f"         {run.name}: {m['status']} {m.get('cause') or ''} in {m['wall_s']} s, reserved "
                   f"{_fmt(m.get('peak_reserved_bytes'))} GiB, host {_fmt(m.get('host_peak_bytes'))} GiB", flush=True)
         entry["errors"] = compare(entry["predicted"], entry["measured"])
-        doc["runs"].append(entry)
-        doc["elapsed_s"] = round(time.monotonic() - t_start, 1)
-        write(args.out, doc)
+        with lock:
+            doc["runs"].append(entry)
+            doc["elapsed_s"] = round(time.monotonic() - t_start, 1)
+            write(args.out, doc)
+
+    def lane(k: int) -> None:
+        for run in runs:
+            if run.lane % args.lanes == k:
+                one(run)
+
+    threads = [threading.Thread(target=lane, args=(k,)) for k in range(args.lanes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     print_table(doc["runs"])
     return 0
 

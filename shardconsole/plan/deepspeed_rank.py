@@ -114,6 +114,14 @@ def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
         # 4090x2-zero3 on one GPU in benchmarks/data/h200_issue3.json).
         side["reduction stream pool (buckets)"] = int(2.5 * c * min(d.reduce_bucket_size, P))
         side[f"{mtag} step buffer (cached)"] = 0 if off_opt else m * max(subs)
+        if off_par and W == 1 and P > d.stage3_max_live_parameters:
+            # More parameters than stage3_max_live_parameters: layers are released after use and
+            # fetched from the host again, each fetch a new block, and the allocator keeps what was
+            # freed. Measured on the H200 (ZeRO-3, parameters and optimizer offloaded, one rank, 3b):
+            # reserved minus the modelled parts was 4.6 GiB with bf16 masters and 8.2 GiB with fp32
+            # masters, about the master dtype's bytes for each parameter over the limit; at 1b (under
+            # the limit) nothing. The mechanism is not pinned down: a fitted term (docs/PLANNER.md).
+            side["parameter re-fetch blocks (cached)"] = m * (P - d.stage3_max_live_parameters)
     elif stage in (1, 2):
         gpu["parameters (full, flat)"] = c * P                 # bit16_groups_flat
         build_gpu = 2 * c * P                                   # the moved module + its flat copy

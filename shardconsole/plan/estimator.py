@@ -23,7 +23,8 @@ from shardconsole.plan.shapes import Shapes, _shard_numel
 
 @dataclass
 class Estimate:
-    gpu_peak_bytes: int                     # largest rank, as NVML sees it: allocator peak + CUDA context
+    gpu_peak_bytes: int                     # largest rank's device as NVML sees it: allocator peak + CUDA
+                                            # context + the driver's reserved bytes
     host_peak_bytes: int                    # the node: its ranks + launcher + front end
     fits: bool
     gpu_parts: dict[str, int]               # alive at the GPU peak; sums to gpu_peak_bytes
@@ -93,7 +94,10 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware) -> Estimate:
         allocator_peak = allocated + sum(r.side.values()) + slack
         context = CUDA_CONTEXT_BYTES[cfg.parallel.backend]
         gpu_parts["CUDA context + NCCL"] = context
-        gpu_peak = allocator_peak + context
+        # NVML's used bytes of the device include what the driver keeps on an idle card: the peak is
+        # given as a user reads it (nvidia-smi, the console's GPU panel, issue 16's measured runs).
+        gpu_parts["driver reserved (NVML counts it)"] = GPU_DRIVER_RESERVED_BYTES
+        gpu_peak = allocator_peak + context + GPU_DRIVER_RESERVED_BYTES
         # Under a cap the allocator frees its cached blocks and retries before it fails, so a run
         # needs its largest allocated moment (compute stream + the pools' live part), plus headroom
         # for blocks it cannot free (split segments).
@@ -152,7 +156,7 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware) -> Estimate:
             gpu_parts[key] -= cut
             excess -= cut
         allocator_peak = gpu_budget
-        gpu_peak = allocator_peak + context
+        gpu_peak = allocator_peak + context + GPU_DRIVER_RESERVED_BYTES
         notes.append("the allocator will reach the budget and free cached blocks to go on (steps a little slower); "
                      "with memory to spare it would reserve more")
     a = activations(cfg, s)

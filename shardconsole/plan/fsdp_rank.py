@@ -65,6 +65,12 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
     acts_all = a.saved_all
     unsharded_grad = c * s.per_layer        # a layer's gradient from autograd, before its reduce-scatter
     acc_c = (reduce_c if reduce_c != c else c)
+    # The clip is folded into fused AdamW except under fp16's scaler (backends/fsdp_step.py Clip): then
+    # clip_grad_norm_ and the scaler's unscale run over the sharded DTensor gradients and hold a copy
+    # of them at the step. Measured (i16-fsdp-3b-fp16-mb4-ckpt): allocated 58.6 GiB = parameters +
+    # Adam + gradients + one more copy of the gradients (11.7 GiB each).
+    folded = cfg.precision.dtype != "fp16"
+    clip_copy = {} if (folded or offload) else {f"clip and unscale copy of the gradients ({mtag})": m * sum(shard_numels)}
     gpu: dict[str, dict[str, int]] = {
         "end of forward": {**st, **root, "gathered layers": held + last_fwd, "activations": acts_all,
                            "loss chunk": a.loss_forward, **acc, **ws},
@@ -84,14 +90,21 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
                                  "accumulated gradients (no sync)": acc_c * s.root + max(
                                      0, (L - 1) * (acc_c * s.per_layer - m * layer_shard)) if accum else 0, **ws},
         "end of backward": {**st, **root, "root gradients (unsharded)": c * s.root, **ws},
-        "optimizer step": {**st, **ws},
+        "optimizer step": {**st, **ws, **clip_copy},
     }
     # Side pools. Reduce-scatter stream: every sharded gradient (the reduce-scatter outputs; with
     # offload each goes to the host at once) and the largest reduce-scatter input (the root's, or two
     # layers' in flight). All-gather copy-in stream: the largest all-gather buffers in flight (the
     # root's, or a layer and its prefetch), plus with offload the fp32 shards copied to the GPU.
     rs_in = reduce_c * max(s.root, 2 * s.per_layer)
-    grads_gpu = (m * max(root_shard, 2 * layer_shard)) if offload else (L * m * layer_shard + g_root)
+    # With offload each sharded gradient leaves for the host at once. The reduce-scatter output is in the
+    # reduce dtype; with bf16 masters it is cast to bf16 before the copy, so the largest output and its
+    # cast share the pool with the next layer's gradient. Measured (i16-fsdp-*-offload-bf16m-*): the
+    # model with the gradients in the master dtype alone was under by 0.75 GiB (1b) and 1.36 GiB (7b);
+    # fp32 masters need no cast (off_g = 4: as before).
+    off_g = reduce_c + (m if m != reduce_c else 0)
+    grads_gpu = (off_g * max(root_shard, layer_shard) + m * layer_shard if m != reduce_c
+                 else m * max(root_shard, 2 * layer_shard)) if offload else (L * m * layer_shard + g_root)
     n_ag = 1 + max(min(f.forward_prefetch if sharded else 0, max(L - 1, 0)), bwd_n)
     ag = c * max(s.root, n_ag * s.per_layer) + (m * max(root_shard, n_ag * layer_shard) if offload else 0)
     side = {"reduce-scatter stream pool (sharded gradients, inputs)": grads_gpu + rs_in,

@@ -19,11 +19,27 @@ from shardconsole import process_identity as PI
 WORKER_MODULE = PI.WORKER_MODULE
 
 
-def new_run_dir(preset_name: str, root: str | Path = "runs") -> Path:
-    """runs/<time>-<preset>, made unique if two runs start in the same second."""
+RUNS_ROOT_ENV = "SHARDCONSOLE_RUNS_ROOT"
+OLD_RUNS_ROOT = Path("runs")     # the default before the runs root: relative to where a run started
+
+
+def runs_root(explicit: str | Path | None = None) -> Path:
+    """Where new run folders go, the same from any directory: `--runs-root`, else $SHARDCONSOLE_RUNS_ROOT,
+    else the per-user data folder (~/.local/share/shardconsole/runs on Linux). Absolute, so a command
+    printed for other nodes or a console started elsewhere names the same folder."""
+    if explicit:
+        return Path(explicit).expanduser().absolute()
+    if os.environ.get(RUNS_ROOT_ENV):
+        return Path(os.environ[RUNS_ROOT_ENV]).expanduser().absolute()
+    import platformdirs
+    return Path(platformdirs.user_data_dir("shardconsole")) / "runs"
+
+
+def new_run_dir(preset_name: str, root: str | Path | None = None) -> Path:
+    """<runs root>/<time>-<preset>, made unique if two runs start in the same second."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(preset_name).stem) or "run"
-    base = Path(root) / f"{stamp}-{safe}"
+    base = (runs_root() if root is None else Path(root)) / f"{stamp}-{safe}"
     path, n = base, 1
     while path.exists():
         n += 1

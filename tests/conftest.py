@@ -26,6 +26,14 @@ def _user_presets(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _runs_root(tmp_path_factory, monkeypatch):
+    """Runs started without --run-dir go to a temporary runs root, never the user's."""
+    d = tmp_path_factory.mktemp("runs-root")
+    monkeypatch.setenv("SHARDCONSOLE_RUNS_ROOT", str(d))
+    return d
+
+
+@pytest.fixture(autouse=True)
 def _token_cache(tmp_path_factory, monkeypatch):
     """Token caches of test runs go to a temporary folder, never the user's cache (one per session:
     tests that read the same file share its cache, as ranks of one machine do)."""

@@ -25,7 +25,8 @@ class ShardConsoleApp(App[Path | None]):
     TITLE = "shardconsole"
     ENABLE_COMMAND_PALETTE = False
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
-    BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True)]
+    # ctrl+l is off the footer (full on the setup screen at 80 columns); the attach dialog names it.
+    BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True), Binding("ctrl+l", "runs", "Runs", show=False)]
 
     def __init__(self, launcher: Launcher, probes: Probes, *, preset: str = settings.DEFAULT_PRESET,
                  overrides: list[str] | None = None, resolved: settings.Resolved | None = None,
@@ -45,6 +46,18 @@ class ShardConsoleApp(App[Path | None]):
         if self.attach_dir is not None:
             self.setup_screen._attach_to(self.attach_dir)
 
+    def action_runs(self) -> None:
+        """ctrl+l: every run kept (history/), their status, a compare view; enter attaches to one."""
+        from shardconsole.console.screens.runs import RunsScreen
+        if isinstance(self.screen, RunsScreen):
+            return
+        root = getattr(self.launcher, "runs_root", None)
+
+        def attach(run_dir: Path | None) -> None:
+            if run_dir is not None:
+                self.setup_screen._attach_to(run_dir)
+        self.push_screen(RunsScreen(Path(root) if root is not None else None), attach)
+
     def action_quit(self) -> None:
         """ctrl+q anywhere: a live run is left running (never stopped by quitting), with its folder."""
         from shardconsole.console.screens.run import RunScreen
@@ -57,10 +70,11 @@ class ShardConsoleApp(App[Path | None]):
             run_screen.action_close()
 
 
-def run_console(resolved: settings.Resolved | None = None, attach: Path | None = None) -> int:
+def run_console(resolved: settings.Resolved | None = None, attach: Path | None = None,
+                runs_root: Path | None = None) -> int:
     """Open the console on settings the CLI resolved (None: the default preset); returns the exit code:
-    0, or the headless code of a watched run that failed."""
-    app = ShardConsoleApp(TorchrunLauncher(), MachineProbes(), resolved=resolved, attach=attach)
+    0, or the headless code of a watched run that failed. runs_root: `--runs-root` (None: the default)."""
+    app = ShardConsoleApp(TorchrunLauncher(runs_root), MachineProbes(), resolved=resolved, attach=attach)
     left = app.run()
     if left is not None:
         print(f"The run goes on in its own session. Attach again with: shardconsole attach {left}",

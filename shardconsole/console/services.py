@@ -7,8 +7,6 @@ launch.py and probes.py, the same pieces `--headless` uses.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,8 +14,8 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from shardconsole import config as C
-from shardconsole import preset_store
-from shardconsole.launch import PRESET_FILE, RUN_FILE, Job, StopReport, build_argv, new_run_dir, open_run
+from shardconsole.launch import PRESET_FILE, Job, StopReport, build_argv, new_run_dir, open_run
+from shardconsole.launch_command import runs_root as default_runs_root
 from shardconsole.protocol import GpuSample, HostSample
 from shardconsole.session.stop import Hurry, stop_run
 from shardconsole.session.watcher import MachineProbes, Probes  # noqa: F401  (the console's probes)
@@ -78,6 +76,7 @@ class RunListing:
     run_dir: Path
     description: str
     alive: bool
+    status: str = ""          # history/index: running, finished, stopped, failed (cause), unknown
 
 
 class Launcher(Protocol):
@@ -96,8 +95,9 @@ class Launcher(Protocol):
 class TorchrunLauncher:
     """Starts runs as `--headless` does: a run folder with preset.toml, then launch.Job in its own session."""
 
-    def __init__(self, runs_root: str | Path = "runs") -> None:
-        self.runs_root = Path(runs_root)
+    def __init__(self, runs_root: str | Path | None = None) -> None:
+        """runs_root: where run folders go (None: launch_command.runs_root(), the same as the CLI's)."""
+        self.runs_root = default_runs_root(runs_root)
 
     def plan(self, cfg: C.RunConfig, preset_name: str) -> PlannedRun:
         run_dir = new_run_dir(preset_name, self.runs_root)
@@ -128,27 +128,12 @@ class TorchrunLauncher:
         return SessionRun(Job.start(cfg, Path(run_dir), run_id)), run_id
 
     def recent_runs(self, limit: int = 30) -> list[RunListing]:
-        if not self.runs_root.is_dir():
-            return []
-        out = []
-        for d in sorted(self.runs_root.iterdir(), key=lambda p: p.name, reverse=True):
-            if len(out) >= limit:
-                break
-            if not (d / RUN_FILE).is_file():
-                continue
-            # The first line of the run's settings' description, read as the preset list reads it.
-            out.append(RunListing(d, preset_store.describe(d / PRESET_FILE), _launcher_alive(d)))
-        return out
-
-
-def _launcher_alive(run_dir: Path) -> bool:
-    """Whether the run's launcher process still exists (cheap: one kill(pid, 0), no process scan)."""
-    try:
-        pid = int(json.loads((run_dir / RUN_FILE).read_text())["pid"])
-        os.kill(pid, 0)
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return True
+        """The newest runs with their status (history/index); a picker needs only the end of each
+        stream, which is where a run's end is written."""
+        from shardconsole.history.index import list_runs
+        root = None if self.runs_root == default_runs_root() else self.runs_root   # the default: old ./runs too
+        return [RunListing(r.path, r.description, r.status == "running", r.status_text)
+                for r in list_runs(root, limit, tail_bytes=256 << 10)]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from shardconsole.session.logtail import LogTail
 from shardconsole.session.outcome import DETACHED
 from shardconsole.session.rundir import stream_stopped_note
 from shardconsole.stream import MetricsReader, SampleAppender
+from shardconsole.tbevents import Recorder
 
 HOST = PI.this_host()
 
@@ -89,7 +90,9 @@ def rank_alive(hello: P.Hello, run_dir: Path) -> bool:
 class Watcher:
     def __init__(self, job: Any, run_dir: Path, run_id: str, probes: Probes | None = None, *,
                  sample_every_s: float = 1.0, look_every_s: float = 1.0, logs: bool = True,
-                 hang_timeout_s: float = 0.0) -> None:
+                 hang_timeout_s: float = 0.0, record: bool | None = None) -> None:
+        """record: write the run's TensorBoard events from what is read (tbevents.py); by default the
+        front end that samples the machine for the run (`probes`) records it too."""
         self.job = job
         self.folder = RunFolder(Path(run_dir))
         self.run_id = run_id
@@ -113,6 +116,8 @@ class Watcher:
         self._said_orphans = False
         self._notes: list[str] = []
         self._stream_stopped = ""
+        self.recorder = Recorder(self.folder.path) if (probes is not None if record is None else record) else None
+        self._said_recorder = False
 
     @property
     def external(self) -> bool:
@@ -150,8 +155,17 @@ class Watcher:
             tick.notes.append(self.reader.lost)
         if not self.ended:
             self._check_end(tick)
+        if self.recorder is not None:
+            self._record(tick)
         tick.ended, tick.exit_code, tick.bad_lines = self.ended, self.exit_code, self.reader.bad_lines
         return tick
+
+    def _record(self, tick: Tick) -> None:
+        self.recorder.feed(tick.messages)
+        why = self.recorder.why_not
+        if why and not self._said_recorder and not why.startswith("another front end"):
+            self._said_recorder = True
+            tick.notes.append(f"no TensorBoard events for this run: {why}")
 
     def _check_end(self, tick: Tick) -> None:
         if self.external:
@@ -228,5 +242,7 @@ class Watcher:
         self.note(DETACHED, f"the front end (pid {os.getpid()}) detached: {why}; the run goes on")
 
     def close(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
         self.samples.close()
         self.reader.close()

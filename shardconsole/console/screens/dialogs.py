@@ -144,6 +144,10 @@ class SavePresetScreen(ModalScreen[SaveRequest | None]):
         self.dismiss(None)
 
 
+# history/index's statuses: a failure in red with its cause, a stop in yellow
+_STATUS_STYLE = {"running": "green", "finished": "cyan", "stopped": "yellow", "failed": "red"}
+
+
 class AttachScreen(ModalScreen[Path | None]):
     """A run folder: typed, or picked from the runs found under the runs folder (newest first)."""
 
@@ -159,7 +163,7 @@ class AttachScreen(ModalScreen[Path | None]):
             yield Label("Attach to a run", id="title")
             yield Input(placeholder=f"run folder, e.g. {self.runs_root}/<id>", id="path")
             if self.runs:
-                yield Label(f"Runs in {self.runs_root}/ (newest first)")
+                yield Label(f"Runs in {self.runs_root}/ (newest first; ctrl+l: every run, compare)")
                 yield OptionList(*[self._option(r) for r in self.runs], id="runs")
             else:
                 yield Label(f"No runs in {self.runs_root}/ yet", classes="dim")
@@ -169,8 +173,8 @@ class AttachScreen(ModalScreen[Path | None]):
 
     @staticmethod
     def _option(run: RunListing) -> Option:
-        prompt = Text.assemble((run.run_dir.name, "bold"), "  ",
-                               ("running" if run.alive else "ended", "green" if run.alive else "dim"))
+        status = run.status or ("running" if run.alive else "ended")
+        prompt = Text.assemble((run.run_dir.name, "bold"), "  ", (status, _STATUS_STYLE.get(status.split()[0], "dim")))
         if run.description:
             prompt.append(f"\n  {run.description}", "italic")
         return Option(prompt, id=str(run.run_dir))

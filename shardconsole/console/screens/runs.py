@@ -1,0 +1,186 @@
+"""The runs screen: every run under the runs root, newest first, with its status (running, finished,
+stopped, failed with its cause) and figures; marked runs open side by side in the compare view.
+
+The list is read in a worker (history/index reads each run's whole stream); nothing here writes.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from rich.text import Text
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Label, Static
+
+from shardconsole.console.widgets.line_plot import LinePlot, PlotSeries
+from shardconsole.history import compare as CMP
+from shardconsole.history.index import RunSummary, list_runs
+
+HERE = Path(__file__).parent
+COLUMNS = ("", "id", "preset", "backend", "model", "status", "steps", "tokens/s", "MFU", "peak GPU", "peak host",
+           "last loss", "eval loss")
+STATUS_STYLE = {"running": "green", "finished": "cyan", "stopped": "yellow", "failed": "red", "unknown": "dim"}
+COLORS = ("#5fd7d7", "#ffaf5f", "#af87ff", "#87d75f", "#ff5f87", "#d7d75f")
+
+
+class RunsScreen(Screen[Path | None]):
+    """Returns a run folder to attach to (enter), or None (escape)."""
+
+    CSS_PATH = HERE / "runs.tcss"
+    BINDINGS = [
+        Binding("escape", "close", "Back"),
+        Binding("space", "mark", "Mark"),
+        Binding("c", "compare", "Compare marked"),
+        Binding("enter", "attach", "Attach", show=True, priority=True),
+        Binding("r", "refresh", "Refresh"),
+    ]
+
+    def __init__(self, runs_root: Path | None = None) -> None:
+        """runs_root: the console's runs folder (None: the default, with an old ./runs too)."""
+        super().__init__()
+        self.runs_root = runs_root
+        self.runs: list[RunSummary] = []
+        self.marked: list[Path] = []
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="runs-body"):
+            yield Label(f"Runs in {self.runs_root or 'the runs root'} (newest first): space marks, c compares, "
+                        f"enter attaches", id="title")
+            table = DataTable(id="runs-table", cursor_type="row", zebra_stripes=True)
+            table.add_columns(*COLUMNS)
+            yield table
+            yield Static("reading the runs…", id="detail", markup=False)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.load()
+
+    @work(thread=True, exclusive=True, group="runs")
+    def load(self) -> None:
+        try:
+            runs = list_runs(self.runs_root)
+        except OSError as e:        # a runs root that cannot be read: said, not raised
+            self.app.call_from_thread(self._show_error, f"cannot read the runs: {e}")
+            return
+        self.app.call_from_thread(self._show, runs)
+
+    def _show_error(self, text: str) -> None:
+        self.query_one("#detail", Static).update(text)
+
+    def _show(self, runs: list[RunSummary]) -> None:
+        self.runs = runs
+        table = self.query_one("#runs-table", DataTable)
+        table.clear()
+        for r in runs:
+            f = CMP.figures(r)
+            status = Text(f["status"], STATUS_STYLE.get(r.status, ""))
+            table.add_row("✓" if r.path in self.marked else " ", r.run_id, f["preset"], f["backend"], f["model"],
+                          status, f["steps"], f["tokens/s"], f["MFU"], f["peak GPU"], f["peak host"],
+                          f["last loss"], f["eval loss"], key=str(r.path))
+        if not runs:
+            self.query_one("#detail", Static).update(f"No runs in {self.runs_root or 'the runs root'} yet")
+        else:
+            table.focus()
+            self._describe(0)
+
+    def _current(self) -> RunSummary | None:
+        table = self.query_one("#runs-table", DataTable)
+        row = table.cursor_row
+        return self.runs[row] if 0 <= row < len(self.runs) else None
+
+    def _describe(self, row: int) -> None:
+        if not 0 <= row < len(self.runs):
+            return
+        r = self.runs[row]
+        lines = [f"{r.path}", r.detail or r.status_text]
+        if r.description:
+            lines.append(r.description)
+        self.query_one("#detail", Static).update("\n".join(lines))
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        self._describe(event.cursor_row)
+
+    def action_mark(self) -> None:
+        r = self._current()
+        if r is None:
+            return
+        if r.path in self.marked:
+            self.marked.remove(r.path)
+        else:
+            self.marked.append(r.path)
+        table = self.query_one("#runs-table", DataTable)
+        table.update_cell(str(r.path), table.ordered_columns[0].key, "✓" if r.path in self.marked else " ")
+
+    def action_compare(self) -> None:
+        chosen = [r for p in self.marked for r in self.runs if r.path == p]
+        if len(chosen) < 2:
+            self.notify("Mark two or more runs with space, then press c", severity="warning")
+            return
+        self.app.push_screen(CompareScreen(chosen))
+
+    def action_attach(self) -> None:
+        r = self._current()
+        if r is not None:
+            self.dismiss(r.path)
+
+    def action_refresh(self) -> None:
+        self.load()
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+class CompareScreen(Screen[None]):
+    """Marked runs side by side: the settings that differ, the figures, loss and tokens/s overlaid."""
+
+    CSS_PATH = HERE / "runs.tcss"
+    BINDINGS = [Binding("escape,q", "close", "Back")]
+
+    def __init__(self, runs: list[RunSummary]) -> None:
+        super().__init__()
+        self.runs = runs
+
+    def compose(self) -> ComposeResult:
+        ids = [r.run_id for r in self.runs]
+        diff = CMP.settings_diff(self.runs)
+        figs = [CMP.figures(r) for r in self.runs]
+        legend = Text()
+        for i, r in enumerate(self.runs):
+            legend.append(f"━━ {r.run_id}  ", COLORS[i % len(COLORS)])
+        with VerticalScroll(id="compare-body"):
+            yield Label("Compare runs", id="title")
+            yield Static(legend, id="legend")
+            yield Label("Loss (train)", classes="section")
+            yield LinePlot(id="loss-plot", empty="no loss values")
+            yield Label("Tokens/s", classes="section")
+            yield LinePlot(id="rate-plot", empty="no throughput values", fmt=CMP.fmt_rate, y_min=0)
+            yield Label("Settings that differ", classes="section")
+            text = CMP.table(["setting", *ids], [[k, *v] for k, v in diff]) if diff else ["none: the same settings"]
+            yield Static("\n".join(text), markup=False, classes="block")
+            yield Label("Figures", classes="section")
+            rows = [[name, *(f[name] for f in figs)] for name in figs[0]]
+            yield Static("\n".join(CMP.table(["", *ids], rows)), markup=False, classes="block")
+            notes = [f"{r.run_id}: {r.detail}" for r in self.runs if r.status != "finished" and r.detail]
+            if notes:
+                yield Static("\n".join(notes), markup=False, classes="block")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        loss, rate = [], []
+        for i, r in enumerate(self.runs):
+            color = COLORS[i % len(COLORS)]
+            points = [p for p in r.loss if math.isfinite(p[1])]      # a NaN loss has no place on a scale
+            if points:
+                loss.append(PlotSeries(r.run_id, [p[0] for p in points], [p[1] for p in points], color))
+            if r.throughput:
+                rate.append(PlotSeries(r.run_id, [p[0] for p in r.throughput], [p[1] for p in r.throughput], color))
+        self.query_one("#loss-plot", LinePlot).series = tuple(loss)
+        self.query_one("#rate-plot", LinePlot).series = tuple(rate)
+
+    def action_close(self) -> None:
+        self.dismiss(None)

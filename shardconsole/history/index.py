@@ -1,0 +1,255 @@
+"""What a run folder says about its run: status (running, finished, stopped, failed with its cause),
+its figures and its curves, read from job.json, metrics.jsonl and the session outcome; and the runs
+under a runs root, newest first. No UI, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shardconsole import config as C
+from shardconsole import protocol as P
+from shardconsole.launch_command import OLD_RUNS_ROOT, runs_root
+from shardconsole.runfolder import RunFolder
+from shardconsole.runstate import RunState
+
+RUNNING, FINISHED, STOPPED, FAILED, UNKNOWN = "running", "finished", "stopped", "failed", "unknown"
+_STAMPED = re.compile(r"^(\d{8}-\d{6})-(.+?)(-\d+)?$")     # new_run_dir's <time>-<preset>[-n]
+
+
+@dataclass
+class RunSummary:
+    path: Path
+    status: str = UNKNOWN
+    cause: str = ""                  # a failure's class (gpu_oom, nan_loss, crash, ...)
+    detail: str = ""                 # the outcome's first line
+    started: float = 0.0
+    description: str = ""
+    preset: str = ""
+    backend: str = ""
+    model: str = ""
+    settings: C.RunConfig | None = None
+    step: int = 0
+    steps: int = 0
+    tokens_per_s: float | None = None     # median over the step lines after the first (compile, warm-up)
+    mfu: float | None = None
+    peak_gpu_bytes: int | None = None     # the largest rank's allocator peak, else NVML's used
+    peak_host_bytes: int | None = None    # the ranks' resident memory together, at its highest
+    last_loss: float | None = None
+    eval_loss: float | None = None
+    loss: list[tuple[int, float]] = field(default_factory=list)
+    eval: list[tuple[int, float]] = field(default_factory=list)
+    throughput: list[tuple[int, float]] = field(default_factory=list)
+    bad_lines: int = 0
+
+    @property
+    def run_id(self) -> str:
+        return self.path.name
+
+    @property
+    def status_text(self) -> str:
+        return f"{FAILED} ({self.cause})" if self.status == FAILED and self.cause else self.status
+
+
+def is_run_folder(path: Path) -> bool:
+    return (Path(path) / RunFolder(Path(path)).preset.name).is_file()
+
+
+def roots(explicit: str | Path | None = None) -> list[Path]:
+    """The runs root, then the old default ./runs when it holds runs too (the runs of an earlier version)."""
+    root = runs_root(explicit)
+    out = [root]
+    old = OLD_RUNS_ROOT.absolute()
+    if explicit is None and old.is_dir() and old.resolve() != root.resolve():
+        out.append(old)
+    return out
+
+
+def list_runs(explicit_root: str | Path | None = None, limit: int | None = None,
+              tail_bytes: int | None = None) -> list[RunSummary]:
+    """Every run folder under the runs root(s), newest first (tail_bytes: see summarize)."""
+    folders = []
+    for root in roots(explicit_root):
+        try:
+            folders += [d for d in root.iterdir() if d.is_dir() and is_run_folder(d)]
+        except OSError:
+            continue
+    folders.sort(key=_started, reverse=True)
+    return [summarize(d, tail_bytes) for d in folders[:limit]]
+
+
+def find_run(ref: str | Path, explicit_root: str | Path | None = None) -> Path:
+    """A run folder from a path, or an id (whole, or a part that names one run) under the runs root(s).
+    ValueError with one line when none or several match."""
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        if is_run_folder(path):
+            return path
+        raise ValueError(f"{path}: not a run folder (no {RunFolder(path).preset.name})")
+    searched = roots(explicit_root)
+    if path.name == str(ref):      # an id, not a path
+        for root in searched:
+            if is_run_folder(root / path.name):
+                return root / path.name
+        hits = []
+        for root in searched:
+            try:
+                hits += [d for d in root.iterdir() if str(ref) in d.name and is_run_folder(d)]
+            except OSError:
+                continue
+        if len(hits) == 1:
+            return hits[0]
+        if len(hits) > 1:
+            names = ", ".join(sorted(h.name for h in hits)[:5])
+            raise ValueError(f"{ref!r} names {len(hits)} runs ({names}{', ...' if len(hits) > 5 else ''}): give more of the id")
+    where = " or ".join(str(r) for r in searched)
+    raise ValueError(f"no run {str(ref)!r}: not a folder, and no run of that id in {where} "
+                     f"(`shardconsole runs` lists them)")
+
+
+def _started(path: Path) -> float:
+    try:
+        return float(json.loads(RunFolder(path).job.read_text())["started"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        return RunFolder(path).preset.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def summarize(path: Path, tail_bytes: int | None = None) -> RunSummary:
+    """Everything `runs`, `compare` and the console's runs screen show of one folder. Never raises for
+    what is in the folder: an unreadable part leaves its fields empty. tail_bytes: read only the end of
+    the stream (a picker's status at a glance: how a run ended is written last; the curves and peaks
+    are then those of the tail only)."""
+    folder = RunFolder(Path(path))
+    s = RunSummary(path=folder.path, started=_started(folder.path))
+    m = _STAMPED.match(folder.path.name)
+    s.preset = m.group(2) if m else ""
+    try:
+        cfg = C.load(folder.preset)
+        s.settings, s.description = cfg, cfg.description.splitlines()[0] if cfg.description else ""
+        s.backend, s.model = cfg.parallel.backend, cfg.model.name
+        if s.backend == "deepspeed":
+            s.backend = f"zero{cfg.deepspeed.stage}"
+    except (C.ConfigError, OSError, ValueError):
+        pass
+    state, session = _fold(folder, s, tail_bytes)
+    _status(folder, s, state, session)
+    return s
+
+
+def _fold(folder: RunFolder, s: RunSummary, tail_bytes: int | None = None) -> tuple[RunState, str]:
+    """The stream into the summary's figures and into a RunState of its last session (a resumed run
+    appends sessions under run ids of their own: the end that counts is the last one's)."""
+    from shardconsole.stream import MetricsReader
+    state, session = RunState(), ""
+    reader = MetricsReader(folder.metrics)
+    if tail_bytes is not None:
+        _skip_to_tail(reader, folder.metrics, tail_bytes)
+    rates, mfus, gpu_peak, nvml_peak, host_peak = [], [], None, None, None
+    rss: dict[int, int] = {}
+    try:
+        while True:
+            before = reader._pos
+            for msg in reader.poll():
+                if isinstance(msg, P.Hello) and msg.run != session:
+                    if session:
+                        state.new_session()
+                    session = msg.run
+                if isinstance(msg, (P.Finished, P.Failed)) and session and msg.run and msg.run != session:
+                    continue
+                state.apply(msg)
+                if isinstance(msg, P.Step):
+                    s.step, s.steps = msg.step, msg.steps
+                    # A resumed run replays steps past its checkpoint: the curve keeps the newest value.
+                    s.loss = [p for p in s.loss if p[0] < msg.step]
+                    s.throughput = [p for p in s.throughput if p[0] < msg.step]
+                    if msg.loss is not None:
+                        s.loss.append((msg.step, msg.loss))
+                        s.last_loss = msg.loss
+                    if msg.tokens_per_s:
+                        s.throughput.append((msg.step, msg.tokens_per_s))
+                        rates.append(msg.tokens_per_s)
+                    if msg.mfu is not None:
+                        mfus.append(msg.mfu)
+                elif isinstance(msg, P.Eval) and msg.loss is not None:
+                    s.eval = [p for p in s.eval if p[0] < msg.step] + [(msg.step, msg.loss)]
+                    s.eval_loss = msg.loss
+                elif isinstance(msg, P.Memory):
+                    peak = msg.peak_reserved_bytes or msg.reserved_bytes
+                    if peak is not None:
+                        gpu_peak = max(gpu_peak or 0, peak)
+                    rss[msg.rank] = msg.host_rss_bytes
+                    host_peak = max(host_peak or 0, sum(rss.values()))
+                elif isinstance(msg, P.GpuSample) and msg.used_bytes:
+                    nvml_peak = max(nvml_peak or 0, msg.used_bytes)
+                elif isinstance(msg, P.HostSample) and msg.ranks_rss_bytes:
+                    host_peak = max(host_peak or 0, msg.ranks_rss_bytes)
+            if reader._pos == before:
+                break
+    finally:
+        s.bad_lines = reader.bad_lines
+        reader.close()
+    # The first step line carries compile and warm-up: it is not the run's speed.
+    steady = rates[1:] or rates
+    s.tokens_per_s = statistics.median(steady) if steady else None
+    s.mfu = statistics.median(mfus[1:] or mfus) if mfus else None
+    s.peak_gpu_bytes = gpu_peak if gpu_peak is not None else nvml_peak
+    s.peak_host_bytes = host_peak
+    return state, session
+
+
+def _skip_to_tail(reader, path: Path, tail_bytes: int) -> None:
+    """Start the reader at the first whole line of the last tail_bytes of the file."""
+    try:
+        size = path.stat().st_size
+        if size <= tail_bytes:
+            return
+        with open(path, "rb") as fh:
+            fh.seek(size - tail_bytes)
+            fh.readline()
+            reader._pos = fh.tell()
+    except OSError:
+        pass
+
+
+def _status(folder: RunFolder, s: RunSummary, state: RunState, session: str) -> None:
+    from shardconsole.session.outcome import explain_exit
+    if state.finished is not None and not state.failed:
+        s.status, s.detail = FINISHED, f"finished: {state.finished.steps} steps"
+        return
+    if _alive(folder, state):
+        s.status = RUNNING
+        s.detail = f"{state.phase}" + (f", step {s.step}/{s.steps}" if s.steps else "")
+        return
+    if not state.hellos and not state.failed and not folder.job.is_file():
+        s.status, s.detail = UNKNOWN, "not started here (no job.json, no rank has written)"
+        return
+    if not folder.job.is_file() and not state.failed:
+        # Started elsewhere (--print-command, --slurm): only its stream could say it ended.
+        s.status, s.detail = UNKNOWN, "started elsewhere; its stream has no end (still running there, or killed)"
+        return
+    cause, message = explain_exit(state, None, folder.path)
+    s.status = STOPPED if cause == "stopped" else FAILED
+    s.cause = "" if cause == "stopped" else cause
+    s.detail = message.splitlines()[0]
+
+
+def _alive(folder: RunFolder, state: RunState) -> bool:
+    """The run's launcher still runs on this host (verified as this run's: a reused pid is not), or one
+    of its ranks outlived it."""
+    from shardconsole.launch import Job
+    from shardconsole.session.watcher import rank_alive
+    if folder.job.is_file():
+        try:
+            if Job.from_run_dir(folder.path).launcher_state()[0] == "ours":
+                return True
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return any(rank_alive(h, folder.path) for h in state.hellos.values())

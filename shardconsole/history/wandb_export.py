@@ -1,0 +1,60 @@
+"""A run's stream as a Weights & Biases run: the same tags as the TensorBoard file, the settings as its
+config. Optional (`pip install shardconsole[wandb]`); offline by default, so it works without network
+and `wandb sync` uploads later (WANDB_MODE=online sends it now)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from shardconsole import config as C
+from shardconsole import protocol as P
+from shardconsole.runfolder import RunFolder
+from shardconsole.tbevents import scalars
+
+
+def _values_by_step(folder: RunFolder) -> list[tuple[int, dict[str, float]]]:
+    """Each step's values, in order; a sample taken between steps is logged with the step before it,
+    and a resumed run's replayed steps keep their newest values."""
+    from shardconsole.stream import MetricsReader
+    reader = MetricsReader(folder.metrics)
+    by_step: dict[int, dict[str, float]] = {}
+    step = 0
+    try:
+        while True:
+            before = reader._pos
+            for msg in reader.poll():
+                if isinstance(msg, (P.Step, P.Eval, P.Memory)):
+                    step = msg.step
+                values = scalars(msg)
+                if values:
+                    by_step.setdefault(step, {}).update(values)
+            if reader._pos == before:
+                break
+    finally:
+        reader.close()
+    return sorted(by_step.items())
+
+
+def export(run_dir: Path, project: str = "shardconsole") -> str:
+    """Write the run to W&B; returns one line saying where. ConfigError when wandb is not installed."""
+    try:
+        import wandb
+    except ImportError:
+        raise C.ConfigError("--wandb needs the wandb package: pip install 'shardconsole[wandb]'") from None
+    folder = RunFolder(Path(run_dir))
+    try:
+        config = C.load(folder.preset).to_dict()
+    except (C.ConfigError, OSError):
+        config = {}
+    mode = os.environ.get("WANDB_MODE", "offline")
+    run = wandb.init(project=os.environ.get("WANDB_PROJECT", project), name=folder.run_id, dir=str(folder.path),
+                     mode=mode, config=config, reinit=True)
+    try:
+        for step, values in _values_by_step(folder):
+            run.log(values, step=step)
+    finally:
+        run.finish()
+    where = getattr(run, "dir", "") or str(folder.path / "wandb")
+    return f"{folder.run_id}: W&B run {mode} in {where}" + ("  (upload: `wandb sync` on that folder)"
+                                                             if mode == "offline" else "")

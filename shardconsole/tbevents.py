@@ -1,0 +1,276 @@
+"""The stream as TensorBoard event files: `tensorboard --logdir RUNS_ROOT` shows every run, live.
+
+Written by the front end that watches a run, from the lines it reads anyway (the ranks pay nothing),
+and rebuilt from metrics.jsonl for a run that had no front end (`shardconsole attach`,
+`shardconsole runs --tensorboard`). Standard library only, like stream.py: the event file format is
+a TFRecord of `Event` protobufs, of which a scalar needs four fields, so it is written here by hand
+rather than through the `tensorboard` package (protobuf, grpc, numpy: a viewer's dependencies, not a
+front end's) or torch.utils.tensorboard (torch is not allowed in front ends). The tests read the files
+back with TensorBoard's own EventAccumulator.
+
+One writer per run: the recorder takes an advisory lock on the run's metrics.jsonl (flock; the ranks
+do not lock, so they never wait on it). The writer that gets it rewrites the run's event file from the
+whole stream, then follows it; a second front end on the same run writes nothing. A dead writer's lock
+is released by the kernel, and the next front end writes a complete file in its place.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import os
+import socket
+import struct
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from shardconsole import protocol as P
+from shardconsole.runfolder import RunFolder
+
+EVENTS_MARK = "tfevents"                    # TensorBoard reads files whose name holds this
+SUFFIX = ".shardconsole"                    # ours: only these are replaced on a rebuild
+GiB = float(2**30)
+
+
+# ---------------------------------------------------------------------------------------------------
+# What each stream line becomes: (tag, value) pairs, tags named with their units
+
+def scalars(msg: P.Message) -> list[tuple[str, float]]:
+    out: list[tuple[str, float | None]] = []
+    if isinstance(msg, P.Step):
+        out += [("loss/train", msg.loss), ("optim/lr", msg.lr), ("optim/grad_norm", msg.grad_norm),
+                ("throughput/tokens_per_s", msg.tokens_per_s), ("throughput/samples_per_s", msg.samples_per_s),
+                ("time/step_s", msg.step_s), ("throughput/mfu_pct", None if msg.mfu is None else 100 * msg.mfu)]
+        if msg.loss_scale is not None:          # fp16 only: an fp32/bf16 run has no scaler to plot
+            out += [("fp16/loss_scale", msg.loss_scale), ("fp16/skipped_steps", msg.skipped_steps)]
+    elif isinstance(msg, P.Eval):
+        out.append(("loss/eval", msg.loss))
+    elif isinstance(msg, P.Memory):
+        r = f"memory/rank{msg.rank}"
+        out += [(f"{r}_reserved_GiB", _gib(msg.reserved_bytes)), (f"{r}_peak_reserved_GiB", _gib(msg.peak_reserved_bytes)),
+                (f"{r}_allocated_GiB", _gib(msg.allocated_bytes)),
+                (f"{r}_peak_allocated_GiB", _gib(msg.peak_allocated_bytes)),
+                (f"{r}_host_rss_GiB", _gib(msg.host_rss_bytes))]
+    elif isinstance(msg, P.GpuSample):
+        g = f"gpu/gpu{msg.index}"
+        out += [(f"memory/gpu{msg.index}_nvml_used_GiB", _gib(msg.used_bytes)), (f"{g}_util_pct", msg.util_pct),
+                (f"{g}_temp_C", getattr(msg, "temp_c", None)), (f"{g}_power_W", getattr(msg, "power_w", None)),
+                (f"{g}_sm_clock_MHz", getattr(msg, "sm_clock_mhz", None)),
+                (f"pcie/gpu{msg.index}_rx_GBps", _gb(getattr(msg, "pcie_rx_bps", None))),
+                (f"pcie/gpu{msg.index}_tx_GBps", _gb(getattr(msg, "pcie_tx_bps", None)))]
+    elif msg.kind == "offload":         # where an offloaded step's time goes, per rank
+        r = f"offload/rank{msg.rank}"
+        out += [(f"{r}_{name}", getattr(msg, name, None)) for name in ("step_s", "gpu_s", "host_step_s", "h2d_s", "d2h_s")]
+        out.append((f"{r}_pinned_GiB", _gib(getattr(msg, "pinned_bytes", None))))
+    elif isinstance(msg, P.HostSample):
+        out += [("host/ram_used_GiB", _gib(msg.used_bytes)), ("host/ranks_rss_GiB", _gib(msg.ranks_rss_bytes)),
+                ("host/pinned_GiB", _gib(msg.pinned_bytes))]
+    return [(tag, float(v)) for tag, v in out if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def _gib(n: int | None) -> float | None:
+    return None if n is None else n / GiB
+
+
+def _gb(n: float | None) -> float | None:
+    return None if n is None else n / 1e9
+
+
+# ---------------------------------------------------------------------------------------------------
+# The file format: TFRecord framing (length, masked CRC-32C of it, data, masked CRC-32C of the data)
+# around Event protobufs (wall_time=1 double, step=2 int64, file_version=3 string, summary=5,
+# session_log=6); Summary.value=1 {tag=1 string, simple_value=2 float}.
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_CRC_TABLE = _crc32c_table()
+
+
+def crc32c(data: bytes) -> int:
+    c = 0xFFFFFFFF
+    for b in data:
+        c = _CRC_TABLE[(c ^ b) & 0xFF] ^ (c >> 8)
+    return c ^ 0xFFFFFFFF
+
+
+def _masked(data: bytes) -> bytes:
+    c = crc32c(data)
+    return struct.pack("<I", (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF)
+
+
+def record(data: bytes) -> bytes:
+    head = struct.pack("<Q", len(data))
+    return head + _masked(head) + data + _masked(data)
+
+
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1        # int64 two's complement, as protobuf encodes a negative step
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field (wire type 2)."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def event(wall_time: float, step: int, *, values: Iterable[tuple[str, float]] = (), file_version: str = "",
+          session_start: bool = False) -> bytes:
+    body = _varint(1 << 3 | 1) + struct.pack("<d", wall_time) + _varint(2 << 3) + _varint(step)
+    if file_version:
+        body += _field(3, file_version.encode())
+    summary = b"".join(_field(1, _field(1, tag.encode()) + _varint(2 << 3 | 5) + struct.pack("<f", _f32(v)))
+                       for tag, v in values)
+    if summary:
+        body += _field(5, summary)
+    if session_start:      # SessionLog{status: START}: TensorBoard drops what a resumed run replays
+        body += _field(6, _varint(1 << 3) + _varint(1))
+    return record(body)
+
+
+def _f32(v: float) -> float:
+    if math.isfinite(v) and abs(v) > 3.4e38:   # beyond float32: shown as infinite, never an error
+        return math.copysign(math.inf, v)
+    return v
+
+
+# ---------------------------------------------------------------------------------------------------
+# The writer of one run
+
+class Recorder:
+    """Feeds a run's event file from the stream's messages, in the order a reader reads them. Never
+    raises: a run folder it cannot write (someone else's), or one another front end records, is left
+    alone and `why_not` says why."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.folder = RunFolder(Path(run_dir))
+        self.path: Path | None = None
+        self.why_not = ""
+        self._fh = None
+        self._lock_fd: int | None = None
+        self._started = False
+        self._step = 0
+        self._session = ""
+        self._new_session = False
+
+    def _start(self) -> bool:
+        try:
+            self._lock_fd = os.open(self.folder.metrics, os.O_RDONLY)
+        except FileNotFoundError:
+            return False     # no line yet: asked again at the next feed
+        except OSError as e:
+            self._started = True
+            self.why_not = f"{self.folder.metrics}: {e.strerror}"
+            return False
+        self._started = True
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.why_not = "another front end writes this run's TensorBoard file"
+            self._release()
+            return False
+        except OSError as e:
+            self.why_not = f"{self.folder.metrics}: {e.strerror}"
+            self._release()
+            return False
+        stale = event_files(self.folder.path)
+        name = f"events.out.{EVENTS_MARK}.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}{SUFFIX}"
+        try:
+            self._fh = open(self.folder.path / name, "xb")
+            self._fh.write(event(time.time(), 0, file_version="brain.Event:2"))
+        except OSError as e:
+            self.why_not = f"cannot write TensorBoard events in {self.folder.path}: {e.strerror}"
+            self._release()
+            return False
+        self.path = self.folder.path / name
+        # Written by a front end that has gone (its lock is free): this file gets the whole stream again.
+        for old in stale:
+            try:
+                old.unlink()
+            except OSError:
+                pass
+        return True
+
+    def feed(self, messages: Iterable[P.Message]) -> None:
+        if not self._started and not self._start():
+            return
+        if self._fh is None:
+            return
+        out = bytearray()
+        for msg in messages:
+            if isinstance(msg, P.Hello) and msg.run != self._session:
+                self._new_session = bool(self._session)
+                self._session = msg.run
+            if isinstance(msg, (P.Step, P.Eval, P.Memory)) or msg.kind == "offload":
+                if isinstance(msg, P.Step) and self._new_session:
+                    # A resumed session restarts from its checkpoint: what the earlier one logged past
+                    # it is not part of this run's curve any more.
+                    self._new_session = False
+                    out += event(msg.t, msg.step, session_start=True)
+                self._step = msg.step
+            values = scalars(msg)
+            if values:
+                out += event(msg.t, self._step, values=values)
+        if out:
+            try:
+                self._fh.write(out)
+                self._fh.flush()     # a live `tensorboard --logdir` sees each poll's lines
+            except (OSError, ValueError) as e:
+                self.why_not = f"TensorBoard events stopped: {getattr(e, 'strerror', None) or e}"
+                self.close()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            try:
+                self._fh.close()
+            except OSError:
+                pass
+            self._fh = None
+        self._release()
+
+    def _release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)     # closing the descriptor drops the flock
+            self._lock_fd = None
+
+
+def event_files(run_dir: Path) -> list[Path]:
+    """This program's event files in a run folder (a user's own TensorBoard files are not ours)."""
+    try:
+        return sorted(p for p in Path(run_dir).iterdir() if EVENTS_MARK in p.name and p.name.endswith(SUFFIX))
+    except OSError:
+        return []
+
+
+def rebuild(run_dir: Path) -> Recorder:
+    """A run's event file written again from its whole metrics.jsonl; the recorder says where (`path`)
+    or why not (`why_not`)."""
+    from shardconsole.stream import MetricsReader
+    rec = Recorder(run_dir)
+    reader = MetricsReader(rec.folder.metrics)
+    try:
+        while True:
+            before = reader._pos
+            rec.feed(reader.poll())
+            if reader._pos == before:
+                break
+    finally:
+        reader.close()
+        rec.close()
+    return rec

@@ -4,6 +4,7 @@ combinations that settings validation refuses. No ranks here: these run in well 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -419,3 +420,89 @@ def test_invalid_combination_from_the_command_line_is_exit_2():
     assert res.stderr.strip().splitlines() == [
         "shardconsole: error: --set deepspeed.offload_param: needs stage = 3 (stage is 2); parameters are "
         "partitioned only in stage 3"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 20: an import trains as DeepSpeed would; the report counts what it lists; the exported file does
+# not depend on the machine; --format hf-trainer
+
+def test_import_without_a_scheduler_keeps_the_learning_rate_constant_as_deepspeed_does():
+    from shardconsole.backends.common import lr_factor
+    base = C.build({"train": {"schedule": "cosine", "warmup_steps": 3, "steps": 40}})
+    cfg, mapped, _ = imported(json.loads((CONFIGS / "zero3.json").read_text()), base=base)
+    assert (cfg.train.schedule, cfg.train.warmup_steps) == ("constant", 0)
+    # the multiplier shardconsole's loop applies: 1 at every step, as DeepSpeed with no scheduler
+    assert {lr_factor(cfg, s) for s in range(1, cfg.train.steps + 1)} == {1.0}
+    defaults: list[str] = []
+    from_ds_config(json.loads((CONFIGS / "zero3.json").read_text()), "zero3.json", base=base, defaults=defaults)
+    assert any(d.startswith("train.schedule = 'constant' (no scheduler block") for d in defaults)
+
+
+def test_import_report_counts_exactly_the_lines_it_lists():
+    res = shardconsole("import", str(CONFIGS / "zero3.json"))
+    assert res.returncode == 0, res.stderr
+    sections = {}
+    for line in res.stderr.splitlines():
+        if line.startswith("shardconsole import: "):
+            head = line
+            sections[head] = []
+        elif line.startswith("  "):
+            sections[head].append(line)
+    assert len(sections) >= 2
+    for head, lines in sections.items():
+        m = re.search(r"mapped (\d+) setting\(s\):$|\((\d+)\):$", head)
+        assert m and int(m.group(1) or m.group(2)) == len(lines), head
+    mapped = next(v for k, v in sections.items() if "mapped" in k)
+    assert len(mapped) == 11 and not any("default" in line for line in mapped)
+
+
+def test_export_of_a_gpu_preset_is_the_same_file_on_a_machine_without_a_gpu():
+    """This machine has no GPU: the file for parallel.device = "auto" is the GPU machine's (DeepSpeed
+    picks FusedAdam / CPUAdam there), not the CPU ranks' torch_adam."""
+    res = shardconsole("export", "--preset", "3090-fsdp", "--format", "deepspeed")
+    assert res.returncode == 0, res.stderr
+    ds = json.loads(res.stdout)
+    assert "torch_adam" not in ds["optimizer"]["params"] and "zero_force_ds_cpu_optimizer" not in ds
+    assert ds["scheduler"]["type"] == "WarmupCosineLR"
+    cfg = S.resolve("3090-fsdp", S.from_cli(["parallel.backend=deepspeed"])).cfg
+    assert ds["scheduler"]["params"] == {"total_num_steps": cfg.train.steps, "warmup_min_ratio": 0,
+                                         "warmup_num_steps": max(1, cfg.train.warmup_steps),
+                                         "cos_min_ratio": cfg.train.min_lr_ratio, "warmup_type": "linear"}
+    # DeepSpeed's own parser takes the file, and importing it back gives the same schedule.
+    from deepspeed.runtime.config import DeepSpeedConfig
+    DeepSpeedConfig(json.loads(json.dumps(ds)))
+    back, _, _ = imported(ds, world=cfg.world_size)
+    assert (back.train.schedule, back.train.steps, back.train.min_lr_ratio) == ("cosine", cfg.train.steps,
+                                                                                cfg.train.min_lr_ratio)
+
+
+def test_export_hf_trainer_has_auto_placeholders_and_the_arguments_that_fill_them(tmp_path):
+    out = tmp_path / "ds_hf.json"
+    res = shardconsole("export", "--preset", "4090x2-zero3", "--format", "hf-trainer", "-o", str(out))
+    assert res.returncode == 0, res.stderr
+    ds = json.loads(out.read_text())
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                "gradient_clipping"):
+        assert ds[key] == "auto"
+    assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                           "weight_decay": "auto"}}
+    assert ds["fp16"] == {"enabled": "auto", "loss_scale_window": 100} and "scheduler" not in ds
+    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    # The TrainingArguments line parses with transformers' own parser into the preset's values.
+    import shlex
+    from transformers import HfArgumentParser, TrainingArguments
+    line = next(ln.strip() for ln in res.stderr.splitlines() if ln.strip().startswith("--deepspeed"))
+    argv = shlex.split(line)
+    assert argv[1] == str(out)
+    i = argv.index("--deepspeed")
+    argv = argv[:i] + argv[i + 2:] + ["--output_dir", str(tmp_path / "hf")]
+    # (argparse's pass of transformers' own parser: TrainingArguments itself wants accelerate installed)
+    args, unknown = HfArgumentParser(TrainingArguments).parse_known_args(argv)
+    assert unknown == []
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (8, 1)
+    assert (args.learning_rate, args.adam_beta2, args.weight_decay, args.max_grad_norm) == (6e-5, 0.95, 0.01, 1.0)
+    assert (args.max_steps, args.warmup_steps, args.fp16) == (50, 5, True)
+    kwargs = args.lr_scheduler_kwargs
+    assert str(args.lr_scheduler_type).endswith("cosine_with_min_lr")
+    assert (json.loads(kwargs) if isinstance(kwargs, str) else kwargs) == {"min_lr_rate": 0.1}

@@ -10,11 +10,16 @@ a machine with a broken CUDA install).
 Choices that shape the JSON:
 - The optimizer is the ds_config's "optimizer" block (AdamW), so DeepSpeed picks the implementation
   exactly as it would for any user of the file: DeepSpeedCPUAdam when the optimizer is offloaded,
-  FusedAdam on a GPU, torch's AdamW with "torch_adam": true. On CPU ranks without offload the export
-  sets torch_adam, because a FusedAdam build there takes ~36 s and buys nothing (DESIGN.md).
-- No "scheduler" block: the learning-rate schedule (linear warm-up, cosine) is shardconsole's own
-  lr_factor, applied by the loop before each optimizer step, so both backends follow the same curve
-  step for step. DeepSpeed's WarmupCosineLR is not that curve (0 at step 0, off by one in warm-up).
+  FusedAdam on a GPU, torch's AdamW with "torch_adam": true. CPU ranks without offload get torch_adam
+  (a FusedAdam build there takes ~36 s and buys nothing, docs/MEASURED.md); the exported file follows
+  parallel.device, never the machine it is exported on ("auto" is a GPU machine's file).
+- The rank's config has no "scheduler" block: the learning-rate schedule (linear warm-up, cosine) is
+  shardconsole's own lr_factor, applied by the loop before each optimizer step, so both backends follow
+  the same curve step for step. The exported file carries the schedule as DeepSpeed's WarmupCosineLR /
+  WarmupLR (file_config) for a user's own script; an import without a scheduler block gets a constant
+  rate, as DeepSpeed runs it.
+- `--format hf-trainer` (hf_trainer.py) writes "auto" where the Hugging Face Trainer fills a value from
+  its TrainingArguments, and prints the arguments that give the preset's values.
 - fp16 loss-scale knobs are written only when set: DeepSpeed's defaults are shardconsole's defaults
   (same names, same meanings), so leaving them out runs the same and round-trips exactly.
 - Every zero_optimization key shardconsole owns is written, even those a stage ignores (DeepSpeed
@@ -26,7 +31,9 @@ patch the module that uses it, e.g. shardconsole.ds_json.commands.to_ds_config).
 equivalents of `--set parallel.backend=deepspeed` belong to the settings pipeline (settings.py).
 
   export.py       settings -> ds_config: ADAM_EPS, ZERO_KEYS, _ZERO_BOOL, DS_ZERO_DEFAULTS,
-                  DS_OFFLOAD_PIN_DEFAULT, device_type, uses_torch_adam, _offload_block, to_ds_config
+                  DS_OFFLOAD_PIN_DEFAULT, device_type, uses_torch_adam, _offload_block, to_ds_config,
+                  scheduler_block, file_config
+  hf_trainer.py   the same for the HF Trainer: hf_trainer_config, training_arguments
   import_report.py  what an import reports: _KNOWN_UNMAPPED, _ZERO_UNMAPPED, _OFFLOAD_UNMAPPED, _Import,
                   _known
   importer.py     ds_config -> settings: _TOP_KEYS, _ZERO_ALL, from_ds_config and its per-section readers

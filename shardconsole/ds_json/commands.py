@@ -12,7 +12,8 @@ from typing import Any
 
 from shardconsole import config as C
 from shardconsole import preset_store, settings
-from shardconsole.ds_json.export import device_type, to_ds_config
+from shardconsole.ds_json.export import file_config, to_ds_config
+from shardconsole.ds_json.hf_trainer import hf_trainer_config, training_arguments_line
 from shardconsole.ds_json.importer import from_ds_config
 
 
@@ -73,19 +74,20 @@ def _write_text(text: str, out: str | None, force: bool) -> Path | None:
 def cmd_export(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="shardconsole export",
-        description="Write the exact DeepSpeed config (ds_config JSON) a preset's run uses, or the resolved "
+        description="Write the DeepSpeed config (ds_config JSON) of a preset's run, the same for the Hugging Face "
+                    "Trainer (\"auto\" placeholders, with the TrainingArguments that fill them), or the resolved "
                     "preset as TOML. Only the file goes to stdout; notes go to stderr.")
     ap.add_argument("--preset", default="tiny-cpu", help="preset name or .toml file (default: tiny-cpu)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
                     help="override one setting; repeatable")
-    ap.add_argument("--format", choices=("deepspeed", "toml"), default="deepspeed")
+    ap.add_argument("--format", choices=("deepspeed", "hf-trainer", "toml"), default="deepspeed")
     ap.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
     ap.add_argument("--force", action="store_true", help="overwrite an existing output file")
     args = ap.parse_args(argv)
     overrides = settings.from_cli(args.overrides)
     resolved = settings.resolve(args.preset, overrides)
     note = []
-    if args.format == "deepspeed" and resolved.cfg.parallel.backend != "deepspeed":
+    if args.format != "toml" and resolved.cfg.parallel.backend != "deepspeed":
         # An FSDP run has no ds_config: the file is the one of the DeepSpeed run these settings become.
         resolved = settings.resolve(args.preset, [*overrides, *settings.from_cli(["parallel.backend=deepspeed"])])
         note.append(f"{args.preset} runs FSDP; this is its DeepSpeed equivalent, what "
@@ -93,29 +95,31 @@ def cmd_export(argv: list[str]) -> int:
     cfg, notes = resolved.cfg, resolved.notes
     if args.format == "toml":
         text = C.dumps(cfg)
+    elif args.format == "hf-trainer":
+        text = json.dumps(hf_trainer_config(cfg), indent=2) + "\n"
     else:
-        device = device_type(cfg)
-        if cfg.parallel.device == "auto":
-            # Written for this machine, as the run would resolve "auto" here.
-            from shardconsole.probes import gpu_count
-            if not gpu_count() and to_ds_config(cfg, device="cpu") != to_ds_config(cfg, device=device):
-                device = "cpu"
-                note.append("parallel.device = \"auto\" and this machine has no GPU: written for CPU ranks "
-                            "(torch's AdamW unless the optimizer is offloaded); set parallel.device = \"cuda\" "
-                            "for a GPU machine's file")
-        text = json.dumps(to_ds_config(cfg, device=device), indent=2) + "\n"
+        text = json.dumps(file_config(cfg), indent=2) + "\n"
+        if cfg.parallel.device == "auto" and to_ds_config(cfg, device="cpu") != to_ds_config(cfg, device="cuda"):
+            note.append("written for GPU ranks (parallel.device = \"auto\"), wherever it is exported; a run "
+                        "of these settings on CPU ranks uses torch's AdamW (\"torch_adam\": true) instead")
     for line in note + notes:
         print(f"shardconsole export: {line}", file=sys.stderr)
     written = _write_text(text, args.output, args.force)
     if written:
         print(f"shardconsole export: wrote {written}", file=sys.stderr)
     if args.format == "deepspeed":
-        print("shardconsole export: the learning-rate schedule (warm-up, cosine) is applied by shardconsole's "
-              "loop, so the file has no \"scheduler\" block", file=sys.stderr)
-        if cfg.deepspeed.stage == 3 and cfg.deepspeed.stage3_layer_gather:
-            print("shardconsole export: deepspeed.stage3_layer_gather is a call, not a config key: in your own "
-                  "script, call deepspeed.utils.set_z3_leaf_modules(model, [YourDecoderLayer]) before "
-                  "deepspeed.initialize to gather by layer as shardconsole does", file=sys.stderr)
+        print("shardconsole export: " + ("the \"scheduler\" block is the preset's schedule for your own script; "
+              "shardconsole's run applies it in its loop (DeepSpeed's WarmupCosineLR warms up over 2 steps "
+              "at least)" if "scheduler" in text else "no \"scheduler\" block: the learning rate is constant, "
+              "as DeepSpeed keeps it without one"), file=sys.stderr)
+    if args.format == "hf-trainer":
+        print("shardconsole export: \"auto\" values are filled by the Trainer from its TrainingArguments; "
+              "these give the preset's values and schedule:", file=sys.stderr)
+        print(f"  {training_arguments_line(cfg, str(written or 'ds_config.json'))}", file=sys.stderr)
+    if args.format != "toml" and cfg.deepspeed.stage == 3 and cfg.deepspeed.stage3_layer_gather:
+        print("shardconsole export: deepspeed.stage3_layer_gather is a call, not a config key: in your own "
+              "script, call deepspeed.utils.set_z3_leaf_modules(model, [YourDecoderLayer]) before "
+              "deepspeed.initialize to gather by layer as shardconsole does", file=sys.stderr)
     return 0
 
 
@@ -147,7 +151,9 @@ def cmd_import(argv: list[str]) -> int:
             raise C.ConfigError(f"--nproc-per-node {args.nproc_per_node}: expected 1 or more")
         base_raw = merge(base_raw, {"parallel": {"nproc_per_node": args.nproc_per_node}})
     base = settings.resolve_doc(base_raw, base_name, base_path, overrides).cfg
-    over, mapped, unmapped = from_ds_config(data, str(args.ds_config), world_size=base.world_size, base=base)
+    defaults: list[str] = []
+    over, mapped, unmapped = from_ds_config(data, str(args.ds_config), world_size=base.world_size, base=base,
+                                            defaults=defaults)
     name = args.ds_config.name
     merged = merge(base.to_dict(), over)
     merged["description"] = f"Imported from {name} by `shardconsole import`" + (
@@ -158,6 +164,10 @@ def cmd_import(argv: list[str]) -> int:
     print(f"shardconsole import: {name}: mapped {len(mapped)} setting(s):", file=err)
     for line in mapped:
         print(f"  {line}", file=err)
+    if defaults:
+        print(f"shardconsole import: {name}: not in the file, so DeepSpeed's defaults ({len(defaults)}):", file=err)
+        for line in defaults:
+            print(f"  {line}", file=err)
     if unmapped:
         print(f"shardconsole import: {name}: not mapped ({len(unmapped)}):", file=err)
         for key, why in unmapped:

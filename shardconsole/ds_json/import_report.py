@@ -64,10 +64,11 @@ class _Import:
         self.out.setdefault(table, {})[key] = value
         self.mapped.append(f"{from_key} -> {table}.{key} = {value!r}" + (f" ({note})" if note else ""))
 
-    def default(self, table: str, key: str, value: Any) -> None:
+    def default(self, table: str, key: str, value: Any, why: str = "") -> None:
         """A key the file leaves out: DeepSpeed's default is what runs, so it is what the preset gets."""
         self.out.setdefault(table, {})[key] = value
-        self.defaults.append(f"{table}.{key} = {value!r}")
+        self.defaults = [line for line in self.defaults if not line.startswith(f"{table}.{key} = ")]
+        self.defaults.append(f"{table}.{key} = {value!r}" + (f" ({why})" if why else ""))
 
     def skip(self, key: str, why: str) -> None:
         self.unmapped.append((key, why))

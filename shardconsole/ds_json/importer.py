@@ -21,12 +21,14 @@ _ZERO_ALL = ["stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_
 
 
 def from_ds_config(d: dict[str, Any], source: str = "ds_config.json", *, world_size: int = 1,
-                   base: C.RunConfig | None = None
+                   base: C.RunConfig | None = None, defaults: list[str] | None = None
                    ) -> tuple[dict[str, dict[str, Any]], list[str], list[tuple[str, str]]]:
     """Preset overrides ({table: {key: value}}) describing what DeepSpeed would run with `d`, the lines
-    that say what was mapped, and (key, why) for what was not. `world_size`: ranks the file is run on
-    (it turns train_batch_size into a micro-batch). `base`: the settings that "auto" keys keep (only
-    used in the report). Raises ConfigError, naming the file and key, for values DeepSpeed would reject."""
+    that say what was mapped (one a key of the file), and (key, why) for what was not. `world_size`: ranks
+    the file is run on (it turns train_batch_size into a micro-batch). `base`: the settings that "auto"
+    keys keep (only used in the report). `defaults`: a list that receives one line for each setting the
+    file leaves out and DeepSpeed's default decides. Raises ConfigError, naming the file and key, for
+    values DeepSpeed would reject."""
     if not isinstance(d, dict):
         raise C.ConfigError(f"{source}: expected a JSON object at the top level")
     base = base or C.RunConfig()
@@ -38,7 +40,7 @@ def from_ds_config(d: dict[str, Any], source: str = "ds_config.json", *, world_s
         im.set("train", "clip_grad_norm", im.number("gradient_clipping", d["gradient_clipping"]),
                "gradient_clipping")
     elif "gradient_clipping" not in d:
-        im.default("train", "clip_grad_norm", 0.0)
+        im.default("train", "clip_grad_norm", 0.0, "no gradient_clipping: DeepSpeed does not clip")
     _optimizer(im, d.get("optimizer"), base)
     _scheduler(im, d.get("scheduler"), base)
     _precision(im, d, base)
@@ -50,8 +52,8 @@ def from_ds_config(d: dict[str, Any], source: str = "ds_config.json", *, world_s
             im.skip(key, _KNOWN_UNMAPPED[key])
         elif key not in _TOP_KEYS:
             im.skip(key, _known(key, _TOP_KEYS))
-    if im.defaults:
-        im.mapped.append("not in the file, so DeepSpeed's defaults: " + ", ".join(im.defaults))
+    if defaults is not None:
+        defaults.extend(im.defaults)
     return im.out, im.mapped, im.unmapped
 
 
@@ -169,8 +171,16 @@ def _optimizer(im: _Import, opt: Any, base: C.RunConfig) -> None:
             im.skip(where, "not a shardconsole setting")
 
 
+# DeepSpeed 0.19's defaults for the scheduler params a file leaves out (deepspeed/runtime/lr_schedules.py).
+_SCHED_DEFAULTS = {"warmup_num_steps": 1000, "warmup_max_lr": 0.001, "cos_min_ratio": 0.0001}
+
+
 def _scheduler(im: _Import, sched: Any, base: C.RunConfig) -> None:
     if sched is None:
+        # DeepSpeed steps no scheduler: the optimizer's lr stays where it is for the whole run.
+        im.default("train", "schedule", "constant", "no scheduler block: DeepSpeed keeps the learning rate "
+                   "at optimizer.params.lr for the whole run")
+        im.default("train", "warmup_steps", 0)
         return
     if not isinstance(sched, dict):
         raise im.error("scheduler", f"expected an object, got {sched!r}")
@@ -205,6 +215,15 @@ def _scheduler(im: _Import, sched: Any, base: C.RunConfig) -> None:
                 im.skip(where, f"{value!r}: shardconsole's warm-up is linear")
         else:
             im.skip(where, "not a shardconsole setting")
+    if "warmup_num_steps" not in params:
+        im.default("train", "warmup_steps", _SCHED_DEFAULTS["warmup_num_steps"])
+    if "warmup_max_lr" not in params and kind != "WarmupCosineLR":
+        im.default("train", "lr", _SCHED_DEFAULTS["warmup_max_lr"], "no warmup_max_lr: DeepSpeed's default "
+                   "peak, which the scheduler sets over optimizer.params.lr")
+    if "cos_min_ratio" not in params and kind == "WarmupCosineLR":
+        im.default("train", "min_lr_ratio", _SCHED_DEFAULTS["cos_min_ratio"])
+    if "total_num_steps" not in params and kind != "WarmupLR":
+        im.skip("scheduler.params.total_num_steps", f"not given; the decay spans train.steps = {t.steps}")
     if "warmup_type" not in params and kind in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
         im.skip("scheduler.params.warmup_type", "not given, so DeepSpeed warms up on a log curve; "
                 "shardconsole's warm-up is linear")

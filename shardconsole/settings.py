@@ -121,6 +121,7 @@ def resolve_doc(doc: dict[str, Any] | None, name: str, path: Path | str | None,
         out.origins[o.path] = o.source
         out.overrides.append(o)
     out.notes = apply_fsdp_equivalents(out.cfg, _set_keys(doc, out.overrides, "deepspeed"))
+    out.notes += drop_fp16_keys(out.cfg, out.origins)
     try:
         C.validate(out.cfg, out.source, gpu_count=gpu_count, origins=out.origins)
     except C.ConfigError as e:
@@ -128,6 +129,22 @@ def resolve_doc(doc: dict[str, Any] | None, name: str, path: Path | str | None,
             raise
         out.invalid = e
     return out
+
+
+def drop_fp16_keys(cfg: C.RunConfig, origins: dict[str, str]) -> list[str]:
+    """An override of precision.dtype away from fp16 (`--set precision.dtype=bf16` on an fp16 preset)
+    makes the preset's fp16 loss-scale keys moot: they are cleared, one note each. Keys an override set
+    itself, or a preset whose own dtype is not fp16, are still refused by validate."""
+    prec = cfg.precision
+    if prec.dtype == "fp16" or "precision.dtype" not in origins:
+        return []
+    notes = []
+    for key in prec.FP16_KEYS:
+        if getattr(prec, key) is not None and f"precision.{key}" not in origins:
+            notes.append(f"precision.{key} = {getattr(prec, key)!r} ignored: an fp16 loss-scale setting, and "
+                         f"{origins['precision.dtype']} made dtype {prec.dtype!r}")
+            setattr(prec, key, None)
+    return notes
 
 
 # ---------------------------------------------------------------------------------------------------

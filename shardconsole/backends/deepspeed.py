@@ -335,6 +335,9 @@ def train(r: common.Rank) -> None:
     stop = trainstate.StopRequest(r)
     if cfg.precision.dtype == "fp16" and not r.is_cuda:
         allow_cpu_fp16(r)
+    if cfg.precision.master_dtype == "bf16" and cfg.precision.master_rounding != "nearest" and r.rank == 0:
+        r.event("warning", f"precision.master_rounding = {cfg.precision.master_rounding!r} is applied by the FSDP2 "
+                "backend's AdamW; DeepSpeed's bf16 masters round to nearest (updates below bf16's resolution are lost)")
     model = build(r, ds_cfg)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
     try:

@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from shardconsole.backends import checkpoints, common, fsdp_step, metrics, modeling, offload, trainstate
+from shardconsole.backends import (checkpoints, common, fsdp_step, master_update, metrics, modeling, offload,
+                                   trainstate)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -118,6 +119,11 @@ def refresh_compute_copy(r: common.Rank) -> None:
 
 def make_optimizer(r: common.Rank, model: torch.nn.Module) -> torch.optim.Optimizer:
     t = r.cfg.train
+    if r.cfg.precision.master_dtype == "bf16" and r.cfg.precision.master_rounding != "nearest":
+        # bf16 weights that still take updates below bf16's resolution (master_update.py)
+        return master_update.RoundedAdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
+                                          weight_decay=t.weight_decay, rounding=r.cfg.precision.master_rounding,
+                                          seed=t.seed * 65_537 + r.rank)
     # fused AdamW: one kernel for all tensors (CUDA, and the CPU for offloaded shards). Not with fp16:
     # the sharded grad scaler hands fused AdamW a found_inf of the wrong shape (torch 2.13).
     fused = r.cfg.precision.dtype != "fp16"

@@ -1,0 +1,111 @@
+"""precision.master_rounding: the bf16 update against an fp64 AdamW reference on small tensors, the
+stochastic rounding itself, and the fp16-only keys of a preset under a dtype override."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardconsole import config as C
+from shardconsole import settings
+from shardconsole.backends.master_update import RoundedAdamW, round_stochastic_
+
+N, STEPS, LR = 2048, 600, 1e-4
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """The same AdamW run (weights near 1.25, gradients of one sign, so each update is about lr: 1/30 of
+    half a bf16 step at 1.25) in float64 and in bf16 under each rounding."""
+    gen = torch.Generator().manual_seed(0)
+    # bf16 values to start from and as gradients: every run sees the same numbers
+    w0 = (1.0 + 0.5 * torch.rand(N, generator=gen)).bfloat16().float()
+    grads = [(0.5 + 0.5 * torch.rand(N, generator=gen)).bfloat16().float() for _ in range(16)]
+    out = {}
+    for kind in ("fp64", "nearest", "stochastic", "kahan"):
+        if kind == "fp64":
+            p = torch.nn.Parameter(w0.double())
+            opt = torch.optim.AdamW([p], lr=LR, weight_decay=0.1, foreach=False)
+        elif kind == "nearest":
+            p = torch.nn.Parameter(w0.bfloat16())
+            opt = torch.optim.AdamW([p], lr=LR, weight_decay=0.1, fused=True)
+        else:                       # chunk 700: several chunks a tensor, the last one short
+            p = torch.nn.Parameter(w0.bfloat16())
+            opt = RoundedAdamW([p], lr=LR, weight_decay=0.1, rounding=kind, seed=3, chunk=700)
+        for i in range(STEPS):
+            p.grad = grads[i % len(grads)].to(p.dtype)
+            opt.step()
+        out[kind] = (p.detach().double(), opt.state[p]["exp_avg_sq"].double())
+    return w0.double(), out
+
+
+def test_nearest_loses_the_updates_the_compensated_ones_keep(runs):
+    w0, out = runs
+    ref, v_ref = out["fp64"]
+    moved = float((ref - w0).abs().mean())
+    assert moved > 0.05
+    err = {k: (out[k][0] - ref) for k in ("nearest", "stochastic", "kahan")}
+    # nearest: every update rounds back to the old weight
+    assert float(err["nearest"].abs().mean()) > 0.95 * moved
+    # kahan: within one bf16 step of the fp64 weight, element by element (half a step of rounding, the
+    # rest from the stochastically rounded moments)
+    assert float((err["kahan"].abs() / ref.abs()).max()) <= 2 ** -7
+    assert float(err["kahan"].abs().mean()) < 0.05 * moved
+    # stochastic: each weight a random walk around the reference, unbiased on average
+    assert abs(float(err["stochastic"].mean())) < 0.02 * moved
+    assert float(err["stochastic"].abs().mean()) < 0.3 * moved
+    # Adam's second moment: 0.999 * v rounds back to v under nearest; stochastic rounding tracks it
+    rel = {k: float(((out[k][1] - v_ref) / v_ref).mean()) for k in ("nearest", "stochastic", "kahan")}
+    assert abs(rel["nearest"]) > 0.1
+    assert abs(rel["stochastic"]) < 0.01 and abs(rel["kahan"]) < 0.01
+
+
+def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour():
+    lo = torch.tensor(1.0, dtype=torch.bfloat16)
+    hi = torch.nextafter(lo, torch.tensor(2.0, dtype=torch.bfloat16))
+    fracs = torch.tensor([0.0, 0.1, 0.25, 0.5, 0.9])
+    x = (float(lo) + fracs * (float(hi) - float(lo))).float()
+    x = torch.cat([x, -x])
+    ups = torch.zeros_like(x, dtype=torch.float64)
+    trials = 4000
+    out = torch.empty_like(x, dtype=torch.bfloat16)
+    for seed in range(trials):
+        round_stochastic_(x.clone(), out, seed * 7919 - 2**30)
+        assert bool(((out.abs() == lo) | (out.abs() == hi)).all())
+        ups += (out.abs() == hi).double()
+    want = torch.cat([fracs, fracs]).double()
+    assert float((ups / trials - want).abs().max()) < 0.03
+    # deterministic for a seed
+    a, b = torch.empty_like(out), torch.empty_like(out)
+    round_stochastic_(x.clone(), a, 5)
+    round_stochastic_(x.clone(), b, 5)
+    assert torch.equal(a, b)
+
+
+def test_grad_scale_divides_the_gradients_as_fused_adamw_does():
+    """fsdp_step folds the clip into grad_scale: the rounded optimizer must apply it."""
+    gen = torch.Generator().manual_seed(1)
+    w, g = torch.randn(3000, generator=gen).bfloat16(), torch.randn(3000, generator=gen).bfloat16()
+    moments = []
+    for scale in (None, torch.tensor(10.0)):
+        p = torch.nn.Parameter(w.clone())
+        opt = RoundedAdamW([p], lr=1e-3, rounding="kahan")
+        opt.grad_scale = scale
+        p.grad = g.clone()
+        opt.step()
+        moments.append(opt.state[p]["exp_avg"].float())
+    torch.testing.assert_close(moments[1] * 10, moments[0], rtol=2 ** -6, atol=0)
+
+
+def test_dtype_override_ignores_the_presets_fp16_keys_with_a_note(tmp_path):
+    r = settings.resolve("4090x2-zero3", ["precision.dtype=bf16"])
+    assert r.cfg.precision.dtype == "bf16" and r.cfg.precision.loss_scale_window is None
+    assert any("precision.loss_scale_window = 100 ignored" in n and "--set precision.dtype" in n for n in r.notes)
+    # an fp16 key the override itself sets, or a preset that contradicts itself, is still refused
+    with pytest.raises(C.ConfigError) as e:
+        settings.resolve("4090x2-zero3", ["precision.dtype=bf16", "precision.loss_scale_window=5"])
+    assert e.value.source == "--set precision.loss_scale_window"
+    p = tmp_path / "mixed.toml"
+    p.write_text('[precision]\ndtype = "bf16"\nloss_scale_window = 100\n')
+    with pytest.raises(C.ConfigError):
+        settings.resolve(str(p))

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardconsole import flight_recorder
+from shardconsole.runfolder import LOGS_DIR
 from shardconsole.runstate import RunState
 
 FIRST_STEP_GRACE_S = 900.0   # the first step may include torch.compile and op builds
@@ -98,10 +100,17 @@ def short(frame: str) -> str:
     return f"{Path(path).name}:{rest}"
 
 
+class Stacks(dict):
+    """{rank: main-thread frames}, and `collectives`: the flight recorder's line (flight_recorder.summary)
+    naming the collective each rank is in; "" when no rank answered."""
+    collectives: str = ""
+
+
 def where_ranks_are(state: RunState, run_dir: Path, ranks: Iterable[int], wait_s: float = 1.5) -> dict[int, list[str]]:
     """Ask each of `ranks` (this host's, checked alive as this run's ranks by the caller: SIGUSR1 would end
-    any other process) for its stack and read it from its log."""
+    any other process) for its stack and read it from its log; and for its flight recorder's dump."""
     ranks = set(ranks)
+    asked = flight_recorder.request(run_dir / LOGS_DIR)
     sizes = {}
     for rank, hello in state.hellos.items():
         if rank not in ranks:
@@ -113,7 +122,14 @@ def where_ranks_are(state: RunState, run_dir: Path, ranks: Iterable[int], wait_s
         except (ProcessLookupError, PermissionError):
             sizes.pop(rank)
     time.sleep(wait_s)
-    out = {}
+    out = Stacks()
+    deadline = time.monotonic() + 2.0     # the recorder's thread looks twice a second
+    dumps = {r: flight_recorder.read(run_dir / LOGS_DIR, r, asked) for r in sizes}
+    while any(d is None for d in dumps.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        dumps = {r: flight_recorder.read(run_dir / LOGS_DIR, r, asked) for r in sizes}
+    if any(d is not None for d in dumps.values()):
+        out.collectives = flight_recorder.summary(dumps)
     for rank, size in sizes.items():
         try:
             with open(run_dir / "logs" / f"rank{rank}.log", errors="replace") as fh:
@@ -138,6 +154,9 @@ def hang_message(state: RunState, stacks: dict[int, list[str]], stalled_s: float
     if unknown:
         lines.append(f"rank(s) {', '.join(map(str, unknown))} gave no stack (stuck in native code or gone)")
     gpus = " ".join((h.gpu_name or "") for h in state.hellos.values()).lower()
+    if getattr(stacks, "collectives", ""):
+        lines.append(stacks.collectives)
     if not stuck and any(k in gpus for k in ("geforce", "rtx", "titan")):
-        lines.append("consumer GPUs without P2P often hang in NCCL: try NCCL_P2P_DISABLE=1")
+        lines.append("consumer GPUs without P2P often hang in NCCL: `shardconsole doctor` tests P2P "
+                     "(a launch then sets NCCL_P2P_DISABLE=1 itself when it is broken)")
     return "; ".join(lines)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TextIO
 
 from shardconsole import config as C
+from shardconsole import offload_verdict
 from shardconsole import protocol as P
 from shardconsole.diagnose import hang_message, where_ranks_are
 from shardconsole.launch import Job
@@ -78,6 +79,13 @@ def eval_line(e: P.Eval) -> str:
     return f"eval step {e.step}: loss {_num(e.loss, '.4f')} over {e.tokens} tokens ({e.seconds:.1f} s)"
 
 
+def offload_line(state: RunState, o: P.OffloadTiming) -> str:
+    """Rank 0's offload view at a log step, with its card's PCIe rates (NVML, by UUID)."""
+    g = state.gpu_of(o.rank)
+    return offload_verdict.line(o.verdict, o.hint, o.gpu_s, o.host_step_s, o.h2d_s, o.d2h_s, o.step_s,
+                                g.pcie_rx_bps if g else None, g.pcie_tx_bps if g else None, o.pinned_bytes)
+
+
 def progress_bar(state: RunState, width: int) -> str:
     s = state.last_step
     done, total = (s.step, s.steps) if s else (0, 0)
@@ -116,6 +124,8 @@ class Printer:
                 self.print(data_line(msg))
             elif isinstance(msg, P.Eval):
                 self.print(eval_line(msg))
+            elif isinstance(msg, P.OffloadTiming) and msg.rank == 0:
+                self.print(offload_line(state, msg))
         if self.tty:
             width = shutil.get_terminal_size((100, 20)).columns - 1
             self.out.write("\r\x1b[2K" + progress_bar(state, width))
@@ -214,6 +224,10 @@ def _follow(watcher: Watcher, printer: Printer, err: TextIO, grace_s: float, sta
     if cause == "ok" and s is not None:
         message = message.replace("; run folder", f", {fmt_rate(s.tokens_per_s)} tok/s; run folder", 1)
     _say(err, message)
+    last = watcher.state.offload.get(0)
+    if last is not None and last.verdict:
+        _say(err, f"offload verdict (mean of steps to {last.step}): {last.verdict}" +
+             (f"; try {last.hint}" if last.hint else ""))
     return EXIT_CODES.get(cause, 1)
 
 

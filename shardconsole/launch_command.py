@@ -14,6 +14,7 @@ from datetime import datetime
 from pathlib import Path
 
 from shardconsole import config as C
+from shardconsole import flight_recorder
 from shardconsole import process_identity as PI
 
 WORKER_MODULE = PI.WORKER_MODULE
@@ -179,6 +180,9 @@ def child_env(cfg: C.RunConfig, base: dict[str, str] | None = None) -> dict[str,
         # torchrun's agent SIGKILLs its workers this long after it forwards a SIGTERM (30 s by default): a
         # checkpoint saved on stop must fit inside it (the ranks read the same variable for their bound).
         env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(cfg.train.stop_save_timeout_s) + 30))
+    # torch's flight recorder: a hang report names the collective each rank is in (flight_recorder.py)
+    for key in flight_recorder.ENV_VARS:
+        env.setdefault(key, flight_recorder.BUFFER_ENTRIES)
     return env
 
 

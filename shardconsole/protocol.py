@@ -30,6 +30,13 @@ class DecodeError(ValueError):
     pass
 
 
+def gpu_uuid_key(uuid: str | None) -> str:
+    """One spelling of a GPU's UUID for matching: NVML says 'GPU-8f3a...', torch's device properties
+    '8f3a...' (no prefix)."""
+    u = (uuid or "").strip().lower()
+    return u[4:] if u.startswith("gpu-") else u
+
+
 @dataclass(frozen=True)
 class Message:
     kind: ClassVar[str] = ""
@@ -147,6 +154,37 @@ class GpuSample(Message):
     total_bytes: int = 0
     util_pct: float | None = None
     pids: tuple[int, ...] = ()
+    # Matched against each rank's Hello.gpu_uuid: NVML's index is not CUDA's on a mixed rig.
+    uuid: str = ""
+    temp_c: float | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    sm_clock_mhz: float | None = None
+    sm_clock_max_mhz: float | None = None
+    throttle: tuple[str, ...] = ()          # NVML's active clock-event reasons that slow the card
+    pcie_rx_bps: float | None = None        # bytes/s into the GPU (host -> GPU), NVML's 20 ms window
+    pcie_tx_bps: float | None = None        # bytes/s out of the GPU
+
+
+@dataclass(frozen=True)
+class OffloadTiming(Message):
+    """Where an offloaded step goes, one rank's mean over `steps` steps up to `step` (backends/step_timing.py).
+    GPU times come from CUDA events read one step late; CPU ranks time the same phases by wall clock
+    (`clock` says which). None: that phase was not measured for this backend."""
+    kind: ClassVar[str] = "offload"
+    step: int = 0
+    steps: int = 0
+    clock: str = "cuda_events"              # or "wall_clock"
+    step_s: float = 0.0                     # the rank's wall time a step
+    gpu_s: float | None = None              # forward + backward on the compute stream
+    host_step_s: float | None = None        # the optimizer step on the host
+    h2d_s: float | None = None              # host -> GPU copies (parameters), on their streams
+    d2h_s: float | None = None              # GPU -> host copies (gradients)
+    h2d_bytes: int = 0                      # a step
+    d2h_bytes: int = 0
+    pinned_bytes: int | None = None         # page-locked host memory of this rank (VmLck)
+    verdict: str = ""                       # "host step bound", "PCIe bound", "GPU bound" (offload_verdict.py)
+    hint: str = ""                          # the setting most likely to help
 
 
 @dataclass(frozen=True)
@@ -160,11 +198,12 @@ class HostSample(Message):
 
 
 KINDS: dict[str, type[Message]] = {
-    m.kind: m for m in (Hello, Step, Memory, Event, Finished, Failed, Eval, DataSummary, GpuSample, HostSample)
+    m.kind: m for m in (Hello, Step, Memory, Event, Finished, Failed, Eval, DataSummary, GpuSample, HostSample,
+                        OffloadTiming)
 }
 _FIELDS = {kind: {f.name: f for f in fields(cls)} for kind, cls in KINDS.items()}
 _TEXT_FIELDS = ("detail", "message", "traceback_tail", "hint", "name", "host", "source", "format",
-                "tokenizer", "template", "note")
+                "tokenizer", "template", "note", "clock", "verdict")
 
 
 def _clean(value: Any) -> Any:
@@ -264,6 +303,8 @@ def _check_types(msg: Message) -> None:
                 raise DecodeError(f"{name} is not true or false")
         elif base == "str" and not isinstance(v, str):
             raise DecodeError(f"{name} is not a string")
+        elif base.startswith("tuple[str") and not (isinstance(v, tuple) and all(isinstance(x, str) for x in v)):
+            raise DecodeError(f"{name} is not a list of strings")
 
 
 _SIGNED = ("rank",)   # -1: the front end

@@ -28,6 +28,7 @@ class RunState:
     finished: P.Finished | None = None
     data: P.DataSummary | None = None
     evals: list[P.Eval] = field(default_factory=list)
+    offload: dict[int, P.OffloadTiming] = field(default_factory=dict)    # the offload view, by rank
 
     def apply(self, msg: P.Message) -> None:
         if isinstance(msg, P.Hello):
@@ -53,6 +54,8 @@ class RunState:
             self.data = msg
         elif isinstance(msg, P.Eval):
             self.evals.append(msg)
+        elif isinstance(msg, P.OffloadTiming):
+            self.offload[msg.rank] = msg
 
     def new_session(self) -> None:
         """A resumed run appends a new session to the same stream: its ranks, its end, its events."""
@@ -61,6 +64,12 @@ class RunState:
         self.events.clear()
         self.finished = None
         self.phase = "starting"
+
+    def gpu_of(self, rank: int) -> P.GpuSample | None:
+        """The NVML sample of the card this rank computes on, matched by UUID (never by index)."""
+        hello = self.hellos.get(rank)
+        key = P.gpu_uuid_key(hello.gpu_uuid) if hello is not None else ""
+        return next((g for g in self.gpus.values() if key and P.gpu_uuid_key(g.uuid) == key), None)
 
     @property
     def rank_pids(self) -> list[int]:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from shardconsole import config as C
 from shardconsole import protocol as P
-from shardconsole.runfolder import METRICS_FILE, PRESET_FILE
+from shardconsole.runfolder import LOGS_DIR, METRICS_FILE, PRESET_FILE
 from shardconsole.models import ModelSpec, resolve
 from shardconsole.stream import MetricsWriter
 
@@ -95,6 +95,15 @@ def _redirect_output(run_dir: Path, rank: int) -> None:
     os.close(fd)
 
 
+def _serve_flight_recorder(run_dir: Path, rank: int) -> None:
+    """With the stacks, the hang diagnosis asks for torch's record of the collectives (flight_recorder.py)."""
+    from shardconsole import flight_recorder
+    c10d = torch._C._distributed_c10d
+    fn = getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json", None)
+    if fn is not None:
+        flight_recorder.serve(run_dir / LOGS_DIR, rank, lambda: fn(includeCollectives=True, onlyActive=False))
+
+
 def start(run_dir: Path, run_id: str) -> Rank:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -103,6 +112,7 @@ def start(run_dir: Path, run_id: str) -> Rank:
     # SIGUSR1 dumps every thread's Python stack into the rank's log: the front end uses it to say
     # where each rank is stuck when a run hangs.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    _serve_flight_recorder(run_dir, rank)
     # SHARDCONSOLE_STREAM=off: the same rank with no metrics written (benchmarks/overhead.py measures
     # what the stream costs against this).
     stream_on = os.environ.get("SHARDCONSOLE_STREAM", "on") != "off"

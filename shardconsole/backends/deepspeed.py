@@ -27,7 +27,7 @@ import torch
 import torch._dynamo  # noqa: F401
 
 from shardconsole import ds_json
-from shardconsole.backends import checkpoints, common, metrics, modeling, trainstate
+from shardconsole.backends import checkpoints, common, metrics, modeling, step_timing, trainstate
 from shardconsole.backends.ds_checkpoint import resume, save
 from shardconsole.models import ModelError
 
@@ -362,10 +362,12 @@ def _train(r: common.Rank, engine, model, stop: trainstate.StopRequest) -> None:
     start_step = resume(r, engine, data) if t.resume else 0
     meter = metrics.StepMeter(r)
     fp16 = cfg.precision.dtype == "fp16"
+    timing = step_timing.StepTiming(r)        # the offload view (offloaded runs)
     r.phase("training")
     stop.start_round()
     for step in range(start_step + 1, t.steps + 1):
         r.step = step
+        timing.start()
         r.faults.on_step(step)
         lr = t.lr * common.lr_factor(cfg, step)
         for group in engine.optimizer.param_groups:
@@ -375,14 +377,17 @@ def _train(r: common.Rank, engine, model, stop: trainstate.StopRequest) -> None:
             loss = r.faults.on_loss(engine(batch.inputs, batch.labels, batch.positions), step)
             meter.add(loss)
             engine.backward(loss)        # DeepSpeed divides by grad_accum and applies the loss scale
+            timing.compute_done()
             try:
-                engine.step()            # an optimizer step only at the accumulation boundary
+                with timing.host_step():
+                    engine.step()        # an optimizer step only at the accumulation boundary
             except Exception as e:
                 if "loss scale already at minimum" in str(e):
                     raise metrics.LossScaleFloorError(
                         f"fp16 overflow at the minimum loss scale "
                         f"({cfg.precision.fp16_value('min_loss_scale')}) at step {step}") from e
                 raise
+        timing.end()
         if fp16 and not engine.was_step_applied():
             r.event("overflow", f"step {step} skipped: gradient overflow in fp16; loss scale now "
                                 f"{loss_scale(engine):g}")
@@ -390,6 +395,7 @@ def _train(r: common.Rank, engine, model, stop: trainstate.StopRequest) -> None:
             mean = meter.report(step, lr, engine.get_global_grad_norm(), loss_scale(engine) if fp16 else None,
                                 engine.skipped_steps)
             metrics.check_loss(r, mean, step)
+            timing.report(step)
         if cfg.memory.empty_cache_every and r.is_cuda and step % cfg.memory.empty_cache_every == 0:
             torch.cuda.empty_cache()
         if evaluator.due(step):

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from shardconsole.backends import (checkpoints, common, fsdp_step, master_update, metrics, modeling, offload,
-                                   trainstate)
+                                   step_timing, trainstate)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -207,11 +207,14 @@ def train(r: common.Rank) -> None:
     meter = metrics.StepMeter(r)
     floor = metrics.ScaleFloorWatch(cfg)
     phases = metrics.PhaseTimes(r)
+    timing = step_timing.StepTiming(r)           # the offload view (offloaded runs); after Clip's hooks
+    step_timing.instrument_fsdp(model, timing)
     r.phase("training")
     stop.start_round()
     for step in range(start_step + 1, t.steps + 1):
         r.step = step
         phases.start()
+        timing.start()
         r.faults.on_step(step)
         lr = t.lr * common.lr_factor(cfg, step)
         for group in optim.param_groups:
@@ -225,15 +228,18 @@ def train(r: common.Rank) -> None:
             phases.mark("forward")
             scaling.backward(loss / t.grad_accum)
             phases.mark("backward")
+        timing.compute_done()
         grads_changed = r.faults.on_grads(model.parameters(), step)
-        scaling.unscale(optim)
-        grad_norm = clip(grads_changed)
-        phases.mark("clip")
-        scaling.step(optim)
-        phases.mark("step")
-        refresh_compute_copy(r)
+        with timing.host_step():
+            scaling.unscale(optim)
+            grad_norm = clip(grads_changed)
+            phases.mark("clip")
+            scaling.step(optim)
+            phases.mark("step")
+            refresh_compute_copy(r)
         optim.zero_grad(set_to_none=True)
         phases.mark("copy+zero")
+        timing.end()
         if meter.due(step):
             norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             skipped = scaling.skipped_since_last_line()
@@ -241,6 +247,7 @@ def train(r: common.Rank) -> None:
             metrics.check_loss(r, mean, step)
             floor.check(step, scaling.value(), skipped)
             phases.report(step)
+            timing.report(step)
         if cfg.memory.empty_cache_every and r.is_cuda and step % cfg.memory.empty_cache_every == 0:
             torch.cuda.empty_cache()
         if evaluator.due(step):

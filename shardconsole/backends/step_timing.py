@@ -1,0 +1,268 @@
+"""Where an offloaded step goes: GPU compute, the host optimizer step, host->GPU and GPU->host copies.
+
+On by default for every offloaded run (FSDP2 cpu_offload, DeepSpeed offload_optimizer/offload_param);
+SHARDCONSOLE_OFFLOAD_VIEW=off turns it off (benchmarks measure its cost against that).
+
+Nothing here synchronises the GPU. CUDA events are recorded on the stream where each phase runs and
+read back one step late, with `Event.query()` first: by then they have completed (an offloaded step
+waits for its gradients on the host anyway), and an event that has not is read at the next step.
+- GPU compute: the compute stream's span from the step's start to the end of the last backward
+  (it includes any wait on a copy the compute needed);
+- host step: host clock around the optimizer step (the host does it; the GPU idles);
+- H2D (FSDP2): events on FSDP2's all-gather copy-in stream around each unit's parameter copies (every
+  offloaded FSDPParam's `all_gather_inputs` is the copy), forward and backward;
+- D2H (FSDP2): from each unit's all-reduce hook (the reduce-scatter has landed, the gradient copies
+  are next on that stream) to the last of that unit's gradients handed back as a host DTensor;
+- DeepSpeed: the host step is engine.step() (CPU Adam, its unscale and norm, and the copy of the
+  updated weights back to the GPU, which DeepSpeed does inside it); its gradient copies run inside
+  its backward and are not separated (reported as n/a).
+CPU ranks (no CUDA) time the same phases by wall clock; there are no copies to time there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import torch
+
+from shardconsole import offload_verdict
+from shardconsole import protocol as P
+from shardconsole.backends.common import Rank
+
+MAX_PENDING = 4   # steps whose events have not completed yet; older ones are dropped, not waited for
+
+
+def offloaded(cfg) -> bool:
+    if cfg.parallel.backend == "fsdp":
+        return bool(cfg.fsdp.cpu_offload)
+    return cfg.deepspeed.offload_optimizer != "none" or cfg.deepspeed.offload_param != "none"
+
+
+def knobs(cfg) -> offload_verdict.Knobs:
+    fsdp = cfg.parallel.backend == "fsdp"
+    return offload_verdict.Knobs(
+        backend=cfg.parallel.backend,
+        compute_copy=fsdp and cfg.fsdp.offload_compute_copy and cfg.precision.dtype != "fp32"
+        and cfg.precision.master_dtype == "fp32",
+        low_precision=cfg.precision.dtype != "fp32",
+        pin_memory=cfg.fsdp.pin_memory if fsdp else cfg.deepspeed.pin_memory,
+        offload_param=fsdp or cfg.deepspeed.offload_param != "none",
+        checkpointing=cfg.memory.activation_checkpointing, compiled=cfg.train.compile)
+
+
+class _Step:
+    """One step's marks: (start, end) pairs of events (GPU) or of perf_counter floats (CPU)."""
+
+    def __init__(self) -> None:
+        self.compute: list = []        # [start, end]
+        self.h2d: list[tuple] = []
+        self.d2h: list[tuple] = []
+        self.host = 0.0
+        self.wall = 0.0
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
+
+
+class StepTiming:
+    def __init__(self, r: Rank) -> None:
+        self.r = r
+        self.on = offloaded(r.cfg) and os.environ.get("SHARDCONSOLE_OFFLOAD_VIEW", "on") != "off"
+        self.cuda = r.is_cuda
+        self.knobs = knobs(r.cfg)
+        self.cur: _Step | None = None
+        self.pending: list[_Step] = []
+        self._reset_sums()
+        self._t0 = 0.0
+        self.dropped = 0
+
+    def _reset_sums(self) -> None:
+        self.n = 0
+        self.sums = {"gpu": 0.0, "host": 0.0, "h2d": 0.0, "d2h": 0.0, "wall": 0.0}
+        self.bytes = {"h2d": 0, "d2h": 0}
+        self.seen = {"h2d": False, "d2h": False}
+
+    def _mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    # --- the loop's calls ----------------------------------------------------------------------
+    def start(self) -> None:
+        if not self.on:
+            return
+        self.cur = _Step()
+        self._t0 = time.perf_counter()
+        self.cur.compute = [self._mark(), None]
+
+    def compute_done(self) -> None:
+        """After a backward; the last call of a step is the end of its compute."""
+        if self.on and self.cur is not None:
+            self.cur.compute[1] = self._mark()
+
+    @contextlib.contextmanager
+    def host_step(self):
+        if not (self.on and self.cur is not None):
+            yield
+            return
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.cur.host += time.perf_counter() - t
+
+    def end(self) -> None:
+        if not (self.on and self.cur is not None):
+            return
+        self.cur.wall = time.perf_counter() - self._t0
+        self.pending.append(self.cur)
+        self.cur = None
+        self._harvest()
+
+    def report(self, step: int) -> None:
+        """The mean over the steps read since the last report, as one line of this rank (log steps)."""
+        if not self.on or not self.n:
+            return
+        n = self.n
+        gpu, host = self.sums["gpu"] / n, self.sums["host"] / n
+        h2d = self.sums["h2d"] / n if self.seen["h2d"] else None
+        d2h = self.sums["d2h"] / n if self.seen["d2h"] else None
+        verdict, hint = offload_verdict.verdict(gpu, host, h2d, d2h, self.knobs, on_gpu=self.cuda)
+        self.r.emit(P.OffloadTiming(
+            run=self.r.run_id, rank=self.r.rank, step=step, steps=n,
+            clock="cuda_events" if self.cuda else "wall_clock", step_s=self.sums["wall"] / n, gpu_s=gpu,
+            host_step_s=host, h2d_s=h2d, d2h_s=d2h, h2d_bytes=self.bytes["h2d"] // n,
+            d2h_bytes=self.bytes["d2h"] // n, pinned_bytes=_locked_bytes(), verdict=verdict, hint=hint))
+        self._reset_sums()
+
+    # --- copies (FSDP2) --------------------------------------------------------------------------
+    def copy_begin(self):
+        return self._mark() if self.on and self.cuda and self.cur is not None else None
+
+    def copy_end(self, kind: str, begin, nbytes: int) -> None:
+        if begin is None or self.cur is None:
+            return
+        getattr(self.cur, kind).append((begin, self._mark()))
+        setattr(self.cur, f"{kind}_bytes", getattr(self.cur, f"{kind}_bytes") + nbytes)
+
+    # --- reading back, one step late -------------------------------------------------------------
+    def _harvest(self) -> None:
+        keep = []
+        for s in self.pending:
+            if self.cuda and not _done(s):
+                keep.append(s)
+                continue
+            self._add(s)
+        if len(keep) > MAX_PENDING:
+            self.dropped += len(keep) - MAX_PENDING
+            keep = keep[-MAX_PENDING:]
+        self.pending = keep
+
+    def _add(self, s: _Step) -> None:
+        if s.compute[1] is None:
+            return
+        self.n += 1
+        self.sums["gpu"] += _span(s.compute[0], s.compute[1])
+        self.sums["host"] += s.host
+        self.sums["wall"] += s.wall
+        for kind in ("h2d", "d2h"):
+            pairs = getattr(s, kind)
+            if pairs:
+                self.seen[kind] = True
+                self.sums[kind] += sum(_span(a, b) for a, b in pairs)
+                self.bytes[kind] += getattr(s, f"{kind}_bytes")
+
+
+def _span(a, b) -> float:
+    if isinstance(a, float):
+        return b - a
+    return a.elapsed_time(b) / 1000.0
+
+
+def _done(s: _Step) -> bool:
+    events = [e for pair in (s.compute, *s.h2d, *s.d2h) for e in pair if e is not None]
+    return all(e.query() for e in events)
+
+
+def _locked_bytes() -> int | None:
+    """This rank's page-locked host memory (VmLck: CUDA's pinned buffers on Linux)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmLck:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# FSDP2: the copies, timed where FSDP2 issues them
+
+def instrument_fsdp(model: torch.nn.Module, timing: StepTiming) -> int:
+    """Time every offloaded unit's parameter copies (H2D) and gradient copies (D2H). Call after the
+    model is built and after anything else sets all-reduce hooks (DeviceGradNorm): the hook here wraps
+    theirs. Returns the units instrumented (0 on CPU ranks or with the view off)."""
+    if not (timing.on and timing.cuda):
+        return 0
+    from torch.distributed.fsdp import FSDPModule
+    classes: dict[type, type] = {}
+    units = 0
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", []):
+            params = [fp for fp in group.fsdp_params if fp.offload_to_cpu]
+            if not params:
+                continue
+            units += 1
+            unit = {"h2d": None, "d2h": None}
+            for fp in params:
+                fp._sc_timing, fp._sc_unit = timing, unit
+                fp._sc_first, fp._sc_last = fp is params[0], fp is params[-1]
+                fp.__class__ = classes.setdefault(type(fp), _timed(type(fp)))
+            group._all_reduce_hook = _hook_wrapper(group._all_reduce_hook, timing, unit)
+    return units
+
+
+def _hook_wrapper(inner, timing: StepTiming, unit: dict):
+    def hook(reduce_output: torch.Tensor) -> None:
+        if inner is not None:
+            inner(reduce_output)
+        unit["d2h"] = timing.copy_begin()    # on the post-reduce stream: the gradient copies come next
+    return hook
+
+
+def _timed(cls: type) -> type:
+    """A subclass of (possibly already replaced) FSDPParam class `cls` that marks the copies."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+    base_inputs, base_to_dtensor = cls.all_gather_inputs, cls.to_sharded_dtensor
+
+    class Timed(cls):   # type: ignore[misc, valid-type]
+        @property
+        def all_gather_inputs(self):
+            sharded = self.sharded_state == ShardedState.SHARDED
+            if sharded and self._sc_first:
+                self._sc_unit["h2d"] = self._sc_timing.copy_begin()
+            out = base_inputs.fget(self)
+            if sharded:
+                self._sc_unit["h2d_bytes"] = self._sc_unit.get("h2d_bytes", 0) + sum(
+                    t.numel() * t.element_size() for t in out)
+                if self._sc_last:
+                    self._sc_timing.copy_end("h2d", self._sc_unit["h2d"], self._sc_unit.pop("h2d_bytes", 0))
+                    self._sc_unit["h2d"] = None
+            return out
+
+        def to_sharded_dtensor(self, tensor):
+            unit = self._sc_unit
+            if unit["d2h"] is not None and tensor.device.type == "cpu":
+                unit["d2h_bytes"] = unit.get("d2h_bytes", 0) + tensor.numel() * tensor.element_size()
+                if self._sc_last:
+                    self._sc_timing.copy_end("d2h", unit["d2h"], unit.pop("d2h_bytes", 0))
+                    unit["d2h"] = None
+            return base_to_dtensor(self, tensor)
+    Timed.__name__ = Timed.__qualname__ = f"Timed{cls.__name__}"
+    return Timed

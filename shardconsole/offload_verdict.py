@@ -1,0 +1,88 @@
+"""Where an offloaded step goes, in one line: the verdict and the setting most likely to help.
+
+Standard library only: the ranks call it with their measured phase times (backends/step_timing.py),
+tests call it with numbers of their own. The rule, from what overlaps with what in an offloaded step:
+- the host optimizer step runs while the GPU waits (nothing overlaps it in a plain loop): when it is
+  the largest part, the step is "host step bound";
+- the copies run on their own streams beside the compute, and the GPU time measured is the compute
+  stream's span (waits for copies included): when the busier copy direction fills most of that span
+  (PCIE_SHARE), the compute was waiting on PCIe: "PCIe bound";
+- otherwise the GPU's own compute is the step: "GPU bound" ("compute bound" on CPU ranks), and offload
+  settings will not speed it up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HOST = "host step bound"
+PCIE = "PCIe bound"
+GPU = "GPU bound"
+COMPUTE = "compute bound"
+PCIE_SHARE = 0.8
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The settings a hint can name, as this run has them."""
+    backend: str = "fsdp"                  # "fsdp" / "deepspeed"
+    compute_copy: bool = False             # fsdp.offload_compute_copy in force
+    low_precision: bool = True             # precision.dtype is bf16/fp16
+    pin_memory: bool = True
+    offload_param: bool = True             # parameters on the host too (FSDP2 offload always; ZeRO-3 offload_param)
+    checkpointing: bool = False
+    compiled: bool = False
+
+
+def verdict(gpu_s: float | None, host_step_s: float | None, h2d_s: float | None, d2h_s: float | None,
+            knobs: Knobs, on_gpu: bool = True) -> tuple[str, str]:
+    """(verdict, hint); ("", "") when there is nothing to judge yet."""
+    gpu, host = gpu_s or 0.0, host_step_s or 0.0
+    busier = max(h2d_s or 0.0, d2h_s or 0.0)
+    if gpu <= 0 and host <= 0:
+        return "", ""
+    if host >= gpu:
+        return HOST, ("raise train.grad_accum: the host step is paid once per optimizer step, so more "
+                      "micro-batches a step spread it over more tokens")
+    if on_gpu and busier >= PCIE_SHARE * gpu:
+        return PCIE, _pcie_hint(knobs)
+    if not on_gpu:
+        return COMPUTE, "the ranks compute on the CPU: a GPU run is where offload settings matter"
+    return GPU, _gpu_hint(knobs)
+
+
+def _pcie_hint(k: Knobs) -> str:
+    if not k.pin_memory:
+        key = "fsdp.pin_memory" if k.backend == "fsdp" else "deepspeed.pin_memory"
+        return f"{key} = true: copies from pageable memory run at a fraction of PCIe's rate"
+    if k.backend == "fsdp" and k.low_precision and not k.compute_copy:
+        return "fsdp.offload_compute_copy = true: the GPU is sent 2 bytes a parameter instead of 4"
+    if k.backend == "deepspeed" and k.offload_param:
+        return 'deepspeed.offload_param = "none": keep the parameters on the GPU, only the optimizer on the host'
+    return "raise train.micro_batch: more compute for each byte copied (the copies are per step, not per token)"
+
+
+def _gpu_hint(k: Knobs) -> str:
+    if k.checkpointing:
+        return ("memory.activation_checkpointing = false if `shardconsole plan` says it fits: the recompute "
+                "is GPU time; offload is not what limits this step")
+    if not k.compiled:
+        return "train.compile = true: offload is not what limits this step, the GPU's compute is"
+    return "offload is not what limits this step: the GPU's compute is"
+
+
+def line(v: str, hint: str, gpu_s: float | None, host_step_s: float | None, h2d_s: float | None,
+         d2h_s: float | None, step_s: float, pcie_rx_bps: float | None = None,
+         pcie_tx_bps: float | None = None, pinned_bytes: int | None = None) -> str:
+    """'offload: host step bound · GPU 0.41 s, host step 0.73 s, H2D 0.12 s, D2H 0.09 s of 1.31 s · PCIe
+    ↓11.8 ↑3.1 GB/s · pinned 6.2 GiB · try: ...' (the headless line; the console shows the same parts)."""
+    def s(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.3g} s"
+    parts = [f"offload: {v or 'measuring'}",
+             f"GPU {s(gpu_s)}, host step {s(host_step_s)}, H2D {s(h2d_s)}, D2H {s(d2h_s)} of {step_s:.3g} s a step"]
+    if pcie_rx_bps is not None or pcie_tx_bps is not None:
+        parts.append(f"PCIe ↓{(pcie_rx_bps or 0) / 1e9:.1f} ↑{(pcie_tx_bps or 0) / 1e9:.1f} GB/s")
+    if pinned_bytes:
+        parts.append(f"pinned {pinned_bytes / 2**30:.1f} GiB")
+    out = " · ".join(parts)
+    return out + (f" · try {hint}" if hint else "")

@@ -58,11 +58,13 @@ def _run_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def load_config(preset: str | None, overrides: list[str], *, here: bool = True) -> settings.Resolved:
+def load_config(preset: str | None, overrides: list[str], *, here: bool = True,
+                slurm: bool = False) -> settings.Resolved:
     """The settings of this command, resolved once (settings.resolve) and checked before a launch
     (session/preflight): the model folder, the data files and, when `here` (the ranks run on this
-    machine), its GPU count. Notes and warnings go to stderr."""
-    r = settings.resolve(preset or DEFAULT_PRESET, settings.from_cli(overrides))
+    machine), its GPU count. slurm: the batch script names node 0 (the job's first node). Notes and
+    warnings go to stderr."""
+    r = settings.resolve(preset or DEFAULT_PRESET, settings.from_cli(overrides), rendezvous_from_launcher=slurm)
     for note in r.notes:
         print(f"shardconsole: {note}", file=sys.stderr)
     gpus = None
@@ -84,13 +86,16 @@ def cmd_run(argv: list[str]) -> int:
     if args.headless and (args.print_command or args.slurm):
         raise UsageError("--headless runs the job here; --print-command and --slurm only write it out: pick one")
     # A command or a batch script is for the machines that will run it, not for this one's GPUs.
-    resolved = load_config(args.preset, args.overrides, here=not (args.print_command or args.slurm))
+    resolved = load_config(args.preset, args.overrides, here=not (args.print_command or args.slurm),
+                           slurm=args.slurm)
     cfg, name = resolved.cfg, resolved.preset
     run_dir = args.run_dir or new_run_dir(name, runs_root(args.runs_root))
     if args.print_command or args.slurm:
         # The printed command reads the run folder's preset.toml: it must exist for the command to work.
         run_dir = _prepare_run_dir(cfg, run_dir, explicit=args.run_dir is not None)
         run_id = run_id_of(run_dir)
+        # Absolute: the command is started on other nodes (or later, elsewhere) from any directory.
+        run_dir = run_dir.absolute()
         if args.slurm:
             sys.stdout.write(slurm_script(cfg, run_dir, run_id))
             print(f"# wrote {run_dir / PRESET_FILE}; submit with `sbatch`, follow with `shardconsole attach "

@@ -13,10 +13,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = None,
-             origins: dict[str, str] | None = None) -> None:
+             origins: dict[str, str] | None = None, rendezvous_from_launcher: bool = False) -> None:
     """Impossible combinations. gpu_count: GPUs on this machine when known (None: do not check).
     origins: "table.key" -> the source that set it (an override); the error blames the key it names
-    with that source, `source` (the preset) otherwise."""
+    with that source, `source` (the preset) otherwise. rendezvous_from_launcher: the job's launcher
+    names node 0 (a Slurm script takes the job's first node), so nnodes > 1 needs no rdzv_endpoint."""
     def err(table: str, key: str, msg: str) -> ConfigError:
         return ConfigError(msg, source=(origins or {}).get(f"{table}.{key}", source), table=table, key=key)
 
@@ -59,7 +60,7 @@ def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = 
             # rendezvous starts DeepSpeed ranks on every node from the same command.
             raise err("parallel", "launcher", f"the deepspeed launcher needs a hostfile and ssh for nnodes = "
                       f"{p.nnodes}; use launcher = \"torchrun\" (it runs DeepSpeed ranks on every node)")
-    if p.nnodes > 1 and not p.rdzv_endpoint:
+    if p.nnodes > 1 and not p.rdzv_endpoint and not rendezvous_from_launcher:
         raise err("parallel", "rdzv_endpoint", f"nnodes = {p.nnodes} needs the host:port of node 0, "
                   "e.g. rdzv_endpoint = \"node0:29400\"")
     if p.rdzv_endpoint and not re.match(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$", p.rdzv_endpoint):

@@ -89,21 +89,24 @@ class Resolved:
 
 
 def resolve(preset: str | None, overrides: Iterable[Override | str] = (), *, gpu_count: int | None = None,
-            lenient: bool = False) -> Resolved:
+            lenient: bool = False, rendezvous_from_launcher: bool = False) -> Resolved:
     """The settings a run of this preset uses. preset: a name, a .toml path, or None for the defaults.
     overrides: Override objects or `table.key=value` strings (taken as `--set`). gpu_count: GPUs here,
     when the caller knows (None: not checked). lenient (the console): a bad override is set aside in
     `refused` and an impossible combination kept in `invalid` instead of raising; a bad preset file
-    still raises."""
+    still raises. rendezvous_from_launcher (`--slurm`): the launcher names node 0, so several nodes
+    need no parallel.rdzv_endpoint."""
     if preset is None:
-        return resolve_doc(None, "defaults", None, overrides, gpu_count=gpu_count, lenient=lenient)
+        return resolve_doc(None, "defaults", None, overrides, gpu_count=gpu_count, lenient=lenient,
+                           rendezvous_from_launcher=rendezvous_from_launcher)
     path = preset_store.find(preset)
-    return resolve_doc(C.load_toml(path), path.stem, path, overrides, gpu_count=gpu_count, lenient=lenient)
+    return resolve_doc(C.load_toml(path), path.stem, path, overrides, gpu_count=gpu_count, lenient=lenient,
+                       rendezvous_from_launcher=rendezvous_from_launcher)
 
 
 def resolve_doc(doc: dict[str, Any] | None, name: str, path: Path | str | None,
                 overrides: Iterable[Override | str] = (), *, gpu_count: int | None = None,
-                lenient: bool = False) -> Resolved:
+                lenient: bool = False, rendezvous_from_launcher: bool = False) -> Resolved:
     """resolve() over a preset already read (an import's merged document, a run folder's preset.toml)."""
     given = [o if isinstance(o, Override) else from_cli([o])[0] for o in overrides]
     path = Path(path) if path is not None else None
@@ -123,7 +126,8 @@ def resolve_doc(doc: dict[str, Any] | None, name: str, path: Path | str | None,
     out.notes = apply_fsdp_equivalents(out.cfg, _set_keys(doc, out.overrides, "deepspeed"))
     out.notes += drop_fp16_keys(out.cfg, out.origins)
     try:
-        C.validate(out.cfg, out.source, gpu_count=gpu_count, origins=out.origins)
+        C.validate(out.cfg, out.source, gpu_count=gpu_count, origins=out.origins,
+                   rendezvous_from_launcher=rendezvous_from_launcher)
     except C.ConfigError as e:
         if not lenient:
             raise

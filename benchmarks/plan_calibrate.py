@@ -65,7 +65,7 @@ BASE_PRESET: dict[str, Any] = {
     "deepspeed": {"torch_adam": False},
 }
 
-# The H200 test machine, for --dry-run predictions on a machine without its GPU (DESIGN.md, KINDS.md).
+# The H200 test machine, for --dry-run predictions on a machine without its GPU (docs/MEASURED.md).
 H200 = PL.Hardware(gpus=1, gpu_memory_bytes=143771 * 2**20, host_memory_bytes=125 * GiB, gpu_name="NVIDIA H200",
                    source="assumed H200")
 
@@ -103,9 +103,9 @@ Z3_OPT = ("deepspeed.stage=3", "deepspeed.offload_optimizer=cpu")
 Z3_ALL = ("deepspeed.stage=3", "deepspeed.offload_optimizer=cpu", "deepspeed.offload_param=cpu")
 Z2_OPT = ("deepspeed.stage=2", "deepspeed.offload_optimizer=cpu")
 
-# Times: a 1b step at micro-batch 8 x 2048 is ~0.3 s on the H200 (DESIGN.md); process start, imports
+# Times: a 1b step at micro-batch 8 x 2048 is ~0.3 s on the H200 (docs/MEASURED.md); process start, imports
 # and the model build (random init drawn on the CPU) take ~15-30 s a run; CPU Adam over 1B parameters
-# ~1-2 s a step. DeepSpeed's first CPUAdam JIT build takes 40-60 s (DESIGN.md): counted once.
+# ~1-2 s a step. DeepSpeed's first CPUAdam JIT build takes 40-60 s (docs/MEASURED.md): counted once.
 MATRIX: list[Run] = [
     # --- FSDP2 ---------------------------------------------------------------------------------
     _r("fsdp-125m-bf16-mb8", "fsdp", "125m", 1024, 8, seconds=15),
@@ -357,7 +357,7 @@ def measure(run: Run, base_file: Path, runs_root: Path, timeout_s: float, nvml: 
         argv += ["--set", s]
     argv += ["--run-dir", str(run_dir)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # DeepSpeed's op builder cannot parse "9.0a" (DESIGN.md): build for 9.0.
+    # DeepSpeed's op builder cannot parse "9.0a" (docs/MEASURED.md): build for 9.0.
     if "a" in env.get("TORCH_CUDA_ARCH_LIST", ""):
         env["TORCH_CUDA_ARCH_LIST"] = env["TORCH_CUDA_ARCH_LIST"].replace("9.0a", "9.0")
     base_used = nvml.used()

@@ -2,7 +2,7 @@
 
 Standard library only. The figures are the vendors' dense (no sparsity) bf16 tensor-core peaks, except
 the H200/H100 SXM entries, which are the 790 TFLOP/s measured on the project's H200 test machine
-(DESIGN.md) so that MFU figures compare with the baselines there. A preset can override the rate with
+(docs/MEASURED.md) so that MFU figures compare with the baselines there. A preset can override the rate with
 train.peak_tflops.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 # (substring of the CUDA device name, lower case) -> bf16 TFLOP/s. First match wins: order matters.
 PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
-    ("h200", 790.0),   # measured on the test machine (DESIGN.md); datasheet says 989
+    ("h200", 790.0),   # measured on the test machine (docs/MEASURED.md); datasheet says 989
     ("h100", 790.0),   # same chip as the H200
     ("gh200", 790.0),
     ("a100", 312.0),

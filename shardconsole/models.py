@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Llama-architecture sizes (random init). "1b" is the 0.95B model of the baselines in DESIGN.md,
+# Llama-architecture sizes (random init). "1b" is the 0.95B model of the baselines in docs/MEASURED.md,
 # "3b" the 3.1B one; 7b and 13b have Llama-2's shapes.
 CATALOG: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
@@ -65,7 +65,7 @@ class ModelSpec:
 
     @property
     def n_params(self) -> int:
-        """Every parameter, embeddings included (the N of the MFU formula in DESIGN.md)."""
+        """Every parameter, embeddings included (the N of the MFU formula in docs/MEASURED.md)."""
         c = self.config
         h, L, V = self.hidden, self.layers, self.vocab
         heads = int(c["num_attention_heads"])
@@ -83,7 +83,7 @@ class ModelSpec:
         return L * per_layer + embed + head + h
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6N + 12 L h s (DESIGN.md's definition, so MFU figures compare)."""
+        """Training FLOPs per token: 6N + 12 L h s (docs/MEASURED.md's definition, so MFU figures compare)."""
         return 6.0 * self.n_params + 12.0 * self.layers * self.hidden * seq_len
 
 

@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="shardconsole plan",
         description="Predict the peak GPU memory (largest rank) and host RAM of a run, part by part, "
                     "and whether it fits; or (--fit) which models and settings fit a machine.")
-    ap.add_argument("--preset", default=None, help="preset name or .toml file (default: the built-in defaults)")
+    ap.add_argument("--preset", default=None, help=f"preset name or .toml file (default: {settings.DEFAULT_PRESET}, "
+                    "the preset `shardconsole` opens; --fit: the built-in defaults at seq_len 2048)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
                     help="override one setting; repeatable")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -142,8 +143,10 @@ def cmd_plan(argv: list[str]) -> int:
     if args.model or args.seq_len:
         raise C.ConfigError("--model and --seq-len go with --fit; to plan a run use --set model.name=... "
                             "and --set data.seq_len=...")
-    resolved = load(args.preset, settings.from_cli(args.overrides))
-    cfg, name = resolved.cfg, args.preset or "defaults"
+    # The preset `shardconsole` itself opens without --preset: a plan of "the run" is a plan of that one.
+    name = args.preset or settings.DEFAULT_PRESET
+    resolved = load(name, settings.from_cli(args.overrides))
+    cfg = resolved.cfg
     spec = preflight.check_model(resolved, weights=False)
     hw = hardware_from_args(args.gpus, args.gpu_memory, args.host_memory)
     est = PL.estimate(cfg, spec, hw)
@@ -199,7 +202,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     print("  (GPU peak as NVML would show it, context included; host: the node's RAM, ranks + launcher)")
     if cands is not None:
         print(f"\nsettings that fit {cfg.model.name} (seq_len {cfg.data.seq_len}, {cfg.precision.dtype}), fastest first")
-        print("  speed is relative tokens/s from DESIGN.md's measured loops (1.00 = FSDP2 on GPU, no checkpointing)")
+        print("  speed is relative tokens/s from the bare loops measured on an H200 (docs/MEASURED.md; 1.00 = FSDP2 on GPU, no checkpointing)")
         if not cands:
             print("  none: no strategy fits this model here; more GPUs, more host RAM or a shorter sequence")
         for c in cands[:15]:

@@ -64,7 +64,7 @@ def test_arch_list_fix():
 
 
 def test_deepspeed_builder_parses_the_fixed_arch_list(monkeypatch):
-    """DeepSpeed's CUDA op builder itself: "9.0a" crashes it (DESIGN.md), the fixed value parses."""
+    """DeepSpeed's CUDA op builder itself: "9.0a" crashes it (docs/MEASURED.md), the fixed value parses."""
     from deepspeed.ops.op_builder.builder import CUDAOpBuilder
     from shardconsole.backends.deepspeed import fix_cuda_arch_list
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 # Must be imported before deepspeed.zero.Init patches tensor constructors, or Init fails on CPU with
-# "TypeError: Signature mismatch between ... new_tensor ... and ... tensor_pynew" (DESIGN.md).
+# "TypeError: Signature mismatch between ... new_tensor ... and ... tensor_pynew" (docs/MEASURED.md).
 import torch._dynamo  # noqa: F401
 
 from shardconsole import ds_json
@@ -42,7 +42,7 @@ def fix_cuda_arch_list(value: str) -> str | None:
     """TORCH_CUDA_ARCH_LIST that DeepSpeed's op builder can parse, or None when `value` is fine.
 
     Torch accepts arch-specific entries such as "9.0a" (sm_90a); DeepSpeed's builder does int() on the
-    minor part and crashes ("invalid literal for int() with base 10: '0a'", DESIGN.md). Its ops need
+    minor part and crashes ("invalid literal for int() with base 10: '0a'", docs/MEASURED.md). Its ops need
     no arch-specific instructions, so "9.0a" -> "9.0" (and "10.0a+PTX" -> "10.0+PTX") builds the same
     kernels for that card."""
     tokens = [t for t in value.replace(" ", ";").split(";") if t.strip()]
@@ -352,7 +352,7 @@ def _train(r: common.Rank, engine, model, stop: trainstate.StopRequest) -> None:
     # frequencies to the compute dtype; rebuilt in fp32 they match the FSDP backend's (and the model's).
     modeling.reset_buffers_(model, modeling.hf_config(r.spec, cfg), r.device)
     if t.compile and not cfg.compiles_layers:
-        # Stage 3 with hooks inside each layer: DeepSpeed's own torch.compile integration (DESIGN.md
+        # Stage 3 with hooks inside each layer: DeepSpeed's own torch.compile integration (docs/MEASURED.md
         # measured it slower than eager on one H200; kept because the setting asks for it).
         engine.compile()
         r.event("info", "train.compile with deepspeed.stage3_layer_gather = false: engine.compile() "

@@ -49,12 +49,12 @@ def shard_model(r: common.Rank, model: modeling.CausalLMLoss) -> None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.precision.dtype],
                                                    reduce_dtype=reduce_dtype(cfg))
     if cfg.fsdp.cpu_offload:
-        # Pinned host memory needs an accelerator (DESIGN.md): unpinned on CPU-only runs.
+        # Pinned host memory needs an accelerator (docs/MEASURED.md): unpinned on CPU-only runs.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=cfg.fsdp.pin_memory and r.is_cuda)
     layers = modeling.decoder_layers(model.lm)
     for i, layer in enumerate(layers):
         if cfg.compiles_layers:
-            layer.compile()   # per layer, before sharding: DESIGN.md's fastest bare loop
+            layer.compile()   # per layer, before sharding: docs/MEASURED.md's fastest bare loop
         fully_shard(layer, **kwargs)
     # The root (embeddings, final norm, output head) is needed again at once by backward: keep it
     # gathered after forward instead of freeing and re-gathering it.

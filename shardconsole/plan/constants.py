@@ -67,7 +67,7 @@ FRONTEND_RSS = 48 * MiB
 FSDP_FP16_OFFLOAD_HOST_PER_PARAM = 2.5
 
 # The kernel, page cache and other processes need some RAM: a run is said to fit in host memory only
-# under this fraction of the total. DESIGN.md: a DeepSpeed run was killed at 123 GiB used of 125 GiB,
+# under this fraction of the total. docs/MEASURED.md: a DeepSpeed run was killed at 123 GiB used of 125 GiB,
 # an FSDP run with 120 GiB used trained; 0.97 * 125 = 121 GiB.
 HOST_USABLE_FRACTION = 0.97
 
@@ -78,7 +78,7 @@ DS_SUB_GROUP_SIZE = 1_000_000_000
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 # The lever "how fast" for settings_that_fit, relative to FSDP2 without offload or checkpointing, all
-# from DESIGN.md's bare loops on the H200 (0.95B, seq 2048, micro-batch 8 unless said):
+# from docs/MEASURED.md's bare loops on the H200 (0.95B, seq 2048, micro-batch 8 unless said):
 SPEED_FACTOR = {
     "fsdp": 1.0,                    # 61.5k tokens/s
     "fsdp_offload": 1.3 / 15.6,     # 3.1B under 24 GiB, full offload + checkpointing: 1.3k, against

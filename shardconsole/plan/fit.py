@@ -59,7 +59,7 @@ def _strategy_cfg(base: C.RunConfig, name: str, hw: Hardware, *, model: str | No
 
 def speed_score(cfg: C.RunConfig) -> float:
     """Relative tokens/s (1.0 = FSDP2 on GPU, no checkpointing, 0.95B at micro-batch 8 x 2048),
-    from DESIGN.md's measured bare loops (SPEED_FACTOR). Larger micro-batches use the GPU better:
+    from docs/MEASURED.md's measured bare loops (SPEED_FACTOR). Larger micro-batches use the GPU better:
     an assumed factor (tokens / (tokens + 2048)) relative to 16k tokens, not measured."""
     if cfg.parallel.backend == "fsdp":
         key = "fsdp_offload" if cfg.fsdp.cpu_offload else "fsdp"

@@ -1,0 +1,177 @@
+"""Every run kept (issue 18): TensorBoard event files read back with TensorBoard's own reader, `runs` and
+`compare` on a finished, a stopped and a failed run, and the console's runs screen. Three real 2-rank
+tiny-cpu runs, made once for the module."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import messages, of_kind, shardconsole, wait_for_steps
+
+pytestmark = pytest.mark.slow
+
+TINY = ("--preset", "tiny-cpu", "--headless", "--set", "train.log_every=1")
+
+
+def f32(x: float) -> float:
+    """A value as TensorBoard stores a scalar (float32)."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A runs root with a finished run (eval on a held-out share of a text file), a failed one (NaN loss)
+    and a stopped one, started in that order."""
+    root = tmp_path_factory.mktemp("runs-root")
+    data = root.parent / "corpus.txt"
+    words = "the quick brown fox jumps over a lazy dog and runs far away from home".split()
+    data.write_text("\n\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(60)) for i in range(200)))
+    env = {"SHARDCONSOLE_RUNS_ROOT": str(root)}
+    res = shardconsole(*TINY, "--run-dir", str(root / "20260101-000001-finished"), "--set", "train.steps=6",
+                       "--set", f"data.path={data}", "--set", "data.eval_fraction=0.2", "--set", "train.eval_every=3",
+                       env=env)
+    assert res.returncode == 0, res.stderr
+    res = shardconsole(*TINY, "--run-dir", str(root / "20260101-000002-failed"), "--set", "train.steps=6",
+                       env={**env, "SHARDCONSOLE_FAULT": "nan@step=3"})
+    assert res.returncode == 6, res.stderr            # nan_loss
+    stopped = root / "20260101-000003-stopped"
+    proc = subprocess.Popen([sys.executable, "-m", "shardconsole", *TINY, "--run-dir", str(stopped),
+                             "--set", "train.steps=100000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env={**__import__("os").environ, **env})
+    try:
+        wait_for_steps(stopped, 2, timeout=120, proc=proc)
+        res = shardconsole("stop", "000003-stop", env=env, timeout=90)     # a part of the id names the run
+        assert res.returncode == 0, res.stderr
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return root
+
+
+def test_event_file_holds_the_stream(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run = runs / "20260101-000001-finished"
+    files = [p for p in run.iterdir() if "tfevents" in p.name]
+    assert len(files) == 1, files              # one writer: the front end that ran it
+    msgs = messages(run)
+    acc = EventAccumulator(str(run))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"loss/train", "loss/eval", "optim/lr", "optim/grad_norm", "throughput/tokens_per_s", "time/step_s",
+            "memory/rank0_host_rss_GiB", "memory/rank1_host_rss_GiB", "host/ram_used_GiB",
+            "host/ranks_rss_GiB"} <= tags, tags
+    assert not any("mfu" in t or "loss_scale" in t for t in tags)     # CPU, fp32: none sent, none written
+
+    def scalars(tag):
+        return [(e.step, e.value) for e in acc.Scalars(tag)]
+    steps = of_kind(msgs, "step")
+    assert [s.step for s in steps] == [1, 2, 3, 4, 5, 6]
+    assert scalars("loss/train") == [(s.step, f32(s.loss)) for s in steps]
+    assert scalars("optim/lr") == [(s.step, f32(s.lr)) for s in steps]
+    assert scalars("optim/grad_norm") == [(s.step, f32(s.grad_norm)) for s in steps]
+    assert scalars("throughput/tokens_per_s") == [(s.step, f32(s.tokens_per_s)) for s in steps]
+    evals = of_kind(msgs, "eval")
+    assert len(evals) == 2 and scalars("loss/eval") == [(e.step, f32(e.loss)) for e in evals]
+    rank1 = [m for m in of_kind(msgs, "memory") if m.rank == 1]
+    assert scalars("memory/rank1_host_rss_GiB") == [(m.step, f32(m.host_rss_bytes / 2**30)) for m in rank1]
+    hosts = of_kind(msgs, "host")
+    assert [v for _, v in scalars("host/ram_used_GiB")] == [f32(h.used_bytes / 2**30) for h in hosts]
+
+    # Rebuilt from metrics.jsonl (a run that had no front end): the same values, still one file.
+    res = shardconsole("runs", "--tensorboard", str(run))
+    assert res.returncode == 0, res.stderr
+    again = [p for p in run.iterdir() if "tfevents" in p.name]
+    assert len(again) == 1 and again != files
+    rebuilt = EventAccumulator(str(run))
+    rebuilt.Reload()
+    assert set(rebuilt.Tags()["scalars"]) == tags
+    for tag in ("loss/train", "loss/eval", "host/ram_used_GiB", "memory/rank1_host_rss_GiB"):
+        assert [(e.step, e.value) for e in rebuilt.Scalars(tag)] == scalars(tag)
+
+
+def test_runs_lists_each_status_newest_first(runs):
+    res = shardconsole("runs", "--runs-root", str(runs), "--json")
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [r["id"] for r in rows] == ["20260101-000003-stopped", "20260101-000002-failed",
+                                       "20260101-000001-finished"]
+    stopped, failed, finished = rows
+    assert (finished["status"], finished["cause"]) == ("finished", "")
+    assert (failed["status"], failed["cause"]) == ("failed", "nan_loss")
+    assert (stopped["status"], stopped["cause"]) == ("stopped", "")
+    assert "shardconsole stop" in stopped["detail"]
+
+    steps = of_kind(messages(runs / finished["id"]), "step")
+    evals = of_kind(messages(runs / finished["id"]), "eval")
+    assert (finished["step"], finished["steps"]) == (6, 6)
+    assert finished["last_loss"] == steps[-1].loss and finished["eval_loss"] == evals[-1].loss
+    assert finished["tokens_per_s"] == statistics.median(s.tokens_per_s for s in steps[1:])
+    assert finished["mfu"] is None and finished["peak_gpu_bytes"] is None
+    ranks_rss = [h.ranks_rss_bytes for h in of_kind(messages(runs / finished["id"]), "host")]
+    assert finished["peak_host_bytes"] >= max(ranks_rss) > 0
+    assert failed["step"] < 6 and finished["backend"] == "fsdp" and finished["model"] == "tiny"
+
+    table = shardconsole("runs", "--runs-root", str(runs))
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].split()[:6] == ["id", "preset", "backend", "model", "status", "steps"]
+    assert "failed (nan_loss)" in lines[3] and "stopped" in lines[2] and "finished" in lines[4]
+    assert any("NanLossError" in line or "nan" in line.lower() for line in lines[5:])   # the cause, said
+
+
+def test_compare_three_runs(runs):
+    ids = ["000001-finished", "000002-failed", "000003-stopped"]
+    res = shardconsole("compare", *ids, "--runs-root", str(runs), "--width", "80")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    diff = out.split("Figures:")[0]
+    steps_row = next(line for line in diff.splitlines() if line.strip().startswith("train.steps"))
+    assert steps_row.split()[1:] == ["6", "6", "100000"]
+    assert "data.path" in diff and "train.log_every" not in diff       # the same in all three: not shown
+    status_row = next(line for line in out.splitlines() if line.strip().startswith("status"))
+    assert status_row.split()[1:] == ["finished", "failed", "(nan_loss)", "stopped"]
+    plot = out.split("loss (train)")[1].split("tokens/s")[0]
+    assert "*" in plot and "o" in plot and "+ 20260101-000003-stopped" in plot   # each run's curve and legend
+    assert "loss (eval)" in out and "tokens/s" in out
+
+    one = shardconsole("compare", ids[0], "--runs-root", str(runs))
+    assert one.returncode == 2 and one.stderr.count("\n") == 1 and "at least two" in one.stderr
+    missing = shardconsole("compare", ids[0], "no-such-run", "--runs-root", str(runs))
+    assert missing.returncode == 2 and "no run 'no-such-run'" in missing.stderr and "Traceback" not in missing.stderr
+
+
+async def test_console_runs_screen(runs):
+    from textual.app import App
+    from textual.widgets import DataTable
+
+    from shardconsole.console.screens.runs import CompareScreen, RunsScreen
+    from shardconsole.console.widgets.line_plot import LinePlot
+
+    class Host(App):
+        def on_mount(self) -> None:
+            self.push_screen(RunsScreen(runs))
+
+    app = Host()
+    async with app.run_test(size=(140, 30)) as pilot:
+        table = app.screen.query_one(DataTable)
+        for _ in range(200):
+            if table.row_count:
+                break
+            await pilot.pause(0.05)
+        assert table.row_count == 3
+        statuses = [str(table.get_row_at(i)[5]) for i in range(3)]
+        assert statuses == ["stopped", "failed (nan_loss)", "finished"]
+        await pilot.press("space", "down", "down", "space", "c")
+        assert isinstance(app.screen, CompareScreen)
+        ids = [r.run_id for r in app.screen.runs]
+        assert ids == ["20260101-000003-stopped", "20260101-000001-finished"]
+        loss = app.screen.query_one("#loss-plot", LinePlot)
+        assert [s.label for s in loss.series] == ids
+        assert list(loss.series[1].ys) == [s.loss for s in of_kind(messages(runs / ids[1]), "step")]

@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 
 from shardconsole import config as C
-from shardconsole import flight_recorder
+from shardconsole import doctor_verdict, flight_recorder
 from shardconsole import process_identity as PI
 
 WORKER_MODULE = PI.WORKER_MODULE
@@ -188,6 +188,11 @@ def child_env(cfg: C.RunConfig, base: dict[str, str] | None = None) -> dict[str,
 
 def _launch_env(cfg: C.RunConfig, env: dict[str, str] | None) -> dict[str, str]:
     out = child_env(cfg, env)
+    if cfg.parallel.device != "cpu" and "NCCL_P2P_DISABLE" not in out:
+        why = doctor_verdict.p2p_broken_here()   # this machine's saved doctor verdict; rank 0 says it
+        if why:
+            out["NCCL_P2P_DISABLE"] = "1"
+            out[doctor_verdict.P2P_NOTE_ENV] = why
     if cfg.parallel.nnodes == 1 and not cfg.parallel.rdzv_endpoint:
         out.setdefault("GLOO_SOCKET_IFNAME", "lo")    # one node: gloo's pair sockets on loopback too
     return out

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from shardconsole import config as C
 from shardconsole import protocol as P
+from shardconsole.doctor_verdict import P2P_NOTE_ENV
 from shardconsole.runfolder import LOGS_DIR, METRICS_FILE, PRESET_FILE
 from shardconsole.models import ModelSpec, resolve
 from shardconsole.stream import MetricsWriter
@@ -137,6 +138,8 @@ def start(run_dir: Path, run_id: str) -> Rank:
                    pid=os.getpid(), device=str(device), gpu_name=gpu_name, gpu_uuid=uuid,
                    backend=cfg.parallel.backend, n_params=spec.n_params))
     r.phase("starting")
+    if rank == 0 and os.environ.get(P2P_NOTE_ENV):     # the launch turned NCCL's P2P off: say why
+        r.event("info", os.environ[P2P_NOTE_ENV])
     limit = cfg.gpu_memory_limit_bytes
     if use_cuda and limit:
         total = torch.cuda.get_device_properties(device).total_memory

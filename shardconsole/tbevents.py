@@ -80,7 +80,7 @@ def _gb(n: float | None) -> float | None:
 # ---------------------------------------------------------------------------------------------------
 # The file format: TFRecord framing (length, masked CRC-32C of it, data, masked CRC-32C of the data)
 # around Event protobufs (wall_time=1 double, step=2 int64, file_version=3 string, summary=5,
-# session_log=6); Summary.value=1 {tag=1 string, simple_value=2 float}.
+# session_log=7); Summary.value=1 {tag=1 string, simple_value=2 float}.
 
 def _crc32c_table() -> list[int]:
     table = []
@@ -140,7 +140,7 @@ def event(wall_time: float, step: int, *, values: Iterable[tuple[str, float]] = 
     if summary:
         body += _field(5, summary)
     if session_start:      # SessionLog{status: START}: TensorBoard drops what a resumed run replays
-        body += _field(6, _varint(1 << 3) + _varint(1))
+        body += _field(7, _varint(1 << 3) + _varint(1))
     return record(body)
 
 

@@ -175,3 +175,30 @@ async def test_console_runs_screen(runs):
         loss = app.screen.query_one("#loss-plot", LinePlot)
         assert [s.label for s in loss.series] == ids
         assert list(loss.series[1].ys) == [s.loss for s in of_kind(messages(runs / ids[1]), "step")]
+
+
+def test_resumed_session_replaces_replayed_steps(tmp_path):
+    """A resumed run appends a session that restarts from its checkpoint: TensorBoard (through the
+    SessionLog START the writer puts before its first step) and the run list keep the newest values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from shardconsole import protocol as P
+    from shardconsole.history.index import summarize
+    from shardconsole.tbevents import rebuild
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "preset.toml").write_text('[model]\nname = "tiny"\n')
+    lines = [P.Hello(run="run", rank=0, t=1.0)]
+    lines += [P.Step(run="run", rank=0, t=1.0 + s, step=s, steps=6, loss=10.0 + s) for s in range(1, 6)]
+    lines += [P.Hello(run="run-resume-1", rank=0, t=20.0)]
+    lines += [P.Step(run="run-resume-1", rank=0, t=20.0 + s, step=s, steps=6, loss=1.0 + s) for s in range(4, 7)]
+    lines += [P.Finished(run="run-resume-1", rank=0, t=30.0, steps=6)]
+    (run / "metrics.jsonl").write_text("".join(P.encode(m) + "\n" for m in lines))
+    assert rebuild(run).path is not None
+    acc = EventAccumulator(str(run))
+    acc.Reload()
+    expected = [(1, 11.0), (2, 12.0), (3, 13.0), (4, 5.0), (5, 6.0), (6, 7.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("loss/train")] == expected
+    s = summarize(run)
+    assert s.loss == expected and s.status == "finished" and s.last_loss == 7.0

@@ -55,6 +55,7 @@ def export(run_dir: Path, project: str = "shardconsole") -> str:
             run.log(values, step=step)
     finally:
         run.finish()
-    where = getattr(run, "dir", "") or str(folder.path / "wandb")
+    files = getattr(run, "dir", "")       # <run folder>/wandb/offline-run-<time>-<id>/files: sync takes its parent
+    where = str(Path(files).parent) if files else str(folder.path / "wandb")
     return f"{folder.run_id}: W&B run {mode} in {where}" + ("  (upload: `wandb sync` on that folder)"
                                                              if mode == "offline" else "")

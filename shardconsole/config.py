@@ -158,6 +158,11 @@ class FsdpSettings:
     forward_prefetch: int = _f(1, "decoder layers whose all-gather is issued ahead in forward", min=0, max=8)
     backward_prefetch: int = _f(1, "decoder layers whose all-gather is issued ahead in backward", min=0, max=8)
     pin_memory: bool = _f(True, "pin host memory of offloaded parameters (GPU only)")
+    # backends/pinned_arena.py: torch pins each tensor in a power-of-two block (28 GB of 7B fp32 shards
+    # take ~40 GB pinned); one region pinned in place wastes nothing.
+    host_arena: bool = _f(
+        True, "offload: the shards and Adam's states in one host region pinned in place (no power-of-two "
+        "rounding per tensor); false: torch pins each shard itself")
     offload_compute_copy: bool = _f(
         False, "offload with fp32 masters: send the GPU a bf16/fp16 host copy of the shards (half the PCIe "
         "bytes; 2 more host bytes a parameter and a cast each step)")

@@ -90,3 +90,93 @@ def test_norm_summed_at_each_reduce_scatter_is_the_host_gradients_norm(tmp_path)
         assert norm.take() is None
     finally:
         dist.destroy_process_group()
+
+
+def _offloaded_net(seed: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    torch.manual_seed(seed)
+    net = _Net()
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in net.layers:
+        fully_shard(layer, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    fully_shard(net, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    return net
+
+
+def test_host_arena_holds_shards_and_states_and_trains_alike(tmp_path):
+    """pinned_arena.ShardArena on a CPU rank (nothing pinned, the same layout): every shard and Adam state
+    is a view of the one region, at aligned offsets, through forward, the step and a checkpoint-style
+    reload of the optimizer state; the updates are those of the same model without the arena."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from shardconsole.backends import pinned_arena
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        plain, packed = _offloaded_net(0), _offloaded_net(0)
+        arena = pinned_arena.ShardArena(packed, pin=False, rounding="fp32", copy_dtype=None, grads_pinned=False)
+        warned = []
+        arena.watch(packed, warned.append)
+        fps = offload.fsdp_params(packed)
+        assert len(fps) == 8 and all(arena.arena.holds(fp._sharded_param_data) for fp in fps)
+        assert all((fp._sharded_param_data.data_ptr() - arena.arena.buf.data_ptr()) % pinned_arena.ALIGN == 0
+                   for fp in fps)
+        for a, b in zip(plain.parameters(), packed.parameters()):
+            assert torch.equal(a.to_local(), b.to_local())
+            assert arena.arena.holds(b.to_local())
+        opts = [torch.optim.AdamW(n.parameters(), lr=1e-2, fused=True) for n in (plain, packed)]
+        assert arena.place_states(opts[1]) == 16             # exp_avg and exp_avg_sq of 8 parameters
+        assert arena.check(opts[1]) == []
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            for net, opt in zip((plain, packed), opts):
+                net(x).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        assert warned == [] and arena.check(opts[1]) == []
+        for a, b in zip(plain.parameters(), packed.parameters()):
+            torch.testing.assert_close(b.to_local(), a.to_local(), rtol=0, atol=0)
+        # A reload that hands the optimizer new tensors (as a checkpoint from elsewhere does): back in place.
+        sd = get_optimizer_state_dict(packed, opts[1])
+        sd["state"] = {k: {n: (v.clone() if n != "step" else v) for n, v in s.items()} for k, s in sd["state"].items()}
+        set_optimizer_state_dict(packed, opts[1], sd)
+        assert arena.check(opts[1]) != []
+        assert arena.place_states(opts[1]) == 16 and arena.check(opts[1]) == []
+        for a, b in zip(opts[0].state.values(), opts[1].state.values()):
+            torch.testing.assert_close(b["exp_avg"].to_local(), a["exp_avg"].to_local(), rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_offloaded_kahan_run_keeps_its_state_in_the_arena_and_resumes_exactly(tmp_path):
+    """A real 2-rank offloaded run (torchrun, gloo, CPU ranks) with bf16 masters and Kahan rounding: the
+    shards and Adam's states with the compensation buffer live in the host arena; the checkpoint holds the
+    compensation in bf16; resumed from step 3 the run repeats steps 4-6 exactly (the arena takes the
+    loaded state, the rounding noise follows the checkpointed step)."""
+    import shutil
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from tests.conftest import messages, of_kind, shardconsole
+    ckpt = tmp_path / "ckpt"
+    base = ["--preset", "tiny-cpu", "--headless", "--set", "precision.dtype=bf16",
+            "--set", "precision.master_dtype=bf16", "--set", "precision.master_rounding=kahan",
+            "--set", "fsdp.cpu_offload=true", "--set", "train.steps=6", "--set", "train.log_every=1",
+            "--set", "train.save_final=false", "--set", f"train.checkpoint_dir={ckpt}"]
+    first = tmp_path / "first"
+    res = shardconsole(*base, "--run-dir", str(first), "--set", "train.checkpoint_every=3")
+    assert res.returncode == 0, res.stderr[-2000:]
+    log = (first / "logs" / "rank0.log").read_text()
+    assert "host arena:" in log and "optimizer states" in log and "left the arena" not in log, log[-2000:]
+    meta = FileSystemReader(str(ckpt / "step_00000003")).read_metadata().state_dict_metadata
+    comp = {k: v for k, v in meta.items() if k.startswith("optim.state.") and k.endswith("compensation")}
+    assert comp and {str(v.properties.dtype) for v in comp.values()} == {"torch.bfloat16"}
+    shutil.rmtree(ckpt / "step_00000006")
+    second = tmp_path / "second"
+    res = shardconsole(*base, "--run-dir", str(second), "--set", "train.resume=true")
+    assert res.returncode == 0, res.stderr[-2000:]
+    want = [(m.step, m.loss, m.grad_norm) for m in of_kind(messages(first), "step")][3:]
+    got = [(m.step, m.loss, m.grad_norm) for m in of_kind(messages(second), "step")]
+    assert [s for s, *_ in got] == [4, 5, 6]
+    assert got == want

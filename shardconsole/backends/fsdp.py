@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from shardconsole.backends import (checkpoints, common, fsdp_step, master_update, metrics, modeling, offload,
-                                   step_timing, trainstate)
+                                   pinned_arena, step_timing, trainstate)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -50,7 +50,9 @@ def shard_model(r: common.Rank, model: modeling.CausalLMLoss) -> None:
                                                    reduce_dtype=reduce_dtype(cfg))
     if cfg.fsdp.cpu_offload:
         # Pinned host memory needs an accelerator (docs/MEASURED.md): unpinned on CPU-only runs.
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=cfg.fsdp.pin_memory and r.is_cuda)
+        # With the host arena the shards are pinned in one region (pinned_arena.py), not by FSDP2.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=cfg.fsdp.pin_memory and r.is_cuda
+                                                    and not cfg.fsdp.host_arena)
     layers = modeling.decoder_layers(model.lm)
     for i, layer in enumerate(layers):
         if cfg.compiles_layers:
@@ -96,9 +98,18 @@ def build(r: common.Rank) -> modeling.CausalLMLoss:
     else:
         modeling.init_random_(model, float(getattr(hf_cfg, "initializer_range", 0.02)), r.cfg.train.seed, r.rank,
                               draw_on=r.device if r.is_cuda else None)
+    arena = None
+    if r.cfg.fsdp.cpu_offload and r.cfg.fsdp.host_arena:
+        pin = r.cfg.fsdp.pin_memory and r.is_cuda
+        prec = r.cfg.precision
+        arena = r.extra["arena"] = pinned_arena.ShardArena(
+            model, pin=pin, rounding=prec.master_rounding if prec.master_dtype == "bf16" else "fp32",
+            copy_dtype=DTYPES[prec.dtype] if uses_compute_copy(r.cfg) else None, grads_pinned=pin)
+        arena.watch(model, lambda line: r.event("warning", line))
+        r.log(arena.describe())
     if uses_compute_copy(r.cfg):
         copy = r.extra["compute_copy"] = offload.ComputeCopy(model, DTYPES[r.cfg.precision.dtype],
-                                                             pin=r.cfg.fsdp.pin_memory and r.is_cuda)
+                                                             pin=r.cfg.fsdp.pin_memory and r.is_cuda, arena=arena)
         r.log(f"offload: all-gathers read a {r.cfg.precision.dtype} host copy of {len(copy.params)} shards "
               f"({copy.nbytes / 2**20:,.1f} MiB)")
     model.train()
@@ -162,6 +173,8 @@ def resume(r: common.Rank, model, optim, scaling: fsdp_step.LossScaling, data: t
                                           f"{_first_cause(e)}") from e
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optim, state["optim"])
+    if "arena" in r.extra:
+        r.extra["arena"].place_states(optim)      # where DCP's load left them, if not in place
     refresh_compute_copy(r)
     step = int(state["step"])
     _restore_rank_state(r, found, scaling)
@@ -199,6 +212,8 @@ def train(r: common.Rank) -> None:
     stop = trainstate.StopRequest(r)
     model = build(r)
     optim = make_optimizer(r, model)
+    if "arena" in r.extra:
+        r.extra["arena"].place_states(optim)      # Adam's states in the host arena before the first step
     scaling = fsdp_step.LossScaling(r)
     data = trainstate.Data(r)                 # before resume: resume moves it to the checkpoint's position
     evaluator = trainstate.Evaluator(r)

@@ -76,7 +76,6 @@ class RoundedAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True))
         self.rounding, self.seed, self.chunk = rounding, seed, chunk
         self.grad_scale: torch.Tensor | None = None
-        self._steps = 0
 
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -94,7 +93,6 @@ class RoundedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._steps += 1
         scales: dict[torch.device, torch.Tensor] = {}
         index = 0
         for group in self.param_groups:
@@ -131,7 +129,7 @@ class RoundedAdamW(torch.optim.Optimizer):
             torch._fused_adamw_([w], [g], [m], [v], [], [step_t], lr=lr, beta1=beta1, beta2=beta2,
                                 weight_decay=wd, eps=eps, amsgrad=False, maximize=False, grad_scale=scale,
                                 found_inf=None)
-            base = (self.seed, self._steps, index, j)
+            base = (self.seed, int(step), index, j)  # the checkpointed step: a resumed run rounds alike
             if len(part) == 5:
                 part[0].copy_(w)                      # nearest
                 part[4].copy_(w.sub_(part[0]))        # the remainder, exact in fp32, rounded into bf16

@@ -74,7 +74,7 @@ class ComputeCopy:
     the all-gather inputs. Costs 2 host bytes a parameter (bf16); `refresh` after every change of the
     shards (build, load, each optimizer step) or the GPU computes with stale weights."""
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, pin: bool) -> None:
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, pin: bool, arena=None) -> None:
         from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
         # Before the first forward (FSDP2's lazy init) FSDPParam has no dtype attributes yet: decide from
         # the shard itself.
@@ -82,9 +82,12 @@ class ComputeCopy:
                        if fp.offload_to_cpu and fp.sharded_param.dtype.is_floating_point
                        and fp.sharded_param.dtype != dtype]
         sizes = [fp._sharded_param_data.numel() for fp in self.params]
-        self.flat = torch.zeros(sum(sizes), dtype=dtype)
-        if pin and self.flat.numel():
-            _pin(self.flat)
+        if arena is not None:       # pinned_arena.ShardArena: already page-locked (or a CPU rank)
+            self.flat = arena.take_copy(sum(sizes), dtype)
+        else:
+            self.flat = torch.zeros(sum(sizes), dtype=dtype)
+            if pin and self.flat.numel():
+                _pin(self.flat)
         classes: dict[type, type] = {}
         for fp, view in zip(self.params, torch.split(self.flat, sizes)):
             if not isinstance(fp, FSDPParam) or not isinstance(getattr(type(fp), "all_gather_inputs", None), property):

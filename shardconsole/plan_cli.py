@@ -187,7 +187,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         if cands is not None:
             out["model"] = cfg.model.name
             out["settings_that_fit"] = [
-                {"name": c.name, "overrides": c.overrides, "speed": round(c.speed, 4),
+                {"name": c.name, "overrides": c.overrides, "speed": round(c.speed, 4), "speed_unit": c.speed_unit,
+                 "speed_source": c.speed_source,
                  "gpu_peak_bytes": c.estimate.gpu_peak_bytes, "host_peak_bytes": c.estimate.host_peak_bytes}
                 for c in cands]
         print(json.dumps(out))
@@ -202,12 +203,17 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     print("  (GPU peak as NVML would show it, context included; host: the node's RAM, ranks + launcher)")
     if cands is not None:
         print(f"\nsettings that fit {cfg.model.name} (seq_len {cfg.data.seq_len}, {cfg.precision.dtype}), fastest first")
-        print("  speed is relative tokens/s from the bare loops measured on an H200 (docs/MEASURED.md; 1.00 = FSDP2 on GPU, no checkpointing)")
+        unit = cands[0].speed_unit if cands else "relative"
+        print("  speed: tokens/s measured on this machine (probes of `shardconsole tune`, finished runs), scaled "
+              "where only similar settings were measured" if unit == "tokens/s" else
+              "  speed: relative tokens/s from the fixed factors (1.00 = FSDP2 on an H200, no checkpointing); "
+              "`shardconsole tune` measures this machine")
         if not cands:
             print("  none: no strategy fits this model here; more GPUs, more host RAM or a shorter sequence")
         for c in cands[:15]:
             e = c.estimate
-            print(f"  {c.speed:5.2f}  {c.name:<52} GPU {C.format_size(e.gpu_peak_bytes):>10}  "
+            speed = f"{c.speed:7.0f}" if c.speed_unit == "tokens/s" else f"{c.speed:7.2f}"
+            print(f"  {speed}  {c.name:<52} GPU {C.format_size(e.gpu_peak_bytes):>10}  "
                   f"host {C.format_size(e.host_peak_bytes):>10}")
         if len(cands) > 15:
             print(f"  ... {len(cands) - 15} more (--json lists all)")

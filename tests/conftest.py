@@ -34,6 +34,14 @@ def _runs_root(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _speeds_file(tmp_path_factory, monkeypatch):
+    """Measured speeds (plan/speeds.py) go to a temporary file, never the user's data folder."""
+    f = tmp_path_factory.mktemp("speeds") / "speeds.jsonl"
+    monkeypatch.setenv("SHARDCONSOLE_SPEEDS_FILE", str(f))
+    return f
+
+
+@pytest.fixture(autouse=True)
 def _token_cache(tmp_path_factory, monkeypatch):
     """Token caches of test runs go to a temporary folder, never the user's cache (one per session:
     tests that read the same file share its cache, as ranks of one machine do)."""

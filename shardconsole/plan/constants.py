@@ -77,14 +77,18 @@ DS_SUB_GROUP_SIZE = 1_000_000_000
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
-# The lever "how fast" for settings_that_fit, relative to FSDP2 without offload or checkpointing, all
-# from docs/MEASURED.md's bare loops on the H200 (0.95B, seq 2048, micro-batch 8 unless said):
+# The cold start of "how fast" (plan/speeds.py: measurements on the user's machine replace it),
+# relative to FSDP2 without offload or checkpointing, from docs/MEASURED.md's bare loops on the H200 (0.95B,
+# seq 2048, micro-batch 8 unless said):
 SPEED_FACTOR = {
     "fsdp": 1.0,                    # 61.5k tokens/s
-    "fsdp_offload": 1.3 / 15.6,     # 3.1B under 24 GiB, full offload + checkpointing: 1.3k, against
-                                    # 19.5k * 0.80 (checkpointing) = 15.6k for the same model on GPU
+    # FSDP2 offload against ZeRO-3 offload of parameters and optimizer in the same call: 3.1B under 24 GiB,
+    # 4.33k and 4.41k tokens/s against 3.64k and 3.82k (benchmarks/data/h200_issue7c.json, off-3b-*): 1.17x.
+    # (The old 1.3/15.6 came from a run before the host step was fused; it ranked DeepSpeed first.)
+    "fsdp_offload": 1.17 * 19.6 / 49.1 * 49.1 / 61.5,
     "zero3": 49.1 / 61.5,           # 49.1k tokens/s
     "zero2": 49.1 / 61.5,           # not measured: assumed as ZeRO-3 (fewer gathers, same reductions)
+    "zero0": 49.1 / 61.5,           # not measured: assumed as ZeRO-2
     "zero3_offload_opt": 14.7 / 49.1 * 49.1 / 61.5,    # 14.7k
     "zero3_offload_all": 19.6 / 49.1 * 49.1 / 61.5,    # 19.6k (params+optimizer beat optimizer only)
     "zero2_offload_opt": 14.7 / 49.1 * 49.1 / 61.5,    # not measured: assumed as ZeRO-3's

@@ -129,13 +129,19 @@ class Candidate:
     name: str                       # e.g. "ZeRO-3, checkpointing, micro_batch 4"
     overrides: list[str]            # --set arguments that turn cfg into this candidate
     estimate: Estimate
-    speed: float                    # relative tokens/s (speed_score)
+    speed: float                    # predicted tokens/s, or relative (speed_unit) on a cold start
+    speed_unit: str = "relative"
+    speed_source: str = "cold start"    # "measured", "scaled" (plan/speeds.py) or "cold start"
 
 
 def settings_that_fit(cfg: C.RunConfig, hardware: Hardware, spec: ModelSpec | None = None,
-                      micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> list[Candidate]:
+                      micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32), book: Any = None) -> list[Candidate]:
     """Every strategy x checkpointing x micro-batch for cfg's model, sequence length and dtype that
-    fits on `hardware`, fastest first (speed_score; ties: less GPU memory first)."""
+    fits on `hardware`, fastest first (ties: less GPU memory first). Ranked like `tune` ranks: by the
+    speeds measured on this machine (plan/speeds.py SpeedBook, loaded from the user data folder unless
+    given), the fixed factors only where nothing was measured."""
+    from shardconsole.plan.speeds import SpeedBook
+    book = book if book is not None else SpeedBook.load()
     spec = spec or resolve(cfg.model.name)
     out = []
     for strategy in {**STRATEGIES, **EXTRA_STRATEGIES}:
@@ -151,7 +157,8 @@ def settings_that_fit(cfg: C.RunConfig, hardware: Hardware, spec: ModelSpec | No
                               f"memory.activation_checkpointing={_toml(ckpt)}", f"train.micro_batch={mb}",
                               f"train.grad_accum={c2.train.grad_accum}"]
                 name = f"{strategy}, {'checkpointing' if ckpt else 'no checkpointing'}, micro_batch {mb}"
-                out.append(Candidate(name, overrides, est, speed_score(c2)))
+                p = book.predict(c2, hardware)
+                out.append(Candidate(name, overrides, est, p.value, p.unit, p.source))
     out.sort(key=lambda cand: (-round(cand.speed, 6), cand.estimate.gpu_peak_bytes))
     return out
 

@@ -1,0 +1,164 @@
+"""The settings `shardconsole tune` may try: every combination of the levers that change memory and
+speed and keep what is trained the same (the global batch, the model, the data), that the planner
+says fits, ranked by the predicted speed (plan/speeds.py). Pure: no torch, no launches.
+
+The levers: the engine and its sharding or ZeRO stage, offload (none / optimizer / parameters and
+optimizer), activation checkpointing and its policy, the micro-batch with gradient accumulation
+keeping micro_batch x grad_accum, train.compile (GPU only), the master dtype, and DeepSpeed's
+reduce bucket (it sets a GPU buffer; smaller buckets fit under tighter caps). A key the user fixed
+(`--set table.key=...`) is never searched.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardconsole import config as C
+from shardconsole.models import ModelSpec
+from shardconsole.plan.estimator import Estimate, estimate, replace_cfg
+from shardconsole.plan.fit import EXTRA_STRATEGIES, STRATEGIES, _toml
+from shardconsole.plan.machine import Hardware
+from shardconsole.plan.speeds import Prediction, SpeedBook
+
+ALL_STRATEGIES = {**STRATEGIES, **EXTRA_STRATEGIES}
+OFFLOADING = {"full_shard+offload", "ZeRO-3+offload", "ZeRO-3+optimizer offload", "ZeRO-2+optimizer offload"}
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass
+class Option:
+    name: str                                   # "ZeRO-3, full checkpointing, micro_batch 4 x 2"
+    changes: list[tuple[str, str, Any]]         # (table, key, value) applied to the base settings
+    cfg: C.RunConfig
+    estimate: Estimate
+    prediction: Prediction
+    baseline: bool = False                      # the settings as given, nothing searched
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"{t}.{k}={_toml(v)}" for t, k, v in self.changes]
+
+
+def _strategy_of(cfg: C.RunConfig) -> str:
+    if cfg.parallel.backend == "fsdp":
+        return "full_shard+offload" if cfg.fsdp.cpu_offload else cfg.fsdp.sharding
+    d = cfg.deepspeed
+    z = "ZeRO-3" if d.stage == 3 else "ZeRO-2"
+    if d.offload_param != "none":
+        return "ZeRO-3+offload"
+    if d.offload_optimizer != "none":
+        return f"{z}+optimizer offload"
+    return z
+
+
+def describe(cfg: C.RunConfig) -> str:
+    m = cfg.memory
+    ckpt = f"{m.checkpoint_policy} checkpointing" if m.activation_checkpointing else "no checkpointing"
+    parts = [_strategy_of(cfg), ckpt, f"micro_batch {cfg.train.micro_batch} x {cfg.train.grad_accum}"]
+    if cfg.train.compile:
+        parts.append("compiled")
+    if cfg.precision.master_dtype == "bf16":
+        parts.append("bf16 masters")
+    if cfg.parallel.backend == "deepspeed" and cfg.deepspeed.reduce_bucket_size != C.RunConfig().deepspeed.reduce_bucket_size:
+        parts.append(f"bucket {cfg.deepspeed.reduce_bucket_size:.0e}")
+    return ", ".join(parts)
+
+
+def _levers(base: C.RunConfig, fixed: set[str]) -> dict[str, list[list[tuple[str, str, Any]]]]:
+    """Each lever: the alternatives, each a list of changes. A fixed key keeps the base's value."""
+    on_cpu = base.parallel.device == "cpu"
+    free = lambda *keys: not any(k in fixed for k in keys)          # noqa: E731
+    strategies = [n for n in ALL_STRATEGIES if not (on_cpu and n in OFFLOADING)]
+    if not free("parallel.backend", "fsdp.sharding", "fsdp.cpu_offload", "deepspeed.stage",
+                "deepspeed.offload_optimizer", "deepspeed.offload_param"):
+        strategies = []
+    out: dict[str, list[list[tuple[str, str, Any]]]] = {
+        "strategy": [list(ALL_STRATEGIES[n]) for n in strategies] or [[]]}
+    if free("memory.activation_checkpointing", "memory.checkpoint_policy"):
+        out["checkpointing"] = [[("memory", "activation_checkpointing", False)],
+                                [("memory", "activation_checkpointing", True), ("memory", "checkpoint_policy", "full")],
+                                [("memory", "activation_checkpointing", True),
+                                 ("memory", "checkpoint_policy", "selective")]]
+    global_batch = base.train.micro_batch * base.train.grad_accum
+    if free("train.micro_batch", "train.grad_accum"):
+        mbs = sorted({mb for mb in MICRO_BATCHES if global_batch % mb == 0} | {base.train.micro_batch})
+        out["micro_batch"] = [[("train", "micro_batch", mb), ("train", "grad_accum", global_batch // mb)] for mb in mbs]
+    if free("train.compile") and not on_cpu:
+        out["compile"] = [[("train", "compile", False)], [("train", "compile", True)]]
+    if free("precision.master_dtype") and base.precision.dtype == "bf16":
+        out["masters"] = [[("precision", "master_dtype", "fp32")], [("precision", "master_dtype", "bf16")]]
+    if free("deepspeed.reduce_bucket_size"):
+        b = base.deepspeed.reduce_bucket_size
+        out["bucket"] = [[("deepspeed", "reduce_bucket_size", b)], [("deepspeed", "reduce_bucket_size", max(b // 4, 10**6))]]
+    return out
+
+
+def _irrelevant(cfg: C.RunConfig) -> str:
+    """The table of the engine these settings do not use: its keys change nothing."""
+    return "deepspeed" if cfg.parallel.backend == "fsdp" else "fsdp"
+
+
+def _key(cfg: C.RunConfig) -> str:
+    d = cfg.to_dict()
+    d.pop(_irrelevant(cfg), None)
+    d.pop("description", None)
+    return repr(sorted((k, repr(v)) for k, v in d.items()))
+
+
+def _effective(cfg: C.RunConfig, base: C.RunConfig, changes: list[tuple[str, str, Any]]) -> list[tuple[str, str, Any]]:
+    """The changes that matter for these settings (a DeepSpeed bucket under FSDP does not) and differ
+    from the base, each once (the last value given wins)."""
+    out: dict[tuple[str, str], Any] = {}
+    for t, k, v in changes:
+        if t != _irrelevant(cfg) and getattr(getattr(base, t), k) != getattr(getattr(cfg, t), k):
+            out[(t, k)] = getattr(getattr(cfg, t), k)
+    return [(t, k, v) for (t, k), v in out.items()]
+
+
+def options(base: C.RunConfig, spec: ModelSpec, hw: Hardware, book: SpeedBook, *,
+            fixed: set[str] = frozenset(), limit: int = 2000) -> list[Option]:
+    """Every combination of the free levers that validates and fits, fastest predicted first (ties: less
+    GPU memory first); the settings as given are in the list as the baseline whether they fit or not."""
+    levers = _levers(base, set(fixed))
+    seen: set[str] = set()
+    out: list[Option] = []
+    base_key = _key(base)
+    for combo in itertools.islice(itertools.product(*levers.values()), limit):
+        changes = [c for group in combo for c in group]
+        try:
+            cfg = _fill_launcher(replace_cfg(base, *changes), base)
+            C.validate(cfg, "tune")
+        except (C.ConfigError, ValueError, TypeError):
+            continue
+        key = _key(cfg)
+        if key in seen:
+            continue
+        seen.add(key)
+        est = estimate(cfg, spec, hw)
+        if not est.fits and key != base_key:
+            continue
+        out.append(Option(describe(cfg), _effective(cfg, base, changes + [("parallel", "launcher", None)]), cfg, est,
+                          book.predict(cfg, hw), baseline=key == base_key))
+    if base_key not in seen:
+        out.append(Option(describe(base), [], base, estimate(base, spec, hw), book.predict(base, hw), baseline=True))
+    rank(out, book, hw)
+    return out
+
+
+def _fill_launcher(cfg: C.RunConfig, base: C.RunConfig) -> C.RunConfig:
+    """A DeepSpeed run made from FSDP settings keeps torchrun (fit._strategy_cfg does the same)."""
+    if cfg.parallel.backend != base.parallel.backend:
+        cfg = replace_cfg(cfg, ("parallel", "launcher", "torchrun"))
+    return cfg
+
+
+def rank(opts: list[Option], book: SpeedBook, hw: Hardware) -> None:
+    """Predict again with what the book holds now (a probe just measured one: its strategy's ratio
+    moves the others), and sort fastest first; ties: less memory first. The options share the model,
+    sequence and machine, so their predictions share one unit (SpeedBook.predict)."""
+    for o in opts:
+        o.prediction = book.predict(o.cfg, hw)
+    opts.sort(key=lambda o: (-o.prediction.value, o.estimate.gpu_peak_bytes or o.estimate.host_peak_bytes))

@@ -1,0 +1,172 @@
+"""`shardconsole tune` (issue 16): real 2-rank CPU probes, a failing probe reported and skipped, the
+winner written as a preset that then runs; the ranking by measured speeds (plan/speeds.py), the same
+ranking in `plan --fit` and the hint after a GPU OOM; bad input as one line."""
+
+from __future__ import annotations
+
+import json
+import socket
+import tomllib
+
+import pytest
+
+from conftest import messages, of_kind, shardconsole
+from shardconsole import cli
+from shardconsole import config as C
+from shardconsole import plan as PL
+from shardconsole.models import resolve
+from shardconsole.plan import search
+from shardconsole.plan.speeds import SpeedBook, record_of, speeds_file
+from shardconsole.tune import cli as tune_cli
+from shardconsole.tune.report import HEADER_MARK, write_preset
+
+GiB = 2**30
+H200 = PL.Hardware(gpus=1, gpu_memory_bytes=143771 * 2**20, host_memory_bytes=125 * GiB, gpu_name="NVIDIA H200")
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """One real tune of tiny-cpu: two probes of 3 steps on 2 CPU ranks. The settings as given (probed
+    first) are made unable to start: a port this test holds is their rendezvous port, so the launch
+    refuses them (session/rundir.check_port_free) before any process starts."""
+    mp = pytest.MonkeyPatch()
+    base = tmp_path_factory.mktemp("tune")
+    mp.setenv("SHARDCONSOLE_PRESETS_DIR", str(base / "presets"))
+    mp.setenv("SHARDCONSOLE_SPEEDS_FILE", str(base / "speeds.jsonl"))
+    mp.setenv("SHARDCONSOLE_RUNS_ROOT", str(base / "runs"))
+    args = tune_cli._parser().parse_args(["--preset", "tiny-cpu", "--max-probes", "2", "--probe-steps", "3",
+                                          "--budget", "150s", "-o", "tiny-tuned"])
+    tune, source, name = tune_cli.setup(args)
+    tune.plan()
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen(1)
+    baseline = next(o for o in tune.options if o.baseline)
+    baseline.cfg = PL.replace_cfg(baseline.cfg, ("parallel", "master_port", held.getsockname()[1]))
+    try:
+        winner = tune.run()
+    finally:
+        held.close()
+    path = write_preset(tune, winner, name, source) if winner else None
+    yield {"tune": tune, "winner": winner, "path": path, "base": base, "name": name}
+    mp.undo()
+
+
+def test_a_failing_probe_is_reported_and_skipped_and_the_winner_is_measured(tuned):
+    tune = tuned["tune"]
+    first, second = tune.rows
+    assert first.option.baseline and first.result.status == "cannot start"
+    assert "already in use" in first.result.message
+    assert second.result.ok, second.result.message
+    assert second.result.steps == 3
+    assert second.result.tokens_per_s > 0
+    assert second.result.host_peak_bytes > 100 * 2**20        # two real ranks' RSS
+    assert tuned["winner"] is second
+    # the probe ran through the normal path: a run folder with the ranks' stream, ended, nothing left
+    msgs = messages(tune.root / "probe-02")
+    assert len(of_kind(msgs, "hello")) == 2 and of_kind(msgs, "finished")
+    # what it measured is kept for the next ranking, under this machine and these settings
+    book = SpeedBook.load(tuned["base"] / "speeds.jsonl")
+    assert [r.tokens_per_s for r in book.records] == [second.result.tokens_per_s]
+    assert book.predict(second.option.cfg, tune.hw).source == "measured"
+
+
+def test_the_written_preset_holds_the_figures_and_runs(tuned, tmp_path):
+    path, winner = tuned["path"], tuned["winner"]
+    text = path.read_text()
+    assert text.startswith(HEADER_MARK)
+    assert f"{winner.result.tokens_per_s:.0f} tokens/s" in text.split("\n\n")[0]
+    assert "cannot start" in text.split("\n\n")[0]                  # the failed probe is on record
+    saved = C.build(tomllib.loads(text), str(path))
+    for table, key, value in winner.option.changes:
+        assert getattr(getattr(saved, table), key) == value
+    assert saved.train.steps == 30 and saved.train.save_final is True     # the probe's settings are not saved
+    run_dir = tmp_path / "run"
+    r = shardconsole("--preset", tuned["name"], "--headless", "--set", "train.steps=1", "--run-dir", str(run_dir),
+                     env={"SHARDCONSOLE_PRESETS_DIR": str(tuned["base"] / "presets")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert of_kind(messages(run_dir), "finished")
+
+
+def test_a_second_tune_does_not_overwrite_a_preset_it_did_not_write(tuned, monkeypatch):
+    monkeypatch.setenv("SHARDCONSOLE_PRESETS_DIR", str(tuned["base"] / "presets"))
+    path = tuned["path"]
+    other = path.with_name("mine.toml")
+    other.write_text('description = "hand made"\n')
+    with pytest.raises(C.ConfigError, match="not written by tune"):
+        write_preset(tuned["tune"], tuned["winner"], "mine", "tiny-cpu")
+    assert other.read_text() == 'description = "hand made"\n'
+    write_preset(tuned["tune"], tuned["winner"], tuned["name"], "tiny-cpu")      # its own: replaced
+
+
+# ---------------------------------------------------------------------------------------------------
+# The ranking: measurements first, the fixed factors only as a cold start
+
+def _cfg(*sets: str) -> C.RunConfig:
+    return C.build({"model": {"name": "1b"}, "data": {"seq_len": 2048}, "parallel": {"device": "cuda"},
+                    "train": {"micro_batch": 4}}, "test", list(sets))
+
+
+def test_measured_speeds_reorder_the_cold_start():
+    fsdp_off = _cfg("fsdp.cpu_offload=true", "memory.activation_checkpointing=true")
+    ds_off = _cfg("parallel.backend=deepspeed", "deepspeed.offload_optimizer=cpu", "deepspeed.offload_param=cpu",
+                  "memory.activation_checkpointing=true")
+    cold = SpeedBook([])
+    assert cold.predict(fsdp_off, H200).unit == "relative"
+    assert cold.predict(fsdp_off, H200).value > cold.predict(ds_off, H200).value      # the factors' order
+    # This machine measured the opposite (slow PCIe, fast CPU Adam, say): the ranking follows it.
+    book = SpeedBook([record_of(fsdp_off, H200, 1000.0, "run"), record_of(ds_off, H200, 3000.0, "tune probe")])
+    assert book.predict(fsdp_off, H200).value == 1000.0 and book.predict(fsdp_off, H200).source == "measured"
+    # settings never measured are scaled by what their strategy measured here, in tokens/s
+    ds_mb8 = PL.replace_cfg(ds_off, ("train", "micro_batch", 8))
+    p = book.predict(ds_mb8, H200)
+    assert p.source == "scaled" and p.unit == "tokens/s" and p.value > 3000.0      # larger micro-batch, same ratio
+    # another machine's measurements do not count here
+    other = PL.Hardware(gpus=1, gpu_memory_bytes=24 * GiB, host_memory_bytes=64 * GiB, gpu_name="RTX 3090")
+    assert book.predict(fsdp_off, other).source == "cold start"
+    # plan --fit and the hint after a GPU OOM rank with the same book
+    cands = PL.settings_that_fit(_cfg(), PL.Hardware(1, 24 * GiB, 125 * GiB, "NVIDIA H200"), resolve("1b"), book=book)
+    first_off = next(c for c in cands if "offload" in c.name)
+    assert first_off.name.startswith("ZeRO-3+offload") and first_off.speed_unit == "tokens/s"
+
+
+def test_the_options_keep_the_global_batch_and_what_the_user_fixed():
+    base = C.build({"model": {"name": "1b"}, "data": {"seq_len": 2048}, "parallel": {"device": "cuda"},
+                    "train": {"micro_batch": 4, "grad_accum": 2}, "memory": {"gpu_memory_limit": "24GiB"}}, "test")
+    opts = search.options(base, resolve("1b"), H200, SpeedBook([]), fixed={"memory.activation_checkpointing"})
+    assert sum(o.baseline for o in opts) == 1
+    assert {o.cfg.train.micro_batch * o.cfg.train.grad_accum for o in opts} == {8}
+    assert {o.cfg.memory.activation_checkpointing for o in opts} == {False}
+    assert {o.cfg.train.micro_batch for o in opts} >= {1, 2, 4, 8}
+    assert all(o.estimate.fits for o in opts if not o.baseline)
+    assert {search._strategy_of(o.cfg) for o in opts} >= {"full_shard", "full_shard+offload", "ZeRO-3"}
+    values = [o.prediction.value for o in opts]
+    assert values == sorted(values, reverse=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The command's input
+
+@pytest.mark.parametrize("argv, says", [
+    (["--preset", "tiny-cpu", "--budget", "soon"], "--budget: 'soon' is not a duration"),
+    (["--preset", "tiny-cpu", "--max-probes", "0"], "--max-probes: 0 is below 1"),
+    (["--preset", "tiny-cpu", "-o", "no good"], "is not a preset name"),
+    (["--preset", "tiny-cpu", "-o", "tiny-cpu"], "is a built-in preset"),
+    (["--preset", "tiny-cpu", "--gpu-memory", "24GiB"], "their cap is --host-memory"),
+    (["--preset", "tiny-cpu", "--set", "train.micro_batch=0"], "micro_batch"),
+    (["--preset", "3090-offload"], "no GPU found on this machine"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
+    assert cli.main(["tune", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
+
+
+def test_dry_run_lists_the_ranked_options_and_probes_nothing(capsys, tmp_path):
+    assert cli.main(["tune", "--preset", "tiny-cpu", "--dry-run", "--runs-root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "[baseline] full_shard, no checkpointing, micro_batch 4 x 1" in out
+    assert "relative (cold start)" in out
+    assert not list(tmp_path.iterdir())
+    assert not speeds_file().exists()
+    json.dumps(out)

@@ -5,7 +5,9 @@ The files, and why each one counts:
   backends/fsdp.py        what FSDP2 shards, keeps gathered, prefetches; where optimizer states live
   backends/deepspeed.py   how the ZeRO engine is built (zero.Init, z3 leaf modules, offload wiring)
   backends/modeling.py    how the model is built and which modules are gathered whole; the chunked loss
-  backends/offload.py     FSDP2's host side: pinned arena, compute copy, host step buffers
+  backends/offload.py     FSDP2's host side: compute copy, device grad norm, host step buffers
+  backends/pinned_arena.py  one pinned host arena for FSDP2's offloaded states (host RAM, rounding)
+  backends/master_update.py the master update (bf16 master rounding: extra buffers on the host)
   backends/fsdp_step.py   the step's extra buffers (clip, fp16 scaler)
   backends/common.py      the memory cap (set_per_process_memory_fraction) and the device setup
   ds_json/export.py       the ds_config DeepSpeed receives (buckets, reuse distance, pinning)
@@ -23,7 +25,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1]
 
 MEMORY_SOURCES = ("backends/fsdp.py", "backends/deepspeed.py", "backends/modeling.py", "backends/offload.py",
-                  "backends/fsdp_step.py", "backends/common.py", "ds_json/export.py")
+                  "backends/pinned_arena.py", "backends/master_update.py", "backends/fsdp_step.py",
+                  "backends/common.py", "ds_json/export.py")
 
 CALIBRATION_FILE = PACKAGE.parent / "benchmarks" / "data" / "plan_calibration_issue16.json"
 

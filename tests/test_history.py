@@ -202,3 +202,12 @@ def test_resumed_session_replaces_replayed_steps(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("loss/train")] == expected
     s = summarize(run)
     assert s.loss == expected and s.status == "finished" and s.last_loss == 7.0
+
+
+def test_attach_dialog_lists_status_not_just_ended(runs):
+    """The console's run picker (TorchrunLauncher.recent_runs) tells finished, stopped and failed apart."""
+    from shardconsole.console.services import TorchrunLauncher
+    listed = TorchrunLauncher(runs).recent_runs()
+    assert [(r.run_dir.name, r.status, r.alive) for r in listed] == [
+        ("20260101-000003-stopped", "stopped", False), ("20260101-000002-failed", "failed (nan_loss)", False),
+        ("20260101-000001-finished", "finished", False)]

@@ -82,12 +82,17 @@ class GpuPanel(VerticalScroll, can_focus=False):
             text.append(f"gpu{idx} ")
             text.append_text(bar(g.used_bytes, g.total_bytes, bar_w))
             text.append(f" {gib(g.used_bytes)}/{gib(g.total_bytes)} GiB {util}\n")
+            vitals = gpu_vitals(g)
+            if vitals:
+                text.append("  " + vitals + "\n", "bold red" if g.throttle else "dim")
             for line in _rank_lines(view, on_gpu.get(idx, [])):
                 text.append("  " + line + "\n", "bright_black" if "n/a" in line else "")
         if view.planned_gpu_bytes:
             peak = max((m.peak_reserved_bytes or 0 for m in state.memory.values()), default=0)
             measured = f" · measured allocator peak {gib(peak)} GiB" if peak else ""
             text.append(f"planned peak {gib(view.planned_gpu_bytes)} GiB a GPU{measured}\n", "dim")
+        for line, style in offload_view(view):
+            text.append(line + "\n", style)
         if elsewhere:
             devices = {h.device.split(":")[0] for r, h in state.hellos.items() if r in elsewhere}
             where = "on cpu" if devices == {"cpu"} else "not on this machine's GPUs"
@@ -100,6 +105,50 @@ class GpuPanel(VerticalScroll, can_focus=False):
                     text.append("  " + line + "\n")
         text.rstrip()
         self.query_one("#gpu-text", Static).update(text)
+
+
+def gpu_vitals(g) -> str:
+    """'63°C · 310/700 W · SM 1980/1980 MHz · PCIe ↓12.3 ↑0.4 GB/s · throttled: sw_power_cap' (NVML, ~1 Hz);
+    a value the card does not report is left out."""
+    parts = []
+    if g.temp_c is not None:
+        parts.append(f"{g.temp_c:.0f}°C")
+    if g.power_w is not None:
+        parts.append(f"{g.power_w:.0f}" + (f"/{g.power_limit_w:.0f}" if g.power_limit_w else "") + " W")
+    if g.sm_clock_mhz is not None:
+        parts.append(f"SM {g.sm_clock_mhz:.0f}" + (f"/{g.sm_clock_max_mhz:.0f}" if g.sm_clock_max_mhz else "") + " MHz")
+    if g.pcie_rx_bps is not None or g.pcie_tx_bps is not None:
+        parts.append(f"PCIe ↓{(g.pcie_rx_bps or 0) / 1e9:.1f} ↑{(g.pcie_tx_bps or 0) / 1e9:.1f} GB/s")
+    if g.throttle:
+        parts.append("throttled: " + ", ".join(g.throttle))
+    return " · ".join(parts)
+
+
+def offload_view(view: RunView) -> list[tuple[str, str]]:
+    """The offload view (offloaded runs): the slowest rank's phase times at the last log step, its card's
+    PCIe rates and pinned bytes, and the verdict with the setting to try."""
+    state = view.state
+    if not state.offload:
+        return []
+    o = max(state.offload.values(), key=lambda m: (m.step, m.step_s))
+    g = state.gpu_of(o.rank)
+
+    def s(x):
+        return "n/a" if x is None else f"{x:.3g} s"
+    rows = [(f"offload · rank {o.rank}, mean of {o.steps} step(s) to {o.step}" +
+             ("" if o.clock == "cuda_events" else " (wall clock: CPU ranks)"), "bold"),
+            (f"  GPU {s(o.gpu_s)} · host step {s(o.host_step_s)} · H2D {s(o.h2d_s)} · D2H {s(o.d2h_s)} "
+             f"of {o.step_s:.3g} s", "")]
+    extra = []
+    if g is not None and (g.pcie_rx_bps is not None or g.pcie_tx_bps is not None):
+        extra.append(f"PCIe ↓{(g.pcie_rx_bps or 0) / 1e9:.1f} ↑{(g.pcie_tx_bps or 0) / 1e9:.1f} GB/s")
+    if o.pinned_bytes:
+        extra.append(f"pinned {gib(o.pinned_bytes)} GiB")
+    if extra:
+        rows.append(("  " + " · ".join(extra), "dim"))
+    if o.verdict:
+        rows.append((f"  {o.verdict}" + (f": try {o.hint}" if o.hint else ""), "bold yellow"))
+    return rows
 
 
 def _rank_lines(view: RunView, ranks: list[int], limit: int = 4) -> list[str]:

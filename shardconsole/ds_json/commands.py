@@ -153,7 +153,7 @@ def cmd_import(argv: list[str]) -> int:
     base = settings.resolve_doc(base_raw, base_name, base_path, overrides).cfg
     defaults: list[str] = []
     over, mapped, unmapped = from_ds_config(data, str(args.ds_config), world_size=base.world_size, base=base,
-                                            defaults=defaults)
+                                            defaults=defaults, infer_ranks=args.nproc_per_node is None)
     name = args.ds_config.name
     merged = merge(base.to_dict(), over)
     merged["description"] = f"Imported from {name} by `shardconsole import`" + (

@@ -21,20 +21,22 @@ _ZERO_ALL = ["stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_
 
 
 def from_ds_config(d: dict[str, Any], source: str = "ds_config.json", *, world_size: int = 1,
-                   base: C.RunConfig | None = None, defaults: list[str] | None = None
+                   base: C.RunConfig | None = None, defaults: list[str] | None = None,
+                   infer_ranks: bool = False
                    ) -> tuple[dict[str, dict[str, Any]], list[str], list[tuple[str, str]]]:
     """Preset overrides ({table: {key: value}}) describing what DeepSpeed would run with `d`, the lines
     that say what was mapped (one a key of the file), and (key, why) for what was not. `world_size`: ranks
     the file is run on (it turns train_batch_size into a micro-batch). `base`: the settings that "auto"
     keys keep (only used in the report). `defaults`: a list that receives one line for each setting the
     file leaves out and DeepSpeed's default decides. Raises ConfigError, naming the file and key, for
-    values DeepSpeed would reject."""
+    values DeepSpeed would reject. infer_ranks (no --nproc-per-node given): a file whose three batch
+    keys fit another rank count on one node sets parallel.nproc_per_node to it."""
     if not isinstance(d, dict):
         raise C.ConfigError(f"{source}: expected a JSON object at the top level")
     base = base or C.RunConfig()
     im = _Import(source)
     im.out["parallel"] = {"backend": "deepspeed"}
-    _batch(im, d, world_size, base)
+    _batch(im, d, world_size, base, infer_ranks)
     if "gradient_clipping" in d and not im.auto("gradient_clipping", d["gradient_clipping"],
                                                 f"train.clip_grad_norm = {base.train.clip_grad_norm}"):
         im.set("train", "clip_grad_norm", im.number("gradient_clipping", d["gradient_clipping"]),
@@ -57,7 +59,7 @@ def from_ds_config(d: dict[str, Any], source: str = "ds_config.json", *, world_s
     return im.out, im.mapped, im.unmapped
 
 
-def _batch(im: _Import, d: dict, world: int, base: C.RunConfig) -> None:
+def _batch(im: _Import, d: dict, world: int, base: C.RunConfig, infer_ranks: bool = False) -> None:
     """DeepSpeed's rule: train_batch_size = micro x accumulation x data-parallel ranks; any two give the
     third, one alone gives accumulation 1."""
     names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -74,6 +76,12 @@ def _batch(im: _Import, d: dict, world: int, base: C.RunConfig) -> None:
     tbs, micro, accum = (vals[n] for n in names)
     how = f"for {world} rank{'s' if world != 1 else ''}; --nproc-per-node changes it"
     if micro is not None and accum is not None:
+        if (tbs is not None and tbs != micro * accum * world and infer_ranks and base.parallel.nnodes == 1
+                and tbs % (micro * accum) == 0):
+            # All three given: the file names the ranks it was written for (an exported preset's file).
+            world = tbs // (micro * accum)
+            im.set("parallel", "nproc_per_node", world, "train_batch_size / (micro x accumulation)",
+                   "the ranks the file was written for; --nproc-per-node overrides")
         if tbs is not None and tbs != micro * accum * world:
             raise im.error("train_batch_size", f"{tbs} but train_micro_batch_size_per_gpu ({micro}) x "
                            f"gradient_accumulation_steps ({accum}) x {world} rank(s) = {micro * accum * world}; "

@@ -506,3 +506,14 @@ def test_export_hf_trainer_has_auto_placeholders_and_the_arguments_that_fill_the
     kwargs = args.lr_scheduler_kwargs
     assert str(args.lr_scheduler_type).endswith("cosine_with_min_lr")
     assert (json.loads(kwargs) if isinstance(kwargs, str) else kwargs) == {"min_lr_rate": 0.1}
+
+
+def test_import_takes_the_rank_count_a_files_batch_keys_name():
+    """An exported 2-rank file (16 = 8 x 1 x 2) imports as 2 ranks without --nproc-per-node; with it
+    given, a mismatch is still refused."""
+    ds = to_ds_config(C.load(PRESETS / "4090x2-zero3.toml"), device="cuda")
+    over, mapped, _ = from_ds_config(ds, "ds.json", world_size=1, infer_ranks=True)
+    assert over["parallel"]["nproc_per_node"] == 2 and over["train"]["micro_batch"] == 8
+    assert mapped[0].startswith("train_batch_size / (micro x accumulation) -> parallel.nproc_per_node = 2")
+    with pytest.raises(C.ConfigError, match="train_batch_size: 16 but"):
+        from_ds_config(ds, "ds.json", world_size=1)

@@ -10,8 +10,9 @@ back with TensorBoard's own EventAccumulator.
 
 One writer per run: the recorder takes an advisory lock on the run's metrics.jsonl (flock; the ranks
 do not lock, so they never wait on it). The writer that gets it rewrites the run's event file from the
-whole stream, then follows it; a second front end on the same run writes nothing. A dead writer's lock
-is released by the kernel, and the next front end writes a complete file in its place.
+whole stream with a reader of its own, then follows it; another front end on the same run writes
+nothing until the lock is free. A dead writer's lock is released by the kernel, and the next front end
+writes a complete file in its place.
 """
 
 from __future__ import annotations
@@ -154,31 +155,43 @@ def _f32(v: float) -> float:
 # The writer of one run
 
 class Recorder:
-    """Feeds a run's event file from the stream's messages, in the order a reader reads them. Never
-    raises: a run folder it cannot write (someone else's), or one another front end records, is left
-    alone and `why_not` says why."""
+    """Writes a run's event file from its metrics.jsonl, read by a reader of its own, so that it can
+    start at any time with the whole history: when the front end that held the run's lock goes, the next
+    poll of another front end's recorder takes the lock and writes a complete file. Never raises: a run
+    folder it cannot write (someone else's) is left alone and `why_not` says why."""
+
+    RETRY_S = 2.0       # how often a recorder without the lock asks for it again
 
     def __init__(self, run_dir: Path) -> None:
         self.folder = RunFolder(Path(run_dir))
         self.path: Path | None = None
         self.why_not = ""
         self._fh = None
+        self._reader = None
         self._lock_fd: int | None = None
-        self._started = False
+        self._gave_up = False
+        self._next_try = 0.0
         self._step = 0
         self._session = ""
         self._new_session = False
 
+    @property
+    def gave_up(self) -> bool:
+        """The folder cannot take the file (unwritable, a full disk): worth saying once."""
+        return self._gave_up
+
     def _start(self) -> bool:
+        now = time.monotonic()
+        if self._gave_up or now < self._next_try:
+            return False
+        self._next_try = now + self.RETRY_S
         try:
             self._lock_fd = os.open(self.folder.metrics, os.O_RDONLY)
         except FileNotFoundError:
-            return False     # no line yet: asked again at the next feed
-        except OSError as e:
-            self._started = True
-            self.why_not = f"{self.folder.metrics}: {e.strerror}"
+            self.why_not = f"{self.folder.metrics} does not exist yet"      # asked again later
             return False
-        self._started = True
+        except OSError as e:
+            return self._give_up(f"{self.folder.metrics}: {e.strerror}")
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -186,19 +199,17 @@ class Recorder:
             self._release()
             return False
         except OSError as e:
-            self.why_not = f"{self.folder.metrics}: {e.strerror}"
-            self._release()
-            return False
+            return self._give_up(f"{self.folder.metrics}: {e.strerror}")
         stale = event_files(self.folder.path)
         name = f"events.out.{EVENTS_MARK}.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}{SUFFIX}"
         try:
             self._fh = open(self.folder.path / name, "xb")
             self._fh.write(event(time.time(), 0, file_version="brain.Event:2"))
         except OSError as e:
-            self.why_not = f"cannot write TensorBoard events in {self.folder.path}: {e.strerror}"
-            self._release()
-            return False
-        self.path = self.folder.path / name
+            return self._give_up(f"cannot write TensorBoard events in {self.folder.path}: {e.strerror}")
+        from shardconsole.stream import MetricsReader
+        self._reader = MetricsReader(self.folder.metrics)
+        self.path, self.why_not = self.folder.path / name, ""
         # Written by a front end that has gone (its lock is free): this file gets the whole stream again.
         for old in stale:
             try:
@@ -207,11 +218,20 @@ class Recorder:
                 pass
         return True
 
-    def feed(self, messages: Iterable[P.Message]) -> None:
-        if not self._started and not self._start():
-            return
-        if self._fh is None:
-            return
+    def _give_up(self, why: str) -> bool:
+        self._gave_up, self.why_not = True, why
+        self.close()
+        return False
+
+    def poll(self) -> bool:
+        """Write what the stream holds that is not written yet; False once nothing more was read."""
+        if self._fh is None and not self._start():
+            return False
+        before = self._reader._pos
+        self.write(self._reader.poll())
+        return self._reader is not None and self._reader._pos != before
+
+    def write(self, messages: Iterable[P.Message]) -> None:
         out = bytearray()
         for msg in messages:
             if isinstance(msg, P.Hello) and msg.run != self._session:
@@ -227,13 +247,12 @@ class Recorder:
             values = scalars(msg)
             if values:
                 out += event(msg.t, self._step, values=values)
-        if out:
+        if out and self._fh is not None:
             try:
                 self._fh.write(out)
                 self._fh.flush()     # a live `tensorboard --logdir` sees each poll's lines
             except (OSError, ValueError) as e:
-                self.why_not = f"TensorBoard events stopped: {getattr(e, 'strerror', None) or e}"
-                self.close()
+                self._give_up(f"TensorBoard events stopped: {getattr(e, 'strerror', None) or e}")
 
     def close(self) -> None:
         if self._fh is not None:
@@ -242,6 +261,9 @@ class Recorder:
             except OSError:
                 pass
             self._fh = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
         self._release()
 
     def _release(self) -> None:
@@ -261,16 +283,10 @@ def event_files(run_dir: Path) -> list[Path]:
 def rebuild(run_dir: Path) -> Recorder:
     """A run's event file written again from its whole metrics.jsonl; the recorder says where (`path`)
     or why not (`why_not`)."""
-    from shardconsole.stream import MetricsReader
     rec = Recorder(run_dir)
-    reader = MetricsReader(rec.folder.metrics)
     try:
-        while True:
-            before = reader._pos
-            rec.feed(reader.poll())
-            if reader._pos == before:
-                break
+        while rec.poll():
+            pass
     finally:
-        reader.close()
         rec.close()
     return rec

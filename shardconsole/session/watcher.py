@@ -91,7 +91,7 @@ class Watcher:
     def __init__(self, job: Any, run_dir: Path, run_id: str, probes: Probes | None = None, *,
                  sample_every_s: float = 1.0, look_every_s: float = 1.0, logs: bool = True,
                  hang_timeout_s: float = 0.0, record: bool | None = None) -> None:
-        """record: write the run's TensorBoard events from what is read (tbevents.py); by default the
+        """record: write the run's TensorBoard events as the stream grows (tbevents.py); by default the
         front end that samples the machine for the run (`probes`) records it too."""
         self.job = job
         self.folder = RunFolder(Path(run_dir))
@@ -161,9 +161,9 @@ class Watcher:
         return tick
 
     def _record(self, tick: Tick) -> None:
-        self.recorder.feed(tick.messages)
+        self.recorder.poll()
         why = self.recorder.why_not
-        if why and not self._said_recorder and not why.startswith("another front end"):
+        if why and not self._said_recorder and self.recorder.gave_up:
             self._said_recorder = True
             tick.notes.append(f"no TensorBoard events for this run: {why}")
 
@@ -243,6 +243,8 @@ class Watcher:
 
     def close(self) -> None:
         if self.recorder is not None:
+            while self.recorder.poll():     # the last lines, when the run ended between two looks
+                pass
             self.recorder.close()
         self.samples.close()
         self.reader.close()

@@ -47,7 +47,7 @@ def verdict(gpu_s: float | None, host_step_s: float | None, h2d_s: float | None,
     if on_gpu and busier >= PCIE_SHARE * gpu:
         return PCIE, _pcie_hint(knobs)
     if not on_gpu:
-        return COMPUTE, "the ranks compute on the CPU: a GPU run is where offload settings matter"
+        return COMPUTE, ""     # CPU ranks: no copies, no GPU; offload settings matter on a GPU run
     return GPU, _gpu_hint(knobs)
 
 

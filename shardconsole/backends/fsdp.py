@@ -134,7 +134,8 @@ def make_optimizer(r: common.Rank, model: torch.nn.Module) -> torch.optim.Optimi
         # bf16 weights that still take updates below bf16's resolution (master_update.py)
         return master_update.RoundedAdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
                                           weight_decay=t.weight_decay, rounding=r.cfg.precision.master_rounding,
-                                          seed=t.seed * 65_537 + r.rank)
+                                          seed=t.seed * 65_537 + r.rank, compile=r.is_cuda,
+                                          warn=lambda line: r.event("warning", line))
     # fused AdamW: one kernel for all tensors (CUDA, and the CPU for offloaded shards). Not with fp16:
     # the sharded grad scaler hands fused AdamW a found_inf of the wrong shape (torch 2.13).
     fused = r.cfg.precision.dtype != "fp16"

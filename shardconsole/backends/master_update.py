@@ -17,8 +17,8 @@ The random bits are a hash of the value's own fp32 bits and a per-step, per-tens
 train.seed and the rank: deterministic for a seed, independent of the thread count, the same code on the
 CPU and the GPU, and cheaper than torch's CPU generator (which runs on one core).
 
-The arithmetic is torch's own fused AdamW on fp32 copies of one chunk at a time (a few MiB, so the
-copies stay in cache on the host): the update is exactly AdamW's; only where it lands differs.
+The arithmetic is torch's AdamW formula in fp32 over one chunk at a time, written as tensor expressions
+that torch.compile fuses into one pass over memory (GPU machines); eager elsewhere.
 """
 
 from __future__ import annotations
@@ -61,6 +61,48 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _stochastic(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """round_stochastic_ as an expression (for the fused update): fp32 -> bf16."""
+    bits = x.view(torch.int32)
+    noise = torch.bitwise_and(torch.bitwise_right_shift(torch.bitwise_xor(bits, seed) * _MIX, 16), _LOW16)
+    return torch.bitwise_and(bits + noise, _HIGH16).view(torch.float32).to(torch.bfloat16)
+
+
+def update_chunk(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, c: torch.Tensor | None,
+                 hp: torch.Tensor, seeds: torch.Tensor) -> None:
+    """One AdamW update of bf16 tensors, in place, in fp32 arithmetic (torch's AdamW formula).
+    hp: float32 [lr, beta1, beta2, 1 - lr * weight_decay, eps, lr / bias_correction1,
+    sqrt(bias_correction2), 1 / grad_scale]; seeds: int32 [weight, exp_avg, exp_avg_sq].
+    c: the Kahan compensation (the weight then rounds to nearest), or None (stochastic).
+    Written as plain tensor expressions so torch.compile fuses it into one pass over memory."""
+    lr, b1, b2, decay, eps, step_size, bc2_sqrt, inv_scale = hp.unbind()
+    g32 = g.float() * inv_scale
+    m32 = m.float().lerp(g32, 1 - b1)
+    v32 = v.float() * b2 + g32 * g32 * (1 - b2)
+    w32 = w.float() if c is None else w.float() + c.float()
+    w32 = w32 * decay - step_size * m32 / (v32.sqrt() / bc2_sqrt + eps)
+    if c is None:
+        w.copy_(_stochastic(w32, seeds[0]))
+    else:
+        w_new = w32.to(torch.bfloat16)
+        w.copy_(w_new)
+        c.copy_((w32 - w_new.float()).to(torch.bfloat16))
+    m.copy_(_stochastic(m32, seeds[1]))
+    v.copy_(_stochastic(v32, seeds[2]))
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _fused(device_type: str):
+    """update_chunk compiled for this device type (one C++/OpenMP loop on the host, one Triton kernel on
+    the GPU), or the eager function when compiling is off or fails (then said once by the caller)."""
+    if device_type not in _COMPILED:
+        _COMPILED[device_type] = torch.compile(update_chunk, dynamic=True, fullgraph=True,
+                                               options={"emulate_precision_casts": True})
+    return _COMPILED[device_type]
+
+
 class RoundedAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, torch's formula) over bf16 parameters, rounding the results into them
     as `rounding` says. Honours `grad_scale` as fused AdamW does (fsdp_step folds the clip into it), so
@@ -70,12 +112,16 @@ class RoundedAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, rounding: str = "stochastic", seed: int = 0,
-                 chunk: int | None = None) -> None:
+                 chunk: int | None = None, compile: bool = False, warn=None) -> None:
         if rounding not in ("stochastic", "kahan"):
             raise ValueError(f"rounding must be 'stochastic' or 'kahan' (nearest is torch's AdamW), not {rounding!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True))
         self.rounding, self.seed, self.chunk = rounding, seed, chunk
         self.grad_scale: torch.Tensor | None = None
+        # compile: update_chunk fused by torch.compile (eager it makes ~25 passes over each chunk);
+        # on a compile error the eager update is used on that device type, said once through `warn`.
+        self.compile, self.warn = compile, warn
+        self.compile_failed: dict[str, str] = {}
 
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -118,25 +164,37 @@ class RoundedAdamW(torch.optim.Optimizer):
         if not tensors[0].numel():
             return
         flat = [t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1) for t in tensors]
-        chunk = self.chunk or ((1 << 22) if flat[0].device.type == "cpu" else (1 << 25))
-        step_t = torch.empty((), dtype=torch.float32, device=flat[0].device)
+        device = flat[0].device
+        hp = torch.tensor([lr, beta1, beta2, 1 - lr * wd, eps, lr / (1 - beta1 ** step),
+                           (1 - beta2 ** step) ** 0.5, 1.0], dtype=torch.float32, device=device)
+        if scale is not None:
+            hp[7:8].copy_(1.0 / scale.reshape(1))
+        fn = self._fn(device.type)
+        chunk = self.chunk or ((1 << 24) if fn is not update_chunk else (1 << 22) if device.type == "cpu"
+                               else (1 << 25))
         for j, start in enumerate(range(0, flat[0].numel(), chunk)):
             part = [t[start:start + chunk] for t in flat]
-            w, g, m, v = (t.float() for t in part[:4])
-            if len(part) == 5:
-                w.add_(part[4])                       # what the last rounding dropped
-            step_t.fill_(step)                        # the kernel reads it as is (torch counts it up before)
-            torch._fused_adamw_([w], [g], [m], [v], [], [step_t], lr=lr, beta1=beta1, beta2=beta2,
-                                weight_decay=wd, eps=eps, amsgrad=False, maximize=False, grad_scale=scale,
-                                found_inf=None)
-            base = (self.seed, int(step), index, j)  # the checkpointed step: a resumed run rounds alike
-            if len(part) == 5:
-                part[0].copy_(w)                      # nearest
-                part[4].copy_(w.sub_(part[0]))        # the remainder, exact in fp32, rounded into bf16
-            else:
-                round_stochastic_(w, part[0], _seed(*base, 0))
-            round_stochastic_(m, part[2], _seed(*base, 1))
-            round_stochastic_(v, part[3], _seed(*base, 2))
+            # the checkpointed step: a resumed run rounds alike
+            seeds = torch.tensor([_seed(self.seed, int(step), index, j, k) for k in range(3)], dtype=torch.int32,
+                                 device=device)
+            args = (part[0], part[1], part[2], part[3], part[4] if len(part) == 5 else None, hp, seeds)
+            if fn is update_chunk:
+                fn(*args)
+                continue
+            try:
+                fn(*args)
+            except Exception as e:   # noqa: BLE001 - compiling needs a C++ compiler / Triton: run eager
+                self.compile_failed[device.type] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+                if self.warn is not None:
+                    self.warn(f"precision.master_rounding: the fused update did not compile on the "
+                              f"{device.type} ({self.compile_failed[device.type]}); running it unfused (slower)")
+                fn = update_chunk
+                fn(*args)
         for t, f in zip(tensors, flat):
             if f.data_ptr() != t.data_ptr():          # a non-contiguous tensor was updated in a copy
                 t.copy_(f.view_as(t))
+
+    def _fn(self, device_type: str):
+        if not self.compile or device_type in self.compile_failed:
+            return update_chunk
+        return _fused(device_type)

@@ -5,10 +5,12 @@ tiny-cpu runs, made once for the module."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -43,15 +45,28 @@ def runs(tmp_path_factory):
     stopped = root / "20260101-000003-stopped"
     proc = subprocess.Popen([sys.executable, "-m", "shardconsole", *TINY, "--run-dir", str(stopped),
                              "--set", "train.steps=100000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env={**__import__("os").environ, **env})
+                            text=True, env={**os.environ, **env})
+    follower = None
     try:
         wait_for_steps(stopped, 2, timeout=120, proc=proc)
+        # A second front end follows; the first is killed (-9, it writes nothing): the follower takes over
+        # the run's TensorBoard file and writes it whole.
+        follower = subprocess.Popen([sys.executable, "-m", "shardconsole", "attach", str(stopped), "--headless"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
+        proc.kill()
+        proc.wait(timeout=30)
+        mine = f".{follower.pid}.shardconsole"
+        deadline = time.monotonic() + 60
+        while not any(p.name.endswith(mine) for p in stopped.iterdir()):
+            assert time.monotonic() < deadline and follower.poll() is None, "the follower never took over"
+            time.sleep(0.1)
         res = shardconsole("stop", "000003-stop", env=env, timeout=90)     # a part of the id names the run
         assert res.returncode == 0, res.stderr
-        proc.wait(timeout=60)
+        follower.wait(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        for p in (proc, follower):
+            if p is not None and p.poll() is None:
+                p.kill()
     return root
 
 
@@ -94,6 +109,19 @@ def test_event_file_holds_the_stream(runs):
     assert set(rebuilt.Tags()["scalars"]) == tags
     for tag in ("loss/train", "loss/eval", "host/ram_used_GiB", "memory/rank1_host_rss_GiB"):
         assert [(e.step, e.value) for e in rebuilt.Scalars(tag)] == scalars(tag)
+
+
+def test_follower_takes_over_the_event_file(runs):
+    """The first front end was killed mid-run; the attached one wrote the file, whole, in its place."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run = runs / "20260101-000003-stopped"
+    files = [p.name for p in run.iterdir() if "tfevents" in p.name]
+    assert len(files) == 1, files
+    acc = EventAccumulator(str(run))
+    acc.Reload()
+    steps = of_kind(messages(run), "step")
+    assert len(steps) >= 2
+    assert [(e.step, e.value) for e in acc.Scalars("loss/train")] == [(s.step, f32(s.loss)) for s in steps]
 
 
 def test_runs_lists_each_status_newest_first(runs):

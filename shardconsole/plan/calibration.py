@@ -11,15 +11,17 @@ The files, and why each one counts:
   backends/fsdp_step.py   the step's extra buffers (clip, fp16 scaler)
   backends/common.py      the memory cap (set_per_process_memory_fraction) and the device setup
   ds_json/export.py       the ds_config DeepSpeed receives (buckets, reuse distance, pinning)
-The hash is over each file's syntax tree without docstrings (ast.dump), so a comment or docstring
-edit does not ask for a new calibration, while any change of code does. tests/test_plan.py fails
+The hash is over each file's tokens without comments, blank lines and docstrings: the same on every
+Python (3.11 here, 3.12 on the GPU machine; ast.dump and ast.unparse differ between them), so a comment
+or docstring edit does not ask for a new calibration, while any change of code does. tests/test_plan.py fails
 when the hash of today's files differs from the calibration's, and names the files that changed.
 Standard library only."""
 
 from __future__ import annotations
 
-import ast
 import hashlib
+import io
+import tokenize
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1]
@@ -31,24 +33,52 @@ MEMORY_SOURCES = ("backends/fsdp.py", "backends/deepspeed.py", "backends/modelin
 CALIBRATION_FILE = PACKAGE.parent / "benchmarks" / "data" / "plan_calibration_issue16.json"
 
 
-def _strip_docstrings(tree: ast.AST) -> ast.AST:
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
-                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)):
-            node.body = body[1:] or [ast.Pass()]
-    return tree
+_SKIP = {tokenize.COMMENT, tokenize.NL, tokenize.ENCODING, tokenize.ENDMARKER}
+_BREAK = {"NEWLINE", "INDENT", "DEDENT", None}
+
+
+def _tokens(text: str) -> list[tuple[str, str]]:
+    """The file's tokens without comments and blank lines, an f-string one STRING token on every
+    Python (3.12 splits it into parts), and without string statements (docstrings)."""
+    lines = text.splitlines(keepends=True)
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+    out: list[tuple[str, str]] = []
+    fstart = None
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        name = tokenize.tok_name[tok.type]
+        if name == "FSTRING_START":
+            fstart = fstart or tok.start
+            continue
+        if fstart is not None:
+            if name == "FSTRING_END":
+                a = starts[fstart[0] - 1] + fstart[1]
+                b = starts[tok.end[0] - 1] + tok.end[1]
+                out.append(("STRING", text[a:b]))
+                fstart = None
+            continue
+        if tok.type in _SKIP:
+            continue
+        out.append((name, tok.string if name not in ("INDENT", "DEDENT", "NEWLINE") else ""))
+    kept = []
+    for k, (name, string) in enumerate(out):
+        prev = kept[-1][0] if kept else None
+        nxt = out[k + 1][0] if k + 1 < len(out) else None
+        if name == "STRING" and prev in _BREAK and nxt in ("NEWLINE", None):
+            continue
+        kept.append((name, string))
+    return kept
 
 
 def file_hash(rel: str, root: Path = PACKAGE) -> str:
-    """The hash of one source's code (comments and docstrings left out); "missing" if it is gone."""
-    path = root / rel
+    """The hash of one source's code (comments, blank lines and docstrings left out); "missing" if it
+    is gone."""
     try:
-        tree = ast.parse(path.read_text(), filename=str(path))
+        text = (root / rel).read_text()
     except FileNotFoundError:
         return "missing"
-    return hashlib.sha256(ast.dump(_strip_docstrings(tree)).encode()).hexdigest()[:16]
+    return hashlib.sha256("\x1f".join(f"{n}:{s}" for n, s in _tokens(text)).encode()).hexdigest()[:16]
 
 
 def code_version(root: Path = PACKAGE) -> dict[str, object]:

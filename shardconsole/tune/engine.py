@@ -68,8 +68,19 @@ class Tune:
         base = [o for o in left if o.baseline]
         if base and not self.rows:
             return base[0]
-        fitting = [o for o in left if o.estimate.fits]
+        fitting = [o for o in left if o.estimate.fits and not self._doomed(o)]
         return fitting[0] if fitting else None
+
+    def _doomed(self, option: search.Option) -> bool:
+        """A probe ran out of GPU memory: an option of the same strategy that the planner says needs as
+        much or more would too (the planner was under for that strategy here), so it is not probed."""
+        for row in self.rows:
+            res = row.result
+            if (res is not None and res.status == "gpu_oom"
+                    and search._strategy_of(row.option.cfg) == search._strategy_of(option.cfg)
+                    and option.estimate.gpu_required_bytes >= row.option.estimate.gpu_required_bytes):
+                return True
+        return False
 
     def run(self) -> Row | None:
         """Probe until done; returns the winning row (None when no probe finished under the caps)."""

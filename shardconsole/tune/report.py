@@ -41,7 +41,7 @@ def table(tune: Tune, upcoming: int = 3) -> list[tuple[str, ...]]:
     """The probed rows, then the next few options the planner would probe."""
     rows = [cells(tune, i + 1, r) for i, r in enumerate(tune.rows)]
     probed = {id(r.option) for r in tune.rows}
-    nxt = [o for o in tune.options if id(o) not in probed and o.estimate.fits][:upcoming]
+    nxt = [o for o in tune.options if id(o) not in probed and o.estimate.fits and not tune._doomed(o)][:upcoming]
     for o in nxt:
         p = o.prediction
         guess = f"~{_rate(p.value)}" if p.unit == "tokens/s" else f"~{p.value:.2f}x"

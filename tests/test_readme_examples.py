@@ -1,0 +1,199 @@
+"""Every shell example of README.md, run as a user types it: in a fresh folder per README section, with
+the real `shardconsole` on PATH, real 2-rank CPU runs, a real Hugging Face model folder and chats file.
+
+An example that cannot run here is listed in NOT_AS_WRITTEN with the reason (a GPU, several nodes,
+Slurm, the network, an interactive terminal, the suite's time) and what runs instead: its settings
+resolved and its command printed, or the same command with fewer steps. A README example that is
+neither runnable nor listed fails the first test, so a new example cannot go untested.
+
+Placeholders are filled as a user fills them, with the runs made so far (the Set-up example's, then the
+Fine-tune section's): `<id>` (each one another run) and `<run folder>` by a run's folder, `[...]` options
+typed (`[--json]` -> `--json`), N in `train.steps=N` as 40. Examples with a run placeholder run after the
+others, as a user follows runs they have made.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from hf_fixtures import make_hf_model
+
+README = REPO / "README.md"
+
+# README example -> (why it does not run as written here, the commands the test runs instead).
+NOT_AS_WRITTEN: dict[str, tuple[str, list[str]]] = {
+    "shardconsole --preset 3090-offload --headless": (
+        "needs a GPU: a 1b model with offload, hours on CPU ranks; settings resolved and command printed",
+        ["shardconsole --preset 3090-offload --print-command"]),
+    "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e . && "
+    "shardconsole --preset tiny-cpu --headless": (
+        "installs packages from the network into a new venv; its last command runs here as written",
+        ["shardconsole --preset tiny-cpu --headless"]),
+    "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e '.[test]' && "
+    "pytest -q": ("installs packages from the network, then runs this very suite", []),
+    "shardconsole": (
+        "opens the interactive console (tests/test_console*.py drive it with Textual's pilot); the preset it "
+        "opens, resolved and its command printed", ["shardconsole --print-command"]),
+    "shardconsole --preset my.toml --headless --set train.steps=50 --set fsdp.cpu_offload=false": (
+        "suite time: the headless path runs in the Set-up and Fine-tune examples; my.toml (the example "
+        "before) resolved with the same overrides and its command printed",
+        ["shardconsole --preset my.toml --print-command --set train.steps=50 --set fsdp.cpu_offload=false"]),
+    "shardconsole --preset tiny-cpu --headless --run-dir runs/my-chat --set model.name=path/to/model "
+    "--set data.path=chats.jsonl --set data.eval_fraction=0.1 --set train.steps=200 --set train.eval_every=50 "
+    "--set train.checkpoint_every=50": (
+        "suite time: 200 steps take 1-2 min on 2 shared cores; the same command with 20 steps, an eval and a "
+        "checkpoint every 10",
+        ["shardconsole --preset tiny-cpu --headless --run-dir runs/my-chat --set model.name=path/to/model "
+         "--set data.path=chats.jsonl --set data.eval_fraction=0.1 --set train.steps=20 --set train.eval_every=10 "
+         "--set train.checkpoint_every=10"]),
+    "shardconsole resume <run folder> [--set train.steps=N]": (
+        "the same command as the Fine-tune section's resume, which runs (one resume per suite)", []),
+    "shardconsole export-model <run folder> -o my-model": (
+        "the same command as the Fine-tune section's export-model, which runs (one export per suite)", []),
+    "shardconsole resume runs/my-chat --set train.steps=400": (
+        "suite time (see the run above): resumed to 40 steps", ["shardconsole resume runs/my-chat --set train.steps=40"]),
+    "shardconsole --preset 4090x2-zero3 --set parallel.nnodes=4 --slurm > job.sbatch && sbatch job.sbatch": (
+        "needs a Slurm cluster: the script is written as written and checked by bash's parser",
+        ["shardconsole --preset 4090x2-zero3 --set parallel.nnodes=4 --slurm > job.sbatch && bash -n job.sbatch"]),
+}
+
+
+def readme_examples(text: str) -> list[tuple[str, str]]:
+    """(section, command) for every line of README's indented code blocks: continuation lines joined,
+    a trailing `  # comment` cut."""
+    out: list[tuple[str, str]] = []
+    section, prev_blank, in_fence = "", True, False
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("```"):
+            in_fence = not in_fence
+        if line.startswith("## ") and not in_fence:
+            section = line[3:].strip()
+        if line.startswith("    ") and prev_blank and not in_fence:
+            while i < len(lines) and lines[i].startswith("    "):
+                cmd = lines[i][4:]
+                while cmd.rstrip().endswith("\\") and i + 1 < len(lines):
+                    i += 1
+                    cmd = cmd.rstrip()[:-1].rstrip() + " " + lines[i].strip()
+                cmd = re.split(r"\s{2,}#\s", cmd, maxsplit=1)[0].strip()
+                if cmd:
+                    out.append((section, cmd))
+                i += 1
+            prev_blank = False
+            continue
+        prev_blank = not line.strip()
+        i += 1
+    return out
+
+
+PLACEHOLDER = re.compile(r"runs/<id>|<id>|<run folder>")
+
+
+def fill(cmd: str, runs: list[Path]) -> str:
+    """The placeholders a user fills: a run's folder for runs/<id>, <id> (the next run for each) and
+    <run folder>; [optional] options typed; N."""
+    n = iter(range(len(runs) or 1))
+    cmd = PLACEHOLDER.sub(lambda m: str(runs[min(next(n, 0), len(runs) - 1)]) if runs else m.group(0), cmd)
+    cmd = re.sub(r"\[([^\]]*)\]", r"\1", cmd)
+    return re.sub(r"(train\.steps)=N\b", r"\1=40", cmd)
+
+
+def _slug(section: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", section.lower()).strip("-") or "top"
+
+
+@pytest.fixture(scope="module")
+def walkthrough(tmp_path_factory):
+    """Runs every example in README order; returns [(section, example, command run, result)]."""
+    base = tmp_path_factory.mktemp("readme")
+    env = {**os.environ,
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "SHARDCONSOLE_PRESETS_DIR": str(base / "user-presets"),
+           "SHARDCONSOLE_CACHE_DIR": str(base / "token-cache"),
+           "SHARDCONSOLE_RUNS_ROOT": str(base / "runs-root"),
+           "DS_ACCELERATOR": "cpu", "COLUMNS": "120"}
+    # What the Fine-tune section names: a model folder and a .jsonl of chats, made as a user has them.
+    ft = base / _slug("Fine-tune your model on your data")
+    make_hf_model(ft / "path" / "to" / "model", chat_template=True)
+    with open(ft / "chats.jsonl", "w") as fh:
+        for i in range(40):
+            fh.write(json.dumps({"messages": [{"role": "user", "content": f"what is {i} plus {i}?"},
+                                              {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]}) + "\n")
+    done: list = []
+    runs: list[Path] = []
+    examples = readme_examples(README.read_text())
+    ordered = ([e for e in examples if not PLACEHOLDER.search(e[1])]
+               + [e for e in examples if PLACEHOLDER.search(e[1])])
+    for section, example in ordered:
+        cwd = base / _slug(section)
+        cwd.mkdir(exist_ok=True)
+        commands = NOT_AS_WRITTEN[example][1] if example in NOT_AS_WRITTEN else [example]
+        for cmd in commands:
+            cmd = fill(cmd, runs)
+            res = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+            done.append((section, example, cmd, res))
+            m = re.search(r"^finished: .* run folder (\S+)$", res.stdout + res.stderr, re.M)
+            if m and (cwd / m.group(1)).resolve() not in runs:
+                runs.append((cwd / m.group(1)).resolve())
+    return done, base
+
+
+def test_every_readme_example_runs_as_written_or_is_listed_with_its_reason(walkthrough):
+    done, _ = walkthrough
+    examples = readme_examples(README.read_text())
+    assert len(examples) >= 20
+    assert set(NOT_AS_WRITTEN) <= {e for _, e in examples}, "a listed example is no longer in README.md"
+    failed = [f"{cmd!r} (README: {example!r}) exited {res.returncode}: {res.stderr.strip()[-600:]}"
+              for _, example, cmd, res in done if res.returncode != 0]
+    assert not failed, "\n".join(failed)
+    ran = {example for _, example, _, _ in done}
+    assert ran | {e for e, (_, instead) in NOT_AS_WRITTEN.items() if not instead} == {e for _, e in examples}
+
+
+def _result(done, needle):
+    return next(res for _, _, cmd, res in done if needle in cmd)
+
+
+def test_printed_commands_name_absolute_paths(walkthrough):
+    """A command printed for several nodes is started on each of them, from wherever: --run-dir absolute."""
+    done, _ = walkthrough
+    res = _result(done, "--set parallel.nnodes=2 --set parallel.rdzv_endpoint=node0:29400 --print-command")
+    argv = res.stdout.split()
+    run_dir = argv[argv.index("--run-dir") + 1]
+    assert Path(run_dir).is_absolute() and (Path(run_dir) / "preset.toml").is_file()
+    assert "--rdzv-endpoint=node0:29400" in argv and "--nnodes=2" in argv
+
+
+def test_slurm_example_sets_the_rendezvous_from_the_jobs_first_node(walkthrough):
+    done, base = walkthrough
+    script = (base / _slug("More commands") / "job.sbatch").read_text()
+    assert "#SBATCH --nodes=4" in script
+    assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
+    assert '--rdzv-endpoint="$head_node:' in script
+    run_dir = re.search(r"--run-dir (\S+)", script).group(1)
+    assert Path(run_dir).is_absolute() and (Path(run_dir) / "preset.toml").is_file()
+
+
+def test_fine_tuned_model_loads_and_the_console_preset_is_the_plan_preset(walkthrough):
+    done, base = walkthrough
+    assert (base / _slug("Fine-tune your model on your data") / "my-model" / "config.json").is_file()
+    res = _result(done, "resume runs/my-chat")
+    assert re.search(r"^finished: 40 steps", res.stdout + res.stderr, re.M)
+    # the two runs side by side (README's `compare <id> <id>`): the fine-tune's own settings differ
+    compared = next(res for _, example, _, res in done if example.startswith("shardconsole compare"))
+    assert "data.eval_fraction" in compared.stdout and "my-chat" in compared.stdout
+    # `shardconsole` opens tiny-cpu; `shardconsole plan` (no --preset) plans the same one.
+    printed = _result(done, "shardconsole --print-command").stdout
+    assert "--nproc-per-node=2" in printed
+    plan = subprocess.run([sys.executable, "-m", "shardconsole", "plan"], capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0 and plan.stdout.startswith("plan: tiny-cpu:"), plan.stderr

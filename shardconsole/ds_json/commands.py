@@ -77,7 +77,8 @@ def cmd_export(argv: list[str]) -> int:
         description="Write the DeepSpeed config (ds_config JSON) of a preset's run, the same for the Hugging Face "
                     "Trainer (\"auto\" placeholders, with the TrainingArguments that fill them), or the resolved "
                     "preset as TOML. Only the file goes to stdout; notes go to stderr.")
-    ap.add_argument("--preset", default="tiny-cpu", help="preset name or .toml file (default: tiny-cpu)")
+    ap.add_argument("--preset", default=settings.DEFAULT_PRESET,
+                    help=f"preset name or .toml file (default: {settings.DEFAULT_PRESET}, the one `shardconsole` opens)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
                     help="override one setting; repeatable")
     ap.add_argument("--format", choices=("deepspeed", "hf-trainer", "toml"), default="deepspeed")

@@ -1,5 +1,6 @@
 """Time one AdamW step on the CPU over N parameters, as an offloaded optimizer runs it: torch's fused
-and foreach AdamW, and DeepSpeed's CPUAdam (AVX + OpenMP, fp32 or bf16 moments).
+and foreach AdamW, and DeepSpeed's CPUAdam (AVX + OpenMP, fp32 or bf16 moments), and the bf16 update with
+stochastic or Kahan rounding (backends/master_update.py), compiled and eager.
 
     python3 benchmarks/cpu_adam.py --params 500e6 --tensors 64
 
@@ -26,7 +27,7 @@ def make(n: int, k: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
 
 
 def time_steps(opt, steps: int) -> float:
-    opt.step()   # states allocated on the first step
+    opt.step()   # states allocated (and the rounded update compiled) on the first step
     t0 = time.perf_counter()
     for _ in range(steps):
         opt.step()
@@ -40,12 +41,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out")
     ap.add_argument("--torch-only", action="store_true", help="skip DeepSpeed's CPUAdam (no op build)")
+    ap.add_argument("--eager", action="store_true", help="also the rounded update unfused (slow)")
+    ap.add_argument("--skip", nargs="*", default=[], help="case names to leave out")
     a = ap.parse_args()
     n = int(a.params)
     rows = []
     cases = [("torch fused fp32", torch.float32, lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)),
              ("torch foreach fp32", torch.float32, lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True)),
              ("torch fused bf16", torch.bfloat16, lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True))]
+    from shardconsole.backends.master_update import RoundedAdamW
+    for rounding in ("stochastic", "kahan"):
+        for compiled in (True, False) if a.eager else (True,):
+            cases.append((f"rounded {rounding} bf16" + (" compiled" if compiled else " eager"), torch.bfloat16,
+                          lambda ps, r=rounding, c=compiled: RoundedAdamW(ps, lr=1e-4, rounding=r, compile=c)))
     try:
         if a.torch_only:
             raise ImportError("--torch-only")
@@ -56,17 +64,24 @@ def main() -> None:
     except Exception as e:   # noqa: BLE001 - report and go on with torch's
         print(f"DeepSpeedCPUAdam unavailable: {e}")
     for name, dtype, mk in cases:
+        if name in a.skip:
+            continue
         ps = make(n, a.tensors, dtype)
         try:
             s = time_steps(mk(ps), a.steps)
         except Exception as e:   # noqa: BLE001
             rows.append({"name": name, "error": str(e)[:200]})
             continue
-        rows.append({"name": name, "s_per_step": s, "gparams_per_s": n / s / 1e9})
+        # Bytes the step must move a parameter (read weight, gradient, two moments; write weight and moments):
+        # fp32 28, bf16 14, +4 for the Kahan buffer (read and written).
+        moved = (28 if dtype == torch.float32 else 14) + (4 if "kahan" in name else 0)
+        rows.append({"name": name, "s_per_step": s, "gparams_per_s": n / s / 1e9, "bytes_per_param": moved,
+                     "gbps": n * moved / s / 1e9})
         del ps
     print(f"{n / 1e6:.0f}M params, {a.tensors} tensors, {torch.get_num_threads()} threads, {os.cpu_count()} cpus")
     for r in rows:
-        print(f"{r['name']:<26} " + (f"{r['s_per_step']:.3f} s/step  {r['gparams_per_s']:.2f} Gparam/s"
+        print(f"{r['name']:<30} " + (f"{r['s_per_step']:.3f} s/step  {r['gparams_per_s']:.2f} Gparam/s  "
+                                     f"{r['gbps']:.1f} GB/s moved"
                                      if "s_per_step" in r else r["error"]))
     if a.out:
         with open(a.out, "w") as f:

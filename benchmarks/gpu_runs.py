@@ -119,6 +119,26 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
     "issue8-x2": [
         ("h200-fsdp-2gpu", "h200-fsdp", ["parallel.nproc_per_node=2", "train.steps=20", "train.log_every=5"]),
     ],
+    # Issue 17. The README's 125m 500-step curve under each way of keeping the masters (run together on
+    # one GPU with --parallel: each is small), then the 24 GiB targets with fp32-quality updates on the
+    # host arena: 7B fp32 masters pinned, 13B bf16 masters with stochastic rounding, 3.1B FSDP2 offload.
+    "issue17-curves": [
+        ("curve-125m-fp32master", "h200-fsdp", CURVE),
+        ("curve-125m-bf16-nearest", "h200-fsdp", CURVE + ["precision.master_dtype=bf16",
+                                                          "precision.master_rounding=nearest"]),
+        ("curve-125m-bf16-stochastic", "h200-fsdp", CURVE + ["precision.master_dtype=bf16",
+                                                             "precision.master_rounding=stochastic"]),
+        ("curve-125m-bf16-kahan", "h200-fsdp", CURVE + ["precision.master_dtype=bf16",
+                                                        "precision.master_rounding=kahan"]),
+    ],
+    "issue17-big": [
+        ("off-7b-fp32master-arena-mb8", "3090-7b-offload", ["precision.master_dtype=fp32", "train.steps=5",
+                                                            "train.log_every=1", "train.warmup_steps=1"]),
+        ("off-13b-bf16-stochastic-mb4", "3090-7b-offload", ["model.name=13b", "train.micro_batch=4",
+                                                            "precision.master_rounding=stochastic", "train.steps=4",
+                                                            "train.log_every=1", "train.warmup_steps=1"]),
+        ("off-3b-fsdp-arena", "3090-offload", OFF + ["model.name=3b"]),
+    ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
     ],
@@ -156,6 +176,7 @@ def summarize_messages(msgs: list, warmup_frac: float = 0.34) -> dict:
         "host_used_gib": max(m.used_bytes for m in host) / 2**30 if host else None,
         "ranks_rss_gib": max(m.ranks_rss_bytes for m in host) / 2**30 if host else None,
         "failed": [f"{f.cause}: {f.message[:200]}" for f in failed],
+        "warnings": [m.detail[:300] for m in msgs if m.kind == "event" and m.name == "warning"][:8],
         "loss_curve": [[m.step, round(m.loss, 4)] for m in steps],
     }
     return out
@@ -174,6 +195,10 @@ def run_headless(preset: str, sets: list[str], root: Path, name: str, timeout: i
         rc, err = "timeout", ""
     out = {"name": name, "preset": preset, "set": sets, "rc": rc, "wall_s": round(time.time() - t0, 1),
            **summarize(run_dir)}
+    log = run_dir / "logs" / "rank0.log"
+    if log.exists():     # what the rank said about its host memory (the arena's line) and the offload
+        out["rank_log"] = [line[:300] for line in log.read_text(errors="replace").splitlines()
+                           if "host arena" in line or "offload:" in line][:6]
     if rc != 0:
         out["stderr_tail"] = err
     return out
@@ -214,6 +239,8 @@ def main() -> None:
                     help="also run these (all when none given) under bare torchrun with the stream off")
     ap.add_argument("--timeout", type=int, default=400)
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--parallel", action="store_true",
+                    help="start every run of the matrix at once (small runs sharing one GPU)")
     args = ap.parse_args()
     matrix = MATRICES[args.matrix]
     if args.only:
@@ -224,6 +251,16 @@ def main() -> None:
         return
     root = Path(tempfile.mkdtemp(prefix="sc-bench-"))
     results = []
+    if args.parallel:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(len(matrix)) as pool:
+            results = list(pool.map(lambda m: run_headless(m[1], m[2], root, m[0], args.timeout), matrix))
+        for r in results:
+            print(json.dumps(r), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "argv": sys.argv,
+                                                  "results": results}, indent=1))
+        matrix = []
     for name, preset, sets in matrix:
         results.append(run_headless(preset, sets, root, name, args.timeout))
         print(json.dumps(results[-1]), flush=True)

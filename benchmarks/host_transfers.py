@@ -1,5 +1,6 @@
-"""What an offloaded step moves and casts on this machine: pinned host <-> GPU copy rates in fp32 and
-bf16, and the host-side fp32 -> bf16 cast that fsdp.offload_compute_copy adds after each step.
+"""What an offloaded step moves and casts on this machine: the host's memory bandwidth alone (copy, sum,
+triad over all cores), pinned host <-> GPU copy rates in fp32 and bf16, and the host-side fp32 -> bf16
+cast that fsdp.offload_compute_copy adds after each step.
 
     python3 benchmarks/host_transfers.py --gib 4 --out $OUT/host_transfers.json
 
@@ -34,6 +35,16 @@ def main() -> None:
     n = int(args.gib * 2**30 / 4)
     per = n // args.tensors
     out: dict = {"fp32_gib": args.gib, "tensors": args.tensors, "threads": torch.get_num_threads()}
+    # The host's memory bandwidth alone (issue 17 item 3: the bar for the offloaded optimizer step):
+    # a copy reads and writes each byte (counted twice), a sum only reads, a triad reads two and writes one.
+    big_a, big_b = torch.empty(n), torch.empty(n)
+    big_a.fill_(1.0)
+    big_b.fill_(2.0)
+    out["host_copy_gbps_read_plus_write"] = rate(lambda: big_b.copy_(big_a), 2 * n * 4, args.reps, lambda: None)
+    out["host_sum_gbps_read"] = rate(lambda: big_a.sum(), n * 4, args.reps, lambda: None)
+    out["host_triad_gbps"] = rate(lambda: torch.add(big_a, big_b, alpha=0.5, out=big_a), 3 * n * 4, args.reps,
+                                  lambda: None)
+    del big_a, big_b
     masters = [torch.randn(per) for _ in range(args.tensors)]
     copies = [torch.empty(per, dtype=torch.bfloat16) for _ in range(args.tensors)]
     out["host_cast_fp32_to_bf16_gbps_read"] = rate(lambda: torch._foreach_copy_(copies, masters), n * 4, args.reps,

@@ -40,10 +40,14 @@ class Arena:
         self.buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
         self.used = 0
         self.pinned = False
+        self.pin_error = ""
         if pin and nbytes:
             from torch.cuda import _pin_memory_utils
-            _pin_memory_utils.pin_memory(self.buf.data_ptr(), self.buf.numel())
-            self.pinned = True
+            try:
+                _pin_memory_utils.pin_memory(self.buf.data_ptr(), self.buf.numel())
+                self.pinned = True
+            except RuntimeError as e:     # the run still trains, with pageable copies (slower): said by describe
+                self.pin_error = str(e).splitlines()[0][:200]
 
     @property
     def nbytes(self) -> int:
@@ -166,4 +170,4 @@ class ShardArena:
             return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
         parts = ", ".join(f"{k} {size(v)}" for k, v in self.bytes.items() if v)
         return (f"host arena: {size(self.arena.nbytes)} in one region "
-                f"({'page-locked' if self.arena.pinned else 'not pinned: no GPU'}): {parts}")
+                f"({'page-locked' if self.arena.pinned else 'NOT pinned: ' + self.arena.pin_error if self.arena.pin_error else 'not pinned: no GPU'}): {parts}")

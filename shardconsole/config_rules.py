@@ -61,8 +61,12 @@ def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = 
             raise err("parallel", "launcher", f"the deepspeed launcher needs a hostfile and ssh for nnodes = "
                       f"{p.nnodes}; use launcher = \"torchrun\" (it runs DeepSpeed ranks on every node)")
     if p.nnodes > 1 and not p.rdzv_endpoint and not rendezvous_from_launcher:
-        raise err("parallel", "rdzv_endpoint", f"nnodes = {p.nnodes} needs the host:port of node 0, "
-                  "e.g. rdzv_endpoint = \"node0:29400\"")
+        # Blamed on whatever set nnodes (`--set parallel.nnodes=4` on a one-node preset), at the
+        # rendezvous field, which is what is missing.
+        raise ConfigError(f"nnodes = {p.nnodes} needs the host:port of node 0: set parallel.rdzv_endpoint "
+                          "(e.g. \"node0:29400\"), or use --slurm, whose script takes the job's first node",
+                          source=(origins or {}).get("parallel.nnodes", (origins or {}).get(
+                              "parallel.rdzv_endpoint", source)), table="parallel", key="rdzv_endpoint")
     if p.rdzv_endpoint and not re.match(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$", p.rdzv_endpoint):
         raise err("parallel", "rdzv_endpoint", f"{p.rdzv_endpoint!r} is not host:port")
     if p.node_rank >= p.nnodes:

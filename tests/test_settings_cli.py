@@ -96,3 +96,12 @@ def test_an_older_torch_is_refused_at_start_in_one_line(tmp_path):
         "Metadata-Version: 2.1\nName: torch\nVersion: 2.8.0+cu128\n")
     res = shardconsole("settings", "train.lr", env=env)
     assert res.returncode == 0, res.stderr
+
+
+def test_several_nodes_without_a_rendezvous_blames_the_override_and_names_slurm(tmp_path):
+    res = shardconsole("--preset", "4090x2-zero3", "--set", "parallel.nnodes=4", "--print-command",
+                       "--run-dir", str(tmp_path / "run"))
+    assert res.returncode == 2 and not (tmp_path / "run").exists()
+    assert res.stderr.strip().splitlines() == [
+        "shardconsole: error: --set parallel.nnodes: nnodes = 4 needs the host:port of node 0: set "
+        "parallel.rdzv_endpoint (e.g. \"node0:29400\"), or use --slurm, whose script takes the job's first node"]

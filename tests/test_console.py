@@ -385,7 +385,13 @@ async def test_an_impossible_combination_is_marked_at_the_field_it_names(tmp_pat
         await show_table(pilot, setup, "precision")
         setup.query_one("#field-precision-dtype", SettingField).query_one(Select).value = "bf16"
         await pilot.pause()
+        # The preset's own fp16 keys are dropped with a note, as on the command line ...
+        await wait_for(pilot, lambda: "loss_scale_window = 100 ignored" in text_of(setup.query_one("#changes")),
+                       what="the note")
+        # ... but one typed in its field with bf16 is impossible, and marked there.
         field = setup.query_one("#field-precision-loss_scale_window", SettingField)
+        field.query_one(".setting--control").value = "50"
+        await wait_for(pilot, lambda: field.error, what="the mark at the field")
         assert field.error == ("is an fp16 loss-scale setting but dtype is 'bf16'; remove it or set "
                                "precision.dtype = \"fp16\"")
         assert setup.query_one("#field-precision-dtype", SettingField).error == ""
@@ -444,12 +450,24 @@ async def test_a_wrong_data_path_typed_in_the_console_names_the_field(tmp_path):
         await show_table(pilot, setup, "data")
         setup.query_one("#field-data-source", SettingField).query_one(Select).value = "auto"
         path_field = setup.query_one("#field-data-path", SettingField)
+        # Checked at the field as it is typed, with the launch's own words: a kind the ranks cannot read,
+        # a file that is not text, then a file that does not exist.
+        (tmp_path / "corpus.docx").write_text("x")
+        (tmp_path / "blob.jsonl").write_bytes(b"\x00\x01")
+        for name, words in (("corpus.docx", "unknown file type '.docx'"), ("blob.jsonl", "not a text file"),
+                            ("nowhere.txt", "no such file or folder")):
+            path_field.query_one(Input).value = str(tmp_path / name)
+            await wait_for(pilot, lambda: words in path_field.error, what=f"{words} at the field")
+            assert "data.path" in text_of(setup.query_one("#problems"))
+        (tmp_path / "chats.jsonl").write_text('{"text": "hello"}\n')
+        path_field.query_one(Input).value = str(tmp_path / "chats.jsonl")
+        await wait_for(pilot, lambda: path_field.error == "", what="a good file accepted")
         path_field.query_one(Input).value = str(tmp_path / "nowhere.txt")
         await wait_for(pilot, lambda: setup.cfg.data.path == str(tmp_path / "nowhere.txt"), what="the edit")
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: app._notifications, what="the refusal")
-        [note] = [str(n.message) for n in app._notifications]
-        assert note == f"console: [data] path: {tmp_path / 'nowhere.txt'}: no such file or folder"
+        note = str(list(app._notifications)[-1].message)
+        assert note == f"data.path: {tmp_path / 'nowhere.txt'}: no such file or folder"
         await wait_for(pilot, lambda: app.focused is path_field.query_one(".setting--control"), what="the focus")
         assert launcher.started == [] and app.screen is setup
 
@@ -461,7 +479,16 @@ async def test_the_save_dialog_refuses_a_bad_name_and_starts_without_a_descripti
         await pilot.press("ctrl+s")
         dialog = await wait_for(pilot, lambda: type(app.screen).__name__ == "SavePresetScreen" and app.screen)
         assert dialog.query_one("#description", Input).value == ""      # not tiny-cpu's description
-        for name, words in (("my.toml", "leave out .toml"), ("tiny-cpu", "is a built-in preset")):
+        # Judged as it is typed: the label's rule (letters, digits, - and _), Save off until it holds.
+        for name in ("my tiny", "myreset!", "-x", ""):
+            dialog.query_one("#name", Input).value = name
+            await wait_for(pilot, lambda: dialog.query_one("#save").disabled, what=f"{name!r} refused")
+            assert "✗" in text_of(dialog.query_one("#where")), name
+        dialog.query_one("#name", Input).value = "my_tiny-2"
+        await wait_for(pilot, lambda: not dialog.query_one("#save").disabled, what="a good name")
+        assert text_of(dialog.query_one("#where")).endswith("my_tiny-2.toml")
+        for name, words in (("my tiny", "not a preset name"), ("my.toml", "leave out .toml"),
+                            ("tiny-cpu", "is a built-in preset")):
             dialog.query_one("#name", Input).value = name
             await pilot.press("enter")
             await wait_for(pilot, lambda: any(words in str(n.message) for n in app._notifications), what=words)
@@ -483,6 +510,83 @@ async def test_the_memory_estimate_shows_a_placeholder_without_the_planner(tmp_p
         await pilot.pause()
         line = text_of(app.setup_screen.query_one("#estimate"))
         assert line.startswith("Estimate: GPU peak ") and "host peak" in line and "· fits" in line, line
+
+
+async def test_a_gpu_preset_without_a_gpu_estimates_the_cpu_run(tmp_path):
+    """The ranks of a GPU preset run on the CPU here: the estimate is that run's (no GPU peak under the
+    warning that there is no GPU)."""
+    app = make_app(tmp_path, preset="3090-offload", planner=real_planner)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.setup_screen.machine.detected)
+        await pilot.pause()
+        assert "no GPU here" in text_of(app.setup_screen.query_one("#problems"))
+        line = text_of(app.setup_screen.query_one("#estimate"))
+        assert line.startswith("Estimate on the CPU (no GPU here; rough): host peak ") and "GPU" not in \
+            line.split(")", 1)[1], line
+
+
+async def test_up_and_down_move_between_fields(tmp_path):
+    """Up/down go from field to field as Tab does; a select opens with enter (its list takes the arrows
+    then), an input keeps left/right for its cursor."""
+    from textual.widgets import Input, Select
+    from shardconsole.console.widgets.setting_field import SettingField
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        setup = app.setup_screen
+        await show_table(pilot, setup, "train")
+        rows = list(setup.query(f"#form-train {SettingField.__name__}"))
+        controls = [r.query_one(".setting--control") for r in rows]
+        assert app.focused is controls[0]
+        for i in range(1, 4):
+            await pilot.press("down")
+            await wait_for(pilot, lambda: app.focused is controls[i], what=f"field {i}")
+        await pilot.press("up")
+        await wait_for(pilot, lambda: app.focused is controls[2], what="back up")
+        await pilot.press("up", "up", "up")                       # the first field stays the first
+        await wait_for(pilot, lambda: app.focused is controls[0], what="the top")
+        # a select in some table: down passes it by, enter opens it and down moves in its list
+        await show_table(pilot, setup, "precision")
+        rows = list(setup.query("#form-precision SettingField"))
+        at = next(i for i, r in enumerate(rows) if r.query(Select))
+        select = rows[at].query_one(Select)
+        select.focus()
+        await wait_for(pilot, lambda: app.focused is select)
+        await pilot.press("down")
+        await wait_for(pilot, lambda: app.focused is rows[at + 1].query_one(".setting--control"), what="past")
+        select.focus()
+        await wait_for(pilot, lambda: app.focused is select)
+        before = select.value
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: select.expanded, what="the list open")
+        await pilot.press("down", "enter")
+        await wait_for(pilot, lambda: select.value != before and not select.expanded, what="another choice")
+        # an input: left/right move its cursor, the focus stays
+        steps = setup.query_one("#field-train-steps", SettingField).query_one(Input)
+        await show_table(pilot, setup, "train")
+        steps.focus()
+        await wait_for(pilot, lambda: app.focused is steps)
+        steps.cursor_position = len(steps.value)
+        await pilot.press("left")
+        assert app.focused is steps and steps.cursor_position == len(steps.value) - 1
+
+
+async def test_nothing_of_the_summary_is_cut_at_80x24(tmp_path):
+    """The whole command (its last line too) and the machine line, at 80 columns."""
+    app = make_app(tmp_path, preset="3090-offload", planner=real_planner)
+    async with app.run_test(size=(80, 24)) as pilot:
+        setup = app.setup_screen
+        await wait_for(pilot, lambda: setup.machine.detected)
+        await pilot.pause()
+        for wid in ("#command", "#machine", "#estimate"):
+            widget = setup.query_one(wid)
+            lines = widget.render_lines(widget.region.reset_offset)     # what is drawn, by row
+            drawn = " ".join(line.text.strip() for line in lines)
+            assert widget.display and widget.region.height > 0, wid
+            assert "…" not in drawn, (wid, drawn)
+            full = text_of(widget)
+            assert full.split()[-1] in drawn and full.split()[0] in drawn, (wid, drawn)
+        assert "--run-id" in " ".join(s.text for s in setup.query_one("#command").render_lines(
+            setup.query_one("#command").region.reset_offset))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -703,7 +807,7 @@ async def test_real_tiny_cpu_run_launch_watch_stop(tmp_path, monkeypatch):
     from shardconsole.console.services import MachineProbes, TorchrunLauncher
     monkeypatch.chdir(tmp_path)
     app = ShardConsoleApp(TorchrunLauncher(tmp_path / "runs"), MachineProbes(), preset="tiny-cpu",
-                          overrides=["train.steps=20", "train.log_every=1"], planner=lambda: None)
+                          overrides=["train.steps=2000", "train.log_every=1"], planner=lambda: None)
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("ctrl+r")
         screen = await wait_for(pilot, lambda: isinstance(app.screen, RunScreen) and app.screen)
@@ -711,7 +815,7 @@ async def test_real_tiny_cpu_run_launch_watch_stop(tmp_path, monkeypatch):
                        what="step 2 of the real run")
         await pilot.pause(0.3)
         step = screen.view.state.last_step.step
-        assert f"step {step}/20" in text_of(screen.query_one("#status"))
+        assert f"step {step}/2000" in text_of(screen.query_one("#status"))
         assert "tok/s" in text_of(screen.query_one("#throughput-text"))
         assert "loss " in text_of(screen.query_one("#loss-text"))
         assert "ranks RSS" in text_of(screen.query_one("#host-text"))
@@ -725,6 +829,17 @@ async def test_real_tiny_cpu_run_launch_watch_stop(tmp_path, monkeypatch):
                                 and app.screen, timeout=60, what="the stop report")
         body = text_of(report.query_one("#body"))
         assert "none left" in body and "rank 0" in body and "still" not in body
+        # "3 process(es)" named: the launcher and the two ranks, in the summary and in the list
+        assert "stopped: the launcher (torchrun, pid " in body and "and 2 rank(s) (pid " in body
+        assert "✔ launcher (torchrun, pid " in body
+        # The Logs panel: what the stream said of a healthy run, and the stop as a stop (torchrun's
+        # SignalException traceback folded into one line, not shown from the top).
+        from textual.widgets import Log
+        logs = screen.query_one("#logs", Log)
+        await wait_for(pilot, lambda: any("a stop, not a crash" in line for line in logs.lines), timeout=20,
+                       what="torchrun's stop in the logs")
+        assert "    r0│ ▸ training" in logs.lines and any("started: fsdp on cpu" in line for line in logs.lines)
+        assert not any("Traceback" in line or "SignalException" in line for line in logs.lines), logs.lines
         for pid in pids:
             assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
         assert screen.status == "stopped"

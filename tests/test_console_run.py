@@ -105,3 +105,60 @@ async def test_an_ended_run_resumes_in_its_folder(tmp_path):
         _emit(run_dir, P.Finished(run="done-resume-1", rank=0, t=T0 + 12, steps=5))
         launcher.jobs[-1]._alive = False
         await wait_for(pilot, lambda: screen.status == "finished", what="the resumed run's end")
+
+
+async def test_at_80x24_the_panels_wrap_instead_of_cutting(tmp_path):
+    """lr, samples/s and 'skipped' are drawn at 80 columns (packed into more lines, not cut off)."""
+    run_dir = tmp_path / "runs" / "narrow"
+    write_run(run_dir, gpus=0, device="cpu", steps=3)
+    app = make_app(tmp_path, attach=run_dir)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await _run_screen(pilot, app)
+        await wait_for(pilot, lambda: (s := screen.view.state.last_step) is not None and s.step == 3)
+        await pilot.pause(0.2)
+        for wid, words in (("#throughput-text", ("samples/s", "lr 3.00e-04", "tokens")),
+                           ("#loss-text", ("loss scale n/a", "0 skipped")), ("#status", ("elapsed",))):
+            widget = screen.query_one(wid)
+            drawn = "\n".join(line.text for line in widget.render_lines(widget.region.reset_offset))
+            for word in words:
+                assert word in drawn, (wid, word, drawn)
+        # The Logs panel (4 rows here) shows its newest lines, and stays where the user scrolled to.
+        logs = screen.query_one("#logs")
+        await wait_for(pilot, lambda: logs.max_scroll_y > 0 and logs.scroll_offset.y == logs.max_scroll_y,
+                       what="the logs at their end")
+        logs.scroll_to(y=0, animate=False)
+        await pilot.pause()
+        _emit(run_dir, P.Event(run="narrow", rank=0, t=T0 + 1, name="warning", detail="late"))
+        await wait_for(pilot, lambda: any("warning: late" in line for line in logs.lines), what="the warning")
+        await pilot.pause(0.2)
+        assert logs.scroll_offset.y == 0
+        logs.scroll_end(animate=False)
+        await pilot.pause()
+        _emit(run_dir, P.Event(run="narrow", rank=0, t=T0 + 2, name="warning", detail="later"))
+        await wait_for(pilot, lambda: logs.scroll_offset.y == logs.max_scroll_y and "later" in logs.lines[-1],
+                       what="following again")
+
+
+async def test_an_op_build_shows_its_time_and_what_it_builds(tmp_path):
+    """DeepSpeed's first op build takes minutes and says nothing while it runs: the status line counts
+    the time from the phase's start and names the op and its folder; the Logs panel says it too."""
+    import time
+    from textual.widgets import Log
+    run_dir = tmp_path / "runs" / "ops"
+    write_run(run_dir, gpus=0, device="cpu", steps=0)
+    now = time.time()
+    detail = "CPUAdam (DeepSpeed JIT, ninja) in /cache/py311_cpu/cpu_adam: no build there yet, compiling"
+    _emit(run_dir, P.Event(run="ops", rank=0, t=now - 95, name="phase", detail="building ops"),
+          P.Event(run="ops", rank=0, t=now - 94, name="op_build", detail=detail))
+    app = make_app(tmp_path, attach=run_dir)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await _run_screen(pilot, app)
+        await wait_for(pilot, lambda: screen.view.building == detail, what="the op build")
+        await wait_for(pilot, lambda: "building ops 1m3" in text_of(screen.query_one("#status")), what="the time")
+        assert detail in text_of(screen.query_one("#status"))
+        lines = screen.query_one("#logs", Log).lines
+        assert "    r0│ ▸ building ops" in lines and f"    r0│ ▸ building ops: {detail}" in lines
+        assert "    r0│ ▸ training" in lines                # the phases of write_run, in order
+        seconds = int(text_of(screen.query_one("#status")).split("building ops 1m")[1][:2])
+        await wait_for(pilot, lambda: f"1m{seconds + 2:02d}s" in text_of(screen.query_one("#status")), timeout=5,
+                       what="the clock moving")

@@ -157,12 +157,16 @@ def log_line(msg: P.Message) -> str | None:
         gpu = f" ({msg.gpu_name})" if msg.gpu_name else ""
         text = f"started: {msg.backend or 'rank'} on {msg.device or '?'}{gpu}, pid {msg.pid}" + \
             (f" on {msg.host}" if msg.host else "")
+    elif isinstance(msg, P.DataSummary) and not msg.records:    # synthetic tokens, a token file
+        text = f"data: {msg.format} ({msg.source})" + (f"; {msg.note}" if msg.note else "")
     elif isinstance(msg, P.DataSummary):
         text = f"data: {msg.format} from {msg.source}, {msg.records} records, {msg.samples} samples, " \
                f"{100 * msg.loss_share:.0f}% under loss" + (f"; {msg.note}" if msg.note else "")
     elif isinstance(msg, P.Eval):
         text = f"eval at step {msg.step}: loss {'n/a' if msg.loss is None else f'{msg.loss:.4f}'} " \
                f"({msg.tokens} tokens, {msg.seconds:.1f} s)"
+    elif isinstance(msg, P.Failed) and msg.cause == "stopped":    # a stop is not a failure
+        text = f"stopped: {msg.message}".splitlines()[0]
     elif isinstance(msg, P.Failed):
         text = f"failed ({msg.cause}): {msg.message}".splitlines()[0]
     elif isinstance(msg, P.Finished):

@@ -205,6 +205,12 @@ def describe_estimate(plan: ModuleType | None, cfg: C.RunConfig, machine: Machin
         return "Memory estimate: not available (the planner, shardconsole.plan, is not in this version)", None
     if not machine.detected:
         return "Memory estimate: looking at this machine…", None
+    # A GPU preset on a machine without one runs its ranks on the CPU (the launch says so): estimate
+    # that run, everything in host RAM, not the GPU run the preset describes.
+    on_cpu_here = cfg.parallel.device == "auto" and not machine.gpus
+    if on_cpu_here:
+        cfg = C.copy(cfg)
+        cfg.parallel.device = "cpu"
     try:
         est = run_estimate(plan, cfg, machine)
     except Exception as e:   # the planner must not take the console down with it
@@ -212,7 +218,8 @@ def describe_estimate(plan: ModuleType | None, cfg: C.RunConfig, machine: Machin
     if est is None:
         return "Memory estimate: the planner could not describe this machine", None
     gpu = "" if cfg.parallel.device == "cpu" else f"GPU peak {C.format_size(est.gpu_peak_bytes)} (largest rank) · "
-    return f"Estimate: {gpu}host peak {C.format_size(est.host_peak_bytes)} · {est.verdict}", bool(est.fits)
+    head = "Estimate on the CPU (no GPU here; rough): " if on_cpu_here else "Estimate: "
+    return f"{head}{gpu}host peak {C.format_size(est.host_peak_bytes)} · {est.verdict}", bool(est.fits)
 
 
 def planned_peaks(run_dir: Path, probes: "Probes") -> tuple[int | None, int | None]:

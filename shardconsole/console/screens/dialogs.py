@@ -116,23 +116,44 @@ class SavePresetScreen(ModalScreen[SaveRequest | None]):
     def _where(self, name: str) -> str:
         return f"→ {self.folder / (name.strip() + '.toml')}"
 
+    def on_mount(self) -> None:
+        self._check(self.preset_name)
+
+    @staticmethod
+    def name_problem(name: str) -> str:
+        """What is wrong with a name, in preset_store's words ('' when it can be saved under)."""
+        if not name.strip():
+            return "A preset needs a name"
+        try:
+            preset_store.check_name(name.strip())
+        except C.ConfigError as e:
+            return e.reason
+        return ""
+
+    def _check(self, name: str) -> None:
+        """Judge the name as it is typed: the rule the label states, said before Save is pressed."""
+        problem = self.name_problem(name)
+        where = self.query_one("#where", Static)
+        if problem:
+            where.update(Text("✗ " + problem, "red"))
+        else:
+            exists = (self.folder / f"{name.strip()}.toml").is_file()
+            where.update(self._where(name) + ("  (exists: saving asks before replacing it)" if exists else ""))
+        self.query_one("#name", Input).set_class(bool(problem), "-invalid")
+        self.query_one("#save", Button).disabled = bool(problem)
+
     @on(Input.Changed, "#name")
     def _name_changed(self, event: Input.Changed) -> None:
-        self.query_one("#where", Static).update(self._where(event.value))
+        self._check(event.value)
 
     @on(Input.Submitted)
     @on(Button.Pressed, "#save")
     def _save(self, _event: Message | None = None) -> None:
         name = self.query_one("#name", Input).value.strip()
-        if not name:
+        problem = self.name_problem(name)   # the rule save_user_preset enforces, before the dialog closes
+        if problem:
             self.query_one("#name", Input).focus()
-            self.notify("A preset needs a name", severity="warning")
-            return
-        try:
-            preset_store.check_name(name)   # the rule save_user_preset enforces, said before the dialog closes
-        except C.ConfigError as e:
-            self.query_one("#name", Input).focus()
-            self.notify(e.reason, title="Not a preset name", severity="error")
+            self.notify(problem, title="Not a preset name", severity="error")
             return
         self.dismiss(SaveRequest(name, self.query_one("#description", Input).value.strip()))
 

@@ -45,6 +45,29 @@ LOG_LINES = 500
 LIVE = ("running", "stopping")
 
 
+class FollowingLog(Log):
+    """A Log that keeps to its newest line until the user scrolls up, and again once they scroll back
+    down. Log's own auto_scroll lost the end for good when lines came before the first layout or many
+    at once (it scrolls before the new lines are laid out), and the panel then showed the oldest lines."""
+
+    following = True
+
+    def add(self, lines: list[str]) -> None:
+        self.write_lines(lines, scroll_end=False)
+        if self.following:
+            # force: the scrollbar that allows the scroll appears only at the next layout
+            self.scroll_end(animate=False, force=True)
+
+    def watch_scroll_y(self, old_value: float, new_value: float) -> None:
+        super().watch_scroll_y(old_value, new_value)
+        if self.size.height and new_value != old_value:    # moved: by the user, or by scroll_end
+            self.following = new_value >= self.max_scroll_y
+
+    def on_resize(self) -> None:
+        if self.following:
+            self.scroll_end(animate=False, force=True)
+
+
 class RunScreen(Screen[None]):
     CSS_PATH = HERE / "run.tcss"
     BINDINGS = [
@@ -88,7 +111,7 @@ class RunScreen(Screen[None]):
             with Vertical(id="training"):
                 yield ThroughputPanel("Throughput", id="throughput")
                 yield LossPanel("Loss", id="loss")
-        log = Log(id="logs", max_lines=LOG_LINES, auto_scroll=True)
+        log = FollowingLog(id="logs", max_lines=LOG_LINES, auto_scroll=False)
         log.border_title = "Logs · launcher and ranks"
         yield log
         yield Footer()
@@ -214,7 +237,7 @@ class RunScreen(Screen[None]):
                 said.append(line)
         self.view.bad_lines = event.bad_lines
         if said or event.log_lines:
-            self.query_one("#logs", Log).write_lines(said + event.log_lines)
+            self.query_one("#logs", FollowingLog).add(said + event.log_lines)
         for note in event.notes:
             self.notify(note, title="The run's stream", severity="warning", timeout=15)
         self._draw()
@@ -355,7 +378,7 @@ class RunScreen(Screen[None]):
         text.append(f"● {phase}", f"bold {color}")
         if s is not None and s.steps:
             frac = min(1.0, s.step / s.steps)
-            width = 20
+            width = 20 if self.size.width >= 100 else 8     # 80 columns: room for the time elapsed
             filled = int(frac * width)
             text.append(f"  step {s.step}/{s.steps} ")
             text.append("━" * filled, color)
@@ -390,10 +413,14 @@ def stop_details(report: StopReport, view: RunView, before: dict[int, P.GpuSampl
     memory there?), for the stop report."""
     out: list[tuple[str, bool]] = []
     left = set(report.left)
+    launcher = getattr(report, "launcher_pid", 0)      # session/stop.StopOutcome
+    if launcher:
+        alive = launcher in left
+        out.append((f"launcher (torchrun, pid {launcher}): {'still running' if alive else 'ended'}", not alive))
     for rank, hello in sorted(view.state.hellos.items()):
         alive = hello.pid in left
         out.append((f"rank {rank} (pid {hello.pid}): {'still running' if alive else 'ended'}", not alive))
-    others = left - {h.pid for h in view.state.hellos.values()}
+    others = left - {h.pid for h in view.state.hellos.values()} - {launcher}
     if others:
         out.append((f"other process(es) of the run still alive: {sorted(others)}", False))
     if gpu_unavailable and not after:

@@ -29,6 +29,7 @@ from shardconsole import config as C
 from shardconsole import preset_store, settings
 from shardconsole.launch import format_argv
 from shardconsole.models import CATALOG, ModelError, human_count, resolve
+from shardconsole.session import preflight
 
 from shardconsole.console import fields as F
 from shardconsole.console.messages import MachineDetected
@@ -38,6 +39,15 @@ from shardconsole.console.services import (Launcher, Machine, PlannedRun, Probes
 from shardconsole.console.widgets.setting_field import SettingField
 
 HERE = Path(__file__).parent
+
+
+def _mtime(path: str | None) -> float | None:
+    try:
+        return Path(path).expanduser().stat().st_mtime if path else None
+    except (OSError, ValueError):
+        return None
+
+
 BACKENDS = {"fsdp": "FSDP2 (PyTorch)", "deepspeed": "DeepSpeed ZeRO"}
 MODEL_SPEC = F.spec_for("model", "name")
 BACKEND_SPEC = F.spec_for("parallel", "backend")
@@ -70,6 +80,7 @@ class SetupScreen(SetupActions, Screen[None]):
         self.overrides: dict[str, settings.Override] = {}   # "table.key" -> the last override of it
         self.resolved = settings.Resolved(C.RunConfig(), "defaults", None)
         self.model_error = ""                      # a model folder typed but not (yet) usable
+        self._data_checked: tuple[object, tuple[str, str] | None] = (None, None)
         self.planned: PlannedRun | None = None
         self._startup_error = ""
         try:
@@ -293,13 +304,32 @@ class SetupScreen(SetupActions, Screen[None]):
     def watch_cfg(self) -> None:
         self._refresh()
 
-    def _problems(self) -> list[tuple[str, str]]:
-        """(table.key, what is wrong): refused edits first, then the first impossible combination; from
-        the ConfigErrors' own fields."""
+    def _problems(self, data: bool = True) -> list[tuple[str, str]]:
+        """(table.key, what is wrong): refused edits first, then the first impossible combination, then
+        the data files (data=False leaves them out); from the ConfigErrors' own fields."""
         out = [(e.path or "", e.reason) for e in self.resolved.problems]
         if self.model_error:
             out.insert(len(self.resolved.refused), (MODEL_SPEC.path, self.model_error))
+        if data and not out:
+            problem = self._data_problem()
+            if problem is not None:
+                out.append(problem)
         return out
+
+    def _data_problem(self) -> tuple[str, str] | None:
+        """What the launch's preflight would say of data.path / data.eval_path (exists, readable, a kind
+        the ranks read, text that is UTF-8, the model's tokenizer loads), said at the field as it is
+        typed. Cached on the values and the files' mtimes: _refresh runs on every keystroke."""
+        d = self.cfg.data
+        key = (d.source, d.path, d.eval_path, self.cfg.model.name, _mtime(d.path), _mtime(d.eval_path))
+        if key != self._data_checked[0]:
+            try:
+                preflight.check_data(self.resolved)
+                found = None
+            except C.ConfigError as e:
+                found = (e.path or "data.path", e.reason)
+            self._data_checked = (key, found)
+        return self._data_checked[1]
 
     def _refresh(self) -> None:
         """Everything derived from cfg: marks at the fields, tabs, changes, command, estimate."""
@@ -342,8 +372,8 @@ class SetupScreen(SetupActions, Screen[None]):
             bad.append(f"✗ {path}: {detail}{more}", "bold red")
         elif self.machine.detected and not self.machine.gpus and cfg.parallel.device == "auto":
             # Valid, but easy to miss: a GPU preset on a machine without one trains on the CPU.
-            bad.append("! parallel.device is auto and this machine has no GPU: the ranks will compute on the "
-                       "CPU (slow for anything but the tiny model)", "yellow")
+            bad.append("! no GPU here: parallel.device = auto runs the ranks on the CPU (slow beyond tiny)",
+                       "yellow")
         self.query_one("#problems", Static).update(bad)
         self.query_one("#problems").display = bool(bad)
         changes = F.diff_entries(diff)
@@ -353,9 +383,10 @@ class SetupScreen(SetupActions, Screen[None]):
             line.append(f"from {self.preset_name}: " + " · ".join(changes))
         else:
             line.append(f"from {self.preset_name}: none", "dim")
-        if self.notes:   # deepspeed settings the CLI fills from the fsdp table, said as it says them
-            line.append(" · from the fsdp table: " + "; ".join(self.notes), "dim")
+        if self.notes:   # what the CLI says of these settings (deepspeed keys from the fsdp table, fp16
+            line.append(" · " + "; ".join(self.notes), "dim")          # keys a dtype change dropped)
         self.query_one("#changes", Static).update(line)
+        self.query_one("#changes").set_class(not (changes or self.notes), "-none")   # hidden at 80 columns
         self.planned = self.launcher.plan(cfg, self.preset_name)
         cmd = Text()
         cmd.append("Command ", "bold")

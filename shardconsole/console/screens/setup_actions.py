@@ -25,7 +25,8 @@ class SetupActions:
 
     async def _refuse_if_invalid(self, doing: str) -> bool:
         """With a problem left: say it, take the user to its field, and return True."""
-        problems = self._problems()
+        # A data file missing here does not stop a save: the preset may be meant for another machine.
+        problems = self._problems(data=doing != "saving")
         if not problems:
             return False
         path, detail = problems[0]

@@ -44,6 +44,23 @@ def duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
+def pack(items: list[Text], width: int, sep: str = " · ") -> Text:
+    """Items joined with sep, a new line where the next would not fit: a narrow panel (80 columns)
+    wraps between items instead of cutting the last ones off."""
+    out = Text(no_wrap=True, overflow="ellipsis")
+    used = 0
+    for item in items:
+        if used and used + len(sep) + item.cell_len > width:
+            out.append("\n")
+            used = 0
+        elif used:
+            out.append(sep)
+            used += len(sep)
+        out.append_text(item)
+        used += item.cell_len
+    return out
+
+
 class Panel(Vertical):
     """A bordered panel with a title; its body is laid out by run.tcss."""
 
@@ -210,12 +227,12 @@ class ThroughputPanel(Panel):
         if s is None:
             text.append("no step yet", "dim")
         else:
-            # Most telling first: a narrow panel cuts the end of each line.
+            # Most telling first; packed into as many lines as the panel's width needs (80 columns: 3).
             mfu = "n/a" if s.mfu is None else f"{100 * s.mfu:.1f}%"
-            text.append(f"{fmt_rate(s.tokens_per_s)} tok/s", "bold")
-            text.append(f" · {s.step_s:.3f} s/step · {s.samples_per_s:.1f} samples/s\n")
             gn = "n/a" if s.grad_norm is None else f"{s.grad_norm:.2f}"
-            text.append(f"MFU {mfu} · grad norm {gn} · lr {s.lr:.2e} · {fmt_rate(s.tokens)} tokens")
+            text = pack([Text(f"{fmt_rate(s.tokens_per_s)} tok/s", "bold"), Text(f"{s.step_s:.3f} s/step"),
+                         Text(f"{s.samples_per_s:.1f} samples/s"), Text(f"MFU {mfu}"), Text(f"grad norm {gn}"),
+                         Text(f"lr {s.lr:.2e}"), Text(f"{fmt_rate(s.tokens)} tokens")], _width(self))
         self.query_one("#throughput-text", Static).update(text)
         self.query_one("#tokens-plot", LinePlot).series = (
             PlotSeries("tokens/s", view.tokens_per_s.xs, view.tokens_per_s.ys, TOKENS_COLOR),)
@@ -233,16 +250,18 @@ class LossPanel(Panel):
             text.append("no step yet", "dim")
         else:
             loss = "n/a" if s.loss is None else f"{s.loss:.4f}"
-            text.append(f"loss {loss}", "bold")
+            items = [Text(f"loss {loss}", "bold")]
             if view.min_loss is not None and (s.loss is None or view.min_loss < s.loss):
-                text.append(f" (min {view.min_loss:.4f})")
+                items[0].append(f" (min {view.min_loss:.4f})", "not bold")
             evals = view.state.evals
             if evals:
                 e = evals[-1]
-                text.append(f" · eval {'n/a' if e.loss is None else f'{e.loss:.4f}'} at step {e.step}", EVAL_COLOR)
+                items.append(Text(f"eval {'n/a' if e.loss is None else f'{e.loss:.4f}'} at step {e.step}",
+                                  EVAL_COLOR))
             scale = "n/a (not fp16)" if s.loss_scale is None else f"{s.loss_scale:g}"
-            text.append(f"\nloss scale {scale} · {s.skipped_steps} skipped",
-                        "yellow" if s.skipped_steps else "")
+            items += [Text(f"loss scale {scale}"), Text(f"{s.skipped_steps} skipped",
+                                                        "yellow" if s.skipped_steps else "")]
+            text = pack(items, _width(self))
         d = view.state.data
         if d is not None:
             text.append(f"\ndata {d.format}: {d.records} records, {d.tokens} tokens, {d.samples} samples, "
@@ -253,3 +272,10 @@ class LossPanel(Panel):
         if len(view.eval_loss):
             series.append(PlotSeries("eval", view.eval_loss.xs, view.eval_loss.ys, EVAL_COLOR))
         self.query_one("#loss-plot", LinePlot).series = tuple(series)
+
+
+def _width(panel: Panel) -> int:
+    """The panel's text width (before its first layout: wide enough for one line, as before)."""
+    if panel.content_region.width:
+        return panel.content_region.width
+    return max(20, panel.size.width - 4) if panel.size.width else 200

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from textual import on
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.message import Message
 from textual.reactive import reactive
 from textual.widget import Widget
@@ -19,7 +20,18 @@ from textual.widgets import Input, Label, Select, Static, Switch
 from shardconsole.console.fields import FieldSpec
 
 
+class FieldSelect(Select[str], inherit_bindings=False):
+    """A Select that opens with enter or space: up and down move between the form's fields, as in
+    every other row (Select opens on them too). In the open list they still move the highlight."""
+
+    BINDINGS = [Binding("enter,space", "show_overlay", "Show menu", show=False)]
+
+
 class SettingField(Widget):
+    BINDINGS = [
+        Binding("up", "neighbour(-1)", "Previous field", show=False),
+        Binding("down", "neighbour(1)", "Next field", show=False),
+    ]
     DEFAULT_CSS = """
     SettingField {
         layout: horizontal;
@@ -74,8 +86,8 @@ class SettingField(Widget):
         spec = self.spec
         yield Label(("● " if self.changed else "") + spec.key, classes="setting--name")
         if spec.kind == "select":
-            yield Select([(c, c) for c in spec.choices], value=self._text, allow_blank=False, compact=True,
-                         classes="setting--control")
+            yield FieldSelect([(c, c) for c in spec.choices], value=self._text, allow_blank=False, compact=True,
+                              classes="setting--control")
         elif spec.kind == "switch":
             yield Switch(value=self._text == "true", classes="setting--control")
         else:
@@ -83,6 +95,14 @@ class SettingField(Widget):
             yield Input(self._text, placeholder=placeholder, compact=True, classes="setting--control",
                         select_on_focus=False)
         yield Static(self._note(), classes="setting--note", markup=False)
+
+    def action_neighbour(self, offset: int) -> None:
+        """Focus the control of the field above (-1) or below (+1) in this form; stay at either end."""
+        rows = [w for w in self.parent.children if isinstance(w, SettingField) and w.display] if self.parent else []
+        at = rows.index(self) + offset if self in rows else -1
+        if 0 <= at < len(rows):
+            rows[at].query_one(".setting--control").focus()
+            rows[at].scroll_visible()
 
     @property
     def text(self) -> str:

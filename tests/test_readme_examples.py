@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,7 @@ def walkthrough(tmp_path_factory):
                                               {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]}) + "\n")
     done: list = []
     runs: list[Path] = []
+    timings: list[tuple[float, str]] = []      # seconds a command, kept beside the folders for a reader
     examples = readme_examples(README.read_text())
     ordered = ([e for e in examples if not PLACEHOLDER.search(e[1])]
                + [e for e in examples if PLACEHOLDER.search(e[1])])
@@ -140,11 +142,14 @@ def walkthrough(tmp_path_factory):
         commands = NOT_AS_WRITTEN[example][1] if example in NOT_AS_WRITTEN else [example]
         for cmd in commands:
             cmd = fill(cmd, runs)
+            t0 = time.monotonic()
             res = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
             done.append((section, example, cmd, res))
+            timings.append((round(time.monotonic() - t0, 1), cmd))
             m = re.search(r"^finished: .* run folder (\S+)$", res.stdout + res.stderr, re.M)
             if m and (cwd / m.group(1)).resolve() not in runs:
                 runs.append((cwd / m.group(1)).resolve())
+    (base / "timings.json").write_text(json.dumps(sorted(timings, reverse=True), indent=1))
     return done, base
 
 

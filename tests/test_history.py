@@ -51,8 +51,15 @@ def runs(tmp_path_factory):
         wait_for_steps(stopped, 2, timeout=120, proc=proc)
         # A second front end follows; the first is killed (-9, it writes nothing): the follower takes over
         # the run's TensorBoard file and writes it whole.
-        follower = subprocess.Popen([sys.executable, "-m", "shardconsole", "attach", str(stopped), "--headless"],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
+        out = root.parent / "follower.out"
+        with open(out, "w") as fh:
+            follower = subprocess.Popen([sys.executable, "-m", "shardconsole", "attach", str(stopped), "--headless"],
+                                        stdout=fh, stderr=subprocess.DEVNULL, env={**os.environ, **env})
+        deadline = time.monotonic() + 60
+        while "step " not in out.read_text():      # it has read the history: the file was taken then
+            assert time.monotonic() < deadline and follower.poll() is None, "the follower did not start"
+            time.sleep(0.1)
+        assert not any(p.name.endswith(f".{follower.pid}.shardconsole") for p in stopped.iterdir())
         proc.kill()
         proc.wait(timeout=30)
         mine = f".{follower.pid}.shardconsole"

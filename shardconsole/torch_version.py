@@ -39,6 +39,9 @@ def torch_problem() -> str | None:
     version = installed("torch")
     wanted = ".".join(map(str, MIN_TORCH))
     if version is None:
+        import importlib.util
+        if importlib.util.find_spec("torch") is not None:
+            return None    # importable without package metadata (a source build on the path): the ranks tell
         return f"torch is not installed; shardconsole needs torch >= {wanted} (pip install torch)"
     found = release(version)
     if found and found[:2] < MIN_TORCH:

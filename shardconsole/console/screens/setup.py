@@ -29,9 +29,9 @@ from shardconsole import config as C
 from shardconsole import preset_store, settings
 from shardconsole.launch import format_argv
 from shardconsole.models import CATALOG, ModelError, human_count, resolve
-from shardconsole.session import preflight
 
 from shardconsole.console import fields as F
+from shardconsole.console.data_field import DataCheck
 from shardconsole.console.messages import MachineDetected
 from shardconsole.console.screens.setup_actions import SetupActions
 from shardconsole.console.services import (Launcher, Machine, PlannedRun, Probes, RunOptions, describe_estimate,
@@ -39,15 +39,6 @@ from shardconsole.console.services import (Launcher, Machine, PlannedRun, Probes
 from shardconsole.console.widgets.setting_field import SettingField
 
 HERE = Path(__file__).parent
-
-
-def _mtime(path: str | None) -> float | None:
-    try:
-        return Path(path).expanduser().stat().st_mtime if path else None
-    except (OSError, ValueError):
-        return None
-
-
 BACKENDS = {"fsdp": "FSDP2 (PyTorch)", "deepspeed": "DeepSpeed ZeRO"}
 MODEL_SPEC = F.spec_for("model", "name")
 BACKEND_SPEC = F.spec_for("parallel", "backend")
@@ -80,7 +71,7 @@ class SetupScreen(SetupActions, Screen[None]):
         self.overrides: dict[str, settings.Override] = {}   # "table.key" -> the last override of it
         self.resolved = settings.Resolved(C.RunConfig(), "defaults", None)
         self.model_error = ""                      # a model folder typed but not (yet) usable
-        self._data_checked: tuple[object, tuple[str, str] | None] = (None, None)
+        self.data_check = DataCheck()              # data.path at its field, as the launch checks it
         self.planned: PlannedRun | None = None
         self._startup_error = ""
         try:
@@ -311,25 +302,11 @@ class SetupScreen(SetupActions, Screen[None]):
         if self.model_error:
             out.insert(len(self.resolved.refused), (MODEL_SPEC.path, self.model_error))
         if data and not out:
-            problem = self._data_problem()
+            problem = self.data_check.problem(self.resolved)
             if problem is not None:
                 out.append(problem)
         return out
 
-    def _data_problem(self) -> tuple[str, str] | None:
-        """What the launch's preflight would say of data.path / data.eval_path (exists, readable, a kind
-        the ranks read, text that is UTF-8, the model's tokenizer loads), said at the field as it is
-        typed. Cached on the values and the files' mtimes: _refresh runs on every keystroke."""
-        d = self.cfg.data
-        key = (d.source, d.path, d.eval_path, self.cfg.model.name, _mtime(d.path), _mtime(d.eval_path))
-        if key != self._data_checked[0]:
-            try:
-                preflight.check_data(self.resolved)
-                found = None
-            except C.ConfigError as e:
-                found = (e.path or "data.path", e.reason)
-            self._data_checked = (key, found)
-        return self._data_checked[1]
 
     def _refresh(self) -> None:
         """Everything derived from cfg: marks at the fields, tabs, changes, command, estimate."""

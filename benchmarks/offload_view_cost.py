@@ -86,8 +86,11 @@ def run(out: Path, name: str, preset: str, sets: list[str], env: dict, timeout: 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--ds-timeout", type=float, default=90)
+    ap.add_argument("--fsdp-preset", default="3090-offload")
+    ap.add_argument("--ds-preset", default="4090x2-zero3")
+    ap.add_argument("--extra", action="append", default=[], help="more --set for every run (a CPU smoke test)")
     a = ap.parse_args()
     out = a.out
     out.mkdir(parents=True, exist_ok=True)
@@ -96,16 +99,23 @@ def main() -> None:
     result["doctor_rc"] = rc
     rc, text = sh([sys.executable, "-c", UUID_PROBE], out, "uuid", 60)
     result["uuid"] = text.strip().splitlines()[-1] if text.strip() else ""
+    probe = out / "pin_probe.py"
+    probe.write_text(PIN_PROBE)
     for limit in ("64", "unlimited_or_current"):
-        cmd = f"ulimit -S -l 64; {sys.executable} -c '{PIN_PROBE}'" if limit == "64" else \
-              f"{sys.executable} -c '{PIN_PROBE}'"
+        cmd = (f"ulimit -S -l 64; " if limit == "64" else "") + f"ulimit -l; {sys.executable} {probe}"
         rc, text = sh(["bash", "-c", cmd], out, f"pin_{limit}", 60)
         result[f"pin_memlock_{limit}"] = text.strip().splitlines()[-1] if text.strip() else f"rc {rc}"
-    sets = [f"train.steps={a.steps}", "train.log_every=5", "train.save_final=false"]
-    result["fsdp_off"] = run(out, "fsdp_view_off", "3090-offload", sets, {"SHARDCONSOLE_OFFLOAD_VIEW": "off"}, 240)
-    result["fsdp_on"] = run(out, "fsdp_view_on", "3090-offload", sets, {}, 240)
-    result["ds_on"] = run(out, "ds_view_on", "4090x2-zero3",
-                          ["parallel.nproc_per_node=1", "train.steps=8", "train.log_every=2", "train.save_final=false"],
+    sets = [f"train.steps={a.steps}", "train.log_every=5", "train.save_final=false", *a.extra]
+    print("uuid:", result["uuid"][:600], "\npin:", result["pin_memlock_64"], result["pin_memlock_unlimited_or_current"],
+          flush=True)
+    result["fsdp_off"] = run(out, "fsdp_view_off", a.fsdp_preset, sets, {"SHARDCONSOLE_OFFLOAD_VIEW": "off"}, 100)
+    print("fsdp_off:", json.dumps(result["fsdp_off"])[:800], flush=True)
+    result["fsdp_on"] = run(out, "fsdp_view_on", a.fsdp_preset, sets, {}, 100)
+    print("fsdp_on:", json.dumps(result["fsdp_on"])[:1500], flush=True)
+    (out / "offload_view_cost.json").write_text(json.dumps(result, indent=1))
+    result["ds_on"] = run(out, "ds_view_on", a.ds_preset,
+                          ["parallel.nproc_per_node=1", "train.steps=8", "train.log_every=2", "train.save_final=false",
+                           *a.extra],
                           {}, a.ds_timeout)
     (out / "offload_view_cost.json").write_text(json.dumps(result, indent=1))
     off, on = result["fsdp_off"]["median_step_s"], result["fsdp_on"]["median_step_s"]

@@ -170,3 +170,40 @@ def test_dry_run_lists_the_ranked_options_and_probes_nothing(capsys, tmp_path):
     assert not list(tmp_path.iterdir())
     assert not speeds_file().exists()
     json.dumps(out)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The console's tune screen (ctrl+t on the setup screen): the same loop, its table live
+
+async def test_the_console_tunes_from_the_setup_screen(tmp_path, _runs_root):
+    from textual.widgets import DataTable, Input, Static
+
+    from shardconsole.console.screens.tune import TuneScreen
+    from test_console import make_app
+    app = make_app(tmp_path)
+    async with app.run_test(size=(160, 40)) as pilot:
+        await pilot.press("ctrl+t")
+        await pilot.pause()
+        screen = app.screen
+        assert isinstance(screen, TuneScreen)
+        screen.query_one("#budget", Input).value = "soon"
+        await pilot.click("#start")
+        await pilot.pause()
+        assert screen.query_one("#budget", Input).has_class("-invalid") and not screen.running
+        assert not list(_runs_root.iterdir())                      # nothing launched
+        # one probe with a budget too short to finish: launched, stopped by the normal stop path, reported
+        screen.query_one("#budget", Input).value = "2s"
+        screen.query_one("#probes", Input).value = "1"
+        await pilot.press("ctrl+g")                 # Start (the first refusal's toast covers the button)
+        for _ in range(600):          # until the worker has run the probe and the screen says so
+            await pilot.pause(0.1)
+            if screen.tune is not None and screen.tune.rows and not screen.running:
+                break
+        assert screen.tune is not None and not screen.running
+        status = str(screen.query_one("#status", Static).render())
+        rows = [screen.query_one(DataTable).get_row_at(i) for i in range(screen.query_one(DataTable).row_count)]
+        assert rows, status
+        assert rows[0][1].startswith("baseline: ") and rows[0][-1].startswith(("timeout", "stopped"))
+        assert "nothing saved" in str(screen.query_one("#status", Static).render())
+        probe = screen.tune.root / "probe-01"
+        assert (probe / "job.json").is_file()

@@ -74,11 +74,6 @@ def _positive(flag: str, n: int) -> int:
 def setup(args: argparse.Namespace) -> tuple[Tune, str, str]:
     """The tune of these arguments, ready to run; bad input raises ConfigError. Returns (tune, the
     preset's name, the output preset name)."""
-    from shardconsole import plan_cli
-    from shardconsole.launch_command import runs_root
-    from shardconsole.plan.estimator import replace_cfg
-    from shardconsole.preset_store import check_name
-    from shardconsole.session import preflight
     from shardconsole.settings import DEFAULT_PRESET
 
     budget = parse_duration("--budget", args.budget)
@@ -86,11 +81,31 @@ def setup(args: argparse.Namespace) -> tuple[Tune, str, str]:
     _positive("--probe-steps", args.probe_steps)
     preset = args.preset or DEFAULT_PRESET
     overrides = settings.from_cli(args.overrides)
-    name = check_name(args.output or f"{Path(preset).stem}-tuned")
     resolved = settings.resolve(preset, overrides)
+    name = output_name(args.output, resolved.preset)
+    tune = make_tune(resolved, budget_s=budget, max_probes=args.max_probes, probe_steps=args.probe_steps,
+                     gpu_memory=args.gpu_memory, host_memory=args.host_memory, runs_root_dir=args.runs_root, name=name)
+    return tune, resolved.preset, name
+
+
+def output_name(given: str | None, preset: str) -> str:
+    from shardconsole.preset_store import check_name
+    return check_name(given or f"{Path(preset).stem}-tuned")
+
+
+def make_tune(resolved: settings.Resolved, *, budget_s: float, max_probes: int, probe_steps: int,
+              gpu_memory: str | None = None, host_memory: str | None = None, runs_root_dir: str | None = None,
+              name: str = "tuned", hardware=None) -> Tune:
+    """A tune of resolved settings (the CLI's and the console's): the cap, the machine, the speed book with
+    the finished runs under the runs root harvested, the probes' folder. Keys the user set are kept."""
+    from shardconsole import plan_cli
+    from shardconsole.launch_command import runs_root
+    from shardconsole.plan.estimator import replace_cfg
+    from shardconsole.session import preflight
+
     cfg = resolved.cfg
-    cap = plan_cli._size("--gpu-memory", args.gpu_memory)
-    host_cap = plan_cli._size("--host-memory", args.host_memory)
+    cap = plan_cli._size("--gpu-memory", gpu_memory)
+    host_cap = plan_cli._size("--host-memory", host_memory)
     if cap is not None:
         if cfg.parallel.device == "cpu":
             raise C.ConfigError("--gpu-memory: the preset runs on CPU ranks (parallel.device = cpu); "
@@ -98,17 +113,17 @@ def setup(args: argparse.Namespace) -> tuple[Tune, str, str]:
         cfg = replace_cfg(cfg, ("memory", "gpu_memory_limit", str(cap)))
         C.validate(cfg, "--gpu-memory")
     spec = preflight.check_model(resolved, weights=False)
-    hw = plan_cli.hardware_from_args(None, None, args.host_memory)
+    hw = hardware or plan_cli.hardware_from_args(None, None, host_memory)
     if cfg.parallel.device != "cpu" and not hw.gpus:
-        raise C.ConfigError(f"no GPU found on this machine and preset {preset!r} trains on GPUs: tune measures "
-                            f"real runs, so it runs where the training will (or use a CPU preset)")
-    fixed = {o.path for o in overrides}
-    root = runs_root(args.runs_root) / f"{time.strftime('%Y%m%d-%H%M%S')}-tune-{name}"
+        raise C.ConfigError(f"no GPU found on this machine and preset {resolved.preset!r} trains on GPUs: tune "
+                            f"measures real runs, so it runs where the training will (or use a CPU preset)")
+    fixed = {o.path for o in resolved.overrides}
+    root = runs_root(runs_root_dir) / f"{time.strftime('%Y%m%d-%H%M%S')}-tune-{name}"
     book = SpeedBook.load()
-    harvest(book, runs_root(args.runs_root), hw)
-    limits = Limits(budget_s=budget, max_probes=args.max_probes, probe_steps=args.probe_steps,
+    harvest(book, runs_root(runs_root_dir), hw)
+    limits = Limits(budget_s=budget_s, max_probes=max_probes, probe_steps=probe_steps,
                     gpu_cap_bytes=cfg.gpu_memory_limit_bytes or None, host_cap_bytes=host_cap)
-    return Tune(cfg, spec, hw, limits, root, book, fixed=fixed), resolved.preset, name
+    return Tune(cfg, spec, hw, limits, root, book, fixed=fixed)
 
 
 def cmd_tune(argv: list[str]) -> int:

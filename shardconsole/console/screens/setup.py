@@ -50,6 +50,7 @@ class SetupScreen(SetupActions, Screen[None]):
         Binding("ctrl+r", "launch", "Launch"),
         Binding("ctrl+s", "save_preset", "Save preset"),
         Binding("ctrl+o", "attach", "Attach"),
+        Binding("ctrl+t", "tune", "Tune"),
         Binding("ctrl+n", "next_tab", "Next tab"),
     ]
 

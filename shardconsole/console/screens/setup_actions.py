@@ -120,6 +120,13 @@ class SetupActions:
         self._show_picks()
         self.notify(f"Saved {path}", title="Preset saved")
 
+    async def action_tune(self) -> None:
+        """Probe the settings that fit and save the fastest (console/screens/tune.py, tune/engine.py)."""
+        if await self._refuse_if_invalid("tuning"):
+            return
+        from shardconsole.console.screens.tune import TuneScreen
+        self.app.push_screen(TuneScreen(self.resolved, self.preset_name, self.machine.plan_hardware))
+
     def action_attach(self) -> None:
         self.app.push_screen(AttachScreen(self.launcher.recent_runs(), self.launcher.runs_root), self._attach_to)
 

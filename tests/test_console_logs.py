@@ -31,14 +31,15 @@ CRASH = ("Traceback (most recent call last):\n"
 def test_a_stop_is_one_line_and_a_crash_stays_whole(tmp_path):
     (tmp_path / "logs").mkdir()
     (tmp_path / "launcher.log").write_text(STOPPED)
-    (tmp_path / "logs" / "rank0.log").write_text("[rank 0] before\n" + CRASH + "[rank 0] after\n")
+    (tmp_path / "logs" / "rank0.log").write_text("[W1201 05:18:22.839261287 Utils.hpp:137] Warning: c10 says\n"
+                                                 "[rank 0] before\n" + CRASH + "[rank 0] after\n")
     lines = LogTail(tmp_path).poll()
     launch = [line.split("│ ", 1)[1] for line in lines if line.startswith("launch")]
     assert launch == ["W Received 15 death signal, shutting down workers",
                       "torchrun (pid 23777) got SIGTERM and shut its workers down: a stop, not a crash "
                       "(its traceback is in launcher.log)"]
     rank0 = [line.split("│ ", 1)[1] for line in lines if line.startswith("    r0")]
-    assert rank0 == ["[rank 0] before", *CRASH.splitlines(), "[rank 0] after"]
+    assert rank0 == ["W Warning: c10 says", "[rank 0] before", *CRASH.splitlines(), "[rank 0] after"]
 
 
 def test_a_traceback_written_in_pieces_is_judged_when_it_ends(tmp_path):

@@ -122,9 +122,9 @@ def build_ops(r: common.Rank, ds_cfg: dict) -> None:
         so = extension_dir(builder.name) / f"{builder.name}.so"
         before = so.stat().st_mtime if so.exists() else None
         # Said before the build, so the front end can show what is being built, and where, while it waits.
-        r.event("op_build", f"{label} (DeepSpeed JIT, ninja) in {so.parent}: " + (
-            "a build is there, reused if its sources and flags match" if before is not None else
-            "no build there yet, compiling (minutes on a few cores)"))
+        r.event("op_build", f"{label} (JIT) in {so.parent}: " + (
+            "cached, reused unless its flags changed" if before is not None else
+            "not built yet: compiling, minutes on a few cores"))
         t1 = time.perf_counter()
         builder.load(verbose=False)
         built = so.exists() and so.stat().st_mtime != before

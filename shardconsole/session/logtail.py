@@ -20,7 +20,8 @@ LOG_TAIL_BYTES = 16 * 1024        # what a log shows of its past when first open
 TRACEBACK_HOLD_S = 3.0            # a traceback whose last line has not come yet is shown after this long
 _RANK_LOG = re.compile(r"rank(\d+)\.log$")
 _CONTROL = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|[\x00-\x08\x0b-\x1f\x7f]")
-_GLOG = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ [^\]\s]+:\d+\] ?")
+# torchrun's Python glog prefix, and c10's C++ one ("[W1201 05:18:22.839261287 Utils.hpp:137] ")
+_GLOG = re.compile(r"^\[?([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+\s+(?:\d+ )?[^\]\s]+:\d+\] ?")
 _SIGNAL_EXC = re.compile(r"SignalException: Process (\d+) got signal: (\d+)")
 _CHAIN = ("Traceback (most recent call last):", "During handling of the above exception",
           "The above exception was the direct cause")

@@ -31,8 +31,8 @@ patch the module that uses it, e.g. shardconsole.ds_json.commands.to_ds_config).
 equivalents of `--set parallel.backend=deepspeed` belong to the settings pipeline (settings.py).
 
   export.py       settings -> ds_config: ADAM_EPS, ZERO_KEYS, _ZERO_BOOL, DS_ZERO_DEFAULTS,
-                  DS_OFFLOAD_PIN_DEFAULT, device_type, uses_torch_adam, _offload_block, to_ds_config,
-                  scheduler_block, file_config
+                  DS_OFFLOAD_PIN_DEFAULT, device_type, uses_torch_adam, _offload_block, to_ds_config
+  export_file.py  the exported file: scheduler_block, file_config
   hf_trainer.py   the same for the HF Trainer: hf_trainer_config, training_arguments
   import_report.py  what an import reports: _KNOWN_UNMAPPED, _ZERO_UNMAPPED, _OFFLOAD_UNMAPPED, _Import,
                   _known

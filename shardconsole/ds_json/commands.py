@@ -12,7 +12,8 @@ from typing import Any
 
 from shardconsole import config as C
 from shardconsole import preset_store, settings
-from shardconsole.ds_json.export import file_config, to_ds_config
+from shardconsole.ds_json.export import to_ds_config
+from shardconsole.ds_json.export_file import file_config
 from shardconsole.ds_json.hf_trainer import hf_trainer_config, training_arguments_line
 from shardconsole.ds_json.importer import from_ds_config
 

@@ -95,4 +95,3 @@ def to_ds_config(cfg: C.RunConfig, *, device: str | None = None) -> dict[str, An
         # DeepSpeed refuses a non-DeepSpeed optimizer with offload unless told that this is intended.
         out["zero_force_ds_cpu_optimizer"] = False
     return out
-

@@ -105,3 +105,15 @@ def test_several_nodes_without_a_rendezvous_blames_the_override_and_names_slurm(
     assert res.stderr.strip().splitlines() == [
         "shardconsole: error: --set parallel.nnodes: nnodes = 4 needs the host:port of node 0: set "
         "parallel.rdzv_endpoint (e.g. \"node0:29400\"), or use --slurm, whose script takes the job's first node"]
+
+
+def test_slurm_for_several_nodes_needs_no_rendezvous_and_prints_absolute_paths(tmp_path):
+    """README's `--set parallel.nnodes=4 --slurm`: the script takes the job's first node (it exited 2)."""
+    res = shardconsole("--preset", "4090x2-zero3", "--set", "parallel.nnodes=4", "--slurm",
+                       "--run-dir", "rel-run", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert '--rdzv-endpoint="$head_node:' in res.stdout and "#SBATCH --nodes=4" in res.stdout
+    assert f"--run-dir {tmp_path / 'rel-run'} " in res.stdout
+    res = shardconsole("--preset", "4090x2-zero3", "--set", "parallel.nnodes=2", "--set",
+                       "parallel.rdzv_endpoint=node0:29400", "--print-command", "--run-dir", "rel-run2", cwd=tmp_path)
+    assert res.returncode == 0 and f"--run-dir {tmp_path / 'rel-run2'} " in res.stdout, res.stderr

@@ -1,4 +1,4 @@
-"""`shardconsole settings [TABLE | TABLE.KEY] [--json]`: every setting with its type, default, allowed
+"""`shardconsole settings [TABLE | TABLE.KEY] [--json] [--preset NAME]`: every setting with its type, default, allowed
 values and help, read from config.py's dataclasses (the tables the console's forms are built from, and
 the ones `--set` and preset files are checked against), so the list cannot drift from what is accepted.
 
@@ -100,7 +100,10 @@ def _select(what: str | None) -> list[tuple[str, list[str]]]:
     raise C.ConfigError(f"settings: no table or setting {what!r}{hint}; tables are {', '.join(every)}")
 
 
-def render(selection: list[tuple[str, list[str]]], width: int | None = None) -> str:
+def render(selection: list[tuple[str, list[str]]], width: int | None = None,
+           cfg: C.RunConfig | None = None) -> str:
+    """The listing; with `cfg` (a resolved preset) each key shows its value there, and the default
+    beside it where they differ."""
     import shutil
     width = width or max(40, min(100, shutil.get_terminal_size().columns - 2))
     lines: list[str] = []
@@ -108,7 +111,10 @@ def render(selection: list[tuple[str, list[str]]], width: int | None = None) -> 
         lines.append(f"[{table}]")
         for key in keys:
             d = describe(table, key)
-            lines.append(f"  {key} = {_toml(d['default'])}    {_allowed(d)}")
+            shown = _toml(d["default"])
+            if cfg is not None and getattr(getattr(cfg, table), key) != d["default"]:
+                shown = f"{_toml(getattr(getattr(cfg, table), key))}  (default {shown})"
+            lines.append(f"  {key} = {shown}    {_allowed(d)}")
             lines.extend(textwrap.wrap(d["help"], width=width, initial_indent="      ",
                                        subsequent_indent="      "))
         lines.append("")
@@ -123,14 +129,25 @@ def cmd_settings(argv: list[str]) -> int:
     ap.add_argument("what", nargs="?", default=None, metavar="TABLE[.KEY]",
                     help=f"one table ({', '.join(C.TABLES)}) or one setting (train.lr); default: all")
     ap.add_argument("--json", action="store_true", help="as JSON: {table: {key: {type, default, allowed, ...}}}")
+    ap.add_argument("--preset", default=None, help="also show each key's value in this preset (name or .toml file)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                    help="with --preset: an override on top, as a run takes it; repeatable")
     args = ap.parse_args(argv)
     selection = _select(args.what)
+    cfg = None
+    if args.preset or args.overrides:
+        from shardconsole import settings
+        cfg = settings.resolve(args.preset or settings.DEFAULT_PRESET, settings.from_cli(args.overrides)).cfg
     if args.json:
         doc = {table: {key: {k: v for k, v in describe(table, key).items() if k != "key"} for key in keys}
                for table, keys in selection}
+        if cfg is not None:
+            for table, keys in doc.items():
+                for key, d in keys.items():
+                    d["value"] = getattr(getattr(cfg, table), key)
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return 0
-    sys.stdout.write(render(selection))
+    sys.stdout.write(render(selection, cfg=cfg))
     if not args.what:
         print("Set one with `--set table.key=value` or in a preset's [table]; `shardconsole settings TABLE` "
               "lists one table.", file=sys.stderr)

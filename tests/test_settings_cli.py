@@ -117,3 +117,15 @@ def test_slurm_for_several_nodes_needs_no_rendezvous_and_prints_absolute_paths(t
     res = shardconsole("--preset", "4090x2-zero3", "--set", "parallel.nnodes=2", "--set",
                        "parallel.rdzv_endpoint=node0:29400", "--print-command", "--run-dir", "rel-run2", cwd=tmp_path)
     assert res.returncode == 0 and f"--run-dir {tmp_path / 'rel-run2'} " in res.stdout, res.stderr
+
+
+def test_settings_of_a_preset_show_its_values_beside_the_defaults():
+    res = shardconsole("settings", "train", "--preset", "4090x2-zero3", "--set", "train.steps=7")
+    assert res.returncode == 0, res.stderr
+    assert "  steps = 7  (default 20)    integer >= 1\n" in res.stdout
+    assert "  lr = 6e-05  (default 0.0003)    number >= 0.0\n" in res.stdout       # the preset's own lr
+    assert "  grad_accum = 1    integer >= 1\n" in res.stdout                     # same as the default
+    doc = json.loads(shardconsole("settings", "deepspeed.stage", "--preset", "4090x2-zero3", "--json").stdout)
+    assert doc == {"deepspeed": {"stage": {"default": 3, "optional": False, "type": "int", "min": 0, "max": 3,
+                                           "help": "ZeRO stage: 0 none, 1 optimizer, 2 +gradients, 3 +parameters",
+                                           "value": 3}}}

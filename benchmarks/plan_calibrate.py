@@ -17,6 +17,10 @@ with gpu_oom. Usage on the H200 test machine (one 10-minute call per subset):
     python3 benchmarks/plan_calibrate.py --subset fsdp --out $OUT/plan_fsdp.json        # 16 runs, ~7 min
     python3 benchmarks/plan_calibrate.py --subset deepspeed --out $OUT/plan_ds.json     # 11 runs, ~8.5 min
     python3 benchmarks/plan_calibrate.py --subset edge --out $OUT/plan_edge.json        # 4 runs, ~2.5 min
+    python3 benchmarks/plan_calibrate.py --subset issue16 --lanes 3 --out $OUT/plan_issue16.json  # 10 runs, ~4 min
+        (issue 16: today's backends, both engines, offload none/optimizer/all, bf16 masters, pinned and
+        unpinned, 1b-7b; three runs at a time on the one GPU, peaks per process; the file records the
+        code version, plan/calibration.py; committed as benchmarks/data/plan_calibration_issue16.json)
     python3 benchmarks/plan_calibrate.py --merge plan_fsdp.json plan_ds.json plan_edge.json \
         --out benchmarks/data/plan_calibration.json
     python3 benchmarks/plan_calibrate.py --refresh benchmarks/data/plan_calibration.json  # after a planner change

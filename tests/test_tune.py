@@ -16,7 +16,7 @@ from shardconsole import config as C
 from shardconsole import plan as PL
 from shardconsole.models import resolve
 from shardconsole.plan import search
-from shardconsole.plan.speeds import SpeedBook, record_of, speeds_file
+from shardconsole.plan.speeds import SpeedBook, record_of, signature, speeds_file
 from shardconsole.tune import cli as tune_cli
 from shardconsole.tune.report import HEADER_MARK, write_preset
 
@@ -97,6 +97,21 @@ def test_a_second_tune_does_not_overwrite_a_preset_it_did_not_write(tuned, monke
         write_preset(tuned["tune"], tuned["winner"], "mine", "tiny-cpu")
     assert other.read_text() == 'description = "hand made"\n'
     write_preset(tuned["tune"], tuned["winner"], tuned["name"], "tiny-cpu")      # its own: replaced
+
+
+def test_finished_runs_under_the_runs_root_are_kept_once(tuned, tmp_path):
+    """A finished run's speed joins the book the next time tune or plan looks (harvest), once."""
+    import shutil
+
+    from shardconsole.plan.speeds import harvest
+    root = tmp_path / "runs"
+    shutil.copytree(tuned["tune"].root / "probe-02", root / "20261201-000000-tiny")
+    book = SpeedBook([], tmp_path / "speeds.jsonl")
+    hw = tuned["tune"].hw
+    assert harvest(book, root, hw) == 1 and harvest(book, root, hw) == 0
+    rec = SpeedBook.load(tmp_path / "speeds.jsonl").records
+    assert len(rec) == 1 and rec[0].source == "run" and rec[0].signature == signature(tuned["winner"].option.cfg)
+    assert rec[0].tokens_per_s == pytest.approx(tuned["winner"].result.tokens_per_s, rel=0.01)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -235,6 +235,11 @@ class RunScreen(Screen[None]):
             line = log_line(msg)
             if line is not None:
                 said.append(line)
+            if isinstance(msg, P.Event) and msg.name == "phase" and msg.detail == "training" and \
+                    _compiles(self.handle.run_dir):
+                # No rank says it: torch.compile runs inside the first steps, which then look stalled.
+                said.append(f"{'r0':>6}│ torch.compile (train.compile): the first steps compile the model "
+                            f"and take longer; the steps after them show the real speed")
         self.view.bad_lines = event.bad_lines
         if said or event.log_lines:
             self.query_one("#logs", FollowingLog).add(said + event.log_lines)
@@ -443,3 +448,10 @@ def _hang_timeout(run_dir: Path) -> float:
         return C.load(RunFolder(run_dir).preset).train.hang_timeout_s
     except (C.ConfigError, OSError):
         return 0.0
+
+
+def _compiles(run_dir: Path) -> bool:
+    try:
+        return C.load(RunFolder(run_dir).preset).train.compile
+    except (C.ConfigError, OSError):
+        return False

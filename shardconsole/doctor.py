@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
 import os
 import platform
@@ -165,7 +164,7 @@ def deepspeed_ops() -> dict[str, Any]:
     except (OSError, SyntaxError, ValueError):
         pass
     import torch
-    from shardconsole.backends.deepspeed import extension_dir
+    from shardconsole.backends.jit_cache import extension_dir
     torch_cuda = torch.version.cuda
     can_jit = bool(shutil.which("ninja") or importlib.util.find_spec("ninja")) and bool(
         shutil.which(os.environ.get("CXX", "c++")))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch._dynamo  # noqa: F401
 
 from shardconsole import ds_json
 from shardconsole.backends import checkpoints, common, metrics, modeling, step_timing, trainstate
+from shardconsole.backends.jit_cache import extension_dir
 from shardconsole.backends.ds_checkpoint import resume, save
 from shardconsole.models import ModelError
 
@@ -132,21 +132,6 @@ def build_ops(r: common.Rank, ds_cfg: dict) -> None:
     where = os.environ.get("TORCH_EXTENSIONS_DIR") or "~/.cache/torch_extensions"
     r.event("info", f"DeepSpeed ops ready in {time.perf_counter() - t0:.1f} s "
                     f"({', '.join(['comm'] + names)}; JIT builds are cached in {where})")
-
-
-def extension_dir(name: str) -> Path:
-    """Where torch's JIT puts extension `name` (torch.utils.cpp_extension._get_build_directory's rule,
-    without its mkdir): TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/py<ver>_<cpu|cuXY>. The
-    folder is keyed by Python and CUDA versions only: environments with another torch or DeepSpeed
-    share it, and ninja rebuilds the op each time the build flags differ (switching environments)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root is None:
-        from torch.utils.cpp_extension import get_default_build_root
-        acc = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip else
-               f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
-        py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-        root = os.path.join(get_default_build_root(), f"{py}_{acc}")
-    return Path(root) / name
 
 
 # ---------------------------------------------------------------------------------------------------

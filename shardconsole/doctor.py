@@ -234,8 +234,11 @@ def collect(preset: str | None, overrides: list[str], run_allreduce: bool) -> di
         elif not on.get("ok"):
             problems.append(f"NCCL all-reduce fails with and without P2P ({detail})")
     mem = report["memlock"]
+    # Runs pin host memory only with a GPU (CPU ranks allocate plainly): without one the comparison is
+    # for a GPU box with this limit, said in the report, not a problem of this machine.
+    mem["applies"] = bool(cards)
     for p in mem["presets"]:
-        if p.get("fits") is False:
+        if p.get("fits") is False and cards:
             problems.append(f"memlock limit {_gib(mem['soft_bytes'])} is below the {_gib(p['pinned_per_rank_bytes'])} "
                             f"a rank of {p['preset']} pins: raise `ulimit -l` (docker: --ulimit memlock=-1) or set "
                             "fsdp.pin_memory / deepspeed.pin_memory = false (slower copies)")
@@ -267,7 +270,9 @@ def format_report(r: dict[str, Any]) -> str:
     if len(r["gpus"]) < 2 and r["gpus"]:
         lines.append("  P2P and the all-reduce need two GPUs: one here")
     mem = r["memlock"]
-    lines += ["", f"memlock (ulimit -l): {_gib(mem['soft_bytes'])} (hard {_gib(mem['hard_bytes'])})"]
+    lines += ["", f"memlock (ulimit -l): {_gib(mem['soft_bytes'])} (hard {_gib(mem['hard_bytes'])})"
+              + ("" if mem.get("applies", True) else "; no GPU here, so runs here pin nothing: the presets below "
+                 "are judged for a GPU box with this limit")]
     for p in mem["presets"]:
         if "error" in p:
             lines.append(f"  {p['preset']}: not planned ({p['error']})")

@@ -38,15 +38,15 @@ def test_doctor_reports_what_a_machine_without_gpu_can_tell(report):
     assert by["3090-offload"]["pinned_per_rank_bytes"] >= 8 * 0.9e9
     for p in by.values():
         assert p["fits"] == (soft == resource.RLIM_INFINITY or p["pinned_per_rank_bytes"] <= soft)
-    over = [p for p in by.values() if not p["fits"]]
-    assert res.returncode == (1 if over or r["problems"] else 0)
-    assert len([x for x in r["problems"] if x.startswith("memlock limit")]) == len(over)
+    # no GPU: runs here pin nothing, so a limit under a preset's figure is said, not a problem (exit 0)
+    assert mem["applies"] is False and r["problems"] == [] and res.returncode == 0
     ops = r["deepspeed_ops"]
     assert ops["FusedAdam"]["state"] == "not for this machine (a CUDA build of torch runs it)"
     assert ops["CPUAdam"]["state"] in ("pre-built", "JIT-built (cached)",
                                        "not built: compiles at the first run that needs it (a few minutes)")
     text = doctor.format_report(r)
     assert "GPUs: none (" in text and "no GPU checks (PCIe, P2P, all-reduce) on this machine" in text
+    assert "no GPU here, so runs here pin nothing" in text and "problems: none" in text
     assert f"torch {version('torch')}" in text
     assert "CPUAdam (optimizer offload): " in text
 

@@ -61,7 +61,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _stochastic(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+def _stochastic(x: torch.Tensor, seed: int) -> torch.Tensor:
     """round_stochastic_ as an expression (for the fused update): fp32 -> bf16."""
     bits = x.view(torch.int32)
     noise = torch.bitwise_and(torch.bitwise_right_shift(torch.bitwise_xor(bits, seed) * _MIX, 16), _LOW16)
@@ -69,10 +69,11 @@ def _stochastic(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
 
 
 def update_chunk(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, c: torch.Tensor | None,
-                 hp: torch.Tensor, seeds: torch.Tensor) -> None:
+                 hp: torch.Tensor, seed_w: int, seed_m: int, seed_v: int) -> None:
     """One AdamW update of bf16 tensors, in place, in fp32 arithmetic (torch's AdamW formula).
     hp: float32 [lr, beta1, beta2, 1 - lr * weight_decay, eps, lr / bias_correction1,
-    sqrt(bias_correction2), 1 / grad_scale]; seeds: int32 [weight, exp_avg, exp_avg_sq].
+    sqrt(bias_correction2), 1 / grad_scale]; seeds: signed int32 values for the weight and the moments
+    (Python ints: compiled with dynamic=True they are kernel arguments, not constants to recompile for).
     c: the Kahan compensation (the weight then rounds to nearest), or None (stochastic).
     Written as plain tensor expressions so torch.compile fuses it into one pass over memory."""
     lr, b1, b2, decay, eps, step_size, bc2_sqrt, inv_scale = hp.unbind()
@@ -82,13 +83,13 @@ def update_chunk(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Ten
     w32 = w.float() if c is None else w.float() + c.float()
     w32 = w32 * decay - step_size * m32 / (v32.sqrt() / bc2_sqrt + eps)
     if c is None:
-        w.copy_(_stochastic(w32, seeds[0]))
+        w.copy_(_stochastic(w32, seed_w))
     else:
         w_new = w32.to(torch.bfloat16)
         w.copy_(w_new)
         c.copy_((w32 - w_new.float()).to(torch.bfloat16))
-    m.copy_(_stochastic(m32, seeds[1]))
-    v.copy_(_stochastic(v32, seeds[2]))
+    m.copy_(_stochastic(m32, seed_m))
+    v.copy_(_stochastic(v32, seed_v))
 
 
 _COMPILED: dict[str, object] = {}
@@ -122,6 +123,7 @@ class RoundedAdamW(torch.optim.Optimizer):
         # on a compile error the eager update is used on that device type, said once through `warn`.
         self.compile, self.warn = compile, warn
         self.compile_failed: dict[str, str] = {}
+        self._hp: dict = {}
 
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -165,19 +167,22 @@ class RoundedAdamW(torch.optim.Optimizer):
             return
         flat = [t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1) for t in tensors]
         device = flat[0].device
-        hp = torch.tensor([lr, beta1, beta2, 1 - lr * wd, eps, lr / (1 - beta1 ** step),
-                           (1 - beta2 ** step) ** 0.5, 1.0], dtype=torch.float32, device=device)
-        if scale is not None:
-            hp[7:8].copy_(1.0 / scale.reshape(1))
+        key = (device, step, lr, beta1, beta2, wd, eps)
+        hp = self._hp.get(key)
+        if hp is None:       # one small host-to-device copy a step, not one a parameter
+            hp = torch.tensor([lr, beta1, beta2, 1 - lr * wd, eps, lr / (1 - beta1 ** step),
+                               (1 - beta2 ** step) ** 0.5, 1.0], dtype=torch.float32, device=device)
+            if scale is not None:
+                hp[7:8].copy_(1.0 / scale.reshape(1))
+            self._hp = {key: hp}
         fn = self._fn(device.type)
         chunk = self.chunk or ((1 << 24) if fn is not update_chunk else (1 << 22) if device.type == "cpu"
                                else (1 << 25))
         for j, start in enumerate(range(0, flat[0].numel(), chunk)):
             part = [t[start:start + chunk] for t in flat]
             # the checkpointed step: a resumed run rounds alike
-            seeds = torch.tensor([_seed(self.seed, int(step), index, j, k) for k in range(3)], dtype=torch.int32,
-                                 device=device)
-            args = (part[0], part[1], part[2], part[3], part[4] if len(part) == 5 else None, hp, seeds)
+            args = (part[0], part[1], part[2], part[3], part[4] if len(part) == 5 else None, hp,
+                    *(_seed(self.seed, int(step), index, j, k) for k in range(3)))
             if fn is update_chunk:
                 fn(*args)
                 continue

@@ -96,6 +96,7 @@ class ShardArena:
         for fp in self.params:
             fp.pin_memory = grads_pinned
         self.slots: dict[int, dict[str, torch.Tensor]] = {}
+        self.owner = {id(fp.sharded_param): fp for fp in self.params}
         for fp in self.params:
             local = _local(fp.sharded_param)
             self.slots[id(fp.sharded_param)] = {
@@ -136,9 +137,9 @@ class ShardArena:
                         slot.zero_()
                     else:
                         slot.copy_(_local(have))
-                    state[name] = (DTensor.from_local(slot, p.device_mesh, p.placements, run_check=False,
-                                                      shape=p.shape, stride=p.stride())
-                                   if isinstance(p, DTensor) else slot)
+                    # FSDP2's own wrapper: DTensor.from_local would move a host tensor to the mesh's
+                    # device (the whole optimizer state onto the GPU).
+                    state[name] = self.owner[id(p)].to_sharded_dtensor(slot) if isinstance(p, DTensor) else slot
                     moved += 1
         return moved
 

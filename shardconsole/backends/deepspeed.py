@@ -122,14 +122,18 @@ def build_ops(r: common.Rank, ds_cfg: dict) -> None:
         so = extension_dir(builder.name) / f"{builder.name}.so"
         before = so.stat().st_mtime if so.exists() else None
         # Said before the build, so the front end can show what is being built, and where, while it waits.
-        r.event("op_build", f"{label} (JIT) in {so.parent}: " + (
-            "cached, reused unless its flags changed" if before is not None else
-            "not built yet: compiling, minutes on a few cores"))
+        from deepspeed.git_version_info import installed_ops
+        if installed_ops.get(builder.name, False):      # built into DeepSpeed at install (DS_BUILD_OPS=1)
+            r.event("op_build", f"{label}: prebuilt with DeepSpeed, no JIT build")
+        else:
+            r.event("op_build", f"{label} (JIT) in {so.parent}: " + (
+                "cached, reused unless its flags changed" if before is not None else
+                "not built yet: compiling, minutes on a few cores"))
         t1 = time.perf_counter()
         builder.load(verbose=False)
         built = so.exists() and so.stat().st_mtime != before
         names.append(f"{label} {'built' if built else 'cached'} in {time.perf_counter() - t1:.1f} s")
-    where = os.environ.get("TORCH_EXTENSIONS_DIR") or "~/.cache/torch_extensions"
+    where = extension_dir("")
     r.event("info", f"DeepSpeed ops ready in {time.perf_counter() - t0:.1f} s "
                     f"({', '.join(['comm'] + names)}; JIT builds are cached in {where})")
 

@@ -116,7 +116,7 @@ def format_estimate(est: PL.Estimate, cfg: C.RunConfig, name: str, hw: PL.Hardwa
              f"hardware: {_hw_text(hw)}", ""]
     if est.gpu_parts:
         lines.append(f"GPU, largest rank: peak {C.format_size(est.gpu_peak_bytes)} as NVML shows it, set at the "
-                     f"{est.gpu_peak_phase} (allocator {C.format_size(est.gpu_allocator_peak_bytes)} + context); "
+                     f"{est.gpu_peak_phase} (allocator {C.format_size(est.gpu_allocator_peak_bytes)} + context + driver reserve); "
                      f"needs {C.format_size(est.gpu_required_bytes)} allocatable")
         lines += _parts_lines(est.gpu_parts)
         others = [f"{k} {C.format_size(v)}" for k, v in est.gpu_phases.items() if k != est.gpu_peak_phase]
@@ -200,7 +200,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         e = r.estimate
         print(f"  {r.strategy:<20} {r.model or 'none':<7} {human_count(r.n_params) if r.n_params else '-':>7} "
               f"{C.format_size(e.gpu_peak_bytes) if e else '-':>10} {C.format_size(e.host_peak_bytes) if e else '-':>10}")
-    print("  (GPU peak as NVML would show it, context included; host: the node's RAM, ranks + launcher)")
+    print("  (GPU peak as NVML would show the device: context and the driver's reserve included; host: the "
+          "node's RAM, ranks + launcher)")
     if cands is not None:
         print(f"\nsettings that fit {cfg.model.name} (seq_len {cfg.data.seq_len}, {cfg.precision.dtype}), fastest first")
         unit = cands[0].speed_unit if cands else "relative"

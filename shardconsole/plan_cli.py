@@ -116,7 +116,8 @@ def format_estimate(est: PL.Estimate, cfg: C.RunConfig, name: str, hw: PL.Hardwa
              f"hardware: {_hw_text(hw)}", ""]
     if est.gpu_parts:
         lines.append(f"GPU, largest rank: peak {C.format_size(est.gpu_peak_bytes)} as NVML shows it, set at the "
-                     f"{est.gpu_peak_phase} (allocator {C.format_size(est.gpu_allocator_peak_bytes)} + context + driver reserve); "
+                     f"{est.gpu_peak_phase} (allocator {C.format_size(est.gpu_allocator_peak_bytes)} + context + driver "
+                     f"reserve); "
                      f"needs {C.format_size(est.gpu_required_bytes)} allocatable")
         lines += _parts_lines(est.gpu_parts)
         others = [f"{k} {C.format_size(v)}" for k, v in est.gpu_phases.items() if k != est.gpu_peak_phase]

@@ -70,7 +70,8 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
     # of them at the step. Measured (i16-fsdp-3b-fp16-mb4-ckpt): allocated 58.6 GiB = parameters +
     # Adam + gradients + one more copy of the gradients (11.7 GiB each).
     folded = cfg.precision.dtype != "fp16"
-    clip_copy = {} if (folded or offload) else {f"clip and unscale copy of the gradients ({mtag})": m * sum(shard_numels)}
+    clip_copy = {} if (folded or offload) else {
+        f"clip and unscale copy of the gradients ({mtag})": m * sum(shard_numels)}
     gpu: dict[str, dict[str, int]] = {
         "end of forward": {**st, **root, "gathered layers": held + last_fwd, "activations": acts_all,
                            "loss chunk": a.loss_forward, **acc, **ws},

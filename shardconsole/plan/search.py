@@ -62,7 +62,8 @@ def describe(cfg: C.RunConfig) -> str:
         parts.append("compiled")
     if cfg.precision.master_dtype == "bf16":
         parts.append("bf16 masters")
-    if cfg.parallel.backend == "deepspeed" and cfg.deepspeed.reduce_bucket_size != C.RunConfig().deepspeed.reduce_bucket_size:
+    default_bucket = C.RunConfig().deepspeed.reduce_bucket_size
+    if cfg.parallel.backend == "deepspeed" and cfg.deepspeed.reduce_bucket_size != default_bucket:
         parts.append(f"bucket {cfg.deepspeed.reduce_bucket_size:.0e}")
     return ", ".join(parts)
 
@@ -92,7 +93,8 @@ def _levers(base: C.RunConfig, fixed: set[str]) -> dict[str, list[list[tuple[str
         out["masters"] = [[("precision", "master_dtype", "fp32")], [("precision", "master_dtype", "bf16")]]
     if free("deepspeed.reduce_bucket_size"):
         b = base.deepspeed.reduce_bucket_size
-        out["bucket"] = [[("deepspeed", "reduce_bucket_size", b)], [("deepspeed", "reduce_bucket_size", max(b // 4, 10**6))]]
+        out["bucket"] = [[("deepspeed", "reduce_bucket_size", b)],
+                         [("deepspeed", "reduce_bucket_size", max(b // 4, 10**6))]]
     return out
 
 

@@ -87,7 +87,8 @@ def preset_text(tune: Tune, winner: Row, name: str, source: str) -> str:
             if r.ok else f"{r.status}: {r.message[:80]}"
         lines.append(f"#   {i + 1}. {row.label}: {what}")
     if winner.option.overrides:
-        lines.append("# the same as: --preset " + source + " " + " ".join(f"--set {o}" for o in winner.option.overrides))
+        sets = " ".join(f"--set {o}" for o in winner.option.overrides)
+        lines.append(f"# the same as: --preset {source} {sets}")
     cfg = C.copy(winner.option.cfg)
     cfg.description = (f"tuned from {source} by shardconsole tune: {winner.option.name}, "
                        f"{res.tokens_per_s:.0f} tokens/s measured")

@@ -25,7 +25,8 @@ HERE = Path(__file__).parent
 
 class TuneScreen(Screen[None]):
     CSS_PATH = HERE / "tune.tcss"
-    BINDINGS = [Binding("escape", "close", "Back"), Binding("ctrl+g", "start", "Start"), Binding("ctrl+x", "stop", "Stop")]
+    BINDINGS = [Binding("escape", "close", "Back"), Binding("ctrl+g", "start", "Start"),
+                Binding("ctrl+x", "stop", "Stop")]
 
     def __init__(self, resolved: settings.Resolved, preset_name: str, hardware=None) -> None:
         super().__init__()

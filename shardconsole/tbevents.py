@@ -96,10 +96,27 @@ def _crc32c_table() -> list[int]:
 _CRC_TABLE = _crc32c_table()
 
 
+def _slice_tables() -> list[list[int]]:
+    tables = [_CRC_TABLE]
+    for _ in range(7):
+        prev = tables[-1]
+        tables.append([(v >> 8) ^ _CRC_TABLE[v & 0xFF] for v in prev])
+    return tables
+
+
+_T0, _T1, _T2, _T3, _T4, _T5, _T6, _T7 = _slice_tables()
+
+
 def crc32c(data: bytes) -> int:
+    """CRC-32C, eight bytes a step (slicing-by-8): the front end checksums every record it writes."""
     c = 0xFFFFFFFF
-    for b in data:
-        c = _CRC_TABLE[(c ^ b) & 0xFF] ^ (c >> 8)
+    whole = len(data) - len(data) % 8
+    for lo, hi in struct.iter_unpack("<II", data[:whole]):
+        c ^= lo
+        c = (_T7[c & 0xFF] ^ _T6[(c >> 8) & 0xFF] ^ _T5[(c >> 16) & 0xFF] ^ _T4[c >> 24]
+             ^ _T3[hi & 0xFF] ^ _T2[(hi >> 8) & 0xFF] ^ _T1[(hi >> 16) & 0xFF] ^ _T0[hi >> 24])
+    for b in data[whole:]:
+        c = _T0[(c ^ b) & 0xFF] ^ (c >> 8)
     return c ^ 0xFFFFFFFF
 
 
@@ -114,6 +131,8 @@ def record(data: bytes) -> bytes:
 
 
 def _varint(n: int) -> bytes:
+    if 0 <= n < 0x80:
+        return _SMALL[n]
     n &= (1 << 64) - 1        # int64 two's complement, as protobuf encodes a negative step
     out = bytearray()
     while True:
@@ -126,6 +145,9 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
+_SMALL = [bytes((i,)) for i in range(0x80)]
+
+
 def _field(number: int, payload: bytes) -> bytes:
     """A length-delimited field (wire type 2)."""
     return _varint(number << 3 | 2) + _varint(len(payload)) + payload
@@ -136,13 +158,24 @@ def event(wall_time: float, step: int, *, values: Iterable[tuple[str, float]] = 
     body = _varint(1 << 3 | 1) + struct.pack("<d", wall_time) + _varint(2 << 3) + _varint(step)
     if file_version:
         body += _field(3, file_version.encode())
-    summary = b"".join(_field(1, _field(1, tag.encode()) + _varint(2 << 3 | 5) + struct.pack("<f", _f32(v)))
-                       for tag, v in values)
+    summary = b"".join(_value(tag, v) for tag, v in values)
     if summary:
         body += _field(5, summary)
     if session_start:      # SessionLog{status: START}: TensorBoard drops what a resumed run replays
         body += _field(7, _varint(1 << 3) + _varint(1))
     return record(body)
+
+
+_TAGS: dict[str, tuple[bytes, bytes]] = {}
+
+
+def _value(tag: str, v: float) -> bytes:
+    """Summary.value {tag, simple_value}; the tag's bytes are made once (a run repeats a few dozen tags)."""
+    head = _TAGS.get(tag)
+    if head is None:
+        tag_field = _field(1, tag.encode()) + _varint(2 << 3 | 5)
+        head = _TAGS[tag] = (_varint(1 << 3 | 2) + _varint(len(tag_field) + 4), tag_field)
+    return head[0] + head[1] + struct.pack("<f", _f32(v))
 
 
 def _f32(v: float) -> float:
@@ -233,20 +266,29 @@ class Recorder:
 
     def write(self, messages: Iterable[P.Message]) -> None:
         out = bytearray()
+        # Consecutive values of one step go out as one Event (64 ranks' memory lines: one record, not 64).
+        group: dict[str, float] = {}
+        group_t = 0.0
         for msg in messages:
             if isinstance(msg, P.Hello) and msg.run != self._session:
                 self._new_session = bool(self._session)
                 self._session = msg.run
-            if isinstance(msg, (P.Step, P.Eval, P.Memory)) or msg.kind == "offload":
-                if isinstance(msg, P.Step) and self._new_session:
-                    # A resumed session restarts from its checkpoint: what the earlier one logged past
-                    # it is not part of this run's curve any more.
-                    self._new_session = False
-                    out += event(msg.t, msg.step, session_start=True)
-                self._step = msg.step
             values = scalars(msg)
+            step = msg.step if isinstance(msg, (P.Step, P.Eval, P.Memory)) or msg.kind == "offload" else self._step
+            if group and (step != self._step or any(tag in group for tag, _ in values)):
+                out += event(group_t, self._step, values=group.items())
+                group = {}
+            if isinstance(msg, P.Step) and self._new_session:
+                # A resumed session restarts from its checkpoint: what the earlier one logged past it is
+                # not part of this run's curve any more.
+                self._new_session = False
+                out += event(msg.t, msg.step, session_start=True)
+            self._step = step
             if values:
-                out += event(msg.t, self._step, values=values)
+                group.update(values)
+                group_t = msg.t
+        if group:
+            out += event(group_t, self._step, values=group.items())
         if out and self._fh is not None:
             try:
                 self._fh.write(out)

@@ -147,9 +147,13 @@ def cmd_tune(argv: list[str]) -> int:
         done = [r for r in t.rows if r.state == "done"]
         for i, row in enumerate(done[shown[0]:], start=shown[0]):
             res = row.result
-            what = (f"{res.tokens_per_s:,.0f} tokens/s, GPU {res.gpu_peak_bytes / 2**30:.1f} GiB, host "
-                    f"{res.host_peak_bytes / 2**30:.1f} GiB" if res.ok else f"{res.status}: {res.message}")
+            gpu = f"GPU {res.gpu_peak_bytes / 2**30:.1f} GiB, " if res.gpu_peak_bytes else ""
+            what = (f"{res.tokens_per_s:,.0f} tokens/s, {gpu}host {res.host_peak_bytes / 2**30:.1f} GiB"
+                    if res.ok else f"{res.status}: {res.message}")
             print(f"probe {i + 1}: {row.label}: {what} ({res.seconds:.0f} s)", file=out, flush=True)
+        if len(done) > shown[0] and len(done) < t.limits.max_probes:
+            # the table so far and what comes next, re-ranked with what was just measured
+            print("\n" + format_table(table(t)) + "\n", file=out, flush=True)
         shown[0] = len(done)
         running = [r for r in t.rows if r.state == "running"]
         if running and getattr(on_change, "said", None) is not running[-1]:

@@ -212,7 +212,7 @@ async def test_console_runs_screen(runs):
         assert list(loss.series[1].ys) == [s.loss for s in of_kind(messages(runs / ids[1]), "step")]
 
 
-def test_resumed_session_replaces_replayed_steps(tmp_path):
+def test_resumed_session_replaces_replayed_steps(tmp_path, monkeypatch):
     """A resumed run appends a session that restarts from its checkpoint: TensorBoard (through the
     SessionLog START the writer puts before its first step) and the run list keep the newest values."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -221,6 +221,7 @@ def test_resumed_session_replaces_replayed_steps(tmp_path):
     from shardconsole.history.index import summarize
     from shardconsole.tbevents import rebuild
 
+    monkeypatch.setenv("SHARDCONSOLE_CACHE_DIR", str(tmp_path / "cache"))
     run = tmp_path / "run"
     run.mkdir()
     (run / "preset.toml").write_text('[model]\nname = "tiny"\n')
@@ -237,6 +238,17 @@ def test_resumed_session_replaces_replayed_steps(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("loss/train")] == expected
     s = summarize(run)
     assert s.loss == expected and s.status == "finished" and s.last_loss == 7.0
+
+    # An ended run's summary is kept in the user's cache, and read again once its stream grows.
+    from shardconsole.history import cache
+    assert len(list(cache.cache_dir().iterdir())) == 1
+    assert summarize(run) == s
+    more = [P.Hello(run="run-resume-2", rank=0, t=40.0),
+            P.Step(run="run-resume-2", rank=0, t=41.0, step=7, steps=7, loss=0.5)]
+    with open(run / "metrics.jsonl", "a") as fh:
+        fh.write("".join(P.encode(m) + "\n" for m in more))
+    grown = summarize(run)
+    assert grown.last_loss == 0.5 and grown.loss[-1] == (7, 0.5) and grown.status != "finished"
 
 
 def test_attach_dialog_lists_status_not_just_ended(runs):

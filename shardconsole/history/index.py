@@ -13,6 +13,7 @@ from pathlib import Path
 
 from shardconsole import config as C
 from shardconsole import protocol as P
+from shardconsole.history import cache
 from shardconsole.launch_command import OLD_RUNS_ROOT, runs_root
 from shardconsole.runfolder import RunFolder
 from shardconsole.runstate import RunState
@@ -139,8 +140,14 @@ def summarize(path: Path, tail_bytes: int | None = None) -> RunSummary:
             s.backend = f"zero{cfg.deepspeed.stage}"
     except (C.ConfigError, OSError, ValueError):
         pass
+    if tail_bytes is None:
+        cached = cache.load(folder.metrics)
+        if cached is not None and cache.apply(s, cached):
+            return s
     state, session = _fold(folder, s, tail_bytes)
     _status(folder, s, state, session)
+    if tail_bytes is None:
+        cache.store(folder.metrics, s)
     return s
 
 

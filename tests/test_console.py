@@ -533,6 +533,14 @@ async def test_up_and_down_move_between_fields(tmp_path):
     app = make_app(tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
         setup = app.setup_screen
+        # the pick tab: from the model folder field up to the model list, down to the backend
+        model_dir = setup.query_one("#model-dir", Input)
+        model_dir.focus()
+        await pilot.press("up")
+        await wait_for(pilot, lambda: app.focused is setup.query_one("#models"), what="the model list")
+        model_dir.focus()
+        await pilot.press("down")
+        await wait_for(pilot, lambda: app.focused is setup.query_one("#backend"), what="the backend")
         await show_table(pilot, setup, "train")
         rows = list(setup.query(f"#form-train {SettingField.__name__}"))
         controls = [r.query_one(".setting--control") for r in rows]
@@ -832,6 +840,7 @@ async def test_real_tiny_cpu_run_launch_watch_stop(tmp_path, monkeypatch):
         # "3 process(es)" named: the launcher and the two ranks, in the summary and in the list
         assert "stopped: the launcher (torchrun, pid " in body and "and 2 rank(s) (pid " in body
         assert "✔ launcher (torchrun, pid " in body
+        assert "the launcher and 2 rank(s) ended, none left" in text_of(screen.query_one("#status"))
         # The Logs panel: what the stream said of a healthy run, and the stop as a stop (torchrun's
         # SignalException traceback folded into one line, not shown from the top).
         from textual.widgets import Log

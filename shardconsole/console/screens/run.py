@@ -308,7 +308,8 @@ class RunScreen(Screen[None]):
         lines = stop_details(event.report, self.view, self._gpu_before_stop, event.gpus_after,
                              event.gpu_unavailable)
         clean = event.report.clean and all(ok for _, ok in lines)
-        self.note = Text(("■ " if clean else "✖ ") + describe_stop(event.report) +
+        self.note = Text(("■ " + short_stop(event.report, len(self.view.state.hellos)) if clean else
+                          "✖ " + describe_stop(event.report)) +
                          (" · GPU memory freed" if clean and event.gpus_after else ""),
                          "green" if clean else "red")
         self.status = "stopped"
@@ -410,6 +411,13 @@ class RunScreen(Screen[None]):
         elif self.live and state.phase == "building ops" and view.building:
             text.append("\n" + view.building, "dim")
         self.query_one("#status", Static).update(text)
+
+
+def short_stop(report: StopReport, ranks: int) -> str:
+    """The status line's account of a clean stop, short enough for 80 columns (the report has it all)."""
+    launcher = "the launcher and " if getattr(report, "launcher_pid", 0) else ""
+    how = " (SIGKILL after the grace)" if report.killed else ""
+    return f"stopped in {report.seconds:.1f}s{how}: {launcher}{ranks} rank(s) ended, none left"
 
 
 def stop_details(report: StopReport, view: RunView, before: dict[int, P.GpuSample],

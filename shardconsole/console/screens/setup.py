@@ -44,6 +44,11 @@ MODEL_SPEC = F.spec_for("model", "name")
 BACKEND_SPEC = F.spec_for("parallel", "backend")
 
 
+class PickInput(Input):
+    """The model folder field: up and down go to the model list above and the backend below, as Tab does."""
+    BINDINGS = [Binding("up", "app.focus_previous", show=False), Binding("down", "app.focus_next", show=False)]
+
+
 class SetupScreen(SetupActions, Screen[None]):
     CSS_PATH = HERE / "setup.tcss"
     BINDINGS = [
@@ -118,7 +123,7 @@ class SetupScreen(SetupActions, Screen[None]):
                     with Vertical(id="model-picker"):
                         yield Label("Model", classes="picker-title")
                         yield OptionList(*self._model_options(), id="models")
-                        yield Input(placeholder="or a local model folder…", id="model-dir", compact=True)
+                        yield PickInput(placeholder="or a local model folder…", id="model-dir", compact=True)
                         yield Static(id="model-info", markup=False)
                         yield Label("Backend", classes="picker-title")
                         with RadioSet(id="backend"):

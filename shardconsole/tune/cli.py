@@ -164,10 +164,11 @@ def cmd_tune(argv: list[str]) -> int:
     code = 0
     try:
         winner = tune.run()
-    except KeyboardInterrupt:
-        tune.stop = True
-        code = 130
+    except KeyboardInterrupt:         # between probes (a probe in flight stops itself: probe.py)
+        tune.stop = tune.interrupted = True
         winner = tune.winner()
+    if tune.interrupted:
+        code = 130
     print("\n" + format_table(table(tune)), file=out)
     if tune.note:
         print(f"({tune.note})", file=out)

@@ -55,6 +55,7 @@ class Tune:
     rows: list[Row] = field(default_factory=list)
     options: list[search.Option] = field(default_factory=list)
     stop: bool = False
+    interrupted: bool = False                   # ended by Ctrl-C (the probe in flight was stopped first)
     started: float = 0.0
     note: str = ""
 
@@ -101,6 +102,8 @@ class Tune:
             self.on_change(self)
             row.result = self._probe(option, len(self.rows), left)
             row.state = "done"
+            if row.result.interrupted:
+                self.stop, self.interrupted = True, True
             self._judge(row)
             if row.result.ok and row.result.tokens_per_s > 0:
                 self.book.add(record_of(option.cfg, self.hw, row.result.tokens_per_s, "tune probe",

@@ -34,6 +34,7 @@ class ProbeResult:
     seconds: float = 0.0
     run_dir: str = ""
     samples: list[tuple[int, float]] = field(default_factory=list)
+    interrupted: bool = False           # Ctrl-C: the probe was stopped and the tune should end
 
     @property
     def ok(self) -> bool:
@@ -97,7 +98,15 @@ def run_probe(cfg: C.RunConfig, run_dir: Path, *, timeout_s: float, should_stop:
                 stop_run(job, watcher.rank_pids, who=f"tune: probe {stopped_why}", grace_s=10.0)
                 watcher.poll()
                 break
-            time.sleep(POLL_S)
+            try:
+                time.sleep(POLL_S)
+            except KeyboardInterrupt:
+                # The ranks run in a session of their own (launch.Job): Ctrl-C reaches only this process,
+                # so the probe is stopped here through the normal stop path before the tune ends.
+                stopped_why, res.interrupted = "stopped", True
+                stop_run(job, watcher.rank_pids, who="tune: Ctrl-C", grace_s=10.0)
+                watcher.poll()
+                break
         cause, message = classify(watcher.state, watcher.exit_code, run_dir)
     finally:
         watcher.close()

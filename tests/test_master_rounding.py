@@ -109,3 +109,23 @@ def test_dtype_override_ignores_the_presets_fp16_keys_with_a_note(tmp_path):
     p.write_text('[precision]\ndtype = "bf16"\nloss_scale_window = 100\n')
     with pytest.raises(C.ConfigError):
         settings.resolve(str(p))
+
+
+@pytest.mark.parametrize("master", ["fp32", "nearest", "stochastic", "kahan"])
+def test_planner_bytes_per_parameter_are_what_the_optimizer_keeps(master):
+    """plan/constants.MASTER_STATE_BYTES against the tensors a step leaves: the weight, its gradient and
+    every optimizer state tensor shaped like it, for the optimizer fsdp.make_optimizer picks."""
+    from shardconsole.backends import pinned_arena
+    from shardconsole.plan import constants
+    n = 1000
+    dtype = torch.float32 if master == "fp32" else torch.bfloat16
+    p = torch.nn.Parameter(torch.zeros(n, dtype=dtype))
+    opt = (torch.optim.AdamW([p], fused=True) if master in ("fp32", "nearest")
+           else RoundedAdamW([p], rounding=master))
+    p.grad = torch.ones(n, dtype=dtype)
+    opt.step()
+    kept = [p, p.grad, *(t for t in opt.state[p].values() if t.shape == p.shape)]
+    assert sum(t.numel() * t.element_size() for t in kept) / n == constants.MASTER_STATE_BYTES[master]
+    # the host arena reserves one slot per state the optimizer keeps
+    assert set(pinned_arena.STATE_NAMES[master]) == {k for k, t in opt.state[p].items() if t.shape == p.shape}
+    assert constants.HOST_ARENA_ALIGN == pinned_arena.ALIGN

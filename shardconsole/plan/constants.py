@@ -77,6 +77,16 @@ DS_SUB_GROUP_SIZE = 1_000_000_000
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
+# Bytes a parameter of FSDP2's kept state (weight, gradient, two Adam moments) for each way of keeping the
+# masters: fp32 16; bf16 with precision.master_rounding nearest or stochastic 8, kahan 10 (a bf16
+# compensation buffer). From backends/master_update.py; tests/test_master_rounding.py measures the
+# optimizer's tensors against it.
+MASTER_STATE_BYTES = {"fp32": 16, "nearest": 8, "stochastic": 8, "kahan": 10}
+# fsdp.host_arena (backends/pinned_arena.py): offloaded shards, Adam's states (with the compensation) and
+# the compute copy in one region pinned in place, each view aligned to this many bytes: no power-of-two
+# block per tensor. The gradients are still pinned a block per tensor by torch (pow2_ceil).
+HOST_ARENA_ALIGN = 4096
+
 # The cold start of "how fast" (plan/speeds.py: measurements on the user's machine replace it),
 # relative to FSDP2 without offload or checkpointing, from docs/MEASURED.md's bare loops on the H200 (0.95B,
 # seq 2048, micro-batch 8 unless said):

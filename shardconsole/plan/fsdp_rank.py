@@ -59,6 +59,11 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
     # its reduce-scatter stream; the caching allocator keeps a pool per stream, so those pools add to
     # the compute stream's peak instead of sharing its free blocks (side pools, below).
     st = {} if offload else {f"parameters ({mtag} shards)": params_b, f"optimizer states (Adam {mtag})": adam_b}
+    # precision.master_rounding = kahan (backends/master_update.py): a bf16 compensation buffer shaped like
+    # the sharded parameters, beside the masters (on the host when offloaded).
+    kahan = 2 * sum(shard_numels) if m == 2 and getattr(cfg.precision, "master_rounding", "") == "kahan" else 0
+    if kahan and not offload:
+        st["Kahan compensation (bf16)"] = kahan
     ws = {"cuBLAS workspaces": CUBLAS_WORKSPACE_BYTES}
     acc = {"accumulated gradients (no sync)": accum}
     root = {"gathered root (embedding, head)": root_full}
@@ -128,15 +133,23 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
         # (.to("cpu", non_blocking=True) allocates pinned memory); Adam's states are plain zeros_like.
         pinned = pow2_ceil if f.pin_memory else (lambda n: n)
         tag = ", pinned" if f.pin_memory else ""
+        # fsdp.host_arena (backends/pinned_arena.py): the shards and Adam's states in one region pinned in
+        # place, each view 4 KiB-aligned: no power-of-two block per shard. The gradients are still pinned
+        # a block per tensor by torch.
+        arena = getattr(f, "host_arena", False)
+        in_arena = (lambda n: -(-n // 4096) * 4096) if arena else pinned
+        where = " in the host arena" if arena else tag
         host["training"].update({
-            f"parameters ({mtag} shards{tag})": sum(pinned(m * n) for n in shard_numels),
+            f"parameters ({mtag} shards{where})": sum(in_arena(m * n) for n in shard_numels),
             f"gradients ({mtag} shards{tag})": sum(pinned(m * n) for n in shard_numels),
-            f"optimizer states (Adam {mtag}, host)": adam_b})
+            f"optimizer states (Adam {mtag}{', in the host arena' if arena else ', host'})": adam_b})
         if (f.offload_compute_copy and cfg.precision.dtype != "fp32"
                 and cfg.precision.master_dtype == "fp32"):
             # backends/offload.py ComputeCopy: one flat buffer, page-locked in place (no rounding).
             host["training"][f"{cfg.precision.dtype} copy of the shards (all-gather input, pinned)"] = \
                 2 * sum(shard_numels)
+        if kahan:
+            host["training"]["Kahan compensation (bf16, host)"] = kahan
         if cfg.precision.dtype == "fp16":
             host["training"]["fp16 scaler checks on host gradients"] = FSDP_FP16_OFFLOAD_HOST_PER_PARAM * s.n_params
     notes = []

@@ -46,7 +46,7 @@ def runs(tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "-m", "shardconsole", *TINY, "--run-dir", str(stopped),
                              "--set", "train.steps=100000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, **env})
-    follower = None
+    follower, stopped_it = None, False
     try:
         wait_for_steps(stopped, 2, timeout=120, proc=proc)
         # A second front end follows; the first is killed (-9, it writes nothing): the follower takes over
@@ -68,12 +68,16 @@ def runs(tmp_path_factory):
             assert time.monotonic() < deadline and follower.poll() is None, "the follower never took over"
             time.sleep(0.1)
         res = shardconsole("stop", "000003-stop", env=env, timeout=90)     # a part of the id names the run
+        stopped_it = True
         assert res.returncode == 0, res.stderr
         follower.wait(timeout=60)
     finally:
         for p in (proc, follower):
             if p is not None and p.poll() is None:
                 p.kill()
+        if not stopped_it and (stopped / "job.json").is_file():
+            # Its front ends are gone but the ranks run in sessions of their own: never leave them going.
+            shardconsole("stop", str(stopped), timeout=90)
     return root
 
 

@@ -16,9 +16,11 @@ from shardconsole import protocol as P
 from shardconsole.history import cache
 from shardconsole.launch_command import OLD_RUNS_ROOT, runs_root
 from shardconsole.runfolder import RunFolder
+from shardconsole.process_identity import this_host
 from shardconsole.runstate import RunState
 
 RUNNING, FINISHED, STOPPED, FAILED, UNKNOWN = "running", "finished", "stopped", "failed", "unknown"
+HOST = this_host()
 _STAMPED = re.compile(r"^(\d{8}-\d{6})-(.+?)(-\d+)?$")     # new_run_dir's <time>-<preset>[-n]
 
 
@@ -238,14 +240,24 @@ def _status(folder: RunFolder, s: RunSummary, state: RunState, session: str) -> 
     if not state.hellos and not state.failed and not folder.job.is_file():
         s.status, s.detail = UNKNOWN, "not started here (no job.json, no rank has written)"
         return
-    if not folder.job.is_file() and not state.failed:
-        # Started elsewhere (--print-command, --slurm): only its stream could say it ended.
-        s.status, s.detail = UNKNOWN, "started elsewhere; its stream has no end (still running there, or killed)"
+    host = _job_host(folder)
+    if (not folder.job.is_file() or (host and host != HOST)) and not state.failed:
+        # Started elsewhere (--print-command, --slurm, another node of a shared folder): only its stream
+        # could say it ended.
+        where = f"on host {host}" if host and host != HOST else "elsewhere"
+        s.status, s.detail = UNKNOWN, f"started {where}; its stream has no end (still running there, or killed)"
         return
     cause, message = explain_exit(state, None, folder.path)
     s.status = STOPPED if cause == "stopped" else FAILED
     s.cause = "" if cause == "stopped" else cause
     s.detail = message.splitlines()[0]
+
+
+def _job_host(folder: RunFolder) -> str:
+    try:
+        return str(json.loads(folder.job.read_text()).get("host", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
 
 
 def _alive(folder: RunFolder, state: RunState) -> bool:

@@ -630,6 +630,28 @@ def docs_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def adopt16(path: Path) -> int:
+    """Make a new --subset issue16 result the planner's calibration data (benchmarks/data/
+    plan_calibration_issue16.json, which tests/test_plan.py checks): its runs and the code version they
+    ran on replace the stored ones; the earlier device-NVML runs and the notes stay."""
+    from shardconsole.plan.calibration import CALIBRATION_FILE
+    new = json.loads(path.read_text())
+    doc = json.loads(CALIBRATION_FILE.read_text())
+    unfinished = [r["name"] for r in new["runs"] if r["measured"].get("status") != "finished"]
+    if unfinished:
+        print(f"not adopted: {', '.join(unfinished)} did not finish", file=sys.stderr)
+        return 1
+    for key in ("machine", "hardware", "base_preset", "started", "lanes", "code_version"):
+        doc[key] = new[key]
+    doc["command"] = new.get("command", doc.get("command"))
+    doc.pop("code_version_note", None)
+    doc["runs"] = [{k: r[k] for k in ("name", "model", "subset", "sets", "expect_oom", "cap_factor", "lane",
+                                      "measured") if k in r} for r in new["runs"]]
+    write(CALIBRATION_FILE, doc)
+    print(f"wrote {CALIBRATION_FILE} (code version {doc['code_version']['hash']}, {len(doc['runs'])} runs)")
+    return 0
+
+
 def select(subset: str | None, only: str | None) -> list[Run]:
     runs = MATRIX
     if subset:
@@ -659,6 +681,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="recompute the predictions and errors of a result file with the current planner")
     ap.add_argument("--docs-table", type=Path, default=None,
                     help="print the markdown comparison table of a result file (docs/PLANNER.md)")
+    ap.add_argument("--adopt16", type=Path, default=None,
+                    help="make this --subset issue16 result the planner's calibration data (checked by the tests)")
     ap.add_argument("--lanes", type=int, default=1,
                     help="run the matrix's lanes at the same time on one GPU (peaks per process)")
     ap.add_argument("--smoke-cpu", action="store_true",
@@ -668,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.out:
             ap.error("--merge needs --out")
         return merge(args.merge, args.out)
+    if args.adopt16:
+        return adopt16(args.adopt16)
     if args.refresh:
         return refresh(args.refresh, args.out or args.refresh)
     if args.docs_table:

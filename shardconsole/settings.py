@@ -125,6 +125,10 @@ def resolve_doc(doc: dict[str, Any] | None, name: str, path: Path | str | None,
         out.overrides.append(o)
     out.notes = apply_fsdp_equivalents(out.cfg, _set_keys(doc, out.overrides, "deepspeed"))
     out.notes += drop_fp16_keys(out.cfg, out.origins)
+    if out.cfg.precision.master_dtype == "fp32" and (
+            "precision.master_rounding" in out.origins or "master_rounding" in ((doc or {}).get("precision") or {})):
+        out.notes.append(f"precision.master_rounding = {out.cfg.precision.master_rounding!r} has no effect: it "
+                         "rounds bf16 masters, and master_dtype is 'fp32'")
     try:
         C.validate(out.cfg, out.source, gpu_count=gpu_count, origins=out.origins,
                    rendezvous_from_launcher=rendezvous_from_launcher)

@@ -129,3 +129,12 @@ def test_planner_bytes_per_parameter_are_what_the_optimizer_keeps(master):
     # the host arena reserves one slot per state the optimizer keeps
     assert set(pinned_arena.STATE_NAMES[master]) == {k for k, t in opt.state[p].items() if t.shape == p.shape}
     assert constants.HOST_ARENA_ALIGN == pinned_arena.ALIGN
+
+
+def test_rounding_without_bf16_masters_is_noted():
+    r = settings.resolve("tiny-cpu", ["precision.master_rounding=kahan"])
+    assert any("master_rounding = 'kahan' has no effect" in n for n in r.notes)
+    assert not any("master_rounding" in n for n in settings.resolve("tiny-cpu").notes)
+    with pytest.raises(C.ConfigError) as e:
+        settings.resolve("tiny-cpu", ["precision.master_rounding=round"])
+    assert e.value.source == "--set precision.master_rounding" and "stochastic" in str(e.value)

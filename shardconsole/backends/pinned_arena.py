@@ -170,5 +170,6 @@ class ShardArena:
         def size(n: int) -> str:
             return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
         parts = ", ".join(f"{k} {size(v)}" for k, v in self.bytes.items() if v)
-        return (f"host arena: {size(self.arena.nbytes)} in one region "
-                f"({'page-locked' if self.arena.pinned else 'NOT pinned: ' + self.arena.pin_error if self.arena.pin_error else 'not pinned: no GPU'}): {parts}")
+        how = ("page-locked" if self.arena.pinned else f"NOT pinned: {self.arena.pin_error}" if self.arena.pin_error
+               else "not pinned: no GPU")
+        return f"host arena: {size(self.arena.nbytes)} in one region ({how}): {parts}"

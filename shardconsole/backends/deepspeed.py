@@ -352,6 +352,7 @@ def _train(r: common.Rank, engine, model, stop: trainstate.StopRequest) -> None:
     meter = metrics.StepMeter(r)
     fp16 = cfg.precision.dtype == "fp16"
     timing = step_timing.StepTiming(r)        # the offload view (offloaded runs)
+    step_timing.instrument_deepspeed(engine, timing)
     r.phase("training")
     stop.start_round()
     for step in range(start_step + 1, t.steps + 1):

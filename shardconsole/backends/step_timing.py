@@ -13,9 +13,12 @@ waits for its gradients on the host anyway), and an event that has not is read a
   offloaded FSDPParam's `all_gather_inputs` is the copy), forward and backward;
 - D2H (FSDP2): from each unit's all-reduce hook (the reduce-scatter has landed, the gradient copies
   are next on that stream) to the last of that unit's gradients handed back as a host DTensor;
-- DeepSpeed: the host step is engine.step() (CPU Adam, its unscale and norm, and the copy of the
-  updated weights back to the GPU, which DeepSpeed does inside it); its gradient copies run inside
-  its backward and are not separated (reported as n/a).
+- DeepSpeed ZeRO-3 with optimizer offload: events around its optimizer's copies of the gradients to the
+  host (`partition_grads` at the accumulation boundary, in backward; `_finalize_offload_gradient_
+  accumulation` in the step when accumulation is unmanaged) and of each sub-group's updated weights back
+  (`_reassign_or_swap_out_partitioned_parameters`, in the step); the host step is engine.step()'s host
+  time less the copies inside it (CPU Adam, its unscale and norm). Stages 1-2: the host step is
+  engine.step() whole and the copies are n/a.
 CPU ranks (no CUDA) time the same phases by wall clock; there are no copies to time there.
 """
 
@@ -63,6 +66,7 @@ class _Step:
         self.wall = 0.0
         self.h2d_bytes = 0
         self.d2h_bytes = 0
+        self.host_has_copies = False     # DeepSpeed: the copies ran inside the host-timed engine.step()
 
 
 class StepTiming:
@@ -142,9 +146,10 @@ class StepTiming:
     def copy_begin(self):
         return self._mark() if self.on and self.cuda and self.cur is not None else None
 
-    def copy_end(self, kind: str, begin, nbytes: int) -> None:
+    def copy_end(self, kind: str, begin, nbytes: int, in_host_step: bool = False) -> None:
         if begin is None or self.cur is None:
             return
+        self.cur.host_has_copies |= in_host_step
         getattr(self.cur, kind).append((begin, self._mark()))
         setattr(self.cur, f"{kind}_bytes", getattr(self.cur, f"{kind}_bytes") + nbytes)
 
@@ -166,14 +171,17 @@ class StepTiming:
             return
         self.n += 1
         self.sums["gpu"] += _span(s.compute[0], s.compute[1])
-        self.sums["host"] += s.host
         self.sums["wall"] += s.wall
+        copies = 0.0
         for kind in ("h2d", "d2h"):
             pairs = getattr(s, kind)
             if pairs:
                 self.seen[kind] = True
-                self.sums[kind] += sum(_span(a, b) for a, b in pairs)
+                t = sum(_span(a, b) for a, b in pairs)
+                copies += t
+                self.sums[kind] += t
                 self.bytes[kind] += getattr(s, f"{kind}_bytes")
+        self.sums["host"] += max(0.0, s.host - copies) if s.host_has_copies else s.host
 
 
 def _span(a, b) -> float:
@@ -266,3 +274,39 @@ def _timed(cls: type) -> type:
             return base_to_dtensor(self, tensor)
     Timed.__name__ = Timed.__qualname__ = f"Timed{cls.__name__}"
     return Timed
+
+
+# ---------------------------------------------------------------------------------------------------
+# DeepSpeed ZeRO-3: its boundary copies, timed around the optimizer's own methods
+
+# (method, copy direction, runs inside engine.step()). The gradients reach the host in partition_grads
+# during backward (DeepSpeed's default, "managed" accumulation) or in the step's finalize (unmanaged);
+# the updated weights go back per sub-group inside the step.
+DS_COPIES = (("partition_grads", "d2h", False), ("_finalize_offload_gradient_accumulation", "d2h", True),
+             ("_reassign_or_swap_out_partitioned_parameters", "h2d", True))
+
+
+def instrument_deepspeed(engine, timing: StepTiming) -> list[str]:
+    """Wrap ZeRO-3's offload copy methods on this engine's optimizer (instance attributes: nothing global).
+    Returns the methods wrapped ([] on CPU ranks, with the view off, without optimizer offload, or where the
+    optimizer has none of them: stages 1-2)."""
+    opt = engine.optimizer
+    if not (timing.on and timing.cuda and getattr(opt, "offload_optimizer", False)):
+        return []
+    boundary = getattr(opt, "is_gradient_accumulation_boundary", lambda: True)
+    done = []
+    for name, kind, in_step in DS_COPIES:
+        fn = getattr(opt, name, None)
+        if not callable(fn):
+            continue
+
+        def wrapped(*args, _fn=fn, _kind=kind, _in_step=in_step, **kwargs):
+            # partition_grads copies to the host only at the accumulation boundary (GPU adds otherwise)
+            begin = timing.copy_begin() if _in_step or boundary() else None
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                timing.copy_end(_kind, begin, 0, in_host_step=_in_step)
+        setattr(opt, name, wrapped)
+        done.append(name)
+    return done

@@ -88,11 +88,20 @@ class StepTiming:
         self.seen = {"h2d": False, "d2h": False}
 
     def _mark(self):
-        if self.cuda:
+        if not self.cuda:
+            return time.perf_counter()
+        try:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
             return e
-        return time.perf_counter()
+        except Exception as e:   # the view must never take training down: it turns itself off
+            self.disable(f"{type(e).__name__}: {e}")
+            return None
+
+    def disable(self, why: str) -> None:
+        if self.on:
+            self.on, self.cur, self.pending = False, None, []
+            self.r.event("warning", f"offload view turned off: {why}"[:300], all_ranks=True)
 
     # --- the loop's calls ----------------------------------------------------------------------
     def start(self) -> None:
@@ -100,12 +109,16 @@ class StepTiming:
             return
         self.cur = _Step()
         self._t0 = time.perf_counter()
-        self.cur.compute = [self._mark(), None]
+        mark = self._mark()
+        if self.cur is not None:
+            self.cur.compute = [mark, None]
 
     def compute_done(self) -> None:
         """After a backward; the last call of a step is the end of its compute."""
         if self.on and self.cur is not None:
-            self.cur.compute[1] = self._mark()
+            mark = self._mark()
+            if self.cur is not None:
+                self.cur.compute[1] = mark
 
     @contextlib.contextmanager
     def host_step(self):
@@ -149,12 +162,21 @@ class StepTiming:
     def copy_end(self, kind: str, begin, nbytes: int, in_host_step: bool = False) -> None:
         if begin is None or self.cur is None:
             return
+        end = self._mark()
+        if end is None or self.cur is None:
+            return
         self.cur.host_has_copies |= in_host_step
-        getattr(self.cur, kind).append((begin, self._mark()))
+        getattr(self.cur, kind).append((begin, end))
         setattr(self.cur, f"{kind}_bytes", getattr(self.cur, f"{kind}_bytes") + nbytes)
 
     # --- reading back, one step late -------------------------------------------------------------
     def _harvest(self) -> None:
+        try:
+            self._read()
+        except Exception as e:   # an event that cannot be read: the view goes, training stays
+            self.disable(f"{type(e).__name__}: {e}")
+
+    def _read(self) -> None:
         keep = []
         for s in self.pending:
             if self.cuda and not _done(s):

@@ -274,25 +274,31 @@ def _timed(cls: type) -> type:
     class Timed(cls):   # type: ignore[misc, valid-type]
         @property
         def all_gather_inputs(self):
-            sharded = self.sharded_state == ShardedState.SHARDED
+            timing, unit = self._sc_timing, self._sc_unit
+            sharded = timing.on and self.sharded_state == ShardedState.SHARDED
             if sharded and self._sc_first:
-                self._sc_unit["h2d"] = self._sc_timing.copy_begin()
+                unit["h2d"] = timing.copy_begin()
             out = base_inputs.fget(self)
             if sharded:
-                self._sc_unit["h2d_bytes"] = self._sc_unit.get("h2d_bytes", 0) + sum(
-                    t.numel() * t.element_size() for t in out)
-                if self._sc_last:
-                    self._sc_timing.copy_end("h2d", self._sc_unit["h2d"], self._sc_unit.pop("h2d_bytes", 0))
-                    self._sc_unit["h2d"] = None
+                try:
+                    unit["h2d_bytes"] = unit.get("h2d_bytes", 0) + sum(t.numel() * t.element_size() for t in out)
+                    if self._sc_last:
+                        timing.copy_end("h2d", unit["h2d"], unit.pop("h2d_bytes", 0))
+                        unit["h2d"] = None
+                except Exception as e:   # the view goes, the all-gather stays
+                    timing.disable(f"{type(e).__name__}: {e}")
             return out
 
         def to_sharded_dtensor(self, tensor):
-            unit = self._sc_unit
-            if unit["d2h"] is not None and tensor.device.type == "cpu":
-                unit["d2h_bytes"] = unit.get("d2h_bytes", 0) + tensor.numel() * tensor.element_size()
-                if self._sc_last:
-                    self._sc_timing.copy_end("d2h", unit["d2h"], unit.pop("d2h_bytes", 0))
-                    unit["d2h"] = None
+            timing, unit = self._sc_timing, self._sc_unit
+            if timing.on and unit["d2h"] is not None and tensor.device.type == "cpu":
+                try:
+                    unit["d2h_bytes"] = unit.get("d2h_bytes", 0) + tensor.numel() * tensor.element_size()
+                    if self._sc_last:
+                        timing.copy_end("d2h", unit["d2h"], unit.pop("d2h_bytes", 0))
+                        unit["d2h"] = None
+                except Exception as e:
+                    timing.disable(f"{type(e).__name__}: {e}")
             return base_to_dtensor(self, tensor)
     Timed.__name__ = Timed.__qualname__ = f"Timed{cls.__name__}"
     return Timed

@@ -138,3 +138,16 @@ def test_rounding_without_bf16_masters_is_noted():
     with pytest.raises(C.ConfigError) as e:
         settings.resolve("tiny-cpu", ["precision.master_rounding=round"])
     assert e.value.source == "--set precision.master_rounding" and "stochastic" in str(e.value)
+
+
+def test_dtype_override_of_an_fp16_preset_writes_a_run_without_its_fp16_keys(tmp_path):
+    """The issue's case through the CLI: 4090x2-zero3 (fp16, loss_scale_window = 100) with
+    `--set precision.dtype=bf16` is accepted with the note, and the run folder's settings drop the key."""
+    from tests.conftest import shardconsole
+    run_dir = tmp_path / "run"
+    res = shardconsole("--preset", "4090x2-zero3", "--print-command", "--run-dir", str(run_dir),
+                       "--set", "precision.dtype=bf16", timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "precision.loss_scale_window = 100 ignored" in res.stderr
+    saved = C.load(run_dir / "preset.toml")
+    assert saved.precision.dtype == "bf16" and saved.precision.loss_scale_window is None

@@ -2,11 +2,11 @@
 
 Written by the front end that watches a run, from the lines it reads anyway (the ranks pay nothing),
 and rebuilt from metrics.jsonl for a run that had no front end (`shardconsole attach`,
-`shardconsole runs --tensorboard`). Standard library only, like stream.py: the event file format is
-a TFRecord of `Event` protobufs, of which a scalar needs four fields, so it is written here by hand
-rather than through the `tensorboard` package (protobuf, grpc, numpy: a viewer's dependencies, not a
-front end's) or torch.utils.tensorboard (torch is not allowed in front ends). The tests read the files
-back with TensorBoard's own EventAccumulator.
+`shardconsole runs --tensorboard`). The files are written by TensorBoard's own writer
+(tensorboard.summary.writer.event_file_writer.EventFileWriter, with its Event/Summary protobufs): the
+format's owner keeps its framing, checksums and fields right, and we keep no encoder of our own. It is
+imported only when a writer is made, so a front end that records nothing never loads it. No torch
+(torch.utils.tensorboard) and no UI here: the session layer's watcher feeds it.
 
 One writer per run: the recorder takes an advisory lock on the run's metrics.jsonl (flock; the ranks
 do not lock, so they never wait on it). The writer that gets it rewrites the run's event file from the
@@ -18,10 +18,8 @@ writes a complete file in its place.
 from __future__ import annotations
 
 import fcntl
-import math
 import os
-import socket
-import struct
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -79,109 +77,33 @@ def _gb(n: float | None) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The file format: TFRecord framing (length, masked CRC-32C of it, data, masked CRC-32C of the data)
-# around Event protobufs (wall_time=1 double, step=2 int64, file_version=3 string, summary=5,
-# session_log=7); Summary.value=1 {tag=1 string, simple_value=2 float}.
+# TensorBoard's own writer, imported when the first writer is made: it brings protobuf and numpy
+# (tensorboard.summary's package), a cost the console's start-up does not pay for a run it never records.
 
-def _crc32c_table() -> list[int]:
-    table = []
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-        table.append(c)
-    return table
+def _tensorboard():
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer import event_file_writer
+    _quiet_writer_thread(event_file_writer._AsyncWriterThread)
+    return event_pb2, summary_pb2, event_file_writer.EventFileWriter
 
 
-_CRC_TABLE = _crc32c_table()
+_quieted = False
 
 
-def _slice_tables() -> list[list[int]]:
-    tables = [_CRC_TABLE]
-    for _ in range(7):
-        prev = tables[-1]
-        tables.append([(v >> 8) ^ _CRC_TABLE[v & 0xFF] for v in prev])
-    return tables
+def _quiet_writer_thread(thread_cls: type) -> None:
+    """The writer's thread keeps what its file raised (a full disk) and hands it back on our next
+    add_event or flush, where the recorder says it once; the thread's default print of it (a traceback
+    on stderr, under the console's screen) is left out. Every other thread's errors print as before."""
+    global _quieted
+    if _quieted:
+        return
+    _quieted = True
+    previous = threading.excepthook
 
-
-_T0, _T1, _T2, _T3, _T4, _T5, _T6, _T7 = _slice_tables()
-
-
-def crc32c(data: bytes) -> int:
-    """CRC-32C, eight bytes a step (slicing-by-8): the front end checksums every record it writes."""
-    c = 0xFFFFFFFF
-    whole = len(data) - len(data) % 8
-    for lo, hi in struct.iter_unpack("<II", data[:whole]):
-        c ^= lo
-        c = (_T7[c & 0xFF] ^ _T6[(c >> 8) & 0xFF] ^ _T5[(c >> 16) & 0xFF] ^ _T4[c >> 24]
-             ^ _T3[hi & 0xFF] ^ _T2[(hi >> 8) & 0xFF] ^ _T1[(hi >> 16) & 0xFF] ^ _T0[hi >> 24])
-    for b in data[whole:]:
-        c = _T0[(c ^ b) & 0xFF] ^ (c >> 8)
-    return c ^ 0xFFFFFFFF
-
-
-def _masked(data: bytes) -> bytes:
-    c = crc32c(data)
-    return struct.pack("<I", (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF)
-
-
-def record(data: bytes) -> bytes:
-    head = struct.pack("<Q", len(data))
-    return head + _masked(head) + data + _masked(data)
-
-
-def _varint(n: int) -> bytes:
-    if 0 <= n < 0x80:
-        return _SMALL[n]
-    n &= (1 << 64) - 1        # int64 two's complement, as protobuf encodes a negative step
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-_SMALL = [bytes((i,)) for i in range(0x80)]
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    """A length-delimited field (wire type 2)."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
-def event(wall_time: float, step: int, *, values: Iterable[tuple[str, float]] = (), file_version: str = "",
-          session_start: bool = False) -> bytes:
-    body = _varint(1 << 3 | 1) + struct.pack("<d", wall_time) + _varint(2 << 3) + _varint(step)
-    if file_version:
-        body += _field(3, file_version.encode())
-    summary = b"".join(_value(tag, v) for tag, v in values)
-    if summary:
-        body += _field(5, summary)
-    if session_start:      # SessionLog{status: START}: TensorBoard drops what a resumed run replays
-        body += _field(7, _varint(1 << 3) + _varint(1))
-    return record(body)
-
-
-_TAGS: dict[str, tuple[bytes, bytes]] = {}
-
-
-def _value(tag: str, v: float) -> bytes:
-    """Summary.value {tag, simple_value}; the tag's bytes are made once (a run repeats a few dozen tags)."""
-    head = _TAGS.get(tag)
-    if head is None:
-        tag_field = _field(1, tag.encode()) + _varint(2 << 3 | 5)
-        head = _TAGS[tag] = (_varint(1 << 3 | 2) + _varint(len(tag_field) + 4), tag_field)
-    return head[0] + head[1] + struct.pack("<f", _f32(v))
-
-
-def _f32(v: float) -> float:
-    if math.isfinite(v) and abs(v) > 3.4e38:   # beyond float32: shown as infinite, never an error
-        return math.copysign(math.inf, v)
-    return v
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not isinstance(args.thread, thread_cls):
+            previous(args)
+    threading.excepthook = hook
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -199,7 +121,8 @@ class Recorder:
         self.folder = RunFolder(Path(run_dir))
         self.path: Path | None = None
         self.why_not = ""
-        self._fh = None
+        self._writer = None
+        self._pb = None
         self._reader = None
         self._lock_fd: int | None = None
         self._gave_up = False
@@ -234,15 +157,25 @@ class Recorder:
         except OSError as e:
             return self._give_up(f"{self.folder.metrics}: {e.strerror}")
         stale = event_files(self.folder.path)
-        name = f"events.out.{EVENTS_MARK}.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}{SUFFIX}"
+        if not os.access(self.folder.path, os.W_OK):     # someone else's run: asked once, not per poll
+            return self._give_up(f"cannot write TensorBoard events in {self.folder.path}: not writable")
         try:
-            self._fh = open(self.folder.path / name, "xb")
-            self._fh.write(event(time.time(), 0, file_version="brain.Event:2"))
-        except OSError as e:
-            return self._give_up(f"cannot write TensorBoard events in {self.folder.path}: {e.strerror}")
+            event_pb2, summary_pb2, EventFileWriter = _tensorboard()
+        except ImportError as e:
+            return self._give_up(f"TensorBoard events not written: the tensorboard package is missing ({e}); "
+                                 f"pip install tensorboard")
+        self._pb = (event_pb2, summary_pb2)
+        try:
+            # Its name: events.out.tfevents.<time>.<host>.<pid>.<n> + our suffix; its first record the
+            # file version. flush_secs only bounds the thread's own flushes: write() flushes each poll.
+            self._writer = EventFileWriter(str(self.folder.path), max_queue_size=1024, flush_secs=5,
+                                           filename_suffix=SUFFIX)
+        except Exception as e:       # whatever the file raised, handed back by the writer's thread
+            return self._give_up(f"cannot write TensorBoard events in {self.folder.path}: {_why(e)}")
         from shardconsole.stream import MetricsReader
         self._reader = MetricsReader(self.folder.metrics)
-        self.path, self.why_not = self.folder.path / name, ""
+        made = [p for p in event_files(self.folder.path) if p not in stale]
+        self.path, self.why_not = (made[0] if len(made) == 1 else None), ""
         # Written by a front end that has gone (its lock is free): this file gets the whole stream again.
         for old in stale:
             try:
@@ -258,14 +191,24 @@ class Recorder:
 
     def poll(self) -> bool:
         """Write what the stream holds that is not written yet; False once nothing more was read."""
-        if self._fh is None and not self._start():
+        if self._writer is None and not self._start():
             return False
         before = self._reader._pos
         self.write(self._reader.poll())
         return self._reader is not None and self._reader._pos != before
 
     def write(self, messages: Iterable[P.Message]) -> None:
-        out = bytearray()
+        if self._writer is None:
+            return
+        event_pb2, summary_pb2 = self._pb
+        events = []
+
+        def scalars_event(t: float, step: int, values: dict[str, float]) -> None:
+            # float32, as TensorBoard keeps a scalar; beyond its range protobuf stores an infinity
+            summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, simple_value=v)
+                                                 for tag, v in values.items()])
+            events.append(event_pb2.Event(wall_time=t, step=step, summary=summary))
+
         # Consecutive values of one step go out as one Event (64 ranks' memory lines: one record, not 64).
         group: dict[str, float] = {}
         group_t = 0.0
@@ -276,33 +219,36 @@ class Recorder:
             values = scalars(msg)
             step = msg.step if isinstance(msg, (P.Step, P.Eval, P.Memory)) or msg.kind == "offload" else self._step
             if group and (step != self._step or any(tag in group for tag, _ in values)):
-                out += event(group_t, self._step, values=group.items())
+                scalars_event(group_t, self._step, group)
                 group = {}
             if isinstance(msg, P.Step) and self._new_session:
                 # A resumed session restarts from its checkpoint: what the earlier one logged past it is
-                # not part of this run's curve any more.
+                # not part of this run's curve any more (TensorBoard drops it at a SessionLog START).
                 self._new_session = False
-                out += event(msg.t, msg.step, session_start=True)
+                events.append(event_pb2.Event(wall_time=msg.t, step=msg.step, session_log=event_pb2.SessionLog(
+                    status=event_pb2.SessionLog.START)))
             self._step = step
             if values:
                 group.update(values)
                 group_t = msg.t
         if group:
-            out += event(group_t, self._step, values=group.items())
-        if out and self._fh is not None:
-            try:
-                self._fh.write(out)
-                self._fh.flush()     # a live `tensorboard --logdir` sees each poll's lines
-            except (OSError, ValueError) as e:
-                self._give_up(f"TensorBoard events stopped: {getattr(e, 'strerror', None) or e}")
+            scalars_event(group_t, self._step, group)
+        if not events:
+            return
+        try:
+            for ev in events:
+                self._writer.add_event(ev)
+            self._writer.flush()     # a live `tensorboard --logdir` sees each poll's lines
+        except Exception as e:       # the writer's thread hands back what the file raised (a full disk)
+            self._give_up(f"TensorBoard events stopped: {_why(e)}")
 
     def close(self) -> None:
-        if self._fh is not None:
+        if self._writer is not None:
+            writer, self._writer = self._writer, None
             try:
-                self._fh.close()
-            except OSError:
+                writer.close()
+            except Exception:        # its thread already failed: said by write(); nothing more to keep
                 pass
-            self._fh = None
         if self._reader is not None:
             self._reader.close()
             self._reader = None
@@ -312,6 +258,10 @@ class Recorder:
         if self._lock_fd is not None:
             os.close(self._lock_fd)     # closing the descriptor drops the flock
             self._lock_fd = None
+
+
+def _why(e: BaseException) -> str:
+    return getattr(e, "strerror", None) or str(e) or type(e).__name__
 
 
 def event_files(run_dir: Path) -> list[Path]:

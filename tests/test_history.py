@@ -21,6 +21,12 @@ pytestmark = pytest.mark.slow
 TINY = ("--preset", "tiny-cpu", "--headless", "--set", "train.log_every=1")
 
 
+def writer_pid(name: str) -> int:
+    """The writing process of an event file, from TensorBoard's writer's name for it:
+    events.out.tfevents.<time>.<host>.<pid>.<n> with our suffix .shardconsole (a host name may hold dots)."""
+    return int(name.split(".")[-3])
+
+
 def f32(x: float) -> float:
     """A value as TensorBoard stores a scalar (float32)."""
     return struct.unpack("<f", struct.pack("<f", x))[0]
@@ -59,12 +65,11 @@ def runs(tmp_path_factory):
         while "step " not in out.read_text():      # it has read the history: the file was taken then
             assert time.monotonic() < deadline and follower.poll() is None, "the follower did not start"
             time.sleep(0.1)
-        assert not any(p.name.endswith(f".{follower.pid}.shardconsole") for p in stopped.iterdir())
+        assert not any(writer_pid(p.name) == follower.pid for p in stopped.iterdir() if "tfevents" in p.name)
         proc.kill()
         proc.wait(timeout=30)
-        mine = f".{follower.pid}.shardconsole"
         deadline = time.monotonic() + 60
-        while not any(p.name.endswith(mine) for p in stopped.iterdir()):
+        while not any(writer_pid(p.name) == follower.pid for p in stopped.iterdir() if "tfevents" in p.name):
             assert time.monotonic() < deadline and follower.poll() is None, "the follower never took over"
             time.sleep(0.1)
         res = shardconsole("stop", "000003-stop", env=env, timeout=90)     # a part of the id names the run
@@ -110,11 +115,16 @@ def test_event_file_holds_the_stream(runs):
     hosts = of_kind(msgs, "host")
     assert [v for _, v in scalars("host/ram_used_GiB")] == [f32(h.used_bytes / 2**30) for h in hosts]
 
-    # Rebuilt from metrics.jsonl (a run that had no front end): the same values, still one file.
+    # Rebuilt from metrics.jsonl (a run that had no front end): the same values, still one file of ours; a
+    # user's own event file in the folder is not ours to replace.
+    users = run / "events.out.tfevents.1700000000.elsewhere"
+    users.write_bytes(b"")
     res = shardconsole("runs", "--tensorboard", str(run))
     assert res.returncode == 0, res.stderr
+    assert users.exists()
+    users.unlink()
     again = [p for p in run.iterdir() if "tfevents" in p.name]
-    assert len(again) == 1 and again != files
+    assert len(again) == 1 and again != files and again[0].name.endswith(".shardconsole")
     rebuilt = EventAccumulator(str(run))
     rebuilt.Reload()
     assert set(rebuilt.Tags()["scalars"]) == tags
@@ -186,7 +196,7 @@ def test_compare_three_runs(runs):
     assert missing.returncode == 2 and "no run 'no-such-run'" in missing.stderr and "Traceback" not in missing.stderr
 
 
-async def test_console_runs_screen(runs):
+async async def test_console_runs_screen(runs):
     from textual.app import App
     from textual.widgets import DataTable
 

@@ -151,3 +151,25 @@ def test_dtype_override_of_an_fp16_preset_writes_a_run_without_its_fp16_keys(tmp
     assert "precision.loss_scale_window = 100 ignored" in res.stderr
     saved = C.load(run_dir / "preset.toml")
     assert saved.precision.dtype == "bf16" and saved.precision.loss_scale_window is None
+
+
+@pytest.mark.parametrize("master", ["fp32", "nearest", "stochastic", "kahan"])
+def test_planner_counts_each_rounding_in_the_host_arena(master):
+    """`shardconsole plan`'s host parts for an offloaded 7B run: the shards, Adam's states and the Kahan
+    buffer sit in the arena at their exact size, MASTER_STATE_BYTES a parameter less the gradient (which
+    torch still pins in power-of-two blocks, counted apart)."""
+    from shardconsole import plan as PL
+    from shardconsole.models import resolve
+    from shardconsole.plan import constants
+    sets = ["fsdp.cpu_offload=true", "memory.activation_checkpointing=true"]
+    if master != "fp32":
+        sets += ["precision.master_dtype=bf16", f"precision.master_rounding={master}"]
+    cfg = C.build({"model": {"name": "7b"}, "data": {"seq_len": 2048}, "parallel": {"device": "cuda"}}, "t", sets)
+    spec = resolve("7b")
+    est = PL.estimate(cfg, spec, PL.Hardware(gpus=1, gpu_memory_bytes=24 * 2**30, host_memory_bytes=125 * 2**30))
+    parts = est.host_parts
+    grad = 4 if master == "fp32" else 2
+    kept = sum(v for k, v in parts.items() if "host arena" in k or "Kahan" in k)
+    n = sum(v for k, v in parts.items() if k.startswith("parameters")) / grad     # the parameters, padded
+    assert kept / n == pytest.approx(constants.MASTER_STATE_BYTES[master] - grad, rel=1e-3)
+    assert any(k.startswith("gradients") and "pinned" in k for k in parts)

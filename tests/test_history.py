@@ -196,7 +196,28 @@ def test_compare_three_runs(runs):
     assert missing.returncode == 2 and "no run 'no-such-run'" in missing.stderr and "Traceback" not in missing.stderr
 
 
-async async def test_console_runs_screen(runs):
+async def test_resume_and_export_model_take_a_run_id(runs, tmp_path):
+    """Like attach and stop: a run id, or a part of one that names one run, under the runs root."""
+    env = {"SHARDCONSOLE_RUNS_ROOT": str(runs)}
+    finished = runs / "20260101-000001-finished"
+    out = tmp_path / "hf"
+    res = shardconsole("export-model", "000001-fin", "-o", str(out), env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert f"from step 6 of {finished}" in res.stdout and (out / "config.json").is_file()
+
+    # The finished run's newest checkpoint is its last step: resume reaches it by id and refuses in one line,
+    # writing nothing (no new session: no real run here).
+    res = shardconsole("resume", "000001-fin", env=env)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert f"{finished}: its newest checkpoint is step 6" in res.stderr
+    assert not (finished / "preset.toml.prev").exists()
+    several = shardconsole("resume", "20260101", env=env)
+    assert several.returncode == 2 and "names 3 runs" in several.stderr and "Traceback" not in several.stderr
+    none = shardconsole("export-model", "no-such-run", "-o", str(tmp_path / "none"), env=env)
+    assert none.returncode == 2 and "no run 'no-such-run'" in none.stderr and not (tmp_path / "none").exists()
+
+
+async def test_console_runs_screen(runs):
     from textual.app import App
     from textual.widgets import DataTable
 

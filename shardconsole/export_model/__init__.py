@@ -1,4 +1,4 @@
-"""`shardconsole export-model RUN_DIR [--step N] -o OUT_DIR [--dtype bf16|fp32]`: a run's checkpoint as a
+"""`shardconsole export-model RUN [--step N] -o OUT_DIR [--dtype bf16|fp32]`: a run's checkpoint as a
 Hugging Face model folder (config.json, generation_config.json, sharded safetensors with the model's own
 key names, the tokenizer when the model came from a folder, a README with the run's settings and last
 eval loss) that `AutoModelForCausalLM.from_pretrained` loads.
@@ -32,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="shardconsole export-model",
         description="Write a Hugging Face model folder from a run's checkpoint (FSDP2 or DeepSpeed ZeRO), "
                     "on any machine: no GPU and no particular rank count needed.")
-    ap.add_argument("run_dir", type=Path, help="the run folder (holds preset.toml)")
+    ap.add_argument("run", metavar="RUN",
+                    help="the run folder (holds preset.toml), or its run id (or a unique part of one) under the runs root")
     ap.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest complete one)")
     ap.add_argument("-o", "--output", dest="out", type=Path, required=True, metavar="OUT_DIR",
                     help="the folder to write (must not exist, or be empty)")
@@ -45,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def cmd_export_model(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    from shardconsole.history.index import find_run
+    try:
+        args.run_dir = find_run(args.run)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
     run = RunFolder(args.run_dir)
     if not run.preset.is_file():
         raise ExportError(f"{args.run_dir}: not a run folder (no {run.preset.name})")

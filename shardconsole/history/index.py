@@ -109,6 +109,8 @@ def find_run(ref: str | Path, explicit_root: str | Path | None = None) -> Path:
         if len(hits) > 1:
             names = ", ".join(sorted(h.name for h in hits)[:5])
             raise ValueError(f"{ref!r} names {len(hits)} runs ({names}{', ...' if len(hits) > 5 else ''}): give more of the id")
+    else:       # a path (it has a folder part) that is not there: said as a path, not as an unknown id
+        raise ValueError(f"{path}: not a run folder (no such folder)")
     where = " or ".join(str(r) for r in searched)
     raise ValueError(f"no run {str(ref)!r}: not a folder, and no run of that id in {where} "
                      f"(`shardconsole runs` lists them)")

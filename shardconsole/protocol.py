@@ -185,6 +185,7 @@ class OffloadTiming(Message):
     pinned_bytes: int | None = None         # page-locked host memory of this rank (VmLck)
     verdict: str = ""                       # "host step bound", "PCIe bound", "GPU bound" (offload_verdict.py)
     hint: str = ""                          # the setting most likely to help
+    view_s: float | None = None             # this view's own host time a step (its cost)
 
 
 @dataclass(frozen=True)

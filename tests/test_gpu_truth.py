@@ -171,6 +171,7 @@ def test_offload_view_on_a_real_offloaded_run(offload_run):
         assert 0.5 * steps[m.step].step_s < m.step_s < 1.5 * steps[m.step].step_s   # the step line's time
         assert m.h2d_s is None and m.d2h_s is None                  # CPU ranks copy nothing
         assert m.verdict == offload_verdict.COMPUTE
+        assert 0 < m.view_s < 0.01 * m.step_s                     # the view's own cost: under 1% of a step
     out = res.stdout.splitlines()
     assert sum(line.startswith("offload: compute bound · GPU ") for line in out) == 2, res.stdout
     assert "offload verdict (mean of steps to 6): compute bound" in res.stderr

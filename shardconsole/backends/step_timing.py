@@ -69,6 +69,18 @@ class _Step:
         self.host_has_copies = False     # DeepSpeed: the copies ran inside the host-timed engine.step()
 
 
+def _costed(method):
+    """Adds the host time spent in `method` to the view's own cost (reported as view_s a step)."""
+    def inner(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.view_cost += time.perf_counter() - t
+    inner.__name__ = method.__name__
+    return inner
+
+
 class StepTiming:
     def __init__(self, r: Rank) -> None:
         self.r = r
@@ -80,6 +92,7 @@ class StepTiming:
         self._reset_sums()
         self._t0 = 0.0
         self.dropped = 0
+        self.view_cost = 0.0
 
     def _reset_sums(self) -> None:
         self.n = 0
@@ -104,6 +117,7 @@ class StepTiming:
             self.r.event("warning", f"offload view turned off: {why}"[:300], all_ranks=True)
 
     # --- the loop's calls ----------------------------------------------------------------------
+    @_costed
     def start(self) -> None:
         if not self.on:
             return
@@ -113,6 +127,7 @@ class StepTiming:
         if self.cur is not None:
             self.cur.compute = [mark, None]
 
+    @_costed
     def compute_done(self) -> None:
         """After a backward; the last call of a step is the end of its compute."""
         if self.on and self.cur is not None:
@@ -131,6 +146,7 @@ class StepTiming:
         finally:
             self.cur.host += time.perf_counter() - t
 
+    @_costed
     def end(self) -> None:
         if not (self.on and self.cur is not None):
             return
@@ -139,6 +155,7 @@ class StepTiming:
         self.cur = None
         self._harvest()
 
+    @_costed
     def report(self, step: int) -> None:
         """The mean over the steps read since the last report, as one line of this rank (log steps)."""
         if not self.on or not self.n:
@@ -152,13 +169,17 @@ class StepTiming:
             run=self.r.run_id, rank=self.r.rank, step=step, steps=n,
             clock="cuda_events" if self.cuda else "wall_clock", step_s=self.sums["wall"] / n, gpu_s=gpu,
             host_step_s=host, h2d_s=h2d, d2h_s=d2h, h2d_bytes=self.bytes["h2d"] // n,
-            d2h_bytes=self.bytes["d2h"] // n, pinned_bytes=_locked_bytes(), verdict=verdict, hint=hint))
+            d2h_bytes=self.bytes["d2h"] // n, pinned_bytes=_locked_bytes(), verdict=verdict, hint=hint,
+            view_s=self.view_cost / n))
         self._reset_sums()
+        self.view_cost = 0.0
 
     # --- copies (FSDP2) --------------------------------------------------------------------------
+    @_costed
     def copy_begin(self):
         return self._mark() if self.on and self.cuda and self.cur is not None else None
 
+    @_costed
     def copy_end(self, kind: str, begin, nbytes: int, in_host_step: bool = False) -> None:
         if begin is None or self.cur is None:
             return

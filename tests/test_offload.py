@@ -4,6 +4,7 @@ grad_scale on plain CPU tensors, and the norm summed at each reduce-scatter on a
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from shardconsole.backends import offload
@@ -180,3 +181,46 @@ def test_offloaded_kahan_run_keeps_its_state_in_the_arena_and_resumes_exactly(tm
     got = [(m.step, m.loss, m.grad_norm) for m in of_kind(messages(second), "step")]
     assert [s for s, *_ in got] == [4, 5, 6]
     assert got == want
+
+
+def test_kahan_resumes_from_a_checkpoint_written_without_compensation(tmp_path):
+    """A checkpoint of a stochastic-rounding run, loaded by a kahan run (FSDP2, DCP, the product's reader and
+    load planner): the moments come back, the compensation starts at zero; a checkpoint that lacks a
+    moment still fails."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from shardconsole.backends import fsdp_step
+    from shardconsole.backends.master_update import RoundedAdamW
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        nets, opts = [], []
+        for rounding in ("stochastic", "kahan"):
+            net = _offloaded_net(0)
+            net.to(torch.bfloat16)
+            opt = RoundedAdamW(net.parameters(), lr=1e-2, rounding=rounding)
+            if rounding == "stochastic":          # the kahan run is a fresh one, as a resume starts
+                net(torch.randn(4, 8, dtype=torch.bfloat16)).backward()
+                opt.step()
+            nets.append(net)
+            opts.append(opt)
+        dcp.save({"optim": get_optimizer_state_dict(nets[0], opts[0])}, checkpoint_id=str(tmp_path / "ck"))
+        state = {"optim": get_optimizer_state_dict(nets[1], opts[1])}
+        dcp.load(state, storage_reader=fsdp_step.SafeReader(str(tmp_path / "ck")),
+                 planner=fsdp_step.safe_load_planner())
+        set_optimizer_state_dict(nets[1], opts[1], state["optim"])
+        for a, b in zip(opts[0].state.values(), opts[1].state.values()):
+            assert torch.equal(b["exp_avg"].to_local(), a["exp_avg"].to_local())
+            assert not b["compensation"].to_local().any()
+        # the reverse lacks nothing the stochastic run needs; a missing moment is still an error
+        broken = {"optim": get_optimizer_state_dict(nets[1], opts[1])}
+        dcp.save({"optim": {"state": {k: {n: t for n, t in s.items() if n != "exp_avg_sq"}
+                                      for k, s in broken["optim"]["state"].items()},
+                            "param_groups": broken["optim"]["param_groups"]}}, checkpoint_id=str(tmp_path / "ck2"))
+        state = {"optim": get_optimizer_state_dict(nets[1], opts[1])}
+        with pytest.raises(BaseException, match="exp_avg_sq|Missing key"):
+            dcp.load(state, storage_reader=fsdp_step.SafeReader(str(tmp_path / "ck2")),
+                     planner=fsdp_step.safe_load_planner())
+    finally:
+        dist.destroy_process_group()

@@ -1,6 +1,8 @@
 """The offloaded step's pieces: the global norm over every core and the clip folded into fused AdamW's
 grad_scale on plain CPU tensors, and the norm summed at each reduce-scatter on a one-process FSDP2 model
-(the real 2-rank runs in test_runs.py and test_deepspeed_run.py cover the sharded path)."""
+(the real 2-rank runs in test_runs.py and test_deepspeed_run.py cover the sharded path); the host arena
+(pinned_arena.py) on a one-process model and in a real 2-rank offloaded Kahan run resumed exactly, and a
+Kahan resume from a checkpoint without compensation."""
 
 from __future__ import annotations
 

@@ -87,22 +87,19 @@ def _tensorboard():
     return event_pb2, summary_pb2, event_file_writer.EventFileWriter
 
 
-_quieted = False
-
-
 def _quiet_writer_thread(thread_cls: type) -> None:
     """The writer's thread keeps what its file raised (a full disk) and hands it back on our next
     add_event or flush, where the recorder says it once; the thread's default print of it (a traceback
-    on stderr, under the console's screen) is left out. Every other thread's errors print as before."""
-    global _quieted
-    if _quieted:
+    on stderr, under the console's screen) is left out. Every other thread's errors print as before.
+    Put back whenever a writer is made, in case someone replaced the hook since."""
+    if getattr(threading.excepthook, "quiet_for", None) is thread_cls:
         return
-    _quieted = True
     previous = threading.excepthook
 
     def hook(args: threading.ExceptHookArgs) -> None:
         if not isinstance(args.thread, thread_cls):
             previous(args)
+    hook.quiet_for = thread_cls
     threading.excepthook = hook
 
 

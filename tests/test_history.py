@@ -286,6 +286,38 @@ def test_resumed_session_replaces_replayed_steps(tmp_path, monkeypatch):
     assert grown.last_loss == 0.5 and grown.loss[-1] == (7, 0.5) and grown.status != "finished"
 
 
+WRITER_LOSES_ITS_FOLDER = """
+import shutil, sys
+from pathlib import Path
+from shardconsole import protocol as P
+from shardconsole.tbevents import Recorder
+run = Path(sys.argv[1])
+rec = Recorder(run)
+rec.poll()
+assert rec.path is not None, rec.why_not
+shutil.rmtree(run)          # the folder goes under the writer (as a full disk would fail its file)
+rec.write([P.Step(run="r", rank=0, t=2.0, step=1, steps=2, loss=1.0)])
+rec.write([P.Step(run="r", rank=0, t=3.0, step=2, steps=2, loss=1.0)])
+rec.close()
+print(rec.gave_up, rec.why_not)
+"""
+
+
+def test_writer_failure_is_one_line_not_a_traceback(tmp_path):
+    """TensorBoard's writer fails in its own thread: the recorder gives up with a reason the front end says
+    once, and nothing is printed under the console's screen (the thread's traceback is not)."""
+    from shardconsole import protocol as P
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "preset.toml").write_text('[model]\nname = "tiny"\n')
+    (run / "metrics.jsonl").write_text(P.encode(P.Hello(run="r", rank=0, t=1.0)) + "\n")
+    res = subprocess.run([sys.executable, "-c", WRITER_LOSES_ITS_FOLDER, str(run)], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "True TensorBoard events stopped: No such file or directory"
+    assert res.stderr == ""
+
+
 def test_attach_dialog_lists_status_not_just_ended(runs):
     """The console's run picker (TorchrunLauncher.recent_runs) tells finished, stopped and failed apart."""
     from shardconsole.console.services import TorchrunLauncher

@@ -133,7 +133,7 @@ def memlock(preset: str | None, overrides: list[str]) -> dict[str, Any]:
                 raise
             out["presets"].append({"preset": name, "error": str(e).splitlines()[0][:200]})
             continue
-        pinned = sum(v for k, v in est.host_parts.items() if "pinned" in k) // max(1, est.ranks_per_node)
+        pinned = sum(v for k, v in est.host_parts.items() if _pinned_part(k)) // max(1, est.ranks_per_node)
         if pinned or preset:
             out["presets"].append({"preset": name, "pinned_per_rank_bytes": pinned,
                                    "fits": soft == resource.RLIM_INFINITY or pinned <= soft})
@@ -144,6 +144,12 @@ def memlock(preset: str | None, overrides: list[str]) -> dict[str, Any]:
 # imported (20 s on a loaded 2-core box): its install record and torch's JIT cache say what is built.
 DS_OPS = (("CPUAdam", "cpu_adam", "optimizer offload"), ("FusedAdam", "fused_adam", "GPU Adam"),
           ("AsyncIO", "async_io", "NVMe offload"))
+
+
+def _pinned_part(label: str) -> bool:
+    """A planner host part that is page-locked: the planner says "pinned" in the part's name, and FSDP2's
+    host arena (backends/offload.py) pins everything it holds in place ("... in the host arena")."""
+    return "pinned" in label or "host arena" in label
 
 
 def deepspeed_ops() -> dict[str, Any]:

@@ -201,9 +201,9 @@ def read_only_mount(tmp_path):
 
 
 def test_read_only_runs_folder_one_line_exit_2(read_only_mount, tmp_path):
-    """Issue 22 item 6: read-only runs/ (default name) and a read-only --run-dir: one line, exit 2."""
-    res = shardconsole("--preset", "tiny-cpu", "--headless", cwd=read_only_mount, timeout=60,
-                       env={"PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    """Issue 22 item 6: a read-only runs root (default run folder) and a read-only --run-dir: one line, exit 2."""
+    res = shardconsole("--preset", "tiny-cpu", "--headless", timeout=60,
+                       env={"SHARDCONSOLE_RUNS_ROOT": str(read_only_mount / "runs")})
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
     assert "Traceback" not in res.stderr and "runs" in res.stderr
     res = shardconsole("--preset", "tiny-cpu", "--print-command", "--run-dir", str(read_only_mount / "r"), timeout=60)

@@ -226,3 +226,29 @@ def test_kahan_resumes_from_a_checkpoint_written_without_compensation(tmp_path):
                      planner=fsdp_step.safe_load_planner())
     finally:
         dist.destroy_process_group()
+
+
+def test_nvme_offload_without_the_async_io_op_is_one_line(tmp_path):
+    """deepspeed.offload_optimizer = "nvme" on a machine where DeepSpeed's async I/O op cannot be built
+    (no libaio headers, as on the CI machine): refused while building ops with one line naming the setting;
+    where it can be built, the 2-rank run trains with its optimizer states on the given folder."""
+    import os
+
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    from tests.conftest import messages, of_kind, shardconsole
+    run_dir, nvme = tmp_path / "run", tmp_path / "nvme"
+    nvme.mkdir()
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run_dir),
+                       "--set", "parallel.backend=deepspeed", "--set", "deepspeed.stage=3",
+                       "--set", "deepspeed.offload_optimizer=nvme", "--set", f"deepspeed.nvme_path={nvme}",
+                       "--set", "train.steps=2", env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=240)
+    if AsyncIOBuilder().is_compatible(verbose=False):
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert [m.step for m in of_kind(messages(run_dir), "step")] == [1, 2]
+        assert any(nvme.rglob("*"))
+    else:
+        assert res.returncode != 0
+        line = [ln for ln in res.stderr.splitlines() if "run failed" in ln]
+        assert line and 'deepspeed.offload_optimizer = "nvme" needs DeepSpeed\'s async I/O op' in line[0], res.stderr
+        assert "Traceback" not in res.stderr

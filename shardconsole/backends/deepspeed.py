@@ -133,9 +133,28 @@ def build_ops(r: common.Rank, ds_cfg: dict) -> None:
         builder.load(verbose=False)
         built = so.exists() and so.stat().st_mtime != before
         names.append(f"{label} {'built' if built else 'cached'} in {time.perf_counter() - t1:.1f} s")
+    names += _build_async_io(ds_cfg)
     where = extension_dir("")
     r.event("info", f"DeepSpeed ops ready in {time.perf_counter() - t0:.1f} s "
                     f"({', '.join(['comm'] + names)}; JIT builds are cached in {where})")
+
+
+def _build_async_io(ds_cfg: dict) -> list[str]:
+    """NVMe offload swaps through DeepSpeed's async I/O op (libaio), built on first use deep inside the
+    engine. Built here instead, under "building ops"; a machine that cannot build it is one line naming
+    the setting, before the model is loaded."""
+    zo = ds_cfg["zero_optimization"]
+    keys = [k for k in ("offload_optimizer", "offload_param") if zo.get(k, {}).get("device") == "nvme"]
+    if not keys:
+        return []
+    from deepspeed.accelerator import get_accelerator
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    if builder is None or not builder.is_compatible(verbose=False):
+        raise ModelError(f"deepspeed.{keys[0]} = \"nvme\" needs DeepSpeed's async I/O op, which cannot be built on "
+                         "this machine (libaio's headers are missing: apt install libaio-dev); use \"cpu\"")
+    t1 = time.perf_counter()
+    builder.load(verbose=False)
+    return [f"AsyncIO ready in {time.perf_counter() - t1:.1f} s"]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -24,3 +24,37 @@ def extension_dir(name: str) -> Path:
         py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
         root = os.path.join(get_default_build_root(), f"{py}_{acc}")
     return Path(root) / name
+
+
+def clear_stale_lock(name: str, started: float) -> str | None:
+    """Remove the build lock of extension `name` that a killed process left behind; the reason, or None.
+
+    torch's JIT guards a build with a bare lock file (FileBaton: created with O_EXCL, no pid, deleted
+    when the build ends), and every later load of the op waits for it to go, forever. A rank killed
+    while it built (Ctrl-C twice, kill -9, an OOM) leaves one, and from then on every DeepSpeed run
+    with that op on this machine sits in "building ops". A lock is taken as stale only when it is older
+    than this process (`started`, so a peer rank of this run building now is left alone) and no process
+    works in the build folder (ninja and the compiler run there: another run building now is left
+    alone too)."""
+    lock = extension_dir(name) / "lock"
+    try:
+        created = lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    if created >= started:
+        return None
+    import psutil
+    folder = str(lock.parent)
+    for p in psutil.process_iter():
+        try:
+            if p.cwd() == folder:
+                return None
+        except (psutil.Error, OSError):
+            continue
+    try:
+        lock.unlink()
+    except FileNotFoundError:   # a peer rank removed it first
+        pass
+    import time
+    return (f"removed {lock}: a build lock left {time.time() - created:.0f} s ago by a process that is gone "
+            f"(no build runs in its folder); with it every load of {name} waited forever")

@@ -6,7 +6,7 @@
 # Writes $OUT/t_tune7b.log (the live table and the winner) and $OUT/t_tune7b.tgz (the code version, the
 # speed book, the written preset and each probe's metrics.jsonl). tune is stopped with SIGINT at its limit,
 # so the probe in flight is stopped through the normal stop path (no rank outlives the script).
-# T_PRESET / T_CAP / T_BUDGET change what is tuned (a CPU smoke test: T_PRESET=tiny-cpu T_CAP=).
+# T_PRESET / T_CAP / T_BUDGET / T_LIMIT (seconds before SIGINT, default 240) change what is tuned (a CPU smoke test: T_PRESET=tiny-cpu T_CAP=).
 set -u
 OUTD=${OUT:-/tmp/t_out}
 PRESET=${T_PRESET:-3090-7b-offload}
@@ -18,7 +18,7 @@ export PYTHONUNBUFFERED=1 SHARDCONSOLE_SPEEDS_FILE=$W/speeds.jsonl SHARDCONSOLE_
     SHARDCONSOLE_RUNS_ROOT=$W/runs
 python3 -c "from shardconsole.plan.calibration import code_version; import json; print(json.dumps(code_version()))" \
     > "$W/code_version.json"
-timeout -s INT 240 python3 -m shardconsole tune --preset "$PRESET" ${CAP:+--gpu-memory "$CAP"} --max-probes 3 \
+timeout -s INT "${T_LIMIT:-240}" python3 -m shardconsole tune --preset "$PRESET" ${CAP:+--gpu-memory "$CAP"} --max-probes 3 \
     --probe-steps 4 --budget "$BUDGET" -o "$PRESET-tuned" 2>&1 | tee "$W/tune7b.log"
 for f in "$W"/runs/*/probe-*/metrics.jsonl; do
     [ -f "$f" ] && cp "$f" "$W/$(basename "$(dirname "$f")").metrics.jsonl"

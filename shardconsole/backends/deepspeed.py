@@ -27,7 +27,7 @@ import torch._dynamo  # noqa: F401
 
 from shardconsole import ds_json
 from shardconsole.backends import checkpoints, common, metrics, modeling, step_timing, trainstate
-from shardconsole.backends.jit_cache import extension_dir
+from shardconsole.backends.jit_cache import clear_stale_lock, extension_dir
 from shardconsole.backends.ds_checkpoint import resume, save
 from shardconsole.models import ModelError
 
@@ -129,17 +129,26 @@ def build_ops(r: common.Rank, ds_cfg: dict) -> None:
             r.event("op_build", f"{label} (JIT) in {so.parent}: " + (
                 "cached, reused unless its flags changed" if before is not None else
                 "not built yet: compiling, minutes on a few cores"))
+        _clear_stale_lock(r, builder.name)
         t1 = time.perf_counter()
         builder.load(verbose=False)
         built = so.exists() and so.stat().st_mtime != before
         names.append(f"{label} {'built' if built else 'cached'} in {time.perf_counter() - t1:.1f} s")
-    names += _build_async_io(ds_cfg)
+    names += _build_async_io(r, ds_cfg)
     where = extension_dir("")
     r.event("info", f"DeepSpeed ops ready in {time.perf_counter() - t0:.1f} s "
                     f"({', '.join(['comm'] + names)}; JIT builds are cached in {where})")
 
 
-def _build_async_io(ds_cfg: dict) -> list[str]:
+def _clear_stale_lock(r: common.Rank, name: str) -> None:
+    """A killed build's lock would make this load wait forever (jit_cache.clear_stale_lock)."""
+    import psutil
+    why = clear_stale_lock(name, psutil.Process().create_time())
+    if why:
+        r.event("warning", why, all_ranks=True)
+
+
+def _build_async_io(r: common.Rank, ds_cfg: dict) -> list[str]:
     """NVMe offload swaps through DeepSpeed's async I/O op (libaio), built on first use deep inside the
     engine. Built here instead, under "building ops"; a machine that cannot build it is one line naming
     the setting, before the model is loaded."""
@@ -153,6 +162,7 @@ def _build_async_io(ds_cfg: dict) -> list[str]:
         raise ModelError(f"deepspeed.{keys[0]} = \"nvme\" needs DeepSpeed's async I/O op, which cannot be built on "
                          "this machine (libaio's headers are missing: apt install libaio-dev); use \"cpu\"")
     t1 = time.perf_counter()
+    _clear_stale_lock(r, builder.name)
     builder.load(verbose=False)
     return [f"AsyncIO ready in {time.perf_counter() - t1:.1f} s"]
 

@@ -53,8 +53,8 @@ def clear_stale_lock(name: str, started: float) -> str | None:
             continue
     try:
         lock.unlink()
-    except FileNotFoundError:   # a peer rank removed it first
-        pass
+    except FileNotFoundError:   # a peer rank removed it first, and says so
+        return None
     import time
     return (f"removed {lock}: a build lock left {time.time() - created:.0f} s ago by a process that is gone "
             f"(no build runs in its folder); with it every load of {name} waited forever")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from shardconsole.config_values import ConfigError, parse_size
 
 if TYPE_CHECKING:  # pragma: no cover
-    from shardconsole.config import RunConfig
+    from shardconsole.config_tables import RunConfig
 
 
 def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = None,

@@ -109,7 +109,7 @@ class PrecisionSettings:
     # with the probability of its distance, so small updates survive on average (8 bytes a parameter);
     # kahan: a bf16 buffer keeps what rounding dropped (10 bytes); nearest: torch's AdamW as is.
     # Default nearest, from the measurement: stochastic and kahan reach fp32-master quality (README), but
-    # their offloaded host step measured 6.0 s a step at 1B and 101 s at 7B on the H200, against 0.18 s
+    # their offloaded host step measured 6.0 s a step at 1B and 27 s at 7B on the H200, against 0.18 s
     # for torch's fused AdamW (README, "master_rounding"): opt-in until that step runs at bandwidth.
     master_rounding: Literal["stochastic", "kahan", "nearest"] = _f(
         "nearest", "master_dtype = bf16: how updates are rounded into the bf16 weights (nearest: torch's "

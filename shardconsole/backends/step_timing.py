@@ -291,7 +291,7 @@ def instrument_fsdp(model: torch.nn.Module, timing: StepTiming) -> int:
     for m in model.modules():
         if not isinstance(m, FSDPModule):
             continue
-        for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", []):
+        for group in _param_groups(m._get_fsdp_state()):
             params = [fp for fp in group.fsdp_params if fp.offload_to_cpu]
             if not params:
                 continue
@@ -303,6 +303,17 @@ def instrument_fsdp(model: torch.nn.Module, timing: StepTiming) -> int:
                 fp.__class__ = classes.setdefault(type(fp), _timed(type(fp)))
             group._all_reduce_hook = _hook_wrapper(group._all_reduce_hook, timing, unit)
     return units
+
+
+def _param_groups(state) -> list:
+    """An FSDP2 state's parameter groups: a list from torch 2.12 (`_fsdp_param_groups`), one group or None
+    before (`_fsdp_param_group`: torch 2.11, the GPU machine's, where reading only the list left every copy
+    untimed)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
 
 
 def _hook_wrapper(inner, timing: StepTiming, unit: dict):

@@ -148,6 +148,16 @@ def test_offload_verdict_names_the_bottleneck_and_the_setting(times, knobs, verd
     assert v == verdict and words in hint
 
 
+def test_offload_line_reads_pcie_from_the_ranks_copies_before_nvml():
+    # 3.5 GB in and 3.0 GB out in a 0.5 s step: 7.0 and 6.0 GB/s, whatever NVML's 20 ms window caught.
+    assert offload_verdict.pcie_rates(3_500_000_000, 3_000_000_000, 0.5, 0.0, 0.0) == (7.0, 6.0, "step average")
+    assert offload_verdict.pcie_rates(0, 0, 0.5, 12e9, 3e9) == (12.0, 3.0, "NVML")     # copies not counted
+    assert offload_verdict.pcie_rates(0, 0, 0.5) is None                             # nothing to say
+    text = offload_verdict.line(offload_verdict.PCIE, "train.micro_batch", 0.2, 0.1, 0.3, 0.1, 0.5,
+                                offload_verdict.pcie_rates(3_500_000_000, 3_000_000_000, 0.5), 6 * 2**30)
+    assert "PCIe ↓7.0 ↑6.0 GB/s (step average) · pinned 6.0 GiB · try train.micro_batch" in text
+
+
 @pytest.fixture(scope="module")
 def offload_run(tmp_path_factory):
     """One real 2-rank FSDP2 run with CPU offload (on CPU ranks: the wall-clock offload view)."""

@@ -11,6 +11,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Static
 
+from shardconsole import offload_verdict
 from shardconsole.runstate import fmt_rate
 from shardconsole.console.runview import GIB, RunView
 from shardconsole.console.widgets.line_plot import LinePlot, PlotSeries
@@ -157,8 +158,10 @@ def offload_view(view: RunView) -> list[tuple[str, str]]:
             (f"  GPU {s(o.gpu_s)} · host step {s(o.host_step_s)} · H2D {s(o.h2d_s)} · D2H {s(o.d2h_s)} "
              f"of {o.step_s:.3g} s", "")]
     extra = []
-    if g is not None and (g.pcie_rx_bps is not None or g.pcie_tx_bps is not None):
-        extra.append(f"PCIe ↓{(g.pcie_rx_bps or 0) / 1e9:.1f} ↑{(g.pcie_tx_bps or 0) / 1e9:.1f} GB/s")
+    pcie = offload_verdict.pcie_rates(o.h2d_bytes, o.d2h_bytes, o.step_s, g.pcie_rx_bps if g else None,
+                                      g.pcie_tx_bps if g else None)
+    if pcie is not None:
+        extra.append(f"PCIe ↓{pcie[0]:.1f} ↑{pcie[1]:.1f} GB/s ({pcie[2]})")
     if o.pinned_bytes:
         extra.append(f"pinned {gib(o.pinned_bytes)} GiB")
     if extra:

@@ -9,6 +9,10 @@ come from the run's own metrics.jsonl (median of the step lines after warm-up).
 
 `--overhead` also runs the same worker under bare torchrun with the stream off
 (SHARDCONSOLE_STREAM=off, no front end) to measure what the console's machinery costs.
+
+An entry whose preset is `bare:fsdp2` or `bare:deepspeed` is a bare peer: benchmarks/bare_loops.py
+(the plain library loop, no shardconsole) under torchrun, its list the loop's arguments. Put a peer in
+the same matrix as the run it is read against: figures move up to 30% between calls on a shared host.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from shardconsole.protocol import decode  # noqa: E402
 
 Z3 = ["parallel.backend=deepspeed", "deepspeed.stage=3", "train.compile=false", "train.steps=15", "train.log_every=5"]
 OFF = ["train.steps=8", "train.log_every=2"]
+# The bare peers' shape of 3090-offload at 3.1B: full offload, checkpointing, 24 GiB cap, seq 2048.
+BARE_3B = ["--model", "3b", "--offload", "all", "--checkpointing", "--gpu-memory-limit", "24", "--steps", "8",
+           "--warmup", "3"]
 CURVE = ["model.name=125m", "train.compile=false", "train.steps=500", "train.log_every=10", "data.seq_len=1024"]
 
 # NAME, PRESET, --set values
@@ -143,6 +150,34 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                             "--force"]),
         ("off-3b-fsdp-arena", "3090-offload", OFF + ["model.name=3b", "train.save_final=false"]),
     ],
+    # Issue 17's targets against the bare peers, one H200 capped at 24 GiB, seq 2048, fp32-quality updates.
+    # Each group is one device call (a call has 10 minutes): the 3.1B FSDP2 offload pair, the 13B/7B
+    # arena runs, then DeepSpeed's offload against its bare loop.
+    "issue17-3b": [
+        ("off-3b-fsdp-arena-mb4", "3090-offload", OFF + ["model.name=3b", "train.save_final=false"]),
+        ("bare-3b-fsdp2-offload-mb4", "bare:fsdp2", BARE_3B + ["--micro-batch", "4"]),
+        ("off-3b-fsdp-arena-mb8", "3090-offload", OFF + ["model.name=3b", "train.micro_batch=8",
+                                                         "train.save_final=false"]),
+    ],
+    "issue17-13b": [
+        ("off-13b-bf16-stochastic-mb8", "3090-7b-offload", ["model.name=13b", "precision.master_rounding=stochastic",
+                                                            "train.steps=4", "train.log_every=1",
+                                                            "train.warmup_steps=1", "train.save_final=false"]),
+        ("off-7b-fp32master-arena-mb8", "3090-7b-offload", ["precision.master_dtype=fp32", "train.steps=5",
+                                                            "train.log_every=1", "train.warmup_steps=1",
+                                                            "train.save_final=false"]),
+    ],
+    "issue17-ds": [
+        ("off-3b-ds", "3090-offload", OFF + ["model.name=3b", "parallel.backend=deepspeed",
+                                            "train.save_final=false"]),
+        ("bare-3b-ds-offload-mb4", "bare:deepspeed", BARE_3B + ["--micro-batch", "4"]),
+        ("4090x2-zero3-1gpu-bf16", "4090x2-zero3", ["parallel.nproc_per_node=1", "precision.dtype=bf16",
+                                                    "train.steps=12", "train.log_every=2", "train.save_final=false"]),
+        ("bare-1b-ds-optoff-mb8-seq512", "bare:deepspeed", ["--model", "1b", "--seq-len", "512", "--micro-batch", "8",
+                                                            "--offload", "optimizer", "--checkpointing",
+                                                            "--gpu-memory-limit", "24", "--steps", "12",
+                                                            "--warmup", "4"]),
+    ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
     ],
@@ -230,6 +265,35 @@ def run_bare(preset: str, sets: list[str], root: Path, name: str, timeout: int) 
             "wall_s": round(time.time() - t0, 1), **summarize_messages(msgs)}
 
 
+def run_peer(engine: str, loop_args: list[str], name: str, timeout: int) -> dict:
+    """A bare peer (benchmarks/bare_loops.py) under torchrun on one GPU; its BARE_RESULT line as a row."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+            str(REPO / "benchmarks" / "bare_loops.py"), "--engine", engine, *loop_args]
+    t0 = time.time()
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        rc, text, err = res.returncode, res.stdout, res.stderr[-1500:]
+    except subprocess.TimeoutExpired as e:
+        rc, text, err = "timeout", (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) \
+            else (e.stdout or ""), ""
+    found = [json.loads(line.split(" ", 1)[1]) for line in text.splitlines() if line.startswith("BARE_RESULT ")]
+    got = found[-1] if found else {}
+    out = {"name": name, "preset": f"bare:{engine}", "set": loop_args, "rc": rc, "wall_s": round(time.time() - t0, 1),
+           "tokens_per_s": got.get("tokens_per_s"), "mfu": None, "step_s": got.get("step_s"),
+           "peak_reserved_gib": got.get("peak_reserved_gib"), "nvml_used_gib": None,
+           "host_used_gib": got.get("host_rss_gib"), "last_loss": got.get("loss_last"),
+           "step_times": got.get("step_times"), "failed": [got["error"]] if "error" in got else []}
+    if rc != 0:
+        out["stderr_tail"] = err
+    return out
+
+
+def run_entry(name: str, preset: str, sets: list[str], root: Path, timeout: int) -> dict:
+    if preset.startswith("bare:"):
+        return run_peer(preset.split(":", 1)[1], sets, name, timeout)
+    return run_headless(preset, sets, root, name, timeout)
+
+
 def fmt(v, spec):
     return format(v, spec) if isinstance(v, (int, float)) else "-"
 
@@ -251,14 +315,14 @@ def main() -> None:
         matrix = [m for m in matrix if m[0] in args.only]
     if args.list:
         for name, preset, sets in matrix:
-            print(name, preset, " ".join(f"--set {s}" for s in sets))
+            print(name, preset, " ".join(sets if ":" in preset else (f"--set {s}" for s in sets)))
         return
     root = Path(tempfile.mkdtemp(prefix="sc-bench-"))
     results = []
     if args.parallel:
         from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(len(matrix)) as pool:
-            results = list(pool.map(lambda m: run_headless(m[1], m[2], root, m[0], args.timeout), matrix))
+            results = list(pool.map(lambda m: run_entry(m[0], m[1], m[2], root, args.timeout), matrix))
         for r in results:
             print(json.dumps(r), flush=True)
         if args.out:
@@ -266,9 +330,9 @@ def main() -> None:
                                                   "results": results}, indent=1))
         matrix = []
     for name, preset, sets in matrix:
-        results.append(run_headless(preset, sets, root, name, args.timeout))
+        results.append(run_entry(name, preset, sets, root, args.timeout))
         print(json.dumps(results[-1]), flush=True)
-        if args.overhead is not None and (not args.overhead or name in args.overhead):
+        if args.overhead is not None and (not args.overhead or name in args.overhead) and ":" not in preset:
             results.append(run_bare(preset, sets, root, name, args.timeout))
             print(json.dumps(results[-1]), flush=True)
         if args.out:

@@ -143,7 +143,8 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("off-7b-fp32master-arena-mb8", "3090-7b-offload", ["precision.master_dtype=fp32", "train.steps=5",
                                                             "train.log_every=1", "train.warmup_steps=1",
                                                             "train.save_final=false"]),
-        # --force: the planner does not count the arena yet and refuses it at 133 GiB of host.
+        # --force: written when the planner did not count the arena (it refused this at 133 GiB of host);
+        # it plans 116.2 GiB now (issue17-13b runs it without).
         ("off-13b-bf16-stochastic-mb8", "3090-7b-offload", ["model.name=13b", "precision.master_rounding=stochastic",
                                                             "train.steps=4", "train.log_every=1",
                                                             "train.warmup_steps=1", "train.save_final=false",

@@ -108,13 +108,14 @@ class PrecisionSettings:
     # How an fp32 update lands in bf16 masters (backends/master_update.py). stochastic: rounded up or down
     # with the probability of its distance, so small updates survive on average (8 bytes a parameter);
     # kahan: a bf16 buffer keeps what rounding dropped (10 bytes); nearest: torch's AdamW as is.
-    # Default nearest, from the measurement: stochastic and kahan reach fp32-master quality (README), but
-    # their offloaded host step measured 6.0 s a step at 1B and 27 s at 7B on the H200, against 0.18 s
-    # for torch's fused AdamW (README, "master_rounding"): opt-in until that step runs at bandwidth.
+    # Default nearest, from the measurement (README, "master_rounding"): stochastic and kahan reach
+    # fp32-master quality (+0.87% and -0.07% final loss against +6.0%) but their host step is
+    # compute-bound, 4.5x torch's fused bf16 AdamW on the CI machine (13B stochastic offloaded: 1,626
+    # tokens/s on the H200 under 24 GiB). Opt-in where quality matters more than step time.
     master_rounding: Literal["stochastic", "kahan", "nearest"] = _f(
         "nearest", "master_dtype = bf16: how updates are rounded into the bf16 weights (nearest: torch's "
         "fused AdamW, small updates are lost; stochastic: unbiased, same 8 bytes a parameter; kahan: +2 bytes "
-        "a parameter for a compensation buffer; both slower on the host step today)")
+        "a parameter for a compensation buffer; both within 1% of fp32 masters' loss, slower host step)")
     # fp16 dynamic loss scaling, with DeepSpeed's names and meanings. None = not set (default applies);
     # setting any of them with a dtype other than fp16 is an error.
     initial_scale_power: int | None = _f(None, "fp16: start the loss scale at 2**this (default 16)", min=0, max=64)

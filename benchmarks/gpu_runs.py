@@ -203,6 +203,7 @@ def summarize_messages(msgs: list, warmup_frac: float = 0.34) -> dict:
     gpu = [m for m in msgs if m.kind == "gpu"]
     host = [m for m in msgs if m.kind == "host"]
     failed = [m for m in msgs if m.kind == "failed"]
+    offload = [m for m in msgs if m.kind == "offload" and m.rank == 0]
     keep = steps[int(len(steps) * warmup_frac):] or steps
     out = {
         "steps": len(steps),
@@ -218,6 +219,9 @@ def summarize_messages(msgs: list, warmup_frac: float = 0.34) -> dict:
         "failed": [f"{f.cause}: {f.message[:200]}" for f in failed],
         "warnings": [m.detail[:300] for m in msgs if m.kind == "event" and m.name == "warning"][:8],
         "loss_curve": [[m.step, round(m.loss, 4)] for m in steps],
+        # the offload view's last line (GPU / host step / copies, verdict, its own cost): both backends
+        "offload": ({k: v for k, v in vars(offload[-1]).items() if k not in ("v", "run", "t")}
+                    if offload else None),
     }
     return out
 

@@ -179,6 +179,15 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                             "--gpu-memory-limit", "24", "--steps", "12",
                                                             "--warmup", "4"]),
     ],
+    # NVMe offload (DeepSpeed's async I/O; benchmarks/nvme_3b_gpu.sh brings libaio) against CPU offload.
+    "issue17-nvme": [
+        ("off-3b-ds-cpu", "3090-offload", OFF + ["model.name=3b", "parallel.backend=deepspeed",
+                                                "train.save_final=false"]),
+        ("off-3b-ds-nvme-optimizer", "3090-offload", OFF + ["model.name=3b", "parallel.backend=deepspeed",
+                                                           "deepspeed.offload_optimizer=nvme",
+                                                           "deepspeed.nvme_path=/tmp/sc-nvme",
+                                                           "train.save_final=false"]),
+    ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
     ],

@@ -97,6 +97,28 @@ def test_offload_moves_model_states_from_gpu_to_host():
     assert both["gpu"] == {} and sum(both["host"].values()) == 16 * P
 
 
+def test_nvme_offload_keeps_the_states_off_gpu_and_host_but_its_swap_buffers():
+    """ZeRO-3 with the optimizer (and parameters) on NVMe: the GPU holds what it holds under CPU offload;
+    the host holds DeepSpeed's pinned swap buffers instead of the master and Adam's moments."""
+    z3 = ["parallel.backend=deepspeed", "deepspeed.stage=3", "deepspeed.nvme_path=/nvme",
+          "memory.activation_checkpointing=true"]
+    cpu = est(*z3, "deepspeed.offload_optimizer=cpu", "deepspeed.offload_param=cpu", model="3b")
+    nvme = est(*z3, "deepspeed.offload_optimizer=nvme", "deepspeed.offload_param=cpu", model="3b")
+    both = est(*z3, "deepspeed.offload_optimizer=nvme", "deepspeed.offload_param=nvme", model="3b")
+    assert nvme.gpu_peak_bytes == cpu.gpu_peak_bytes == both.gpu_peak_bytes
+    assert not any("master" in k or "optimizer states" in k for k in nvme.host_parts)
+    # 3.1B on one rank: a sub-group closes at the first parameter that takes it past 1e9 elements, so the
+    # largest is 1e9 plus at most one layer's largest matrix (3072 x 8192); four fp32 buffers of it, locked
+    # by the async I/O op in exact bytes (no power-of-two blocks)
+    swap = nvme.host_parts["optimizer swap buffers (4 x largest sub-group, fp32, locked)"]
+    assert 4 * 4 * 10**9 <= swap <= 4 * 4 * (10**9 + 3072 * 8192 * 7)
+    # offload_param = nvme: five bf16 buffers of 1e8 elements instead of the partition
+    assert both.host_parts["parameter swap buffers (5 x 1e8, locked)"] == 5 * 2 * 10**8
+    assert "parameters (flat partition, pinned)" not in both.host_parts
+    assert cpu.host_peak_bytes - nvme.host_peak_bytes > 15 * GiB
+    assert any("nvme_path take about" in n for n in nvme.notes)
+
+
 def test_activations_follow_what_autograd_saves():
     """24h + 8I bytes a token a layer in bf16 (calibrated: 92-93 k measured for the 0.95B model)."""
     s = PL.Shapes.of(resolve("1b"))

@@ -74,6 +74,9 @@ HOST_USABLE_FRACTION = 0.97
 # The largest segment DeepSpeed may fill before it reduces: reduce_bucket_size is counted in elements
 # (DeepSpeed's zero/config.py). Its ZeRO-3 default sub_group_size is 1e9 elements (same file).
 DS_SUB_GROUP_SIZE = 1_000_000_000
+# offload_param = nvme: DeepSpeed's default buffer_size (elements) of its parameter swap buffers
+# (runtime/zero/offload_config.py, 0.19)
+NVME_PARAM_BUFFER_NUMEL = 100_000_000
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from shardconsole import config as C
 from shardconsole.plan.activation_memory import activations
 from shardconsole.plan.constants import (CUBLAS_WORKSPACE_BYTES, DS_BUILD_BASE_RSS, DS_SUB_GROUP_SIZE, DTYPE_BYTES,
-                                         RANK_BASE_RSS, GiB)
+                                         NVME_PARAM_BUFFER_NUMEL, RANK_BASE_RSS, GiB)
 from shardconsole.plan.rank import _Rank
 from shardconsole.plan.shapes import Shapes, _numel, pow2_ceil
 
@@ -39,9 +39,13 @@ def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
     # precision.master_dtype = "bf16": DeepSpeed's bf16_master_weights_and_grads + bf16_optimizer_states
     m = 2 if cfg.precision.master_dtype == "bf16" and stage >= 1 else 4
     mtag = "bf16" if m == 2 else "fp32"
-    off_opt = d.offload_optimizer == "cpu" and stage >= 1
-    off_par = d.offload_param == "cpu" and stage == 3
-    nvme = "nvme" in (d.offload_optimizer, d.offload_param)
+    # NVMe offload keeps the same things off the GPU as CPU offload; on the host only DeepSpeed's
+    # pinned swap buffers stay (below), the states themselves are files under nvme_path.
+    off_opt = d.offload_optimizer in ("cpu", "nvme") and stage >= 1
+    off_par = d.offload_param in ("cpu", "nvme") and stage == 3
+    opt_nvme = off_opt and d.offload_optimizer == "nvme"
+    par_nvme = off_par and d.offload_param == "nvme"
+    nvme = opt_nvme or par_nvme
     a = activations(cfg, s)
     P = s.n_params
     part = -(-P // W)
@@ -59,7 +63,12 @@ def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
     build_gpu = 0
     if stage == 3:
         subs = _ds_sub_groups(s, W)
-        if off_par:
+        if par_nvme:
+            # AsyncPartitionedParameterSwapper: one tensor of buffer_count (5) x buffer_size (1e8)
+            # elements in the model dtype, page-locked by the async I/O op itself (exact bytes, not
+            # torch's power-of-two pinned blocks), holds the partitions being swapped
+            host["parameter swap buffers (5 x 1e8, locked)"] = 5 * c * NVME_PARAM_BUFFER_NUMEL
+        elif off_par:
             # zero.Init puts each parameter's partition on the host; initialize then copies them into
             # one pinned flat buffer (_create_param_groups_fp16_flat_cpu_memory) and drops them.
             # Measured (ds-1b-z3-alloff): the per-parameter copies do not stay.
@@ -69,7 +78,15 @@ def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
             # defragment() moves the partitions into one flat buffer through a host copy, so the GPU
             # holds one copy at a time (zero/utils.py), and the host holds c * part for a moment
             build_gpu = c * part
-        if off_opt:
+        if opt_nvme:
+            # PartitionedOptimizerSwapper: buffer_count (4) buffers of the largest sub-group, locked by
+            # the async I/O op (new_cpu_locked_tensor: exact bytes), hold the master and Adam's moments
+            # of the sub-group being stepped (swap_tensor/optimizer_utils.py, utils.py); the gradients
+            # stay on the host as with CPU offload
+            host[f"optimizer swap buffers (4 x largest sub-group, {mtag}, locked)"] = 4 * m * max(subs)
+            host[f"{mtag} gradients{ptag}"] = sum(pin(m * g) for g in subs)
+            host[f"gradients (partition{ptag})"] = pin(c * part)
+        elif off_opt:
             host[f"{mtag} master (partition{ptag})"] = sum(pin(m * g) for g in subs)
             host[f"optimizer states (Adam {mtag})"] = 2 * m * part
             host[f"{mtag} gradients{ptag}"] = sum(pin(m * g) for g in subs)
@@ -196,7 +213,9 @@ def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
         hphases["training"]["gradient buffer being pinned (transient)"] = c * part
     notes = []
     if nvme:
-        notes.append("NVMe offload is not modelled: its host buffers and files are left out")
+        files = (3 * m * part if opt_nvme else 0) + (c * part if par_nvme else 0)
+        notes.append(f"NVMe offload: the host side is DeepSpeed's swap buffers as its source sizes them (not "
+                     f"measured yet); the files under deepspeed.nvme_path take about {files / GiB:.1f} GiB a rank")
     if stage < 3:
         notes.append(f"ZeRO-{stage} builds the whole fp32 model on the CPU of every rank "
                      f"({4 * P / GiB:.1f} GiB each) before DeepSpeed moves it to the GPU")

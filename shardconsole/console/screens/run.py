@@ -67,6 +67,12 @@ class FollowingLog(Log):
         if self.following:
             self.scroll_end(animate=False, force=True)
 
+    def watch_show_vertical_scrollbar(self, shown: bool) -> None:
+        # Textual moves the scrollbar's thumb only while the bar is shown: the forced scroll_end above
+        # runs before the bar appears, which then drew its thumb at the top while the panel showed the end.
+        if shown:
+            self.vertical_scrollbar.position = self.scroll_y
+
 
 class RunScreen(Screen[None]):
     CSS_PATH = HERE / "run.tcss"

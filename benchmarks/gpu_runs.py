@@ -287,9 +287,9 @@ def run_peer(engine: str, loop_args: list[str], name: str, timeout: int) -> dict
     try:
         res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO)
         rc, text, err = res.returncode, res.stdout, res.stderr[-1500:]
-    except subprocess.TimeoutExpired as e:
-        rc, text, err = "timeout", (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) \
-            else (e.stdout or ""), ""
+    except subprocess.TimeoutExpired as e:     # its output comes back as bytes even with text=True
+        got = e.stdout or b""
+        rc, text, err = "timeout", got.decode(errors="replace") if isinstance(got, bytes) else got, ""
     found = [json.loads(line.split(" ", 1)[1]) for line in text.splitlines() if line.startswith("BARE_RESULT ")]
     got = found[-1] if found else {}
     out = {"name": name, "preset": f"bare:{engine}", "set": loop_args, "rc": rc, "wall_s": round(time.time() - t0, 1),

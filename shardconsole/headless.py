@@ -82,11 +82,8 @@ def eval_line(e: P.Eval) -> str:
 def offload_line(state: RunState, o: P.OffloadTiming) -> str:
     """Rank 0's offload view at a log step, with the PCIe rates its copies made (else its card's, NVML, by
     UUID)."""
-    g = state.gpu_of(o.rank)
-    pcie = offload_verdict.pcie_rates(o.h2d_bytes, o.d2h_bytes, o.step_s, g.pcie_rx_bps if g else None,
-                                      g.pcie_tx_bps if g else None)
-    return offload_verdict.line(o.verdict, o.hint, o.gpu_s, o.host_step_s, o.h2d_s, o.d2h_s, o.step_s, pcie,
-                                o.pinned_bytes)
+    return offload_verdict.line(o.verdict, o.hint, o.gpu_s, o.host_step_s, o.h2d_s, o.d2h_s, o.step_s,
+                                offload_verdict.pcie_of(o, state.gpu_of(o.rank)), o.pinned_bytes)
 
 
 def progress_bar(state: RunState, width: int) -> str:

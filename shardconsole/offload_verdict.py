@@ -84,6 +84,16 @@ def pcie_rates(h2d_bytes: int, d2h_bytes: int, step_s: float, rx_bps: float | No
     return None
 
 
+def pcie_of(o, g) -> tuple[float, float, str] | None:
+    """pcie_rates of an offload line `o` (protocol.OffloadTiming) on its card's GPU sample `g` (or None)."""
+    return pcie_rates(o.h2d_bytes, o.d2h_bytes, o.step_s, g.pcie_rx_bps if g else None,
+                      g.pcie_tx_bps if g else None)
+
+
+def pcie_text(pcie: tuple[float, float, str]) -> str:
+    return f"PCIe ↓{pcie[0]:.1f} ↑{pcie[1]:.1f} GB/s ({pcie[2]})"
+
+
 def line(v: str, hint: str, gpu_s: float | None, host_step_s: float | None, h2d_s: float | None,
          d2h_s: float | None, step_s: float, pcie: tuple[float, float, str] | None = None,
          pinned_bytes: int | None = None) -> str:
@@ -95,7 +105,7 @@ def line(v: str, hint: str, gpu_s: float | None, host_step_s: float | None, h2d_
     parts = [f"offload: {v or 'measuring'}",
              f"GPU {s(gpu_s)}, host step {s(host_step_s)}, H2D {s(h2d_s)}, D2H {s(d2h_s)} of {step_s:.3g} s a step"]
     if pcie is not None:
-        parts.append(f"PCIe ↓{pcie[0]:.1f} ↑{pcie[1]:.1f} GB/s ({pcie[2]})")
+        parts.append(pcie_text(pcie))
     if pinned_bytes:
         parts.append(f"pinned {pinned_bytes / 2**30:.1f} GiB")
     out = " · ".join(parts)

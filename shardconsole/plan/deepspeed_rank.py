@@ -78,17 +78,16 @@ def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
             # defragment() moves the partitions into one flat buffer through a host copy, so the GPU
             # holds one copy at a time (zero/utils.py), and the host holds c * part for a moment
             build_gpu = c * part
-        if opt_nvme:
-            # PartitionedOptimizerSwapper: buffer_count (4) buffers of the largest sub-group, locked by
-            # the async I/O op (new_cpu_locked_tensor: exact bytes), hold the master and Adam's moments
-            # of the sub-group being stepped (swap_tensor/optimizer_utils.py, utils.py); the gradients
-            # stay on the host as with CPU offload
-            host[f"optimizer swap buffers (4 x largest sub-group, {mtag}, locked)"] = 4 * m * max(subs)
-            host[f"{mtag} gradients{ptag}"] = sum(pin(m * g) for g in subs)
-            host[f"gradients (partition{ptag})"] = pin(c * part)
-        elif off_opt:
-            host[f"{mtag} master (partition{ptag})"] = sum(pin(m * g) for g in subs)
-            host[f"optimizer states (Adam {mtag})"] = 2 * m * part
+        if off_opt:
+            if opt_nvme:
+                # PartitionedOptimizerSwapper: buffer_count (4) buffers of the largest sub-group, locked
+                # by the async I/O op (new_cpu_locked_tensor: exact bytes), hold the master and Adam's
+                # moments of the sub-group being stepped (swap_tensor/optimizer_utils.py, utils.py); the
+                # gradients stay on the host as with CPU offload
+                host[f"optimizer swap buffers (4 x largest sub-group, {mtag}, locked)"] = 4 * m * max(subs)
+            else:
+                host[f"{mtag} master (partition{ptag})"] = sum(pin(m * g) for g in subs)
+                host[f"optimizer states (Adam {mtag})"] = 2 * m * part
             host[f"{mtag} gradients{ptag}"] = sum(pin(m * g) for g in subs)
             # grad_partitions_flat_buffer lives on the optimizer's device (the host) in the model dtype
             host[f"gradients (partition{ptag})"] = pin(c * part)

@@ -149,7 +149,6 @@ def offload_view(view: RunView) -> list[tuple[str, str]]:
     if not state.offload:
         return []
     o = max(state.offload.values(), key=lambda m: (m.step, m.step_s))
-    g = state.gpu_of(o.rank)
 
     def s(x):
         return "n/a" if x is None else f"{x:.3g} s"
@@ -158,10 +157,9 @@ def offload_view(view: RunView) -> list[tuple[str, str]]:
             (f"  GPU {s(o.gpu_s)} · host step {s(o.host_step_s)} · H2D {s(o.h2d_s)} · D2H {s(o.d2h_s)} "
              f"of {o.step_s:.3g} s", "")]
     extra = []
-    pcie = offload_verdict.pcie_rates(o.h2d_bytes, o.d2h_bytes, o.step_s, g.pcie_rx_bps if g else None,
-                                      g.pcie_tx_bps if g else None)
+    pcie = offload_verdict.pcie_of(o, state.gpu_of(o.rank))
     if pcie is not None:
-        extra.append(f"PCIe ↓{pcie[0]:.1f} ↑{pcie[1]:.1f} GB/s ({pcie[2]})")
+        extra.append(offload_verdict.pcie_text(pcie))
     if o.pinned_bytes:
         extra.append(f"pinned {gib(o.pinned_bytes)} GiB")
     if extra:

@@ -7,7 +7,7 @@ read against what the plain libraries give on the same GPU, cap and batch.
 
 Rank 0 prints one line `BARE_RESULT {json}` at the end (benchmarks/gpu_runs.py reads it). A step that
 runs out of memory prints that line with "error" and exits 1. Nothing here imports the product except
-the size table (shardconsole.models), so the shapes match the presets exactly.
+the size table (shardconsole.settings.models), so the shapes match the presets exactly.
 
 On CPU ranks (gloo, the test box) it runs too, for checking: fp32 compute, nothing pinned.
 """
@@ -32,7 +32,7 @@ import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))     # torchrun puts benchmarks/ first
-from shardconsole.models import CATALOG, resolve  # noqa: E402  (the size table only)
+from shardconsole.settings.models import CATALOG, resolve  # noqa: E402  (the size table only)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

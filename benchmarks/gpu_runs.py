@@ -30,9 +30,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from shardconsole import config as C  # noqa: E402
-from shardconsole.launch import build_argv  # noqa: E402
-from shardconsole.protocol import decode  # noqa: E402
+from shardconsole.settings import config as C  # noqa: E402
+from shardconsole.launch.job import build_argv  # noqa: E402
+from shardconsole.runlog.protocol import decode  # noqa: E402
 
 Z3 = ["parallel.backend=deepspeed", "deepspeed.stage=3", "train.compile=false", "train.steps=15", "train.log_every=5"]
 OFF = ["train.steps=8", "train.log_every=2"]
@@ -261,7 +261,7 @@ def run_bare(preset: str, sets: list[str], root: Path, name: str, timeout: int) 
     """The same worker under torchrun, no front end, stream off: the bar for the console's overhead."""
     run_dir = root / (name + "-bare")
     run_dir.mkdir(parents=True)
-    from shardconsole import preset_store
+    from shardconsole.settings import preset_store
     cfg = preset_store.load(preset, [s for s in sets if not s.startswith("--")])
     C.save(cfg, run_dir / "preset.toml")
     argv = build_argv(cfg, run_dir, run_dir.name)

@@ -40,8 +40,8 @@ print(json.dumps(out))
 
 UUID_PROBE = r"""
 import json, torch
-from shardconsole.probes import GpuProbe
-from shardconsole.protocol import gpu_uuid_key, encode
+from shardconsole.machine.probes import GpuProbe
+from shardconsole.runlog.protocol import gpu_uuid_key, encode
 p = GpuProbe()
 t = str(torch.cuda.get_device_properties(0).uuid)
 print(json.dumps({"torch_uuid": t, "nvml": [c.uuid for c in p.cards],
@@ -100,7 +100,7 @@ def main() -> None:
     rc, text = sh([sys.executable, "-m", "shardconsole", "doctor", "--json"], out, "doctor", 150)
     result["doctor_rc"] = rc
     try:
-        from shardconsole.doctor import format_report
+        from shardconsole.doctor.checks import format_report
         doc = json.loads(text[text.index("{"):text.rindex("}") + 1])
         (out / "doctor.json").write_text(json.dumps(doc, indent=1))
         print(format_report(doc), flush=True)

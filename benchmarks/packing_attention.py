@@ -22,7 +22,7 @@ import torch
 from shardconsole.backends.corpus import DOC_START, LOSS
 from shardconsole.backends.data import windows_to_batch
 from shardconsole.backends.modeling import CausalLMLoss
-from shardconsole.models import CATALOG
+from shardconsole.settings.models import CATALOG
 
 
 def packed_windows(batch: int, seq_len: int, vocab: int, mean_doc: int, seed: int):

@@ -53,9 +53,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from shardconsole import config as C  # noqa: E402
+from shardconsole.settings import config as C  # noqa: E402
 from shardconsole import plan as PL  # noqa: E402
-from shardconsole.models import resolve  # noqa: E402
+from shardconsole.settings.models import resolve  # noqa: E402
 from shardconsole.plan.calibration import code_version  # noqa: E402
 
 GiB = 2**30

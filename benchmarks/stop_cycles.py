@@ -21,10 +21,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from shardconsole import config as C, preset_store  # noqa: E402
-from shardconsole.launch import METRICS_FILE, PRESET_FILE, Job, _live  # noqa: E402
-from shardconsole.runstate import RunState  # noqa: E402
-from shardconsole.stream import MetricsReader  # noqa: E402
+from shardconsole.settings import config as C, preset_store  # noqa: E402
+from shardconsole.launch.job import METRICS_FILE, PRESET_FILE, Job, _live  # noqa: E402
+from shardconsole.runlog.runstate import RunState  # noqa: E402
+from shardconsole.runlog.stream import MetricsReader  # noqa: E402
 
 
 def stream_state(run_dir: Path) -> RunState:

@@ -1,3 +1,3 @@
-from shardconsole.cli import entry
+from shardconsole.cli.main import entry
 
 entry()

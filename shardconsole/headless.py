@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from shardconsole import config as C
-from shardconsole import offload_verdict
-from shardconsole import protocol as P
-from shardconsole.diagnose import hang_message, where_ranks_are
-from shardconsole.launch import Job
-from shardconsole.runfolder import RunFolder
-from shardconsole.runstate import RunState, fmt_rate
+from shardconsole.settings import config as C
+from shardconsole.machine import offload_verdict
+from shardconsole.runlog import protocol as P
+from shardconsole.session.hang import hang_message, where_ranks_are
+from shardconsole.launch.job import Job
+from shardconsole.runlog.runfolder import RunFolder
+from shardconsole.runlog.runstate import RunState, fmt_rate
 from shardconsole.session.outcome import EXIT_CODES, classify
 from shardconsole.session.signals import Detach, quiet_stdout
 from shardconsole.session.stop import Hurry, describe_stop, interrupts_hurry, stop_run

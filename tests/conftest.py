@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from shardconsole.launch import _group_pids
-from shardconsole.protocol import decode
+from shardconsole.launch.job import _group_pids
+from shardconsole.runlog.protocol import decode
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -7,8 +7,8 @@ import subprocess
 import sys
 import time
 
-from shardconsole import protocol as P
-from shardconsole.stream import MetricsWriter
+from shardconsole.runlog import protocol as P
+from shardconsole.runlog.stream import MetricsWriter
 
 run_dir = sys.argv[1]
 if len(sys.argv) > 2:

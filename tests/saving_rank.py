@@ -7,8 +7,8 @@ import signal
 import sys
 import time
 
-from shardconsole import protocol as P
-from shardconsole.stream import MetricsWriter
+from shardconsole.runlog import protocol as P
+from shardconsole.runlog.stream import MetricsWriter
 
 run_dir, save_s = sys.argv[1], float(sys.argv[2])
 w = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"), "run", 0)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shardconsole import config as C
-from shardconsole import preset_store, settings
+from shardconsole.settings import config as C
+from shardconsole.settings import preset_store, resolve as settings
 from tests.conftest import shardconsole
 
 

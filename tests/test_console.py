@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from shardconsole import config as C
-from shardconsole import protocol as P
-from shardconsole.launch import METRICS_FILE, PRESET_FILE, RUN_FILE, StopReport, build_argv
-from shardconsole.stream import MetricsWriter
+from shardconsole.settings import config as C
+from shardconsole.runlog import protocol as P
+from shardconsole.launch.job import METRICS_FILE, PRESET_FILE, RUN_FILE, StopReport, build_argv
+from shardconsole.runlog.stream import MetricsWriter
 
 from shardconsole.console import fields as F
 from shardconsole.console.app import ShardConsoleApp
@@ -242,7 +242,7 @@ def test_only_the_chosen_backends_table_is_shown():
 
 
 def test_an_edit_is_the_clis_override_and_its_error_names_the_field():
-    from shardconsole import settings
+    from shardconsole.settings import resolve as settings
     spec = F.spec_for("train", "steps")
     assert F.override_for(spec, " 0 ") == "train.steps=0"
     r = settings.resolve("tiny-cpu", [F.override(spec, "0")], lenient=True)
@@ -260,7 +260,7 @@ def test_an_edit_is_the_clis_override_and_its_error_names_the_field():
 def test_the_console_starts_from_what_the_cli_resolved(tmp_path):
     """`shardconsole --preset P --set ...` resolves once and hands the Resolved over: the screen keeps
     each override with its --set source, and a later edit of that field takes the field's source."""
-    from shardconsole import settings
+    from shardconsole.settings import resolve as settings
     resolved = settings.resolve("3090-offload", ["train.steps=5", "parallel.backend=deepspeed"])
     app = ShardConsoleApp(FakeLauncher(tmp_path / "runs"), FakeProbes(unavailable=NO_GPU), resolved=resolved,
                           planner=lambda: None)
@@ -755,8 +755,8 @@ async def test_quitting_leaves_a_live_run_going(tmp_path):
 
 FLOOD = """
 import sys, time
-from shardconsole import protocol as P
-from shardconsole.stream import MetricsWriter
+from shardconsole.runlog import protocol as P
+from shardconsole.runlog.stream import MetricsWriter
 GIB = 2**30
 path, seconds, steps_per_s = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
 w = MetricsWriter(path, "big", 0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from shardconsole import protocol as P
+from shardconsole.runlog import protocol as P
 from shardconsole.console.runview import RunView, log_line
 from shardconsole.session.logtail import LogTail
 from shardconsole.session.stop import StopOutcome, describe_stop

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardconsole import config as C
-from shardconsole import protocol as P
-from shardconsole.launch import METRICS_FILE
-from shardconsole.stream import MetricsWriter
+from shardconsole.settings import config as C
+from shardconsole.runlog import protocol as P
+from shardconsole.launch.job import METRICS_FILE
+from shardconsole.runlog.stream import MetricsWriter
 from tests.test_console import T0, FakeJob, FakeLauncher, make_app, text_of, wait_for, write_run
 
 

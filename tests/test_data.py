@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardconsole import config as C
+from shardconsole.settings import config as C
 from shardconsole.backends.corpus import DOC_START, LOSS
 from shardconsole.backends.data import (IGNORE, DataError, EvalWindows, PackedWindows, SyntheticTokens,
                                         _token_file, windows_to_batch)

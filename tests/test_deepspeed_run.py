@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from shardconsole import config as C
+from shardconsole.settings import config as C
 from shardconsole.headless import EXIT_CODES
-from shardconsole.runfolder import PRESET_FILE, RunFolder
+from shardconsole.runlog.runfolder import PRESET_FILE, RunFolder
 from tests.conftest import assert_nothing_left, messages, of_kind, shardconsole, wait_for_steps
 
 RUN_TIMEOUT = 900     # a cold machine builds DeepSpeed's ops inside the first run
@@ -212,7 +212,7 @@ def test_local_model_folder_under_zero3_matches_fsdp(tmp_path):
     as most released models' do (transformers' init of the padding row once crashed under zero.Init)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    from shardconsole.models import _COMMON, CATALOG
+    from shardconsole.settings.models import _COMMON, CATALOG
     torch.manual_seed(0)
     model_dir = tmp_path / "tiny-llama"
     LlamaForCausalLM(LlamaConfig(**{**_COMMON, **CATALOG["tiny"]}, pad_token_id=0)).save_pretrained(model_dir)

@@ -10,7 +10,10 @@ from importlib.metadata import version
 
 import pytest
 
-from shardconsole import doctor, doctor_verdict, launch_command, settings
+from shardconsole.doctor import checks as doctor
+from shardconsole.machine import doctor_verdict
+from shardconsole.launch import command as launch_command
+from shardconsole.settings import resolve as settings
 from tests.conftest import shardconsole
 
 

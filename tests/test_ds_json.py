@@ -9,9 +9,9 @@ import re
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from shardconsole import config as C
+from shardconsole.settings import config as C
 from shardconsole import ds_json
-from shardconsole import settings as S
+from shardconsole.settings import resolve as S
 from shardconsole.ds_json import ZERO_KEYS, from_ds_config, merge, to_ds_config
 from tests.conftest import REPO, shardconsole
 

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shardconsole import config as C
+from shardconsole.settings import config as C
 from tests.conftest import messages, of_kind, shardconsole
 from tests.hf_fixtures import CORPUS, make_hf_model
 
@@ -100,7 +100,7 @@ def zero_model_state(ckpt: Path) -> dict:
 def trained_module(run_dir: Path, state: dict):
     """CausalLMLoss(lm) as the ranks build it, holding the checkpoint's weights (strict: every key)."""
     from shardconsole.backends import modeling
-    from shardconsole.models import resolve
+    from shardconsole.settings.models import resolve
     cfg = C.load(run_dir / "preset.toml")
     hf_cfg = modeling.hf_config(resolve(cfg.model.name), cfg)
     module = modeling.CausalLMLoss(modeling.build_causal_lm(hf_cfg))
@@ -164,7 +164,7 @@ def test_exported_loss_on_the_eval_set_equals_the_runs_last_eval_loss(fsdp, monk
     """The issue's check: the held-out windows the ranks evaluated (C's token cache, the run's own
     settings), through the exported model in fp32 on the CPU, give the run's last eval loss."""
     from shardconsole.backends import data, token_cache
-    from shardconsole.models import resolve
+    from shardconsole.settings.models import resolve
     last = of_kind(messages(fsdp.run), "eval")[-1]
     assert last.step == 4
     monkeypatch.setenv("SHARDCONSOLE_CACHE_DIR", str(fsdp.cache))

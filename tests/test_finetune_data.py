@@ -12,10 +12,10 @@ import pytest
 
 from conftest import messages, of_kind, shardconsole
 from hf_fixtures import make_hf_model
-from shardconsole import config as C
+from shardconsole.settings import config as C
 from shardconsole.backends import token_cache
 from shardconsole.backends.corpus import DOC_START, LOSS, DataError
-from shardconsole.data_check import check_data
+from shardconsole.settings.data_check import check_data
 
 CHAT = [
     {"messages": [{"role": "user", "content": "what is two plus two?"},

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from dataclasses import fields
 
-from shardconsole import config as C
-from shardconsole import protocol as P
-from shardconsole.stream import MetricsReader
+from shardconsole.settings import config as C
+from shardconsole.runlog import protocol as P
+from shardconsole.runlog.stream import MetricsReader
 
 try:
     import tomli_w

@@ -10,11 +10,11 @@ import json
 
 import pytest
 
-from shardconsole import flight_recorder, offload_verdict
-from shardconsole import protocol as P
+from shardconsole.machine import flight_recorder, offload_verdict
+from shardconsole.runlog import protocol as P
 from shardconsole.console.runview import RunView
 from shardconsole.console.widgets.run_panels import gpu_vitals, offload_view
-from shardconsole.probes import GpuProbe, wait_gpu_released
+from shardconsole.machine.probes import GpuProbe, wait_gpu_released
 from shardconsole.session.outcome import EXIT_CODES
 from tests.conftest import assert_nothing_left, messages, of_kind, shardconsole
 

@@ -9,15 +9,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shardconsole import config as C
-from shardconsole import headless, plan, preset_store
-from shardconsole import protocol as P
-from shardconsole.launch import ExternalJob, Job
-from shardconsole.models import resolve
-from shardconsole.runstate import RunState
+from shardconsole.settings import config as C
+from shardconsole import headless, plan
+from shardconsole.settings import preset_store
+from shardconsole.runlog import protocol as P
+from shardconsole.launch.job import ExternalJob, Job
+from shardconsole.settings.models import resolve
+from shardconsole.runlog.runstate import RunState
 from shardconsole.session import outcome
 from shardconsole.session.watcher import MachineProbes, Watcher
-from shardconsole.stream import MetricsWriter
+from shardconsole.runlog.stream import MetricsWriter
 
 HERE = Path(__file__).resolve().parent
 
@@ -75,7 +76,7 @@ def test_watcher_of_a_read_only_run_folder_shows_samples_without_writing(tmp_pat
 
     def refuse(*a, **k):
         raise PermissionError(13, "Permission denied")
-    from shardconsole import stream
+    from shardconsole.runlog import stream
     monkeypatch.setattr(stream, "MetricsWriter", refuse)
     watcher = Watcher(ExternalJob(run), run, "run", MachineProbes(), logs=False)
     tick = watcher.poll()

@@ -252,9 +252,9 @@ def test_resumed_session_replaces_replayed_steps(tmp_path, monkeypatch):
     SessionLog START the writer puts before its first step) and the run list keep the newest values."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from shardconsole import protocol as P
+    from shardconsole.runlog import protocol as P
     from shardconsole.history.index import summarize
-    from shardconsole.tbevents import rebuild
+    from shardconsole.runlog.tbevents import rebuild
 
     monkeypatch.setenv("SHARDCONSOLE_CACHE_DIR", str(tmp_path / "cache"))
     run = tmp_path / "run"
@@ -289,8 +289,8 @@ def test_resumed_session_replaces_replayed_steps(tmp_path, monkeypatch):
 WRITER_LOSES_ITS_FOLDER = """
 import shutil, sys
 from pathlib import Path
-from shardconsole import protocol as P
-from shardconsole.tbevents import Recorder
+from shardconsole.runlog import protocol as P
+from shardconsole.runlog.tbevents import Recorder
 run = Path(sys.argv[1])
 rec = Recorder(run)
 rec.poll()
@@ -306,7 +306,7 @@ print(rec.gave_up, rec.why_not)
 def test_writer_failure_is_one_line_not_a_traceback(tmp_path):
     """TensorBoard's writer fails in its own thread: the recorder gives up with a reason the front end says
     once, and nothing is printed under the console's screen (the thread's traceback is not)."""
-    from shardconsole import protocol as P
+    from shardconsole.runlog import protocol as P
     run = tmp_path / "run"
     run.mkdir()
     (run / "preset.toml").write_text('[model]\nname = "tiny"\n')

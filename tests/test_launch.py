@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shardconsole import config as C
-from shardconsole.launch import build_argv, new_run_dir, slurm_script
+from shardconsole.settings import config as C
+from shardconsole.launch.job import build_argv, new_run_dir, slurm_script
 from tests.conftest import shardconsole
 
 
@@ -18,7 +18,7 @@ def test_single_node_torchrun():
     cfg = C.build({"parallel": {"nproc_per_node": 2}})
     argv = build_argv(cfg, Path("runs/x"), "x", python="py")
     # torchrun through the wrapper whose stores listen on loopback (a real run checks it: test_run_faults)
-    assert argv[:3] == ["py", "-m", "shardconsole.loopback_torchrun"]
+    assert argv[:3] == ["py", "-m", "shardconsole.launch.loopback_torchrun"]
     assert "--nproc-per-node=2" in argv and "--nnodes=1" in argv and "--standalone" not in argv
     assert "--rdzv-endpoint=127.0.0.1:0" in argv and "--local-addr=127.0.0.1" in argv
     assert argv[-6:] == ["-m", "shardconsole.backends", "--run-dir", "runs/x", "--run-id", "x"]
@@ -63,7 +63,7 @@ def test_new_run_dir_is_unique(tmp_path):
 def test_print_command_cli(tmp_path):
     res = shardconsole("--preset", "tiny-cpu", "--print-command", "--run-dir", str(tmp_path / "r"), timeout=60)
     assert res.returncode == 0, res.stderr
-    assert "shardconsole.loopback_torchrun" in res.stdout and "--nproc-per-node=2" in res.stdout
+    assert "shardconsole.launch.loopback_torchrun" in res.stdout and "--nproc-per-node=2" in res.stdout
     # the printed command reads the run folder's preset: it is written, with the resolved settings
     assert C.load(tmp_path / "r" / "preset.toml").parallel.nproc_per_node == 2
     res = shardconsole("--preset", "tiny-cpu", "--print-command", "--set", "parallel.nnodes=2",
@@ -242,7 +242,7 @@ def test_the_run_folder_keeps_absolute_paths(tmp_path, monkeypatch):
 def test_torchrun_waits_for_a_save_on_stop():
     """torchrun SIGKILLs its workers 30 s after forwarding a SIGTERM unless told otherwise: a run that saves
     on stop gives it stop_save_timeout_s and a margin; one that does not leaves torchrun's default."""
-    from shardconsole.launch_command import child_env
+    from shardconsole.launch.command import child_env
     cfg = C.build({"train": {"stop_save_timeout_s": 100}})
     assert child_env(cfg, base={})["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "130"
     cfg.train.save_on_stop = False

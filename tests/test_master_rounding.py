@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardconsole import config as C
-from shardconsole import settings
+from shardconsole.settings import config as C
+from shardconsole.settings import resolve as settings
 from shardconsole.backends.master_update import RoundedAdamW, round_stochastic_
 
 N, STEPS, LR = 2048, 600, 1e-4
@@ -159,7 +159,7 @@ def test_planner_counts_each_rounding_in_the_host_arena(master):
     buffer sit in the arena at their exact size, MASTER_STATE_BYTES a parameter less the gradient (which
     torch still pins in power-of-two blocks, counted apart)."""
     from shardconsole import plan as PL
-    from shardconsole.models import resolve
+    from shardconsole.settings.models import resolve
     from shardconsole.plan import constants
     sets = ["fsdp.cpu_offload=true", "memory.activation_checkpointing=true"]
     if master != "fp32":

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from shardconsole import cli
-from shardconsole import config as C
+from shardconsole.cli import main as cli
+from shardconsole.settings import config as C
 from shardconsole import plan as PL
-from shardconsole.models import CATALOG, resolve
+from shardconsole.settings.models import CATALOG, resolve
 
 REPO = Path(__file__).resolve().parent.parent
 CALIBRATION = REPO / "benchmarks" / "data" / "plan_calibration.json"
@@ -259,7 +259,7 @@ def test_detect_hardware_never_raises():
 
 
 def test_planner_imports_no_torch():
-    code = ("import sys, shardconsole.plan, shardconsole.plan_cli; "
+    code = ("import sys, shardconsole.plan, shardconsole.cli.plan; "
             "bad = [m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

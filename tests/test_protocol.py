@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from shardconsole import protocol as P
-from shardconsole.stream import MetricsReader, MetricsWriter
+from shardconsole.runlog import protocol as P
+from shardconsole.runlog.stream import MetricsReader, MetricsWriter
 
 SAMPLES = [
     P.Hello(run="r", rank=1, world=2, local_rank=1, host="h", pid=42, device="cuda:1", gpu_name="H200",

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from shardconsole import config as C
-from shardconsole.runfolder import RunFolder
+from shardconsole.settings import config as C
+from shardconsole.runlog.runfolder import RunFolder
 from tests.conftest import assert_nothing_left, messages, of_kind, shardconsole, wait_for_steps
 
 RUN_TIMEOUT = 600

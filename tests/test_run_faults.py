@@ -19,14 +19,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from shardconsole import config as C
-from shardconsole import protocol as P
-from shardconsole.launch import Job
-from shardconsole.runfolder import RunFolder
+from shardconsole.settings import config as C
+from shardconsole.runlog import protocol as P
+from shardconsole.launch.job import Job
+from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.session.outcome import classify
 from shardconsole.session.rundir import create_run_dir, stream_stopped_note
 from shardconsole.session.watcher import Watcher
-from shardconsole.stream import MetricsReader
+from shardconsole.runlog.stream import MetricsReader
 from tests.conftest import messages, of_kind, pids_alive, shardconsole
 
 REPO = Path(__file__).resolve().parent.parent
@@ -245,8 +245,8 @@ def test_full_disk_is_told_in_the_rank_log_and_explained(small_tmpfs):
     folder.logs.mkdir()
     rank_code = (
         "import sys\n"
-        "from shardconsole import protocol as P\n"
-        "from shardconsole.stream import MetricsWriter\n"
+        "from shardconsole.runlog import protocol as P\n"
+        "from shardconsole.runlog.stream import MetricsWriter\n"
         "print('[rank 1] starting', flush=True)\n"          # a rank's log holds its start-up lines
         f"w = MetricsWriter({str(folder.metrics)!r}, 'run', 1)\n"
         "w.emit(P.Event(run='run', rank=1, name='phase', detail='training'))\n"

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from shardconsole import config as C
-from shardconsole.launch import PRESET_FILE
+from shardconsole.settings import config as C
+from shardconsole.launch.job import PRESET_FILE
 from tests.conftest import assert_nothing_left, messages, of_kind, pids_alive, shardconsole, wait_for_steps
 
 pytestmark = pytest.mark.slow
@@ -238,7 +238,7 @@ def test_local_model_folder_and_text_data(tmp_path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from shardconsole.models import CATALOG
+    from shardconsole.settings.models import CATALOG
     model_dir = tmp_path / "my-llama"
     torch_cfg = LlamaConfig(**CATALOG["tiny"])
     model = LlamaForCausalLM(torch_cfg)
@@ -288,7 +288,7 @@ def test_front_end_killed_then_attach_sees_every_line(tmp_path):
 @pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
 def test_kill_mid_checkpoint_then_resume_from_the_previous_one(tmp_path, backend):
     """SIGKILL of every process while step 4's checkpoint is being written: resume picks step 2's."""
-    from shardconsole.launch import Job
+    from shardconsole.launch.job import Job
     ckpt, first = tmp_path / "ckpt", tmp_path / "first"
     common = ["--preset", "tiny-cpu", "--headless", "--set", f"parallel.backend={backend}",
               "--set", f"train.checkpoint_dir={ckpt}", "--set", "train.log_every=1", "--set", "train.checkpoint_every=2"]

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from conftest import shardconsole
-from shardconsole import config as C
+from shardconsole.settings import config as C
 
 
 def test_settings_json_lists_every_key_with_its_default_and_allowed_values():

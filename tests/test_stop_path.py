@@ -10,9 +10,9 @@ import threading
 import time
 from pathlib import Path
 
-from shardconsole import config as C
-from shardconsole import preset_store
-from shardconsole.launch import Job
+from shardconsole.settings import config as C
+from shardconsole.settings import preset_store
+from shardconsole.launch.job import Job
 from shardconsole.session.stop import Hurry, stop_run
 from tests.conftest import messages, of_kind, pids_alive
 

@@ -11,13 +11,13 @@ import tomllib
 import pytest
 
 from conftest import messages, of_kind, shardconsole
-from shardconsole import cli
-from shardconsole import config as C
+from shardconsole.cli import main as cli
+from shardconsole.settings import config as C
 from shardconsole import plan as PL
-from shardconsole.models import resolve
+from shardconsole.settings.models import resolve
 from shardconsole.plan import search
 from shardconsole.plan.speeds import SpeedBook, record_of, signature, speeds_file
-from shardconsole.tune import cli as tune_cli
+from shardconsole.cli import tune as tune_cli
 from shardconsole.tune.report import HEADER_MARK, write_preset
 
 GiB = 2**30

@@ -30,7 +30,7 @@ def main() -> None:
         backend.train(r)
         r.phase("finished")
         common.shutdown(r)
-        from shardconsole.protocol import Finished
+        from shardconsole.runlog.protocol import Finished
         if r.rank == 0:
             r.emit(Finished(run=r.run_id, rank=0, steps=r.step, elapsed_s=time.time() - t0,
                             tokens=r.step * r.cfg.tokens_per_step))

@@ -3,7 +3,7 @@ group, the learning-rate schedule, and the exit. The model, metrics, checkpoints
 live in model.py, metrics.py, checkpoints.py and failures.py beside this.
 
 Runs inside the ranks only (never imported by a front end). Talks to the front end only through the
-metrics stream (shardconsole.stream), never through textual or rich.
+metrics stream (shardconsole.runlog.stream), never through textual or rich.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardconsole import config as C
-from shardconsole import protocol as P
-from shardconsole.doctor_verdict import P2P_NOTE_ENV
-from shardconsole.runfolder import LOGS_DIR, METRICS_FILE, PRESET_FILE
-from shardconsole.models import ModelSpec, resolve
-from shardconsole.stream import MetricsWriter
+from shardconsole.settings import config as C
+from shardconsole.runlog import protocol as P
+from shardconsole.machine.doctor_verdict import P2P_NOTE_ENV
+from shardconsole.runlog.runfolder import LOGS_DIR, METRICS_FILE, PRESET_FILE
+from shardconsole.settings.models import ModelSpec, resolve
+from shardconsole.runlog.stream import MetricsWriter
 
 if TYPE_CHECKING:
     from shardconsole.backends.faults import Injector
@@ -98,7 +98,7 @@ def _redirect_output(run_dir: Path, rank: int) -> None:
 
 def _serve_flight_recorder(run_dir: Path, rank: int) -> None:
     """With the stacks, the hang diagnosis asks for torch's record of the collectives (flight_recorder.py)."""
-    from shardconsole import flight_recorder
+    from shardconsole.machine import flight_recorder
     c10d = torch._C._distributed_c10d
     fn = getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json", None)
     if fn is not None:

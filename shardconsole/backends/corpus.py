@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from shardconsole.data_check import locate
+from shardconsole.settings.data_check import locate
 
 FORMATS = ("text", "chat", "prompt_completion", "alpaca")
 PLAIN_TEMPLATE_NAME = "shardconsole-plain"
@@ -253,8 +253,8 @@ def load_encoder(model_path: str | None, has_tokenizer: bool, vocab: int) -> Enc
     """The model folder's tokenizer; a folder whose tokenizer files do not load is an error (never a
     silent fallback to bytes, issue 22 item 12)."""
     if model_path is not None and has_tokenizer:
-        from shardconsole import config as C
-        from shardconsole.data_check import check_tokenizer
+        from shardconsole.settings import config as C
+        from shardconsole.settings.data_check import check_tokenizer
         try:
             check_tokenizer(model_path, "rank")
         except C.ConfigError as e:

@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardconsole import protocol as P
+from shardconsole.runlog import protocol as P
 from shardconsole.backends import token_cache
 from shardconsole.backends.corpus import DOC_START, LOSS, DataError
-from shardconsole.config import RunConfig
+from shardconsole.settings.config import RunConfig
 
 IGNORE = -100
 

@@ -29,7 +29,7 @@ from shardconsole import ds_json
 from shardconsole.backends import checkpoints, common, metrics, modeling, step_timing, trainstate
 from shardconsole.backends.jit_cache import clear_stale_lock, extension_dir
 from shardconsole.backends.ds_checkpoint import resume, save
-from shardconsole.models import ModelError
+from shardconsole.settings.models import ModelError
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-from shardconsole import config as C
-from shardconsole import protocol as P
+from shardconsole.settings import config as C
+from shardconsole.runlog import protocol as P
 from shardconsole.backends.common import Rank
 from shardconsole.backends.metrics import LossScaleFloorError, NanLossError
-from shardconsole.runfolder import METRICS_FILE
-from shardconsole.stream import MetricsWriter
+from shardconsole.runlog.runfolder import METRICS_FILE
+from shardconsole.runlog.stream import MetricsWriter
 
 
 # Failure reports and the exit

@@ -11,10 +11,10 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from shardconsole import config as C
-from shardconsole import protocol as P
+from shardconsole.settings import config as C
+from shardconsole.runlog import protocol as P
 from shardconsole.backends.common import Rank
-from shardconsole.hardware import peak_tflops
+from shardconsole.machine.hardware import peak_tflops
 
 
 class NanLossError(RuntimeError):

@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardconsole import config as C
-from shardconsole.models import ModelSpec
+from shardconsole.settings import config as C
+from shardconsole.settings.models import ModelSpec
 
 
 # The model

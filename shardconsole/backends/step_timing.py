@@ -30,8 +30,8 @@ import time
 
 import torch
 
-from shardconsole import offload_verdict
-from shardconsole import protocol as P
+from shardconsole.machine import offload_verdict
+from shardconsole.runlog import protocol as P
 from shardconsole.backends.common import Rank
 
 MAX_PENDING = 4   # steps whose events have not completed yet; older ones are dropped, not waited for

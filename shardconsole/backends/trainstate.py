@@ -96,7 +96,7 @@ class Evaluator:
         return (self.every and step % self.every == 0) or step == self.r.cfg.train.steps
 
     def run(self, model, step: int) -> None:
-        from shardconsole import protocol as P
+        from shardconsole.runlog import protocol as P
         from shardconsole.backends import evaluation
         r = self.r
         r.phase("evaluating")      # a long eval is not a hang: the hang watch counts only "training"
@@ -181,7 +181,7 @@ class Stopped(Exception):
 
 def end_now(r, why: str) -> None:
     """From any thread: report the stop and end the process at once (no save, no teardown)."""
-    from shardconsole import protocol as P
+    from shardconsole.runlog import protocol as P
     r.writer.emit(P.Failed(run=r.run_id, rank=r.rank, cause="stopped", message=f"stopped at step {r.step}: {why}",
                            exc_type="Stopped", step=r.step))
     from shardconsole.backends.common import exit_rank

@@ -15,7 +15,7 @@ from types import ModuleType
 from textual.app import App
 from textual.binding import Binding
 
-from shardconsole import settings
+from shardconsole.settings import resolve as settings
 from shardconsole.console.screens.setup import SetupScreen
 from shardconsole.console.services import Launcher, MachineProbes, Probes, RunOptions, TorchrunLauncher, load_plan
 

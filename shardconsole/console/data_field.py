@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardconsole import config as C
-from shardconsole import settings
+from shardconsole.settings import config as C
+from shardconsole.settings import resolve as settings
 from shardconsole.session import preflight
 
 

@@ -14,9 +14,9 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args, get_origin
 
-from shardconsole import config as C
-from shardconsole import settings
-from shardconsole.models import human_count
+from shardconsole.settings import config as C
+from shardconsole.settings import resolve as settings
+from shardconsole.settings.models import human_count
 
 WidgetKind = Literal["select", "switch", "number", "size", "text"]
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from textual.message import Message
 
-from shardconsole import protocol as P
-from shardconsole.launch import StopReport
+from shardconsole.runlog import protocol as P
+from shardconsole.launch.job import StopReport
 
 from shardconsole.console.services import Machine
 

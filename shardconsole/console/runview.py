@@ -9,8 +9,8 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 
-from shardconsole import protocol as P
-from shardconsole.runstate import RunState
+from shardconsole.runlog import protocol as P
+from shardconsole.runlog.runstate import RunState
 
 GIB = 2**30
 OP_BUILD = "op_build"     # the event a rank sends before it builds (or loads) a DeepSpeed op

@@ -13,10 +13,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
-from shardconsole import config as C
-from shardconsole.launch import PRESET_FILE, Job, StopReport, build_argv, new_run_dir, open_run
-from shardconsole.launch_command import runs_root as default_runs_root
-from shardconsole.protocol import GpuSample, HostSample
+from shardconsole.settings import config as C
+from shardconsole.launch.job import PRESET_FILE, Job, StopReport, build_argv, new_run_dir, open_run
+from shardconsole.launch.command import runs_root as default_runs_root
+from shardconsole.runlog.protocol import GpuSample, HostSample
 from shardconsole.session.stop import Hurry, stop_run
 from shardconsole.session.watcher import MachineProbes, Probes  # noqa: F401  (the console's probes)
 
@@ -181,7 +181,7 @@ def run_estimate(plan: ModuleType | None, cfg: C.RunConfig, machine: Machine) ->
     Raises what the planner raises (the caller shows it)."""
     if plan is None or machine.plan_hardware is None:
         return None
-    from shardconsole.models import resolve
+    from shardconsole.settings.models import resolve
     return plan.estimate(cfg, resolve(cfg.model.name), machine.plan_hardware)
 
 
@@ -234,7 +234,7 @@ def planned_peaks(run_dir: Path, probes: "Probes") -> tuple[int | None, int | No
         hw = plan_hardware(plan, gpus, probes.host())
         if hw is None:
             return None, None
-        from shardconsole.models import resolve
+        from shardconsole.settings.models import resolve
         est = plan.estimate(cfg, resolve(cfg.model.name), hw)
         return (est.gpu_peak_bytes if gpus else None), est.host_peak_bytes
     except Exception:

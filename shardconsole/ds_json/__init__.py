@@ -27,7 +27,7 @@ Choices that shape the JSON:
 
 Where it lives (every name is re-exported here, so `from shardconsole import ds_json; ds_json.X` and
 `from shardconsole.ds_json import X` work; to monkeypatch a name that the package itself looks up,
-patch the module that uses it, e.g. shardconsole.ds_json.commands.to_ds_config). The FSDP -> ZeRO
+patch the module that uses it, e.g. shardconsole.cli.ds_json.to_ds_config). The FSDP -> ZeRO
 equivalents of `--set parallel.backend=deepspeed` belong to the settings pipeline (settings.py).
 
   export.py       settings -> ds_config: ADAM_EPS, ZERO_KEYS, _ZERO_BOOL, DS_ZERO_DEFAULTS,
@@ -43,12 +43,11 @@ equivalents of `--set parallel.backend=deepspeed` belong to the settings pipelin
 
 from __future__ import annotations
 
-from shardconsole.ds_json.commands import _read_json, _write_text, cmd_export, cmd_import, merge
 from shardconsole.ds_json.export import (ADAM_EPS, DS_OFFLOAD_PIN_DEFAULT, DS_ZERO_DEFAULTS, ZERO_KEYS, _ZERO_BOOL,
                                          _offload_block, device_type, to_ds_config, uses_torch_adam)
 from shardconsole.ds_json.import_report import _Import, _KNOWN_UNMAPPED, _OFFLOAD_UNMAPPED, _ZERO_UNMAPPED, _known
 from shardconsole.ds_json.importer import (_TOP_KEYS, _ZERO_ALL, _batch, _optimizer, _precision, _scheduler, _zero,
-                                           from_ds_config)
+                                           from_ds_config, merge)
 
 __all__ = [
     # export
@@ -57,6 +56,5 @@ __all__ = [
     # importer
     "_KNOWN_UNMAPPED", "_ZERO_UNMAPPED", "_OFFLOAD_UNMAPPED", "_Import", "_known", "_TOP_KEYS", "_ZERO_ALL",
     "from_ds_config", "_batch", "_optimizer", "_scheduler", "_precision", "_zero",
-    # commands
-    "_read_json", "merge", "_write_text", "cmd_export", "cmd_import",
+    "merge",
 ]

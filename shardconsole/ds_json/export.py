@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardconsole import config as C
+from shardconsole.settings import config as C
 
 ADAM_EPS = 1e-8   # torch's and DeepSpeed's AdamW default; shardconsole has no eps setting
 

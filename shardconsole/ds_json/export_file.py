@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardconsole import config as C
+from shardconsole.settings import config as C
 from shardconsole.ds_json.export import device_type, to_ds_config
 
 

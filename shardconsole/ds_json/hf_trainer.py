@@ -16,7 +16,7 @@ import json
 import shlex
 from typing import Any
 
-from shardconsole import config as C
+from shardconsole.settings import config as C
 from shardconsole.ds_json.export import ADAM_EPS, to_ds_config
 
 # The keys the Trainer fills (transformers' HfTrainerDeepSpeedConfig.trainer_config_process).

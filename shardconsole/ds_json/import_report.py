@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from shardconsole import config as C
+from shardconsole.settings import config as C
 
 # Keys we read but that have no shardconsole setting, with the reason shown to the user.
 _KNOWN_UNMAPPED = {

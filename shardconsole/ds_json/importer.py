@@ -3,9 +3,11 @@ with a ds_config, with the report of which keys mapped and which did not (and wh
 
 from __future__ import annotations
 
+import copy
+
 from typing import Any
 
-from shardconsole import config as C
+from shardconsole.settings import config as C
 from shardconsole.ds_json.export import ADAM_EPS, DS_OFFLOAD_PIN_DEFAULT, DS_ZERO_DEFAULTS, ZERO_KEYS, _ZERO_BOOL
 from shardconsole.ds_json.import_report import _KNOWN_UNMAPPED, _OFFLOAD_UNMAPPED, _ZERO_UNMAPPED, _Import, _known
 
@@ -396,3 +398,16 @@ def _zero(im: _Import, z: Any, base: C.RunConfig) -> None:
             im.skip(f"zero_optimization.{key}", _ZERO_UNMAPPED[key])
         elif key not in _ZERO_ALL:
             im.skip(f"zero_optimization.{key}", _known(key, _ZERO_ALL))
+
+
+def merge(base: dict[str, Any], over: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A preset dict with `over` on top; a None in `over` removes the key (back to "not set")."""
+    out = copy.deepcopy(base)
+    for table, values in over.items():
+        section = out.setdefault(table, {})
+        for key, value in values.items():
+            if value is None:
+                section.pop(key, None)
+            else:
+                section[key] = value
+    return out

@@ -12,7 +12,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardconsole.models import ModelError
+from shardconsole.settings.models import ModelError
 
 # The ranks train CausalLMLoss(lm): every checkpoint key is the Hugging Face model's own key under "lm.".
 PREFIX = "lm."

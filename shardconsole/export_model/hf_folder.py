@@ -6,11 +6,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from shardconsole import config as C
+from shardconsole.settings import config as C
 from shardconsole.export_model.checkpoint import Checkpoint, ExportError
-from shardconsole.models import ModelSpec, human_count
-from shardconsole.protocol import DecodeError, Eval, decode
-from shardconsole.runfolder import RunFolder
+from shardconsole.settings.models import ModelSpec, human_count
+from shardconsole.runlog.protocol import DecodeError, Eval, decode
+from shardconsole.runlog.runfolder import RunFolder
 
 # What a model folder's tokenizer may consist of (fast and slow tokenizers, chat templates).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from shardconsole import config as C
+from shardconsole.settings import config as C
 from shardconsole.history.index import RunSummary
 from shardconsole.history.textplot import overlay
 

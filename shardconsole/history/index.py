@@ -11,13 +11,13 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardconsole import config as C
-from shardconsole import protocol as P
+from shardconsole.settings import config as C
+from shardconsole.runlog import protocol as P
 from shardconsole.history import cache
-from shardconsole.launch_command import OLD_RUNS_ROOT, runs_root
-from shardconsole.runfolder import RunFolder
-from shardconsole.process_identity import this_host
-from shardconsole.runstate import RunState
+from shardconsole.launch.command import OLD_RUNS_ROOT, runs_root
+from shardconsole.runlog.runfolder import RunFolder
+from shardconsole.launch.process_identity import this_host
+from shardconsole.runlog.runstate import RunState
 
 RUNNING, FINISHED, STOPPED, FAILED, UNKNOWN = "running", "finished", "stopped", "failed", "unknown"
 HOST = this_host()
@@ -158,7 +158,7 @@ def summarize(path: Path, tail_bytes: int | None = None) -> RunSummary:
 def _fold(folder: RunFolder, s: RunSummary, tail_bytes: int | None = None) -> tuple[RunState, str]:
     """The stream into the summary's figures and into a RunState of its last session (a resumed run
     appends sessions under run ids of their own: the end that counts is the last one's)."""
-    from shardconsole.stream import MetricsReader
+    from shardconsole.runlog.stream import MetricsReader
     state, session = RunState(), ""
     reader = MetricsReader(folder.metrics)
     if tail_bytes is not None:
@@ -265,7 +265,7 @@ def _job_host(folder: RunFolder) -> str:
 def _alive(folder: RunFolder, state: RunState) -> bool:
     """The run's launcher still runs on this host (verified as this run's: a reused pid is not), or one
     of its ranks outlived it."""
-    from shardconsole.launch import Job
+    from shardconsole.launch.job import Job
     from shardconsole.session.watcher import rank_alive
     if folder.job.is_file():
         try:

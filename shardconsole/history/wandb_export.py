@@ -7,16 +7,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shardconsole import config as C
-from shardconsole import protocol as P
-from shardconsole.runfolder import RunFolder
-from shardconsole.tbevents import scalars
+from shardconsole.settings import config as C
+from shardconsole.runlog import protocol as P
+from shardconsole.runlog.runfolder import RunFolder
+from shardconsole.runlog.tbevents import scalars
 
 
 def _values_by_step(folder: RunFolder) -> list[tuple[int, dict[str, float]]]:
     """Each step's values, in order; a sample taken between steps is logged with the step before it,
     and a resumed run's replayed steps keep their newest values."""
-    from shardconsole.stream import MetricsReader
+    from shardconsole.runlog.stream import MetricsReader
     reader = MetricsReader(folder.metrics)
     by_step: dict[int, dict[str, float]] = {}
     step = 0

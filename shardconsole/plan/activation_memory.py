@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardconsole import config as C
+from shardconsole.settings import config as C
 from shardconsole.plan.constants import DTYPE_BYTES, LOSS_CHUNK_TOKENS
 from shardconsole.plan.shapes import Shapes
 

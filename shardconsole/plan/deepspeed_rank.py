@@ -3,7 +3,7 @@ with or without CPU offload)."""
 
 from __future__ import annotations
 
-from shardconsole import config as C
+from shardconsole.settings import config as C
 from shardconsole.plan.activation_memory import activations
 from shardconsole.plan.constants import (CUBLAS_WORKSPACE_BYTES, DS_BUILD_BASE_RSS, DS_SUB_GROUP_SIZE, DTYPE_BYTES,
                                          NVME_PARAM_BUFFER_NUMEL, RANK_BASE_RSS, GiB)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardconsole import config as C
-from shardconsole.models import ModelSpec
+from shardconsole.settings import config as C
+from shardconsole.settings.models import ModelSpec
 from shardconsole.plan.activation_memory import activations
 from shardconsole.plan.constants import (ALLOCATOR_SLACK_FIXED, ALLOCATOR_SLACK_FRACTION, CUDA_CONTEXT_BYTES,
                                          DTYPE_BYTES, FRONTEND_RSS, GPU_DRIVER_RESERVED_BYTES,

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shardconsole import config as C
-from shardconsole.models import CATALOG, ModelSpec, resolve
+from shardconsole.settings import config as C
+from shardconsole.settings.models import CATALOG, ModelSpec, resolve
 from shardconsole.plan.constants import SPEED_FACTOR
 from shardconsole.plan.estimator import Estimate, estimate, replace_cfg
 from shardconsole.plan.machine import Hardware

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardconsole import config as C
+from shardconsole.settings import config as C
 from shardconsole.plan.activation_memory import activations
 from shardconsole.plan.constants import (CUBLAS_WORKSPACE_BYTES, DTYPE_BYTES, FSDP_FP16_OFFLOAD_HOST_PER_PARAM,
                                          RANK_BASE_RSS)

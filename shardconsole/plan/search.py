@@ -15,8 +15,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardconsole import config as C
-from shardconsole.models import ModelSpec
+from shardconsole.settings import config as C
+from shardconsole.settings.models import ModelSpec
 from shardconsole.plan.estimator import Estimate, estimate, replace_cfg
 from shardconsole.plan.fit import EXTRA_STRATEGIES, STRATEGIES, _toml
 from shardconsole.plan.machine import Hardware

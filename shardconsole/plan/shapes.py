@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shardconsole.models import ModelSpec
+from shardconsole.settings.models import ModelSpec
 
 
 # ---------------------------------------------------------------------------------------------------

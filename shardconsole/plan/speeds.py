@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from shardconsole import config as C
+from shardconsole.settings import config as C
 from shardconsole.plan.constants import SPEED_FACTOR
 from shardconsole.plan.machine import Hardware
 
@@ -200,7 +200,7 @@ def steady_tokens_per_s(steps: list[tuple[int, float]]) -> float:
 def harvest(book: SpeedBook, runs_root: Path, hw: Hardware, limit: int = 200) -> int:
     """Add the speed of each finished run under runs_root that the book does not hold yet (its
     preset.toml and its step lines); returns how many were added. Never raises."""
-    from shardconsole.runfolder import RunFolder
+    from shardconsole.runlog.runfolder import RunFolder
     try:
         folders = sorted((p for p in runs_root.iterdir() if p.is_dir()), key=lambda p: p.name)[-limit:]
     except OSError:

@@ -14,7 +14,7 @@ import signal
 import time
 from pathlib import Path
 
-from shardconsole.runfolder import RunFolder
+from shardconsole.runlog.runfolder import RunFolder
 
 LOG_TAIL_BYTES = 16 * 1024        # what a log shows of its past when first opened
 TRACEBACK_HOLD_S = 3.0            # a traceback whose last line has not come yet is shown after this long

@@ -11,9 +11,9 @@ import re
 import signal
 from pathlib import Path
 
-from shardconsole import config as C
-from shardconsole.runfolder import RunFolder
-from shardconsole.runstate import RunState
+from shardconsole.settings import config as C
+from shardconsole.runlog.runfolder import RunFolder
+from shardconsole.runlog.runstate import RunState
 from shardconsole.session.rundir import stream_stopped_note
 
 # Exit codes of `shardconsole --headless` and `attach`, by how the run (or the watching) ended.
@@ -70,7 +70,7 @@ def fitting_settings(run_dir: Path, top: int = 2) -> str:
     """After a GPU OOM: the planner's fastest settings that fit this machine (or the run's cap)."""
     try:
         from shardconsole import plan
-        from shardconsole.models import resolve
+        from shardconsole.settings.models import resolve
         cfg = C.load(RunFolder(run_dir).preset)
         hw = plan.detect_hardware()
         if cfg.gpu_memory_limit_bytes:

@@ -15,9 +15,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from shardconsole import config as C
-from shardconsole.models import ModelError, ModelSpec, resolve as resolve_model
-from shardconsole.settings import Resolved
+from shardconsole.settings import config as C
+from shardconsole.settings.models import ModelError, ModelSpec, resolve as resolve_model
+from shardconsole.settings.resolve import Resolved
 
 
 def check_gpus(r: Resolved, gpu_count: int) -> list[str]:
@@ -55,7 +55,7 @@ def check_data(r: Resolved) -> None:
     Its lines start "<source>: [table] key: "; run with a marker for the source, the line is rebuilt as a
     ConfigError of that setting that blames the source of its value."""
     try:
-        from shardconsole.data_check import check_data as check
+        from shardconsole.settings.data_check import check_data as check
     except ImportError:
         _check_data_file(r)
         return

@@ -17,9 +17,9 @@ import shutil
 import time
 from pathlib import Path
 
-from shardconsole import config as C
-from shardconsole import settings
-from shardconsole.runfolder import RunFolder
+from shardconsole.settings import config as C
+from shardconsole.settings import resolve as settings
+from shardconsole.runlog.runfolder import RunFolder
 
 PREV_SUFFIX = ".prev"
 MANIFEST = "shardconsole.json"     # written by backends/checkpoints.py into every complete checkpoint

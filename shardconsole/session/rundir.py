@@ -22,9 +22,9 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from shardconsole import config as C
-from shardconsole.models import CATALOG
-from shardconsole.runfolder import PRESET_FILE, RunFolder
+from shardconsole.settings import config as C
+from shardconsole.settings.models import CATALOG
+from shardconsole.runlog.runfolder import PRESET_FILE, RunFolder
 
 # The line MetricsWriter prints into a rank's log when the stream refuses a line (stream.py).
 DROP_NOTE = re.compile(r"^shardconsole: metrics stream: .*?after step (\d+): (.+?); later lines", re.M)

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from shardconsole import config as C
-from shardconsole import protocol as P
-from shardconsole.launch import Job, StopReport
-from shardconsole.process_identity import live as _live
-from shardconsole.runfolder import RunFolder
+from shardconsole.settings import config as C
+from shardconsole.runlog import protocol as P
+from shardconsole.launch.job import Job, StopReport
+from shardconsole.launch.process_identity import live as _live
+from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.session.outcome import STOP_REQUESTED
-from shardconsole.stream import MetricsReader, MetricsWriter
+from shardconsole.runlog.stream import MetricsReader, MetricsWriter
 
 STOP_SAVE = "stop_save"
 DEFAULT_STOP_SAVE_TIMEOUT_S = 120.0
@@ -115,7 +115,7 @@ def stop_run(job: Job, rank_pids, *, who: str, grace_s: float = 10.0, save_timeo
     report.left = _live(set(targets) | set(job.processes(rank_pids)))
     report.seconds = time.monotonic() - t0
     if check_gpus:
-        from shardconsole.probes import GpuProbe, wait_gpu_released
+        from shardconsole.machine.probes import GpuProbe, wait_gpu_released
         report.gpu_note = wait_gpu_released(GpuProbe(), report.signalled, rank_uuids=_rank_uuids(run_dir))
     return report
 
@@ -184,7 +184,7 @@ class StopRefused(Exception):
 def stop_folder(run_dir: Path, err: TextIO) -> int:
     """`shardconsole stop RUN_DIR`: the same stop as Ctrl-C in the front end that started the run, from
     any shell of this host. 0 once every process of the run has ended (or it had already ended)."""
-    from shardconsole.launch import open_run
+    from shardconsole.launch.job import open_run
     from shardconsole.session.outcome import classify
     from shardconsole.session.watcher import HOST, Watcher
     folder = RunFolder(Path(run_dir))

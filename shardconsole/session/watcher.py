@@ -18,16 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from shardconsole import process_identity as PI
-from shardconsole import protocol as P
-from shardconsole.diagnose import Watch
-from shardconsole.runfolder import RunFolder
-from shardconsole.runstate import RunState
+from shardconsole.launch import process_identity as PI
+from shardconsole.runlog import protocol as P
+from shardconsole.session.hang import Watch
+from shardconsole.runlog.runfolder import RunFolder
+from shardconsole.runlog.runstate import RunState
 from shardconsole.session.logtail import LogTail
 from shardconsole.session.outcome import DETACHED
 from shardconsole.session.rundir import stream_stopped_note
-from shardconsole.stream import MetricsReader, SampleAppender
-from shardconsole.tbevents import Recorder
+from shardconsole.runlog.stream import MetricsReader, SampleAppender
+from shardconsole.runlog.tbevents import Recorder
 
 HOST = PI.this_host()
 
@@ -49,7 +49,7 @@ class MachineProbes:
     def _probe(self) -> Any:
         with self._lock:
             if self._gpu is None:
-                from shardconsole.probes import GpuProbe
+                from shardconsole.machine.probes import GpuProbe
                 self._gpu = GpuProbe()
             return self._gpu
 
@@ -60,7 +60,7 @@ class MachineProbes:
         return self._probe().sample(run)
 
     def host(self, rank_pids: Iterable[int] = (), run: str = "") -> P.HostSample:
-        from shardconsole.probes import host_sample
+        from shardconsole.machine.probes import host_sample
         return host_sample(rank_pids, run)
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from shardconsole import config as C
-from shardconsole.models import ModelSpec
+from shardconsole.settings import config as C
+from shardconsole.settings.models import ModelSpec
 from shardconsole.plan import search
 from shardconsole.plan.machine import Hardware
 from shardconsole.plan.speeds import SpeedBook, record_of

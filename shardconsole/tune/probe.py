@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from shardconsole import config as C
-from shardconsole import protocol as P
+from shardconsole.settings import config as C
+from shardconsole.runlog import protocol as P
 from shardconsole.plan.speeds import steady_tokens_per_s
 
 POLL_S = 0.2
@@ -52,7 +52,7 @@ def probe_config(cfg: C.RunConfig, steps: int) -> C.RunConfig:
 def run_probe(cfg: C.RunConfig, run_dir: Path, *, timeout_s: float, should_stop: Callable[[], bool] = lambda: False,
               on_step: Callable[[ProbeResult], None] | None = None) -> ProbeResult:
     """Launch cfg in run_dir (created here), follow it to its end or timeout_s, measure it."""
-    from shardconsole.launch import Job
+    from shardconsole.launch.job import Job
     from shardconsole.session import rundir
     from shardconsole.session.outcome import classify
     from shardconsole.session.stop import stop_run

@@ -7,8 +7,8 @@ import platform
 import time
 from pathlib import Path
 
-from shardconsole import config as C
-from shardconsole import preset_store
+from shardconsole.settings import config as C
+from shardconsole.settings import preset_store
 from shardconsole.plan.speeds import machine_key
 from shardconsole.tune.engine import Row, Tune
 

@@ -18,8 +18,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
-from shardconsole import config as C
-from shardconsole import preset_store
+from shardconsole.settings import config as C
+from shardconsole.settings import preset_store
 from shardconsole.console.services import RunListing
 
 HERE = Path(__file__).parent

@@ -22,11 +22,11 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Log, Static
 from textual.worker import get_current_worker
 
-from shardconsole import config as C
-from shardconsole import protocol as P
-from shardconsole.diagnose import hang_message, where_ranks_are
-from shardconsole.launch import StopReport
-from shardconsole.runfolder import RunFolder
+from shardconsole.settings import config as C
+from shardconsole.runlog import protocol as P
+from shardconsole.session.hang import hang_message, where_ranks_are
+from shardconsole.launch.job import StopReport
+from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.session.outcome import EXIT_CODES, classify
 from shardconsole.session.stop import Hurry, describe_stop
 from shardconsole.session.watcher import Watcher

@@ -25,10 +25,10 @@ from textual.widgets import (Footer, Header, Input, Label, OptionList, RadioButt
                              TabPane)
 from textual.widgets.option_list import Option
 
-from shardconsole import config as C
-from shardconsole import preset_store, settings
-from shardconsole.launch import format_argv
-from shardconsole.models import CATALOG, ModelError, human_count, resolve
+from shardconsole.settings import config as C
+from shardconsole.settings import preset_store, resolve as settings
+from shardconsole.launch.job import format_argv
+from shardconsole.settings.models import CATALOG, ModelError, human_count, resolve
 
 from shardconsole.console import fields as F
 from shardconsole.console.data_field import DataCheck

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from textual.widgets import OptionList
 
-from shardconsole import config as C
-from shardconsole import preset_store, settings
+from shardconsole.settings import config as C
+from shardconsole.settings import preset_store, resolve as settings
 from shardconsole.session import preflight
 
 from shardconsole.console.screens.dialogs import AttachScreen, ConfirmScreen, SavePresetScreen, SaveRequest

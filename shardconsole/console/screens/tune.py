@@ -14,9 +14,9 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Button, DataTable, Footer, Input, Label, Static
 
-from shardconsole import config as C
-from shardconsole import settings
-from shardconsole.tune.cli import make_tune, output_name, parse_duration
+from shardconsole.settings import config as C
+from shardconsole.settings import resolve as settings
+from shardconsole.tune.setup import make_tune, output_name, parse_duration
 from shardconsole.tune.engine import Tune
 from shardconsole.tune.report import COLUMNS, machine_text, table, write_preset
 

@@ -11,8 +11,8 @@ from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Static
 
-from shardconsole import offload_verdict
-from shardconsole.runstate import fmt_rate
+from shardconsole.machine import offload_verdict
+from shardconsole.runlog.runstate import fmt_rate
 from shardconsole.console.runview import GIB, RunView
 from shardconsole.console.widgets.line_plot import LinePlot, PlotSeries
 

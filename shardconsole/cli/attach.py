@@ -1,0 +1,32 @@
+"""`shardconsole attach RUN [--headless]`: follow a run started earlier (the run goes on without you)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shardconsole.cli.errors import UsageError, run_folder
+from shardconsole.launch.job import open_run, run_id_of
+
+
+def cmd_attach(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="shardconsole attach", description="follow a run started earlier")
+    ap.add_argument("run_dir", metavar="RUN", help="a run folder, or a run id under the runs root")
+    ap.add_argument("--headless", action="store_true")
+    args = ap.parse_args(argv)
+    run_dir = run_folder(args.run_dir)
+    try:
+        job = open_run(run_dir)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.headless and job.external:
+        print(f"following {run_dir} (started elsewhere; Ctrl-C detaches)", file=sys.stderr)
+    if args.headless:
+        from shardconsole import headless
+        return headless.follow(job, run_dir, run_id_of(run_dir))
+    try:
+        from shardconsole.console.app import run_console
+    except ImportError as e:
+        print(f"shardconsole: the console is not available ({e}); use --headless", file=sys.stderr)
+        return 1
+    return run_console(attach=run_dir)

@@ -1,0 +1,103 @@
+"""`shardconsole export-model RUN [--step N] -o OUT_DIR [--dtype bf16|fp32]`: a run's checkpoint as a
+Hugging Face model folder (config.json, generation_config.json, sharded safetensors with the model's own
+key names, the tokenizer when the model came from a folder, a README with the run's settings and last
+eval loss) that `AutoModelForCausalLM.from_pretrained` loads.
+
+It runs on any machine, without GPUs and without the run's world size: an FSDP2 checkpoint (DCP) is read
+in one process without a process group, a DeepSpeed one is merged by DeepSpeed's own zero_to_fp32. Only
+the model entries are read: the optimizer, data position and RNG states stay where they are.
+
+A tool, not a front end: it imports torch, transformers and deepspeed, but only inside the command, so
+`shardconsole --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from pathlib import Path
+
+from shardconsole.settings import config as C
+from shardconsole.export_model.checkpoint import ExportError, pick_checkpoint, read_model_state
+from shardconsole.settings.models import ModelError, human_count, resolve
+from shardconsole.runlog.runfolder import RunFolder
+
+__all__ = ["ExportError", "cmd_export_model"]
+DTYPES = ("fp32", "bf16")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="shardconsole export-model",
+        description="Write a Hugging Face model folder from a run's checkpoint (FSDP2 or DeepSpeed ZeRO), "
+                    "on any machine: no GPU and no particular rank count needed.")
+    ap.add_argument("run", metavar="RUN",
+                    help="the run folder (holds preset.toml), or its run id (or a unique part of one) under the runs root")
+    ap.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest complete one)")
+    ap.add_argument("-o", "--output", dest="out", type=Path, required=True, metavar="OUT_DIR",
+                    help="the folder to write (must not exist, or be empty)")
+    ap.add_argument("--dtype", choices=DTYPES, default=None,
+                    help="dtype of the written weights (default: the checkpoint's master weights' own dtype)")
+    ap.add_argument("--max-shard-size", default="5GB",
+                    help="largest safetensors file, e.g. 5GB or 500MB (default 5GB)")
+    return ap
+
+
+def cmd_export_model(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    from shardconsole.history.index import find_run
+    try:
+        args.run_dir = find_run(args.run)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+    run = RunFolder(args.run_dir)
+    if not run.preset.is_file():
+        raise ExportError(f"{args.run_dir}: not a run folder (no {run.preset.name})")
+    out: Path = args.out
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"-o {out}: exists and is not an empty folder; pick a new one")
+    try:
+        shard_bytes = C.parse_size(args.max_shard_size)
+    except ValueError as e:
+        raise ExportError(f"--max-shard-size {args.max_shard_size}: {e}") from None
+    cfg = C.load(run.preset)
+    try:
+        spec = resolve(cfg.model.name)
+    except ModelError as e:
+        raise ExportError(f"{run.preset}: [model] name: {e} (the export takes the model's config and "
+                          f"tokenizer from it)") from None
+    ckpt = pick_checkpoint(run.checkpoints(cfg.train.checkpoint_dir), args.step, cfg.parallel.backend)
+
+    import torch
+
+    from shardconsole.export_model import hf_folder
+    state = read_model_state(ckpt)
+    stored = {v.dtype for v in state.values() if v.is_floating_point()}
+    dtype_name = args.dtype or ("bf16" if stored == {torch.bfloat16} else "fp32")
+    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+    model = hf_folder.build_model(hf_folder.hf_config(spec), state, dtype, ckpt.path)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shards = hf_folder.write_folder(model, spec, tmp, shard_bytes)
+        tokenizer = (f"copied from {spec.path}" if spec.path and spec.has_tokenizer else
+                     f"none: {spec.path} holds none" if spec.path else
+                     f"none: the catalog model {spec.name!r} has no tokenizer (it trains on token ids)")
+        (tmp / "README.md").write_text(hf_folder.readme_text(
+            title=out.name, run=run, cfg=cfg, ckpt=ckpt, spec=spec, architecture=type(model).__name__,
+            n_params=n_params, dtype_name=dtype_name, shards=shards, tokenizer=tokenizer,
+            ev=hf_folder.last_eval(run, ckpt.step)))
+        if out.exists():
+            out.rmdir()                 # checked empty above; a rename cannot replace a folder with files
+        os.replace(tmp, out)
+    except OSError as e:     # a full disk, a read-only parent: nothing half-written is left behind
+        raise ExportError(f"-o {out}: writing failed: {e}") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(f"wrote {out}: {type(model).__name__}, {human_count(n_params)} parameters in {dtype_name}, "
+          f"{shards} safetensors file(s), from step {ckpt.step} of {run.path}")
+    return 0

@@ -1,0 +1,117 @@
+"""The command line's entry: one module of cli/ per subcommand, dispatched here. `shardconsole` opens the console; `--headless` runs the same job without a UI.
+
+    shardconsole [--preset NAME|FILE] [--set table.key=value ...] [--headless | --print-command]
+    shardconsole presets
+    shardconsole attach RUN_DIR [--headless]
+    shardconsole stop RUN_DIR
+    shardconsole resume RUN_DIR [--set table.key=value ...]
+    shardconsole export-model RUN_DIR -o OUT_DIR [--step N] [--dtype bf16|fp32]
+    shardconsole settings [TABLE] [--json]      every setting: type, default, allowed values, help
+    shardconsole plan | export | import | tune | runs | compare | doctor   (each has --help)
+    shardconsole --version
+
+Bad input (a preset, an override, a model folder) is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from shardconsole.cli.attach import cmd_attach
+from shardconsole.cli.errors import UsageError
+from shardconsole.cli.presets import cmd_presets
+from shardconsole.cli.run import cmd_run
+from shardconsole.cli.stop import cmd_stop
+from shardconsole.settings import config as C
+from shardconsole.settings.models import ModelError
+
+
+SUBCOMMANDS = {"presets": cmd_presets, "attach": cmd_attach, "stop": cmd_stop}
+
+# Subcommands in their own modules, imported only when named ("module:function"): start-up stays
+# as light as the console needs, and each command's module owns its parser.
+LAZY_SUBCOMMANDS = {
+    "tune": "shardconsole.cli.tune:cmd_tune",
+    "runs": "shardconsole.cli.runs:cmd_runs",
+    "compare": "shardconsole.cli.runs:cmd_compare",
+    "doctor": "shardconsole.cli.doctor:cmd_doctor",
+    "settings": "shardconsole.cli.settings:cmd_settings",
+}
+
+
+def _lazy(target: str):
+    def command(argv: list[str]) -> int:
+        import importlib
+        module, func = target.split(":")
+        return getattr(importlib.import_module(module), func)(argv)
+    return command
+
+
+def _register_optional() -> None:
+    """Subcommands that live in their own modules (kept out of start-up when unused)."""
+    for name, target in LAZY_SUBCOMMANDS.items():
+        SUBCOMMANDS.setdefault(name, _lazy(target))
+    try:
+        from shardconsole.cli import ds_json
+        SUBCOMMANDS.setdefault("export", ds_json.cmd_export)
+        SUBCOMMANDS.setdefault("import", ds_json.cmd_import)
+    except ImportError:
+        pass
+    try:
+        from shardconsole.cli import plan as plan_cli
+        SUBCOMMANDS.setdefault("plan", plan_cli.cmd_plan)
+    except ImportError:
+        pass
+    from shardconsole.cli import resume as resume_cli
+    SUBCOMMANDS.setdefault("resume", resume_cli.cmd_resume)
+    from shardconsole.cli import export_model
+    SUBCOMMANDS.setdefault("export-model", export_model.cmd_export_model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from shardconsole.session.signals import Detach, front_end_signals, quiet_stdout
+    try:
+        with front_end_signals():
+            return _dispatch(argv)
+    except BrokenPipeError:     # output into a closed pipe (`| head -1`): quiet, as a Unix tool is
+        quiet_stdout()
+        return 141
+    except Detach:
+        return 129
+
+
+def _dispatch(argv: list[str]) -> int:
+    from shardconsole import __version__
+    from shardconsole.machine.torch_version import torch_problem, version_line
+    if argv[:1] == ["-V"] or (argv[:1] and argv[0].startswith("-") and "--version" in argv):
+        print(version_line(__version__))
+        problem = torch_problem()
+        if problem:
+            print(f"shardconsole: {problem}", file=sys.stderr)
+        return 0
+    problem = torch_problem()
+    if problem and argv[:1] not in (["-h"], ["--help"]):
+        print(f"shardconsole: error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        if argv and not argv[0].startswith("-"):
+            _register_optional()
+            if argv[0] not in SUBCOMMANDS:
+                raise UsageError(f"unknown command {argv[0]!r}; commands: {', '.join(sorted(SUBCOMMANDS))}, "
+                                 f"or options such as --preset NAME --headless")
+            return SUBCOMMANDS[argv[0]](argv[1:])
+        return cmd_run(argv)
+    except (C.ConfigError, ModelError, UsageError) as e:
+        print(f"shardconsole: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,195 @@
+"""`shardconsole plan`: will a run fit, before it is launched.
+
+    shardconsole plan --preset NAME [--set table.key=value ...] [--json]
+                      [--gpus N] [--gpu-memory 24GiB] [--host-memory 64GiB]
+    shardconsole plan --fit [--gpus N] [--gpu-memory 24GiB] [--host-memory 128GiB]
+                      [--model NAME|DIR] [--preset NAME] [--seq-len 2048] [--json]
+
+Hardware is what NVML and psutil find on this machine, unless given. Bad input is one line on stderr
+and exit code 2 (ConfigError, handled by cli.main). No torch import: answers in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from shardconsole.settings import config as C
+from shardconsole import plan as PL
+from shardconsole.settings import resolve as settings
+from shardconsole.settings.models import human_count
+from shardconsole.plan.machine import hardware_from_args
+from shardconsole.session import preflight
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="shardconsole plan",
+        description="Predict the peak GPU memory (largest rank) and host RAM of a run, part by part, "
+                    "and whether it fits; or (--fit) which models and settings fit a machine.")
+    ap.add_argument("--preset", default=None, help=f"preset name or .toml file (default: {settings.DEFAULT_PRESET}, "
+                    "the preset `shardconsole` opens; --fit: the built-in defaults at seq_len 2048)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                    help="override one setting; repeatable")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs per node (default: found by NVML)")
+    ap.add_argument("--gpu-memory", default=None, metavar="SIZE", help="memory of one GPU, e.g. 24GiB")
+    ap.add_argument("--host-memory", default=None, metavar="SIZE", help="host RAM of one node, e.g. 64GiB")
+    ap.add_argument("--fit", action="store_true",
+                    help="for each strategy the largest catalog model that trains; with --model, the settings "
+                         "that fit that model, fastest first")
+    ap.add_argument("--model", default=None, help="--fit: a catalog size or a model folder with config.json")
+    ap.add_argument("--seq-len", type=int, default=None, help="--fit: tokens per sample (default 2048, or the preset's)")
+    return ap
+
+
+def load(preset: str | None, overrides: list[settings.Override]) -> settings.Resolved:
+    """The run's settings, resolved as a launch resolves them, but not checked against this machine's
+    GPUs: a plan is often made for another machine."""
+    return settings.resolve(preset, overrides)
+
+
+def _hw_text(hw: PL.Hardware) -> str:
+    gpu = (f"{hw.gpus} x {hw.gpu_name + ' ' if hw.gpu_name else ''}{C.format_size(hw.gpu_memory_bytes)}"
+           if hw.gpus and hw.gpu_memory_bytes else "no GPU known")
+    host = C.format_size(hw.host_memory_bytes) if hw.host_memory_bytes else "unknown"
+    return f"{gpu}, host {host} ({hw.source})"
+
+
+def _hw_dict(hw: PL.Hardware) -> dict[str, Any]:
+    return {"gpus": hw.gpus, "gpu_memory_bytes": hw.gpu_memory_bytes, "host_memory_bytes": hw.host_memory_bytes,
+            "gpu_name": hw.gpu_name, "source": hw.source}
+
+
+def describe(cfg: C.RunConfig) -> str:
+    p = cfg.parallel
+    if p.backend == "fsdp":
+        eng = f"FSDP2 {cfg.fsdp.sharding}" + (" + CPU offload" if cfg.fsdp.cpu_offload else "")
+    else:
+        d = cfg.deepspeed
+        off = [k for k, v in (("optimizer", d.offload_optimizer), ("params", d.offload_param)) if v != "none"]
+        eng = f"DeepSpeed ZeRO-{d.stage}" + (f" + offload {'+'.join(off)}" if off else "")
+    ranks = p.nproc_per_node * p.nnodes
+    return (f"{eng}, {ranks} rank(s), {cfg.precision.dtype}, micro_batch {cfg.train.micro_batch} x seq "
+            f"{cfg.data.seq_len}, {cfg.model.attn_implementation}, "
+            + ("checkpointing" if cfg.memory.activation_checkpointing else "no checkpointing")
+            + (f", cap {cfg.memory.gpu_memory_limit}" if cfg.memory.gpu_memory_limit else ""))
+
+
+def _parts_lines(parts: dict[str, int], width: int = 40) -> list[str]:
+    return [f"  {k:<{width}} {C.format_size(v):>10}" for k, v in parts.items()]
+
+
+def format_estimate(est: PL.Estimate, cfg: C.RunConfig, name: str, hw: PL.Hardware) -> str:
+    lines = [f"plan: {name}: model {est.model} ({human_count(est.n_params)} parameters), {describe(cfg)}",
+             f"hardware: {_hw_text(hw)}", ""]
+    if est.gpu_parts:
+        lines.append(f"GPU, largest rank: peak {C.format_size(est.gpu_peak_bytes)} as NVML shows it, set at the "
+                     f"{est.gpu_peak_phase} (allocator {C.format_size(est.gpu_allocator_peak_bytes)} + context + driver "
+                     f"reserve); "
+                     f"needs {C.format_size(est.gpu_required_bytes)} allocatable")
+        lines += _parts_lines(est.gpu_parts)
+        others = [f"{k} {C.format_size(v)}" for k, v in est.gpu_phases.items() if k != est.gpu_peak_phase]
+        if others:
+            lines.append("  other moments (allocated): " + ", ".join(others))
+        for k, v in est.alternatives.items():
+            lines.append(f"  {k}: {C.format_size(v)} saved for backward")
+        if est.gpu_budget_bytes:
+            lines.append(f"  allocator budget: {C.format_size(est.gpu_budget_bytes)}")
+        lines.append("")
+    lines.append(f"host RAM, node: {C.format_size(est.host_peak_bytes)} "
+                 f"({est.ranks_per_node} rank(s) x {C.format_size(est.host_rank_bytes)} + launcher + front end)")
+    lines += _parts_lines(est.host_parts)
+    for n in est.notes:
+        lines.append(f"note: {n}")
+    lines += ["", f"verdict: {est.verdict}"]
+    return "\n".join(lines)
+
+
+def cmd_plan(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.fit:
+        return _cmd_fit(args)
+    if args.model or args.seq_len:
+        raise C.ConfigError("--model and --seq-len go with --fit; to plan a run use --set model.name=... "
+                            "and --set data.seq_len=...")
+    # The preset `shardconsole` itself opens without --preset: a plan of "the run" is a plan of that one.
+    name = args.preset or settings.DEFAULT_PRESET
+    resolved = load(name, settings.from_cli(args.overrides))
+    cfg = resolved.cfg
+    spec = preflight.check_model(resolved, weights=False)
+    hw = hardware_from_args(args.gpus, args.gpu_memory, args.host_memory)
+    est = PL.estimate(cfg, spec, hw)
+    if args.json:
+        out = est.to_dict()
+        out["hardware"] = _hw_dict(hw)
+        out["preset"] = name
+        out["settings"] = describe(cfg)
+        print(json.dumps(out))
+    else:
+        print(format_estimate(est, cfg, name, hw))
+    return 0
+
+
+def _cmd_fit(args: argparse.Namespace) -> int:
+    overrides = settings.from_cli(args.overrides)
+    if args.model:
+        overrides.append(settings.Override("model", "name", args.model, "--model"))
+    resolved = load(args.preset, overrides)
+    cfg = resolved.cfg
+    if args.seq_len is not None:
+        cfg = PL.replace_cfg(cfg, ("data", "seq_len", args.seq_len))
+        C.validate(cfg, "--seq-len")
+    elif args.preset is None:
+        cfg = PL.replace_cfg(cfg, ("data", "seq_len", 2048))
+    hw = hardware_from_args(args.gpus, args.gpu_memory, args.host_memory)
+    if not hw.gpus or not hw.gpu_memory_bytes:
+        raise C.ConfigError("--fit: no GPU found on this machine; give --gpu-memory SIZE (and --gpus N)")
+    if not hw.host_memory_bytes:
+        raise C.ConfigError("--fit: host memory unknown; give --host-memory SIZE")
+    # Checkpointing on (the frugal setting) unless the user turned it off with --set.
+    off = any(o.split("=", 1)[0].strip() == "memory.activation_checkpointing" for o in args.overrides) \
+        and not cfg.memory.activation_checkpointing
+    rows = PL.fit_table(hw, seq_len=cfg.data.seq_len, base=cfg, checkpointing=not off)
+    cands = PL.settings_that_fit(cfg, hw, preflight.check_model(resolved, weights=False)) if args.model else None
+    if args.json:
+        out: dict[str, Any] = {"hardware": _hw_dict(hw), "fit_table": [r.to_dict() for r in rows]}
+        if cands is not None:
+            out["model"] = cfg.model.name
+            out["settings_that_fit"] = [
+                {"name": c.name, "overrides": c.overrides, "speed": round(c.speed, 4), "speed_unit": c.speed_unit,
+                 "speed_source": c.speed_source,
+                 "gpu_peak_bytes": c.estimate.gpu_peak_bytes, "host_peak_bytes": c.estimate.host_peak_bytes}
+                for c in cands]
+        print(json.dumps(out))
+        return 0
+    print(f"largest catalog model that trains on {_hw_text(hw)}")
+    print(f"({rows[0].settings if rows else ''}; every GPU one rank)\n")
+    print(f"  {'strategy':<20} {'model':<7} {'params':>7} {'GPU peak':>10} {'host peak':>10}")
+    for r in rows:
+        e = r.estimate
+        print(f"  {r.strategy:<20} {r.model or 'none':<7} {human_count(r.n_params) if r.n_params else '-':>7} "
+              f"{C.format_size(e.gpu_peak_bytes) if e else '-':>10} {C.format_size(e.host_peak_bytes) if e else '-':>10}")
+    print("  (GPU peak as NVML would show the device: context and the driver's reserve included; host: the "
+          "node's RAM, ranks + launcher)")
+    if cands is not None:
+        print(f"\nsettings that fit {cfg.model.name} (seq_len {cfg.data.seq_len}, {cfg.precision.dtype}), fastest first")
+        unit = cands[0].speed_unit if cands else "relative"
+        print("  speed: tokens/s measured on this machine (probes of `shardconsole tune`, finished runs), scaled "
+              "where only similar settings were measured" if unit == "tokens/s" else
+              "  speed: relative tokens/s from the fixed factors (1.00 = FSDP2 on an H200, no checkpointing); "
+              "`shardconsole tune` measures this machine")
+        if not cands:
+            print("  none: no strategy fits this model here; more GPUs, more host RAM or a shorter sequence")
+        for c in cands[:15]:
+            e = c.estimate
+            speed = f"{c.speed:7.0f}" if c.speed_unit == "tokens/s" else f"{c.speed:7.2f}"
+            print(f"  {speed}  {c.name:<52} GPU {C.format_size(e.gpu_peak_bytes):>10}  "
+                  f"host {C.format_size(e.host_peak_bytes):>10}")
+        if len(cands) > 15:
+            print(f"  ... {len(cands) - 15} more (--json lists all)")
+        if cands:
+            print("\nfastest: " + " ".join(f"--set {o}" for o in cands[0].overrides))
+    return 0
+

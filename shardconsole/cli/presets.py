@@ -1,0 +1,21 @@
+"""`shardconsole presets`: the built-in and the user's presets, with the user folder."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shardconsole.settings import preset_store
+
+
+def cmd_presets(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="shardconsole presets", description="list built-in and user presets")
+    ap.parse_args(argv)
+    infos = preset_store.list_presets()
+    # A name outside the rule (a file put there by hand: a newline, a space) is shown quoted, on its line.
+    names = [i.name if preset_store.valid_name(i.name) else ascii(i.name) for i in infos]
+    width = max((len(n) for n in names), default=10)
+    for name, i in zip(names, infos):
+        print(f"{name:<{width}}  {i.origin:<8}  {i.description}")
+    print(f"\nuser presets folder: {preset_store.user_dir()}", file=sys.stderr)
+    return 0

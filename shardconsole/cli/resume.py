@@ -1,0 +1,28 @@
+"""`shardconsole resume RUN [--set table.key=value ...]`: continue a stopped, failed or finished run
+in its own folder, through the same headless path as a new run (session/resume.py prepares it). RUN is
+a run folder or a run id under the runs root (or a part of one that names one run), as for attach."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def cmd_resume(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="shardconsole resume",
+        description="continue a run from its newest complete checkpoint, in the same folder (its metrics.jsonl "
+                    "grows; the previous settings are kept as preset.toml.prev)")
+    ap.add_argument("run", metavar="RUN", help="a run folder, or a run id (or a unique part of one) under the runs root")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                    help="change a setting for the rest of the run, e.g. train.steps=200")
+    args = ap.parse_args(argv)
+    from shardconsole.history.index import find_run
+    try:
+        args.run_dir = find_run(args.run)
+    except ValueError as e:
+        from shardconsole.settings.config import ConfigError      # one line, exit 2 (cli.main prints it)
+        raise ConfigError(str(e)) from None
+    from shardconsole.session.resume import prepare_resume, resume_run_id
+    cfg = prepare_resume(args.run_dir, args.overrides)
+    from shardconsole import headless
+    return headless.run(cfg, args.run_dir, resume_run_id(args.run_dir))

@@ -1,0 +1,118 @@
+"""`shardconsole [--preset NAME|FILE] [--set table.key=value ...] [--headless | --print-command | --slurm]`:
+the console, or the same job without a UI, or its command line / sbatch script written out."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from shardconsole.cli.errors import UsageError
+from shardconsole.launch.command import runs_root
+from shardconsole.launch.job import PRESET_FILE, build_argv, format_argv, new_run_dir, run_id_of, slurm_script
+from shardconsole.session import preflight
+from shardconsole.settings import config as C
+from shardconsole.settings import resolve as settings
+from shardconsole.settings.resolve import DEFAULT_PRESET
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="shardconsole",
+        description="A terminal console for PyTorch FSDP2 and DeepSpeed ZeRO training. Subcommands: "
+                    "presets, settings, attach, stop, resume, export-model, export, import, plan, tune, runs, "
+                    "compare, doctor (see `shardconsole SUBCOMMAND --help`).")
+    ap.add_argument("--version", action="store_true", help="print the versions of shardconsole, torch, "
+                    "deepspeed, transformers and textual, and exit")
+    ap.add_argument("--preset", default=None, help=f"preset name or .toml file (default: {DEFAULT_PRESET})")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                    help="override one setting; repeatable; wins over the preset")
+    ap.add_argument("--headless", action="store_true", help="run without the UI, one line per log step")
+    ap.add_argument("--print-command", action="store_true",
+                    help="write the run folder, print the command that starts this node's ranks, and exit")
+    ap.add_argument("--slurm", action="store_true",
+                    help="write the run folder and print an sbatch script for the run (submit with sbatch)")
+    ap.add_argument("--run-dir", type=Path, default=None, help="run folder (default: <runs root>/<time>-<preset>)")
+    ap.add_argument("--runs-root", default=None, metavar="DIR",
+                    help="where new run folders go (default: $SHARDCONSOLE_RUNS_ROOT, else the per-user folder "
+                         "`shardconsole runs` prints)")
+    ap.add_argument("--force", action="store_true",
+                    help="--headless: launch even when the planner says the host's RAM is too small")
+    return ap
+
+
+def load_config(preset: str | None, overrides: list[str], *, here: bool = True,
+                slurm: bool = False) -> settings.Resolved:
+    """The settings of this command, resolved once (settings.resolve) and checked before a launch
+    (session/preflight): the model folder, the data files and, when `here` (the ranks run on this
+    machine), its GPU count. slurm: the batch script names node 0 (the job's first node). Notes and
+    warnings go to stderr."""
+    r = settings.resolve(preset or DEFAULT_PRESET, settings.from_cli(overrides), rendezvous_from_launcher=slurm)
+    for note in r.notes:
+        print(f"shardconsole: {note}", file=sys.stderr)
+    gpus = None
+    if here and r.cfg.parallel.device != "cpu":
+        from shardconsole.machine.probes import gpu_count
+        gpus = gpu_count()
+    for warning in preflight.check_launch(r, gpu_count=gpus):
+        print(f"shardconsole: {warning}", file=sys.stderr)
+    return r
+
+
+def cmd_run(argv: list[str]) -> int:
+    args = _run_parser().parse_args(argv)
+    if not args.headless and not args.print_command and not args.slurm:
+        # Bad input stops here (exit 2); the console checks the machine (NVML) in a worker after its
+        # first paint and runs the same preflight before it launches.
+        return _open_console(settings.resolve(args.preset or DEFAULT_PRESET, settings.from_cli(args.overrides)),
+                             runs_root(args.runs_root))
+    if args.headless and (args.print_command or args.slurm):
+        raise UsageError("--headless runs the job here; --print-command and --slurm only write it out: pick one")
+    # A command or a batch script is for the machines that will run it, not for this one's GPUs.
+    resolved = load_config(args.preset, args.overrides, here=not (args.print_command or args.slurm),
+                           slurm=args.slurm)
+    cfg, name = resolved.cfg, resolved.preset
+    run_dir = args.run_dir or new_run_dir(name, runs_root(args.runs_root))
+    if args.print_command or args.slurm:
+        # The printed command reads the run folder's preset.toml: it must exist for the command to work.
+        run_dir = _prepare_run_dir(cfg, run_dir, explicit=args.run_dir is not None)
+        run_id = run_id_of(run_dir)
+        # Absolute: the command is started on other nodes (or later, elsewhere) from any directory.
+        run_dir = run_dir.absolute()
+        if args.slurm:
+            sys.stdout.write(slurm_script(cfg, run_dir, run_id))
+            print(f"# wrote {run_dir / PRESET_FILE}; submit with `sbatch`, follow with `shardconsole attach "
+                  f"{run_dir}`; {run_dir} must be on a filesystem every node shares", file=sys.stderr)
+            return 0
+        print(format_argv(build_argv(cfg, run_dir, run_id)))
+        where = (f"run this on each of the {cfg.parallel.nnodes} nodes; {run_dir} must be on a shared filesystem"
+                 if cfg.parallel.nnodes > 1 else "run it here")
+        print(f"# wrote {run_dir / PRESET_FILE}; {where}; follow with `shardconsole attach {run_dir}`",
+              file=sys.stderr)
+        return 0
+    if not args.force:
+        preflight.check_host_memory(resolved, preflight.check_model(resolved))
+    run_dir = _prepare_run_dir(cfg, run_dir, explicit=args.run_dir is not None, launch=resolved)
+    from shardconsole import headless
+    return headless.run(cfg, run_dir, run_dir.resolve().name)
+
+
+def _prepare_run_dir(cfg: C.RunConfig, run_dir: Path, explicit: bool = True,
+                     launch: settings.Resolved | None = None) -> Path:
+    """Create the run folder with the resolved preset, atomically (session/rundir.py); returns it (a
+    default name taken in the same second gets a suffix). launch (the settings of a run that starts
+    here): a fixed master_port in use or an unwritable run/checkpoint folder is refused first."""
+    from shardconsole.session import rundir
+    if launch is not None:
+        rundir.check_port_free(cfg, launch.origin)
+        rundir.check_writable(cfg, run_dir, launch.origin)
+    return rundir.create_run_dir(cfg, run_dir, explicit=explicit)
+
+
+def _open_console(resolved: settings.Resolved, root: Path | None = None) -> int:
+    try:
+        from shardconsole.console.app import run_console
+    except ImportError as e:
+        print(f"shardconsole: the console is not available ({e}); use --headless", file=sys.stderr)
+        return 1
+    return run_console(resolved=resolved, runs_root=root)

@@ -1,0 +1,136 @@
+"""`shardconsole runs` and `shardconsole compare`: every run kept, listed and compared.
+
+    shardconsole runs [RUN ...] [--runs-root DIR] [--limit N] [--json] [--tensorboard] [--wandb]
+    shardconsole compare RUN RUN ... [--runs-root DIR] [--width N]
+
+RUN is a run folder or a run id (a part of one that names a single run) under the runs root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from shardconsole.settings.config import ConfigError
+from shardconsole.history import compare as CMP
+from shardconsole.history.index import RunSummary, find_run, list_runs, roots, summarize
+
+LIST_COLUMNS = ("id", "preset", "backend", "model", "status", "steps", "tokens/s", "MFU", "peak GPU", "peak host",
+                "last loss", "eval loss")
+
+
+def _root_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--runs-root", default=None, metavar="DIR",
+                    help="where runs are (default: $SHARDCONSOLE_RUNS_ROOT, else the per-user folder)")
+
+
+def _pick(refs: list[str], root: str | None) -> list[RunSummary]:
+    out = []
+    for ref in refs:
+        try:
+            out.append(summarize(find_run(ref, root)))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return out
+
+
+def cmd_runs(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="shardconsole runs",
+                                 description="list runs newest first: status (running, finished, stopped, failed "
+                                             "with its cause), steps, speed, peaks, losses")
+    ap.add_argument("runs", nargs="*", metavar="RUN", help="only these runs (folders or ids)")
+    _root_arg(ap)
+    ap.add_argument("--limit", type=int, default=None, metavar="N", help="the newest N runs only")
+    ap.add_argument("--json", action="store_true", help="one JSON object per run, for scripts")
+    ap.add_argument("--tensorboard", action="store_true",
+                    help="(re)write the runs' TensorBoard event files from their metrics.jsonl")
+    ap.add_argument("--wandb", action="store_true",
+                    help="export the named runs to Weights & Biases (offline unless WANDB_MODE says otherwise; "
+                         "needs `pip install shardconsole[wandb]`)")
+    args = ap.parse_args(argv)
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit: {args.limit} is not a positive number of runs")
+    if args.wandb and not args.runs:
+        raise ConfigError("--wandb exports the runs you name: give at least one RUN")
+    runs = _pick(args.runs, args.runs_root) if args.runs else list_runs(args.runs_root, args.limit)
+    where = " and ".join(str(r) for r in roots(args.runs_root))
+    if args.tensorboard:
+        return _tensorboard(runs, where)
+    if args.wandb:
+        from shardconsole.history.wandb_export import export
+        for r in runs:
+            print(export(r.path))
+        return 0
+    if args.json:
+        for r in runs:
+            print(json.dumps(_as_json(r)))
+        return 0
+    if not runs:
+        print(f"no runs in {where} yet", file=sys.stderr)
+        return 0
+    rows = []
+    for r in runs:
+        f = CMP.figures(r)
+        rows.append([r.run_id, *(f[c] for c in LIST_COLUMNS[1:])])
+    for line in CMP.table(list(LIST_COLUMNS), rows, max_cell=32):
+        print(line)
+    for r in runs:
+        if r.status in ("failed", "unknown") and r.detail:
+            print(f"  {r.run_id}: {r.detail}")
+    print(f"\nruns root: {where}  (`tensorboard --logdir {roots(args.runs_root)[0]}` shows their curves)",
+          file=sys.stderr)
+    return 0
+
+
+def _tensorboard(runs: list[RunSummary], where: str) -> int:
+    from shardconsole.runlog.tbevents import rebuild
+    if not runs:
+        print(f"no runs in {where} yet", file=sys.stderr)
+        return 0
+    failed = 0
+    for r in runs:
+        rec = rebuild(r.path)
+        if rec.path is not None:
+            print(f"{r.run_id}: {rec.path}")
+        else:
+            failed += 1
+            print(f"{r.run_id}: not written: {rec.why_not}", file=sys.stderr)
+    print(f"view them with `tensorboard --logdir {runs[0].path.parent}`", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _as_json(r: RunSummary) -> dict:
+    return {"id": r.run_id, "path": str(r.path), "status": r.status, "cause": r.cause, "detail": r.detail,
+            "started": r.started, "preset": r.preset, "backend": r.backend, "model": r.model, "step": r.step,
+            "steps": r.steps, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu, "peak_gpu_bytes": r.peak_gpu_bytes,
+            "peak_host_bytes": r.peak_host_bytes, "last_loss": r.last_loss, "eval_loss": r.eval_loss}
+
+
+def cmd_compare(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="shardconsole compare",
+                                 description="runs side by side: the settings that differ, their figures, and "
+                                             "their loss and tokens/s curves overlaid")
+    ap.add_argument("runs", nargs="+", metavar="RUN", help="two or more run folders or ids")
+    _root_arg(ap)
+    ap.add_argument("--width", type=int, default=None, help="plot width in characters (default: the terminal's)")
+    args = ap.parse_args(argv)
+    if len(args.runs) < 2:
+        raise ConfigError("compare needs at least two runs (folders or ids; `shardconsole runs` lists them)")
+    paths = []
+    for ref in args.runs:
+        try:
+            p = find_run(ref, args.runs_root).resolve()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if p in paths:
+            raise ConfigError(f"{ref!r} is named twice ({p})")
+        paths.append(p)
+    width = args.width or min(120, shutil.get_terminal_size((100, 24)).columns)
+    if width < 30:
+        raise ConfigError(f"--width: {width} is too narrow for a plot (30 or more)")
+    for line in CMP.compare_text([summarize(Path(p)) for p in paths], width=width):
+        print(line)
+    return 0

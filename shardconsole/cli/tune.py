@@ -1,0 +1,130 @@
+"""`shardconsole tune`: the planner proposes, short real runs decide, the winner is saved as a preset.
+
+    shardconsole tune --preset P [--set table.key=value ...] [--gpu-memory SIZE] [--host-memory SIZE]
+                      [--budget DURATION] [--max-probes N] [--probe-steps N] [-o NAME] [--dry-run]
+
+The settings as given run first (the baseline), then the options the planner ranks fastest that fit,
+each a few steps through the normal launch path under the memory cap, re-ranked after each probe with
+what it measured, until the budget or the probe count ends. The fastest probe that stayed under the
+caps is written as the user preset NAME (default: P-tuned), its figures in the header comment. A key
+given with --set is kept as given: the tune searches only the others. Exit codes: 0 a preset written,
+1 no probe finished under the caps, 2 bad input, 130 stopped with Ctrl-C (a preset is written from what
+was measured when one finished).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shardconsole.settings import config as C
+from shardconsole.settings import resolve as settings
+from shardconsole.tune.engine import Tune
+from shardconsole.tune.setup import make_tune, output_name, parse_duration
+from shardconsole.tune.report import format_table, machine_text, table, write_preset
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="shardconsole tune",
+        description="Probe the settings that fit with short real runs and save the fastest as a preset.")
+    ap.add_argument("--preset", default=None, help="preset name or .toml file to tune (default: the default preset)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                    help="override one setting; a key set here is not searched; repeatable")
+    ap.add_argument("--gpu-memory", default=None, metavar="SIZE",
+                    help="the GPU memory cap the probes run under, e.g. 24GiB (default: memory.gpu_memory_limit, "
+                         "else the card)")
+    ap.add_argument("--host-memory", default=None, metavar="SIZE",
+                    help="host RAM the run may use, e.g. 64GiB (default: this machine's); on CPU ranks the cap")
+    ap.add_argument("--budget", default="10m", metavar="DURATION", help="wall time for all probes: 90s, 10m, 1h")
+    ap.add_argument("--max-probes", type=int, default=6, help="at most this many probes, the baseline included")
+    ap.add_argument("--probe-steps", type=int, default=6, help="optimizer steps of each probe (the first is not timed)")
+    ap.add_argument("-o", "--output", default=None, metavar="NAME", help="the preset to write (default: P-tuned)")
+    ap.add_argument("--runs-root", default=None, metavar="DIR", help="where the probes' run folders go")
+    ap.add_argument("--dry-run", action="store_true", help="list the options that fit, ranked; probe nothing")
+    return ap
+
+
+def _positive(flag: str, n: int) -> int:
+    if n < 1:
+        raise C.ConfigError(f"{flag}: {n} is below 1")
+    return n
+
+
+def setup(args: argparse.Namespace) -> tuple[Tune, str, str]:
+    """The tune of these arguments, ready to run; bad input raises ConfigError. Returns (tune, the
+    preset's name, the output preset name)."""
+    from shardconsole.settings.resolve import DEFAULT_PRESET
+
+    budget = parse_duration("--budget", args.budget)
+    _positive("--max-probes", args.max_probes)
+    _positive("--probe-steps", args.probe_steps)
+    preset = args.preset or DEFAULT_PRESET
+    overrides = settings.from_cli(args.overrides)
+    resolved = settings.resolve(preset, overrides)
+    name = output_name(args.output, resolved.preset)
+    tune = make_tune(resolved, budget_s=budget, max_probes=args.max_probes, probe_steps=args.probe_steps,
+                     gpu_memory=args.gpu_memory, host_memory=args.host_memory, runs_root_dir=args.runs_root, name=name)
+    return tune, resolved.preset, name
+
+
+def cmd_tune(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    tune, source, name = setup(args)
+    out = sys.stdout
+    tune.plan()
+    fits = [o for o in tune.options if o.estimate.fits]
+    print(f"tune {source}: model {tune.base.model.name}, {machine_text(tune)}", file=out)
+    print(f"{len(fits)} option(s) fit; probing up to {tune.limits.max_probes} for {args.budget}, "
+          f"{tune.limits.probe_steps} steps each, the settings as given first", file=out, flush=True)
+    if args.dry_run:
+        for o in tune.options[:20]:
+            p = o.prediction
+            print(f"  {p.value:10.2f} {p.unit:<8} ({p.source})  {'[baseline] ' if o.baseline else ''}{o.name}"
+                  f"{'' if o.estimate.fits else '  (does not fit: ' + o.estimate.verdict + ')'}", file=out)
+        return 0
+    shown = [0]
+
+    def on_change(t: Tune) -> None:
+        done = [r for r in t.rows if r.state == "done"]
+        for i, row in enumerate(done[shown[0]:], start=shown[0]):
+            res = row.result
+            gpu = f"GPU {res.gpu_peak_bytes / 2**30:.1f} GiB, " if res.gpu_peak_bytes else ""
+            what = (f"{res.tokens_per_s:,.0f} tokens/s, {gpu}host {res.host_peak_bytes / 2**30:.1f} GiB"
+                    if res.ok else f"{res.status}: {res.message}")
+            print(f"probe {i + 1}: {row.label}: {what} ({res.seconds:.0f} s)", file=out, flush=True)
+        if len(done) > shown[0] and len(done) < t.limits.max_probes:
+            # the table so far and what comes next, re-ranked with what was just measured
+            print("\n" + format_table(table(t)) + "\n", file=out, flush=True)
+        shown[0] = len(done)
+        running = [r for r in t.rows if r.state == "running"]
+        if running and getattr(on_change, "said", None) is not running[-1]:
+            on_change.said = running[-1]        # type: ignore[attr-defined]
+            print(f"probe {len(t.rows)}: {running[-1].label} ...", file=out, flush=True)
+
+    tune.on_change = on_change
+    code = 0
+    try:
+        winner = tune.run()
+    except KeyboardInterrupt:         # between probes (a probe in flight stops itself: probe.py)
+        tune.stop = tune.interrupted = True
+        winner = tune.winner()
+    if tune.interrupted:
+        code = 130
+    print("\n" + format_table(table(tune)), file=out)
+    if tune.note:
+        print(f"({tune.note})", file=out)
+    if winner is None:
+        print("no probe finished under the caps: nothing written (the rows above say why each stopped)",
+              file=sys.stderr)
+        return code or 1
+    path = write_preset(tune, winner, name, source)
+    base = tune.baseline()
+    vs = ""
+    if base is not None and base.result is not None and base.result.ok and base is not winner:
+        vs = f", {100 * (winner.result.tokens_per_s / base.result.tokens_per_s - 1):+.0f}% against {source} as given"
+    elif base is winner:
+        vs = f"; {source} as given was the fastest"
+    print(f"winner: {winner.option.name}: {winner.result.tokens_per_s:,.0f} tokens/s{vs}", file=out)
+    print(f"wrote {path}; run it with `shardconsole --preset {name}`", file=out)
+    return code

@@ -1,0 +1,198 @@
+"""What starts a run: the launcher's argv for this node, the sbatch script, the ranks' environment.
+
+No shell anywhere: argv lists only, so a preset value is never pasted into a shell string; the one
+text meant for a shell (the sbatch script) quotes every word and keeps each on its line. The
+processes these start are launch.py's.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from shardconsole.settings import config as C
+from shardconsole.machine import doctor_verdict, flight_recorder
+from shardconsole.launch import process_identity as PI
+
+WORKER_MODULE = PI.WORKER_MODULE
+
+
+RUNS_ROOT_ENV = "SHARDCONSOLE_RUNS_ROOT"
+OLD_RUNS_ROOT = Path("runs")     # the default before the runs root: relative to where a run started
+
+
+def runs_root(explicit: str | Path | None = None) -> Path:
+    """Where new run folders go, the same from any directory: `--runs-root`, else $SHARDCONSOLE_RUNS_ROOT,
+    else the per-user data folder (~/.local/share/shardconsole/runs on Linux). Absolute, so a command
+    printed for other nodes or a console started elsewhere names the same folder."""
+    if explicit:
+        return Path(explicit).expanduser().absolute()
+    if os.environ.get(RUNS_ROOT_ENV):
+        return Path(os.environ[RUNS_ROOT_ENV]).expanduser().absolute()
+    import platformdirs
+    return Path(platformdirs.user_data_dir("shardconsole")) / "runs"
+
+
+def new_run_dir(preset_name: str, root: str | Path | None = None) -> Path:
+    """<runs root>/<time>-<preset>, made unique if two runs start in the same second."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(preset_name).stem) or "run"
+    base = (runs_root() if root is None else Path(root)) / f"{stamp}-{safe}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = Path(f"{base}-{n}")
+    return path
+
+
+def run_id_of(run_dir: Path) -> str:
+    return run_dir.resolve().name
+
+
+def build_argv(cfg: C.RunConfig, run_dir: str | Path, run_id: str, python: str = sys.executable) -> list[str]:
+    """The exact command that starts the ranks of this node."""
+    p = cfg.parallel
+    worker = ["-m", WORKER_MODULE, "--run-dir", str(run_dir), "--run-id", run_id]
+    if p.launcher == "deepspeed":
+        return _deepspeed_argv(cfg, worker, python)
+    local = p.nnodes == 1 and not p.rdzv_endpoint
+    # One node: torchrun through loopback_torchrun, whose stores listen on 127.0.0.1 only (torchrun's
+    # own listen on every interface); the rendezvous on master_port, or on a free port (0).
+    module = "shardconsole.launch.loopback_torchrun" if local else "torch.distributed.run"
+    argv = [python, "-m", module, f"--nproc-per-node={p.nproc_per_node}", f"--nnodes={p.nnodes}",
+            "--max-restarts=0"]
+    if local:
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{p.master_port or 0}",
+                 f"--rdzv-id={run_id}", "--local-addr=127.0.0.1"]
+    else:
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={p.rdzv_endpoint}", f"--rdzv-id={p.rdzv_id or run_id}"]
+        if p.node_rank >= 0:
+            argv += [f"--node-rank={p.node_rank}"]
+    return argv + worker
+
+
+SLURM_RDZV_PORT = 20000
+
+
+def slurm_script(cfg: C.RunConfig, run_dir: str | Path, run_id: str, python: str = sys.executable,
+                 workdir: str | Path | None = None) -> str:
+    """An sbatch script for this run: one torchrun agent per node (srun, one task a node), the c10d
+    rendezvous on the job's first node, the job id as the rendezvous id. Slurm places the nodes; the
+    ranks, the stream and the checkpoints are the same as a local run's. The run folder must be on a
+    filesystem every node shares (it holds preset.toml and receives the metrics), as for any
+    multi-node run. The deepspeed launcher is not used under Slurm: torchrun starts DeepSpeed ranks
+    just as well and needs no hostfile or ssh."""
+    p = cfg.parallel
+    run_dir = Path(run_dir).resolve()
+    # A port of the user's, else one per job: two jobs sharing a node must not meet in one rendezvous.
+    port = p.rdzv_endpoint.rsplit(":", 1)[1] if p.rdzv_endpoint else f"$(({SLURM_RDZV_PORT} + SLURM_JOB_ID % 20000))"
+    torchrun = [python, "-m", "torch.distributed.run", f"--nproc-per-node={p.nproc_per_node}", "--max-restarts=0",
+                "--rdzv-backend=c10d"]
+    worker = ["-m", WORKER_MODULE, "--run-dir", str(run_dir), "--run-id", run_id]
+    # sbatch reads the #SBATCH lines itself, where shell quoting cannot hold a newline: names go there
+    # (and into the comment) with control characters escaped; the shell lines are quoted so that each
+    # stays one line ($'...' for a word with a control character in it).
+    out_file = str(run_dir / "slurm-%j.out")
+    lines = ["#!/bin/bash",
+             f"# shardconsole run {_one_line(run_id)}: {p.nnodes} node(s) x {p.nproc_per_node} rank(s), "
+             f"backend {p.backend}",
+             f"#SBATCH --job-name={shlex.quote(_one_line(run_id))}",
+             f"#SBATCH --nodes={p.nnodes}",
+             "#SBATCH --ntasks-per-node=1"]
+    if _one_line(out_file) == out_file:
+        lines.append(f"#SBATCH --output={shlex.quote(out_file)}")
+    else:
+        lines.append(f"# the run folder's name holds a control character: output in slurm-%j.out where sbatch runs")
+    if p.device != "cpu":
+        lines.append(f"#SBATCH --gpus-per-node={p.nproc_per_node}")
+    lines += ["set -euo pipefail", f"cd {_sh_quote(str(Path(workdir or os.getcwd()).resolve()))}"]
+    env = child_env(cfg, base={})
+    lines += [f"export {k}={_sh_quote(v)}" for k, v in sorted(env.items())]
+    lines += ['head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+              "# one torchrun agent per node; the first node hosts the rendezvous",
+              f"srun --kill-on-bad-exit=1 {_sh_join(torchrun)} --nnodes=\"$SLURM_NNODES\" "
+              f"--rdzv-endpoint=\"$head_node:{port}\" --rdzv-id=\"$SLURM_JOB_ID\" {_sh_join(worker)}"]
+    return "\n".join(lines) + "\n"
+
+
+def _one_line(text: str) -> str:
+    """text with every control character escaped (a newline becomes \\n): safe inside one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _sh_quote(word: str) -> str:
+    """shlex.quote, but a word holding a control character becomes $'...' with it escaped: the word
+    stays on its line (sbatch reads #SBATCH directives line by line)."""
+    if word == _one_line(word):
+        return shlex.quote(word)
+    escaped = "".join("\\\\" if c == "\\" else "\\'" if c == "'" else
+                      (c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else c) for c in word)
+    return f"$'{escaped}'"
+
+
+def _sh_join(words: list[str]) -> str:
+    return " ".join(_sh_quote(w) for w in words)
+
+
+def _deepspeed_argv(cfg: C.RunConfig, worker: list[str], python: str) -> list[str]:
+    p = cfg.parallel
+    argv = [python, "-m", "deepspeed.launcher.runner", f"--num_gpus={p.nproc_per_node}",
+            f"--num_nodes={p.nnodes}"]
+    if p.nnodes > 1:
+        host, port = p.rdzv_endpoint.rsplit(":", 1)
+        argv += [f"--master_addr={host}", f"--master_port={port}"]
+        if p.node_rank >= 0:
+            argv += [f"--node_rank={p.node_rank}"]
+    elif p.master_port:
+        argv += [f"--master_port={p.master_port}"]
+    else:
+        # The runner's default port is 29500 for every run, so two runs on one machine would meet in
+        # one rendezvous (torchrun's --standalone picks a free port; this does the same).
+        argv += [f"--master_port={_free_port()}"]
+    # deepspeed's runner takes the script and its args; --module runs a module instead of a file. One
+    # node: the rank module through loopback_rank, so rank 0's rendezvous store listens on 127.0.0.1.
+    module = PI.LOOPBACK_WORKER_MODULE if p.nnodes == 1 else worker[1]
+    return argv + ["--module", module] + worker[2:]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def format_argv(argv: list[str]) -> str:
+    return shlex.join(argv)
+
+
+def child_env(cfg: C.RunConfig, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env["PYTHONUNBUFFERED"] = "1"
+    if cfg.parallel.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""   # the ranks must not grab a GPU they were told not to use
+    if cfg.parallel.backend == "deepspeed" and cfg.parallel.device == "cpu":
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    if cfg.train.save_on_stop:
+        # torchrun's agent SIGKILLs its workers this long after it forwards a SIGTERM (30 s by default): a
+        # checkpoint saved on stop must fit inside it (the ranks read the same variable for their bound).
+        env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(cfg.train.stop_save_timeout_s) + 30))
+    # torch's flight recorder: a hang report names the collective each rank is in (flight_recorder.py)
+    for key in flight_recorder.ENV_VARS:
+        env.setdefault(key, flight_recorder.BUFFER_ENTRIES)
+    return env
+
+
+def _launch_env(cfg: C.RunConfig, env: dict[str, str] | None) -> dict[str, str]:
+    out = child_env(cfg, env)
+    if cfg.parallel.device != "cpu" and "NCCL_P2P_DISABLE" not in out:
+        why = doctor_verdict.p2p_broken_here()   # this machine's saved doctor verdict; rank 0 says it
+        if why:
+            out["NCCL_P2P_DISABLE"] = "1"
+            out[doctor_verdict.P2P_NOTE_ENV] = why
+    if cfg.parallel.nnodes == 1 and not cfg.parallel.rdzv_endpoint:
+        out.setdefault("GLOO_SOCKET_IFNAME", "lo")    # one node: gloo's pair sockets on loopback too
+    return out

@@ -1,0 +1,266 @@
+"""A started run's processes: the launcher in a session of its own, which of them may be signalled, and
+stopping them.
+
+The child (torchrun or the deepspeed launcher) runs in its own session, so Ctrl-C in the front end's
+terminal does not reach the ranks directly: the front end stops them on purpose (SIGTERM, a grace
+period, SIGKILL) and then checks that none is left. What is started (argv, environment, the sbatch
+script) is launch_command.py's, re-exported here for the modules that import it from launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shardconsole.settings import config as C
+from shardconsole.launch import process_identity as PI
+from shardconsole.launch.command import (WORKER_MODULE, _launch_env, build_argv, child_env,  # noqa: F401
+                                         format_argv, new_run_dir, run_id_of, slurm_script)
+from shardconsole.runlog.runfolder import JOB_FILE as RUN_FILE, LAUNCHER_LOG, METRICS_FILE, PRESET_FILE  # noqa: F401
+
+
+@dataclass
+class StopReport:
+    signalled: list[int] = field(default_factory=list)   # pids that were alive when the stop began
+    killed: bool = False                                  # SIGKILL was needed
+    left: list[int] = field(default_factory=list)         # pids still alive at the end (should be empty)
+    seconds: float = 0.0
+    gpu_note: str = ""                                    # what NVML says after the stop (front ends fill it)
+    refused: str = ""                                     # why some process named by the run was not signalled
+
+    @property
+    def clean(self) -> bool:
+        return not self.left
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    """What the processes say about a run, for the outcome: a launcher killed with its ranks still
+    training is neither a finished run nor a crash."""
+    launcher: str             # "ours" (alive), "gone" (ended), "stranger" (job.json names another process)
+    launcher_rc: int | None   # its exit code, when this front end started it and it has ended
+    ranks_alive: list[int]    # verified rank pids still running
+    note: str = ""            # why the launcher is not ours, or how it ended
+
+    @property
+    def orphaned(self) -> bool:
+        """The launcher is gone (killed: OOM killer, kill -9) while ranks of the run still run."""
+        return self.launcher != "ours" and bool(self.ranks_alive)
+
+
+_live, _tree, _group_pids = PI.live, PI.tree, PI.group_pids     # tests/conftest.py reads _group_pids
+
+
+class Job:
+    """A started run: the launcher process, its process group, and the ranks the stream announced.
+
+    Only verified processes are ever signalled (process_identity.py): the launcher when host, start
+    time and command line match job.json; a rank when its hello line's host is this one and its
+    command line runs this run. A launcher killed from outside leaves its ranks running: alive(),
+    poll() and stop() still see them through their hello lines."""
+
+    external = False     # started by this machine's front end (see ExternalJob)
+
+    def __init__(self, run_dir: Path, pid: int, pgid: int, argv: list[str],
+                 proc: subprocess.Popen | None = None, info: dict | None = None) -> None:
+        self.run_dir, self.pid, self.pgid, self.argv, self.proc = run_dir, pid, pgid, argv, proc
+        self.info = info if info is not None else {"pid": pid, "pgid": pgid, "argv": argv}
+        self.run_id = str(self.info.get("run_id") or run_id_of(run_dir))
+        self._pos, self._partial = 0, b""          # how far the stream has been read for hello lines
+        self._hello_hosts: dict[int, str] = {}
+
+    @classmethod
+    def start(cls, cfg: C.RunConfig, run_dir: Path, run_id: str, env: dict[str, str] | None = None) -> "Job":
+        """Start the launcher in run_dir. The folder is not created here: a new run's folder is made
+        once, atomically, by session.rundir.create_run_dir; `shardconsole resume` starts on the
+        folder of an earlier run on purpose (job.json is then replaced)."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        argv = build_argv(cfg, run_dir, run_id)
+        log_fd = os.open(run_dir / LAUNCHER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT,
+                                    env=_launch_env(cfg, env), start_new_session=True)
+        finally:
+            os.close(log_fd)
+        info = {"pid": proc.pid, "pgid": proc.pid, "argv": argv, "cmdline": argv, "started": time.time(),
+                "create_time": PI.start_time(proc.pid), "host": PI.this_host(),
+                "run_dir": str(run_dir.resolve()), "run_id": run_id}
+        job = cls(run_dir, proc.pid, proc.pid, argv, proc, info)
+        tmp = run_dir / f"{RUN_FILE}.{os.getpid()}.tmp"   # agents of a multi-node run may share the folder
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, run_dir / RUN_FILE)
+        return job
+
+    @classmethod
+    def from_run_dir(cls, run_dir: Path) -> "Job":
+        info = json.loads((run_dir / RUN_FILE).read_text())
+        if not isinstance(info, dict):
+            raise ValueError("not a JSON object")
+        return cls(run_dir, int(info["pid"]), int(info.get("pgid", info["pid"])), list(info.get("argv", [])),
+                   info=info)
+
+    # -- who is who ------------------------------------------------------------------------------
+
+    def launcher_state(self) -> tuple[str, str]:
+        """("ours" | "gone" | "stranger", why): see process_identity.check_launcher."""
+        if self.proc is not None:      # our own child: the pid cannot be reused before we reap it
+            return ("ours", "") if self.proc.poll() is None else ("gone", f"the launcher exited ({self.proc.returncode})")
+        return PI.check_launcher(self.info, self.run_dir)
+
+    def _read_hellos(self) -> None:
+        """The hello lines appended since the last call. Only those are decoded: a long run's stream
+        is mostly step lines, and alive() is asked several times a second."""
+        from shardconsole.runlog import protocol as P
+        try:
+            with open(self.run_dir / METRICS_FILE, "rb") as fh:
+                fh.seek(self._pos)
+                chunk = fh.read(64 << 20)
+        except OSError:
+            return
+        self._pos += len(chunk)
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()
+        if len(self._partial) > P.MAX_LINE:
+            self._partial = b""
+        for raw in lines:
+            if b'"kind":"hello"' not in raw:
+                continue
+            try:
+                msg = P.decode(raw)
+            except P.DecodeError:
+                continue
+            if isinstance(msg, P.Hello) and msg.run == self.run_id and msg.pid > 0:
+                self._hello_hosts[msg.pid] = msg.host
+
+    def rank_pids(self, extra: tuple[int, ...] = ()) -> list[int]:
+        """Live ranks of this run on this host, verified: the stream's hello pids and any the caller
+        knows (also hello pids), each checked against its command line."""
+        self._read_hellos()
+        pids = set(self._hello_hosts) | {int(p) for p in extra}
+        return sorted(p for p in PI.live(pids)
+                      if PI.is_rank_of(p, self._hello_hosts.get(p), self.run_dir, self.run_id))
+
+    def facts(self, extra: tuple[int, ...] = ()) -> JobFacts:
+        state, why = self.launcher_state()
+        rc = self.proc.poll() if self.proc is not None else None
+        return JobFacts(state, rc, self.rank_pids(extra), why)
+
+    # -- the questions a front end asks -------------------------------------------------------------
+
+    def poll(self) -> int | None:
+        """The launcher's exit code once the run is over, None while any process of it runs (ranks
+        orphaned by a killed launcher included)."""
+        if self.proc is not None:
+            rc = self.proc.poll()
+            return None if rc is None or self.rank_pids() else rc
+        # Attached from another front end: not our child, so no exit code; alive or not is all we know.
+        return None if self.alive() else 0
+
+    def alive(self) -> bool:
+        return self.launcher_state()[0] == "ours" or bool(self.rank_pids())
+
+    def processes(self, extra: tuple[int, ...] = ()) -> list[int]:
+        """Live processes of the run that may be signalled: the verified launcher's tree and group, the
+        verified ranks, and each rank's own session and children."""
+        pids: set[int] = set()
+        if self.launcher_state()[0] == "ours":
+            pids |= PI.tree(self.pid) | set(PI.group_pids(self.pgid))
+        for rank in self.rank_pids(extra):
+            pids |= PI.tree(rank)
+        for pid in list(pids):
+            try:
+                if os.getpgid(pid) == pid:          # a worker's own session: its children too
+                    pids |= set(PI.group_pids(pid))
+            except OSError:
+                continue
+        return sorted(p for p in PI.live(pids) if p > 1 and p != os.getpid())
+
+    def stop(self, grace_s: float = 10.0, rank_pids: tuple[int, ...] = ()) -> StopReport:
+        """SIGTERM to every verified process of the run, wait up to grace_s, then SIGKILL; report what
+        is left. A launcher that job.json names but that is not ours is left alone (report.refused)."""
+        t0 = time.monotonic()
+        state, why = self.launcher_state()
+        targets = self.processes(tuple(rank_pids))
+        report = StopReport(signalled=targets, refused=why if state == "stranger" else "")
+        self._signal_all(targets, signal.SIGTERM)
+        deadline = t0 + grace_s
+        while time.monotonic() < deadline:
+            self._reap()
+            if not PI.live(targets):
+                break
+            time.sleep(0.05)
+        else:
+            report.killed = True
+            targets = sorted(set(targets) | set(self.processes(tuple(rank_pids))))
+            self._signal_all(targets, signal.SIGKILL)
+            end = time.monotonic() + 5.0
+            while time.monotonic() < end and PI.live(targets):
+                self._reap()
+                time.sleep(0.05)
+        self._reap()
+        report.left = PI.live(set(targets) | set(self.processes(tuple(rank_pids))))
+        report.seconds = time.monotonic() - t0
+        return report
+
+    def _signal_all(self, pids: list[int], sig: int) -> None:
+        """Each verified process by pid, and the process groups that verified processes lead (a group
+        leader is the launcher or a worker in its own session); never a group we only joined."""
+        own = os.getpgid(0)
+        for pid in pids:
+            try:
+                if os.getpgid(pid) == pid and pid != own:
+                    os.killpg(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _reap(self) -> None:
+        if self.proc is not None:
+            self.proc.poll()
+
+
+class ExternalJob:
+    """A run whose launchers this machine did not start (--print-command run by hand on other nodes, a
+    Slurm job): no process to poll or signal, only its stream, which says when it has ended."""
+
+    external = True
+
+    def __init__(self, run_dir: Path) -> None:
+        from shardconsole.runlog.stream import MetricsReader
+        self.run_dir, self.pid, self.argv, self.proc = run_dir, 0, [], None
+        self._reader = MetricsReader(run_dir / METRICS_FILE)
+        self._rc: int | None = None
+
+    def poll(self) -> int | None:
+        """0 once the stream says finished, 1 once a rank reports a failure, else None (still running,
+        as far as this machine can tell). Reads only what was appended since the last call."""
+        from shardconsole.runlog.protocol import Failed, Finished
+        for msg in self._reader.poll():
+            if self._rc is None and isinstance(msg, (Finished, Failed)):
+                self._rc = 0 if isinstance(msg, Finished) else 1
+        return self._rc
+
+    def alive(self) -> bool:
+        return self.poll() is None
+
+
+def open_run(run_dir: Path) -> Job | ExternalJob:
+    """The run in a folder, for attach: the job this machine started (job.json), or one started
+    elsewhere that only its stream describes. ValueError with a one-line reason otherwise."""
+    if not (run_dir / PRESET_FILE).is_file():
+        raise ValueError(f"{run_dir}: not a run folder (no {PRESET_FILE})")
+    if not (run_dir / RUN_FILE).is_file():
+        return ExternalJob(run_dir)     # started by --print-command / --slurm on other machines
+    try:
+        return Job.from_run_dir(run_dir)
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"{run_dir / RUN_FILE}: unreadable ({e})") from None

@@ -1,0 +1,85 @@
+"""RunState: what a front end knows of a run, folded from its metrics stream. No UI, no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardconsole.runlog import protocol as P
+
+
+def fmt_rate(x: float) -> str:
+    """Tokens a second as both front ends print them: 61.5k."""
+    return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
+
+
+@dataclass
+class RunState:
+    """What the front ends know of a run, folded from the stream."""
+    world: int | None = None
+    hellos: dict[int, P.Hello] = field(default_factory=dict)
+    last_step: P.Step | None = None
+    prev_step: P.Step | None = None      # the step line before last_step: the hang watch's interval
+    memory: dict[int, P.Memory] = field(default_factory=dict)
+    gpus: dict[int, P.GpuSample] = field(default_factory=dict)
+    host: P.HostSample | None = None
+    phase: str = "starting"
+    events: list[P.Event] = field(default_factory=list)
+    failed: list[P.Failed] = field(default_factory=list)
+    finished: P.Finished | None = None
+    data: P.DataSummary | None = None
+    evals: list[P.Eval] = field(default_factory=list)
+    offload: dict[int, P.OffloadTiming] = field(default_factory=dict)    # the offload view, by rank
+
+    def apply(self, msg: P.Message) -> None:
+        if isinstance(msg, P.Hello):
+            self.hellos[msg.rank] = msg
+            self.world = msg.world
+        elif isinstance(msg, P.Step):
+            self.prev_step, self.last_step = self.last_step, msg
+        elif isinstance(msg, P.Memory):
+            self.memory[msg.rank] = msg
+        elif isinstance(msg, P.GpuSample):
+            self.gpus[msg.index] = msg
+        elif isinstance(msg, P.HostSample):
+            self.host = msg
+        elif isinstance(msg, P.Event):
+            if msg.name == "phase":
+                self.phase = msg.detail
+            self.events.append(msg)
+        elif isinstance(msg, P.Failed):
+            self.failed.append(msg)
+        elif isinstance(msg, P.Finished):
+            self.finished = msg
+        elif isinstance(msg, P.DataSummary):
+            self.data = msg
+        elif isinstance(msg, P.Eval):
+            self.evals.append(msg)
+        elif isinstance(msg, P.OffloadTiming):
+            self.offload[msg.rank] = msg
+
+    def new_session(self) -> None:
+        """A resumed run appends a new session to the same stream: its ranks, its end, its events."""
+        self.hellos.clear()
+        self.failed.clear()
+        self.events.clear()
+        self.finished = None
+        self.phase = "starting"
+
+    def gpu_of(self, rank: int) -> P.GpuSample | None:
+        """The NVML sample of the card this rank computes on, matched by UUID (never by index)."""
+        hello = self.hellos.get(rank)
+        key = P.gpu_uuid_key(hello.gpu_uuid) if hello is not None else ""
+        return next((g for g in self.gpus.values() if key and P.gpu_uuid_key(g.uuid) == key), None)
+
+    @property
+    def rank_pids(self) -> list[int]:
+        return [h.pid for h in self.hellos.values() if h.pid > 0]
+
+    def first_failure(self) -> P.Failed | None:
+        """The root cause: the earliest failure that is not a consequence of another rank dying."""
+        if not self.failed:
+            return None
+        primary = [f for f in self.failed if f.cause != "crash" or "terminated" not in f.message.lower()]
+        # A rank that stopped on request is not a cause when another rank failed for real.
+        real = [f for f in primary if f.cause != "stopped"]
+        return min(real or primary or self.failed, key=lambda f: f.t)

@@ -1,0 +1,175 @@
+"""Transport of the metrics stream: JSON lines appended to the run's metrics.jsonl.
+
+Each rank and the front end append whole lines with O_APPEND, one write() per line (< 4 KiB), so
+lines from different processes never interleave. Readers tail the file. The file is the stream:
+a front end that dies loses nothing (the ranks keep writing), and `attach` replays the whole history
+before following new lines. The training loop never waits on a reader, because there is none to wait
+on; a failed write (disk full) drops the line and counts it, it never raises into training.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from shardconsole.runlog.protocol import MAX_LINE, DecodeError, Message, decode, encode
+
+
+class MetricsWriter:
+    """Appends one rank's (or the front end's) lines. A line the file refuses (a full disk, a folder
+    gone read-only) is dropped and counted, never raised into training; the first refusal is told once
+    on stderr, which is the rank's log (session.rundir.stream_stopped_note reads it back), because the
+    stream itself cannot carry the news."""
+
+    def __init__(self, path: str | Path | None, run: str = "", rank: int = -1) -> None:
+        self.path = Path(path) if path else None
+        self.run, self.rank = run, rank
+        self.dropped = 0
+        self.last_error = ""          # why the last line was dropped ("No space left on device")
+        self.last_step = 0            # the last step line written whole
+        self._torn = False            # a short write left half a line: the next line ends it first
+        self._fd: int | None = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # 0o666 and the umask decide, like every file of the run folder: a follower reads them all
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+
+    def emit(self, msg: Message) -> None:
+        if self._fd is None:
+            return
+        try:
+            data = (("\n" if self._torn else "") + encode(msg) + "\n").encode()
+            n = os.write(self._fd, data)
+            if n < len(data):          # the disk filled mid-line: the rest, to learn why (ENOSPC)
+                self._torn = True
+                os.write(self._fd, data[n:])
+            self._torn = False
+            if msg.kind == "step":
+                self.last_step = getattr(msg, "step", self.last_step)
+        except (OSError, ValueError) as e:
+            self.dropped += 1
+            first = not self.last_error
+            self.last_error = getattr(e, "strerror", None) or str(e)
+            if first and self.rank >= 0:
+                self._tell(f"shardconsole: metrics stream: rank {self.rank} could not write a line to {self.path} "
+                           f"after step {self.last_step}: {self.last_error}; later lines are dropped and counted")
+
+    @staticmethod
+    def _tell(line: str) -> None:
+        try:
+            os.write(2, (line + "\n").encode())
+        except OSError:
+            pass     # the log is on the same full disk: stream_stopped_note then sees the disk itself
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class SampleAppender:
+    """The front end's machine samples (each GPU, the host) into a run's stream, so the file keeps the
+    whole story and a later attach replays the memory curves too. Shared by `--headless` and the
+    console. A run folder this user cannot write (someone else's run, attached) is followed read-only:
+    `append` then hands the samples back for the caller to show instead of writing them."""
+
+    def __init__(self, path: str | Path, run: str) -> None:
+        self.path, self.run = Path(path), run
+        self.writable = True
+        self._writer: MetricsWriter | None = None
+
+    def append(self, samples: list[Message]) -> list[Message]:
+        """Write `samples` to the stream; returns those not written (a read-only folder)."""
+        if self.writable and self._writer is None:
+            try:
+                self._writer = MetricsWriter(self.path, self.run, -1)
+            except OSError:
+                self.writable = False
+        if self._writer is None:
+            return samples
+        for s in samples:
+            self._writer.emit(s)
+        return []
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+class MetricsReader:
+    """Follows a metrics.jsonl from the start. poll() returns the messages written since last time.
+
+    The file stays open once found: the ranks append through descriptors of their own, so a
+    metrics.jsonl deleted or replaced mid-run still grows under the old inode, and this reader keeps
+    reading it there (`lost` then says what happened to the name, for the front end to show)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.bad_lines = 0
+        self.last_error = ""
+        self.lost = ""              # set once the file's name no longer leads to the file being read
+        self._fd: int | None = None
+        self._pos = 0
+        self._partial = b""
+        self._skipping = False      # inside an over-long line: dropped up to its newline, counted once
+
+    def poll(self, max_bytes: int = 8 << 20) -> list[Message]:
+        if self._fd is None:
+            try:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            except OSError as e:    # not there yet; or another user's 0600 file
+                if not isinstance(e, FileNotFoundError):
+                    self.last_error = f"{self.path}: {e.strerror}"
+                return []
+        try:
+            chunk = os.pread(self._fd, max_bytes, self._pos)
+        except OSError as e:
+            self.last_error = f"{self.path}: {e.strerror}"
+            return []
+        self._pos += len(chunk)
+        if not chunk:
+            self._check_name()
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()  # an unfinished line stays for the next poll
+        if self._skipping and lines:
+            lines.pop(0)             # the tail of the over-long line
+            self._skipping = False
+        if len(self._partial) > MAX_LINE:
+            if not self._skipping:
+                self._count_bad("line too long")
+            self._skipping = True
+            self._partial = b""
+        out: list[Message] = []
+        for raw in lines:
+            if not raw.strip():
+                continue
+            try:
+                out.append(decode(raw))
+            except DecodeError as e:
+                self._count_bad(str(e))
+        return out
+
+    def _check_name(self) -> None:
+        if self.lost or self._fd is None:
+            return
+        try:
+            mine = os.fstat(self._fd)
+            now = os.stat(self.path)
+            if (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino):
+                self.lost = f"{self.path} was replaced by another file; still reading the one the ranks write to"
+        except FileNotFoundError:
+            self.lost = f"{self.path} was deleted; still reading the ranks' open file (a later attach cannot)"
+        except OSError:
+            pass
+
+    def _count_bad(self, why: str) -> None:
+        self.bad_lines += 1
+        self.last_error = why
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

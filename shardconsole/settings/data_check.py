@@ -1,0 +1,107 @@
+"""Where the data comes from, checked before any rank starts: the same rules the ranks apply as they read.
+
+Standard library only (and `tokenizers`, a small Rust library, for a model folder's tokenizer.json): the
+front ends call check_data(cfg) before a launch, so it must not import torch, datasets or transformers.
+Every failure is one ConfigError line naming the setting ([data] path, [data] eval_path, [model] name).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+from pathlib import Path
+
+from shardconsole.settings import config as C
+
+# Files read through `datasets` (with the loader named here); a folder must be a save_to_disk folder.
+LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+TEXT_SUFFIXES = (".jsonl", ".json", ".csv", ".txt")
+# owner/name, as on the Hugging Face Hub ("tatsu-lab/alpaca"), or a bare dataset name without a suffix.
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def uses_records(cfg: C.RunConfig) -> bool:
+    """True when the ranks read records from data.path (not synthetic tokens, not a token file)."""
+    return cfg.data.source in ("auto", "text") and bool(cfg.data.path)
+
+
+def locate(value: str, key: str, source: str = "preset") -> tuple[Path, str]:
+    """(path, kind) of a data file or folder; kind is a LOADERS value or "saved" (save_to_disk folder)."""
+    where = f"{source}: [data] {key}"
+    path = Path(value).expanduser()
+    if not path.exists():
+        if _HUB_NAME.match(value) and not value.startswith(("./", "../", "~")) and not Path(value).suffix:
+            raise C.ConfigError(
+                f"{where}: {value!r} is not a local file or folder; a Hugging Face Hub dataset must be "
+                f"downloaded first, on a machine with network: python -c \"import datasets; "
+                f"datasets.load_dataset('{value}', split='train').save_to_disk('DIR')\", then set "
+                f"data.{key} = \"DIR\" (runs never reach the network)")
+        raise C.ConfigError(f"{where}: {path}: no such file or folder")
+    if path.is_dir():
+        if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+            return path, "saved"
+        raise C.ConfigError(f"{where}: {path}: a folder must be one written by datasets' save_to_disk "
+                            f"(it has no state.json or dataset_dict.json)")
+    kind = LOADERS.get(path.suffix.lower())
+    if kind is None:
+        raise C.ConfigError(f"{where}: {path}: unknown file type {path.suffix or '(no suffix)'!r}; use "
+                            f"{', '.join(LOADERS)} or a save_to_disk folder (a token file needs "
+                            f"data.source = \"tokens\")")
+    if path.suffix.lower() in TEXT_SUFFIXES:
+        _check_text(path, where)
+    return path, kind
+
+
+def _check_text(path: Path, where: str) -> None:
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(1 << 16)
+    except OSError as e:
+        raise C.ConfigError(f"{where}: {path}: cannot read: {e.strerror}") from None
+    if b"\x00" in head:
+        raise C.ConfigError(f"{where}: {path}: not a text file (it holds NUL bytes); for token ids use "
+                            f"data.source = \"tokens\"")
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError as e:
+        raise C.ConfigError(f"{where}: {path}: not UTF-8 text (byte {e.start})") from None
+
+
+def check_tokenizer(model_dir: str | None, source: str = "preset") -> None:
+    """A model folder's tokenizer.json that does not load is an error, never a silent fallback to bytes."""
+    if not model_dir:
+        return
+    f = Path(model_dir).expanduser() / "tokenizer.json"
+    if not f.is_file():
+        return
+    try:
+        json.loads(f.read_text(encoding="utf-8"))
+        from tokenizers import Tokenizer
+        Tokenizer.from_file(str(f))
+    except Exception as e:   # json, OSError, and the tokenizers library's own exception type
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise C.ConfigError(f"{source}: [model] name: {f}: the tokenizer does not load ({first}); "
+                            f"fix or replace tokenizer.json (text is never silently read as bytes)") from None
+
+
+def check_data(cfg: C.RunConfig, source: str = "preset") -> None:
+    """Everything about the data that can be known before launch: the files exist, are a kind the
+    ranks read, are text where text is expected, and the model's tokenizer loads."""
+    d = cfg.data
+    if d.source == "tokens":
+        path = Path(d.path).expanduser()
+        if not path.is_file():
+            raise C.ConfigError(f"{source}: [data] path: {path}: no such file")
+        return
+    if not uses_records(cfg):
+        return
+    locate(d.path, "path", source)
+    if d.eval_path:
+        locate(d.eval_path, "eval_path", source)
+    from shardconsole.settings.models import ModelError, resolve
+    try:
+        spec = resolve(cfg.model.name)
+    except ModelError:
+        return   # the model check names [model] name itself
+    check_tokenizer(spec.path, source)

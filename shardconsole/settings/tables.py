@@ -1,0 +1,263 @@
+"""The settings tables: one dataclass per TOML table, and RunConfig, which holds one of each.
+
+Defaults, allowed values and help live on each field (`_f`): the console's forms, `shardconsole
+settings`, the checks in config.py and the errors all read them from here. Loading, saving and the
+checks of values are config.py's; the cross-key rules config_rules.py's. Imports neither torch nor
+textual: the front end and the ranks share it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from shardconsole.settings.values import parse_size
+
+# ---------------------------------------------------------------------------------------------------
+# The tables. `meta` on a field: "min"/"max" (inclusive), "size" (value is a byte size string or int),
+# "help" (one line shown in the console and in errors).
+
+def _f(default: Any, help: str, **meta: Any) -> Any:
+    meta["help"] = help
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelSettings:
+    name: str = _f("tiny", "catalog size (tiny, 125m, 1b, 3b, 7b, 13b) or a local Hugging Face model directory")
+    attn_implementation: Literal["sdpa", "eager"] = _f("sdpa", "attention kernel used by transformers")
+
+
+@dataclass
+class DataSettings:
+    source: Literal["auto", "synthetic", "text", "tokens"] = _f(
+        "auto", "auto: synthetic tokens without a path, the file's records with one; "
+        "tokens: a pre-tokenized token file (text: the file's records, as auto)")
+    path: str = _f("", "a local .jsonl/.json/.parquet/.csv/.txt file or a save_to_disk folder "
+                   "(text, chat messages, prompt/completion or alpaca records), or a token file")
+    seq_len: int = _f(256, "tokens per sample", min=8, max=1_048_576)
+    token_dtype: Literal["uint16", "uint32"] = _f("uint16", "element type of a token file")
+    text_key: str = _f("text", "field holding the text of a plain-text record")
+    cross_document_attention: bool = _f(
+        False, "let packed documents attend to the ones before them in a sample (false: positions "
+        "restart and attention is block-diagonal per document)")
+    eval_fraction: float = _f(0.0, "share of the records held out for the eval loss (by train.seed)",
+                              min=0.0, max=0.5)
+    eval_path: str = _f("", "a separate file or folder of eval records (instead of eval_fraction)")
+
+
+@dataclass
+class TrainSettings:
+    steps: int = _f(20, "optimizer steps to run", min=1)
+    micro_batch: int = _f(1, "samples per rank per forward pass", min=1)
+    grad_accum: int = _f(1, "micro-batches per optimizer step", min=1)
+    lr: float = _f(3e-4, "peak learning rate", min=0.0)
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine schedule)", min=0.0, max=1.0)
+    warmup_steps: int = _f(0, "linear warm-up steps", min=0)
+    schedule: Literal["cosine", "constant"] = _f("cosine", "learning-rate schedule after warm-up")
+    weight_decay: float = _f(0.0, "AdamW weight decay", min=0.0)
+    beta1: float = _f(0.9, "AdamW beta1", min=0.0, max=1.0)
+    beta2: float = _f(0.95, "AdamW beta2", min=0.0, max=1.0)
+    clip_grad_norm: float = _f(1.0, "gradient clipping by global norm (0 turns it off)", min=0.0)
+    seed: int = _f(1234, "random seed", min=0)
+    log_every: int = _f(1, "steps between step lines (each is a host-device sync)", min=1)
+    eval_every: int = _f(0, "steps between eval losses (0: only after the last step, when there is eval data)",
+                         min=0)
+    checkpoint_every: int = _f(0, "steps between checkpoints (0: only at the end, if save_final)", min=0)
+    save_final: bool = _f(True, "write a checkpoint after the last step (nothing trained is lost)")
+    keep_checkpoints: int = _f(0, "complete checkpoints kept, the oldest removed after a new one (0: all)", min=0)
+    save_on_stop: bool = _f(True, "a stop (Ctrl-C, console, SIGTERM) saves at the next step boundary first")
+    stop_save_timeout_s: float = _f(300.0, "seconds a save on stop may take before the ranks end without it",
+                                    min=1.0)
+    checkpoint_dir: str = _f("", "where checkpoints go (empty: <run dir>/checkpoints)")
+    resume: bool = _f(False, "continue from the newest complete checkpoint in checkpoint_dir")
+    compile: bool = _f(False, "torch.compile each decoder layer (GPU; first steps are slower)")
+    peak_tflops: float = _f(0.0, "peak bf16 TFLOP/s of one GPU for MFU (0: from the GPU table)", min=0.0)
+    hang_timeout_s: float = _f(
+        0.0, "seconds without a step line before the run counts as hung (0: 20x the step time, at least 120 s)",
+        min=0.0)
+
+
+@dataclass
+class ParallelSettings:
+    backend: Literal["fsdp", "deepspeed"] = _f("fsdp", "training engine: PyTorch FSDP2 or DeepSpeed ZeRO")
+    device: Literal["auto", "cuda", "cpu"] = _f("auto", "where ranks compute (auto: cuda if present)")
+    nproc_per_node: int = _f(1, "ranks per node (GPUs per node on a GPU box)", min=1, max=1024)
+    nnodes: int = _f(1, "number of nodes", min=1, max=100_000)
+    node_rank: int = _f(-1, "this node's rank for static rendezvous (-1: let c10d assign it)", min=-1)
+    rdzv_endpoint: str = _f("", "host:port of the rendezvous (required when nnodes > 1)")
+    rdzv_id: str = _f("", "rendezvous id shared by all nodes (empty: the run id)")
+    master_port: int = _f(0, "port for single-node runs (0: pick a free one)", min=0, max=65535)
+    launcher: Literal["torchrun", "deepspeed"] = _f("torchrun", "program that starts the ranks")
+    timeout_s: int = _f(600, "collective timeout in seconds", min=10)
+
+
+@dataclass
+class PrecisionSettings:
+    dtype: Literal["bf16", "fp16", "fp32"] = _f("bf16", "compute dtype of parameters in forward/backward")
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] | None = _f(
+        None, "dtype of gradient reduction (default: fp32 for FSDP, the compute dtype for DeepSpeed)")
+    # bf16 masters: 2 bytes of weights + 2 of gradients + 4 of Adam moments = 8 bytes a parameter
+    # instead of 16, the difference between 7B and 13B on a 125 GiB host with everything offloaded.
+    # The price: an update smaller than half a bf16 step of the weight (about 0.4% of it) is lost.
+    master_dtype: Literal["fp32", "bf16"] = _f(
+        "fp32", "dtype of the kept weights, their gradients and Adam's moments (bf16: 8 bytes a parameter "
+        "instead of 16; updates below bf16's resolution are lost)")
+    # How an fp32 update lands in bf16 masters (backends/master_update.py). stochastic: rounded up or down
+    # with the probability of its distance, so small updates survive on average (8 bytes a parameter);
+    # kahan: a bf16 buffer keeps what rounding dropped (10 bytes); nearest: torch's AdamW as is.
+    # Default nearest, from the measurement (README, "master_rounding"): stochastic and kahan reach
+    # fp32-master quality (+0.87% and -0.07% final loss against +6.0%) but their host step is
+    # compute-bound, 4.5x torch's fused bf16 AdamW on the CI machine (13B stochastic offloaded: 1,626
+    # tokens/s on the H200 under 24 GiB). Opt-in where quality matters more than step time.
+    master_rounding: Literal["stochastic", "kahan", "nearest"] = _f(
+        "nearest", "master_dtype = bf16: how updates are rounded into the bf16 weights (nearest: torch's "
+        "fused AdamW, small updates are lost; stochastic: unbiased, same 8 bytes a parameter; kahan: +2 bytes "
+        "a parameter for a compensation buffer; both within 1% of fp32 masters' loss, slower host step)")
+    # fp16 dynamic loss scaling, with DeepSpeed's names and meanings. None = not set (default applies);
+    # setting any of them with a dtype other than fp16 is an error.
+    initial_scale_power: int | None = _f(None, "fp16: start the loss scale at 2**this (default 16)", min=0, max=64)
+    loss_scale_window: int | None = _f(None, "fp16: overflow-free steps before the scale doubles (default 1000)", min=1)
+    hysteresis: int | None = _f(None, "fp16: overflows tolerated before the scale is cut (default 2)", min=1)
+    min_loss_scale: float | None = _f(None, "fp16: the scale never drops below this (default 1)", min=0.0)
+    loss_scale: float | None = _f(None, "fp16: a static loss scale instead of a dynamic one", min=0.0)
+
+    FP16_KEYS = ("initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale", "loss_scale")
+
+    def fp16_value(self, key: str) -> Any:
+        """The value in force: what the user set or the default."""
+        defaults = {"initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+                    "min_loss_scale": 1.0, "loss_scale": 0.0}
+        value = getattr(self, key)
+        return defaults[key] if value is None else value
+
+
+@dataclass
+class FsdpSettings:
+    sharding: Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"] = _f(
+        "full_shard", "what is sharded: params+grads+optimizer, grads+optimizer, nothing, or full within a node")
+    cpu_offload: bool = _f(False, "keep parameters, gradients and optimizer states on the CPU")
+    reshard_after_forward: bool | None = _f(
+        None, "free gathered parameters after forward (default: true except for shard_grad_op)")
+    forward_prefetch: int = _f(1, "decoder layers whose all-gather is issued ahead in forward", min=0, max=8)
+    backward_prefetch: int = _f(1, "decoder layers whose all-gather is issued ahead in backward", min=0, max=8)
+    pin_memory: bool = _f(True, "pin host memory of offloaded parameters (GPU only)")
+    # backends/pinned_arena.py: torch pins each tensor in a power-of-two block (28 GB of 7B fp32 shards
+    # take ~40 GB pinned); one region pinned in place wastes nothing.
+    host_arena: bool = _f(
+        True, "offload: the shards and Adam's states in one host region pinned in place (no power-of-two "
+        "rounding per tensor); false: torch pins each shard itself")
+    offload_compute_copy: bool = _f(
+        False, "offload with fp32 masters: send the GPU a bf16/fp16 host copy of the shards (half the PCIe "
+        "bytes; 2 more host bytes a parameter and a cast each step)")
+
+
+@dataclass
+class DeepspeedSettings:
+    stage: int = _f(3, "ZeRO stage: 0 none, 1 optimizer, 2 +gradients, 3 +parameters", min=0, max=3)
+    offload_optimizer: Literal["none", "cpu", "nvme"] = _f("none", "where optimizer states live")
+    offload_param: Literal["none", "cpu", "nvme"] = _f("none", "where parameters live (stage 3 only)")
+    nvme_path: str = _f("", "folder on a fast disk for nvme offload")
+    pin_memory: bool = _f(True, "pin host buffers of offloaded tensors")
+    overlap_comm: bool = _f(True, "overlap gradient reduction with backward")
+    contiguous_gradients: bool = _f(True, "copy gradients into one buffer as they are produced")
+    reduce_scatter: bool = _f(True, "reduce gradients with reduce-scatter rather than all-reduce")
+    allgather_partitions: bool = _f(True, "all-gather parameters rather than broadcast (stages 1-2)")
+    reduce_bucket_size: int = _f(500_000_000, "elements reduced at once", min=1)
+    allgather_bucket_size: int = _f(500_000_000, "elements all-gathered at once (stages 1-2)", min=1)
+    stage3_prefetch_bucket_size: int = _f(50_000_000, "elements prefetched ahead in stage 3", min=0)
+    stage3_param_persistence_threshold: int = _f(
+        100_000, "parameters smaller than this stay gathered in stage 3", min=0)
+    stage3_max_live_parameters: int = _f(1_000_000_000, "stage 3: gathered elements kept at most", min=0)
+    stage3_max_reuse_distance: int = _f(1_000_000_000, "stage 3: keep a parameter if reused within this", min=0)
+    torch_adam: bool = _f(False, "use torch's AdamW instead of DeepSpeed's fused/CPU Adam (no op build)")
+    stage3_layer_gather: bool = _f(
+        True, "stage 3: gather each decoder layer whole (z3 leaf modules): fewer hooks, and train.compile "
+        "can compile the layers")
+
+
+@dataclass
+class MemorySettings:
+    activation_checkpointing: bool = _f(False, "recompute each decoder layer's activations in backward")
+    checkpoint_policy: Literal["full", "selective"] = _f(
+        "full", "with checkpointing: recompute the whole layer (least memory), or keep the matmul and "
+        "attention outputs and recompute only the cheap element-wise ops (faster, saves less)")
+    gpu_memory_limit: str = _f("", "cap each rank's CUDA memory, e.g. 24GiB, to rehearse a smaller card", size=True)
+    empty_cache_every: int = _f(0, "call torch.cuda.empty_cache every N steps (0: never)", min=0)
+
+
+TABLES: dict[str, type] = {
+    "model": ModelSettings,
+    "data": DataSettings,
+    "train": TrainSettings,
+    "parallel": ParallelSettings,
+    "precision": PrecisionSettings,
+    "fsdp": FsdpSettings,
+    "deepspeed": DeepspeedSettings,
+    "memory": MemorySettings,
+}
+TOP_LEVEL_KEYS = ("description",)
+
+
+@dataclass
+class RunConfig:
+    description: str = ""
+    model: ModelSettings = field(default_factory=ModelSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    train: TrainSettings = field(default_factory=TrainSettings)
+    parallel: ParallelSettings = field(default_factory=ParallelSettings)
+    precision: PrecisionSettings = field(default_factory=PrecisionSettings)
+    fsdp: FsdpSettings = field(default_factory=FsdpSettings)
+    deepspeed: DeepspeedSettings = field(default_factory=DeepspeedSettings)
+    memory: MemorySettings = field(default_factory=MemorySettings)
+
+    # --- derived values, so that every consumer agrees -------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.parallel.nproc_per_node * self.parallel.nnodes
+
+    @property
+    def gpu_memory_limit_bytes(self) -> int | None:
+        return parse_size(self.memory.gpu_memory_limit) if self.memory.gpu_memory_limit else None
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        if self.fsdp.reshard_after_forward is not None:
+            return self.fsdp.reshard_after_forward
+        return self.fsdp.sharding != "shard_grad_op"
+
+    @property
+    def compiles_layers(self) -> bool:
+        """train.compile as torch.compile of each decoder layer's body: always under FSDP2; under DeepSpeed
+        when no ZeRO hook sits inside a layer (stages 0-2, or stage 3 gathering by layer)."""
+        d = self.deepspeed
+        return self.train.compile and (self.parallel.backend == "fsdp" or d.stage < 3 or d.stage3_layer_gather)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Global tokens consumed by one optimizer step."""
+        t = self.train
+        return t.micro_batch * t.grad_accum * self.data.seq_len * self.world_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict for TOML: None values (not set) are left out, since TOML has no null."""
+        out: dict[str, Any] = {}
+        if self.description:
+            out["description"] = self.description
+        for table in TABLES:
+            section = getattr(self, table)
+            out[table] = {f.name: getattr(section, f.name) for f in fields(section)
+                          if getattr(section, f.name) is not None}
+        return out
+
+    def diff(self, other: "RunConfig") -> list[tuple[str, Any, Any]]:
+        """(table.key, other's value, self's value) for each setting that differs."""
+        out = []
+        for table in TABLES:
+            a, b = getattr(other, table), getattr(self, table)
+            for f in fields(a):
+                if getattr(a, f.name) != getattr(b, f.name):
+                    out.append((f"{table}.{f.name}", getattr(a, f.name), getattr(b, f.name)))
+        return out

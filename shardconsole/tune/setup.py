@@ -1,0 +1,67 @@
+"""A tune made from the user's words: the budget as a duration, the output preset's name, and the tune
+of resolved settings with its cap, machine, speed book and probe folder (the CLI's and the console's)."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from shardconsole.plan.machine import hardware_from_args, size_arg
+from shardconsole.plan.speeds import SpeedBook, harvest
+from shardconsole.settings import config as C
+from shardconsole.settings import resolve as settings
+from shardconsole.tune.engine import Limits, Tune
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(h|m|s)")
+
+
+def parse_duration(flag: str, text: str) -> float:
+    """90, 90s, 10m, 1h30m -> seconds; anything else is one line naming the flag."""
+    t = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", t):
+        secs = float(t)
+    elif t and _DURATION.sub("", t) == "":
+        secs = sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in _DURATION.findall(t))
+    else:
+        raise C.ConfigError(f"{flag}: {text!r} is not a duration; use e.g. 90s, 10m or 1h30m")
+    if secs <= 0:
+        raise C.ConfigError(f"{flag}: must be more than 0")
+    return secs
+
+
+def output_name(given: str | None, preset: str) -> str:
+    from shardconsole.settings.preset_store import check_name
+    return check_name(given or f"{Path(preset).stem}-tuned")
+
+
+def make_tune(resolved: settings.Resolved, *, budget_s: float, max_probes: int, probe_steps: int,
+              gpu_memory: str | None = None, host_memory: str | None = None, runs_root_dir: str | None = None,
+              name: str = "tuned", hardware=None) -> Tune:
+    """A tune of resolved settings (the CLI's and the console's): the cap, the machine, the speed book with
+    the finished runs under the runs root harvested, the probes' folder. Keys the user set are kept."""
+    from shardconsole.launch.command import runs_root
+    from shardconsole.plan.estimator import replace_cfg
+    from shardconsole.session import preflight
+
+    cfg = resolved.cfg
+    cap = size_arg("--gpu-memory", gpu_memory)
+    host_cap = size_arg("--host-memory", host_memory)
+    if cap is not None:
+        if cfg.parallel.device == "cpu":
+            raise C.ConfigError("--gpu-memory: the preset runs on CPU ranks (parallel.device = cpu); "
+                                "their cap is --host-memory")
+        cfg = replace_cfg(cfg, ("memory", "gpu_memory_limit", str(cap)))
+        C.validate(cfg, "--gpu-memory")
+    spec = preflight.check_model(resolved, weights=False)
+    hw = hardware or hardware_from_args(None, None, host_memory)
+    if cfg.parallel.device != "cpu" and not hw.gpus:
+        raise C.ConfigError(f"no GPU found on this machine and preset {resolved.preset!r} trains on GPUs: tune "
+                            f"measures real runs, so it runs where the training will (or use a CPU preset)")
+    fixed = {o.path for o in resolved.overrides}
+    root = runs_root(runs_root_dir) / f"{time.strftime('%Y%m%d-%H%M%S')}-tune-{name}"
+    book = SpeedBook.load()
+    harvest(book, runs_root(runs_root_dir), hw)
+    limits = Limits(budget_s=budget_s, max_probes=max_probes, probe_steps=probe_steps,
+                    gpu_cap_bytes=cfg.gpu_memory_limit_bytes or None, host_cap_bytes=host_cap)
+    return Tune(cfg, spec, hw, limits, root, book, fixed=fixed)

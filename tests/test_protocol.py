@@ -31,6 +31,8 @@ SAMPLES = [
                     d2h_s=None, h2d_bytes=3, pinned_bytes=7, verdict="host step bound", hint="raise train.grad_accum"),
     P.HostSample(run="r", used_bytes=5, total_bytes=10, ranks_rss_bytes=3, pinned_bytes=None),
     P.Eval(run="r", rank=0, step=10, loss=2.25, tokens=4096, seconds=1.5),
+    P.SaveProgress(run="r", rank=0, step=60, what="model", written_bytes=12_300_000_000,
+                   total_bytes=84_000_000_000, elapsed_s=9.0, path="/runs/x/checkpoints/step_60", done=False),
     P.DataSummary(run="r", rank=0, source="corpus.jsonl", format="chat", tokenizer="my-llama", template="chatml",
                   records=12, tokens=3000, samples=46, loss_share=0.4, epochs=1.5, eval_records=2,
                   eval_samples=3, cross_document_attention=False, note="n"),

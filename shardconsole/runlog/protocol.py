@@ -23,7 +23,7 @@ PHASES = ("starting", "loading model", "building ops", "training", "evaluating",
 
 # Failure classes, also used for exit codes (see session/outcome.EXIT_CODES).
 FAILURE_CAUSES = ("gpu_oom", "host_oom", "nccl_timeout", "hang", "nan_loss", "loss_scale_floor",
-                  "config_error", "crash", "stopped")
+                  "config_error", "crash", "stopped", "disk_full")
 
 
 class DecodeError(ValueError):
@@ -198,13 +198,27 @@ class HostSample(Message):
     pinned_bytes: int | None = None
 
 
+@dataclass(frozen=True)
+class SaveProgress(Message):
+    """A save under way (rank 0, about once a second, and once at its end with done=True): a checkpoint of
+    tens of GB takes tens of seconds, and the front ends show it and do not take it for a hang."""
+    kind: ClassVar[str] = "save"
+    step: int = 0
+    what: str = "checkpoint"         # "checkpoint" (full, resumable), "model" (weights only), "export"
+    written_bytes: int = 0           # this rank's bytes written so far
+    total_bytes: int = 0             # this rank's bytes to write in all (0 when not known)
+    elapsed_s: float = 0.0
+    path: str = ""                   # the folder written to
+    done: bool = False
+
+
 KINDS: dict[str, type[Message]] = {
     m.kind: m for m in (Hello, Step, Memory, Event, Finished, Failed, Eval, DataSummary, GpuSample, HostSample,
-                        OffloadTiming)
+                        OffloadTiming, SaveProgress)
 }
 _FIELDS = {kind: {f.name: f for f in fields(cls)} for kind, cls in KINDS.items()}
 _TEXT_FIELDS = ("detail", "message", "traceback_tail", "hint", "name", "host", "source", "format",
-                "tokenizer", "template", "note", "clock", "verdict")
+                "tokenizer", "template", "note", "clock", "verdict", "what", "path")
 
 
 def _clean(value: Any) -> Any:

@@ -28,6 +28,7 @@ EXIT_CODES = {
     "hang": 5,
     "nan_loss": 6,
     "loss_scale_floor": 7,
+    "disk_full": 9,      # ENOSPC / EDQUOT where the run writes (its folder, a checkpoint, an export)
     "detached": 8,       # the front end went away (closed pipe, closed terminal, Ctrl-C while attaching); the run goes on
     "stopped": 130,
 }

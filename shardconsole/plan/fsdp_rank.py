@@ -2,12 +2,40 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from shardconsole.settings import config as C
-from shardconsole.plan.activation_memory import activations
+from shardconsole.plan.activation_memory import Activations, activations
 from shardconsole.plan.constants import (CUBLAS_WORKSPACE_BYTES, DTYPE_BYTES, FSDP_FP16_OFFLOAD_HOST_PER_PARAM,
                                          RANK_BASE_RSS)
 from shardconsole.plan.rank import _Rank
 from shardconsole.plan.shapes import Shapes, _shard_numel, pow2_ceil
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """The byte counts the moments of an FSDP2 step are made of (one rank)."""
+    shard: int                 # ranks a parameter is sharded over
+    c: int                     # bytes of the compute dtype
+    reduce_c: int              # bytes of the reduce dtype
+    m: int                     # bytes of a kept (sharded) parameter, its gradient and each Adam moment
+    mtag: str
+    offload: bool
+    a: Activations
+    shard_numels: list[int]
+    params_b: int
+    adam_b: int
+    layer_shard: int
+    root_shard: int
+    layer_full: int            # one layer gathered in the compute dtype
+    root_full: int             # the root, gathered from forward to the end of backward
+    head_grad: int
+    sharded: bool
+    bwd_n: int                 # layers prefetched in backward
+    held: int                  # layers kept gathered from forward to backward
+    last_fwd: int
+    accum: int                 # gradients accumulated without sync
+    kahan: int
 
 
 def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
@@ -17,91 +45,105 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
     explicit prefetch of N layers. Peaks are evaluated at the moments where memory turns: the end of
     forward, the loss backward, the last layer's backward (all activations, no gradients yet), the
     first layer's backward (all but one layer's gradients), the end of backward, the optimizer step."""
+    z = _sizes(cfg, s)
+    side, side_live = _side_pools(cfg, s, z)
+    notes = []
+    if z.shard == 1 and cfg.fsdp.sharding != "no_shard":
+        notes.append(f"{cfg.fsdp.sharding} over one rank shards nothing: same memory as no_shard")
+    return _Rank(_gpu_moments(cfg, s, z), _host(cfg, s, z), notes, side, side_live)
+
+
+def _sizes(cfg: C.RunConfig, s: Shapes) -> _Sizes:
     p, f = cfg.parallel, cfg.fsdp
     world = p.nproc_per_node * p.nnodes
     shard = {"no_shard": 1, "hybrid_shard": p.nproc_per_node}.get(f.sharding, world)
     c = DTYPE_BYTES[cfg.precision.dtype]
     reduce_c = 4 if cfg.precision.dtype == "fp32" else DTYPE_BYTES[cfg.precision.reduce_dtype or "fp32"]
-    offload = f.cpu_offload
     # bytes of a kept (sharded) parameter, its gradient and each Adam moment: fp32, or bf16 masters
     m = 2 if cfg.precision.master_dtype == "bf16" else 4
-    mtag = "bf16" if m == 2 else "fp32"
-    a = activations(cfg, s)
     L = s.layers
-
     # Sharded fp32 parameters: dim 0 padded to the shard group (exactly as FSDP2 pads).
     shard_numels = [_shard_numel(sh, shard) for sh in s.all_params()]
     params_b = m * sum(shard_numels)
-    adam_b = 2 * params_b              # exp_avg + exp_avg_sq, shaped and typed like the sharded parameter
-    layer_shard = sum(_shard_numel(sh, shard) for sh in s.layer_params())
-    root_shard = sum(_shard_numel(sh, shard) for sh in s.root_params())
-    g_root = m * root_shard            # the root's sharded gradient
-    layer_full = c * s.per_layer       # one layer gathered in the compute dtype (copied out of the
-    root_full = c * s.root             # all-gather buffer); the root stays gathered forward to backward end
-    head_grad = 0 if s.tied else c * s.vocab * s.hidden   # the head's unsharded gradient, from the loss on
-
+    layer_full = c * s.per_layer
     # fsdp.py sets explicit prefetch unless no_shard; FSDP2 then still prefetches one layer in
     # backward by itself.
     sharded = f.sharding != "no_shard"
     bwd_n = min(f.backward_prefetch if sharded else 1, max(L - 1, 0))
-    if cfg.reshard_after_forward:
-        held = 0                       # layers gathered from forward to backward
-        last_fwd = layer_full
-    else:
-        held = L * layer_full          # shard_grad_op: every layer stays gathered from forward to backward
-        last_fwd = 0
+    # reshard_after_forward false (shard_grad_op): every layer stays gathered from forward to backward
+    held, last_fwd = (0, layer_full) if cfg.reshard_after_forward else (L * layer_full, 0)
     # Gradient accumulation without sync: FSDP2 keeps each layer's unsharded gradient, in the reduce
     # dtype when it differs from the compute dtype (_fsdp_param.py to_accumulated_grad_if_needed).
     accum = (reduce_c if reduce_c != c else c) * s.n_params if cfg.train.grad_accum > 1 else 0
-
-    # The compute stream's allocations at each moment. FSDP2 allocates the all-gather buffers on its
-    # all-gather copy-in stream and the reduce-scatter inputs and outputs (the sharded gradients) on
-    # its reduce-scatter stream; the caching allocator keeps a pool per stream, so those pools add to
-    # the compute stream's peak instead of sharing its free blocks (side pools, below).
-    st = {} if offload else {f"parameters ({mtag} shards)": params_b, f"optimizer states (Adam {mtag})": adam_b}
     # precision.master_rounding = kahan (backends/master_update.py): a bf16 compensation buffer shaped like
     # the sharded parameters, beside the masters (on the host when offloaded).
     kahan = 2 * sum(shard_numels) if m == 2 and getattr(cfg.precision, "master_rounding", "") == "kahan" else 0
-    if kahan and not offload:
-        st["Kahan compensation (bf16)"] = kahan
+    return _Sizes(
+        shard=shard, c=c, reduce_c=reduce_c, m=m, mtag="bf16" if m == 2 else "fp32", offload=f.cpu_offload,
+        a=activations(cfg, s), shard_numels=shard_numels, params_b=params_b,
+        adam_b=2 * params_b,           # exp_avg + exp_avg_sq, shaped and typed like the sharded parameter
+        layer_shard=sum(_shard_numel(sh, shard) for sh in s.layer_params()),
+        root_shard=sum(_shard_numel(sh, shard) for sh in s.root_params()),
+        layer_full=layer_full, root_full=c * s.root,
+        head_grad=0 if s.tied else c * s.vocab * s.hidden,    # the head's unsharded gradient, from the loss on
+        sharded=sharded, bwd_n=bwd_n, held=held, last_fwd=last_fwd, accum=accum, kahan=kahan)
+
+
+def _gpu_moments(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> dict[str, dict[str, int]]:
+    """The compute stream's allocations at each moment. FSDP2 allocates the all-gather buffers on its
+    all-gather copy-in stream and the reduce-scatter inputs and outputs (the sharded gradients) on
+    its reduce-scatter stream; the caching allocator keeps a pool per stream, so those pools add to
+    the compute stream's peak instead of sharing its free blocks (_side_pools)."""
+    a, L, c, m = z.a, s.layers, z.c, z.m
+    st = {} if z.offload else {f"parameters ({z.mtag} shards)": z.params_b,
+                               f"optimizer states (Adam {z.mtag})": z.adam_b}
+    if z.kahan and not z.offload:
+        st["Kahan compensation (bf16)"] = z.kahan
     ws = {"cuBLAS workspaces": CUBLAS_WORKSPACE_BYTES}
-    acc = {"accumulated gradients (no sync)": accum}
-    root = {"gathered root (embedding, head)": root_full}
-    acts_all = a.saved_all
+    acc = {"accumulated gradients (no sync)": z.accum}
+    root = {"gathered root (embedding, head)": z.root_full}
     unsharded_grad = c * s.per_layer        # a layer's gradient from autograd, before its reduce-scatter
-    acc_c = (reduce_c if reduce_c != c else c)
+    acc_c = (z.reduce_c if z.reduce_c != c else c)
     # The clip is folded into fused AdamW except under fp16's scaler (backends/fsdp_step.py Clip): then
     # clip_grad_norm_ and the scaler's unscale run over the sharded DTensor gradients and hold a copy
     # of them at the step. Measured (i16-fsdp-3b-fp16-mb4-ckpt): allocated 58.6 GiB = parameters +
     # Adam + gradients + one more copy of the gradients (11.7 GiB each).
     folded = cfg.precision.dtype != "fp16"
-    clip_copy = {} if (folded or offload) else {
-        f"clip and unscale copy of the gradients ({mtag})": m * sum(shard_numels)}
-    gpu: dict[str, dict[str, int]] = {
-        "end of forward": {**st, **root, "gathered layers": held + last_fwd, "activations": acts_all,
+    clip_copy = {} if (folded or z.offload) else {
+        f"clip and unscale copy of the gradients ({z.mtag})": m * sum(z.shard_numels)}
+    head = {"head gradient (unsharded)": z.head_grad}
+    return {
+        "end of forward": {**st, **root, "gathered layers": z.held + z.last_fwd, "activations": a.saved_all,
                            "loss chunk": a.loss_forward, **acc, **ws},
-        "loss backward": {**st, **root, "gathered layers": held, "head gradient (unsharded)": head_grad,
-                          "activations": acts_all, "loss chunk": a.loss_backward, **acc, **ws},
-        "last layer backward": {**st, **root, "gathered layers + prefetch": held + (0 if held else (1 + bwd_n) * layer_full),
-                                "head gradient (unsharded)": head_grad,
-                                "activations": acts_all - a.final + a.recompute,
+        "loss backward": {**st, **root, "gathered layers": z.held, **head,
+                          "activations": a.saved_all, "loss chunk": a.loss_backward, **acc, **ws},
+        "last layer backward": {**st, **root, "gathered layers + prefetch":
+                                z.held + (0 if z.held else (1 + z.bwd_n) * z.layer_full), **head,
+                                "activations": a.saved_all - a.final + a.recompute,
                                 "layer backward": a.layer_backward + unsharded_grad, **acc, **ws},
         # the other layers' gradients are in the reduce-scatter pool by now, or, without sync, in fp32
         # accumulators on this stream
-        "first layer backward": {**st, **root, "gathered layers": layer_full, "head gradient (unsharded)": head_grad,
+        "first layer backward": {**st, **root, "gathered layers": z.layer_full, **head,
                                  "activations": a.saved_layer + a.inputs + a.mask + a.recompute,
                                  "layer backward": a.layer_backward + unsharded_grad,
                                  # the root's accumulator, and the layers' where (unsharded, without
                                  # sync) they outweigh the sharded gradients counted in the pool
                                  "accumulated gradients (no sync)": acc_c * s.root + max(
-                                     0, (L - 1) * (acc_c * s.per_layer - m * layer_shard)) if accum else 0, **ws},
+                                     0, (L - 1) * (acc_c * s.per_layer - m * z.layer_shard)) if z.accum else 0,
+                                 **ws},
         "end of backward": {**st, **root, "root gradients (unsharded)": c * s.root, **ws},
         "optimizer step": {**st, **ws, **clip_copy},
     }
-    # Side pools. Reduce-scatter stream: every sharded gradient (the reduce-scatter outputs; with
-    # offload each goes to the host at once) and the largest reduce-scatter input (the root's, or two
-    # layers' in flight). All-gather copy-in stream: the largest all-gather buffers in flight (the
-    # root's, or a layer and its prefetch), plus with offload the fp32 shards copied to the GPU.
+
+
+def _side_pools(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> tuple[dict[str, int], dict[str, int]]:
+    """Side pools. Reduce-scatter stream: every sharded gradient (the reduce-scatter outputs; with
+    offload each goes to the host at once) and the largest reduce-scatter input (the root's, or two
+    layers' in flight). All-gather copy-in stream: the largest all-gather buffers in flight (the
+    root's, or a layer and its prefetch), plus with offload the fp32 shards copied to the GPU.
+    Returns (pool -> bytes, moment -> bytes of the pools in use then)."""
+    L, m, reduce_c, offload = s.layers, z.m, z.reduce_c, z.offload
+    layer_shard, root_shard = z.layer_shard, z.root_shard
     rs_in = reduce_c * max(s.root, 2 * s.per_layer)
     # With offload each sharded gradient leaves for the host at once. The reduce-scatter output is in the
     # reduce dtype; with bf16 masters it is cast to bf16 before the copy, so the largest output and its
@@ -109,50 +151,52 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
     # model with the gradients in the master dtype alone was under by 0.75 GiB (1b) and 1.36 GiB (7b);
     # fp32 masters need no cast (off_g = 4: as before).
     off_g = reduce_c + (m if m != reduce_c else 0)
+    g_root = m * root_shard
     grads_gpu = (off_g * max(root_shard, layer_shard) + m * layer_shard if m != reduce_c
                  else m * max(root_shard, 2 * layer_shard)) if offload else (L * m * layer_shard + g_root)
-    n_ag = 1 + max(min(f.forward_prefetch if sharded else 0, max(L - 1, 0)), bwd_n)
-    ag = c * max(s.root, n_ag * s.per_layer) + (m * max(root_shard, n_ag * layer_shard) if offload else 0)
+    n_ag = 1 + max(min(cfg.fsdp.forward_prefetch if z.sharded else 0, max(L - 1, 0)), z.bwd_n)
+    ag = z.c * max(s.root, n_ag * s.per_layer) + (m * max(root_shard, n_ag * layer_shard) if offload else 0)
     side = {"reduce-scatter stream pool (sharded gradients, inputs)": grads_gpu + rs_in,
             "all-gather stream pool": ag}
     # What of those pools is in use at each moment (the allocated view, and what a cap must hold).
     g_layer = 0 if offload else m * layer_shard
-    in_flight_ag = c * s.per_layer + (m * layer_shard if offload else 0)
-    side_live = {"last layer backward": in_flight_ag if bwd_n else 0,
+    in_flight_ag = z.c * s.per_layer + (m * layer_shard if offload else 0)
+    side_live = {"last layer backward": in_flight_ag if z.bwd_n else 0,
                  "first layer backward": (L - 1) * g_layer + reduce_c * s.per_layer + (m * layer_shard if offload else 0),
                  "end of backward": L * g_layer + g_root + reduce_c * s.root,
                  "optimizer step": 0 if offload else L * g_layer + g_root}
+    return side, side_live
 
-    # Host: one rank's RSS. The model is built on the meta device, so no full copy exists anywhere
-    # (backends/fsdp.py build), and init_random_ draws each shard in place on its device.
-    base = RANK_BASE_RSS["fsdp"]
-    host: dict[str, dict[str, int]] = {"training": {"process (python, torch, CUDA)": base}}
-    if offload:
-        # to_empty(cpu) allocates the shards unpinned, FSDP2 then pins each (.pin_memory(): rounded to a
-        # power of two) and drops the unpinned copy; gradients arrive D2H into pinned tensors
-        # (.to("cpu", non_blocking=True) allocates pinned memory); Adam's states are plain zeros_like.
-        pinned = pow2_ceil if f.pin_memory else (lambda n: n)
-        tag = ", pinned" if f.pin_memory else ""
-        # fsdp.host_arena (backends/pinned_arena.py): the shards and Adam's states in one region pinned in
-        # place, each view 4 KiB-aligned: no power-of-two block per shard. The gradients are still pinned
-        # a block per tensor by torch.
-        arena = getattr(f, "host_arena", False)
-        in_arena = (lambda n: -(-n // 4096) * 4096) if arena else pinned
-        where = " in the host arena" if arena else tag
-        host["training"].update({
-            f"parameters ({mtag} shards{where})": sum(in_arena(m * n) for n in shard_numels),
-            f"gradients ({mtag} shards{tag})": sum(pinned(m * n) for n in shard_numels),
-            f"optimizer states (Adam {mtag}{', in the host arena' if arena else ', host'})": adam_b})
-        if (f.offload_compute_copy and cfg.precision.dtype != "fp32"
-                and cfg.precision.master_dtype == "fp32"):
-            # backends/offload.py ComputeCopy: one flat buffer, page-locked in place (no rounding).
-            host["training"][f"{cfg.precision.dtype} copy of the shards (all-gather input, pinned)"] = \
-                2 * sum(shard_numels)
-        if kahan:
-            host["training"]["Kahan compensation (bf16, host)"] = kahan
-        if cfg.precision.dtype == "fp16":
-            host["training"]["fp16 scaler checks on host gradients"] = FSDP_FP16_OFFLOAD_HOST_PER_PARAM * s.n_params
-    notes = []
-    if shard == 1 and f.sharding != "no_shard":
-        notes.append(f"{f.sharding} over one rank shards nothing: same memory as no_shard")
-    return _Rank(gpu, host, notes, side, side_live)
+
+def _host(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> dict[str, dict[str, int]]:
+    """One rank's RSS. The model is built on the meta device, so no full copy exists anywhere
+    (backends/fsdp.py build), and init_random_ draws each shard in place on its device."""
+    f, m, mtag = cfg.fsdp, z.m, z.mtag
+    host: dict[str, dict[str, int]] = {"training": {"process (python, torch, CUDA)": RANK_BASE_RSS["fsdp"]}}
+    if not z.offload:
+        return host
+    # to_empty(cpu) allocates the shards unpinned, FSDP2 then pins each (.pin_memory(): rounded to a
+    # power of two) and drops the unpinned copy; gradients arrive D2H into pinned tensors
+    # (.to("cpu", non_blocking=True) allocates pinned memory); Adam's states are plain zeros_like.
+    pinned = pow2_ceil if f.pin_memory else (lambda n: n)
+    tag = ", pinned" if f.pin_memory else ""
+    # fsdp.host_arena (backends/pinned_arena.py): the shards and Adam's states in one region pinned in
+    # place, each view 4 KiB-aligned: no power-of-two block per shard. The gradients are still pinned
+    # a block per tensor by torch.
+    arena = getattr(f, "host_arena", False)
+    in_arena = (lambda n: -(-n // 4096) * 4096) if arena else pinned
+    where = " in the host arena" if arena else tag
+    host["training"].update({
+        f"parameters ({mtag} shards{where})": sum(in_arena(m * n) for n in z.shard_numels),
+        f"gradients ({mtag} shards{tag})": sum(pinned(m * n) for n in z.shard_numels),
+        f"optimizer states (Adam {mtag}{', in the host arena' if arena else ', host'})": z.adam_b})
+    if (f.offload_compute_copy and cfg.precision.dtype != "fp32"
+            and cfg.precision.master_dtype == "fp32"):
+        # backends/offload.py ComputeCopy: one flat buffer, page-locked in place (no rounding).
+        host["training"][f"{cfg.precision.dtype} copy of the shards (all-gather input, pinned)"] = \
+            2 * sum(z.shard_numels)
+    if z.kahan:
+        host["training"]["Kahan compensation (bf16, host)"] = z.kahan
+    if cfg.precision.dtype == "fp16":
+        host["training"]["fp16 scaler checks on host gradients"] = FSDP_FP16_OFFLOAD_HOST_PER_PARAM * s.n_params
+    return host

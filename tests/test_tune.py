@@ -80,7 +80,7 @@ def test_the_written_preset_holds_the_figures_and_runs(tuned, tmp_path):
     saved = C.build(tomllib.loads(text), str(path))
     for table, key, value in winner.option.changes:
         assert getattr(getattr(saved, table), key) == value
-    assert saved.train.steps == 30 and saved.train.save_final is True     # the probe's settings are not saved
+    assert saved.train.steps == 30 and saved.train.save_final == "full"     # the probe's settings are not saved
     run_dir = tmp_path / "run"
     r = shardconsole("--preset", tuned["name"], "--headless", "--set", "train.steps=1", "--run-dir", str(run_dir),
                      env={"SHARDCONSOLE_PRESETS_DIR": str(tuned["base"] / "presets")})

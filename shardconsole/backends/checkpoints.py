@@ -194,4 +194,4 @@ def save_due(r: Rank, step: int) -> bool:
 
 def final_save_due(r: Rank) -> bool:
     t = r.cfg.train
-    return t.save_final or bool(t.checkpoint_every and t.steps % t.checkpoint_every == 0)
+    return t.save_final != "none" or bool(t.checkpoint_every and t.steps % t.checkpoint_every == 0)

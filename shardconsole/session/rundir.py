@@ -157,6 +157,7 @@ def check_writable(cfg: C.RunConfig, run_dir: Path, origin: Origin | None = None
     read-only mount, a folder of another user, a path through a file). Probes by creating and removing
     a file: permission bits alone do not say it (root, read-only mounts, ACLs)."""
     _probe(run_dir, lambda why: RunDirError(f"run folder {run_dir}: {why}"))
+    _check_export_dir(cfg, origin)
     if not _saves_checkpoints(cfg):
         return
     ckpt = RunFolder(run_dir).checkpoints(cfg.train.checkpoint_dir)
@@ -164,9 +165,24 @@ def check_writable(cfg: C.RunConfig, run_dir: Path, origin: Origin | None = None
                                            table="train", key="checkpoint_dir"))
 
 
+def _check_export_dir(cfg: C.RunConfig, origin: Origin | None) -> None:
+    """train.export_dir is written at the end of the run: a folder that already holds files would be
+    refused then, after the whole training, so it is refused now (as export-model's -o)."""
+    text = getattr(cfg.train, "export_dir", "")
+    if not text:
+        return
+    path = Path(text).expanduser()
+    def error(why: str) -> C.ConfigError:
+        return C.ConfigError(f"{path}: {why}", source=_source(origin, "train", "export_dir"),
+                             table="train", key="export_dir")
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise error("exists and is not an empty folder; pick a new one (the export never overwrites)")
+    _probe(path, error)
+
+
 def _saves_checkpoints(cfg: C.RunConfig) -> bool:
     t = cfg.train
-    return bool(getattr(t, "checkpoint_every", 0) or getattr(t, "save_final", False)
+    return bool(getattr(t, "checkpoint_every", 0) or getattr(t, "save_final", "none") != "none"
                 or getattr(t, "save_on_stop", False) or getattr(t, "resume", False))
 
 

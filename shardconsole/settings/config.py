@@ -88,6 +88,9 @@ def _set(cfg: RunConfig, table: str, key: str, value: Any, source: str, *, from_
     if from_text:
         value = _parse_override_value(tp, value)
     meta = next(f.metadata for f in fields(section) if f.name == key)
+    aliases = meta.get("aliases", {})
+    if isinstance(value, (bool, str)) and str(value).lower() in aliases:
+        value = aliases[str(value).lower()]     # an older spelling kept working, with no warning
     try:
         value = _coerce(tp, value)
         if value is not None and not isinstance(value, (bool, str)):

@@ -66,12 +66,21 @@ class TrainSettings:
     eval_every: int = _f(0, "steps between eval losses (0: only after the last step, when there is eval data)",
                          min=0)
     checkpoint_every: int = _f(0, "steps between checkpoints (0: only at the end, if save_final)", min=0)
-    save_final: bool = _f(True, "write a checkpoint after the last step (nothing trained is lost)")
+    # "model" keeps the weights alone (what export-model reads, a quarter of a full checkpoint with fp32
+    # masters and Adam): the choice where a full checkpoint does not fit the disk. true/false in older
+    # presets and --set mean full/none ("aliases").
+    save_final: Literal["full", "model", "none"] = _f(
+        "full", "after the last step, write a checkpoint: full (resumable: weights, optimizer, data position, "
+        "RNG), model (weights only, for export-model) or none", aliases={"true": "full", "false": "none"})
     keep_checkpoints: int = _f(0, "complete checkpoints kept, the oldest removed after a new one (0: all)", min=0)
     save_on_stop: bool = _f(True, "a stop (Ctrl-C, console, SIGTERM) saves at the next step boundary first")
     stop_save_timeout_s: float = _f(300.0, "seconds a save on stop may take before the ranks end without it",
                                     min=1.0)
     checkpoint_dir: str = _f("", "where checkpoints go (empty: <run dir>/checkpoints)")
+    export_dir: str = _f("", "write the trained model as a Hugging Face folder here after the last step "
+                         "(empty: no export); no checkpoint is needed for it")
+    export_dtype: Literal["bf16", "fp32"] | None = _f(
+        None, "dtype of train.export_dir's weights (default: the master weights' own dtype, as export-model)")
     resume: bool = _f(False, "continue from the newest complete checkpoint in checkpoint_dir")
     compile: bool = _f(False, "torch.compile each decoder layer (GPU; first steps are slower)")
     peak_tflops: float = _f(0.0, "peak bf16 TFLOP/s of one GPU for MFU (0: from the GPU table)", min=0.0)

@@ -18,7 +18,7 @@ from shardconsole.plan.speeds import steady_tokens_per_s
 POLL_S = 0.2
 
 # A probe trains for a few steps and keeps nothing: no checkpoint, no eval, no resume.
-PROBE_SETTINGS = [("train", "log_every", 1), ("train", "save_final", False), ("train", "checkpoint_every", 0),
+PROBE_SETTINGS = [("train", "log_every", 1), ("train", "save_final", "none"), ("train", "checkpoint_every", 0),
                   ("train", "eval_every", 0), ("train", "save_on_stop", False), ("train", "resume", False)]
 
 

@@ -105,6 +105,14 @@ def _dispatch(argv: list[str]) -> int:
     except (C.ConfigError, ModelError, UsageError) as e:
         print(f"shardconsole: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        from shardconsole.settings.paths import error_line, is_path_error
+        if not is_path_error(e):
+            raise
+        # A path given on the command line that cannot be looked at (too long, a part not a folder, no
+        # permission) is bad input like any other: one line, exit 2, wherever it was first touched.
+        print(f"shardconsole: error: {error_line(e)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

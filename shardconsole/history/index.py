@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardconsole.settings import config as C
+from shardconsole.settings.paths import kind_of
 from shardconsole.runlog import protocol as P
 from shardconsole.history import cache
 from shardconsole.launch.command import OLD_RUNS_ROOT, runs_root
@@ -89,7 +90,7 @@ def find_run(ref: str | Path, explicit_root: str | Path | None = None) -> Path:
     """A run folder from a path, or an id (whole, or a part that names one run) under the runs root(s).
     ValueError with one line when none or several match."""
     path = Path(ref).expanduser()
-    if path.is_dir():
+    if kind_of(path) == "folder":     # PathError (a ValueError) for a path too long to look at
         if is_run_folder(path):
             return path
         raise ValueError(f"{path}: not a run folder (no {RunFolder(path).preset.name})")

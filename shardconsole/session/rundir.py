@@ -82,6 +82,8 @@ def anchor_paths(cfg: C.RunConfig) -> C.RunConfig:
     name = cfg.model.name
     if name not in CATALOG and Path(name).expanduser().exists() and not Path(name).is_absolute():
         cfg.model.name = str(Path(cfg.model.name).expanduser().resolve())
+    if cfg.data.tokenizer not in ("", "bytes") and not Path(cfg.data.tokenizer).expanduser().is_absolute():
+        cfg.data.tokenizer = str(Path(cfg.data.tokenizer).expanduser().absolute())
     for section, key in (("data", "path"), ("data", "eval_path"), ("train", "checkpoint_dir"),
                          ("deepspeed", "nvme_path")):
         table = getattr(cfg, section)

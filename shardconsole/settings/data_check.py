@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from shardconsole.settings import config as C
+from shardconsole.settings.paths import PathError, kind_of, shown
 
 # Files read through `datasets` (with the loader named here); a folder must be a save_to_disk folder.
 LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
@@ -30,19 +31,26 @@ def locate(value: str, key: str, source: str = "preset") -> tuple[Path, str]:
     """(path, kind) of a data file or folder; kind is a LOADERS value or "saved" (save_to_disk folder)."""
     where = f"{source}: [data] {key}"
     path = Path(value).expanduser()
-    if not path.exists():
+    try:
+        found = kind_of(path)      # stat only: nothing is opened before it is known to be a file
+    except PathError as e:
+        raise C.ConfigError(f"{where}: {e}") from None
+    if found == "missing":
         if _HUB_NAME.match(value) and not value.startswith(("./", "../", "~")) and not Path(value).suffix:
             raise C.ConfigError(
                 f"{where}: {value!r} is not a local file or folder; a Hugging Face Hub dataset must be "
                 f"downloaded first, on a machine with network: python -c \"import datasets; "
                 f"datasets.load_dataset('{value}', split='train').save_to_disk('DIR')\", then set "
                 f"data.{key} = \"DIR\" (runs never reach the network)")
-        raise C.ConfigError(f"{where}: {path}: no such file or folder")
-    if path.is_dir():
+        raise C.ConfigError(f"{where}: {shown(path)}: no such file or folder")
+    if found == "folder":
         if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
             return path, "saved"
         raise C.ConfigError(f"{where}: {path}: a folder must be one written by datasets' save_to_disk "
                             f"(it has no state.json or dataset_dict.json)")
+    if found != "file":
+        raise C.ConfigError(f"{where}: {shown(path)}: is {found}, not a regular file; data.{key} is a file "
+                            f"or a save_to_disk folder (copy a stream to a file first)")
     kind = LOADERS.get(path.suffix.lower())
     if kind is None:
         raise C.ConfigError(f"{where}: {path}: unknown file type {path.suffix or '(no suffix)'!r}; use "
@@ -73,8 +81,14 @@ def check_tokenizer(model_dir: str | None, source: str = "preset") -> None:
     if not model_dir:
         return
     f = Path(model_dir).expanduser() / "tokenizer.json"
-    if not f.is_file():
+    try:
+        found = kind_of(f)
+    except PathError as e:
+        raise C.ConfigError(f"{source}: [model] name: {e}") from None
+    if found == "missing":
         return
+    if found != "file":
+        raise C.ConfigError(f"{source}: [model] name: {f}: is {found}, not a regular file")
     try:
         json.loads(f.read_text(encoding="utf-8"))
         from tokenizers import Tokenizer
@@ -91,8 +105,14 @@ def check_data(cfg: C.RunConfig, source: str = "preset") -> None:
     d = cfg.data
     if d.source == "tokens":
         path = Path(d.path).expanduser()
-        if not path.is_file():
-            raise C.ConfigError(f"{source}: [data] path: {path}: no such file")
+        try:
+            found = kind_of(path)
+        except PathError as e:
+            raise C.ConfigError(f"{source}: [data] path: {e}") from None
+        if found != "file":
+            what = "no such file" if found == "missing" else f"is {'a folder' if found == 'folder' else found}, " \
+                                                              f"not a regular file"
+            raise C.ConfigError(f"{source}: [data] path: {shown(path)}: {what}")
         return
     if not uses_records(cfg):
         return

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardconsole.settings.paths import PathError, kind_of, shown
+
 # Llama-architecture sizes (random init). "1b" is the 0.95B model of the baselines in docs/MEASURED.md,
 # "3b" the 3.1B one; 7b and 13b have Llama-2's shapes.
 CATALOG: dict[str, dict[str, Any]] = {
@@ -99,15 +101,25 @@ def resolve(name: str) -> ModelSpec:
     if name in CATALOG:
         return ModelSpec(name=name, config={**_COMMON, **CATALOG[name]})
     path = Path(name).expanduser()
-    if not path.exists():
-        raise ModelError(f"model {name!r}: not a catalog size ({', '.join(CATALOG)}) and no such folder")
-    if not path.is_dir():
-        raise ModelError(f"model {name!r}: expected a Hugging Face model folder, got a file")
+    try:
+        found = kind_of(path)
+        cfg_kind = kind_of(path / "config.json") if found == "folder" else None
+    except PathError as e:
+        raise ModelError(f"model {e}") from None
+    if found == "missing":
+        raise ModelError(f"model {shown(name)!r}: not a catalog size ({', '.join(CATALOG)}) and no such folder")
+    if found != "folder":
+        got = "a file" if found == "file" else found
+        raise ModelError(f"model {shown(name)!r}: expected a Hugging Face model folder, got {got}")
     cfg_file = path / "config.json"
+    if cfg_kind not in ("file", "missing"):
+        raise ModelError(f"{cfg_file}: is {cfg_kind}, not a regular file")
     try:
         config = json.loads(cfg_file.read_text())
     except FileNotFoundError:
         raise ModelError(f"{cfg_file}: missing; a model folder needs config.json") from None
+    except OSError as e:
+        raise ModelError(f"{cfg_file}: cannot read: {e.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelError(f"{cfg_file}: not valid JSON ({e})") from None
     if not isinstance(config, dict):

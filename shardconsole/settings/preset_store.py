@@ -14,6 +14,7 @@ from pathlib import Path
 import platformdirs
 
 from shardconsole.settings import config as C
+from shardconsole.settings.paths import PathError, regular_file, shown
 
 
 def builtin_dir() -> Path:
@@ -60,14 +61,17 @@ def list_presets() -> list[PresetInfo]:
 def find(name_or_path: str) -> Path:
     """The file of a preset name or path. ConfigError names what exists when nothing matches."""
     p = Path(name_or_path).expanduser()
-    if p.suffix == ".toml" or os.sep in name_or_path:
-        if p.is_file():
-            return p
-        raise C.ConfigError(f"{name_or_path}: no such preset file")
-    for folder in (user_dir(), builtin_dir()):
-        candidate = folder / f"{name_or_path}.toml"
-        if candidate.is_file():
-            return candidate
+    try:
+        if p.suffix == ".toml" or os.sep in name_or_path:
+            if regular_file(p, "a preset file") == "file":     # a FIFO would block the read for ever
+                return p
+            raise C.ConfigError(f"{shown(name_or_path)}: no such preset file")
+        for folder in (user_dir(), builtin_dir()):
+            candidate = folder / f"{name_or_path}.toml"
+            if regular_file(candidate, "a preset file") == "file":
+                return candidate
+    except PathError as e:
+        raise C.ConfigError(f"--preset: {e}") from None
     names = [i.name for i in list_presets()]
     import difflib
     close = difflib.get_close_matches(name_or_path, names, n=1)

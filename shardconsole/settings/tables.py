@@ -46,6 +46,13 @@ class DataSettings:
     eval_fraction: float = _f(0.0, "share of the records held out for the eval loss (by train.seed)",
                               min=0.0, max=0.5)
     eval_path: str = _f("", "a separate file or folder of eval records (instead of eval_fraction)")
+    text_split: Literal["blank_line", "line", "file"] = _f(
+        "blank_line", "how a .txt file becomes records: blank_line (blocks between blank lines), line (one "
+        "per line) or file (the whole file, one record)")
+    tokenizer: str = _f("", "empty: the model folder's tokenizer (a folder without one is refused); "
+                            "\"bytes\": UTF-8 bytes; or a folder holding tokenizer files")
+    allow_changed: bool = _f(False, "resume even though the data changed since the checkpoint (from the "
+                                    "start of an epoch of the new data)")
 
 
 @dataclass

@@ -77,7 +77,7 @@ class SetupScreen(SetupActions, Screen[None]):
         self.overrides: dict[str, settings.Override] = {}   # "table.key" -> the last override of it
         self.resolved = settings.Resolved(C.RunConfig(), "defaults", None)
         self.model_error = ""                      # a model folder typed but not (yet) usable
-        self.data_check = DataCheck()              # data.path at its field, as the launch checks it
+        self.data_check = DataCheck(on_done=self._data_checked)   # data.path at its field, as the launch checks it
         self.planned: PlannedRun | None = None
         self._startup_error = ""
         try:
@@ -300,6 +300,10 @@ class SetupScreen(SetupActions, Screen[None]):
 
     def watch_cfg(self) -> None:
         self._refresh()
+
+    def _data_checked(self) -> None:
+        """From the data check's thread: its answer came after the keystroke stopped waiting."""
+        self.app.call_from_thread(self._refresh)
 
     def _problems(self, data: bool = True) -> list[tuple[str, str]]:
         """(table.key, what is wrong): refused edits first, then the first impossible combination, then

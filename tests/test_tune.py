@@ -99,6 +99,62 @@ def test_a_second_tune_does_not_overwrite_a_preset_it_did_not_write(tuned, monke
     write_preset(tuned["tune"], tuned["winner"], tuned["name"], "tiny-cpu")      # its own: replaced
 
 
+def test_the_tune_keeps_the_numerics_unless_named(tuned):
+    """Issue 34: master dtype, rounding and compute dtype change the update, so no option, no probe and
+    not the winner changes them unless --vary names them."""
+    tune = tuned["tune"]
+    assert not tune.vary and tune.options
+    for o in tune.options:
+        assert search.numerics_changed(o.cfg, tune.base) == [], o.name
+    assert search.numerics_changed(tuned["winner"].option.cfg, tune.base) == []
+    saved = C.load(tuned["path"])
+    assert (saved.precision.dtype, saved.precision.master_dtype) == (tune.base.precision.dtype, "fp32")
+    # at bf16 compute the masters could be bf16 too: kept fp32 unless named
+    bf16 = PL.replace_cfg(tune.base, ("precision", "dtype", "bf16"))
+    kept = search.options(bf16, tune.spec, tune.hw, SpeedBook([]), fixed={"precision.dtype"})
+    assert {o.cfg.precision.master_dtype for o in kept} == {"fp32"}
+    masters = search.options(bf16, tune.spec, tune.hw, SpeedBook([]), vary={"precision.master_dtype"})
+    assert {o.cfg.precision.master_dtype for o in masters} == {"fp32", "bf16"}
+    # named, the key is searched: tiny-cpu's fp32 compute gets bf16 options (no fp16 on CPU ranks)
+    named = search.options(tune.base, tune.spec, tune.hw, SpeedBook([]), vary={"precision.dtype"})
+    assert {o.cfg.precision.dtype for o in named} == {"fp32", "bf16"}
+    assert {o.cfg.precision.master_dtype for o in named} == {"fp32"}
+
+
+def test_a_faster_numerics_change_is_one_line_under_the_table_and_not_probed(capsys, tmp_path):
+    """This machine measured tiny-cpu at bf16 three times as fast (an earlier `--vary precision.dtype`
+    tune, say): the tune keeps fp32 and says what bf16 would give, in one line, from the speed book."""
+    from shardconsole.plan.machine import detect_hardware
+    from shardconsole.settings import resolve as settings
+    cfg, hw = settings.resolve("tiny-cpu").cfg, detect_hardware()
+    book = SpeedBook.load()
+    book.add(record_of(cfg, hw, 1000.0, "tune probe"))
+    book.add(record_of(PL.replace_cfg(cfg, ("precision", "dtype", "bf16")), hw, 3000.0, "tune probe"))
+    assert cli.main(["tune", "--preset", "tiny-cpu", "--dry-run", "--runs-root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if "changes the update" in line]
+    assert len(notes) == 1, out
+    assert notes[0].startswith("bf16 compute would give ~3.00k tokens/s, 3.0x") and "not probed" in notes[0]
+    assert "--vary precision.dtype probes it" in notes[0]
+    listed = [line for line in out.splitlines() if "tokens/s (" in line]
+    assert listed and not any("bf16" in line for line in listed)          # listed, never as an option
+    # asked for, it is an option (and the note has nothing left to say)
+    assert cli.main(["tune", "--preset", "tiny-cpu", "--dry-run", "--vary", "precision.dtype",
+                     "--runs-root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "bf16 compute" in out.splitlines()[2] and "changes the update" not in out
+
+
+def test_the_output_name_is_checked_before_the_first_probe(_user_presets, _runs_root, capsys):
+    """Issue 36.13: a preset tune may not replace is refused at once, not after the whole budget."""
+    (_user_presets / "tiny-cpu-tuned.toml").write_text('description = "hand made"\n')
+    assert cli.main(["tune", "--preset", "tiny-cpu", "--max-probes", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'tiny-cpu-tuned' exists and was not written by tune" in err, err
+    assert not list(_runs_root.iterdir())                        # no probe folder: nothing launched
+    assert (_user_presets / "tiny-cpu-tuned.toml").read_text() == 'description = "hand made"\n'
+
+
 def test_finished_runs_under_the_runs_root_are_kept_once(tuned, tmp_path):
     """A finished run's speed joins the book the next time tune or plan looks (harvest), once."""
     import shutil
@@ -170,6 +226,8 @@ def test_the_options_keep_the_global_batch_and_what_the_user_fixed():
     (["--preset", "tiny-cpu", "--gpu-memory", "24GiB"], "their cap is --host-memory"),
     (["--preset", "tiny-cpu", "--set", "train.micro_batch=0"], "micro_batch"),
     (["--preset", "3090-offload"], "no GPU found on this machine"),
+    (["--preset", "tiny-cpu", "--vary", "train.micro_batch"], "--vary: 'train.micro_batch' is not a numerics key"),
+    (["--preset", "tiny-cpu", "--vary", "precision.dtype", "--set", "precision.dtype=bf16"], "also given with --set"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
     assert cli.main(["tune", *argv]) == 2

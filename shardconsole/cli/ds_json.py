@@ -82,7 +82,7 @@ def cmd_export(argv: list[str]) -> int:
                     f"`--set parallel.backend=deepspeed` runs")
     cfg, notes = resolved.cfg, resolved.notes
     if args.format == "toml":
-        text = C.dumps(cfg)
+        text = preset_store.dumps_preset(cfg)
     elif args.format == "hf-trainer":
         text = json.dumps(hf_trainer_config(cfg), indent=2) + "\n"
     else:
@@ -161,13 +161,12 @@ def cmd_import(argv: list[str]) -> int:
         for key, why in unmapped:
             print(f"  {key}: {why}", file=err)
     if args.output is None or args.output == "-":
-        sys.stdout.write(C.dumps(cfg))
+        sys.stdout.write(preset_store.dumps_preset(cfg))
         sys.stdout.flush()
         return 0
     out = Path(args.output).expanduser()
-    try:
-        C.save(cfg, out, overwrite=args.force)
-    except FileExistsError:
-        raise C.ConfigError(f"{out}: exists; pass --force to overwrite it") from None
+    if out.exists() and not args.force:
+        raise C.ConfigError(f"{out}: exists; pass --force to overwrite it")
+    C.write_atomic(out, preset_store.dumps_preset(cfg))
     print(f"shardconsole import: wrote {out}; run it with: shardconsole --preset {out} --headless", file=err)
     return 0

@@ -5,8 +5,9 @@
     shardconsole plan --fit [--gpus N] [--gpu-memory 24GiB] [--host-memory 128GiB]
                       [--model NAME|DIR] [--preset NAME] [--seq-len 2048] [--json]
 
-Hardware is what NVML and psutil find on this machine, unless given. Bad input is one line on stderr
-and exit code 2 (ConfigError, handled by cli.main). No torch import: answers in well under a second.
+Hardware is what NVML and psutil find on this machine, unless given. Exit codes: 0 the plan was made
+(it fits, or cannot tell), 3 its verdict is "does not fit" (the plan is printed all the same), 2 bad
+input: one line on stderr (ConfigError, handled by cli.main). No torch import: answers in well under a second.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from shardconsole.settings import resolve as settings
 from shardconsole.settings.models import human_count
 from shardconsole.plan.machine import hardware_from_args
 from shardconsole.session import preflight
+
+EXIT_DOES_NOT_FIT = 3
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -129,7 +132,8 @@ def cmd_plan(argv: list[str]) -> int:
         print(json.dumps(out))
     else:
         print(format_estimate(est, cfg, name, hw))
-    return 0
+    # A script can ask "does it fit" of the exit code (README, "Exit codes"); "cannot tell" is not "no".
+    return EXIT_DOES_NOT_FIT if est.verdict.startswith("does not fit") else 0
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:

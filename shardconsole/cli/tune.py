@@ -1,13 +1,17 @@
 """`shardconsole tune`: the planner proposes, short real runs decide, the winner is saved as a preset.
 
     shardconsole tune --preset P [--set table.key=value ...] [--gpu-memory SIZE] [--host-memory SIZE]
-                      [--budget DURATION] [--max-probes N] [--probe-steps N] [-o NAME] [--dry-run]
+                      [--budget DURATION] [--max-probes N] [--probe-steps N] [--vary KEY ...] [-o NAME]
+                      [--dry-run]
 
 The settings as given run first (the baseline), then the options the planner ranks fastest that fit,
 each a few steps through the normal launch path under the memory cap, re-ranked after each probe with
 what it measured, until the budget or the probe count ends. The fastest probe that stayed under the
 caps is written as the user preset NAME (default: P-tuned), its figures in the header comment. A key
-given with --set is kept as given: the tune searches only the others. Exit codes: 0 a preset written,
+given with --set is kept as given: the tune searches only the others. The numerics (precision.dtype,
+master_dtype, master_rounding) change the update, so they are kept as given too unless named with
+--vary KEY (repeatable); where changing them is predicted much faster, one line under the table says
+so (planned, not probed). The output preset name is checked before the first probe. Exit codes: 0 a preset written,
 1 no probe finished under the caps, 2 bad input, 130 stopped with Ctrl-C (a preset is written from what
 was measured when one finished).
 """
@@ -21,7 +25,7 @@ from shardconsole.settings import config as C
 from shardconsole.settings import resolve as settings
 from shardconsole.tune.engine import Tune
 from shardconsole.tune.setup import make_tune, output_name, parse_duration
-from shardconsole.tune.report import format_table, machine_text, table, write_preset
+from shardconsole.tune.report import format_table, machine_text, numerics_note, table, write_preset
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget", default="10m", metavar="DURATION", help="wall time for all probes: 90s, 10m, 1h")
     ap.add_argument("--max-probes", type=int, default=6, help="at most this many probes, the baseline included")
     ap.add_argument("--probe-steps", type=int, default=6, help="optimizer steps of each probe (the first is not timed)")
+    ap.add_argument("--vary", action="append", default=[], metavar="KEY",
+                    help="search a numerics key too (precision.dtype, precision.master_dtype, "
+                         "precision.master_rounding): it changes the update, so it is kept as given unless named; "
+                         "repeatable")
     ap.add_argument("-o", "--output", default=None, metavar="NAME", help="the preset to write (default: P-tuned)")
     ap.add_argument("--runs-root", default=None, metavar="DIR", help="where the probes' run folders go")
     ap.add_argument("--dry-run", action="store_true", help="list the options that fit, ranked; probe nothing")
@@ -64,7 +72,8 @@ def setup(args: argparse.Namespace) -> tuple[Tune, str, str]:
     resolved = settings.resolve(preset, overrides)
     name = output_name(args.output, resolved.preset)
     tune = make_tune(resolved, budget_s=budget, max_probes=args.max_probes, probe_steps=args.probe_steps,
-                     gpu_memory=args.gpu_memory, host_memory=args.host_memory, runs_root_dir=args.runs_root, name=name)
+                     gpu_memory=args.gpu_memory, host_memory=args.host_memory, runs_root_dir=args.runs_root, name=name,
+                     vary=args.vary)
     return tune, resolved.preset, name
 
 
@@ -82,6 +91,9 @@ def cmd_tune(argv: list[str]) -> int:
             p = o.prediction
             print(f"  {p.value:10.2f} {p.unit:<8} ({p.source})  {'[baseline] ' if o.baseline else ''}{o.name}"
                   f"{'' if o.estimate.fits else '  (does not fit: ' + o.estimate.verdict + ')'}", file=out)
+        note = numerics_note(tune)
+        if note:
+            print(note, file=out)
         return 0
     shown = [0]
 
@@ -114,6 +126,9 @@ def cmd_tune(argv: list[str]) -> int:
     print("\n" + format_table(table(tune)), file=out)
     if tune.note:
         print(f"({tune.note})", file=out)
+    note = numerics_note(tune)
+    if note:
+        print(note, file=out)
     if winner is None:
         print("no probe finished under the caps: nothing written (the rows above say why each stopped)",
               file=sys.stderr)

@@ -4,9 +4,13 @@ says fits, ranked by the predicted speed (plan/speeds.py). Pure: no torch, no la
 
 The levers: the engine and its sharding or ZeRO stage, offload (none / optimizer / parameters and
 optimizer), activation checkpointing and its policy, the micro-batch with gradient accumulation
-keeping micro_batch x grad_accum, train.compile (GPU only), the master dtype, and DeepSpeed's
-reduce bucket (it sets a GPU buffer; smaller buckets fit under tighter caps). A key the user fixed
-(`--set table.key=...`) is never searched.
+keeping micro_batch x grad_accum, train.compile (GPU only), and DeepSpeed's reduce bucket (it sets a
+GPU buffer; smaller buckets fit under tighter caps). A key the user fixed (`--set table.key=...`) is
+never searched.
+
+The numerics (NUMERICS: the compute dtype, the master dtype and its rounding) change the update itself,
+so a winner that changed them is another training, not the same one faster (issue 34: bf16 masters
+cost +6% final loss at 125m): they are searched only when named (`tune --vary KEY`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,12 @@ from shardconsole.plan.speeds import Prediction, SpeedBook
 ALL_STRATEGIES = {**STRATEGIES, **EXTRA_STRATEGIES}
 OFFLOADING = {"full_shard+offload", "ZeRO-3+offload", "ZeRO-3+optimizer offload", "ZeRO-2+optimizer offload"}
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+# The keys that change what a step computes, each with the values it may take.
+NUMERICS: dict[str, tuple[Any, ...]] = {
+    "precision.dtype": ("bf16", "fp16", "fp32"),
+    "precision.master_dtype": ("fp32", "bf16"),
+    "precision.master_rounding": ("nearest", "stochastic", "kahan"),
+}
 
 
 @dataclass
@@ -54,22 +64,65 @@ def _strategy_of(cfg: C.RunConfig) -> str:
     return z
 
 
-def describe(cfg: C.RunConfig) -> str:
+def describe(cfg: C.RunConfig, base: C.RunConfig | None = None) -> str:
     m = cfg.memory
     ckpt = f"{m.checkpoint_policy} checkpointing" if m.activation_checkpointing else "no checkpointing"
     parts = [_strategy_of(cfg), ckpt, f"micro_batch {cfg.train.micro_batch} x {cfg.train.grad_accum}"]
     if cfg.train.compile:
         parts.append("compiled")
+    if base is not None and cfg.precision.dtype != base.precision.dtype:
+        parts.append(f"{cfg.precision.dtype} compute")
     if cfg.precision.master_dtype == "bf16":
-        parts.append("bf16 masters")
+        rounding = cfg.precision.master_rounding
+        parts.append("bf16 masters" + ("" if rounding == "nearest" else f" ({rounding} rounding)"))
     default_bucket = C.RunConfig().deepspeed.reduce_bucket_size
     if cfg.parallel.backend == "deepspeed" and cfg.deepspeed.reduce_bucket_size != default_bucket:
         parts.append(f"bucket {cfg.deepspeed.reduce_bucket_size:.0e}")
     return ", ".join(parts)
 
 
-def _levers(base: C.RunConfig, fixed: set[str]) -> dict[str, list[list[tuple[str, str, Any]]]]:
-    """Each lever: the alternatives, each a list of changes. A fixed key keeps the base's value."""
+def _numerics_levers(base: C.RunConfig, vary: set[str]) -> dict[str, list[list[tuple[str, str, Any]]]]:
+    """The numerics keys named in vary, each a lever over its values (fp16 only on GPUs: the CPU ranks
+    have no fp16 kernels for everything; combinations that do not validate are skipped later)."""
+    out: dict[str, list[list[tuple[str, str, Any]]]] = {}
+    for path in NUMERICS:
+        if path not in vary:
+            continue
+        table, key = path.split(".")
+        values = [v for v in NUMERICS[path] if not (v == "fp16" and base.parallel.device == "cpu")]
+        out[path] = [[(table, key, v)] for v in values]
+    return out
+
+
+def numerics_words(cfg: C.RunConfig, base: C.RunConfig) -> list[str]:
+    """How cfg's numerics differ from base's, in words ("bf16 masters", "stochastic rounding")."""
+    p, b = cfg.precision, base.precision
+    out = []
+    if p.dtype != b.dtype:
+        out.append(f"{p.dtype} compute")
+    if p.master_dtype != b.master_dtype or (p.master_dtype == "bf16" and p.dtype != b.dtype):
+        out.append(f"{p.master_dtype} masters")
+    if p.master_dtype == "bf16" and p.master_rounding != b.master_rounding:
+        out.append(f"{p.master_rounding} rounding")
+    return out
+
+
+def numerics_changed(cfg: C.RunConfig, base: C.RunConfig) -> list[str]:
+    """The NUMERICS keys whose value differs between cfg and base (a rounding of fp32 masters is none)."""
+    out = []
+    for path in NUMERICS:
+        table, key = path.split(".")
+        if key == "master_rounding" and cfg.precision.master_dtype == "fp32" == base.precision.master_dtype:
+            continue
+        if getattr(getattr(cfg, table), key) != getattr(getattr(base, table), key):
+            out.append(path)
+    return out
+
+
+def _levers(base: C.RunConfig, fixed: set[str],
+            vary: set[str] = frozenset()) -> dict[str, list[list[tuple[str, str, Any]]]]:
+    """Each lever: the alternatives, each a list of changes. A fixed key keeps the base's value; a
+    numerics key is a lever only when vary names it."""
     on_cpu = base.parallel.device == "cpu"
     free = lambda *keys: not any(k in fixed for k in keys)          # noqa: E731
     strategies = [n for n in ALL_STRATEGIES if not (on_cpu and n in OFFLOADING)]
@@ -89,8 +142,7 @@ def _levers(base: C.RunConfig, fixed: set[str]) -> dict[str, list[list[tuple[str
         out["micro_batch"] = [[("train", "micro_batch", mb), ("train", "grad_accum", global_batch // mb)] for mb in mbs]
     if free("train.compile") and not on_cpu:
         out["compile"] = [[("train", "compile", False)], [("train", "compile", True)]]
-    if free("precision.master_dtype") and base.precision.dtype == "bf16":
-        out["masters"] = [[("precision", "master_dtype", "fp32")], [("precision", "master_dtype", "bf16")]]
+    out.update(_numerics_levers(base, {k for k in vary if free(k)}))
     if free("deepspeed.reduce_bucket_size"):
         b = base.deepspeed.reduce_bucket_size
         out["bucket"] = [[("deepspeed", "reduce_bucket_size", b)],
@@ -107,6 +159,8 @@ def _key(cfg: C.RunConfig) -> str:
     d = cfg.to_dict()
     d.pop(_irrelevant(cfg), None)
     d.pop("description", None)
+    if cfg.precision.master_dtype == "fp32":     # the rounding of bf16 masters: nothing to round
+        d["precision"] = {k: v for k, v in d["precision"].items() if k != "master_rounding"}
     return repr(sorted((k, repr(v)) for k, v in d.items()))
 
 
@@ -121,10 +175,11 @@ def _effective(cfg: C.RunConfig, base: C.RunConfig, changes: list[tuple[str, str
 
 
 def options(base: C.RunConfig, spec: ModelSpec, hw: Hardware, book: SpeedBook, *,
-            fixed: set[str] = frozenset(), limit: int = 2000) -> list[Option]:
+            fixed: set[str] = frozenset(), vary: set[str] = frozenset(), limit: int = 20000) -> list[Option]:
     """Every combination of the free levers that validates and fits, fastest predicted first (ties: less
-    GPU memory first); the settings as given are in the list as the baseline whether they fit or not."""
-    levers = _levers(base, set(fixed))
+    GPU memory first); the settings as given are in the list as the baseline whether they fit or not.
+    The numerics keys stay as given but those named in vary (NUMERICS)."""
+    levers = _levers(base, set(fixed), set(vary))
     seen: set[str] = set()
     out: list[Option] = []
     base_key = _key(base)
@@ -142,7 +197,7 @@ def options(base: C.RunConfig, spec: ModelSpec, hw: Hardware, book: SpeedBook, *
         est = estimate(cfg, spec, hw)
         if not est.fits and key != base_key:
             continue
-        out.append(Option(describe(cfg), _effective(cfg, base, changes + [("parallel", "launcher", None)]), cfg, est,
+        out.append(Option(describe(cfg, base), _effective(cfg, base, changes + [("parallel", "launcher", None)]), cfg, est,
                           book.predict(cfg, hw), baseline=key == base_key))
     if base_key not in seen:
         out.append(Option(describe(base), [], base, estimate(base, spec, hw), book.predict(base, hw), baseline=True))

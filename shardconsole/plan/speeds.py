@@ -174,8 +174,16 @@ class SpeedBook:
         if exact:
             return Prediction(statistics.median(exact), "measured", "tokens/s")
         cold = cold_score(cfg)
-        same = [r.tokens_per_s / r.cold for r in mine if r.cold > 0 and r.signature.get("strategy") == sig["strategy"]]
-        ratios = same or [r.tokens_per_s / r.cold for r in mine if r.cold > 0]
+        # Scaled by this machine's measurements that are most like these settings: the same strategy and
+        # numerics, then the same strategy, then the same numerics (bf16 compute or masters run at
+        # another speed than fp32, which the factors do not hold), then any.
+        numerics = lambda r: all(r.signature.get(k) == sig[k] for k in ("dtype", "master_dtype"))  # noqa: E731
+        strategy = lambda r: r.signature.get("strategy") == sig["strategy"]                         # noqa: E731
+        ratios: list[float] = []
+        for like in (lambda r: strategy(r) and numerics(r), strategy, numerics, lambda r: True):
+            ratios = [r.tokens_per_s / r.cold for r in mine if r.cold > 0 and like(r)]
+            if ratios:
+                break
         if ratios:
             return Prediction(cold * statistics.median(ratios), "scaled", "tokens/s")
         return Prediction(cold, "cold start", "relative")

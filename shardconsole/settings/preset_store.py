@@ -110,7 +110,28 @@ def check_name(name: str) -> str:
     return name
 
 
+def dumps_preset(cfg: C.RunConfig) -> str:
+    """cfg as a preset file: only the settings that differ from the defaults (issue 36.12). A file
+    with every key spelled out names keys that do nothing for these settings (master_rounding under
+    fp32 masters) and warned about them on every load; one with only the changes says what the preset
+    is. It loads back as the same settings (tests/test_tune.py checks a round trip)."""
+    import tomli_w
+    defaults = C.RunConfig().to_dict()
+    doc: dict[str, object] = {}
+    for table, values in cfg.to_dict().items():
+        if not isinstance(values, dict):
+            doc[table] = values                     # the description
+            continue
+        changed = {k: v for k, v in values.items() if defaults.get(table, {}).get(k, object()) != v}
+        if changed:
+            doc[table] = changed
+    return tomli_w.dumps(doc)
+
+
 def save_user_preset(cfg: C.RunConfig, name: str, *, overwrite: bool = False) -> Path:
-    """Write cfg as <user dir>/<name>.toml. Raises ConfigError for a name check_name refuses, and
-    FileExistsError unless overwrite."""
-    return C.save(cfg, user_dir() / f"{check_name(name)}.toml", overwrite=overwrite)
+    """Write cfg as <user dir>/<name>.toml (the settings that differ from the defaults). Raises
+    ConfigError for a name check_name refuses, and FileExistsError unless overwrite."""
+    path = user_dir() / f"{check_name(name)}.toml"
+    if path.exists() and not overwrite:
+        raise FileExistsError(path)
+    return C.write_atomic(path, dumps_preset(cfg))

@@ -125,7 +125,10 @@ def resolve_doc(doc: dict[str, Any] | None, name: str, path: Path | str | None,
         out.overrides.append(o)
     out.notes = apply_fsdp_equivalents(out.cfg, _set_keys(doc, out.overrides, "deepspeed"))
     out.notes += drop_fp16_keys(out.cfg, out.origins)
-    if out.cfg.precision.master_dtype == "fp32" and (
+    # Said only of a value that is not the default: a preset that spells out every key (one written by
+    # an earlier version) names the default rounding, and a default never warns (issue 36.12).
+    prec = out.cfg.precision
+    if prec.master_dtype == "fp32" and prec.master_rounding != C.RunConfig().precision.master_rounding and (
             "precision.master_rounding" in out.origins or "master_rounding" in ((doc or {}).get("precision") or {})):
         out.notes.append(f"precision.master_rounding = {out.cfg.precision.master_rounding!r} has no effect: it "
                          "rounds bf16 masters, and master_dtype is 'fp32'")

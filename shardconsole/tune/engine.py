@@ -51,6 +51,7 @@ class Tune:
     root: Path                                  # probe run folders go under it
     book: SpeedBook
     fixed: set[str] = field(default_factory=set)
+    vary: set[str] = field(default_factory=set)   # the numerics keys the user asked to search (search.NUMERICS)
     on_change: Callable[["Tune"], None] = lambda t: None
     rows: list[Row] = field(default_factory=list)
     options: list[search.Option] = field(default_factory=list)
@@ -60,7 +61,7 @@ class Tune:
     note: str = ""
 
     def plan(self) -> None:
-        self.options = search.options(self.base, self.spec, self.hw, self.book, fixed=self.fixed)
+        self.options = search.options(self.base, self.spec, self.hw, self.book, fixed=self.fixed, vary=self.vary)
         self.on_change(self)
 
     def _next(self) -> search.Option | None:

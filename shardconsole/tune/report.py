@@ -9,6 +9,7 @@ from pathlib import Path
 
 from shardconsole.settings import config as C
 from shardconsole.settings import preset_store
+from shardconsole.plan import search
 from shardconsole.plan.speeds import machine_key
 from shardconsole.tune.engine import Row, Tune
 
@@ -48,6 +49,42 @@ def table(tune: Tune, upcoming: int = 3) -> list[tuple[str, ...]]:
         rows.append(("", ("baseline: " if o.baseline else "") + o.name, _gib(o.estimate.gpu_peak_bytes),
                      _gib(o.estimate.host_peak_bytes), "-", "-", guess, "-", f"next ({p.source})"))
     return rows
+
+
+MUCH_FASTER = 1.2      # a numerics change predicted this much faster than the best kept is worth a line
+
+
+def numerics_note(tune: Tune) -> str:
+    """One line: the fastest option the planner and the speed book see if the numerics the tune kept
+    (search.NUMERICS, not in --vary) were changed, when it is predicted MUCH_FASTER than the winner (or,
+    before any probe, the fastest option kept). Planned, never probed: such a winner would be another
+    training ("" when there is none, or it is not much faster)."""
+    free = {k for k in search.NUMERICS if k not in tune.fixed and k not in tune.vary}
+    free.discard("precision.master_rounding")     # its cost is the host step's, not the planner's: kept
+    if not free:
+        return ""
+    alts = [o for o in search.options(tune.base, tune.spec, tune.hw, tune.book, fixed=tune.fixed,
+                                      vary=tune.vary | free)
+            if o.estimate.fits and search.numerics_changed(o.cfg, tune.base)]
+    win = tune.winner()
+    kept = win.option if win is not None else next((o for o in tune.options if o.estimate.fits), None)
+    if not alts or kept is None:
+        return ""
+    best = max(alts, key=lambda o: o.prediction.value)
+    ref = tune.book.predict(kept.cfg, tune.hw)
+    if ref.unit != best.prediction.unit or ref.value <= 0 or best.prediction.value < MUCH_FASTER * ref.value:
+        return ""
+    words = " and ".join(search.numerics_words(best.cfg, tune.base))
+    changed = search.numerics_changed(best.cfg, tune.base)
+    than = "the winner" if win is not None else "the fastest at the preset's numerics"
+    ratio = best.prediction.value / ref.value
+    if best.prediction.unit == "tokens/s":
+        gain = f"would give ~{_rate(best.prediction.value)} tokens/s, {ratio:.1f}x {than}"
+    else:
+        gain = f"would be ~{ratio:.1f}x as fast as {than}"
+    section = "bf16 masters: the trade-off" if "precision.master_dtype" in changed else "Tune"
+    return (f"{words} {gain} ({best.name}; {best.prediction.source}, not probed); it changes the update: "
+            f"see README, \"{section}\"; " + " ".join(f"--vary {k}" for k in changed) + " probes it")
 
 
 def format_table(rows: list[tuple[str, ...]]) -> str:
@@ -92,11 +129,13 @@ def preset_text(tune: Tune, winner: Row, name: str, source: str) -> str:
     cfg = C.copy(winner.option.cfg)
     cfg.description = (f"tuned from {source} by shardconsole tune: {winner.option.name}, "
                        f"{res.tokens_per_s:.0f} tokens/s measured")
-    return "\n".join(lines) + "\n\n" + C.dumps(cfg)
+    return "\n".join(lines) + "\n\n" + preset_store.dumps_preset(cfg)
 
 
-def write_preset(tune: Tune, winner: Row, name: str, source: str) -> Path:
-    """The user preset `name`; one written by an earlier tune is replaced, any other is kept (ConfigError)."""
+def check_output(name: str) -> Path:
+    """The file the user preset `name` goes to, if tune may write it: one written by an earlier tune is
+    replaced, any other is kept (ConfigError). Checked before the first probe (issue 36.13: a tune that
+    spent its budget and then refused the name saved nothing) and again when writing."""
     preset_store.check_name(name)
     path = preset_store.user_dir() / f"{name}.toml"
     if path.exists():
@@ -107,6 +146,12 @@ def write_preset(tune: Tune, winner: Row, name: str, source: str) -> Path:
         if not first.startswith(HEADER_MARK):
             raise C.ConfigError(f"a preset {name!r} exists and was not written by tune ({path}); pick another name "
                                 f"with -o NAME", source="-o")
+    return path
+
+
+def write_preset(tune: Tune, winner: Row, name: str, source: str) -> Path:
+    """The user preset `name` (check_output says when it may not be written: ConfigError)."""
+    path = check_output(name)
     text = preset_text(tune, winner, name, source)
     import tomllib
     C.build(tomllib.loads(text), str(path))          # what is written loads back as these settings

@@ -31,15 +31,35 @@ def parse_duration(flag: str, text: str) -> float:
 
 
 def output_name(given: str | None, preset: str) -> str:
-    from shardconsole.settings.preset_store import check_name
-    return check_name(given or f"{Path(preset).stem}-tuned")
+    """The preset the tune will write, checked now, before any probe: a valid name, and not a preset
+    that tune may not replace."""
+    from shardconsole.tune.report import check_output
+    name = given or f"{Path(preset).stem}-tuned"
+    check_output(name)
+    return name
+
+
+def check_vary(keys: list[str], fixed: set[str]) -> set[str]:
+    """The numerics keys `--vary` names: each one of search.NUMERICS, none also given with --set."""
+    from shardconsole.plan.search import NUMERICS
+    out = set()
+    for key in keys:
+        key = key.strip()
+        if key not in NUMERICS:
+            raise C.ConfigError(f"--vary: {key!r} is not a numerics key; it takes {', '.join(NUMERICS)} (tune "
+                                f"searches the other levers anyway)")
+        if key in fixed:
+            raise C.ConfigError(f"--vary: {key} is also given with --set; a key set is kept as given")
+        out.add(key)
+    return out
 
 
 def make_tune(resolved: settings.Resolved, *, budget_s: float, max_probes: int, probe_steps: int,
               gpu_memory: str | None = None, host_memory: str | None = None, runs_root_dir: str | None = None,
-              name: str = "tuned", hardware=None) -> Tune:
+              name: str = "tuned", hardware=None, vary: list[str] = ()) -> Tune:
     """A tune of resolved settings (the CLI's and the console's): the cap, the machine, the speed book with
-    the finished runs under the runs root harvested, the probes' folder. Keys the user set are kept."""
+    the finished runs under the runs root harvested, the probes' folder. Keys the user set are kept, and
+    the numerics (plan/search.NUMERICS) but those named in vary."""
     from shardconsole.launch.command import runs_root
     from shardconsole.plan.estimator import replace_cfg
     from shardconsole.session import preflight
@@ -59,9 +79,10 @@ def make_tune(resolved: settings.Resolved, *, budget_s: float, max_probes: int, 
         raise C.ConfigError(f"no GPU found on this machine and preset {resolved.preset!r} trains on GPUs: tune "
                             f"measures real runs, so it runs where the training will (or use a CPU preset)")
     fixed = {o.path for o in resolved.overrides}
+    varied = check_vary(list(vary), fixed)
     root = runs_root(runs_root_dir) / f"{time.strftime('%Y%m%d-%H%M%S')}-tune-{name}"
     book = SpeedBook.load()
     harvest(book, runs_root(runs_root_dir), hw)
     limits = Limits(budget_s=budget_s, max_probes=max_probes, probe_steps=probe_steps,
                     gpu_cap_bytes=cfg.gpu_memory_limit_bytes or None, host_cap_bytes=host_cap)
-    return Tune(cfg, spec, hw, limits, root, book, fixed=fixed)
+    return Tune(cfg, spec, hw, limits, root, book, fixed=fixed, vary=varied)

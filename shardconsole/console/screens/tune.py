@@ -18,7 +18,7 @@ from shardconsole.settings import config as C
 from shardconsole.settings import resolve as settings
 from shardconsole.tune.setup import make_tune, output_name, parse_duration
 from shardconsole.tune.engine import Tune
-from shardconsole.tune.report import COLUMNS, machine_text, table, write_preset
+from shardconsole.tune.report import COLUMNS, machine_text, numerics_note, table, write_preset
 
 HERE = Path(__file__).parent
 
@@ -35,6 +35,7 @@ class TuneScreen(Screen[None]):
         self.hardware = hardware
         self.tune: Tune | None = None
         self.running = False
+        self.numerics_line = ""         # report.numerics_note of the last tune
 
     def compose(self) -> ComposeResult:
         with Vertical(id="tune"):
@@ -107,6 +108,8 @@ class TuneScreen(Screen[None]):
             msg = (f"winner: {winner.option.name}, {winner.result.tokens_per_s:,.0f} tokens/s; saved as preset "
                    f"{self.out_name} ({path})" if winner else
                    "no probe finished under the caps: nothing saved (the rows say why)")
+            # planned, not probed: a winner that changed the numerics would be another training
+            self.numerics_line = numerics_note(tune)
         except (C.ConfigError, OSError) as e:
             msg = f"tune stopped: {e}"
         self.app.call_from_thread(self._done, msg)
@@ -127,7 +130,8 @@ class TuneScreen(Screen[None]):
     def _done(self, msg: str) -> None:
         self.running = False
         self._refresh()
-        self._say(msg + (f" ({self.tune.note})" if self.tune and self.tune.note else ""))
+        self._say(msg + (f" ({self.tune.note})" if self.tune and self.tune.note else "")
+                  + (f"\n{self.numerics_line}" if self.numerics_line else ""))
         self.query_one("#start", Button).disabled = False
         self.query_one("#stop", Button).disabled = True
         self.notify(msg, title="Tune", timeout=10)

@@ -80,12 +80,16 @@ def test_slurm_script(tmp_path):
     text = slurm_script(cfg, tmp_path / "run dir", "id-1", python="/opt/py", workdir=tmp_path)
     lines = text.splitlines()
     assert lines[0] == "#!/bin/bash"
-    assert {"#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8"} <= set(lines)
+    assert {"#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8", "#SBATCH --exclusive",
+            "#SBATCH --signal=B:USR1@360", "#SBATCH --requeue"} <= set(lines)
+    assert not any(line.startswith("#SBATCH --mem") for line in lines)      # no planner figure given
+    assert "#SBATCH --mem=11G" in slurm_script(cfg, tmp_path, "id-1", python="py", host_bytes=10 * 2**30)
     srun = next(line for line in lines if line.startswith("srun "))
     # one torchrun agent a node (even for a DeepSpeed run: no hostfile, no ssh), rendezvous on the first node
     assert "/opt/py -m torch.distributed.run --nproc-per-node=8" in srun
     assert '--rdzv-endpoint="$head_node:29500"' in srun and '--rdzv-id="$SLURM_JOB_ID"' in srun
     assert f"--run-dir '{tmp_path / 'run dir'}'" in srun          # quoted: the path has a space
+    assert '--cpus-per-task="$SLURM_CPUS_ON_NODE"' in srun and '--run-id "$session"' in srun
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
     # CPU ranks: no GPUs asked of Slurm, and the ranks told not to take one; a port per job
     cpu = slurm_script(C.build({}, overrides=["parallel.device=cpu"]), tmp_path, "x", python="py")
@@ -97,7 +101,7 @@ def test_slurm_script_names_cannot_inject_lines_or_commands(tmp_path):
     """Issue 22 item 10: a newline or $(...) in the run folder's name stays inside one line / one word."""
     evil = "r\nrm -rf $(touch PWNED)\n#SBATCH --nodes=99"
     cfg = C.build({}, overrides=["parallel.device=cpu"])
-    text = slurm_script(cfg, tmp_path / evil, evil, python="py", workdir=tmp_path)
+    text = slurm_script(cfg, tmp_path / evil, evil, python=sys.executable, workdir=tmp_path)
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
     lines = text.splitlines()
     comment = [line for line in lines if line.startswith("# shardconsole run ")]
@@ -114,7 +118,8 @@ def test_slurm_script_names_cannot_inject_lines_or_commands(tmp_path):
         (bin_dir / tool).chmod(0o755)
     res = subprocess.run(["bash", "-c", text], cwd=tmp_path, text=True, capture_output=True,
                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7", "SLURM_NNODES": "1",
-                              "SLURM_JOB_NODELIST": "n0"})
+                              "SLURM_JOB_NODELIST": "n0", "SLURM_CPUS_ON_NODE": "2",
+                              "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
     assert res.returncode == 0, res.stderr
     assert not (tmp_path / "PWNED").exists()
     args = (tmp_path / "srun.args").read_bytes().decode().split("\0")

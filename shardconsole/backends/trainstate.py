@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from shardconsole.backends import data as data_mod
+from shardconsole.runlog.runfolder import read_stop_request
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -116,6 +117,7 @@ class StopRequest:
     so a second signal ends the rank even while the main thread sits in a collective or a write."""
 
     DEBOUNCE_S = 2.0     # the front end signals the ranks and the launcher forwards its own copy
+    LOOK_EVERY_S = 1.0
 
     def __init__(self, r) -> None:
         self.r = r
@@ -126,6 +128,7 @@ class StopRequest:
         self.group = None
         self.work = None
         self.buf = torch.zeros(1, dtype=torch.int32)
+        self.looked_at = float("-inf")
         if threading.current_thread() is not threading.main_thread():
             return
         rfd, wfd = os.pipe()
@@ -156,9 +159,21 @@ class StopRequest:
                     self.skip_save = True
                     end_now(self.r, "a second stop signal: ended without saving")
 
+    def _asked_by_file(self) -> bool:
+        """A stop asked through the run folder (runfolder.write_stop_request) for this session: the way a
+        stop reaches the ranks of every node. One stat a second at most (NFS round trips)."""
+        now = time.monotonic()
+        if now - self.looked_at < self.LOOK_EVERY_S:
+            return False
+        self.looked_at = now
+        found = read_stop_request(self.r.run_dir)
+        return found is not None and found.get("session") in (self.r.run_id, "")
+
     def start_round(self) -> None:
         """At a step boundary: share this rank's flag; the answer is read at the next boundary."""
         self.armed = True
+        if not self.local and self._asked_by_file():
+            self.first_at, self.local = time.monotonic(), True
         if self.group is None:
             # A gloo group of its own: no device sync under NCCL, and never queued among the training's
             # collectives on the default group.

@@ -15,6 +15,9 @@ def cmd_resume(argv: list[str]) -> int:
     ap.add_argument("run", metavar="RUN", help="a run folder, or a run id (or a unique part of one) under the runs root")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
                     help="change a setting for the rest of the run, e.g. train.steps=200")
+    ap.add_argument("--slurm", action="store_true",
+                    help="write an sbatch script that continues the run on a cluster (submit with sbatch) "
+                         "instead of running it here")
     args = ap.parse_args(argv)
     from shardconsole.history.index import find_run
     try:
@@ -23,6 +26,12 @@ def cmd_resume(argv: list[str]) -> int:
         from shardconsole.settings.config import ConfigError      # one line, exit 2 (cli.main prints it)
         raise ConfigError(str(e)) from None
     from shardconsole.session.resume import prepare_resume, resume_run_id
+    if args.slurm:
+        # The job's first node is node 0; the script's first step names the session (session/cluster.py).
+        cfg = prepare_resume(args.run_dir, [*args.overrides, "parallel.rendezvous=slurm"])
+        from shardconsole.cli.run import write_slurm_script
+        write_slurm_script(cfg, args.run_dir.absolute(), args.run_dir.resolve().name)
+        return 0
     cfg = prepare_resume(args.run_dir, args.overrides)
     from shardconsole import headless
     return headless.run(cfg, args.run_dir, resume_run_id(args.run_dir))

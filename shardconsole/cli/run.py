@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from shardconsole.cli.errors import UsageError
-from shardconsole.launch.command import runs_root
+from shardconsole.launch.command import child_env, runs_root
 from shardconsole.launch.job import PRESET_FILE, build_argv, format_argv, new_run_dir, run_id_of, slurm_script
 from shardconsole.session import preflight
 from shardconsole.settings import config as C
@@ -72,6 +72,11 @@ def cmd_run(argv: list[str]) -> int:
     resolved = load_config(args.preset, args.overrides, here=not (args.print_command or args.slurm),
                            slurm=args.slurm)
     cfg, name = resolved.cfg, resolved.preset
+    p = cfg.parallel
+    if not args.slurm and p.rendezvous == "slurm" and p.nnodes > 1 and not p.rdzv_endpoint:
+        raise C.ConfigError("nnodes > 1 with rendezvous = \"slurm\": node 0 is the job's first node, known only "
+                            "inside a Slurm job: use --slurm, or set parallel.rdzv_endpoint",
+                            source=resolved.origin("parallel", "rendezvous"), table="parallel", key="rendezvous")
     run_dir = args.run_dir or new_run_dir(name, runs_root(args.runs_root))
     if args.print_command or args.slurm:
         # The printed command reads the run folder's preset.toml: it must exist for the command to work.
@@ -80,11 +85,11 @@ def cmd_run(argv: list[str]) -> int:
         # Absolute: the command is started on other nodes (or later, elsewhere) from any directory.
         run_dir = run_dir.absolute()
         if args.slurm:
-            sys.stdout.write(slurm_script(cfg, run_dir, run_id))
-            print(f"# wrote {run_dir / PRESET_FILE}; submit with `sbatch`, follow with `shardconsole attach "
-                  f"{run_dir}`; {run_dir} must be on a filesystem every node shares", file=sys.stderr)
+            write_slurm_script(cfg, run_dir, run_id)
             return 0
-        print(format_argv(build_argv(cfg, run_dir, run_id)))
+        # With the variables the Slurm script exports: a node started by hand gets the same save budget.
+        print(format_argv(["env", *(f"{k}={v}" for k, v in sorted(child_env(cfg, base={}).items())),
+                           *build_argv(cfg, run_dir, run_id)]))
         where = (f"run this on each of the {cfg.parallel.nnodes} nodes; {run_dir} must be on a shared filesystem"
                  if cfg.parallel.nnodes > 1 else "run it here")
         print(f"# wrote {run_dir / PRESET_FILE}; {where}; follow with `shardconsole attach {run_dir}`",
@@ -95,6 +100,24 @@ def cmd_run(argv: list[str]) -> int:
     run_dir = _prepare_run_dir(cfg, run_dir, explicit=args.run_dir is not None, launch=resolved)
     from shardconsole import headless
     return headless.run(cfg, run_dir, run_dir.resolve().name)
+
+
+def write_slurm_script(cfg: C.RunConfig, run_dir: Path, run_id: str) -> None:
+    """The sbatch script on stdout, what to do with it on stderr (also `resume RUN --slurm`)."""
+    sys.stdout.write(slurm_script(cfg, run_dir, run_id, host_bytes=_host_bytes(cfg)))
+    print(f"# wrote {run_dir / PRESET_FILE}; submit with `sbatch`, follow with `shardconsole attach "
+          f"{run_dir}`; {run_dir} must be on a filesystem every node shares", file=sys.stderr)
+
+
+def _host_bytes(cfg: C.RunConfig) -> int | None:
+    """The planner's host RAM of one node of this run (Slurm's --mem), or None when it cannot say."""
+    try:
+        from shardconsole import plan
+        from shardconsole.settings.models import resolve as resolve_model
+        hw = plan.Hardware(gpus=cfg.parallel.nproc_per_node, gpu_memory_bytes=0, host_memory_bytes=0)
+        return int(plan.estimate(cfg, resolve_model(cfg.model.name), hw).host_peak_bytes)
+    except Exception:     # a model the planner cannot read: the script asks for no --mem
+        return None
 
 
 def _prepare_run_dir(cfg: C.RunConfig, run_dir: Path, explicit: bool = True,

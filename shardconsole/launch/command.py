@@ -7,6 +7,7 @@ processes these start are launch.py's.
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import sys
@@ -75,23 +76,33 @@ def build_argv(cfg: C.RunConfig, run_dir: str | Path, run_id: str, python: str =
 
 
 SLURM_RDZV_PORT = 20000
+# Past the save budget, Slurm's USR1 comes this much earlier: the ranks look for the stop request once a
+# second and save at the next step boundary, then torchrun and srun end.
+SLURM_SIGNAL_MARGIN_S = 60
+HOST_MEMORY_MARGIN = 1.10      # the planner's host figure was within 6% of every calibration run
+# The interface gloo and NCCL bind to on every node: chosen where the script is written, and kept in it.
+INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+SESSION_MODULE = "shardconsole.session.cluster"
 
 
 def slurm_script(cfg: C.RunConfig, run_dir: str | Path, run_id: str, python: str = sys.executable,
-                 workdir: str | Path | None = None) -> str:
-    """An sbatch script for this run: one torchrun agent per node (srun, one task a node), the c10d
-    rendezvous on the job's first node, the job id as the rendezvous id. Slurm places the nodes; the
-    ranks, the stream and the checkpoints are the same as a local run's. The run folder must be on a
-    filesystem every node shares (it holds preset.toml and receives the metrics), as for any
-    multi-node run. The deepspeed launcher is not used under Slurm: torchrun starts DeepSpeed ranks
-    just as well and needs no hostfile or ssh."""
-    p = cfg.parallel
+                 workdir: str | Path | None = None, host_bytes: int | None = None) -> str:
+    """An sbatch script for this run: one torchrun agent per node (srun, one task a node, the node's
+    cores: --exclusive), the c10d rendezvous on the job's first node, the job id as the rendezvous id.
+    host_bytes: the planner's host RAM for one node (--mem asks it, with a margin; None: not asked).
+    Requeue-safe: a resubmitted or requeued job resumes from the folder's newest complete checkpoint
+    under a session of its own (session/cluster.py start); USR1 before the time limit asks every
+    node's ranks to save and stop through the run folder. The run folder must be on a filesystem every
+    node shares. The deepspeed launcher is not used under Slurm: torchrun starts DeepSpeed ranks just
+    as well and needs no hostfile or ssh."""
+    p, t = cfg.parallel, cfg.train
     run_dir = Path(run_dir).resolve()
     # A port of the user's, else one per job: two jobs sharing a node must not meet in one rendezvous.
     port = p.rdzv_endpoint.rsplit(":", 1)[1] if p.rdzv_endpoint else f"$(({SLURM_RDZV_PORT} + SLURM_JOB_ID % 20000))"
     torchrun = [python, "-m", "torch.distributed.run", f"--nproc-per-node={p.nproc_per_node}", "--max-restarts=0",
                 "--rdzv-backend=c10d"]
-    worker = ["-m", WORKER_MODULE, "--run-dir", str(run_dir), "--run-id", run_id]
+    worker = ["-m", WORKER_MODULE, "--run-dir", str(run_dir), "--run-id"]
+    session = [python, "-m", SESSION_MODULE]
     # sbatch reads the #SBATCH lines itself, where shell quoting cannot hold a newline: names go there
     # (and into the comment) with control characters escaped; the shell lines are quoted so that each
     # stays one line ($'...' for a word with a control character in it).
@@ -101,20 +112,40 @@ def slurm_script(cfg: C.RunConfig, run_dir: str | Path, run_id: str, python: str
              f"backend {p.backend}",
              f"#SBATCH --job-name={shlex.quote(_one_line(run_id))}",
              f"#SBATCH --nodes={p.nnodes}",
-             "#SBATCH --ntasks-per-node=1"]
+             "#SBATCH --ntasks-per-node=1",
+             # the agent, its ranks and their offload threads share the task's CPUs (one by default)
+             "#SBATCH --exclusive"]
+    if host_bytes:
+        lines.append(f"#SBATCH --mem={math.ceil(host_bytes * HOST_MEMORY_MARGIN / 2**30)}G")
+    if p.device != "cpu":
+        lines.append(f"#SBATCH --gpus-per-node={p.nproc_per_node}")
+    if t.save_on_stop:
+        lines.append(f"#SBATCH --signal=B:USR1@{int(t.stop_save_timeout_s) + SLURM_SIGNAL_MARGIN_S}")
+    lines += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
     if _one_line(out_file) == out_file:
         lines.append(f"#SBATCH --output={shlex.quote(out_file)}")
     else:
         lines.append(f"# the run folder's name holds a control character: output in slurm-%j.out where sbatch runs")
-    if p.device != "cpu":
-        lines.append(f"#SBATCH --gpus-per-node={p.nproc_per_node}")
     lines += ["set -euo pipefail", f"cd {_sh_quote(str(Path(workdir or os.getcwd()).resolve()))}"]
-    env = child_env(cfg, base={})
+    env = child_env(cfg, base={k: os.environ[k] for k in INTERFACE_VARS if os.environ.get(k)})
     lines += [f"export {k}={_sh_quote(v)}" for k, v in sorted(env.items())]
-    lines += ['head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+    lines += [f"run_dir={_sh_quote(str(run_dir))}",
+              'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+              "# a resubmitted or requeued job resumes from the newest complete checkpoint, as a session of its own",
+              f'session=$({_sh_join(session)} start "$run_dir" "$SLURM_JOB_ID")',
+              "# USR1 (--signal above; or `scancel --batch --signal=USR1 JOB`): every node's ranks save and stop",
+              f"stop_request() {{ {_sh_join(session)} stop \"$run_dir\" \"$session\" "
+              f"\"Slurm (USR1 to job $SLURM_JOB_ID)\"; }}",
+              "trap stop_request USR1",
               "# one torchrun agent per node; the first node hosts the rendezvous",
-              f"srun --kill-on-bad-exit=1 {_sh_join(torchrun)} --nnodes=\"$SLURM_NNODES\" "
-              f"--rdzv-endpoint=\"$head_node:{port}\" --rdzv-id=\"$SLURM_JOB_ID\" {_sh_join(worker)}"]
+              f"srun --kill-on-bad-exit=1 --cpus-per-task=\"$SLURM_CPUS_ON_NODE\" {_sh_join(torchrun)} "
+              f"--nnodes=\"$SLURM_NNODES\" --rdzv-endpoint=\"$head_node:{port}\" --rdzv-id=\"$SLURM_JOB_ID\" "
+              f"{_sh_join(worker)} \"$session\" &",
+              # in the background: bash runs a trap only between commands, and a wait returns for it
+              "srun_pid=$!",
+              'while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid" || true; done',
+              'rc=0; wait "$srun_pid" || rc=$?',     # srun's own status, which bash keeps
+              'exit "$rc"']
     return "\n".join(lines) + "\n"
 
 

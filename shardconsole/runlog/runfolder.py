@@ -5,6 +5,8 @@ from here. Standard library only (the ranks import it before torch).
       preset.toml        the fully resolved settings (itself a preset); the ranks read only this
       metrics.jsonl      the stream: every step, memory, GPU and host sample, event, eval line
       job.json           who started the run here: launcher pid/pgid, host, start time, argv
+      stop_request.json  a stop asked through the folder (`shardconsole stop` of a multi-node or Slurm
+                         run, Slurm's USR1): every node's ranks look for it at step boundaries
       launcher.log       torchrun's / the deepspeed launcher's own output
       logs/rank<N>.log   each rank's stdout and stderr (C-level output too)
       checkpoints/       step_<N>/ folders (step_<N>.partial while being written)
@@ -12,6 +14,9 @@ from here. Standard library only (the ranks import it before torch).
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +26,7 @@ JOB_FILE = "job.json"
 LAUNCHER_LOG = "launcher.log"
 LOGS_DIR = "logs"
 CHECKPOINTS_DIR = "checkpoints"
+STOP_REQUEST_FILE = "stop_request.json"
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,10 @@ class RunFolder:
     def logs(self) -> Path:
         return self.path / LOGS_DIR
 
+    @property
+    def stop_request(self) -> Path:
+        return self.path / STOP_REQUEST_FILE
+
     def rank_log(self, rank: int) -> Path:
         return self.path / LOGS_DIR / f"rank{rank}.log"
 
@@ -57,3 +67,22 @@ class RunFolder:
     @property
     def run_id(self) -> str:
         return self.path.resolve().name
+
+
+def write_stop_request(folder: Path, session: str, who: str) -> Path:
+    """Ask every node's ranks of `session` to save and stop: a file in the shared run folder, written
+    whole (rename), because on NFS a signal reaches only this host's processes."""
+    path = Path(folder) / STOP_REQUEST_FILE
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"session": session, "who": who, "t": time.time()}))
+    os.replace(tmp, path)
+    return path
+
+
+def read_stop_request(folder: Path) -> dict | None:
+    """The stop request in the folder, or None (none, or not readable yet)."""
+    try:
+        found = json.loads((Path(folder) / STOP_REQUEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None

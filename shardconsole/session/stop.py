@@ -192,9 +192,11 @@ def stop_folder(run_dir: Path, err: TextIO) -> int:
         job = open_run(folder.path)
     except ValueError as e:
         raise StopRefused(str(e)) from None
-    if job.external:
-        raise StopRefused(f"{folder.path}: this run was started elsewhere (--print-command or --slurm; no "
-                          f"{folder.job.name}): stop it where it runs, e.g. scancel for a Slurm job")
+    from shardconsole.session import cluster
+    if job.external or cluster.stops_through_folder(folder.path):
+        # Several nodes, or started by --print-command / --slurm: a signal reaches this host only; the
+        # request file in the shared folder reaches every node's ranks.
+        return cluster.stop_through_folder(folder.path, err, who=f"`shardconsole stop` (pid {os.getpid()})")
     try:
         host = json.loads(folder.job.read_text()).get("host", "")
     except (OSError, ValueError, AttributeError):

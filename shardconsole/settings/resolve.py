@@ -123,6 +123,8 @@ def resolve_doc(doc: dict[str, Any] | None, name: str, path: Path | str | None,
             continue
         out.origins[o.path] = o.source
         out.overrides.append(o)
+    if rendezvous_from_launcher:
+        out.cfg.parallel.rendezvous = "slurm"     # preset.toml says so: the ranks validate it again
     out.notes = apply_fsdp_equivalents(out.cfg, _set_keys(doc, out.overrides, "deepspeed"))
     out.notes += drop_fp16_keys(out.cfg, out.origins)
     # Said only of a value that is not the default: a preset that spells out every key (one written by

@@ -60,7 +60,7 @@ def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = 
             # rendezvous starts DeepSpeed ranks on every node from the same command.
             raise err("parallel", "launcher", f"the deepspeed launcher needs a hostfile and ssh for nnodes = "
                       f"{p.nnodes}; use launcher = \"torchrun\" (it runs DeepSpeed ranks on every node)")
-    if p.nnodes > 1 and not p.rdzv_endpoint and not rendezvous_from_launcher:
+    if p.nnodes > 1 and not p.rdzv_endpoint and not rendezvous_from_launcher and p.rendezvous != "slurm":
         # Blamed on whatever set nnodes (`--set parallel.nnodes=4` on a one-node preset), at the
         # rendezvous field, which is what is missing.
         raise ConfigError(f"nnodes = {p.nnodes} needs the host:port of node 0: set parallel.rdzv_endpoint "

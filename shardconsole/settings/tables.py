@@ -108,6 +108,11 @@ class ParallelSettings:
     master_port: int = _f(0, "port for single-node runs (0: pick a free one)", min=0, max=65535)
     launcher: Literal["torchrun", "deepspeed"] = _f("torchrun", "program that starts the ranks")
     timeout_s: int = _f(600, "collective timeout in seconds", min=10)
+    # Recorded in the run folder's preset.toml, which every rank and reader validates again: a Slurm
+    # run's node 0 is named by the job (its first node), not by rdzv_endpoint.
+    rendezvous: Literal["endpoint", "slurm"] = _f(
+        "endpoint", "who names node 0: endpoint (rdzv_endpoint; this machine for one node) or slurm (the "
+        "job's first node; --slurm sets it)")
 
 
 @dataclass

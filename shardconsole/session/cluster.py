@@ -1,0 +1,195 @@
+"""A run of several nodes or of a Slurm job, seen from its shared run folder (issue 32).
+
+- `start_session(run_dir, job_id)`: the Slurm script's first line of work, on the job's first node
+  before srun. A folder whose stream already has lines is a resubmitted or requeued job: it turns
+  train.resume on (the ranks load the newest complete checkpoint, or start from step 0 when there is
+  none) and names a session of its own (`<run id>-resume-<time>-job<id>`, the prefix that attach and
+  the watcher follow as a resume), so the earlier session's end is history, not this one's.
+- `request_stop(run_dir, session, who)`: a stop through the folder (runfolder.write_stop_request):
+  what Slurm's USR1 (the batch script's trap) and `shardconsole stop` of a multi-node run write.
+  Every node's ranks look for it at step boundaries and agree on one boundary to save and stop.
+- `stop_through_folder(run_dir, err)`: `shardconsole stop` of such a run, from any node: asks, then
+  waits for every rank's end line and reports each node.
+
+`python -m shardconsole.session.cluster start RUN_DIR JOB_ID` prints the session id;
+`python -m shardconsole.session.cluster stop RUN_DIR SESSION WHO` asks for the stop.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from shardconsole.runlog import protocol as P
+from shardconsole.runlog.runfolder import RunFolder, write_stop_request
+from shardconsole.runlog.stream import MetricsReader, MetricsWriter
+from shardconsole.settings import config as C
+
+PREV_SUFFIX = ".prev"
+STOP_REQUESTED = "stop_requested"    # session.outcome's event name: the front ends say "stopped by"
+ANSWER_MARGIN_S = 120.0              # past the save budget: a step to reach the boundary, the exit
+
+
+def _has_history(folder: RunFolder) -> bool:
+    try:
+        return folder.metrics.stat().st_size > 0
+    except OSError:
+        return False
+
+
+def start_session(run_dir: Path, job_id: str) -> str:
+    """The session id of this job's ranks; a folder with history resumes (see the module's text). A
+    stop request left by an earlier job is removed first: it was for a session that has ended."""
+    folder = RunFolder(Path(run_dir).absolute())
+    folder.stop_request.unlink(missing_ok=True)
+    if not _has_history(folder):
+        return folder.run_id
+    cfg = C.load(folder.preset)
+    if not cfg.train.resume:
+        shutil.copy2(folder.preset, folder.preset.with_name(folder.preset.name + PREV_SUFFIX))
+        cfg.train.resume = True
+        C.save(cfg, folder.preset)
+    return f"{folder.run_id}-resume-{time.strftime('%Y%m%d-%H%M%S')}-job{job_id}"
+
+
+def announce(folder: RunFolder, session: str, who: str) -> None:
+    """Who stops the run, in the stream before the request (the front ends then say "stopped by")."""
+    try:
+        w = MetricsWriter(folder.metrics, session, -1)
+    except OSError:
+        return
+    w.emit(P.Event(run=session, rank=-1, name=STOP_REQUESTED, detail=who))
+    w.close()
+
+
+def request_stop(run_dir: Path, session: str, who: str) -> None:
+    folder = RunFolder(Path(run_dir))
+    announce(folder, session, who)
+    write_stop_request(folder.path, session, who)
+
+
+class _Session:
+    """The newest session of a run folder, folded from its stream: each rank's host and its end line."""
+
+    def __init__(self) -> None:
+        self.run = ""
+        self.hosts: dict[int, str] = {}
+        self.world = 0
+        self.ends: dict[int, P.Failed | P.Finished] = {}
+        self.last_step = 0
+
+    def apply(self, msg: P.Message) -> None:
+        if isinstance(msg, P.Hello):
+            if msg.run != self.run:
+                self.__init__()
+                self.run = msg.run
+            self.hosts[msg.rank], self.world = msg.host, msg.world
+        elif msg.run != self.run:
+            return
+        elif isinstance(msg, P.Step):
+            self.last_step = max(self.last_step, msg.step)
+        elif isinstance(msg, P.Finished):
+            self.ends.update({r: msg for r in self.hosts})     # rank 0 says it for the run
+        elif isinstance(msg, P.Failed) and msg.rank >= 0:
+            self.ends[msg.rank] = msg
+
+    @property
+    def ended(self) -> bool:
+        return bool(self.world) and len(self.ends) >= self.world
+
+    def by_node(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for rank, host in sorted(self.hosts.items()):
+            out.setdefault(host or "?", []).append(rank)
+        return out
+
+
+def _node_lines(s: _Session) -> list[str]:
+    lines = []
+    for host, ranks in s.by_node().items():
+        answered = [r for r in ranks if r in s.ends]
+        missing = [r for r in ranks if r not in s.ends]
+        words = [f"rank(s) {', '.join(map(str, answered))} ended ({_how(s.ends[answered[0]])})"] if answered else []
+        if missing:
+            words.append(f"rank(s) {', '.join(map(str, missing))} did not answer (last step seen {s.last_step}): "
+                         f"is the node gone? end them there (scancel for a Slurm job)")
+        lines.append(f"  node {host}: " + "; ".join(words))
+    return lines
+
+
+def _how(end: P.Failed | P.Finished) -> str:
+    if isinstance(end, P.Finished):
+        return f"finished, {end.steps} steps"
+    return end.message.splitlines()[0] if end.message else end.cause
+
+
+def stop_through_folder(run_dir: Path, err: TextIO, *, who: str = "", answer_s: float | None = None) -> int:
+    """Ask every node's ranks through the run folder, wait for each rank's end line (the save budget and
+    a margin), and say how each node ended. 0 once every rank has ended."""
+    folder = RunFolder(Path(run_dir))
+    s = _Session()
+    reader = MetricsReader(folder.metrics)
+    try:
+        while batch := reader.poll():      # the whole history, 8 MiB at a time
+            for msg in batch:
+                s.apply(msg)
+        if not s.run:
+            # Nothing names the session to ask, and nothing of ours runs it here (a usage error: exit 2).
+            print(f"shardconsole: {folder.path}: a run started elsewhere (--print-command, --slurm or another "
+                  f"node) whose ranks have not started (no hello line): nothing to stop here; for a Slurm job "
+                  f"still pending, scancel it", file=err)
+            return 2
+        if s.ended:
+            print(f"nothing to stop: the run has already ended (session {s.run})", file=err)
+            return 0
+        try:
+            budget_s = C.load(folder.preset).train.stop_save_timeout_s
+        except (C.ConfigError, OSError):
+            budget_s = 300.0
+        wait_s = answer_s if answer_s is not None else budget_s + ANSWER_MARGIN_S
+        nodes = s.by_node()
+        print(f"stopping {folder.path}: asked every node through {folder.stop_request.name} "
+              f"({len(nodes)} node(s): {', '.join(nodes)}); waiting up to {wait_s:.0f}s for the ranks to save "
+              f"and end", file=err, flush=True)
+        request_stop(folder.path, s.run, who or "`shardconsole stop`")
+        deadline = time.monotonic() + wait_s
+        while not s.ended and time.monotonic() < deadline:
+            for msg in reader.poll():
+                s.apply(msg)
+            time.sleep(0.2)       # the ranks look once a second; nothing to wake us sooner
+        print(("stopped:" if s.ended else f"stop incomplete after {wait_s:.0f}s:"), file=err)
+        print("\n".join(_node_lines(s)), file=err, flush=True)
+        return 0 if s.ended else 1
+    finally:
+        reader.close()
+
+
+def stops_through_folder(run_dir: Path) -> bool:
+    """Whether `shardconsole stop` goes through the folder: a run of several nodes (its signals reach
+    only one host) or one started elsewhere (--print-command, --slurm: no job.json of ours)."""
+    folder = RunFolder(Path(run_dir))
+    if not folder.job.is_file():
+        return True
+    try:
+        return C.load(folder.preset).parallel.nnodes > 1
+    except (OSError, C.ConfigError):
+        return False
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[0] == "start":
+        print(start_session(Path(argv[1]), argv[2]))
+        return 0
+    if len(argv) == 4 and argv[0] == "stop":
+        request_stop(Path(argv[1]), argv[2], argv[3])
+        return 0
+    print("usage: python -m shardconsole.session.cluster start RUN_DIR JOB_ID | stop RUN_DIR SESSION WHO",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

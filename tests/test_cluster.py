@@ -1,0 +1,128 @@
+"""Issue 32: the Slurm script on two nodes, stopped through the run folder and resubmitted.
+
+The sbatch script shardconsole writes runs as Slurm runs it on a two-node allocation: srun and scontrol
+are stand-ins on PATH (srun starts its command once per node, scontrol names 127.0.0.1), so two real
+torchrun agents meet in one c10d rendezvous on loopback, one rank each, one shared run folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from shardconsole.launch.job import PRESET_FILE
+from shardconsole.settings import config as C
+from tests.conftest import messages, of_kind, pids_alive, shardconsole, wait_for_steps
+
+FAKE_SRUN = """#!/bin/bash
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for node in 0 1; do SLURM_NODEID=$node SLURM_PROCID=$node "$@" & pids+=($!); done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+exit $rc
+"""
+
+
+def _job_id_with_a_free_port() -> int:
+    """The script's rendezvous port is 20000 + job id % 20000: a job id whose port is free."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if 20000 <= port < 40000:
+            return port - 20000
+    return 12345
+
+
+def _slurm_env(tmp_path: Path, srun: str = FAKE_SRUN) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "srun").write_text(srun)
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node[0-1]",
+            "SLURM_NNODES": "2", "SLURM_CPUS_ON_NODE": "1"}
+
+
+def _submit(script: Path, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(script)], env={**env, "SLURM_JOB_ID": str(_job_id_with_a_free_port())},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_node_slurm_job_stops_from_the_first_node_and_a_resubmit_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    # the interface chosen where the script is written travels in it (loopback: both nodes are here)
+    res = shardconsole("--preset", "tiny-cpu", "--slurm", "--run-dir", str(run_dir), "--set", "parallel.nnodes=2",
+                       "--set", "parallel.nproc_per_node=1", "--set", "train.steps=100000", "--set", "train.log_every=1",
+                       "--set", "fsdp.sharding=hybrid_shard", env={"GLOO_SOCKET_IFNAME": "lo"}, timeout=60)
+    assert res.returncode == 0, res.stderr
+    text = res.stdout
+    assert {"#SBATCH --nodes=2", "#SBATCH --exclusive", "#SBATCH --requeue", "export GLOO_SOCKET_IFNAME=lo",
+            f"#SBATCH --signal=B:USR1@{300 + 60}"} <= set(text.splitlines())
+    assert any(line.startswith("#SBATCH --mem=") for line in text.splitlines())
+    # the ranks validate the folder's preset.toml again: it says the job names node 0
+    assert C.load(run_dir / PRESET_FILE).parallel.rendezvous == "slurm"
+    script = tmp_path / "job.sbatch"
+    script.write_text(text)
+    env = _slurm_env(tmp_path)
+
+    job = _submit(script, env)
+    wait_for_steps(run_dir, 2, 120, job)
+    stop = shardconsole("stop", str(run_dir), timeout=120)        # from "the first node": a plain shell here
+    assert stop.returncode == 0, stop.stderr
+    out, err = job.communicate(timeout=60)                         # both agents ended: srun, then the job
+    msgs = messages(run_dir)
+    hellos = of_kind(msgs, "hello")
+    assert sorted(h.rank for h in hellos) == [0, 1] and pids_alive(h.pid for h in hellos) == []
+    stopped = [m for m in of_kind(msgs, "failed") if m.cause == "stopped"]
+    assert sorted(m.rank for m in stopped) == [0, 1], err[-2000:]
+    assert all("saved it" in m.message for m in stopped)
+    assert f"node {socket.gethostname()}: rank(s) 0, 1 ended" in stop.stderr
+    saved = max(m.step for m in stopped)
+    assert not (run_dir / "job.json").exists()                     # no front end of ours started it
+
+    # `resume RUN --slurm` writes the same script (any resubmit resumes); resubmitting it continues
+    res = shardconsole("resume", str(run_dir), "--slurm", "--set", f"train.steps={saved + 3}",
+                       env={"GLOO_SOCKET_IFNAME": "lo"}, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == text
+    job = _submit(script, env)
+    out, err = job.communicate(timeout=180)
+    assert job.returncode == 0, err[-3000:]
+    msgs = messages(run_dir)
+    session = of_kind(msgs, "hello")[-1].run
+    assert session.startswith(f"{run_dir.name}-resume-") and {h.run for h in of_kind(msgs, "hello")[-2:]} == {session}
+    assert [m.step for m in of_kind(msgs, "step") if m.run == session] == [saved + 1, saved + 2, saved + 3]
+    assert [f.run for f in of_kind(msgs, "finished")] == [session]
+
+    res = shardconsole("attach", str(run_dir), "--headless", timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert f"finished: {saved + 3} steps" in res.stderr
+
+
+def test_usr1_to_the_batch_shell_asks_every_node_to_stop(tmp_path):
+    """Slurm's --signal=B:USR1 reaches the batch shell only: its trap writes the stop request that every
+    node's ranks watch (here srun's stand-in waits for that file, as the ranks would)."""
+    run_dir = tmp_path / "run"
+    res = shardconsole("--preset", "tiny-cpu", "--slurm", "--run-dir", str(run_dir), timeout=60)
+    assert res.returncode == 0, res.stderr
+    script = tmp_path / "job.sbatch"
+    script.write_text(res.stdout)
+    waits = f"#!/bin/bash\ntouch {tmp_path}/started\nuntil [ -e {run_dir}/stop_request.json ]; do sleep 0.1; done\n"
+    job = _submit(script, _slurm_env(tmp_path, srun=waits))
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "started").exists():
+        assert time.monotonic() < deadline and job.poll() is None, job.communicate()[1]
+        time.sleep(0.05)
+    job.send_signal(signal.SIGUSR1)
+    out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, err
+    request = json.loads((run_dir / "stop_request.json").read_text())
+    assert request["session"] == run_dir.name and "USR1" in request["who"]
+    assert [m.detail for m in of_kind(messages(run_dir), "event") if m.name == "stop_requested"] == [request["who"]]

@@ -18,7 +18,6 @@ is byte 0 (NUL, which text files never hold).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,16 +26,13 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from shardconsole.settings.data_check import locate
-
-FORMATS = ("text", "chat", "prompt_completion", "alpaca")
+from shardconsole.settings.data_scan import FORMATS, ROLES, SHAREGPT_ROLES, ScanError  # noqa: F401 (re-exported)
+from shardconsole.settings import data_scan
 PLAIN_TEMPLATE_NAME = "shardconsole-plain"
 PLAIN_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n\n{% endfor %}"
     "{% if add_generation_prompt %}Assistant: {% endif %}"
 )
-ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user",
-                  "assistant": "assistant", "tool": "tool", "function_call": "assistant", "observation": "tool"}
 # Bits of the per-token flag array kept beside the token ids.
 LOSS, DOC_START = 1, 2
 BYTES_EOS = 0
@@ -49,7 +45,11 @@ class DataError(ValueError):
 # ---------------------------------------------------------------------------------------------------
 # Reading
 
-def load_records(value: str, key: str, text_key: str, scratch: Path):
+# data.text_split -> datasets' text loader's sample_by (blank records are dropped after, as the scan counts)
+_SAMPLE_BY = {"blank_line": "paragraph", "line": "line", "file": "document"}
+
+
+def load_records(value: str, key: str, text_key: str, scratch: Path, text_split: str = "blank_line"):
     """The records of data.<key> as a datasets.Dataset, and a function naming where record i came from."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")    # runs never reach the network
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -67,41 +67,24 @@ def load_records(value: str, key: str, text_key: str, scratch: Path):
                                     f"'train': save the split to train on")
                 ds = ds[split]
         else:
-            extra = {"sample_by": "paragraph"} if kind == "text" else {}
+            extra = {"sample_by": _SAMPLE_BY[text_split]} if kind == "text" else {}
             ds = datasets.load_dataset(kind, data_files=str(path), split="train", cache_dir=str(scratch), **extra)
-            if kind == "text" and text_key != "text":
-                ds = ds.rename_column("text", text_key)
+            if kind == "text":
+                ds = ds.filter(lambda r: bool(r["text"].strip()))     # blank lines make no record
+                if text_key != "text":
+                    ds = ds.rename_column("text", text_key)
     except DataError:
         raise
     except Exception as e:
-        if path.suffix.lower() in (".jsonl", ".json"):
-            _find_bad_json_line(path, key, text_key)
+        if kind in ("json", "csv", "text"):
+            # `datasets` names no line (a bad JSON line, bytes that are not UTF-8): the scan finds it
+            try:
+                data_scan.scan(path, kind, text_key, text_split, budget_bytes=None)
+            except ScanError as bad:
+                raise DataError(f"[data] {key}: {bad}") from None
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise DataError(f"[data] {key}: {path}: cannot read its records: {first}") from None
     return ds, path, where
-
-
-def _find_bad_json_line(path: Path, key: str, text_key: str) -> None:
-    """`datasets` names no line for a bad JSON Lines record: find it (the first one) and name it."""
-    renderer = None
-    with path.open(encoding="utf-8", errors="replace") as fh:
-        head = fh.read(1)
-        fh.seek(0)
-        if head == "[":
-            return   # one JSON array: json.loads says where it breaks
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"[data] {key}: {path}:{n}: not valid JSON ({e.msg}, column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"[data] {key}: {path}:{n}: not a JSON object (a .jsonl file holds one per line)")
-            # Arrow could not give the records one schema: a field of the wrong type is the usual cause.
-            if renderer is None:
-                renderer = Renderer(detect_format(list(obj), text_key, f"{path}:{n}"), text_key, None)
-            renderer.segments(obj, f"{path}:{n}")
 
 
 def _where(path: Path, kind: str) -> Callable[[int], str]:
@@ -121,18 +104,10 @@ def _where(path: Path, kind: str) -> Callable[[int], str]:
 
 
 def detect_format(columns: list[str], text_key: str, where: str) -> str:
-    cols = set(columns)
-    if "messages" in cols or "conversations" in cols:
-        return "chat"
-    if {"prompt", "completion"} <= cols:
-        return "prompt_completion"
-    if {"instruction", "output"} <= cols:
-        return "alpaca"
-    if text_key in cols:
-        return "text"
-    raise DataError(f"{where}: no known record format in the columns {sorted(cols)}: expected "
-                    f"{text_key!r} (text, data.text_key), 'messages' (chat), 'prompt' and 'completion', "
-                    f"or 'instruction' and 'output' (alpaca)")
+    fmt = data_scan.format_of(columns, text_key)
+    if fmt is None:
+        raise DataError(data_scan.no_format(columns, text_key, where))
+    return fmt
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -159,6 +134,12 @@ class Renderer:
         return self._jinja.render(messages=messages, add_generation_prompt=generation_prompt)
 
     def segments(self, rec: dict[str, Any], where: str) -> list[tuple[str, bool]]:
+        try:
+            return self._segments(rec, where)
+        except ScanError as e:      # the field rules are data_scan's, shared with the check before launch
+            raise DataError(str(e)) from None
+
+    def _segments(self, rec: dict[str, Any], where: str) -> list[tuple[str, bool]]:
         if self.fmt == "text":
             return [(_string(rec, self.text_key, where), True)]
         if self.fmt == "prompt_completion":
@@ -201,34 +182,11 @@ class Renderer:
 
 
 def _string(rec: dict, field: str, where: str) -> str:
-    v = rec.get(field)
-    if not isinstance(v, str):
-        what = "missing" if v is None else f"expected a string, got {type(v).__name__}"
-        raise DataError(f"{where}: field {field!r}: {what}")
-    return v
+    return data_scan.string(rec, field, where)
 
 
 def _messages(rec: dict, where: str) -> list[dict]:
-    field = "messages" if rec.get("messages") is not None else "conversations"
-    raw = rec.get(field)
-    if not isinstance(raw, list) or not raw:
-        raise DataError(f"{where}: field {field!r}: expected a non-empty list of turns")
-    out = []
-    for j, m in enumerate(raw):
-        if not isinstance(m, dict):
-            raise DataError(f"{where}: field {field!r}[{j}]: expected an object with role and content")
-        if field == "conversations" and "from" in m:
-            role, content = SHAREGPT_ROLES.get(m.get("from")), m.get("value")
-        else:
-            role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise DataError(f"{where}: field {field!r}[{j}].role: {role!r}; use one of {', '.join(ROLES)}")
-        if not isinstance(content, str):
-            raise DataError(f"{where}: field {field!r}[{j}].content: expected a string, got {type(content).__name__}")
-        out.append({"role": role, "content": content})
-    if not any(m["role"] == "assistant" for m in out):
-        raise DataError(f"{where}: field {field!r}: no assistant turn, so no token would be under loss")
-    return out
+    return data_scan.turns(data_scan.chat_field(rec), where)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -28,8 +28,9 @@ import numpy as np
 
 from shardconsole.backends import corpus
 from shardconsole.backends.corpus import DataError
+from shardconsole.settings.data_check import TOKENIZER_FILES, tokenizer_dir
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2     # 2: blank text records dropped, data.text_split, CSV chats as JSON strings
 META = "meta.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 
@@ -102,7 +103,7 @@ def cache_key(d, seed: int, model_path: str | None, vocab: int) -> str:
         "version": FORMAT_VERSION, "data": content_hash(Path(d.path).expanduser()),
         "eval": content_hash(Path(d.eval_path).expanduser()) if d.eval_path else "",
         "tokenizer": tokenizer_hash(model_path), "plain_template": corpus.PLAIN_TEMPLATE,
-        "text_key": d.text_key, "seq_len": d.seq_len, "vocab": vocab,
+        "text_key": d.text_key, "text_split": d.text_split, "seq_len": d.seq_len, "vocab": vocab,
         "eval_fraction": d.eval_fraction, "seed": seed if d.eval_fraction else None,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
@@ -127,6 +128,11 @@ class Entry:
 def open_entry(d, seed: int, model_path: str | None, has_tokenizer: bool, vocab: int,
                log: Callable[[str], None]) -> Entry:
     """The cache entry for these settings: built by the first rank to ask, memory-mapped by all."""
+    if model_path is not None and not has_tokenizer and not d.tokenizer:
+        raise DataError(f"[model] name: {model_path}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); name one "
+                        f"with data.tokenizer = \"FOLDER\", or data.tokenizer = \"bytes\" for UTF-8 bytes")
+    model_path = tokenizer_dir(d, model_path, has_tokenizer)      # from here on: the tokenizer's folder
+    has_tokenizer = model_path is not None
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     key = cache_key(d, seed, model_path, vocab)
@@ -186,7 +192,7 @@ def _build(folder: Path, d, seed: int, model_path: str | None, has_tokenizer: bo
         enc = corpus.load_encoder(model_path, has_tokenizer, vocab)
         dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
         train, evalw = _Writer(out, "train", dtype), None
-        ds, path, where = corpus.load_records(d.path, "path", d.text_key, scratch / "hf")
+        ds, path, where = corpus.load_records(d.path, "path", d.text_key, scratch / "hf", d.text_split)
         fmt = corpus.detect_format(ds.column_names, d.text_key, str(path))
         renderer = corpus.Renderer(fmt, d.text_key, enc.tokenizer)
         n = len(ds)
@@ -203,7 +209,8 @@ def _build(folder: Path, d, seed: int, model_path: str | None, has_tokenizer: bo
         _tokenize_into(ds, renderer, enc, where, path.name, log, lambda i: evalw if held[i] else train)
         eval_fmt = None
         if d.eval_path:
-            eds, epath, ewhere = corpus.load_records(d.eval_path, "eval_path", d.text_key, scratch / "hf")
+            eds, epath, ewhere = corpus.load_records(d.eval_path, "eval_path", d.text_key, scratch / "hf",
+                                                     d.text_split)
             eval_fmt = corpus.detect_format(eds.column_names, d.text_key, str(epath))
             if len(eds) == 0:
                 raise DataError(f"[data] eval_path: {epath}: no records")

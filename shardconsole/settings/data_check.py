@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from shardconsole.settings import config as C
+from shardconsole.settings.data_scan import Scan, ScanError, scan
 from shardconsole.settings.paths import PathError, kind_of, shown
 
 # Files read through `datasets` (with the loader named here); a folder must be a save_to_disk folder.
@@ -76,52 +77,120 @@ def _check_text(path: Path, where: str) -> None:
         raise C.ConfigError(f"{where}: {path}: not UTF-8 text (byte {e.start})") from None
 
 
-def check_tokenizer(model_dir: str | None, source: str = "preset") -> None:
-    """A model folder's tokenizer.json that does not load is an error, never a silent fallback to bytes."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+BYTES = "bytes"       # data.tokenizer's word for "read the text as UTF-8 bytes"
+
+
+def has_tokenizer_files(folder: Path) -> bool:
+    return any((folder / f).is_file() for f in TOKENIZER_FILES)
+
+
+def tokenizer_dir(d: C.DataSettings, model_path: str | None, model_has_tokenizer: bool) -> str | None:
+    """The folder whose tokenizer reads the text (data.tokenizer, else the model folder's); None: the
+    text is read as UTF-8 bytes (data.tokenizer = "bytes", or a catalog model, which has no tokenizer)."""
+    if d.tokenizer == BYTES:
+        return None
+    if d.tokenizer:
+        return str(Path(d.tokenizer).expanduser().absolute())
+    return model_path if model_has_tokenizer else None
+
+
+def check_tokenizer(model_dir: str | None, source: str = "preset", vocab: int | None = None,
+                    key: str = "[model] name") -> None:
+    """A tokenizer.json that does not load is an error, never a silent fallback to bytes; nor one with
+    more tokens than the model's vocabulary (the ranks' embedding lookup would fail on its ids)."""
     if not model_dir:
         return
     f = Path(model_dir).expanduser() / "tokenizer.json"
     try:
         found = kind_of(f)
     except PathError as e:
-        raise C.ConfigError(f"{source}: [model] name: {e}") from None
+        raise C.ConfigError(f"{source}: {key}: {e}") from None
     if found == "missing":
         return
     if found != "file":
-        raise C.ConfigError(f"{source}: [model] name: {f}: is {found}, not a regular file")
+        raise C.ConfigError(f"{source}: {key}: {f}: is {found}, not a regular file")
     try:
         json.loads(f.read_text(encoding="utf-8"))
         from tokenizers import Tokenizer
-        Tokenizer.from_file(str(f))
+        size = Tokenizer.from_file(str(f)).get_vocab_size(with_added_tokens=True)
     except Exception as e:   # json, OSError, and the tokenizers library's own exception type
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise C.ConfigError(f"{source}: [model] name: {f}: the tokenizer does not load ({first}); "
+        raise C.ConfigError(f"{source}: {key}: {f}: the tokenizer does not load ({first}); "
                             f"fix or replace tokenizer.json (text is never silently read as bytes)") from None
+    if vocab is not None and size > vocab:
+        raise C.ConfigError(f"{source}: {key}: {f}: the tokenizer has {size} tokens but the model's vocab_size "
+                            f"is {vocab}; use the model's own tokenizer")
 
 
-def check_data(cfg: C.RunConfig, source: str = "preset") -> None:
+def _check_token_file(d: C.DataSettings, source: str) -> None:
+    path = Path(d.path).expanduser()
+    try:
+        found = kind_of(path)
+    except PathError as e:
+        raise C.ConfigError(f"{source}: [data] path: {e}") from None
+    if found != "file":
+        what = "no such file" if found == "missing" else f"is {'a folder' if found == 'folder' else found}, " \
+                                                          f"not a regular file"
+        raise C.ConfigError(f"{source}: [data] path: {shown(path)}: {what}")
+
+
+def check_data(cfg: C.RunConfig, source: str = "preset") -> Scan | None:
     """Everything about the data that can be known before launch: the files exist, are a kind the
-    ranks read, are text where text is expected, and the model's tokenizer loads."""
+    ranks read, every record (of the first SCAN_BYTES) has a shape the ranks read, in one format, the
+    model's tokenizer is there and loads (or bytes were asked for and fit the vocabulary). Returns the
+    scan of data.path (None: not a text file read here)."""
     d = cfg.data
     if d.source == "tokens":
-        path = Path(d.path).expanduser()
-        try:
-            found = kind_of(path)
-        except PathError as e:
-            raise C.ConfigError(f"{source}: [data] path: {e}") from None
-        if found != "file":
-            what = "no such file" if found == "missing" else f"is {'a folder' if found == 'folder' else found}, " \
-                                                              f"not a regular file"
-            raise C.ConfigError(f"{source}: [data] path: {shown(path)}: {what}")
-        return
+        _check_token_file(d, source)
+        return None
     if not uses_records(cfg):
-        return
-    locate(d.path, "path", source)
+        return None
+    found = _scan(d.path, "path", d, source)
     if d.eval_path:
-        locate(d.eval_path, "eval_path", source)
+        _scan(d.eval_path, "eval_path", d, source)
+    _check_tokenizer_choice(cfg, source)
+    return found
+
+
+def _scan(value: str, key: str, d: C.DataSettings, source: str) -> Scan | None:
+    path, kind = locate(value, key, source)
+    if kind not in ("json", "csv", "text"):
+        return None
+    try:
+        return scan(path, kind, d.text_key, d.text_split)
+    except ScanError as e:
+        raise C.ConfigError(f"{source}: [data] {key}: {e}") from None
+    except OSError as e:
+        raise C.ConfigError(f"{source}: [data] {key}: {shown(path)}: cannot read: {e.strerror}") from None
+
+
+def _check_tokenizer_choice(cfg: C.RunConfig, source: str) -> None:
     from shardconsole.settings.models import ModelError, resolve
     try:
         spec = resolve(cfg.model.name)
     except ModelError:
         return   # the model check names [model] name itself
-    check_tokenizer(spec.path, source)
+    d = cfg.data
+    if d.tokenizer and d.tokenizer != BYTES:
+        folder = Path(d.tokenizer).expanduser()
+        try:
+            found = kind_of(folder)
+        except PathError as e:
+            raise C.ConfigError(f"{source}: [data] tokenizer: {e}") from None
+        if found != "folder" or not has_tokenizer_files(folder):
+            raise C.ConfigError(f"{source}: [data] tokenizer: {shown(folder)}: not a folder with tokenizer files "
+                                f"({', '.join(TOKENIZER_FILES)}); name a model folder's tokenizer, or "
+                                f"\"bytes\" for UTF-8 bytes")
+        check_tokenizer(str(folder), source, spec.vocab, key="[data] tokenizer")
+        return
+    if spec.path is not None and not spec.has_tokenizer and d.tokenizer != BYTES:
+        raise C.ConfigError(f"{source}: [model] name: {spec.path}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+                            f"name one with data.tokenizer = \"FOLDER\", or data.tokenizer = \"bytes\" to "
+                            f"train on UTF-8 bytes (rarely right for a pretrained model)")
+    if tokenizer_dir(d, spec.path, spec.has_tokenizer) is None:
+        if spec.vocab < 256:
+            raise C.ConfigError(f"{source}: [model] name: text without a tokenizer is read as UTF-8 bytes, which "
+                                f"needs vocab_size >= 256 (the model has {spec.vocab})")
+        return
+    check_tokenizer(spec.path, source, spec.vocab)

@@ -180,7 +180,7 @@ def follow(job, run_dir: Path, run_id: str, out: TextIO = sys.stdout, err: TextI
                 _say(err, f"run {run_id}: {run_dir}  (Ctrl-C stops it; a closed terminal or pipe leaves it "
                           f"running: `shardconsole attach {run_dir}`)")
             else:
-                printer.render(watcher.poll(), watcher.state)      # the history
+                _replay(watcher, printer)
         except KeyboardInterrupt:
             return _detach(watcher, printer, err, "Ctrl-C during the history replay")
         return _follow(watcher, printer, err, grace_s, started_here)
@@ -189,6 +189,21 @@ def follow(job, run_dir: Path, run_id: str, out: TextIO = sys.stdout, err: TextI
         return _detach(watcher, printer, err, why)
     finally:
         watcher.close()
+
+
+def _replay(watcher: Watcher, printer: Printer) -> None:
+    """The history of an attached run: every line the stream held when the attach began, however many
+    polls that takes (a poll reads at most 8 MiB). Until its end, Ctrl-C detaches (follow)."""
+    try:
+        end = watcher.folder.metrics.stat().st_size
+    except OSError:
+        end = 0
+    while True:
+        before = watcher.reader.offset
+        tick = watcher.poll()
+        printer.render(tick, watcher.state)
+        if tick.ended or watcher.reader.offset >= end or watcher.reader.offset == before:
+            return
 
 
 def _follow(watcher: Watcher, printer: Printer, err: TextIO, grace_s: float, started_here: bool) -> int:
@@ -219,7 +234,8 @@ def _follow(watcher: Watcher, printer: Printer, err: TextIO, grace_s: float, sta
     if watcher.reader.bad_lines:
         _say(err, f"warning: {watcher.reader.bad_lines} unreadable metrics line(s) skipped "
                   f"({watcher.reader.last_error})")
-    cause, message = classify(watcher.state, watcher.exit_code, run_dir)
+    rc = watcher.exit_code if getattr(watcher.job, "rc_known", True) else None   # attached: not its parent
+    cause, message = classify(watcher.state, rc, run_dir)
     s = watcher.state.last_step
     if cause == "ok" and s is not None:
         message = message.replace("; run folder", f", {fmt_rate(s.tokens_per_s)} tok/s; run folder", 1)

@@ -25,6 +25,7 @@ from shardconsole.launch.job import Job
 from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.session.outcome import classify
 from shardconsole.session.rundir import create_run_dir, stream_stopped_note
+from shardconsole.session.stop import stop_run
 from shardconsole.session.watcher import Watcher
 from shardconsole.runlog.stream import MetricsReader
 from tests.conftest import messages, of_kind, pids_alive, shardconsole
@@ -97,7 +98,8 @@ def test_a_stranger_is_never_signalled(tmp_path, stranger):
         job = Job.from_run_dir(run_dir)
         assert not job.alive(), name
         assert job.processes() == [], name
-        report = job.stop(grace_s=0.5)
+        # the real stop path, given the stream's hello pids as every front end passes them
+        report = stop_run(job, [proc.pid, child], who="test", grace_s=0.5, check_gpus=False)
         assert report.signalled == [] and report.clean, name
         assert whys[name] in report.refused, (name, report.refused)
         assert pids_alive([proc.pid, child]) == [proc.pid, child], f"{name}: the stranger was signalled"
@@ -176,7 +178,7 @@ def test_deepspeed_launcher_rendezvous_listens_on_loopback_only(tmp_path):
         _wait(lambda: of_kind(_msgs(run_dir), "step"), 240, "a step")
         listening = _listening(job.processes())
     finally:
-        report = job.stop(grace_s=0.0)
+        report = stop_run(job, [], who="test", grace_s=0.0, check_gpus=False)
     assert report.clean
     assert len(listening) >= 3, listening           # rank 0's store, and gloo's pairs
     assert all(line.split()[3].startswith("127.0.0.1:") for line in listening), listening
@@ -195,7 +197,7 @@ def test_killed_launcher_leaves_ranks_that_are_seen_and_stopped(orphaned_run):
     facts = attached.facts()
     assert facts.launcher == "gone" and facts.orphaned and facts.ranks_alive == sorted(hellos)
     assert attached.alive() and attached.poll() is None
-    report = attached.stop(grace_s=10.0)
+    report = stop_run(attached, [], who="test", grace_s=10.0, check_gpus=False)
     assert report.clean and set(hellos) <= set(report.signalled)
     assert pids_alive(hellos) == []
     assert not attached.alive() and attached.poll() == 0 and job.poll() == -signal.SIGKILL

@@ -289,6 +289,7 @@ def test_front_end_killed_then_attach_sees_every_line(tmp_path):
 def test_kill_mid_checkpoint_then_resume_from_the_previous_one(tmp_path, backend):
     """SIGKILL of every process while step 4's checkpoint is being written: resume picks step 2's."""
     from shardconsole.launch.job import Job
+    from shardconsole.session.stop import stop_run
     ckpt, first = tmp_path / "ckpt", tmp_path / "first"
     common = ["--preset", "tiny-cpu", "--headless", "--set", f"parallel.backend={backend}",
               "--set", f"train.checkpoint_dir={ckpt}", "--set", "train.log_every=1", "--set", "train.checkpoint_every=2"]
@@ -304,7 +305,7 @@ def test_kill_mid_checkpoint_then_resume_from_the_previous_one(tmp_path, backend
         assert time.monotonic() < deadline, "the ranks' hello lines never came"
         time.sleep(0.05)
     job = Job.from_run_dir(first)
-    report = job.stop(grace_s=0.0, rank_pids=tuple(hellos))     # straight to SIGKILL: a crash mid-save
+    report = stop_run(job, hellos, who="test", grace_s=0.0, check_gpus=False)     # straight to SIGKILL: a crash mid-save
     proc.kill()
     proc.wait()
     assert report.clean

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -25,6 +26,28 @@ from shardconsole.runlog.runfolder import RunFolder
 
 __all__ = ["ExportError", "cmd_export_model"]
 DTYPES = ("fp32", "bf16")
+PARTIAL = ".partial-"       # .<OUT>.partial-<pid>: an export being written (renamed to OUT when whole)
+_PARTIAL_NAME = re.compile(r"^\..+\.partial-(\d+)$")
+
+
+def _sweep_partials(parent: Path) -> None:
+    """Remove the half-written folders of exports that were killed (kill -9, the OOM killer) before their
+    `finally` ran: `.<OUT>.partial-<pid>` whose pid is no export-model running now."""
+    import psutil
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return
+    for path in entries:
+        m = _PARTIAL_NAME.match(path.name)
+        if not m or not path.is_dir() or path.is_symlink():
+            continue
+        try:
+            if "export-model" in psutil.Process(int(m.group(1))).cmdline():
+                continue            # another export writing now
+        except (psutil.Error, ValueError, OverflowError):
+            pass
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,9 +102,10 @@ def cmd_export_model(argv: list[str]) -> int:
     model = hf_folder.build_model(hf_folder.hf_config(spec), state, dtype, ckpt.path)
     n_params = sum(p.numel() for p in model.parameters())
 
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    tmp = out.parent / f".{out.name}{PARTIAL}{os.getpid()}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        _sweep_partials(out.parent)
         shards = hf_folder.write_folder(model, spec, tmp, shard_bytes)
         tokenizer = (f"copied from {spec.path}" if spec.path and spec.has_tokenizer else
                      f"none: {spec.path} holds none" if spec.path else

@@ -25,6 +25,7 @@ def cmd_resume(argv: list[str]) -> int:
     except ValueError as e:
         from shardconsole.settings.config import ConfigError      # one line, exit 2 (cli.main prints it)
         raise ConfigError(str(e)) from None
+    from shardconsole.launch.owner import owning
     from shardconsole.session.resume import prepare_resume, resume_run_id
     if args.slurm:
         # The job's first node is node 0; the script's first step names the session (session/cluster.py).
@@ -32,6 +33,9 @@ def cmd_resume(argv: list[str]) -> int:
         from shardconsole.cli.run import write_slurm_script
         write_slurm_script(cfg, args.run_dir.absolute(), args.run_dir.resolve().name)
         return 0
-    cfg = prepare_resume(args.run_dir, args.overrides)
     from shardconsole import headless
-    return headless.run(cfg, args.run_dir, resume_run_id(args.run_dir))
+    # The folder's owner from the preparation on: the launch hands the lock to the launcher, so a second
+    # resume (or launch) meanwhile is refused in one line (FolderInUse, exit 2).
+    with owning(args.run_dir, "`shardconsole resume`"):
+        cfg = prepare_resume(args.run_dir, args.overrides)
+        return headless.run(cfg, args.run_dir, resume_run_id(args.run_dir))

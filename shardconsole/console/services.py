@@ -16,6 +16,8 @@ from typing import Any, Protocol
 from shardconsole.settings import config as C
 from shardconsole.launch.job import PRESET_FILE, Job, StopReport, build_argv, new_run_dir, open_run
 from shardconsole.launch.command import runs_root as default_runs_root
+from shardconsole.launch.owner import owning
+from shardconsole.session import rundir
 from shardconsole.runlog.protocol import GpuSample, HostSample
 from shardconsole.session.stop import Hurry, stop_run
 from shardconsole.session.watcher import MachineProbes, Probes  # noqa: F401  (the console's probes)
@@ -51,6 +53,10 @@ class SessionRun:
 
     def alive(self) -> bool:
         return self.job.alive()
+
+    @property
+    def rc_known(self) -> bool:
+        return self.job.rc_known
 
     def stop(self, grace_s: float, rank_pids: Iterable[int], *, who: str, hurry: Hurry) -> StopReport:
         return stop_run(self.job, list(rank_pids), who=who, grace_s=grace_s, hurry=hurry)
@@ -104,12 +110,14 @@ class TorchrunLauncher:
         return PlannedRun(run_dir, run_dir.name, build_argv(cfg, run_dir, run_dir.name))
 
     def start(self, cfg: C.RunConfig, planned: PlannedRun) -> RunHandle:
-        run_dir = planned.run_dir
-        if run_dir.exists():   # planned a while ago and taken since: the next free name
-            run_dir = new_run_dir(run_dir.name, self.runs_root)
-        run_dir.mkdir(parents=True)
-        # The ranks read their settings from this file: it must exist before they start.
-        C.save(cfg, run_dir / PRESET_FILE, overwrite=False)
+        """The CLI's start (cli/run.py): the port and writability checks, then the run folder made by
+        session/rundir.create_run_dir (the exclusive claim; a name taken since it was planned gets the
+        next suffix; every relative path in preset.toml made absolute, so resume and export-model work
+        from any folder). ConfigError (one line) when a check refuses."""
+        rundir.check_port_free(cfg)
+        rundir.check_writable(cfg, planned.run_dir)
+        run_dir = rundir.create_run_dir(cfg, planned.run_dir, explicit=False)
+        cfg = rundir.anchor_paths(cfg)       # what preset.toml now holds, and the ranks read
         return SessionRun(Job.start(cfg, run_dir, run_dir.name))
 
     def attach(self, run_dir: Path) -> RunHandle:
@@ -123,9 +131,11 @@ class TorchrunLauncher:
         """Continue an ended run in its own folder (session/resume.py: newest complete checkpoint);
         (the run, the run id of this session). ConfigError with one line when it cannot."""
         from shardconsole.session.resume import prepare_resume, resume_run_id
-        cfg = prepare_resume(run_dir, [])
-        run_id = resume_run_id(run_dir)
-        return SessionRun(Job.start(cfg, Path(run_dir), run_id)), run_id
+        # the folder's owner from the preparation to the launch, which hands the lock to the launcher
+        with owning(Path(run_dir), "the console's resume"):
+            cfg = prepare_resume(run_dir, [])
+            run_id = resume_run_id(run_dir)
+            return SessionRun(Job.start(cfg, Path(run_dir), run_id)), run_id
 
     def recent_runs(self, limit: int = 30) -> list[RunListing]:
         """The newest runs with their status (history/index); a picker needs only the end of each

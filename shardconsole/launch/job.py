@@ -1,5 +1,5 @@
-"""A started run's processes: the launcher in a session of its own, which of them may be signalled, and
-stopping them.
+"""A started run's processes: the launcher in a session of its own, and which of them may be signalled
+(session/stop.py stops them).
 
 The child (torchrun or the deepspeed launcher) runs in its own session, so Ctrl-C in the front end's
 terminal does not reach the ranks directly: the front end stops them on purpose (SIGTERM, a grace
@@ -9,9 +9,9 @@ script) is launch_command.py's, re-exported here for the modules that import it 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -19,6 +19,7 @@ from pathlib import Path
 
 from shardconsole.settings import config as C
 from shardconsole.launch import process_identity as PI
+from shardconsole.launch.owner import FolderInUse, owning  # noqa: F401  (FolderInUse: for the front ends)
 from shardconsole.launch.command import (WORKER_MODULE, _launch_env, build_argv, child_env,  # noqa: F401
                                          format_argv, new_run_dir, run_id_of, slurm_script)
 from shardconsole.runlog.runfolder import JOB_FILE as RUN_FILE, LAUNCHER_LOG, METRICS_FILE, PRESET_FILE  # noqa: F401
@@ -62,7 +63,8 @@ class Job:
     Only verified processes are ever signalled (process_identity.py): the launcher when host, start
     time and command line match job.json; a rank when its hello line's host is this one and its
     command line runs this run. A launcher killed from outside leaves its ranks running: alive(),
-    poll() and stop() still see them through their hello lines."""
+    poll() and session/stop.stop_run still see them by their command lines (process_identity.folder_ranks).
+    Stopping is session/stop.py's, the one stop path."""
 
     external = False     # started by this machine's front end (see ExternalJob)
 
@@ -78,18 +80,25 @@ class Job:
     def start(cls, cfg: C.RunConfig, run_dir: Path, run_id: str, env: dict[str, str] | None = None) -> "Job":
         """Start the launcher in run_dir. The folder is not created here: a new run's folder is made
         once, atomically, by session.rundir.create_run_dir; `shardconsole resume` starts on the
-        folder of an earlier run on purpose (job.json is then replaced)."""
+        folder of an earlier run on purpose (job.json is then replaced). The folder's owner lock
+        (owner.py) is taken (or is already this process's: a resume took it to prepare) and handed to
+        the launcher, which holds it while it lives; FolderInUse when another process owns the folder."""
         run_dir.mkdir(parents=True, exist_ok=True)
         argv = build_argv(cfg, run_dir, run_id)
-        log_fd = os.open(run_dir / LAUNCHER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
-        try:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT,
-                                    env=_launch_env(cfg, env), start_new_session=True)
-        finally:
-            os.close(log_fd)
+        shared = cfg.parallel.nnodes > 1      # agents of a multi-node run share the folder: no lock (owner.py)
+        with contextlib.nullcontext() if shared else owning(run_dir, f"the launch of run {run_id}") as lock:
+            log_fd = os.open(run_dir / LAUNCHER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+            try:
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT,
+                                        env=_launch_env(cfg, env), start_new_session=True,
+                                        pass_fds=(lock.fd,) if lock is not None else ())
+            finally:
+                os.close(log_fd)
+            if lock is not None:
+                lock.note(f"run {run_id} (its launcher, pid {proc.pid})")
         info = {"pid": proc.pid, "pgid": proc.pid, "argv": argv, "cmdline": argv, "started": time.time(),
                 "create_time": PI.start_time(proc.pid), "host": PI.this_host(),
-                "run_dir": str(run_dir.resolve()), "run_id": run_id}
+                "run_dir": str(run_dir.resolve()), "run_id": run_id, "oom_kills": PI.oom_kills()}
         job = cls(run_dir, proc.pid, proc.pid, argv, proc, info)
         tmp = run_dir / f"{RUN_FILE}.{os.getpid()}.tmp"   # agents of a multi-node run may share the folder
         tmp.write_text(json.dumps(info))
@@ -113,8 +122,9 @@ class Job:
         return PI.check_launcher(self.info, self.run_dir)
 
     def _read_hellos(self) -> None:
-        """The hello lines appended since the last call. Only those are decoded: a long run's stream
-        is mostly step lines, and alive() is asked several times a second."""
+        """The hello lines appended since the last call, of every session of the folder (a rank
+        orphaned by an earlier session's killed launcher trains the same folder). Only those lines are
+        decoded: a long run's stream is mostly step lines, and alive() is asked several times a second."""
         from shardconsole.runlog import protocol as P
         try:
             with open(self.run_dir / METRICS_FILE, "rb") as fh:
@@ -134,16 +144,18 @@ class Job:
                 msg = P.decode(raw)
             except P.DecodeError:
                 continue
-            if isinstance(msg, P.Hello) and msg.run == self.run_id and msg.pid > 0:
+            if isinstance(msg, P.Hello) and msg.pid > 0:
                 self._hello_hosts[msg.pid] = msg.host
 
     def rank_pids(self, extra: tuple[int, ...] = ()) -> list[int]:
-        """Live ranks of this run on this host, verified: the stream's hello pids and any the caller
-        knows (also hello pids), each checked against its command line."""
+        """Live ranks of this run folder on this host, whatever session (run id) started them: those
+        the process table shows running the rank module on this folder, and the stream's hello pids
+        and any the caller knows, each checked against its command line."""
         self._read_hellos()
-        pids = set(self._hello_hosts) | {int(p) for p in extra}
-        return sorted(p for p in PI.live(pids)
-                      if PI.is_rank_of(p, self._hello_hosts.get(p), self.run_dir, self.run_id))
+        found = set(PI.folder_ranks(self.run_dir))
+        named = (set(self._hello_hosts) | {int(p) for p in extra}) - found
+        found |= {p for p in PI.live(named) if PI.is_rank_of(p, self._hello_hosts.get(p), self.run_dir, None)}
+        return sorted(found)
 
     def facts(self, extra: tuple[int, ...] = ()) -> JobFacts:
         state, why = self.launcher_state()
@@ -152,9 +164,15 @@ class Job:
 
     # -- the questions a front end asks -------------------------------------------------------------
 
+    @property
+    def rc_known(self) -> bool:
+        """Whether poll()'s code is the launcher's: only its parent (this front end) learns it."""
+        return self.proc is not None
+
     def poll(self) -> int | None:
         """The launcher's exit code once the run is over, None while any process of it runs (ranks
-        orphaned by a killed launcher included)."""
+        orphaned by a killed launcher included). Attached (not our child): 0 once nothing runs, which
+        is no exit code (rc_known is False)."""
         if self.proc is not None:
             rc = self.proc.poll()
             return None if rc is None or self.rank_pids() else rc
@@ -180,50 +198,8 @@ class Job:
                 continue
         return sorted(p for p in PI.live(pids) if p > 1 and p != os.getpid())
 
-    def stop(self, grace_s: float = 10.0, rank_pids: tuple[int, ...] = ()) -> StopReport:
-        """SIGTERM to every verified process of the run, wait up to grace_s, then SIGKILL; report what
-        is left. A launcher that job.json names but that is not ours is left alone (report.refused)."""
-        t0 = time.monotonic()
-        state, why = self.launcher_state()
-        targets = self.processes(tuple(rank_pids))
-        report = StopReport(signalled=targets, refused=why if state == "stranger" else "")
-        self._signal_all(targets, signal.SIGTERM)
-        deadline = t0 + grace_s
-        while time.monotonic() < deadline:
-            self._reap()
-            if not PI.live(targets):
-                break
-            time.sleep(0.05)
-        else:
-            report.killed = True
-            targets = sorted(set(targets) | set(self.processes(tuple(rank_pids))))
-            self._signal_all(targets, signal.SIGKILL)
-            end = time.monotonic() + 5.0
-            while time.monotonic() < end and PI.live(targets):
-                self._reap()
-                time.sleep(0.05)
-        self._reap()
-        report.left = PI.live(set(targets) | set(self.processes(tuple(rank_pids))))
-        report.seconds = time.monotonic() - t0
-        return report
-
-    def _signal_all(self, pids: list[int], sig: int) -> None:
-        """Each verified process by pid, and the process groups that verified processes lead (a group
-        leader is the launcher or a worker in its own session); never a group we only joined."""
-        own = os.getpgid(0)
-        for pid in pids:
-            try:
-                if os.getpgid(pid) == pid and pid != own:
-                    os.killpg(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-    def _reap(self) -> None:
+    def reap(self) -> None:
+        """Collect our child's exit status, so that an ended launcher is not left a zombie."""
         if self.proc is not None:
             self.proc.poll()
 
@@ -233,6 +209,7 @@ class ExternalJob:
     Slurm job): no process to poll or signal, only its stream, which says when it has ended."""
 
     external = True
+    rc_known = True      # poll() says 0 or 1 from the stream's own end lines
 
     def __init__(self, run_dir: Path) -> None:
         from shardconsole.runlog.stream import MetricsReader

@@ -6,8 +6,9 @@ multi-node folder, last writer wins) or forged (pid 1). So a pid is signalled on
 process's start time and its command line all match what the run recorded:
 - the launcher: job.json's host, pid, start time (psutil create_time) and command line (it names the
   run folder);
-- a rank: a pid from a hello line of this run's stream whose host is this one, and whose command line
-  runs the rank module with this run's id.
+- a rank: a process of this host whose command line runs the rank module (its first `-m`) on this run
+  folder (the resolved --run-dir), found by a scan of the process table or named by a hello line;
+  whatever its run id, since every session of a folder (the first run, a resume) trains the one folder.
 Never pid 1 (or 0), never this process or its process group.
 """
 
@@ -87,24 +88,77 @@ def check_launcher(info: dict, run_dir: Path) -> tuple[str, str]:
     return "ours", ""
 
 
-def _names_run_dir(cmd: list[str], run_dir: Path) -> bool:
+def _names_run_dir(cmd: list[str], run_dir: Path, cwd: str | None = None) -> bool:
+    """cmd's --run-dir is run_dir: the same folder once resolved (a relative one against the process's
+    working directory when known), else, without that directory, the same folder name."""
+    want = run_dir.resolve()
     for i, arg in enumerate(cmd[:-1]):
-        if arg == "--run-dir" and Path(cmd[i + 1]).name == run_dir.resolve().name:
+        if arg != "--run-dir":
+            continue
+        given = Path(cmd[i + 1])
+        if given.is_absolute() or cwd:
+            if (Path(cwd or "/") / given).resolve() == want:
+                return True
+        elif given.name == want.name:
             return True
     return False
 
 
-def is_rank_of(pid: int, host: str | None, run_dir: Path, run_id: str) -> bool:
-    """pid is a live rank of this run on this host (host None: the caller does not know it)."""
+def _rank_module(cmd: list[str]) -> bool:
+    """cmd runs the rank module itself: the first `-m` names it (a launcher's command line names the
+    rank module too, after its own `-m`)."""
+    try:
+        i = cmd.index("-m")
+    except ValueError:
+        return False
+    return i + 1 < len(cmd) and cmd[i + 1] in (WORKER_MODULE, LOOPBACK_WORKER_MODULE)
+
+
+def _run_id_in(cmd: list[str]) -> str | None:
+    ids = [cmd[i + 1] for i, a in enumerate(cmd[:-1]) if a == "--run-id"]
+    return ids[0] if len(ids) == 1 else None
+
+
+def is_rank_of(pid: int, host: str | None, run_dir: Path, run_id: str | None) -> bool:
+    """pid is a live rank of this run folder on this host (host None: the caller does not know it);
+    run_id None: of any session of the folder (a resume runs under a run id of its own)."""
     if host is not None and host != this_host():
         return False
     if _never(pid):
         return False
-    cmd = _cmdline(pid)
-    if not cmd or not {WORKER_MODULE, LOOPBACK_WORKER_MODULE} & set(cmd):
+    try:
+        proc = psutil.Process(pid)
+        cmd, cwd = proc.cmdline(), _cwd(proc)
+    except (psutil.Error, ValueError, OverflowError):
         return False
-    ids = [cmd[i + 1] for i, a in enumerate(cmd[:-1]) if a == "--run-id"]
-    return ids == [run_id] and _names_run_dir(cmd, run_dir)
+    if not cmd or not _rank_module(cmd):
+        return False
+    return (run_id is None or _run_id_in(cmd) == run_id) and _names_run_dir(cmd, run_dir, cwd)
+
+
+def _cwd(proc: psutil.Process) -> str | None:
+    try:
+        return proc.cwd()
+    except (psutil.Error, OSError):
+        return None
+
+
+def folder_ranks(run_dir: Path) -> dict[int, str]:
+    """Every live rank process of this host whose command line runs the rank module on this run
+    folder, whatever its run id ({pid: run id}): ranks orphaned by a killed launcher, ranks of an
+    earlier session, ranks that have not said hello yet. Found by their command lines, not by a pid
+    someone wrote down, so a reused pid is never among them."""
+    out: dict[int, str] = {}
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            cmd = proc.info["cmdline"] or []
+            if proc.info["status"] == psutil.STATUS_ZOMBIE or "--run-dir" not in cmd or not _rank_module(cmd):
+                continue
+            if not _never(proc.pid) and _names_run_dir(cmd, run_dir, _cwd(proc)):
+                out[proc.pid] = _run_id_in(cmd) or ""
+        except (psutil.Error, OSError, ValueError):
+            continue
+    return out
 
 
 def live(pids) -> list[int]:
@@ -140,3 +194,31 @@ def group_pids(pgid: int) -> list[int]:
         except (ProcessLookupError, psutil.Error, OSError):
             continue
     return out
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has killed in this process's memory cgroup (cgroup v2
+    memory.events, v1 memory.oom_control: `oom_kill N`), None where no cgroup file says. Recorded at a
+    launch, so that a later SIGKILLed rank is called an OOM kill only when this count grew."""
+    rel = {"v1": "", "v2": ""}
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            num, ctrl, path = (line.split(":", 2) + ["", ""])[:3]
+            if num == "0" and ctrl == "":
+                rel["v2"] = path.lstrip("/")
+            elif "memory" in ctrl.split(","):
+                rel["v1"] = path.lstrip("/")
+    except OSError:
+        pass
+    root = Path("/sys/fs/cgroup")
+    for path in (root / rel["v2"] / "memory.events", root / "memory" / rel["v1"] / "memory.oom_control",
+                 root / "memory.events", root / "memory" / "memory.oom_control"):
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
+    return None

@@ -152,6 +152,11 @@ class MetricsReader:
                 self._count_bad(str(e))
         return out
 
+    @property
+    def offset(self) -> int:
+        """How far into the file the lines have been read (a partial last line included)."""
+        return self._pos
+
     def _check_name(self) -> None:
         if self.lost or self._fd is None:
             return

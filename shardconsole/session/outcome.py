@@ -1,16 +1,21 @@
 """How a run ended: the exit code of each failure class and the paragraph that explains it.
 
 The stream comes first: a rank's `failed` line names the cause; torchrun's report and the launcher's
-exit code are read only when no rank could say (a rank killed from outside writes nothing).
+exit code are read only when no rank could say (a rank killed from outside writes nothing). A run is
+"stopped" only when someone asked (a stop_requested line); a rank's death by a signal is named by that
+signal, and a SIGKILL is an OOM kill only when the kernel recorded one (its log, the memory cgroup).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
 import signal
 from pathlib import Path
 
+from shardconsole.launch import process_identity as PI
 from shardconsole.settings import config as C
 from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.runlog.runstate import RunState
@@ -97,27 +102,134 @@ def stop_requested(state: RunState) -> str:
     return ""
 
 
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+_OOM_LINE = re.compile(r"(?:Killed process|oom-kill:.*?\bpid=)\s*(\d+)")
+
+
+def kernel_oom_pids() -> set[int] | None:
+    """The pids the kernel log (/dev/kmsg) says the OOM killer killed; None where the log cannot be read."""
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    found: set[int] = set()
+    try:
+        for _ in range(100_000):       # the ring buffer holds far fewer records
+            try:
+                record = os.read(fd, 8192)
+            except BlockingIOError:
+                break
+            except BrokenPipeError:    # a record overwritten while read: the next one
+                continue
+            except OSError:
+                break
+            if not record:
+                break
+            found |= {int(p) for p in _OOM_LINE.findall(record.decode("utf-8", "replace"))}
+    finally:
+        os.close(fd)
+    return found
+
+
+def oom_recorded(run_dir: Path, pids: set[int]) -> str:
+    """How the kernel recorded an OOM kill of one of pids (or in the run's cgroup since its launch), ""
+    when it recorded none: SIGKILL is also `kill -9`, a scheduler, a stop's last resort."""
+    named = kernel_oom_pids()
+    if named and pids & named:
+        return f"the kernel log records an OOM kill of pid {min(pids & named)}"
+    try:
+        before = json.loads(RunFolder(run_dir).job.read_text()).get("oom_kills")
+    except (OSError, ValueError, AttributeError):
+        before = None
+    now = PI.oom_kills()
+    if isinstance(before, int) and now is not None and now > before:
+        return f"the memory cgroup counted {now - before} OOM kill(s) since the launch"
+    return ""
+
+
+def _rank_pid(run_dir: Path, rank: int, state: RunState) -> set[int]:
+    """The pid of rank `rank`, from torchrun's report or the rank's hello line."""
+    pids = {int(m.group(3)) for m in _FAILED_RANK.finditer(_tail(RunFolder(run_dir).launcher_log, 400))
+            if m.group(3) and int(m.group(1)) == rank}
+    hello = state.hellos.get(rank)
+    return pids | ({hello.pid} if hello is not None and hello.pid > 0 else set())
+
+
+def _died_of_signal(state: RunState, run_dir: Path, rank: int, sig: int) -> tuple[str, str]:
+    """A rank killed by a signal could not report: the others' "connection reset" errors are consequences."""
+    log = RunFolder(run_dir).rank_log(rank)
+    name = _signal_name(sig)
+    if sig != signal.SIGKILL:
+        return "crash", (f"run failed (crash): rank {rank} died of {name} (signal {sig})"
+                         + ("; a segmentation fault in native code (a library, a reader of the data), see the "
+                            "rank's log for the stack" if sig == signal.SIGSEGV else "") + f"\n  log: {log}")
+    oom = oom_recorded(run_dir, _rank_pid(run_dir, rank, state))
+    if not oom:
+        return "crash", (f"run failed: rank {rank} was killed (SIGKILL); the kernel recorded no OOM kill, so "
+                         f"something sent it (`kill -9`, a scheduler, a watchdog)\n  log: {log}")
+    host = state.host
+    mem = f" (host memory at the last sample: {host.used_bytes / 2**30:.1f} of {host.total_bytes / 2**30:.1f} GiB)" \
+        if host else ""
+    return "host_oom", (f"run failed (host_oom): rank {rank} was killed with SIGKILL by the kernel's OOM killer "
+                        f"({oom}){mem}\n  try: offload less, fewer ranks per node, or a smaller micro_batch; "
+                        f"`dmesg` shows the OOM killer's report\n  log: {log}")
+
+
+def _launcher_gone(rc: int | None, run_dir: Path) -> tuple[str, str] | None:
+    """The launcher killed by a signal (its parent saw it), or gone without an exit code this shell can
+    know (not its parent): said as such, never as 'exit code 0' or 'None'."""
+    folder = RunFolder(run_dir)
+    try:
+        pid = int(json.loads(folder.job.read_text()).get("pid", 0))
+    except (OSError, ValueError, AttributeError, TypeError):
+        pid = 0
+    if rc is not None and rc < 0:
+        sig = -rc
+        oom = oom_recorded(run_dir, {pid}) if sig == signal.SIGKILL else ""
+        if oom:
+            return "host_oom", (f"the launcher was killed (SIGKILL) by the kernel's OOM killer ({oom}); lower host "
+                                f"memory use (offload less, fewer ranks)\n  log: {folder.launcher_log}")
+        return "crash", (f"the launcher (pid {pid}) was killed ({_signal_name(sig)})"
+                         + ("; the kernel recorded no OOM kill, so something sent it (`kill -9`, a scheduler)"
+                            if sig == signal.SIGKILL else "")
+                         + f" and no rank reported how the run ended\n  log: {folder.launcher_log}")
+    if rc is None:
+        oom = oom_recorded(run_dir, {pid}) if pid else ""
+        how = (f"killed by the kernel's OOM killer ({oom})" if oom else
+               "killed (`kill -9`, a scheduler) or crashed; its exit code went to the front end that started it")
+        return ("host_oom" if oom else "crash"), (
+            f"the launcher (pid {pid or '?'}) is gone without a report in its log and no rank reported how the "
+            f"run ended: it was {how}\n  log: {folder.launcher_log}")
+    return None
+
+
 def explain_exit(state: RunState, rc: int | None, run_dir: Path) -> tuple[str, str]:
-    """(cause, one-paragraph message) for a run that ended without a `finished` line."""
+    """(cause, one-paragraph message) for a run that ended without a `finished` line. rc: the launcher's
+    exit code, None where this process is not its parent."""
     folder = RunFolder(run_dir)
     f = state.first_failure()
     who = stop_requested(state)
-    if (f is None and who) or (f is not None and f.cause == "stopped"):
+    if who and (f is None or f.cause == "stopped"):
         # Asked to stop (the ranks then say "stopped", perhaps after saving): not a failure.
         msg = "run stopped" + (f" by {who}" if who else "")
         if f is not None:
             msg += f": {f.message}" + (f"\n  {f.hint}" if f.hint else "")
         return "stopped", msg + f"\n  run folder: {run_dir}"
     killed = killed_rank(run_dir)
-    if killed and killed[1] == signal.SIGKILL:
-        # The killed rank could not report; the others' "connection reset" errors are consequences.
-        rank = killed[0]
-        host = state.host
-        mem = f" (host memory at the last sample: {host.used_bytes / 2**30:.1f} of {host.total_bytes / 2**30:.1f} GiB)" \
-            if host else ""
-        return "host_oom", (f"run failed (host_oom): rank {rank} was killed with SIGKILL, most often by the "
-                            f"kernel's OOM killer{mem}\n  try: offload less, fewer ranks per node, or a smaller "
-                            f"micro_batch; `dmesg` shows the OOM killer's report\n  log: {folder.rank_log(rank)}")
+    if killed:
+        return _died_of_signal(state, run_dir, *killed)
+    if f is not None and f.cause == "stopped":
+        # Nobody asked (no stop_requested line): a signal from outside, or torchrun ending the ranks after
+        # one of them died without a word.
+        return "crash", (f"run ended by a signal nobody asked for through shardconsole (`kill`, a scheduler, "
+                         f"torchrun ending the ranks after another failed): rank {f.rank}: {f.message}"
+                         f"\n  launcher log: {folder.launcher_log}")
     if f is not None:
         where = f"rank {f.rank}" + (f" at step {f.step}" if f.step else "")
         msg = f"run failed ({f.cause}) on {where}: {f.exc_type + ': ' if f.exc_type else ''}{f.message}"
@@ -127,22 +239,17 @@ def explain_exit(state: RunState, rc: int | None, run_dir: Path) -> tuple[str, s
             msg += fitting_settings(run_dir)
         msg += f"\n  log: {folder.rank_log(f.rank)}"
         return f.cause, msg
-    if rc is not None and rc < 0 and -rc == signal.SIGKILL:
-        return "host_oom", (f"the launcher was killed (SIGKILL): most often the kernel's OOM killer; "
-                            f"lower host memory use (offload less, fewer ranks)\n  log: {folder.launcher_log}")
     lost = stream_stopped_note(run_dir)
     if lost:
         # The ranks could not write their lines (a full disk): what they did after that is unknown here.
-        return "crash", (f"run ended (launcher exit code {rc}) but {lost}: no report of its end could be "
+        code = f"launcher exit code {rc}" if rc is not None else "the launcher gone"
+        return "crash", (f"run ended ({code}) but {lost}: no report of its end could be "
                          f"written; check the last checkpoint in {folder.path} before trusting it")
-    # A rank killed from outside leaves no `failed` line: torchrun's log says which and how.
-    log = _tail(folder.launcher_log)
-    outside_kill = killed_rank(run_dir)
-    cause = "host_oom" if outside_kill and outside_kill[1] == signal.SIGKILL else "crash"
-    hint = ("a rank was killed with SIGKILL, most often by the kernel's OOM killer: check `dmesg`, "
-            "offload less or lower micro_batch" if cause == "host_oom" else "")
-    return cause, (f"run ended with exit code {rc} and no report from the ranks ({cause})"
-                   + (f"\n  try: {hint}" if hint else "") + f"\n  launcher log ({folder.launcher_log}):\n{log}")
+    gone = _launcher_gone(rc, run_dir)
+    if gone is not None:
+        return gone
+    return "crash", (f"run ended with exit code {rc} and no report from the ranks (crash)"
+                     f"\n  launcher log ({folder.launcher_log}):\n{_tail(folder.launcher_log)}")
 
 
 def classify(state: RunState, rc: int | None, run_dir: Path) -> tuple[str, str]:

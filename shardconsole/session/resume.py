@@ -12,10 +12,13 @@ Front-end side: standard library and the settings layer only (no torch, no backe
 
 from __future__ import annotations
 
-import json
+import os
 import shutil
 import time
 from pathlib import Path
+
+from shardconsole.launch import process_identity as PI
+from shardconsole.launch.owner import owning
 
 from shardconsole.settings import config as C
 from shardconsole.settings import resolve as settings
@@ -39,31 +42,43 @@ def checkpoints_in(folder: Path) -> list[tuple[int, Path]]:
     return sorted(out, reverse=True)
 
 
-def _running(folder: RunFolder) -> bool:
-    """Whether this run's launcher is alive (job.json's pid, checked against its start time)."""
+def _still_running(folder: RunFolder) -> str:
+    """What of the folder still runs ('' when nothing): the launcher job.json names (its identity
+    checked: host, start time, command line), or any rank of the folder, whatever session started it:
+    a launcher killed with SIGKILL leaves its ranks training, and a resume over them would interleave
+    two runs' checkpoints."""
+    from shardconsole.launch.job import Job
     try:
-        info = json.loads(folder.job.read_text())
-        pid, started = int(info["pid"]), float(info.get("started", 0))
+        job = Job.from_run_dir(folder.path)
     except (OSError, ValueError, KeyError, TypeError):
-        return False
-    try:
-        import psutil
-        proc = psutil.Process(pid)
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE and proc.create_time() <= started + 5
-    except Exception:
-        return False
+        job = None
+    if job is not None and job.launcher_state()[0] == "ours":
+        return f"its launcher (pid {job.pid}) is running"
+    ranks = PI.folder_ranks(folder.path)
+    if not ranks:
+        return ""
+    orphaned = " (orphaned: their launcher is gone)" if job is not None else ""
+    return f"rank process(es) {', '.join(map(str, sorted(ranks)))} of this folder are still training{orphaned}"
 
 
 def prepare_resume(run_dir: Path, overrides: list) -> C.RunConfig:
-    """overrides: `table.key=value` strings (errors name `--set table.key`) or settings.Override objects."""
+    """overrides: `table.key=value` strings (errors name `--set table.key`) or settings.Override objects.
+    Under the folder's owner lock (launch/owner.py): a caller that goes on to launch holds it across
+    both (`owning(run_dir, ...)` around this and Job.start), so a second resume meanwhile is refused."""
     folder = RunFolder(Path(run_dir))
     if not folder.path.is_dir():
         raise C.ConfigError(f"{folder.path}: no such run folder")
     if not folder.preset.is_file():
         raise C.ConfigError(f"{folder.path}: not a run folder (no {folder.preset.name})")
-    if _running(folder):
-        raise C.ConfigError(f"{folder.path}: the run is still going; stop it first "
-                            f"(`shardconsole stop {folder.path}`), or follow it with `shardconsole attach`")
+    with owning(folder.path, f"`resume` of {folder.path.name}"):
+        return _prepare(folder, overrides)
+
+
+def _prepare(folder: RunFolder, overrides: list) -> C.RunConfig:
+    running = _still_running(folder)
+    if running:
+        raise C.ConfigError(f"{folder.path}: the run is still going: {running}; stop it first "
+                            f"(`shardconsole stop {folder.path}`), or follow it with `shardconsole attach {folder.path}`")
     cfg = settings.resolve_doc(C.load_toml(folder.preset), folder.path.name, folder.preset, list(overrides)).cfg
     ckpt_dir = folder.checkpoints(cfg.train.checkpoint_dir)
     found = checkpoints_in(ckpt_dir)
@@ -82,5 +97,8 @@ def prepare_resume(run_dir: Path, overrides: list) -> C.RunConfig:
 
 
 def resume_run_id(run_dir: Path) -> str:
-    """A run id for this session: the folder's name and the time, so its finished/failed lines are its own."""
-    return f"{RunFolder(Path(run_dir)).run_id}-resume-{time.strftime('%Y%m%d-%H%M%S')}"
+    """A run id for this session: the folder's name, the time and this process, so its finished/failed
+    lines are its own (two resumes in one second still differ; the owner lock lets only one launch)."""
+    now = time.time()
+    stamp = time.strftime('%Y%m%d-%H%M%S', time.localtime(now)) + f".{int(now % 1 * 1e6):06d}"
+    return f"{RunFolder(Path(run_dir)).run_id}-resume-{stamp}-{os.getpid()}"

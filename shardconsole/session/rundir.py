@@ -8,6 +8,7 @@ asked why its stream stopped.
   before the launch, as one line naming the key.
 - `stream_stopped_note`: a stream that ends without a finished or failed line, explained (a full disk
   writes nothing more to the stream, so the rank says it in its log, once).
+- one owner per run folder: launch/owner.py's lock, which Job.start hands to the launcher.
 No torch, no UI.
 """
 
@@ -252,3 +253,4 @@ def stream_stopped_note(run_dir: Path) -> str:
         return (f"the disk holding {run_dir} is full ({free} bytes free): the stream and the rank logs could "
                 f"not be written")
     return ""
+

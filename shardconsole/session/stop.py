@@ -74,8 +74,10 @@ class StopOutcome(StopReport):
 
 def stop_run(job: Job, rank_pids, *, who: str, grace_s: float = 10.0, save_timeout_s: float | None = None,
              hurry: Hurry | None = None, check_gpus: bool = True) -> StopReport:
-    """SIGTERM every process of the run, wait (grace_s, or the save timeout once a rank says it saves),
-    then SIGKILL; report what is left and what the GPUs hold."""
+    """SIGTERM every verified process of the run folder (the launcher when job.json's identity holds,
+    every rank of the folder whatever session started it, their children), wait (grace_s, or the save
+    timeout once a rank says it saves), then SIGKILL; report what is left and what the GPUs hold. A
+    launcher that job.json names but that is not ours is left alone (report.refused)."""
     hurry = hurry or Hurry()
     run_dir = job.run_dir
     asked_at = time.time()
@@ -85,15 +87,16 @@ def stop_run(job: Job, rank_pids, *, who: str, grace_s: float = 10.0, save_timeo
     stream = MetricsReader(RunFolder(run_dir).metrics)     # for the ranks' stop_save event
     t0 = time.monotonic()
     rank_pids = tuple(p for p in rank_pids if p > 0)
-    state, why = job.launcher_state() if hasattr(job, "launcher_state") else ("ours", "")
+    state, why = job.launcher_state()
     targets = job.processes(rank_pids)
+    ranks = job.rank_pids(rank_pids)
     report = StopOutcome(signalled=targets, refused=why if state == "stranger" else "",
                          launcher_pid=job.pid if job.pid in targets else 0,
-                         rank_pids=tuple(p for p in rank_pids if p in targets))
-    job._signal_all(targets, signal.SIGTERM)
+                         rank_pids=tuple(p for p in ranks if p in targets))
+    _signal_all(targets, signal.SIGTERM)
     deadline, saving = t0 + grace_s, False
     while True:
-        job._reap()
+        job.reap()
         if not _live(targets):
             break
         if not saving and any(isinstance(m, P.Event) and m.name == STOP_SAVE and m.t >= asked_at - 1.0
@@ -103,14 +106,14 @@ def stop_run(job: Job, rank_pids, *, who: str, grace_s: float = 10.0, save_timeo
         if hurry.is_set() or time.monotonic() >= deadline:
             report.killed = True
             targets = sorted(set(targets) | set(job.processes(rank_pids)))
-            job._signal_all(targets, signal.SIGKILL)
+            _signal_all(targets, signal.SIGKILL)
             end = time.monotonic() + 5.0
             while time.monotonic() < end and _live(targets):
-                job._reap()
+                job.reap()
                 time.sleep(0.05)
             break
         time.sleep(0.05)
-    job._reap()
+    job.reap()
     stream.close()
     report.left = _live(set(targets) | set(job.processes(rank_pids)))
     report.seconds = time.monotonic() - t0
@@ -118,6 +121,24 @@ def stop_run(job: Job, rank_pids, *, who: str, grace_s: float = 10.0, save_timeo
         from shardconsole.machine.probes import GpuProbe, wait_gpu_released
         report.gpu_note = wait_gpu_released(GpuProbe(), report.signalled, rank_uuids=_rank_uuids(run_dir))
     return report
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    """Each verified process by pid, and the process groups that verified processes lead (a group leader
+    is the launcher or a worker in its own session); never a group we only joined. pids come from
+    Job.processes only: that is where a process is verified as the run's."""
+    own = os.getpgid(0)
+    for pid in pids:
+        try:
+            if os.getpgid(pid) == pid and pid != own:
+                os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _rank_uuids(run_dir) -> dict[int, str]:
@@ -215,7 +236,7 @@ def stop_folder(run_dir: Path, err: TextIO) -> int:
                   file=err)
             return 0
         if watcher.ended:
-            cause, message = classify(watcher.state, watcher.exit_code, folder.path)
+            cause, message = classify(watcher.state, watcher.exit_code if job.rc_known else None, folder.path)
             print(f"nothing to stop: the run has already ended ({cause}): {message.splitlines()[0]}", file=err)
             return 0
         print(f"stopping {folder.path}: SIGTERM to every rank ... (Ctrl-C: SIGKILL now)", file=err, flush=True)

@@ -74,6 +74,9 @@ class SetupActions:
         except OSError as e:
             self.notify(f"{planned.run_dir}: {e}", title="Launch failed", severity="error", timeout=10)
             return
+        except C.ConfigError as e:     # the launcher's checks (port, writable folders, the folder's claim)
+            self.notify(str(e), title="Launch refused", severity="error", timeout=10)
+            return
         self._open_run(handle, attached=False)
 
     def _run_screen_closed(self, _: None = None) -> None:

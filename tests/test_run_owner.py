@@ -1,0 +1,261 @@
+"""A run folder has one owner (issue 31 items 1, 2, 3, 6, 11), with real processes: front ends and
+launchers killed with SIGKILL, leaving their ranks training; two resumes at once; Ctrl-C in an attach
+whose history is over a poll's 8 MiB; ranks killed by SIGSEGV and SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from shardconsole.launch import process_identity as PI
+from shardconsole.runlog import protocol as P
+from shardconsole.settings import config as C
+from shardconsole.session.rundir import create_run_dir
+from tests.conftest import messages, of_kind, pids_alive, shardconsole
+
+REPO = Path(__file__).resolve().parent.parent
+# A front end as the CLI runs one (cli/run.py after create_run_dir): follows the run, prints its steps.
+FRONT_END = ("import sys; from pathlib import Path; from shardconsole.settings import config as C; "
+             "from shardconsole import headless; d = Path(sys.argv[1]); "
+             "sys.exit(headless.run(C.load(d / 'preset.toml'), d, d.name))")
+
+
+def _wait(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def _folder(tmp: Path, name: str, sets: list[str], pad_bytes: int = 0) -> Path:
+    cfg = C.load(REPO / "presets" / "tiny-cpu.toml", ["train.log_every=1", *sets])
+    run_dir = create_run_dir(cfg, tmp / name)
+    if pad_bytes:
+        _pad(run_dir, pad_bytes)
+    return run_dir
+
+
+def _pad(run_dir: Path, total: int) -> None:
+    """A long history: event lines of an earlier front end, with a marker past the first 8 MiB."""
+    line = P.encode(P.Event(run="earlier", rank=-1, name="note", detail="x" * 900)) + "\n"
+    mark = P.encode(P.Event(run="earlier", rank=-1, name="note", detail="mark-past-the-first-poll")) + "\n"
+    n = total // len(line)
+    with open(run_dir / "metrics.jsonl", "a") as fh:
+        for i in range(n):
+            fh.write(mark if i == (9 << 20) // len(line) else line)
+
+
+def _front_end(run_dir: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", FRONT_END, str(run_dir)], stdout=subprocess.DEVNULL,
+                            stderr=open(run_dir.parent / f"{run_dir.name}.fe.log", "w"), cwd=REPO)
+
+
+def _launcher(run_dir: Path) -> int:
+    return _wait(lambda: (run_dir / "job.json").is_file() and json.loads((run_dir / "job.json").read_text())["pid"],
+                 60, "job.json")
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _clean(run_dir: Path) -> None:
+    """Whatever a failing test left: every process naming the folder on its command line."""
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if str(run_dir) in " ".join(proc.info["cmdline"] or []) and proc.pid != os.getpid():
+            _kill(proc.pid)
+
+
+def _steps(run_dir: Path) -> int:
+    return (run_dir / "metrics.jsonl").read_text().count('"kind":"step"') if (run_dir / "metrics.jsonl").exists() else 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# One 2-rank run with a long history: attached, orphaned (front end and launcher killed), stopped, resumed
+
+@pytest.fixture(scope="module")
+def long_run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("owner")
+    run_dir = _folder(base, "run", ["train.steps=3000", "train.checkpoint_every=2"], pad_bytes=24 << 20)
+    fe = _front_end(run_dir)
+    try:
+        _wait(lambda: len(PI.folder_ranks(run_dir)) == 2 and (run_dir / "checkpoints" / "step_00000002").is_dir(),
+              180, "two ranks and the step-2 checkpoint")
+        yield run_dir, fe
+    finally:
+        _kill(fe.pid)
+        fe.wait()
+        _clean(run_dir)
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_history_replays_detaches_however_long_it_is(long_run):
+    """Item 3: the history (24 MiB, three polls' worth) is what existed when the attach began; a Ctrl-C
+    before its end detaches (8) and the run trains on; it is never taken as "stop the run"."""
+    run_dir, _ = long_run
+    ranks = sorted(PI.folder_ranks(run_dir))
+    attach = subprocess.Popen([sys.executable, "-m", "shardconsole", "attach", str(run_dir), "--headless"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = threading.Event()
+    out: list[str] = []
+
+    def read() -> None:
+        for line in attach.stdout:
+            out.append(line)
+            if "mark-past-the-first-poll" in line:
+                seen.set()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert seen.wait(120), "the marker past the first 8 MiB was never printed"
+    attach.send_signal(signal.SIGINT)
+    err = attach.stderr.read()
+    assert attach.wait(60) == 8, err
+    reader.join(10)
+    assert "Traceback" not in err and "stopping" not in err, err
+    assert "detached" in err, err
+    assert sorted(PI.folder_ranks(run_dir)) == ranks          # the run goes on
+    assert not any(e.name == "stop_requested" for e in of_kind(messages(run_dir), "event"))
+
+
+@pytest.mark.slow
+def test_resume_over_orphaned_ranks_is_refused_naming_them(long_run):
+    """Item 1: kill -9 the front end, then the launcher: the ranks train on. resume refuses, naming
+    the ranks and `shardconsole stop`; nothing new is launched."""
+    run_dir, fe = long_run
+    launcher = _launcher(run_dir)
+    _kill(fe.pid)
+    fe.wait()
+    _kill(launcher)
+    _wait(lambda: not pids_alive([launcher]), 30, "the launcher to die")
+    orphans = sorted(PI.folder_ranks(run_dir))
+    assert len(orphans) == 2
+    n = _steps(run_dir)
+    _wait(lambda: _steps(run_dir) > n, 60, "a step of the orphans")
+    job_before = (run_dir / "job.json").read_text()
+    res = shardconsole("resume", str(run_dir), "--set", "train.steps=4000", timeout=90)
+    assert res.returncode == 2, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert all(str(p) in res.stderr for p in orphans) and f"shardconsole stop {run_dir}" in res.stderr, res.stderr
+    assert (run_dir / "job.json").read_text() == job_before        # no second launch
+    assert sorted(PI.folder_ranks(run_dir)) == orphans
+
+
+@pytest.mark.slow
+def test_two_resumes_at_once_one_runs_the_other_is_refused(long_run):
+    """Items 1 and 2: `shardconsole stop` ends the orphans (found by their command lines); then two
+    resumes started together: exactly one launches, the other is refused in one line (the folder's
+    owner lock), and the one that ran finished from the newest checkpoint."""
+    run_dir, _ = long_run
+    orphans = sorted(PI.folder_ranks(run_dir))
+    res = shardconsole("stop", str(run_dir), timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert f"{len(orphans)} rank(s)" in res.stderr and "none left" in res.stderr, res.stderr
+    assert pids_alive(orphans) == [] and PI.folder_ranks(run_dir) == {}
+    newest = max(int(p.name[5:]) for p in (run_dir / "checkpoints").iterdir() if p.name[5:].isdigit())
+    cmd = [sys.executable, "-m", "shardconsole", "resume", str(run_dir), "--set", f"train.steps={newest + 2}"]
+    errs = [run_dir.parent / f"resume{i}.err" for i in range(2)]
+    both = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(e, "w")) for e in errs]
+    results = [(p.wait(180), e.read_text()) for p, e in zip(both, errs)]
+    codes = sorted(rc for rc, _ in results)
+    assert codes == [0, 2], results
+    refused = next(err for rc, err in results if rc == 2)
+    assert "in use by" in refused and "Traceback" not in refused, refused
+    msgs = messages(run_dir)
+    sessions = {h.run for h in of_kind(msgs, "hello") if "-resume-" in h.run}
+    assert len(sessions) == 1, sessions
+    assert [f.steps for f in of_kind(msgs, "finished") if f.run in sessions] == [newest + 2]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Orphans before their hello line; a run whose every process was SIGKILLed
+
+@pytest.mark.slow
+def test_stop_finds_ranks_that_have_not_said_hello(tmp_path):
+    """Item 1, another orphaning order: front end and launcher SIGKILLed as soon as the ranks exist
+    (before any hello line): `shardconsole stop` still finds them by their command lines."""
+    run_dir = _folder(tmp_path, "early", ["parallel.nproc_per_node=1"])
+    fe = _front_end(run_dir)
+    try:
+        ranks = _wait(lambda: sorted(PI.folder_ranks(run_dir)), 120, "the rank process")
+        _kill(fe.pid)
+        _kill(_launcher(run_dir))
+        fe.wait()
+        res = shardconsole("stop", str(run_dir), timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert pids_alive(ranks) == [] and PI.folder_ranks(run_dir) == {}, res.stderr
+    finally:
+        _clean(run_dir)
+
+
+@pytest.mark.slow
+def test_a_run_killed_whole_is_said_as_killed_not_exit_code_0(tmp_path):
+    """Item 11: front end, launcher and rank all SIGKILLed: `stop` and `runs` say the launcher is gone
+    without a report (killed), not "exit code 0" / "exit code None"."""
+    run_dir = _folder(tmp_path, "whole", ["parallel.nproc_per_node=1"])
+    fe = _front_end(run_dir)
+    try:
+        ranks = _wait(lambda: sorted(PI.folder_ranks(run_dir)), 120, "the rank process")
+        launcher = _launcher(run_dir)
+        for pid in (fe.pid, launcher, *ranks):
+            _kill(pid)
+        fe.wait()
+        _wait(lambda: not pids_alive([launcher, *ranks]), 30, "every process to die")
+        res = shardconsole("stop", str(run_dir), timeout=60)
+        assert res.returncode == 0 and "nothing to stop" in res.stderr, res.stderr
+        assert "exit code 0" not in res.stderr and f"launcher (pid {launcher}) is gone" in res.stderr, res.stderr
+        assert "killed" in res.stderr and "host_oom" not in res.stderr, res.stderr
+        listed = shardconsole("runs", "--runs-root", str(tmp_path), timeout=60)
+        assert "exit code None" not in listed.stdout + listed.stderr, listed.stdout
+    finally:
+        _clean(run_dir)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Item 6: a rank's death by a signal, named by its signal
+
+def _headless_with_killed_rank(run_dir: Path, sig: int) -> tuple[int, str]:
+    proc = subprocess.Popen([sys.executable, "-c", FRONT_END, str(run_dir)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _wait(lambda: _steps(run_dir) >= 1 and len(of_kind(messages(run_dir), "hello")) == 2, 180,
+              "two ranks training")
+        os.kill(max(h.pid for h in of_kind(messages(run_dir), "hello")), sig)
+        _, err = proc.communicate(timeout=120)
+        return proc.returncode, err
+    finally:
+        _kill(proc.pid)
+        _clean(run_dir)
+
+
+@pytest.mark.slow
+def test_a_rank_dying_of_sigsegv_is_a_crash_named_by_its_signal(tmp_path):
+    run_dir = _folder(tmp_path, "segv", ["train.steps=3000"])
+    rc, err = _headless_with_killed_rank(run_dir, signal.SIGSEGV)
+    assert rc == 1, err
+    assert "SIGSEGV" in err and "run stopped" not in err, err
+
+
+@pytest.mark.slow
+def test_a_sigkilled_rank_is_host_oom_only_when_the_kernel_recorded_one(tmp_path):
+    run_dir = _folder(tmp_path, "kill", ["train.steps=3000"])
+    before = PI.oom_kills()
+    rc, err = _headless_with_killed_rank(run_dir, signal.SIGKILL)
+    if before is not None and PI.oom_kills() != before:
+        pytest.skip("the kernel's OOM killer struck in this cgroup during the test")
+    assert rc == 1, err
+    assert "killed (SIGKILL)" in err and "recorded no OOM kill" in err and "host_oom" not in err, err

@@ -19,9 +19,9 @@ if len(sys.argv) > 2:
     w.emit(P.Failed(run="run", rank=rank, cause="nan_loss", message="loss is nan at step 2", step=2))
     sys.exit(1)
 
-# The ranks' command lines carry what a real rank's does (the worker module, --run-id, --run-dir): the
+# The ranks' command lines carry what a real rank's does (`-m` the worker module, --run-id, --run-dir): the
 # front end recognises a live rank by it (process_identity.is_rank_of), never by its pid alone.
-ranks = [subprocess.Popen([sys.executable, __file__, run_dir, str(r), "shardconsole.backends", "--run-id", "run",
+ranks = [subprocess.Popen([sys.executable, __file__, run_dir, str(r), "-m", "shardconsole.backends", "--run-id", "run",
                            "--run-dir", run_dir], start_new_session=True) for r in (0, 1)]
 metrics = os.path.join(run_dir, "metrics.jsonl")
 deadline = time.monotonic() + 60

@@ -226,7 +226,8 @@ def test_a_run_killed_whole_is_said_as_killed_not_exit_code_0(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Item 6: a rank's death by a signal, named by its signal
+# Item 6: a rank's death by a signal, named by its signal (a SIGKILL without a recorded OOM kill:
+# tests/test_failures.py)
 
 def _headless_with_killed_rank(run_dir: Path, sig: int) -> tuple[int, str]:
     proc = subprocess.Popen([sys.executable, "-c", FRONT_END, str(run_dir)], stdout=subprocess.DEVNULL,
@@ -250,12 +251,30 @@ def test_a_rank_dying_of_sigsegv_is_a_crash_named_by_its_signal(tmp_path):
     assert "SIGSEGV" in err and "run stopped" not in err, err
 
 
+# ---------------------------------------------------------------------------------------------------
+# Issue 29 item 2: the console starts a run as the CLI does
+
 @pytest.mark.slow
-def test_a_sigkilled_rank_is_host_oom_only_when_the_kernel_recorded_one(tmp_path):
-    run_dir = _folder(tmp_path, "kill", ["train.steps=3000"])
-    before = PI.oom_kills()
-    rc, err = _headless_with_killed_rank(run_dir, signal.SIGKILL)
-    if before is not None and PI.oom_kills() != before:
-        pytest.skip("the kernel's OOM killer struck in this cgroup during the test")
-    assert rc == 1, err
-    assert "killed (SIGKILL)" in err and "recorded no OOM kill" in err and "host_oom" not in err, err
+def test_a_console_started_run_folder_is_made_as_the_clis(tmp_path, monkeypatch):
+    """TorchrunLauncher.start goes through create_run_dir: preset.toml holds absolute paths (data.path
+    given relative), a planned name taken meanwhile gets the next suffix, and the folder is claimed (a
+    CLI launch naming it is refused)."""
+    from shardconsole.console.services import TorchrunLauncher
+    from shardconsole.session.rundir import RunDirError
+    from shardconsole.session.stop import Hurry
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(8)))
+    cfg = C.load(REPO / "presets" / "tiny-cpu.toml", ["data.path=corpus.jsonl", "train.steps=2000"])
+    launcher = TorchrunLauncher(tmp_path / "runs")
+    planned = launcher.plan(cfg, "tiny-cpu")
+    create_run_dir(cfg, planned.run_dir)            # a CLI launch took the planned name meanwhile
+    handle = launcher.start(cfg, planned)
+    try:
+        assert handle.run_dir == planned.run_dir.with_name(planned.run_dir.name + "-2")
+        saved = C.load(handle.run_dir / "preset.toml")
+        assert saved.data.path == str(tmp_path / "corpus.jsonl")
+        with pytest.raises(RunDirError, match="folder exists and holds a run"):
+            create_run_dir(cfg, handle.run_dir)
+    finally:
+        report = handle.stop(0.0, [], who="test", hurry=Hurry())
+    assert report.clean

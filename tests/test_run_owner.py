@@ -16,7 +16,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from shardconsole.launch import process_identity as PI
 from shardconsole.runlog import protocol as P
 from shardconsole.settings import config as C
 from shardconsole.session.rundir import create_run_dir
@@ -81,6 +80,19 @@ def _clean(run_dir: Path) -> None:
             _kill(proc.pid)
 
 
+def _ranks(run_dir: Path) -> dict[int, str]:
+    """The folder's rank processes, seen independently of the code under test: `-m shardconsole.backends`
+    first, --run-dir this folder."""
+    out = {}
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = proc.info["cmdline"] or []
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and "-m" in cmd and \
+                cmd[cmd.index("-m") + 1:cmd.index("-m") + 2] == ["shardconsole.backends"] and \
+                str(run_dir) in cmd:
+            out[proc.pid] = cmd[cmd.index("--run-id") + 1] if "--run-id" in cmd else ""
+    return out
+
+
 def _steps(run_dir: Path) -> int:
     return (run_dir / "metrics.jsonl").read_text().count('"kind":"step"') if (run_dir / "metrics.jsonl").exists() else 0
 
@@ -94,7 +106,7 @@ def long_run(tmp_path_factory):
     run_dir = _folder(base, "run", ["train.steps=3000", "train.checkpoint_every=2"], pad_bytes=24 << 20)
     fe = _front_end(run_dir)
     try:
-        _wait(lambda: len(PI.folder_ranks(run_dir)) == 2 and (run_dir / "checkpoints" / "step_00000002").is_dir(),
+        _wait(lambda: len(_ranks(run_dir)) == 2 and (run_dir / "checkpoints" / "step_00000002").is_dir(),
               180, "two ranks and the step-2 checkpoint")
         yield run_dir, fe
     finally:
@@ -108,7 +120,7 @@ def test_ctrl_c_while_the_history_replays_detaches_however_long_it_is(long_run):
     """Item 3: the history (24 MiB, three polls' worth) is what existed when the attach began; a Ctrl-C
     before its end detaches (8) and the run trains on; it is never taken as "stop the run"."""
     run_dir, _ = long_run
-    ranks = sorted(PI.folder_ranks(run_dir))
+    ranks = sorted(_ranks(run_dir))
     attach = subprocess.Popen([sys.executable, "-m", "shardconsole", "attach", str(run_dir), "--headless"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = threading.Event()
@@ -128,7 +140,7 @@ def test_ctrl_c_while_the_history_replays_detaches_however_long_it_is(long_run):
     reader.join(10)
     assert "Traceback" not in err and "stopping" not in err, err
     assert "detached" in err, err
-    assert sorted(PI.folder_ranks(run_dir)) == ranks          # the run goes on
+    assert sorted(_ranks(run_dir)) == ranks          # the run goes on
     assert not any(e.name == "stop_requested" for e in of_kind(messages(run_dir), "event"))
 
 
@@ -142,7 +154,7 @@ def test_resume_over_orphaned_ranks_is_refused_naming_them(long_run):
     fe.wait()
     _kill(launcher)
     _wait(lambda: not pids_alive([launcher]), 30, "the launcher to die")
-    orphans = sorted(PI.folder_ranks(run_dir))
+    orphans = sorted(_ranks(run_dir))
     assert len(orphans) == 2
     n = _steps(run_dir)
     _wait(lambda: _steps(run_dir) > n, 60, "a step of the orphans")
@@ -152,7 +164,7 @@ def test_resume_over_orphaned_ranks_is_refused_naming_them(long_run):
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert all(str(p) in res.stderr for p in orphans) and f"shardconsole stop {run_dir}" in res.stderr, res.stderr
     assert (run_dir / "job.json").read_text() == job_before        # no second launch
-    assert sorted(PI.folder_ranks(run_dir)) == orphans
+    assert sorted(_ranks(run_dir)) == orphans
 
 
 @pytest.mark.slow
@@ -161,11 +173,11 @@ def test_two_resumes_at_once_one_runs_the_other_is_refused(long_run):
     resumes started together: exactly one launches, the other is refused in one line (the folder's
     owner lock), and the one that ran finished from the newest checkpoint."""
     run_dir, _ = long_run
-    orphans = sorted(PI.folder_ranks(run_dir))
+    orphans = sorted(_ranks(run_dir))
     res = shardconsole("stop", str(run_dir), timeout=120)
     assert res.returncode == 0, res.stderr
     assert f"{len(orphans)} rank(s)" in res.stderr and "none left" in res.stderr, res.stderr
-    assert pids_alive(orphans) == [] and PI.folder_ranks(run_dir) == {}
+    assert pids_alive(orphans) == [] and _ranks(run_dir) == {}
     newest = max(int(p.name[5:]) for p in (run_dir / "checkpoints").iterdir() if p.name[5:].isdigit())
     cmd = [sys.executable, "-m", "shardconsole", "resume", str(run_dir), "--set", f"train.steps={newest + 2}"]
     errs = [run_dir.parent / f"resume{i}.err" for i in range(2)]
@@ -191,13 +203,13 @@ def test_stop_finds_ranks_that_have_not_said_hello(tmp_path):
     run_dir = _folder(tmp_path, "early", ["parallel.nproc_per_node=1"])
     fe = _front_end(run_dir)
     try:
-        ranks = _wait(lambda: sorted(PI.folder_ranks(run_dir)), 120, "the rank process")
+        ranks = _wait(lambda: sorted(_ranks(run_dir)), 120, "the rank process")
         _kill(fe.pid)
         _kill(_launcher(run_dir))
         fe.wait()
         res = shardconsole("stop", str(run_dir), timeout=120)
         assert res.returncode == 0, res.stderr
-        assert pids_alive(ranks) == [] and PI.folder_ranks(run_dir) == {}, res.stderr
+        assert pids_alive(ranks) == [] and _ranks(run_dir) == {}, res.stderr
     finally:
         _clean(run_dir)
 
@@ -209,7 +221,7 @@ def test_a_run_killed_whole_is_said_as_killed_not_exit_code_0(tmp_path):
     run_dir = _folder(tmp_path, "whole", ["parallel.nproc_per_node=1"])
     fe = _front_end(run_dir)
     try:
-        ranks = _wait(lambda: sorted(PI.folder_ranks(run_dir)), 120, "the rank process")
+        ranks = _wait(lambda: sorted(_ranks(run_dir)), 120, "the rank process")
         launcher = _launcher(run_dir)
         for pid in (fe.pid, launcher, *ranks):
             _kill(pid)

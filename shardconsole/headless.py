@@ -24,6 +24,7 @@ from shardconsole.launch.job import Job
 from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.runlog.runstate import RunState, fmt_rate
 from shardconsole.session.outcome import EXIT_CODES, classify
+from shardconsole.session.resume import EarlierPart
 from shardconsole.session.signals import Detach, quiet_stdout
 from shardconsole.session.stop import Hurry, describe_stop, interrupts_hurry, stop_run
 from shardconsole.session.watcher import MachineProbes, Tick, Watcher
@@ -104,8 +105,12 @@ def progress_bar(state: RunState, width: int) -> str:
 class Printer:
     """Step lines, events, data and eval lines on `out`; a progress bar under them on a terminal."""
 
-    def __init__(self, out: TextIO) -> None:
+    def __init__(self, out: TextIO, session: str = "") -> None:
+        """session: only this run id's lines are printed (a resume: the earlier sessions' lines in the
+        same stream are summed up in one line, not replayed)."""
         self.out = out
+        self.session = session
+        self.earlier: EarlierPart | None = EarlierPart()
         try:
             self.tty = out.isatty()
         except (ValueError, OSError):
@@ -114,6 +119,14 @@ class Printer:
 
     def render(self, tick: Tick, state: RunState) -> None:
         for msg in tick.messages:
+            if self.session and msg.run and msg.run != self.session:
+                if self.earlier is not None:
+                    self.earlier.add(msg)
+                continue
+            if self.earlier is not None:
+                if self.earlier:
+                    self.print(self.earlier.line())      # once, before this session's first line
+                self.earlier = None
             if isinstance(msg, P.Step):
                 self.print(step_line(_at(state, msg)))
             elif isinstance(msg, P.Event) and msg.name != "phase":
@@ -173,7 +186,7 @@ def follow(job, run_dir: Path, run_id: str, out: TextIO = sys.stdout, err: TextI
     """Follow a run to its end (a run attached to: its whole history first). Never raises for what a run
     or its stream does: the job is always left in a known state."""
     watcher = Watcher(job, run_dir, run_id, MachineProbes(), logs=False, hang_timeout_s=_hang_timeout(run_dir))
-    printer = Printer(out)
+    printer = Printer(out, session=run_id if started_here else "")
     try:
         try:
             if started_here:

@@ -244,3 +244,27 @@ def test_a_second_stop_signal_skips_the_save(tmp_path):
     assert not events(run, "checkpoint_saved")
     assert [p.name.endswith(".partial") for p in RunFolder(run).checkpoints().iterdir()] == [True]
     assert_nothing_left(run, messages(run))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Adding steps (issue 36 item 5)
+
+def test_more_steps_keep_the_schedule_and_the_resume_sums_up_the_earlier_part(tmp_path):
+    """A finished 4-step cosine run resumed to 7 steps: the lr goes on from where the schedule ended (a
+    constant tail, said at the resume), never back up; the earlier steps are one line, not replayed."""
+    run = tmp_path / "run"
+    res = start(run, "train.steps=4", "train.log_every=1", "train.lr=1e-3", "train.min_lr_ratio=0.1")
+    assert res.returncode == 0, _explain(res, run)
+    res = resume(run, "train.steps=7")
+    assert res.returncode == 0, _explain(res, run)
+    lr = {m.step: m.lr for m in of_kind(messages(run), "step")}
+    assert lr[4] == pytest.approx(1e-4) and [lr[5], lr[6], lr[7]] == pytest.approx([1e-4] * 3), lr
+    assert "steps 5-7 keep 1.00e-04, the lr the schedule ended on (a constant tail" in res.stderr, res.stderr
+    out = res.stdout.splitlines()
+    assert out[:2] == [f"earlier in this folder (1 session): steps 1-4, last loss {losses(run)[4]:.4f}, "
+                       "lr 1.00e-04; finished at step 4", "-- starting"], out
+    assert out.count("-- finished") == 1 and out[-1] == "-- finished", out
+    assert [line.split()[1] for line in out if line.startswith("step ")] == ["5/7", "6/7", "7/7"], out
+    # the flight recorder's variable is the one this torch reads: no deprecation warning in the rank logs
+    logs = "".join(f.read_text(errors="replace") for f in RunFolder(run).logs.glob("*.log"))
+    assert "TRACE_BUFFER_SIZE is deprecated" not in logs

@@ -9,7 +9,6 @@ metrics stream (shardconsole.runlog.stream), never through textual or rich.
 from __future__ import annotations
 
 import faulthandler
-import math
 import os
 import signal
 import socket
@@ -27,6 +26,7 @@ from shardconsole.runlog import protocol as P
 from shardconsole.machine.doctor_verdict import P2P_NOTE_ENV
 from shardconsole.runlog.runfolder import LOGS_DIR, METRICS_FILE, PRESET_FILE
 from shardconsole.settings.models import ModelSpec, resolve
+from shardconsole.settings.schedule import lr_factor      # noqa: F401  (the loops call common.lr_factor; torch-free for resume's line)
 from shardconsole.runlog.stream import MetricsWriter
 
 if TYPE_CHECKING:
@@ -163,21 +163,6 @@ def init_process_group(r: Rank) -> None:
 
 def compute_dtype(cfg: C.RunConfig) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.precision.dtype]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Schedule
-
-def lr_factor(cfg: C.RunConfig, step: int) -> float:
-    """Multiplier of train.lr at optimizer step `step` (1-based): linear warm-up, then cosine or flat."""
-    t = cfg.train
-    if t.warmup_steps and step <= t.warmup_steps:
-        return step / t.warmup_steps
-    if t.schedule == "constant":
-        return 1.0
-    span = max(1, t.steps - t.warmup_steps)
-    progress = min(1.0, (step - t.warmup_steps) / span)
-    return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 # ---------------------------------------------------------------------------------------------------

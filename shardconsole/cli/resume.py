@@ -25,11 +25,14 @@ def cmd_resume(argv: list[str]) -> int:
     except ValueError as e:
         from shardconsole.settings.config import ConfigError      # one line, exit 2 (cli.main prints it)
         raise ConfigError(str(e)) from None
+    import sys
     from shardconsole.launch.owner import owning
     from shardconsole.session.resume import prepare_resume, resume_run_id
+    from shardconsole.settings.schedule import schedule_text
     if args.slurm:
         # The job's first node is node 0; the script's first step names the session (session/cluster.py).
         cfg = prepare_resume(args.run_dir, [*args.overrides, "parallel.rendezvous=slurm"])
+        print(schedule_text(cfg), file=sys.stderr, flush=True)
         from shardconsole.cli.run import write_slurm_script
         write_slurm_script(cfg, args.run_dir.absolute(), args.run_dir.resolve().name)
         return 0
@@ -38,4 +41,5 @@ def cmd_resume(argv: list[str]) -> int:
     # resume (or launch) meanwhile is refused in one line (FolderInUse, exit 2).
     with owning(args.run_dir, "`shardconsole resume`"):
         cfg = prepare_resume(args.run_dir, args.overrides)
+        print(schedule_text(cfg), file=sys.stderr, flush=True)
         return headless.run(cfg, args.run_dir, resume_run_id(args.run_dir))

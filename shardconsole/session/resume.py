@@ -22,6 +22,7 @@ from shardconsole.launch.owner import owning
 
 from shardconsole.settings import config as C
 from shardconsole.settings import resolve as settings
+from shardconsole.runlog import protocol as P
 from shardconsole.runlog.runfolder import RunFolder
 
 PREV_SUFFIX = ".prev"
@@ -79,7 +80,14 @@ def _prepare(folder: RunFolder, overrides: list) -> C.RunConfig:
     if running:
         raise C.ConfigError(f"{folder.path}: the run is still going: {running}; stop it first "
                             f"(`shardconsole stop {folder.path}`), or follow it with `shardconsole attach {folder.path}`")
-    cfg = settings.resolve_doc(C.load_toml(folder.preset), folder.path.name, folder.preset, list(overrides)).cfg
+    doc = C.load_toml(folder.preset)
+    before = settings.resolve_doc(doc, folder.path.name, folder.preset, []).cfg.train
+    resolved = settings.resolve_doc(doc, folder.path.name, folder.preset, list(overrides))
+    cfg = resolved.cfg
+    if "train.schedule_steps" not in resolved.origins:
+        # More steps continue the schedule the run had (a constant tail at the lr it ended on), never a
+        # cosine re-stretched over the new length, which sent the lr back up at the first resumed step.
+        cfg.train.schedule_steps = before.schedule_steps or before.steps
     ckpt_dir = folder.checkpoints(cfg.train.checkpoint_dir)
     found = checkpoints_in(ckpt_dir)
     if not found:
@@ -94,6 +102,43 @@ def _prepare(folder: RunFolder, overrides: list) -> C.RunConfig:
     shutil.copy2(folder.preset, prev)
     C.save(cfg, folder.preset)
     return cfg
+
+
+class EarlierPart:
+    """What a resumed session's stream held before it, told in one line instead of replayed: its step
+    lines, sessions and how the last one ended."""
+
+    def __init__(self) -> None:
+        self.sessions: list[str] = []
+        self.first_step: int | None = None
+        self.last: P.Step | None = None
+        self.ended = ""
+
+    def add(self, msg: P.Message) -> None:
+        if msg.run and msg.run not in self.sessions:
+            self.sessions.append(msg.run)
+        if isinstance(msg, P.Step):
+            self.first_step = msg.step if self.first_step is None else min(self.first_step, msg.step)
+            self.last = msg
+            self.ended = ""
+        elif isinstance(msg, P.Event) and msg.name == "phase" and msg.detail == "finished":
+            self.ended = f"finished at step {msg.step}"      # (the watcher keeps other sessions' end lines)
+        elif isinstance(msg, P.Event) and msg.name == "stop_save":
+            self.ended = f"stopped at step {msg.step}"
+
+    def __bool__(self) -> bool:
+        return bool(self.sessions)
+
+    def line(self) -> str:
+        n = len(self.sessions)
+        text = f"earlier in this folder ({n} session{'s' if n != 1 else ''}): "
+        if self.last is None:
+            text += "no step lines"
+        else:
+            loss = "n/a" if self.last.loss is None else f"{self.last.loss:.4f}"
+            text += f"steps {self.first_step}-{self.last.step}, last loss {loss}, lr {self.last.lr:.2e}"
+        ended = self.ended or (f"ended at step {self.last.step} of {self.last.steps}" if self.last else "")
+        return text + (f"; {ended}" if ended else "")
 
 
 def resume_run_id(run_dir: Path) -> str:

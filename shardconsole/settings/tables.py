@@ -64,6 +64,10 @@ class TrainSettings:
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine schedule)", min=0.0, max=1.0)
     warmup_steps: int = _f(0, "linear warm-up steps", min=0)
     schedule: Literal["cosine", "constant"] = _f("cosine", "learning-rate schedule after warm-up")
+    # A resume that adds steps keeps the schedule the run had: `resume` sets this to the steps it spanned,
+    # and past it the lr stays where the schedule ended (session/resume.py), so it never jumps back up.
+    schedule_steps: int = _f(0, "steps the cosine schedule spans (0: train.steps); past them the lr stays at "
+                             "its final value (resume sets it when it adds steps)", min=0)
     weight_decay: float = _f(0.0, "AdamW weight decay", min=0.0)
     beta1: float = _f(0.9, "AdamW beta1", min=0.0, max=1.0)
     beta2: float = _f(0.95, "AdamW beta2", min=0.0, max=1.0)

@@ -4,7 +4,8 @@ Three runs, one per checkpoint writer (module fixtures, a few steps each):
 - FSDP2 from a make_hf_model folder (chat template, tokenizer) on a .jsonl with a held-out split, a
   checkpoint at step 2 and the final one at 4;
 - DeepSpeed ZeRO-3 in fp32 on the catalog's tiny model;
-- DeepSpeed ZeRO-2 in bf16 with bf16 master weights, from a folder whose embeddings are tied.
+- DeepSpeed ZeRO-2 in bf16 with bf16 master weights, from a folder whose embeddings are tied and whose
+  tokenizer has no chat template, on chats (so the run renders them with the plain template).
 The expected tensors come from the checkpoint read by torch's and DeepSpeed's own converters
 (dcp_to_torch_save, zero_to_fp32), never by the code under test.
 """
@@ -73,9 +74,14 @@ def zero3(tmp_path_factory):
 def zero2_bf16_tied(tmp_path_factory):
     root = tmp_path_factory.mktemp("export-zero2")
     model = make_hf_model(root / "model", tie_word_embeddings=True)
+    chats = root / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant",
+                                                                                      "content": a}]}) + "\n"
+                             for q, a in zip(CORPUS[:40:2], CORPUS[1:40:2])))
     run_dir = root / "run"
     _run(run_dir, root / "cache", f"model.name={model}", "parallel.backend=deepspeed", "deepspeed.stage=2",
-         "precision.dtype=bf16", "precision.master_dtype=bf16", "train.steps=4")
+         "precision.dtype=bf16", "precision.master_dtype=bf16", "train.steps=4", f"data.path={chats}",
+         "data.seq_len=32")
     return SimpleNamespace(root=root, run=run_dir, model=model, out=_exported(run_dir, root / "hf"))
 
 
@@ -275,6 +281,19 @@ def test_zero2_bf16_masters_and_tied_embeddings(zero2_bf16_tied, tmp_path):
     fp32 = load_export(_exported(zero2_bf16_tied.run, tmp_path / "fp32", "--dtype", "fp32"))
     assert fp32.model.embed_tokens.weight.dtype == torch.float32
     assert_same_loss(zero2_bf16_tied.run, state, fp32)
+
+
+def test_the_export_prompts_with_the_template_the_run_trained_with(zero2_bf16_tied):
+    """The folder's tokenizer has no chat template, so the run rendered its chats with the plain one: the
+    export carries it (apply_chat_template prompts as the run trained) and its README names it."""
+    from transformers import AutoTokenizer
+    from shardconsole.backends.corpus import PLAIN_TEMPLATE
+    assert [d.template for d in of_kind(messages(zero2_bf16_tied.run), "data")] == ["shardconsole-plain"]
+    tok = AutoTokenizer.from_pretrained(zero2_bf16_tied.out)
+    assert tok.chat_template == PLAIN_TEMPLATE
+    chat = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == "User: hi\n\nAssistant: "
+    assert "- prompt format: shardconsole-plain" in (zero2_bf16_tied.out / "README.md").read_text()
 
 
 # ---------------------------------------------------------------------------------------------------

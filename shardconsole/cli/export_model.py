@@ -113,7 +113,7 @@ def cmd_export_model(argv: list[str]) -> int:
         (tmp / "README.md").write_text(hf_folder.readme_text(
             title=out.name, run=run, cfg=cfg, ckpt=ckpt, spec=spec, architecture=type(model).__name__,
             n_params=n_params, dtype_name=dtype_name, shards=shards, tokenizer=tokenizer,
-            ev=hf_folder.last_eval(run, ckpt.step)))
+            ev=hf_folder.last_eval(run, ckpt.step), prompt_format=hf_folder.add_prompt_format(run, tmp)))
         if out.exists():
             out.rmdir()                 # checked empty above; a rename cannot replace a folder with files
         os.replace(tmp, out)

@@ -9,7 +9,7 @@ from pathlib import Path
 from shardconsole.settings import config as C
 from shardconsole.export_model.checkpoint import Checkpoint, ExportError
 from shardconsole.settings.models import ModelSpec, human_count
-from shardconsole.runlog.protocol import DecodeError, Eval, decode
+from shardconsole.runlog.protocol import DataSummary, DecodeError, Eval, decode
 from shardconsole.runlog.runfolder import RunFolder
 
 # What a model folder's tokenizer may consist of (fast and slow tokenizers, chat templates).
@@ -93,9 +93,43 @@ def last_eval(run: RunFolder, up_to_step: int) -> Eval | None:
     return best
 
 
+def _last_of(run: RunFolder, kind: bytes, cls: type):
+    try:
+        lines = run.metrics.read_bytes().splitlines()
+    except FileNotFoundError:
+        return None
+    found = None
+    for line in lines:
+        if kind in line:
+            try:
+                msg = decode(line)
+            except DecodeError:
+                continue
+            found = msg if isinstance(msg, cls) else found
+    return found
+
+
+def add_prompt_format(run: RunFolder, folder: Path) -> str:
+    """Give the export the chat template the run rendered its chats with, so `apply_chat_template` on it
+    prompts as the run trained. A tokenizer's own template came with its files; the plain one the ranks
+    use for a tokenizer without one (backends/corpus.py) is written as chat_template.jinja, which
+    transformers' tokenizers read. Returns what the README says of it."""
+    from shardconsole.backends.corpus import PLAIN_TEMPLATE, PLAIN_TEMPLATE_NAME
+    data = _last_of(run, b'"data"', DataSummary)
+    if data is None or not data.template:
+        return "none (the run trained on no chats or instructions)"
+    if data.template != PLAIN_TEMPLATE_NAME:
+        return f"the {data.template}, copied with the tokenizer"
+    if not (folder / "tokenizer_config.json").is_file():
+        return f"{PLAIN_TEMPLATE_NAME} (`User: ...` / `Assistant: ...` lines); no tokenizer to carry it"
+    (folder / "chat_template.jinja").write_text(PLAIN_TEMPLATE)
+    return (f"{PLAIN_TEMPLATE_NAME} (`User: ...` / `Assistant: ...` lines), the one the run trained with, "
+            f"written as chat_template.jinja: `tokenizer.apply_chat_template` renders it")
+
+
 def readme_text(*, title: str, run: RunFolder, cfg: C.RunConfig, ckpt: Checkpoint, spec: ModelSpec,
                 architecture: str, n_params: int, dtype_name: str, shards: int, tokenizer: str,
-                ev: Eval | None) -> str:
+                ev: Eval | None, prompt_format: str = "") -> str:
     backend = ("FSDP2" if cfg.parallel.backend == "fsdp" else f"DeepSpeed ZeRO stage {cfg.deepspeed.stage}")
     eval_line = (f"{ev.loss:.4f} at step {ev.step} (mean over {ev.tokens:,} held-out tokens under loss)" if ev
                  else "none was recorded (set data.eval_fraction or data.eval_path, and train.eval_every)")
@@ -111,6 +145,7 @@ def readme_text(*, title: str, run: RunFolder, cfg: C.RunConfig, ckpt: Checkpoin
         f"{cfg.precision.master_dtype}, {cfg.parallel.nnodes * cfg.parallel.nproc_per_node} rank(s)",
         f"- weights: {dtype_name}, {shards} safetensors file(s)",
         f"- tokenizer: {tokenizer}",
+        *([f"- prompt format: {prompt_format}"] if prompt_format else []),
         f"- last eval loss: {eval_line}",
         "",
         "## Load",

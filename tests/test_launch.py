@@ -252,3 +252,25 @@ def test_torchrun_waits_for_a_save_on_stop():
     assert child_env(cfg, base={})["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "130"
     cfg.train.save_on_stop = False
     assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in child_env(cfg, base={})
+
+
+def test_the_flight_recorder_variable_is_the_one_the_installed_torch_reads(tmp_path):
+    """Setting the old TORCH_NCCL_TRACE_BUFFER_SIZE beside the new name made torch warn in every rank's
+    log (issue 36 item 10): the ranks and the Slurm script get the one name the installed torch reads."""
+    import importlib.util
+    from shardconsole.launch.command import child_env
+    from shardconsole.machine import flight_recorder as fr
+    header = Path(importlib.util.find_spec("torch").submodule_search_locations[0]).joinpath(*fr._FR_HEADER)
+    new = '"TORCH_FR_BUFFER_SIZE"' in header.read_text()
+    env = child_env(C.build({}), base={})
+    assert {k for k in env if k in fr.ENV_VARS} == {"TORCH_FR_BUFFER_SIZE" if new else "TORCH_NCCL_TRACE_BUFFER_SIZE"}
+    # a torch from before the rename (its header knows only the old name), and one without headers
+    old = tmp_path / "torch"
+    old.joinpath(*fr._FR_HEADER[:-1]).mkdir(parents=True)
+    old.joinpath(*fr._FR_HEADER).write_text('max_entries_ = getCvarInt({"TORCH_NCCL_TRACE_BUFFER_SIZE"}, 0);')
+    assert fr.buffer_env_var(old) == fr.buffer_env_var(tmp_path / "none") == "TORCH_NCCL_TRACE_BUFFER_SIZE"
+    # a user's own setting, under either name, is left alone and not doubled
+    assert {k: v for k, v in child_env(C.build({}), base={"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}).items()
+            if k in fr.ENV_VARS} == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}
+    script = slurm_script(C.build({}), tmp_path / "run", "r1")
+    assert ("TORCH_NCCL_TRACE_BUFFER_SIZE" in script) != new

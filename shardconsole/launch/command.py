@@ -211,9 +211,10 @@ def child_env(cfg: C.RunConfig, base: dict[str, str] | None = None) -> dict[str,
         # torchrun's agent SIGKILLs its workers this long after it forwards a SIGTERM (30 s by default): a
         # checkpoint saved on stop must fit inside it (the ranks read the same variable for their bound).
         env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(cfg.train.stop_save_timeout_s) + 30))
-    # torch's flight recorder: a hang report names the collective each rank is in (flight_recorder.py)
-    for key in flight_recorder.ENV_VARS:
-        env.setdefault(key, flight_recorder.BUFFER_ENTRIES)
+    # torch's flight recorder: a hang report names the collective each rank is in (flight_recorder.py).
+    # One name, the installed torch's: the old one set beside the new made torch warn in every rank log.
+    if not any(key in env for key in flight_recorder.ENV_VARS):
+        env[flight_recorder.buffer_env_var()] = flight_recorder.BUFFER_ENTRIES
     return env
 
 

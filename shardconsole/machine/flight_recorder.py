@@ -1,8 +1,9 @@
 """Which collective each rank of a hung run is in: torch's flight recorder, asked for on a hang.
 
 torch keeps a ring buffer of every collective a process group issued (TORCH_FR_BUFFER_SIZE, older
-releases TORCH_NCCL_TRACE_BUFFER_SIZE: launch_command.child_env sets both; gloo and NCCL alike in torch
-2.13). Python stacks say "rank 0 waits in a collective"; the recorder says which one (all_reduce #57
+releases TORCH_NCCL_TRACE_BUFFER_SIZE, which newer ones still read but warn about in every rank's log:
+launch_command.child_env sets the one the installed torch reads, `buffer_env_var`; gloo and NCCL alike
+in torch 2.13). Python stacks say "rank 0 waits in a collective"; the recorder says which one (all_reduce #57
 of the default group, its sizes) and that rank 1 never entered it (its last one is #56).
 
 How it is asked for: the hang diagnosis (diagnose.where_ranks_are) writes the request file in the run's
@@ -21,8 +22,26 @@ from collections.abc import Callable
 from pathlib import Path
 
 BUFFER_ENTRIES = "2000"
-ENV_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+ENV_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")      # the new name, the old one
+# Where torch's C++ side reads the variable (getCvarInt over the names, the first one current): the
+# header ships with the wheel, so the name is known without importing torch (seconds, in a front end).
+_FR_HEADER = ("include", "torch", "csrc", "distributed", "c10d", "FlightRecorder.hpp")
 REQUEST_FILE = "collectives.request"
+
+
+def buffer_env_var(torch_dir: Path | None = None) -> str:
+    """The buffer-size variable the installed torch reads without a deprecation warning: the new name
+    where its FlightRecorder.hpp names it, else the old one (torch before the rename; no torch here)."""
+    if torch_dir is None:
+        import importlib.util
+        spec = importlib.util.find_spec("torch")      # finds the package without running it
+        locations = list(spec.submodule_search_locations or []) if spec else []
+        torch_dir = Path(locations[0]) if locations else None
+    try:
+        header = torch_dir.joinpath(*_FR_HEADER).read_text(errors="replace") if torch_dir else ""
+    except OSError:
+        header = ""
+    return ENV_VARS[0] if f'"{ENV_VARS[0]}"' in header else ENV_VARS[1]
 
 
 def dump_path(logs: Path, rank: int) -> Path:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from shardconsole.cli.errors import UsageError
 from shardconsole.launch.command import child_env, runs_root
+from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.launch.job import PRESET_FILE, build_argv, format_argv, new_run_dir, run_id_of, slurm_script
 from shardconsole.session import preflight
 from shardconsole.settings import config as C
@@ -81,6 +82,8 @@ def cmd_run(argv: list[str]) -> int:
     if args.print_command or args.slurm:
         # The printed command reads the run folder's preset.toml: it must exist for the command to work.
         run_dir = _prepare_run_dir(cfg, run_dir, explicit=args.run_dir is not None)
+        # `runs` lists it as prepared (not "unknown") until its ranks write; `runs --prune` removes it then
+        RunFolder(run_dir).write_origin(name, "slurm" if args.slurm else "print-command")
         run_id = run_id_of(run_dir)
         # Absolute: the command is started on other nodes (or later, elsewhere) from any directory.
         run_dir = run_dir.absolute()
@@ -98,6 +101,7 @@ def cmd_run(argv: list[str]) -> int:
     if not args.force:
         preflight.check_host_memory(resolved, preflight.check_model(resolved))
     run_dir = _prepare_run_dir(cfg, run_dir, explicit=args.run_dir is not None, launch=resolved)
+    RunFolder(run_dir).write_origin(name)     # the preset's name for `runs` and `compare` (any --run-dir)
     from shardconsole import headless
     return headless.run(cfg, run_dir, run_dir.resolve().name)
 

@@ -1,6 +1,6 @@
 """`shardconsole runs` and `shardconsole compare`: every run kept, listed and compared.
 
-    shardconsole runs [RUN ...] [--runs-root DIR] [--limit N] [--json] [--tensorboard] [--wandb]
+    shardconsole runs [RUN ...] [--runs-root DIR] [--limit N] [--json] [--tensorboard] [--wandb] [--prune]
     shardconsole compare RUN RUN ... [--runs-root DIR] [--width N]
 
 RUN is a run folder or a run id (a part of one that names a single run) under the runs root.
@@ -16,7 +16,8 @@ from pathlib import Path
 
 from shardconsole.settings.config import ConfigError
 from shardconsole.history import compare as CMP
-from shardconsole.history.index import RunSummary, find_run, list_runs, roots, summarize
+from shardconsole.history.index import PREPARED, RunSummary, find_run, list_runs, never_started, roots, summarize
+from shardconsole.runlog.runfolder import RunFolder
 
 LIST_COLUMNS = ("id", "preset", "backend", "model", "status", "steps", "tokens/s", "MFU", "peak GPU", "peak host",
                 "last loss", "eval loss")
@@ -50,6 +51,9 @@ def cmd_runs(argv: list[str]) -> int:
     ap.add_argument("--wandb", action="store_true",
                     help="export the named runs to Weights & Biases (offline unless WANDB_MODE says otherwise; "
                          "needs `pip install shardconsole[wandb]`)")
+    ap.add_argument("--prune", action="store_true",
+                    help="remove the folders --print-command and --slurm prepared that no run ever started "
+                         "(nothing in them but preset.toml and origin.json); nothing else")
     args = ap.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit: {args.limit} is not a positive number of runs")
@@ -59,6 +63,8 @@ def cmd_runs(argv: list[str]) -> int:
     where = " and ".join(str(r) for r in roots(args.runs_root))
     if args.tensorboard:
         return _tensorboard(runs, where)
+    if args.prune:
+        return _prune(runs, where)
     if args.wandb:
         from shardconsole.history.wandb_export import export
         for r in runs:
@@ -82,6 +88,35 @@ def cmd_runs(argv: list[str]) -> int:
             print(f"  {r.run_id}: {r.detail}")
     print(f"\nruns root: {where}  (`tensorboard --logdir {roots(args.runs_root)[0]}` shows their curves)",
           file=sys.stderr)
+    return 0
+
+
+def _prune(runs: list[RunSummary], where: str) -> int:
+    """Remove prepared folders that never started. Each is moved aside first (one atomic rename: a run
+    started from its printed command from then on finds no folder, rather than half of one), checked
+    again there (nothing in it but preset.toml and origin.json) and put back if anything else is."""
+    import os
+    removed = 0
+    for r in runs:
+        if r.status != PREPARED or not never_started(RunFolder(r.path)):
+            continue
+        aside = r.path.with_name(f".{r.path.name}.pruning-{os.getpid()}")
+        try:
+            os.rename(r.path, aside)
+        except OSError as e:
+            print(f"{r.run_id}: kept ({e.strerror})", file=sys.stderr)
+            continue
+        folder = RunFolder(aside)
+        if not never_started(folder):
+            os.rename(aside, r.path)
+            print(f"{r.run_id}: kept (it started while being pruned)", file=sys.stderr)
+            continue
+        folder.preset.unlink()
+        folder.origin.unlink()
+        aside.rmdir()
+        removed += 1
+        print(f"removed {r.path} (prepared, never started)")
+    print(f"{removed} prepared folder(s) removed from {where}", file=sys.stderr)
     return 0
 
 

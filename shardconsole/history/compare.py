@@ -47,6 +47,10 @@ def figures(s: RunSummary) -> dict[str, str]:
     }
 
 
+# Bookkeeping, not a setting the runs were trained with: `resume` turns train.resume on in the folder.
+NOT_SETTINGS = {"description", "train.resume"}
+
+
 def _flat(cfg: C.RunConfig | None) -> dict[str, Any]:
     if cfg is None:
         return {}
@@ -56,6 +60,10 @@ def _flat(cfg: C.RunConfig | None) -> dict[str, Any]:
             out.update({f"{table}.{k}": v for k, v in values.items()})
         else:
             out[table] = values
+    # A schedule as long as the run is the default whether written as 0 or as train.steps (a resume
+    # writes it): only one that ends before the run's last step differs in how it trains.
+    if cfg.train.schedule_steps in (0, cfg.train.steps):
+        out.pop("train.schedule_steps", None)
     return out
 
 
@@ -63,7 +71,7 @@ def settings_diff(runs: list[RunSummary]) -> list[tuple[str, list[str]]]:
     """(table.key, each run's value) for every setting whose value is not the same in all runs; a run
     whose preset.toml could not be read shows '?'."""
     flats = [_flat(r.settings) for r in runs]
-    keys = sorted({k for f in flats for k in f} - {"description"})
+    keys = sorted({k for f in flats for k in f} - NOT_SETTINGS)
     out = []
     for key in keys:
         values = ["?" if r.settings is None else _show(f.get(key)) for r, f in zip(runs, flats)]

@@ -21,6 +21,7 @@ from shardconsole.launch.process_identity import this_host
 from shardconsole.runlog.runstate import RunState
 
 RUNNING, FINISHED, STOPPED, FAILED, UNKNOWN = "running", "finished", "stopped", "failed", "unknown"
+PREPARED = "prepared"      # --print-command / --slurm wrote the folder; no rank has written yet
 HOST = this_host()
 _STAMPED = re.compile(r"^(\d{8}-\d{6})-(.+?)(-\d+)?$")     # new_run_dir's <time>-<preset>[-n]
 
@@ -136,7 +137,8 @@ def summarize(path: Path, tail_bytes: int | None = None) -> RunSummary:
     folder = RunFolder(Path(path))
     s = RunSummary(path=folder.path, started=_started(folder.path))
     m = _STAMPED.match(folder.path.name)
-    s.preset = m.group(2) if m else ""
+    origin = folder.read_origin()
+    s.preset = str(origin.get("preset") or "") or (m.group(2) if m else "")
     try:
         cfg = C.load(folder.preset)
         s.settings, s.description = cfg, cfg.description.splitlines()[0] if cfg.description else ""
@@ -241,7 +243,12 @@ def _status(folder: RunFolder, s: RunSummary, state: RunState, session: str) -> 
         s.detail = f"{state.phase}" + (f", step {s.step}/{s.steps}" if s.steps else "")
         return
     if not state.hellos and not state.failed and not folder.job.is_file():
-        s.status, s.detail = UNKNOWN, "not started here (no job.json, no rank has written)"
+        how = folder.read_origin().get("prepared")
+        if how and never_started(folder):
+            s.status, s.detail = PREPARED, (f"written by --{how}, not started yet (`shardconsole runs --prune` "
+                                            f"removes such folders)")
+        else:
+            s.status, s.detail = UNKNOWN, "not started here (no job.json, no rank has written)"
         return
     host = _job_host(folder)
     if (not folder.job.is_file() or (host and host != HOST)) and not state.failed:
@@ -254,6 +261,16 @@ def _status(folder: RunFolder, s: RunSummary, state: RunState, session: str) -> 
     s.status = STOPPED if cause == "stopped" else FAILED
     s.cause = "" if cause == "stopped" else cause
     s.detail = message.splitlines()[0]
+
+
+def never_started(folder: RunFolder) -> bool:
+    """A folder --print-command or --slurm prepared that no run has touched: nothing in it but its
+    preset.toml and origin.json (no stream, job.json, logs or checkpoints)."""
+    try:
+        names = {p.name for p in folder.path.iterdir()}
+    except OSError:
+        return False
+    return bool(folder.read_origin().get("prepared")) and names <= {folder.preset.name, folder.origin.name}
 
 
 def _job_host(folder: RunFolder) -> str:

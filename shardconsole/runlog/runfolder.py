@@ -7,6 +7,8 @@ from here. Standard library only (the ranks import it before torch).
       job.json           who started the run here: launcher pid/pgid, host, start time, argv
       stop_request.json  a stop asked through the folder (`shardconsole stop` of a multi-node or Slurm
                          run, Slurm's USR1): every node's ranks look for it at step boundaries
+      origin.json        the preset it was made from, and "prepared" when --print-command / --slurm
+                         only wrote it (the run starts elsewhere, or never)
       launcher.log       torchrun's / the deepspeed launcher's own output
       logs/rank<N>.log   each rank's stdout and stderr (C-level output too)
       checkpoints/       step_<N>/ folders (step_<N>.partial while being written)
@@ -23,6 +25,7 @@ from pathlib import Path
 PRESET_FILE = "preset.toml"
 METRICS_FILE = "metrics.jsonl"
 JOB_FILE = "job.json"
+ORIGIN_FILE = "origin.json"
 LAUNCHER_LOG = "launcher.log"
 LOGS_DIR = "logs"
 CHECKPOINTS_DIR = "checkpoints"
@@ -44,6 +47,24 @@ class RunFolder:
     @property
     def job(self) -> Path:
         return self.path / JOB_FILE
+
+    @property
+    def origin(self) -> Path:
+        return self.path / ORIGIN_FILE
+
+    def read_origin(self) -> dict:
+        """{"preset": name, "prepared": "print-command" | "slurm" | "", "created": time}; {} when absent
+        or unreadable (a run folder of an older version)."""
+        try:
+            data = json.loads(self.origin.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def write_origin(self, preset: str, prepared: str = "") -> None:
+        tmp = self.path / f".{ORIGIN_FILE}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"preset": preset, "prepared": prepared, "created": time.time()}))
+        os.replace(tmp, self.origin)
 
     @property
     def launcher_log(self) -> Path:

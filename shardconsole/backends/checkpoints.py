@@ -94,6 +94,8 @@ def newest_complete(r: Rank) -> Found | None:
                 meta = json.loads((path / MANIFEST).read_text())
             except (OSError, ValueError):
                 meta = {}
+            from shardconsole.backends import data as data_mod
+            data_mod.check_resume(r, meta.get("data"), path)     # the data it was trained on, or a refusal
             return Found(step, path, meta)
         r.event("warning", f"skipping checkpoint {path}: {why}; trying the previous one")
     return None
@@ -149,7 +151,9 @@ def finish_checkpoint(r: Rank, step: int, meta: dict) -> Path:
     if r.rank == 0:
         tmp = partial_path(r, step)
         files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
-        manifest = {**meta, "step": step, "world": r.world, "backend": r.cfg.parallel.backend, "files": files}
+        from shardconsole.backends import data as data_mod
+        manifest = {**meta, "step": step, "world": r.world, "backend": r.cfg.parallel.backend,
+                    "data": data_mod.identity(r), "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync_dir(tmp)
         if final.exists():

@@ -285,3 +285,50 @@ def make_eval_source(r) -> EvalWindows | None:
 def next_batch(source, micro_batch: int, device: torch.device) -> Batch:
     """The next Batch on the rank's device."""
     return source.batch(micro_batch).to(device)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The data a checkpoint was trained on
+
+def identity(r) -> dict | None:
+    """What a checkpoint records of its data: the file's content hash, its record count and the token
+    cache key (the tokenizer, seq_len, split and format settings). None: synthetic tokens or a token file."""
+    entry = r.extra.get("data_entry")
+    if entry is None:
+        return None
+    m = entry.meta
+    return {"path": r.cfg.data.path, "sha256": m.get("data_sha256"), "records": m.get("records"),
+            "cache_key": entry.folder.name}
+
+
+def check_resume(r, saved: dict | None, checkpoint: Path) -> None:
+    """Refuse to resume on data other than the checkpoint's: its sample position would index another
+    corpus (re-packed, re-shuffled) without a word. data.allow_changed = true goes on, from the start
+    of an epoch of the new data (Data.seek rounds the position up to one)."""
+    now = identity(r)
+    if not saved or now is None or not saved.get("sha256"):
+        return      # synthetic tokens, a token file, or a checkpoint from before data identity
+    if saved["sha256"] == now["sha256"] and saved.get("cache_key") == now["cache_key"]:
+        return
+    if saved["sha256"] != now["sha256"]:
+        was, has = saved.get("records"), now["records"]
+        what = (f"{has - was} record(s) added" if has > was else f"cut from {was} to {has} records" if has < was
+                else f"as many records ({has}), other content")
+        what = f"its content changed since {checkpoint.name}: {what}"
+    else:
+        what = (f"the same content, tokenized otherwise since {checkpoint.name} (the tokenizer, data.seq_len, "
+                f"text_key, text_split or the eval split changed)")
+    if not r.cfg.data.allow_changed:
+        raise DataError(f"[data] path: {now['path']}: {what}; resume on the data the checkpoint was trained on, "
+                        f"or --set data.allow_changed=true to go on from the start of an epoch of the new data")
+    r.extra["data_changed"] = True
+    if r.rank == 0:
+        r.event("warning", f"data: {now['path']}: {what}; data.allow_changed: going on from the start of an "
+                           f"epoch of the new data")
+
+
+def epoch_start(source, samples: int) -> int:
+    """The first global sample of the next epoch of source at or after samples (a new corpus has its own
+    epochs: a position inside one of the old corpus means nothing in it)."""
+    n = getattr(source, "n", 0)
+    return -(-samples // n) * n if n else samples

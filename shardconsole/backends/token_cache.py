@@ -54,15 +54,15 @@ def _hash_files(h, files: list[Path], base: Path) -> None:
 
 def content_hash(path: Path) -> str:
     """sha256 of a file's bytes, or of a folder's file names and contents. Remembered beside the cache
-    under the file's stat (size, mtime, inode): a run of a 100 GB corpus does not read it all again
-    on every rank at every start."""
+    under an xxh3 hash of the same bytes (about ten times faster than sha256 here), never under the
+    file's stat: an edit that keeps the size and puts the mtime back (`cp -p`, `rsync -t`) still
+    changes the key, and a 100 GB corpus costs one fast read per start, not a sha256 per rank."""
     path = path.resolve()
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    stamp = [[str(f), st.st_size, st.st_mtime_ns, st.st_ino] for f in files for st in [f.stat()]]
+    fast = _xxh3(path)
     memo = cache_root().parent / "hashes" / f"{hashlib.sha256(str(path).encode()).hexdigest()[:32]}.json"
     try:
         known = json.loads(memo.read_text())
-        if known["stamp"] == stamp:
+        if known["xxh3"] == fast:
             return known["sha256"]
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -71,11 +71,21 @@ def content_hash(path: Path) -> str:
         memo.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=memo.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as fh:
-            json.dump({"stamp": stamp, "sha256": digest}, fh)
+            json.dump({"xxh3": fast, "sha256": digest}, fh)
         os.replace(tmp, memo)
     except OSError:
         pass    # only a shortcut for the next start
     return digest
+
+
+def _xxh3(path: Path) -> str:
+    import xxhash      # a dependency of datasets, and of ours: the fast full-content check
+    h = xxhash.xxh3_128()
+    if path.is_dir():
+        _hash_files(h, sorted(p for p in path.rglob("*") if p.is_file()), path)
+    else:
+        _hash_files(h, [path], path.parent)
+    return h.hexdigest()
 
 
 def _sha256(path: Path) -> str:
@@ -219,6 +229,7 @@ def _build(folder: Path, d, seed: int, model_path: str | None, has_tokenizer: bo
                            epath.name, log, lambda i: evalw)
         meta = {
             "version": FORMAT_VERSION, "source": str(path), "format": fmt, "eval_format": eval_fmt or fmt,
+            "data_sha256": content_hash(path), "records": n,       # what a checkpoint records of its data
             "tokenizer": enc.name, "template": renderer.template_name, "dtype": dtype.name,
             "seq_len": d.seq_len,
             "splits": {"train": train.close(), **({"eval": evalw.close()} if evalw else {})},

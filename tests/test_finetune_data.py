@@ -215,7 +215,7 @@ def test_text_without_a_tokenizer_is_bytes(tmp_path):
     f.write_text("héllo\n\nworld\n")
     e = entry_for(f, None, vocab=512)
     assert e.meta["tokenizer"] == "bytes"
-    assert np.asarray(e.train.ids).tolist() == list("héllo".encode()) + [0] + list(b"world\n") + [0]
+    assert np.asarray(e.train.ids).tolist() == list("héllo".encode()) + [0] + list(b"world") + [0]
 
 
 @pytest.mark.slow

@@ -45,8 +45,17 @@ class DataError(ValueError):
 # ---------------------------------------------------------------------------------------------------
 # Reading
 
-# data.text_split -> datasets' text loader's sample_by (blank records are dropped after, as the scan counts)
-_SAMPLE_BY = {"blank_line": "paragraph", "line": "line", "file": "document"}
+def _text_dataset(path: Path, text_key: str, text_split: str, scratch: Path):
+    """A .txt file's records split by data_scan.text_records (the rule the check before launch counts
+    by), written to Arrow as they stream (a large file is never held in memory)."""
+    import datasets
+
+    def gen():
+        with path.open(encoding="utf-8", newline="") as fh:
+            for text in data_scan.text_records(fh, text_split):
+                yield {text_key: text}
+    features = datasets.Features({text_key: datasets.Value("string")})
+    return datasets.Dataset.from_generator(gen, features=features, cache_dir=str(scratch / "txt"))
 
 
 def load_records(value: str, key: str, text_key: str, scratch: Path, text_split: str = "blank_line"):
@@ -66,13 +75,10 @@ def load_records(value: str, key: str, text_key: str, scratch: Path, text_split:
                     raise DataError(f"[data] {key}: {path}: a DatasetDict with splits {list(ds)} and no "
                                     f"'train': save the split to train on")
                 ds = ds[split]
+        elif kind == "text":
+            ds = _text_dataset(path, text_key, text_split, scratch)
         else:
-            extra = {"sample_by": _SAMPLE_BY[text_split]} if kind == "text" else {}
-            ds = datasets.load_dataset(kind, data_files=str(path), split="train", cache_dir=str(scratch), **extra)
-            if kind == "text":
-                ds = ds.filter(lambda r: bool(r["text"].strip()))     # blank lines make no record
-                if text_key != "text":
-                    ds = ds.rename_column("text", text_key)
+            ds = datasets.load_dataset(kind, data_files=str(path), split="train", cache_dir=str(scratch))
     except DataError:
         raise
     except Exception as e:

@@ -250,12 +250,32 @@ def summary(cfg: RunConfig, world: int, src, entry) -> P.DataSummary:
     if m["template"] == "shardconsole-plain":
         note = (note + "; " if note else "") + "the tokenizer has no chat template: chats use the plain " \
             "\"User: ... / Assistant: ...\" template"
+    for part in _split_notes(m, d):
+        note = (note + "; " if note else "") + part
     return P.DataSummary(source=m["source"], format=m["format"], tokenizer=m["tokenizer"], template=m["template"],
                          records=tr["records"], tokens=tr["tokens"], samples=src.n,
                          loss_share=round(tr["loss_tokens"] / max(1, tr["tokens"]), 4),
                          epochs=round(t.steps * global_batch / src.n, 3),
                          eval_records=ev["records"] if ev else 0, eval_samples=ev_samples,
                          cross_document_attention=d.cross_document_attention, note=note)
+
+
+_TEXT_SPLIT_WORDS = {"blank_line": "split on blank lines", "line": "one record per line",
+                     "file": "the whole file one record"}
+
+
+def _split_notes(m: dict, d) -> list[str]:
+    """How the file became records (a .txt) and how the eval split was made, for the data summary."""
+    out = []
+    if m.get("text_split"):
+        other = " or ".join(f'"{k}"' for k in _TEXT_SPLIT_WORDS if k != m["text_split"])
+        out.append(f"{Path(m['source']).name}: {_TEXT_SPLIT_WORDS[m['text_split']]} into "
+                   f"{m['splits']['train']['records']} record(s) (data.text_split = {other} to change)")
+    ev = m["splits"].get("eval")
+    if m.get("eval_split") == "windows" and ev:
+        out.append(f"eval: too few records to hold out whole ones, so the last {ev['windows']} packed "
+                   f"window(s) ({ev['tokens']} tokens) are held out")
+    return out
 
 
 def make_source(r):

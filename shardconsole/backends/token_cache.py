@@ -209,10 +209,10 @@ def _build(folder: Path, d, seed: int, model_path: str | None, has_tokenizer: bo
         if n == 0:
             raise DataError(f"[data] path: {path}: no records")
         held = np.zeros(n, dtype=bool)
-        if d.eval_fraction:
+        # Too few records to hold out whole ones (one .txt document): hold out packed windows instead.
+        by_windows = bool(d.eval_fraction) and n - max(1, round(n * d.eval_fraction)) < 1
+        if d.eval_fraction and not by_windows:
             k = max(1, round(n * d.eval_fraction))
-            if n - k < 1:
-                raise DataError(f"[data] eval_fraction: {d.eval_fraction} of {n} record(s) leaves none to train on")
             held[np.random.default_rng(seed).permutation(n)[:k]] = True
             evalw = _Writer(out, "eval", dtype)
         log(f"data: tokenizing {path} ({n} records, format {fmt}) with {enc.name}")
@@ -227,12 +227,16 @@ def _build(folder: Path, d, seed: int, model_path: str | None, has_tokenizer: bo
             evalw = _Writer(out, "eval", dtype)
             _tokenize_into(eds, corpus.Renderer(eval_fmt, d.text_key, enc.tokenizer), enc, ewhere,
                            epath.name, log, lambda i: evalw)
+        splits = {"train": train.close(), **({"eval": evalw.close()} if evalw else {})}
+        if by_windows:
+            splits = _hold_out_windows(out, splits["train"], dtype, d, path)
         meta = {
             "version": FORMAT_VERSION, "source": str(path), "format": fmt, "eval_format": eval_fmt or fmt,
+            "eval_split": "windows" if by_windows else "file" if d.eval_path else "records" if evalw else "",
             "data_sha256": content_hash(path), "records": n,       # what a checkpoint records of its data
             "tokenizer": enc.name, "template": renderer.template_name, "dtype": dtype.name,
-            "seq_len": d.seq_len,
-            "splits": {"train": train.close(), **({"eval": evalw.close()} if evalw else {})},
+            "seq_len": d.seq_len, "text_split": d.text_split if path.suffix.lower() == ".txt" else "",
+            "splits": splits,
         }
         (out / META).write_text(json.dumps(meta, indent=1))
         try:
@@ -243,6 +247,30 @@ def _build(folder: Path, d, seed: int, model_path: str | None, has_tokenizer: bo
         log(f"data: token cache written to {folder}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _hold_out_windows(out: Path, train: dict, dtype, d, path: Path) -> dict:
+    """The last data.eval_fraction of the packed windows (at least one) as the eval split: the train
+    files are cut where they begin. For a file of too few records to hold out whole ones."""
+    S, T = d.seq_len, train["tokens"]
+    windows = (T - 1) // S if T > 1 else 0
+    k = max(1, round(windows * d.eval_fraction))
+    if windows - k < 1:
+        raise DataError(f"[data] eval_fraction: {path}: {train['records']} record(s), {T} tokens make {windows} "
+                        f"window(s) of {S + 1} tokens, too few to hold out {d.eval_fraction} of them and train on "
+                        f"the rest; add data, lower data.seq_len, or set data.eval_fraction = 0")
+    cut = (windows - k) * S + 1
+    splits = {}
+    for name, lo, hi in (("eval", cut, T), ("train", 0, cut)):
+        ids = np.fromfile(out / "train.ids", dtype=dtype)[lo:hi]
+        flags = np.fromfile(out / "train.flags", dtype=np.uint8)[lo:hi]
+        ids.tofile(out / f"{name}.ids")
+        flags.tofile(out / f"{name}.flags")
+        splits[name] = {"records": train["records"] if name == "train" else 0, "tokens": int(hi - lo),
+                        "loss_tokens": int((flags & corpus.LOSS).astype(bool).sum())}
+        if name == "eval":
+            splits[name]["windows"] = k
+    return splits
 
 
 def _tokenize_into(ds, renderer, enc, where, name: str, log, writer_of) -> None:

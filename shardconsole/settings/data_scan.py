@@ -180,20 +180,35 @@ def _decoded_lines(raw: io.BufferedReader, path: Path, budget_bytes: int | None)
     return _Lines(raw, path, budget_bytes)
 
 
+def text_records(lines: Iterator[str], text_split: str) -> Iterator[str]:
+    """A .txt file's records, the one rule for the scan and the ranks: blank_line, each block of lines
+    between lines that are empty or only spaces; line, each line that is not blank; file, the whole
+    file. Line breaks inside a record are kept, the one that ends it is not; blank records are none."""
+    if text_split == "file":
+        whole = "".join(lines)
+        if whole.strip():
+            yield whole.rstrip("\r\n")
+        return
+    block: list[str] = []
+    for line in lines:
+        if not line.strip():
+            if block:
+                yield "".join(block).rstrip("\r\n")
+                block = []
+            continue
+        if text_split == "line":
+            yield line.rstrip("\r\n")
+        else:
+            block.append(line)
+    if block:
+        yield "".join(block).rstrip("\r\n")
+
+
 def _scan_text(lines: _Lines, out: Scan, text_split: str) -> None:
-    """Counts records as corpus.text_records splits them (one rule, both sides)."""
     out.split = _SPLIT_WORDS.get(text_split, text_split)
     out.formats["text"] = "line 1"
-    in_block = False
-    for line in lines:
-        blank = not line.strip()
-        if text_split == "line":
-            out.records += not blank
-        elif text_split == "file":
-            out.records = max(out.records, int(not blank))
-        else:
-            out.records += (not blank) and not in_block
-            in_block = not blank
+    for _ in text_records(iter(lines), text_split):
+        out.records += 1
 
 
 def _scan_json(lines: _Lines, path: Path, out: Scan, text_key: str) -> None:

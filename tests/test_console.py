@@ -661,6 +661,39 @@ async def test_a_launch_past_the_host_ram_asks_first(tmp_path):
         assert len(launcher.jobs) == 1
 
 
+async def test_a_launch_without_room_for_its_saves_says_so_and_asks_first(tmp_path):
+    """A checkpoint_dir on a tmpfs smaller than one checkpoint: the plan line says so with both figures as
+    `--headless` refuses it (issue 30); the launch asks: "Back" launches nothing, "Launch anyway" launches."""
+    import subprocess
+    from shardconsole.console.screens.run import RunScreen
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        launcher = FakeLauncher(tmp_path / "runs", write=lambda d: write_run(d, gpus=0, device="cpu", steps=2))
+        app = make_app(tmp_path, launcher=launcher, planner=real_planner,
+                       overrides=[f"train.checkpoint_dir={small / 'ckpt'}"])
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_for(pilot, lambda: app.setup_screen.machine.detected)
+            line = await wait_for(pilot, lambda: "disk too small" in (s := text_of(app.setup_screen.query_one(
+                "#estimate"))) and s, what="the disk in the plan line")
+            assert "the run's saves need 1.9 MiB there" in line and "1.0 MiB free" in line, line
+            await pilot.press("ctrl+r")
+            ask = await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen" and app.screen)
+            body = text_of(ask.query_one("#body"))
+            assert "1.0 MiB free" in body and 'train.save_final = "model"' in body, body
+            await pilot.press("n")
+            await wait_for(pilot, lambda: app.screen is app.setup_screen)
+            assert launcher.jobs == []
+            await pilot.press("ctrl+r")
+            await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen")
+            await pilot.press("y")
+            await wait_for(pilot, lambda: isinstance(app.screen, RunScreen))
+            assert len(launcher.jobs) == 1
+    finally:
+        subprocess.run(["umount", "--lazy", str(small)], check=True)
+
+
 async def test_attach_to_a_run_folder_from_the_app(tmp_path):
     from textual.widgets import Input
     from shardconsole.console.screens.run import RunScreen

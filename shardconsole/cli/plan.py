@@ -104,6 +104,9 @@ def format_estimate(est: PL.Estimate, cfg: C.RunConfig, name: str, hw: PL.Hardwa
     lines.append(f"host RAM, node: {C.format_size(est.host_peak_bytes)} "
                  f"({est.ranks_per_node} rank(s) x {C.format_size(est.host_rank_bytes)} + launcher + front end)")
     lines += _parts_lines(est.host_parts)
+    lines.append(PL.host_peak_line(est))
+    if est.saves is not None:
+        lines += ["", *PL.saves_text_lines(est.saves, cfg.train.checkpoint_dir)]
     for n in est.notes:
         lines.append(f"note: {n}")
     lines += ["", f"verdict: {est.verdict}"]

@@ -18,6 +18,8 @@ def cmd_resume(argv: list[str]) -> int:
     ap.add_argument("--slurm", action="store_true",
                     help="write an sbatch script that continues the run on a cluster (submit with sbatch) "
                          "instead of running it here")
+    ap.add_argument("--force", action="store_true",
+                    help="resume even when the free space for the checkpoints and the export is too small")
     args = ap.parse_args(argv)
     from shardconsole.history.index import find_run
     try:
@@ -37,9 +39,11 @@ def cmd_resume(argv: list[str]) -> int:
         write_slurm_script(cfg, args.run_dir.absolute(), args.run_dir.resolve().name)
         return 0
     from shardconsole import headless
+    from shardconsole.session import preflight
     # The folder's owner from the preparation on: the launch hands the lock to the launcher, so a second
     # resume (or launch) meanwhile is refused in one line (FolderInUse, exit 2).
     with owning(args.run_dir, "`shardconsole resume`"):
-        cfg = prepare_resume(args.run_dir, args.overrides)
+        cfg = prepare_resume(args.run_dir, args.overrides, check=None if args.force else (
+            lambda c, source: preflight.check_disk_of(c, args.run_dir, source)))
         print(schedule_text(cfg), file=sys.stderr, flush=True)
         return headless.run(cfg, args.run_dir, resume_run_id(args.run_dir))

@@ -38,7 +38,8 @@ def _run_parser() -> argparse.ArgumentParser:
                     help="where new run folders go (default: $SHARDCONSOLE_RUNS_ROOT, else the per-user folder "
                          "`shardconsole runs` prints)")
     ap.add_argument("--force", action="store_true",
-                    help="--headless: launch even when the planner says the host's RAM is too small")
+                    help="--headless: launch even when the planner says the host's RAM, or the free space for the "
+                         "checkpoints and the export, is too small")
     return ap
 
 
@@ -100,6 +101,7 @@ def cmd_run(argv: list[str]) -> int:
         return 0
     if not args.force:
         preflight.check_host_memory(resolved, preflight.check_model(resolved))
+        preflight.check_disk(resolved, run_dir)
     run_dir = _prepare_run_dir(cfg, run_dir, explicit=args.run_dir is not None, launch=resolved)
     RunFolder(run_dir).write_origin(name)     # the preset's name for `runs` and `compare` (any --run-dir)
     from shardconsole import headless

@@ -131,9 +131,10 @@ class TorchrunLauncher:
         """Continue an ended run in its own folder (session/resume.py: newest complete checkpoint);
         (the run, the run id of this session). ConfigError with one line when it cannot."""
         from shardconsole.session.resume import prepare_resume, resume_run_id
+        from shardconsole.session import preflight
         # the folder's owner from the preparation to the launch, which hands the lock to the launcher
         with owning(Path(run_dir), "the console's resume"):
-            cfg = prepare_resume(run_dir, [])
+            cfg = prepare_resume(run_dir, [], check=lambda c, source: preflight.check_disk_of(c, Path(run_dir), source))
             run_id = resume_run_id(run_dir)
             return SessionRun(Job.start(cfg, Path(run_dir), run_id)), run_id
 
@@ -209,8 +210,11 @@ def describe_machine(machine: Machine) -> str:
     return f"This machine: {gpus} · {host}"
 
 
-def describe_estimate(plan: ModuleType | None, cfg: C.RunConfig, machine: Machine) -> tuple[str, bool | None]:
-    """(the estimate line, fits) from the planner; a placeholder while shardconsole.plan does not exist."""
+def describe_estimate(plan: ModuleType | None, cfg: C.RunConfig, machine: Machine,
+                      run_dir: Path | None = None) -> tuple[str, bool | None]:
+    """(the estimate line, fits) from the planner; a placeholder while shardconsole.plan does not exist.
+    run_dir: the folder the launch would make; where the saves cannot fit its disk, the line says so
+    as `--headless` refuses it (session/preflight.disk_shortfall)."""
     if plan is None:
         return "Memory estimate: not available (the planner, shardconsole.plan, is not in this version)", None
     if not machine.detected:
@@ -229,7 +233,13 @@ def describe_estimate(plan: ModuleType | None, cfg: C.RunConfig, machine: Machin
         return "Memory estimate: the planner could not describe this machine", None
     gpu = "" if cfg.parallel.device == "cpu" else f"GPU peak {C.format_size(est.gpu_peak_bytes)} (largest rank) · "
     head = "Estimate on the CPU (no GPU here; rough): " if on_cpu_here else "Estimate: "
-    return f"{head}{gpu}host peak {C.format_size(est.host_peak_bytes)} · {est.verdict}", bool(est.fits)
+    line = f"{head}{gpu}host peak {C.format_size(est.host_peak_bytes)} · {est.verdict}"
+    if run_dir is not None:
+        from shardconsole.session.preflight import disk_shortfall
+        short = disk_shortfall(cfg, run_dir, planner=plan)
+        if short is not None:
+            return f"{line} · disk too small: {short.text.removesuffix(' (--force launches anyway)')}", False
+    return line, bool(est.fits)
 
 
 def planned_peaks(run_dir: Path, probes: "Probes") -> tuple[int | None, int | None]:

@@ -37,7 +37,9 @@ works; to monkeypatch a name that the planner itself looks up, patch the module 
   fsdp_rank.py          _fsdp: an FSDP2 rank
   deepspeed_rank.py     _ds_sub_groups, _deepspeed: a DeepSpeed ZeRO rank
   estimator.py          Estimate, estimate (peaks, budgets, verdict), _cpu_ranks, model_states,
-                        _verdict, replace_cfg
+                        _verdict, replace_cfg, host_peak_line, compile_workers_bytes
+  saves.py              Saves, saves: a checkpoint's, a model save's and the export's bytes, the disk
+                        total with keep_checkpoints, what a save adds to host RAM
   fit.py                STRATEGIES, EXTRA_STRATEGIES, speed_score, fit_table (FitRow),
                         settings_that_fit (Candidate), _strategy_cfg, _spec_of, _toml
 
@@ -48,14 +50,18 @@ from __future__ import annotations
 
 from shardconsole.plan.activation_memory import (Activations, activations, compiled_layer_activation_bytes_per_token,
                                                  eager_attention_bytes_per_sample, layer_activation_bytes_per_token)
-from shardconsole.plan.constants import (ALLOCATOR_SLACK_FIXED, ALLOCATOR_SLACK_FRACTION, CUBLAS_WORKSPACE_BYTES,
+from shardconsole.plan.constants import (ALLOCATOR_SLACK_FIXED, ALLOCATOR_SLACK_FRACTION, COMPILE_SIDECAR_BYTES,
+                                         COMPILE_WORKER_BYTES, CUBLAS_WORKSPACE_BYTES, SAVE_PIECE_BYTES,
                                          CUDA_CONTEXT_BYTES, DS_BUILD_BASE_RSS, DS_SUB_GROUP_SIZE, DTYPE_BYTES,
                                          FRONTEND_RSS, FSDP_FP16_OFFLOAD_HOST_PER_PARAM, GPU_DRIVER_RESERVED_BYTES,
                                          HOST_USABLE_FRACTION, LAUNCHER_RSS, LOSS_CHUNK_TOKENS, RANK_BASE_RSS,
                                          RANK_BASE_RSS_CPU, REQUIRED_FIXED, REQUIRED_FRAGMENTATION, SPEED_FACTOR,
                                          GiB, KiB, MiB)
 from shardconsole.plan.deepspeed_rank import _deepspeed, _ds_sub_groups
-from shardconsole.plan.estimator import Estimate, _cpu_ranks, _verdict, estimate, model_states, replace_cfg
+from shardconsole.plan.estimator import (Estimate, _cpu_ranks, _verdict, compile_workers_bytes, estimate,
+                                         host_peak_line, model_states, replace_cfg)
+from shardconsole.plan.saves import Saves, disk_peak, save_final_of, saves, schedule
+from shardconsole.plan.saves import text_lines as saves_text_lines
 from shardconsole.plan.fit import (EXTRA_STRATEGIES, STRATEGIES, Candidate, FitRow, _spec_of, _strategy_cfg, _toml,
                                    fit_table, settings_that_fit, speed_score)
 from shardconsole.plan.fsdp_rank import _fsdp
@@ -69,6 +75,7 @@ __all__ = [
     "ALLOCATOR_SLACK_FIXED", "REQUIRED_FRAGMENTATION", "REQUIRED_FIXED", "CUBLAS_WORKSPACE_BYTES",
     "LOSS_CHUNK_TOKENS", "RANK_BASE_RSS", "DS_BUILD_BASE_RSS", "RANK_BASE_RSS_CPU", "LAUNCHER_RSS", "FRONTEND_RSS",
     "FSDP_FP16_OFFLOAD_HOST_PER_PARAM", "HOST_USABLE_FRACTION", "DS_SUB_GROUP_SIZE", "DTYPE_BYTES", "SPEED_FACTOR",
+    "COMPILE_SIDECAR_BYTES", "COMPILE_WORKER_BYTES", "SAVE_PIECE_BYTES",
     # shapes, machine
     "Shapes", "_numel", "_shard_numel", "pow2_ceil", "Hardware", "detect_hardware",
     # activation_memory
@@ -77,7 +84,10 @@ __all__ = [
     # rank, fsdp_rank, deepspeed_rank
     "_Rank", "_fsdp", "_ds_sub_groups", "_deepspeed",
     # estimator
-    "Estimate", "estimate", "_cpu_ranks", "model_states", "_verdict", "replace_cfg",
+    "Estimate", "estimate", "_cpu_ranks", "model_states", "_verdict", "replace_cfg", "host_peak_line",
+    "compile_workers_bytes",
+    # saves
+    "Saves", "saves", "schedule", "disk_peak", "save_final_of", "saves_text_lines",
     # fit
     "STRATEGIES", "EXTRA_STRATEGIES", "_strategy_cfg", "speed_score", "FitRow", "_spec_of", "fit_table",
     "Candidate", "settings_that_fit", "_toml",

@@ -107,3 +107,32 @@ SPEED_FACTOR = {
     "zero2_offload_opt": 14.7 / 49.1 * 49.1 / 61.5,    # not measured: assumed as ZeRO-3's
     "checkpointing": 49.4 / 61.5,   # 49.4k with activation checkpointing
 }
+
+# ---------------------------------------------------------------------------------------------------
+# Saves (plan/saves.py). Measured on tiny-cpu checkpoints of this suite (torch 2.13, DeepSpeed 0.19.8):
+# DCP writes each tensor with torch.save (a zip of its records): 1.5-1.7 KB beyond the data a tensor
+# (1,684 B averaged over the 148 tensor records of a 2-rank checkpoint), and its .metadata pickle holds
+# about 280 B an item (44,354 B for 160 items).
+DCP_TENSOR_RECORD_BYTES = 1684
+DCP_METADATA_ITEM_BYTES = 280
+# engine.save_checkpoint: a torch.save'd dict per file (about 4-5 KB of zip and pickle), about 400 B a
+# tensor in the module's state dict; zero_to_fp32.py, zero_to_torch.py and `latest` (41 KB).
+DS_FILE_BYTES = 5 * KiB
+DS_TENSOR_RECORD_BYTES = 400
+DS_FIXED_FILES_BYTES = 41 * KiB
+# rank_state/rankN.json: the RNG states as JSON (21.5 KB on CPU ranks; the CUDA generator adds little).
+RANK_STATE_BYTES = 22 * KiB
+# The export: save_pretrained's config, generation config and README; the safetensors header an entry.
+EXPORT_FIXED_BYTES = 16 * KiB
+SAFETENSORS_TENSOR_BYTES = 160
+# What one rank's streaming save holds beside the state it writes: the piece being staged (issue 30:
+# a save is held to training + max(1 GiB, the largest tensor)). Taken at the bound until the GPU runs
+# of the streaming save measure it.
+SAVE_PIECE_BYTES = 1 * GiB
+# torch.compile (train.compile): inductor's compile sidecar per rank (a Python with torch imported)
+# and its pool of compile_threads = min(32, CPUs) workers forked from it. Measured here (CPU torch 2.13,
+# 4 workers): the sidecar 298 MB RSS, each worker 3-5 MB of its own (USS) at rest; Triton's
+# compiles on a GPU machine make the workers larger (not measured: the GPU call does).
+COMPILE_SIDECAR_BYTES = 320 * MiB
+COMPILE_WORKER_BYTES = 64 * MiB
+COMPILE_THREADS_MAX = 32

@@ -4,13 +4,15 @@ settings with a few changes."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelSpec
 from shardconsole.plan.activation_memory import activations
-from shardconsole.plan.constants import (ALLOCATOR_SLACK_FIXED, ALLOCATOR_SLACK_FRACTION, CUDA_CONTEXT_BYTES,
+from shardconsole.plan.constants import (ALLOCATOR_SLACK_FIXED, ALLOCATOR_SLACK_FRACTION, COMPILE_SIDECAR_BYTES,
+                                         COMPILE_THREADS_MAX, COMPILE_WORKER_BYTES, CUDA_CONTEXT_BYTES,
                                          DTYPE_BYTES, FRONTEND_RSS, GPU_DRIVER_RESERVED_BYTES,
                                          HOST_USABLE_FRACTION, LAUNCHER_RSS, RANK_BASE_RSS_CPU, REQUIRED_FIXED,
                                          REQUIRED_FRAGMENTATION)
@@ -18,6 +20,7 @@ from shardconsole.plan.deepspeed_rank import _deepspeed
 from shardconsole.plan.fsdp_rank import _fsdp
 from shardconsole.plan.machine import Hardware
 from shardconsole.plan.rank import _Rank
+from shardconsole.plan.saves import Saves, saves
 from shardconsole.plan.shapes import Shapes, _shard_numel
 
 
@@ -43,6 +46,10 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     model: str = ""
     n_params: int = 0
+    host_peak_phase: str = ""               # the moment of a rank that sets the host peak ("training", "saving", ...)
+    host_save_adds_bytes: int = 0           # what the save adds to the node over training
+    host_phases: dict[str, int] = field(default_factory=dict)  # the node's ranks' bytes at each moment
+    saves: Saves | None = None              # what the run writes to disk (plan/saves.py)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -56,6 +63,9 @@ class Estimate:
             "gpu_budget_bytes": self.gpu_budget_bytes, "host_budget_bytes": self.host_budget_bytes,
             "host_rank_bytes": self.host_rank_bytes, "ranks_per_node": self.ranks_per_node,
             "alternatives": dict(self.alternatives), "notes": list(self.notes),
+            "host_peak_phase": self.host_peak_phase, "host_save_adds_bytes": self.host_save_adds_bytes,
+            "host_phases": dict(self.host_phases),
+            "saves": self.saves.to_dict() if self.saves is not None else None,
         }
 
 
@@ -71,7 +81,22 @@ def _cpu_ranks(cfg: C.RunConfig, s: Shapes) -> _Rank:
 # ---------------------------------------------------------------------------------------------------
 # The estimate
 
-def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware) -> Estimate:
+def compile_threads(hw: Hardware) -> int:
+    """inductor's compile_threads: min(32, the CPUs a rank may use) (torch/_inductor/config.py)."""
+    return min(COMPILE_THREADS_MAX, hw.cpus or os.cpu_count() or 1)
+
+
+def compile_workers_bytes(cfg: C.RunConfig, hw: Hardware) -> int:
+    """One rank's torch.compile processes (train.compile): the sidecar and its worker pool."""
+    if not cfg.train.compile:
+        return 0
+    return COMPILE_SIDECAR_BYTES + compile_threads(hw) * COMPILE_WORKER_BYTES
+
+
+def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, start_step: int = 0,
+             existing: list[int] = ()) -> Estimate:
+    """start_step, existing: a resumed run's newest checkpoint step and the sizes of the checkpoints
+    already in its folder (oldest first), for the disk total."""
     s = Shapes.of(spec)
     on_cpu = cfg.parallel.device == "cpu"
     if on_cpu:
@@ -114,16 +139,27 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware) -> Estimate:
         moment, allocator_peak, gpu_peak, gpu_parts, context = "", 0, 0, {}, 0
         allocated_peak = required = 0
 
-    # Host: one rank's largest moment; the node holds every local rank, the launcher and the front end.
-    hphases = {k: sum(v.values()) for k, v in r.host.items()}
+    # Host: one rank's largest moment (the save's among them: plan/saves.py); the node holds every local
+    # rank, the launcher, the front end and, with train.compile, inductor's compile workers.
+    sv = saves(cfg, s, spec.path, start_step=start_step, existing=existing)
+    host_by_phase = {k: dict(v) for k, v in r.host.items()}
+    if sv.host_add_rank_bytes:
+        # the save runs after training, with training's memory still held (its start-up transients gone)
+        held = {k: v for k, v in host_by_phase["training"].items() if "transient" not in k}
+        host_by_phase["saving"] = {**held, "save (the piece being written)": sv.host_add_rank_bytes}
+    hphases = {k: sum(v.values()) for k, v in host_by_phase.items()}
     hmoment = max(hphases, key=lambda k: hphases[k])
     rank_host = hphases[hmoment]
     per_node = cfg.parallel.nproc_per_node
     host_parts = {k + (f" x {per_node} ranks" if per_node > 1 else ""): int(v) * per_node
-                  for k, v in r.host[hmoment].items() if v}
+                  for k, v in host_by_phase[hmoment].items() if v}
     host_parts["launcher (torchrun)" if cfg.parallel.launcher == "torchrun" else "launcher (deepspeed)"] = LAUNCHER_RSS
     host_parts["front end"] = FRONTEND_RSS
+    compile_b = compile_workers_bytes(cfg, hw)
+    if compile_b:
+        host_parts[f"torch.compile workers ({compile_threads(hw)} + 1 a rank)"] = compile_b * per_node
     host_peak = sum(host_parts.values())
+    save_adds = sv.host_add_rank_bytes * per_node
 
     # Budgets and the verdict.
     cap = cfg.gpu_memory_limit_bytes
@@ -168,9 +204,24 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware) -> Estimate:
                    gpu_allocated_peak_bytes=int(allocated_peak), gpu_required_bytes=int(required),
                    gpu_phases={k: int(v) for k, v in phases.items()}, gpu_budget_bytes=gpu_budget,
                    host_budget_bytes=host_budget, host_rank_bytes=int(rank_host), ranks_per_node=per_node,
-                   alternatives=alt, notes=notes, model=spec.name, n_params=s.n_params)
+                   alternatives=alt, notes=notes, model=spec.name, n_params=s.n_params,
+                   host_peak_phase=hmoment, host_save_adds_bytes=int(save_adds), saves=sv,
+                   host_phases={k: int(v) * per_node for k, v in hphases.items()})
     est.verdict = _verdict(est, reasons, cfg)
     return est
+
+
+def host_peak_line(e: Estimate) -> str:
+    """Which moment sets the host peak, and what the save adds: "host peak 56.1 GiB (training); the save
+    adds 0.8 GiB"."""
+    line = f"host peak {C.format_size(e.host_peak_bytes)} ({e.host_peak_phase})"
+    if e.host_save_adds_bytes:
+        line += f"; the save adds {C.format_size(e.host_save_adds_bytes)}"
+        if e.host_peak_phase != "saving":
+            line += " (under the peak)"
+    elif e.saves is not None and not e.saves.schedule and not e.saves.export_dir:
+        line += "; no save"
+    return line
 
 
 def model_states(cfg: C.RunConfig, spec: ModelSpec) -> dict[str, dict[str, int]]:

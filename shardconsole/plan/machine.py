@@ -15,6 +15,7 @@ class Hardware:
     host_memory_bytes: int
     gpu_name: str = ""
     source: str = "given"          # "detected" (NVML + psutil) or "given"
+    cpus: int = 0                  # CPUs a rank may use (torch.compile's worker pool); 0: not known
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -22,6 +23,7 @@ class Hardware:
 
 def detect_hardware() -> Hardware:
     """GPUs from NVML (count and the first one's memory), RAM from psutil. Never raises."""
+    import os
     import psutil
     from shardconsole.machine.probes import GpuProbe
     probe = GpuProbe()
@@ -29,7 +31,8 @@ def detect_hardware() -> Hardware:
     gpu_mem = min((g.total_bytes for g in samples), default=0)
     name = samples[0].name if samples else ""
     return Hardware(gpus=len(samples), gpu_memory_bytes=int(gpu_mem),
-                    host_memory_bytes=int(psutil.virtual_memory().total), gpu_name=name, source="detected")
+                    host_memory_bytes=int(psutil.virtual_memory().total), gpu_name=name, source="detected",
+                    cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0))
 
 
 def size_arg(flag: str, text: str | None) -> int | None:
@@ -60,5 +63,5 @@ def hardware_from_args(gpus: int | None, gpu_memory: str | None, host_memory: st
         gpus=n,
         gpu_memory_bytes=g_mem if g_mem is not None else (found.gpu_memory_bytes if found else 0),
         host_memory_bytes=h_mem if h_mem is not None else (found.host_memory_bytes if found else 0),
-        gpu_name=(found.gpu_name if found and g_mem is None else ""),
+        gpu_name=(found.gpu_name if found and g_mem is None else ""), cpus=found.cpus if found else 0,
         source="given" if not found else ("detected + given" if given else "detected"))

@@ -10,7 +10,9 @@ field); warnings come back as lines for the front end to show.
 from __future__ import annotations
 
 import codecs
-from dataclasses import fields
+import os
+import shutil
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -121,6 +123,127 @@ def check_host_memory(r: Resolved, spec: ModelSpec) -> None:
         raise C.ConfigError(f"the planner puts this run at {peak} of host RAM, over the {budget} usable here "
                             f"(`shardconsole plan --preset {r.preset}` lists the parts; --force launches anyway)",
                             source=r.preset)
+
+
+@dataclass
+class DiskShort:
+    """A run that writes more than its file system holds: where, what it needs, what is free there."""
+    table_key: tuple[str, str]          # the setting to change ("train", "checkpoint_dir" | "export_dir")
+    path: Path
+    need_bytes: int
+    free_bytes: int
+    text: str                           # the one line: both figures and what would fit
+
+
+def _free_on(path: Path) -> tuple[int, int] | None:
+    """(free bytes, device id) of the file system that `path` is or will be on (its nearest existing
+    folder); None when it cannot be read."""
+    p = path.expanduser().absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free, os.stat(p).st_dev
+    except OSError:
+        return None
+
+
+def _existing_checkpoints(folder: Path) -> tuple[int, list[int]]:
+    """(newest step, sizes oldest first) of the complete checkpoints already in a checkpoint folder."""
+    from shardconsole.session.resume import checkpoints_in
+    found = sorted(checkpoints_in(folder))
+    sizes = [sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for _, p in found]
+    return (found[-1][0] if found else 0), sizes
+
+
+def checkpoint_dir_of(cfg: C.RunConfig, run_dir: Path) -> Path:
+    """Where the ranks write checkpoints (backends/common.py Rank.checkpoint_dir)."""
+    d = cfg.train.checkpoint_dir
+    return Path(d).expanduser() if d else Path(run_dir) / "checkpoints"
+
+
+def disk_shortfall(cfg: C.RunConfig, run_dir: Path, spec: ModelSpec | None = None,
+                   planner: ModuleType | None = None) -> DiskShort | None:
+    """The run's saves (the planner's sizes, the checkpoints already in the folder of a resumed run)
+    against the free space of checkpoint_dir's and export_dir's file systems; None when they fit or
+    cannot be told (a check that cannot run must not block a launch)."""
+    try:
+        if planner is None:
+            from shardconsole import plan as planner
+        from shardconsole.plan.shapes import Shapes
+        spec = spec or resolve_model(cfg.model.name)
+        ckpt = checkpoint_dir_of(cfg, run_dir)
+        start, existing = _existing_checkpoints(ckpt) if cfg.train.resume else (0, [])
+        sv = planner.saves(cfg, Shapes.of(spec), spec.path, start_step=start, existing=existing)
+        free_ckpt = _free_on(ckpt)
+        export = Path(sv.export_dir).expanduser() if sv.export_dir else None
+        free_export = _free_on(export) if export is not None else None
+    except Exception:
+        return None
+    ckpt_need = sv.disk_peak_bytes - sv.existing_bytes if sv.schedule else 0
+    same_fs = free_export is not None and free_ckpt is not None and free_export[1] == free_ckpt[1]
+    if same_fs:      # the export is written after the last save, beside the checkpoints kept
+        ckpt_need = max(ckpt_need, sv.disk_end_bytes - sv.existing_bytes + sv.export_bytes)
+    if free_ckpt is not None and ckpt_need > free_ckpt[0]:
+        return _short_checkpoints(cfg, sv, planner, ckpt, ckpt_need, free_ckpt[0],
+                                  sv.export_bytes if same_fs else 0, start, existing)
+    if export is not None and free_export is not None and not same_fs and sv.export_bytes > free_export[0]:
+        fs = C.format_size
+        return DiskShort(("train", "export_dir"), export, sv.export_bytes, free_export[0],
+                         f"{export}: the export needs {fs(sv.export_bytes)} ({sv.export_dtype}), {fs(free_export[0])} "
+                         f"free there; would fit: another train.export_dir with {fs(sv.export_bytes)} free"
+                         + ("" if sv.export_dtype != "fp32" else ", or train.export_dtype = \"bf16\"")
+                         + " (--force launches anyway)")
+    return None
+
+
+def _short_checkpoints(cfg: C.RunConfig, sv: Any, planner: ModuleType, ckpt: Path, need: int, free: int,
+                       export_bytes: int, start: int, existing: list[int]) -> DiskShort:
+    """The line for a checkpoint folder too small: both figures, then the settings that would fit."""
+    fs = C.format_size
+    sizes = {"full": sv.full_bytes, "model": sv.model_bytes}
+
+    def need_with(keep: int, final: str) -> int:
+        """The bytes this run adds to the folder at its fullest, with these two settings."""
+        sched = planner.schedule(cfg, start, final)
+        peak, _, end = planner.disk_peak([sizes[k] for _, k in sched], keep, existing)
+        return (max(peak, end + export_bytes) if export_bytes else peak) - sum(existing)
+
+    fits = []
+    keep = cfg.train.keep_checkpoints
+    n_saves = len(sv.schedule)
+    final = planner.save_final_of(cfg)
+    if n_saves > 1:
+        for n in range((keep - 1) if keep else n_saves - 1, 0, -1):
+            if need_with(n, final) <= free:
+                fits.append(f"train.keep_checkpoints = {n} ({fs(need_with(n, final))})")
+                break
+    if final == "full" and need_with(keep, "model") <= free:
+        fits.append(f"train.save_final = \"model\" ({fs(need_with(keep, 'model'))})")
+    elif final == "full" and n_saves > 1 and need_with(1, "model") <= free:
+        fits.append(f"train.keep_checkpoints = 1 with train.save_final = \"model\" ({fs(need_with(1, 'model'))})")
+    fits.append(f"another train.checkpoint_dir with {fs(need)} free")
+    what = (f"{sv.kept_at_once} checkpoint(s) at once of {fs(sv.full_bytes)}" if sv.kept_at_once > 1 else
+            f"one checkpoint of {fs(max(sizes[k] for _, k in sv.schedule) if sv.schedule else 0)}")
+    if export_bytes:
+        what += f", then the export's {fs(export_bytes)}"
+    text = (f"{ckpt}: the run's saves need {fs(need)} there ({what}), {fs(free)} free on its file system; "
+            f"would fit: {', '.join(fits[:-1]) + ', or ' if len(fits) > 1 else ''}{fits[-1]} (--force launches anyway)")
+    return DiskShort(("train", "checkpoint_dir"), ckpt, need, free, text)
+
+
+def check_disk(r: Resolved, run_dir: Path, spec: ModelSpec | None = None) -> None:
+    """Refuse a launch whose saves cannot fit on their file systems (a run that fails at its last step
+    loses everything it trained), in one line with both figures and what would fit."""
+    short = disk_shortfall(r.cfg, run_dir, spec)
+    if short is not None:
+        raise r.error(*short.table_key, short.text)
+
+
+def check_disk_of(cfg: C.RunConfig, run_dir: Path, source: str) -> None:
+    """check_disk for settings read from a run folder (`resume`): the error names `source`."""
+    short = disk_shortfall(cfg, run_dir)
+    if short is not None:
+        raise C.ConfigError(short.text, source=source, table=short.table_key[0], key=short.table_key[1])
 
 
 def check_launch(r: Resolved, *, gpu_count: int | None) -> list[str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from shardconsole.launch import process_identity as PI
@@ -62,20 +63,23 @@ def _still_running(folder: RunFolder) -> str:
     return f"rank process(es) {', '.join(map(str, sorted(ranks)))} of this folder are still training{orphaned}"
 
 
-def prepare_resume(run_dir: Path, overrides: list) -> C.RunConfig:
+def prepare_resume(run_dir: Path, overrides: list, check: Callable[[C.RunConfig, str], None] | None = None
+                   ) -> C.RunConfig:
     """overrides: `table.key=value` strings (errors name `--set table.key`) or settings.Override objects.
     Under the folder's owner lock (launch/owner.py): a caller that goes on to launch holds it across
-    both (`owning(run_dir, ...)` around this and Job.start), so a second resume meanwhile is refused."""
+    both (`owning(run_dir, ...)` around this and Job.start), so a second resume meanwhile is refused.
+    check(cfg, source): a last check of the settings to resume with (the free disk), before any file is
+    written; it raises a ConfigError to refuse."""
     folder = RunFolder(Path(run_dir))
     if not folder.path.is_dir():
         raise C.ConfigError(f"{folder.path}: no such run folder")
     if not folder.preset.is_file():
         raise C.ConfigError(f"{folder.path}: not a run folder (no {folder.preset.name})")
     with owning(folder.path, f"`resume` of {folder.path.name}"):
-        return _prepare(folder, overrides)
+        return _prepare(folder, overrides, check)
 
 
-def _prepare(folder: RunFolder, overrides: list) -> C.RunConfig:
+def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, str], None] | None) -> C.RunConfig:
     running = _still_running(folder)
     if running:
         raise C.ConfigError(f"{folder.path}: the run is still going: {running}; stop it first "
@@ -98,6 +102,8 @@ def _prepare(folder: RunFolder, overrides: list) -> C.RunConfig:
         raise C.ConfigError(f"{folder.path}: its newest checkpoint is step {newest} and train.steps is "
                             f"{cfg.train.steps}: nothing left to train; add --set train.steps=N with N > {newest}")
     cfg.train.resume = True
+    if check is not None:
+        check(cfg, str(folder.preset))
     prev = folder.preset.with_name(folder.preset.name + PREV_SUFFIX)
     shutil.copy2(folder.preset, prev)
     C.save(cfg, folder.preset)

@@ -379,7 +379,7 @@ class SetupScreen(SetupActions, Screen[None]):
         cmd.append("Command ", "bold")
         cmd.append(format_argv(self.planned.argv))
         self.query_one("#command", Static).update(cmd)
-        estimate, fits = (describe_estimate(self.plan, cfg, self.machine) if not problems else
+        estimate, fits = (describe_estimate(self.plan, cfg, self.machine, self.planned.run_dir) if not problems else
                           ("Memory estimate: once the settings are valid", None))
         self.query_one("#estimate", Static).update(
             Text(estimate, "red" if fits is False else "dim" if self.plan is None else ""))

@@ -49,6 +49,25 @@ class SetupActions:
             return
         for warning in warnings:
             self.notify(warning, severity="warning", timeout=8)
+        # The free disk for the checkpoints and the export, as --headless checks it (refused there
+        # unless --force): here a question.
+        planned = self.planned or self.launcher.plan(resolved.cfg, self.preset_name)
+        short = (preflight.disk_shortfall(resolved.cfg, planned.run_dir, planner=self.plan)
+                 if self.plan is not None else None)
+        if short is not None:
+            def disk_answered(yes: bool | None) -> None:
+                if yes:
+                    self._launch_past_host_check(resolved)
+            self.app.push_screen(ConfirmScreen(
+                "Launch without room for its saves?",
+                f"{short.text.removesuffix(' (--force launches anyway)')}. A save that finds the disk full fails "
+                f"the run at its last step. `shardconsole --headless` refuses this launch unless given --force.",
+                yes="Launch anyway", no="Back"), disk_answered)
+            return
+        self._launch_past_host_check(resolved)
+
+    def _launch_past_host_check(self, resolved: settings.Resolved) -> None:
+        """The host RAM check (asked, not refused), then the start."""
         over = (preflight.host_overrun(resolved, hardware=self.machine.plan_hardware, planner=self.plan)
                 if self.plan is not None and self.machine.plan_hardware is not None else None)
         if over is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 
 from shardconsole.launch.job import _group_pids
 from shardconsole.runlog.protocol import decode
+from shardconsole.runlog.runfolder import node_metrics_files
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,8 +59,14 @@ def shardconsole(*args: str, timeout: float = 180, env: dict | None = None, cwd:
 
 
 def messages(run_dir: Path) -> list:
-    """Every message of a run's metrics.jsonl (a bad line fails the test)."""
-    return [decode(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """Every message of a run's stream (a bad line fails the test): metrics.jsonl, and on a run of
+    several nodes the other nodes' files merged in as the front ends read them."""
+    out = [decode(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    nodes = node_metrics_files(run_dir / "metrics.jsonl")
+    if not nodes:
+        return out
+    return list(heapq.merge(out, *([decode(line) for line in p.read_text().splitlines()] for p in nodes),
+                            key=lambda m: m.t))
 
 
 def of_kind(msgs, kind):

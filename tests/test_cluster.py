@@ -86,6 +86,9 @@ def test_two_node_slurm_job_stops_from_the_first_node_and_a_resubmit_resumes(tmp
     assert f"node {socket.gethostname()}: rank(s) 0, 1 ended" in stop.stderr
     saved = max(m.step for m in stopped)
     assert not (run_dir / "job.json").exists()                     # no front end of ours started it
+    # each node's ranks wrote a file of their own: node 1's lines are not in node 0's
+    assert (run_dir / "metrics.node1.jsonl").is_file()
+    assert '"rank":1,' not in (run_dir / "metrics.jsonl").read_text()
 
     # `resume RUN --slurm` writes the same script (any resubmit resumes); resubmitting it continues
     res = shardconsole("resume", str(run_dir), "--slurm", "--set", f"train.steps={saved + 3}",
@@ -126,3 +129,28 @@ def test_usr1_to_the_batch_shell_asks_every_node_to_stop(tmp_path):
     request = json.loads((run_dir / "stop_request.json").read_text())
     assert request["session"] == run_dir.name and "USR1" in request["who"]
     assert [m.detail for m in of_kind(messages(run_dir), "event") if m.name == "stop_requested"] == [request["who"]]
+
+
+def test_the_nodes_files_read_as_one_stream(tmp_path):
+    """Node 1's ranks append to a file of their own (NFS keeps no O_APPEND whole across hosts); the reader
+    merges it in by time, keeps each file's order, and holds a torn line until its end arrives."""
+    from shardconsole.runlog import protocol as P
+    from shardconsole.runlog.runfolder import metrics_file_of_node
+    from shardconsole.runlog.stream import MetricsReader, MetricsWriter
+    main = tmp_path / "metrics.jsonl"
+    assert metrics_file_of_node(0) == main.name
+    node1 = tmp_path / metrics_file_of_node(1)
+    MetricsWriter(main, "r", 0).emit(P.Hello(run="r", rank=0, t=1.0, world=2))
+    reader = MetricsReader(main)
+    assert [m.rank for m in reader.poll()] == [0]
+    line = P.encode(P.Hello(run="r", rank=1, t=2.0, world=2)) + "\n"
+    node1.write_text(line[:10])                                   # half a line: a write still under way
+    reader.LOOK_EVERY_S = 0.0
+    assert reader.poll() == []
+    with open(node1, "a") as fh:
+        fh.write(line[10:] + P.encode(P.Failed(run="r", rank=1, t=4.0, cause="stopped")) + "\n")
+    w = MetricsWriter(main, "r", 0)
+    w.emit(P.Step(run="r", rank=0, t=3.0, step=1))
+    w.emit(P.Failed(run="r", rank=0, t=5.0, cause="stopped"))
+    assert [(m.kind, m.rank) for m in reader.poll()] == [("hello", 1), ("step", 0), ("failed", 1), ("failed", 0)]
+    assert reader.bad_lines == 0

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
 from shardconsole.machine.doctor_verdict import P2P_NOTE_ENV
-from shardconsole.runlog.runfolder import LOGS_DIR, METRICS_FILE, PRESET_FILE
+from shardconsole.runlog.runfolder import LOGS_DIR, PRESET_FILE, metrics_file_of_node
 from shardconsole.settings.models import ModelSpec, resolve
 from shardconsole.settings.schedule import lr_factor      # noqa: F401  (the loops call common.lr_factor; torch-free for resume's line)
 from shardconsole.runlog.stream import MetricsWriter
@@ -117,7 +117,9 @@ def start(run_dir: Path, run_id: str) -> Rank:
     # SHARDCONSOLE_STREAM=off: the same rank with no metrics written (benchmarks/overhead.py measures
     # what the stream costs against this).
     stream_on = os.environ.get("SHARDCONSOLE_STREAM", "on") != "off"
-    writer = MetricsWriter(run_dir / METRICS_FILE if stream_on else None, run_id, rank)
+    # GROUP_RANK: torchrun's node rank. Each node's ranks append to a file of their own (runfolder.py).
+    stream_file = metrics_file_of_node(int(os.environ.get("GROUP_RANK", "0") or 0))
+    writer = MetricsWriter(run_dir / stream_file if stream_on else None, run_id, rank)
     cfg = C.load(run_dir / PRESET_FILE)
     spec = resolve(cfg.model.name)
     use_cuda = cfg.parallel.device == "cuda" or (cfg.parallel.device == "auto" and torch.cuda.is_available())

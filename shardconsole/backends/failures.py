@@ -14,7 +14,7 @@ from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
 from shardconsole.backends.common import Rank
 from shardconsole.backends.metrics import LossScaleFloorError, NanLossError
-from shardconsole.runlog.runfolder import METRICS_FILE
+from shardconsole.runlog.runfolder import metrics_file_of_node
 from shardconsole.runlog.stream import MetricsWriter
 
 
@@ -66,7 +66,8 @@ def report_failure(r: Rank | None, exc: BaseException, run_dir: Path, run_id: st
     tb = "" if cause == "stopped" else "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     print(tb, file=sys.stderr, flush=True)
     rank = r.rank if r else int(os.environ.get("RANK", "0"))
-    writer = r.writer if r else MetricsWriter(run_dir / METRICS_FILE, run_id, rank)
+    writer = r.writer if r else MetricsWriter(run_dir / metrics_file_of_node(int(os.environ.get("GROUP_RANK", "0") or 0)),
+                                               run_id, rank)
     message = str(exc).splitlines()[0][:600] if str(exc) else type(exc).__name__
     if cause == "gpu_oom":
         try:

@@ -20,6 +20,9 @@ def cmd_resume(argv: list[str]) -> int:
                          "instead of running it here")
     ap.add_argument("--force", action="store_true",
                     help="resume even when the free space for the checkpoints and the export is too small")
+    ap.add_argument("--print-command", action="store_true",
+                    help="print the command that continues the run on each of its nodes (one session id for "
+                         "all) instead of running it here")
     args = ap.parse_args(argv)
     from shardconsole.history.index import find_run
     try:
@@ -33,11 +36,22 @@ def cmd_resume(argv: list[str]) -> int:
     from shardconsole.settings.schedule import schedule_text
     if args.slurm:
         # The job's first node is node 0; the script's first step names the session (session/cluster.py).
-        cfg = prepare_resume(args.run_dir, [*args.overrides, "parallel.rendezvous=slurm"])
+        with owning(args.run_dir, "`shardconsole resume --slurm`"):
+            cfg = prepare_resume(args.run_dir, [*args.overrides, "parallel.rendezvous=slurm"])
         print(schedule_text(cfg), file=sys.stderr, flush=True)
         from shardconsole.cli.run import write_slurm_script
         write_slurm_script(cfg, args.run_dir.absolute(), args.run_dir.resolve().name)
         return 0
+    if args.print_command:
+        with owning(args.run_dir, "`shardconsole resume --print-command`"):
+            cfg = prepare_resume(args.run_dir, args.overrides)
+        print(schedule_text(cfg), file=sys.stderr, flush=True)
+        from shardconsole.launch.command import build_argv, child_env, format_argv
+        # One session id for every node: it is the rendezvous id too when parallel.rdzv_id is empty.
+        print(format_argv(["env", *(f"{k}={v}" for k, v in sorted(child_env(cfg, base={}).items())),
+                           *build_argv(cfg, args.run_dir.absolute(), resume_run_id(args.run_dir))]))
+        return 0
+    _refuse_several_nodes(args.run_dir, args.overrides)
     from shardconsole import headless
     from shardconsole.session import preflight
     # The folder's owner from the preparation on: the launch hands the lock to the launcher, so a second
@@ -47,3 +61,23 @@ def cmd_resume(argv: list[str]) -> int:
             lambda c, source: preflight.check_disk_of(c, args.run_dir, source)))
         print(schedule_text(cfg), file=sys.stderr, flush=True)
         return headless.run(cfg, args.run_dir, resume_run_id(args.run_dir))
+
+
+def _refuse_several_nodes(run_dir, overrides: list[str]) -> None:
+    """A run of several nodes continues on all of them: one agent here would wait for the others until
+    the rendezvous times out. Refused before anything is written (exit 2)."""
+    from shardconsole.runlog.runfolder import RunFolder
+    from shardconsole.settings import config as C
+    from shardconsole.settings import resolve as settings
+    folder = RunFolder(run_dir)
+    try:
+        nnodes = settings.resolve_doc(C.load_toml(folder.preset), folder.path.name, folder.preset,
+                                      list(overrides)).cfg.parallel.nnodes
+    except (C.ConfigError, OSError):
+        return      # prepare_resume says what is wrong with the folder, in its words
+    if nnodes > 1:
+        raise C.ConfigError(f"{folder.path}: a run of {nnodes} nodes continues on all of them: `shardconsole "
+                            f"resume RUN --slurm` writes the sbatch script, `--print-command` the command for each "
+                            f"node; --set parallel.nnodes=1 continues it here (FSDP2 reshards; DeepSpeed needs "
+                            f"the same rank count)",
+                            source=str(folder.preset), table="parallel", key="nnodes")

@@ -4,6 +4,8 @@ from here. Standard library only (the ranks import it before torch).
     runs/<id>/
       preset.toml        the fully resolved settings (itself a preset); the ranks read only this
       metrics.jsonl      the stream: every step, memory, GPU and host sample, event, eval line
+      metrics.node<N>.jsonl  on a run of several nodes, the lines of node N's ranks (N > 0): no two
+                         hosts append to one file (NFS does not keep O_APPEND whole across hosts)
       job.json           who started the run here: launcher pid/pgid, host, start time, argv
       stop_request.json  a stop asked through the folder (`shardconsole stop` of a multi-node or Slurm
                          run, Slurm's USR1): every node's ranks look for it at step boundaries
@@ -88,6 +90,25 @@ class RunFolder:
     @property
     def run_id(self) -> str:
         return self.path.resolve().name
+
+
+def metrics_file_of_node(node_rank: int) -> str:
+    """The stream file a node's ranks append to: metrics.jsonl on node 0 (and on one machine)."""
+    return METRICS_FILE if node_rank <= 0 else f"{Path(METRICS_FILE).stem}.node{node_rank}.jsonl"
+
+
+def node_metrics_files(main: Path) -> list[Path]:
+    """The other nodes' stream files beside a metrics.jsonl, by node rank."""
+    stem = Path(METRICS_FILE).stem
+    found = []
+    try:
+        for p in Path(main).parent.glob(f"{stem}.node*.jsonl"):
+            n = p.name[len(stem) + 5:-len(".jsonl")]
+            if n.isdigit() and Path(main).name == METRICS_FILE:
+                found.append((int(n), p))
+    except OSError:
+        return []
+    return [p for _, p in sorted(found)]
 
 
 def write_stop_request(folder: Path, session: str, who: str) -> Path:

@@ -11,10 +11,13 @@ Standard library only.
 
 from __future__ import annotations
 
+import heapq
 import os
+import time
 from pathlib import Path
 
 from shardconsole.runlog.protocol import MAX_LINE, DecodeError, Message, decode, encode
+from shardconsole.runlog.runfolder import node_metrics_files
 
 
 class MetricsWriter:
@@ -99,7 +102,63 @@ class SampleAppender:
 
 
 class MetricsReader:
-    """Follows a metrics.jsonl from the start. poll() returns the messages written since last time.
+    """Follows a run's stream from the start: metrics.jsonl and, on a run of several nodes, the files
+    of the other nodes' ranks beside it (runfolder.node_metrics_files), read as one stream. poll()
+    returns the messages written since last time; those of several files are merged by their time,
+    each file's own order kept (a node's lines are never reordered among themselves)."""
+
+    LOOK_EVERY_S = 1.0      # a listing of the folder for new node files (NFS round trips)
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._main = FileReader(self.path)
+        self._nodes: dict[Path, FileReader] = {}
+        self._looked_at = float("-inf")
+
+    def poll(self, max_bytes: int = 8 << 20) -> list[Message]:
+        out = self._main.poll(max_bytes)
+        now = time.monotonic()
+        if now - self._looked_at >= self.LOOK_EVERY_S:
+            self._looked_at = now
+            for found in node_metrics_files(self.path):
+                self._nodes.setdefault(found, FileReader(found))
+        if not self._nodes:
+            return out
+        batches = [out, *(r.poll(max_bytes) for r in self._nodes.values())]
+        return list(heapq.merge(*batches, key=lambda m: m.t))
+
+    @property
+    def _readers(self) -> list[FileReader]:
+        return [self._main, *self._nodes.values()]
+
+    @property
+    def bad_lines(self) -> int:
+        return sum(r.bad_lines for r in self._readers)
+
+    @property
+    def last_error(self) -> str:
+        return next((r.last_error for r in self._readers if r.last_error), "")
+
+    @property
+    def lost(self) -> str:
+        return next((r.lost for r in self._readers if r.lost), "")
+
+    @property
+    def _pos(self) -> int:
+        """Bytes read of every file: grows when anything was read (history's and tbevents' progress)."""
+        return sum(r._pos for r in self._readers)
+
+    @_pos.setter
+    def _pos(self, value: int) -> None:     # history's tail skip: metrics.jsonl's offset
+        self._main._pos = value
+
+    def close(self) -> None:
+        for r in self._readers:
+            r.close()
+
+
+class FileReader:
+    """Follows one stream file from the start. poll() returns the messages written since last time.
 
     The file stays open once found: the ranks append through descriptors of their own, so a
     metrics.jsonl deleted or replaced mid-run still grows under the old inode, and this reader keeps

@@ -11,8 +11,11 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from shardconsole.launch.job import PRESET_FILE
 from shardconsole.settings import config as C
@@ -154,3 +157,64 @@ def test_the_nodes_files_read_as_one_stream(tmp_path):
     w.emit(P.Failed(run="r", rank=0, t=5.0, cause="stopped"))
     assert [(m.kind, m.rank) for m in reader.poll()] == [("hello", 1), ("step", 0), ("failed", 1), ("failed", 0)]
     assert reader.bad_lines == 0
+
+
+def _my_addresses() -> tuple[set[str], str]:
+    """(what this hostname resolves to, a non-loopback address of this machine or "")."""
+    import ipaddress
+
+    import psutil
+    named = {i[4][0] for i in socket.getaddrinfo(socket.gethostname(), None, proto=socket.IPPROTO_TCP)}
+    other = next((a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                  if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback
+                  and a.address not in named), "")
+    return named, other
+
+
+def test_a_multi_node_launch_that_cannot_meet_is_refused_before_it_starts(tmp_path):
+    """Issue 32 item 6, on a machine whose hostname resolves to loopback (Debian's 127.0.1.1 line) and that
+    has another address: gloo would bind to loopback; and an endpoint given as that other address is
+    hosted by no torchrun agent. Both refused with exit 2 before a run folder exists."""
+    import ipaddress
+    named, other = _my_addresses()
+    if not other or not all(ipaddress.ip_address(a).is_loopback for a in named):
+        pytest.skip("needs a hostname that resolves to loopback and another IPv4 address")
+    argv = ["--preset", "tiny-cpu", "--headless", "--run-dir", str(tmp_path / "run"), "--set", "parallel.nnodes=2",
+            "--set", f"parallel.rdzv_endpoint={other}:29400"]
+    env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    res = subprocess.run([sys.executable, "-m", "shardconsole", *argv], capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert res.returncode == 2 and "GLOO_SOCKET_IFNAME" in res.stderr and "loopback" in res.stderr, res.stderr
+    assert "NCCL" not in res.stderr and "Traceback" not in res.stderr      # a gloo run: no NCCL hint
+    res = subprocess.run([sys.executable, "-m", "shardconsole", *argv], capture_output=True, text=True,
+                         env={**env, "GLOO_SOCKET_IFNAME": "lo"}, timeout=60)
+    assert res.returncode == 2 and f"{other} is this machine's address" in res.stderr, res.stderr
+    assert f"{socket.gethostname()}:PORT" in res.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_rank_that_vanished_is_named_with_its_host_and_last_step(tmp_path):
+    """A node killed outright writes no end line; its peer's 'Connection reset by peer' is the echo."""
+    from shardconsole.runlog import protocol as P
+    from shardconsole.runlog.runstate import RunState
+    from shardconsole.session.outcome import explain_exit
+    state = RunState()
+    for msg in [P.Hello(run="r", rank=0, world=2, host="node0"), P.Hello(run="r", rank=1, world=2, host="node1"),
+                P.Step(run="r", rank=0, step=36),
+                P.Failed(run="r", rank=0, cause="crash", exc_type="DistBackendError",
+                         message="[../gloo/transport/tcp/pair.cc:534] Connection reset by peer")]:
+        state.apply(msg)
+    cause, message = explain_exit(state, 1, tmp_path)
+    assert cause == "crash"
+    assert message.startswith("run failed (crash): rank(s) 1 on node1 (last step seen 36) gone, with no end line; "
+                              "rank 0's DistBackendError"), message
+
+
+def test_a_gloo_timeout_names_no_nccl_setting(tmp_path):
+    import torch.distributed as dist
+    from shardconsole.backends.failures import classify
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        cause, hint = classify(RuntimeError("[gloo] Timed out waiting 10000ms for recv operation to complete"))
+    finally:
+        dist.destroy_process_group()
+    assert cause == "nccl_timeout" and "GLOO_SOCKET_IFNAME" in hint and "NCCL" not in hint

@@ -101,6 +101,7 @@ def test_slurm_script_names_cannot_inject_lines_or_commands(tmp_path):
     """Issue 22 item 10: a newline or $(...) in the run folder's name stays inside one line / one word."""
     evil = "r\nrm -rf $(touch PWNED)\n#SBATCH --nodes=99"
     cfg = C.build({}, overrides=["parallel.device=cpu"])
+    C.save(cfg, tmp_path / evil / "preset.toml")       # the script's first step reads the folder's settings
     text = slurm_script(cfg, tmp_path / evil, evil, python=sys.executable, workdir=tmp_path)
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
     lines = text.splitlines()

@@ -38,11 +38,22 @@ def classify(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, (C.ConfigError,)) or type(exc).__name__ in ("DataError", "ModelError"):
         return "config_error", ""
     if "Watchdog" in text or "timed out" in text.lower() or "Timeout" in type(exc).__name__:
+        if not _on_nccl():      # gloo (CPU ranks): no NCCL setting helps
+            return "nccl_timeout", ("a rank stopped answering: is a node gone? on several nodes, set "
+                                    "GLOO_SOCKET_IFNAME to the interface the nodes share")
         return "nccl_timeout", ("a rank stopped answering; on consumer GPUs without P2P try "
                                 "NCCL_P2P_DISABLE=1")
     if isinstance(exc, FileNotFoundError):
         return "config_error", ""
     return "crash", ""
+
+
+def _on_nccl() -> bool:
+    import torch.distributed as dist
+    try:
+        return dist.is_initialized() and "nccl" in str(dist.get_backend())
+    except Exception:      # a process group torn down mid-failure: say nothing of NCCL
+        return False
 
 
 def _oom_context(r: Rank | None) -> str:

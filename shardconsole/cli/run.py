@@ -99,6 +99,10 @@ def cmd_run(argv: list[str]) -> int:
         print(f"# wrote {run_dir / PRESET_FILE}; {where}; follow with `shardconsole attach {run_dir}`",
               file=sys.stderr)
         return 0
+    if p.nnodes > 1 and p.rdzv_endpoint:
+        from shardconsole.session import network
+        network.check_multi_node(cfg, p.rdzv_endpoint.rsplit(":", 1)[0].strip("[]"),
+                                 resolved.origin("parallel", "rdzv_endpoint"))
     if not args.force:
         preflight.check_host_memory(resolved, preflight.check_model(resolved))
         preflight.check_disk(resolved, run_dir)

@@ -132,7 +132,7 @@ def slurm_script(cfg: C.RunConfig, run_dir: str | Path, run_id: str, python: str
     lines += [f"run_dir={_sh_quote(str(run_dir))}",
               'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
               "# a resubmitted or requeued job resumes from the newest complete checkpoint, as a session of its own",
-              f'session=$({_sh_join(session)} start "$run_dir" "$SLURM_JOB_ID")',
+              f'session=$({_sh_join(session)} start "$run_dir" "$SLURM_JOB_ID" "$head_node")',
               "# USR1 (--signal above; or `scancel --batch --signal=USR1 JOB`): every node's ranks save and stop",
               f"stop_request() {{ {_sh_join(session)} stop \"$run_dir\" \"$session\" "
               f"\"Slurm (USR1 to job $SLURM_JOB_ID)\"; }}",

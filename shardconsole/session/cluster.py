@@ -26,6 +26,7 @@ from typing import TextIO
 from shardconsole.runlog import protocol as P
 from shardconsole.runlog.runfolder import RunFolder, write_stop_request
 from shardconsole.runlog.stream import MetricsReader, MetricsWriter
+from shardconsole.session import network
 from shardconsole.settings import config as C
 
 PREV_SUFFIX = ".prev"
@@ -40,14 +41,16 @@ def _has_history(folder: RunFolder) -> bool:
         return False
 
 
-def start_session(run_dir: Path, job_id: str) -> str:
+def start_session(run_dir: Path, job_id: str, head_node: str = "") -> str:
     """The session id of this job's ranks; a folder with history resumes (see the module's text). A
-    stop request left by an earlier job is removed first: it was for a session that has ended."""
+    stop request left by an earlier job is removed first: it was for a session that has ended. A
+    node whose gloo would bind to loopback is refused here, before srun (session/network.py)."""
     folder = RunFolder(Path(run_dir).absolute())
+    cfg = C.load(folder.preset)
+    network.check_multi_node(cfg, head_node, f"the Slurm job {job_id} (node 0: {head_node})")
     folder.stop_request.unlink(missing_ok=True)
     if not _has_history(folder):
         return folder.run_id
-    cfg = C.load(folder.preset)
     if not cfg.train.resume:
         shutil.copy2(folder.preset, folder.preset.with_name(folder.preset.name + PREV_SUFFIX))
         cfg.train.resume = True
@@ -180,8 +183,12 @@ def stops_through_folder(run_dir: Path) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) == 3 and argv[0] == "start":
-        print(start_session(Path(argv[1]), argv[2]))
+    if len(argv) in (3, 4) and argv[0] == "start":
+        try:
+            print(start_session(Path(argv[1]), *argv[2:]))
+        except C.ConfigError as e:       # one line in the job's output; the script ends before srun
+            print(f"shardconsole: {e}", file=sys.stderr)
+            return 2
         return 0
     if len(argv) == 4 and argv[0] == "stop":
         request_stop(Path(argv[1]), argv[2], argv[3])

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from shardconsole.launch import process_identity as PI
 from shardconsole.settings import config as C
+from shardconsole.runlog import protocol as P
 from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.runlog.runstate import RunState
 from shardconsole.session.rundir import stream_stopped_note
@@ -230,6 +231,14 @@ def explain_exit(state: RunState, rc: int | None, run_dir: Path) -> tuple[str, s
         return "crash", (f"run ended by a signal nobody asked for through shardconsole (`kill`, a scheduler, "
                          f"torchrun ending the ranks after another failed): rank {f.rank}: {f.message}"
                          f"\n  launcher log: {folder.launcher_log}")
+    vanished = _gone_ranks(state, f)
+    if vanished:
+        # A node (or a rank) that vanished writes nothing; its peers' broken connections are the echo.
+        return f.cause, (f"run failed ({f.cause}): {vanished} gone, with no end line; rank {f.rank}'s "
+                         f"{f.exc_type + ': ' if f.exc_type else ''}{f.message.splitlines()[0] if f.message else ''} "
+                         f"follows from it\n  try: look at that node (dmesg; the Slurm job's state); a resubmit or "
+                         f"`shardconsole resume` continues from the newest complete checkpoint\n"
+                         f"  log: {folder.rank_log(f.rank)}")
     if f is not None:
         where = f"rank {f.rank}" + (f" at step {f.step}" if f.step else "")
         msg = f"run failed ({f.cause}) on {where}: {f.exc_type + ': ' if f.exc_type else ''}{f.message}"
@@ -250,6 +259,29 @@ def explain_exit(state: RunState, rc: int | None, run_dir: Path) -> tuple[str, s
         return gone
     return "crash", (f"run ended with exit code {rc} and no report from the ranks (crash)"
                      f"\n  launcher log ({folder.launcher_log}):\n{_tail(folder.launcher_log)}")
+
+
+_PEER_LOST = ("connection reset", "connection closed", "broken pipe", "connection refused", "timed out",
+              "timeout", "peer")
+
+
+def _gone_ranks(state: RunState, f: P.Failed | None) -> str:
+    """'rank(s) 1 on node1 (last step seen 36)': the ranks of this session that said hello and never an
+    end line, when the first failure is a broken connection to a peer; "" otherwise."""
+    if f is None or f.cause not in ("crash", "nccl_timeout"):
+        return ""
+    if not any(w in f"{f.exc_type} {f.message}".lower() for w in _PEER_LOST):
+        return ""
+    ended = {x.rank for x in state.failed}
+    by_host: dict[str, list[int]] = {}
+    for rank, hello in sorted(state.hellos.items()):
+        if rank not in ended:
+            by_host.setdefault(hello.host or "?", []).append(rank)
+    if not by_host:
+        return ""
+    step = state.last_step.step if state.last_step is not None else 0
+    return "; ".join(f"rank(s) {', '.join(map(str, ranks))} on {host}" for host, ranks in by_host.items()) + \
+        f" (last step seen {step})"
 
 
 def classify(state: RunState, rc: int | None, run_dir: Path) -> tuple[str, str]:

@@ -144,6 +144,11 @@ class MetricsReader:
         return next((r.lost for r in self._readers if r.lost), "")
 
     @property
+    def offset(self) -> int:
+        """How far into metrics.jsonl the lines have been read (attach's replay compares its size)."""
+        return self._main.offset
+
+    @property
     def _pos(self) -> int:
         """Bytes read of every file: grows when anything was read (history's and tbevents' progress)."""
         return sum(r._pos for r in self._readers)

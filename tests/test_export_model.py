@@ -227,6 +227,28 @@ def test_an_incomplete_newest_checkpoint_is_skipped(fsdp, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_a_killed_exports_partial_folder_is_removed_by_the_next_export(fsdp, tmp_path):
+    """Issue 31 item 11: an export killed with SIGKILL leaves .OUT.partial-PID (its finally never ran);
+    the next export into that folder removes it, and leaves the one of an export still writing."""
+    import subprocess
+    import sys
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    left = tmp_path / f".hf.partial-{killed.pid}"
+    left.mkdir()
+    (left / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 1000)
+    killed.kill()
+    killed.wait()
+    writing = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "export-model"])
+    try:
+        kept = tmp_path / f".other.partial-{writing.pid}"
+        kept.mkdir()
+        _exported(fsdp.run, tmp_path / "hf")
+        assert not left.exists() and kept.is_dir()
+    finally:
+        writing.kill()
+        writing.wait()
+
+
 # ---------------------------------------------------------------------------------------------------
 # DeepSpeed
 

@@ -204,7 +204,9 @@ class RunScreen(Screen[None]):
                 if samples:
                     self.post_message(MachineSampled(samples, gpu_unavailable=unavailable))
                 if tick.ended:
-                    cause, message = classify(watcher.state, tick.exit_code, self.handle.run_dir)
+                    # attached to a run this console did not start: its launcher's exit code is unknown here
+                    rc = tick.exit_code if getattr(self.handle, "rc_known", True) else None
+                    cause, message = classify(watcher.state, rc, self.handle.run_dir)
                     self.post_message(RunEnded(tick.exit_code, cause, message))
                     return
                 if not hang_said and self.status == "running" and watcher.hung():

@@ -90,7 +90,9 @@ class ResumingLauncher(FakeLauncher):
 async def test_an_ended_run_resumes_in_its_folder(tmp_path):
     run_dir = tmp_path / "runs" / "done"
     write_run(run_dir, gpus=0, device="cpu", steps=3, total_steps=5)
-    _emit(run_dir, P.Failed(run="done", rank=0, t=T0 + 1, cause="stopped", message="stopped at step 3; saved it"))
+    # a stop as every stop path writes it: who asked (session/stop.announce), then the rank's own line
+    _emit(run_dir, P.Event(run="done", rank=-1, t=T0 + 0.5, name="stop_requested", detail="`shardconsole stop` (pid 1)"),
+          P.Failed(run="done", rank=0, t=T0 + 1, cause="stopped", message="stopped at step 3; saved it"))
     launcher = ResumingLauncher(tmp_path / "runs", alive=False)
     app = make_app(tmp_path, attach=run_dir, launcher=launcher)
     async with app.run_test(size=(120, 40)) as pilot:

@@ -30,6 +30,8 @@ from shardconsole.settings.schedule import lr_factor      # noqa: F401  (the loo
 from shardconsole.runlog.stream import MetricsWriter
 
 if TYPE_CHECKING:
+    from shardconsole.backends.offload import ComputeCopy
+    from shardconsole.backends.pinned_arena import ShardArena
     from shardconsole.backends.faults import Injector
 
 
@@ -47,7 +49,12 @@ class Rank:
     spec: ModelSpec
     step: int = 0
     current_phase: str = "starting"
-    extra: dict = field(default_factory=dict)
+    # What the rank built that later parts read: FSDP2's host arena and compute copy (offload), and
+    # the token cache's entry of the data (None for synthetic data; data_built tells it from "not yet").
+    arena: "ShardArena | None" = None
+    compute_copy: "ComputeCopy | None" = None
+    data_entry: object = None
+    data_built: bool = False
     faults: "Injector" = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:

@@ -281,7 +281,7 @@ def _split_notes(m: dict, d) -> list[str]:
 def make_source(r):
     """The rank's training source (r: a backends.common.Rank); rank 0 emits the data summary."""
     src, entry = _build(r.cfg, r.spec.vocab, r.spec.path, r.spec.has_tokenizer, r.rank, r.world, r.log)
-    r.extra["data_entry"] = entry
+    r.data_entry, r.data_built = entry, True
     if r.rank == 0:
         s = summary(r.cfg, r.world, src, entry)
         r.emit(dataclasses.replace(s, run=r.run_id, rank=r.rank))
@@ -292,10 +292,10 @@ def make_source(r):
 
 def make_eval_source(r) -> EvalWindows | None:
     """The held-out windows of this rank, or None when there is no eval data (needs make_source first)."""
-    entry = r.extra.get("data_entry")
-    if entry is None and "data_entry" not in r.extra:
-        _, entry = _build(r.cfg, r.spec.vocab, r.spec.path, r.spec.has_tokenizer, r.rank, r.world, r.log)
-        r.extra["data_entry"] = entry
+    if not r.data_built:
+        _, r.data_entry = _build(r.cfg, r.spec.vocab, r.spec.path, r.spec.has_tokenizer, r.rank, r.world, r.log)
+        r.data_built = True
+    entry = r.data_entry
     if entry is None or entry.eval is None or len(entry.eval.ids) < 2:
         return None
     return EvalWindows(entry.eval.ids, entry.eval.flags, r.cfg.data.seq_len, r.rank, r.world,

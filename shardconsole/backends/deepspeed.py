@@ -26,7 +26,7 @@ import torch
 import torch._dynamo  # noqa: F401
 
 from shardconsole import ds_json
-from shardconsole.backends import checkpoints, common, metrics, modeling, step_timing, trainstate
+from shardconsole.backends import common, loop, metrics, modeling, step_timing, trainstate
 from shardconsole.backends.jit_cache import clear_stale_lock, extension_dir
 from shardconsole.backends.ds_checkpoint import resume, save
 from shardconsole.settings.models import ModelError
@@ -376,7 +376,7 @@ def _train(r: common.Rank, engine, model, stop: trainstate.StopRequest) -> None:
         r.event("info", "train.compile with deepspeed.stage3_layer_gather = false: engine.compile() "
                         "(DeepSpeed's torch.compile integration, slower than compiling each layer)")
     data = trainstate.Data(r)                  # before resume: resume moves it to the checkpoint's position
-    evaluator = trainstate.Evaluator(r)
+    tail = loop.Tail(r, stop, trainstate.Evaluator(r), engine, lambda step: save(r, engine, data, step))
     start_step = resume(r, engine, data) if t.resume else 0
     meter = metrics.StepMeter(r)
     fp16 = cfg.precision.dtype == "fp16"
@@ -415,14 +415,5 @@ def _train(r: common.Rank, engine, model, stop: trainstate.StopRequest) -> None:
                                 engine.skipped_steps)
             metrics.check_loss(r, mean, step)
             timing.report(step)
-        if cfg.memory.empty_cache_every and r.is_cuda and step % cfg.memory.empty_cache_every == 0:
-            torch.cuda.empty_cache()
-        if evaluator.due(step):
-            evaluator.run(engine, step)
-        if stop.agreed():
-            trainstate.stop_with_save(r, stop, lambda: save(r, engine, data, step))
-        if checkpoints.save_due(r, step):
-            save(r, engine, data, step)
-        stop.start_round()
-    if checkpoints.final_save_due(r) and start_step < t.steps:
-        save(r, engine, data, t.steps)
+        tail.after_step(step)
+    tail.after_last_step(start_step)

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from shardconsole.backends import (checkpoints, common, fsdp_step, master_update, metrics, modeling, offload,
+from shardconsole.backends import (checkpoints, common, fsdp_step, loop, master_update, metrics, modeling, offload,
                                    pinned_arena, step_timing, trainstate)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -102,14 +102,14 @@ def build(r: common.Rank) -> modeling.CausalLMLoss:
     if r.cfg.fsdp.cpu_offload and r.cfg.fsdp.host_arena:
         pin = r.cfg.fsdp.pin_memory and r.is_cuda
         prec = r.cfg.precision
-        arena = r.extra["arena"] = pinned_arena.ShardArena(
+        arena = r.arena = pinned_arena.ShardArena(
             model, pin=pin, rounding=prec.master_rounding if prec.master_dtype == "bf16" else "fp32",
             copy_dtype=DTYPES[prec.dtype] if uses_compute_copy(r.cfg) else None, grads_pinned=pin)
         arena.watch(model, lambda line: r.event("warning", line))
         r.log(arena.describe())
     if uses_compute_copy(r.cfg):
-        copy = r.extra["compute_copy"] = offload.ComputeCopy(model, DTYPES[r.cfg.precision.dtype],
-                                                             pin=r.cfg.fsdp.pin_memory and r.is_cuda, arena=arena)
+        copy = r.compute_copy = offload.ComputeCopy(model, DTYPES[r.cfg.precision.dtype],
+                                                    pin=r.cfg.fsdp.pin_memory and r.is_cuda, arena=arena)
         r.log(f"offload: all-gathers read a {r.cfg.precision.dtype} host copy of {len(copy.params)} shards "
               f"({copy.nbytes / 2**20:,.1f} MiB)")
     model.train()
@@ -123,9 +123,8 @@ def uses_compute_copy(cfg) -> bool:
 
 
 def refresh_compute_copy(r: common.Rank) -> None:
-    copy = r.extra.get("compute_copy")
-    if copy is not None:
-        copy.refresh()
+    if r.compute_copy is not None:
+        r.compute_copy.refresh()
 
 
 def make_optimizer(r: common.Rank, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -174,8 +173,8 @@ def resume(r: common.Rank, model, optim, scaling: fsdp_step.LossScaling, data: t
                                           f"{_first_cause(e)}") from e
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optim, state["optim"])
-    if "arena" in r.extra:
-        r.extra["arena"].place_states(optim)      # where DCP's load left them, if not in place
+    if r.arena is not None:
+        r.arena.place_states(optim)      # where DCP's load left them, if not in place
     refresh_compute_copy(r)
     step = int(state["step"])
     _restore_rank_state(r, found, scaling)
@@ -213,11 +212,12 @@ def train(r: common.Rank) -> None:
     stop = trainstate.StopRequest(r)
     model = build(r)
     optim = make_optimizer(r, model)
-    if "arena" in r.extra:
-        r.extra["arena"].place_states(optim)      # Adam's states in the host arena before the first step
+    if r.arena is not None:
+        r.arena.place_states(optim)      # Adam's states in the host arena before the first step
     scaling = fsdp_step.LossScaling(r)
     data = trainstate.Data(r)                 # before resume: resume moves it to the checkpoint's position
-    evaluator = trainstate.Evaluator(r)
+    tail = loop.Tail(r, stop, trainstate.Evaluator(r), model,
+                     lambda step: save(r, model, optim, scaling, data, step))
     start_step = resume(r, model, optim, scaling, data) if t.resume else 0
     clip = fsdp_step.Clip(r, model, optim, scaling, reduce_dtype(cfg))
     meter = metrics.StepMeter(r)
@@ -264,14 +264,5 @@ def train(r: common.Rank) -> None:
             floor.check(step, scaling.value(), skipped)
             phases.report(step)
             timing.report(step)
-        if cfg.memory.empty_cache_every and r.is_cuda and step % cfg.memory.empty_cache_every == 0:
-            torch.cuda.empty_cache()
-        if evaluator.due(step):
-            evaluator.run(model, step)
-        if stop.agreed():
-            trainstate.stop_with_save(r, stop, lambda: save(r, model, optim, scaling, data, step))
-        if checkpoints.save_due(r, step):
-            save(r, model, optim, scaling, data, step)
-        stop.start_round()
-    if checkpoints.final_save_due(r) and start_step < t.steps:
-        save(r, model, optim, scaling, data, t.steps)
+        tail.after_step(step)
+    tail.after_last_step(start_step)

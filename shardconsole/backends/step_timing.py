@@ -248,7 +248,7 @@ def _pinned_bytes(r: Rank) -> int | None:
     if not r.is_cuda:
         return total
     total = total or 0
-    shard_arena = r.extra.get("arena")
+    shard_arena = r.arena
     arena = getattr(shard_arena, "arena", None)
     if arena is not None and arena.pinned:
         total += arena.nbytes

@@ -55,6 +55,7 @@ class Rank:
     compute_copy: "ComputeCopy | None" = None
     data_entry: object = None
     data_built: bool = False
+    data_changed: bool = False     # resumed on other data than the checkpoint's (data.allow_changed)
     faults: "Injector" = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:

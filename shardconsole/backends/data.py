@@ -313,7 +313,7 @@ def next_batch(source, micro_batch: int, device: torch.device) -> Batch:
 def identity(r) -> dict | None:
     """What a checkpoint records of its data: the file's content hash, its record count and the token
     cache key (the tokenizer, seq_len, split and format settings). None: synthetic tokens or a token file."""
-    entry = r.extra.get("data_entry")
+    entry = r.data_entry
     if entry is None:
         return None
     m = entry.meta
@@ -341,7 +341,7 @@ def check_resume(r, saved: dict | None, checkpoint: Path) -> None:
     if not r.cfg.data.allow_changed:
         raise DataError(f"[data] path: {now['path']}: {what}; resume on the data the checkpoint was trained on, "
                         f"or --set data.allow_changed=true to go on from the start of an epoch of the new data")
-    r.extra["data_changed"] = True
+    r.data_changed = True
     if r.rank == 0:
         r.event("warning", f"data: {now['path']}: {what}; data.allow_changed: going on from the start of an "
                            f"epoch of the new data")

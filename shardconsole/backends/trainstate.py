@@ -74,7 +74,7 @@ class Data:
         self.samples = 0
 
     def seek(self, samples: int) -> None:
-        if self.r.extra.get("data_changed"):      # resumed on other data (data.allow_changed)
+        if self.r.data_changed:      # resumed on other data (data.allow_changed)
             samples = data_mod.epoch_start(self.source, samples)
         self.samples = samples
         self.source.seek(samples)

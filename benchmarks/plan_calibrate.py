@@ -57,6 +57,7 @@ from shardconsole.settings import config as C  # noqa: E402
 from shardconsole import plan as PL  # noqa: E402
 from shardconsole.settings.models import resolve  # noqa: E402
 from shardconsole.plan.calibration import code_version  # noqa: E402
+from shardconsole.machine.hardware import device_cap_for_allocator  # noqa: E402
 
 GiB = 2**30
 
@@ -188,7 +189,9 @@ def resolve_cap(run: Run, hw: PL.Hardware) -> Run:
         return run
     cfg = C.build(BASE_PRESET, "calibration base", run.sets)
     need = PL.estimate(cfg, resolve(cfg.model.name), hw).gpu_required_bytes
-    return Run(run.name, run.subset, run.sets + [f"memory.gpu_memory_limit={int(need * run.cap_factor)}"],
+    # the cap is the whole device (issue 34): the one whose allocator share is need x factor
+    cap = device_cap_for_allocator(int(need * run.cap_factor), cfg.parallel.backend)
+    return Run(run.name, run.subset, run.sets + [f"memory.gpu_memory_limit={cap}"],
                run.expect_oom, run.seconds, run.cap_factor, run.lane)
 
 
@@ -643,6 +646,7 @@ def adopt16(path: Path) -> int:
         return 1
     for key in ("machine", "hardware", "base_preset", "started", "lanes", "code_version"):
         doc[key] = new[key]
+    doc["cap_means"] = new.get("cap_means", "allocator")
     doc["command"] = new.get("command", doc.get("command"))
     doc.pop("code_version_note", None)
     doc["runs"] = [{k: r[k] for k in ("name", "model", "subset", "sets", "expect_oom", "cap_factor", "lane",
@@ -740,7 +744,10 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(nvml), "hardware": {"gpus": hw.gpus, "gpu_memory_bytes": hw.gpu_memory_bytes,
                                                      "host_memory_bytes": hw.host_memory_bytes},
         "base_preset": BASE_PRESET, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": [],
-        "code_version": code_version(), "lanes": args.lanes}
+        "code_version": code_version(), "lanes": args.lanes,
+        # memory.gpu_memory_limit in "sets" is the whole device (issue 34); files without this key were
+        # measured when it limited the allocator alone (tests/test_plan.py reads them so)
+        "cap_means": "device"}
     t_start = time.monotonic()
     lock = threading.Lock()
     shared = args.lanes > 1

@@ -56,3 +56,74 @@ def test_plan_exits_3_when_it_does_not_fit(capsys):
     assert "verdict: does not fit" in out                           # the plan is printed all the same
     assert cli.main([*base, "--json", "--set", "train.micro_batch=8",
                      "--set", "memory.activation_checkpointing=false"]) == 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# A cap is the whole device (issue 34 items 2 and 3)
+
+def _plan_json(capsys, *argv: str, preset: str = "3090-fsdp") -> dict:
+    import json
+    assert cli.main(["plan", "--preset", preset, "--json", "--host-memory", "125GiB", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_24gib_cap_on_a_big_card_plans_as_a_24gb_card(capsys):
+    from shardconsole import plan as PL
+    from shardconsole.machine.hardware import allocator_limit_bytes, usable_bytes
+    from shardconsole.settings.models import resolve
+    card = _plan_json(capsys, "--gpus", "1", "--gpu-memory", "24GiB")
+    capped = _plan_json(capsys, "--gpus", "1", "--gpu-memory", "143771MiB", "--set", "memory.gpu_memory_limit=24GiB")
+    for key in ("gpu_budget_bytes", "gpu_device_bytes", "gpu_peak_bytes", "gpu_driver_reserved_bytes", "fits"):
+        assert card[key] == capped[key], key
+    assert card["gpu_device_bytes"] == 24 * GiB
+    # a real RTX 3090, as NVML names and totals it: the same budget
+    cfg = settings.resolve("3090-fsdp").cfg
+    rtx = PL.estimate(cfg, resolve(cfg.model.name), PL.Hardware(1, 24576 * 2**20, 125 * GiB, "NVIDIA GeForce RTX 3090"))
+    assert rtx.gpu_budget_bytes == card["gpu_budget_bytes"]
+    # what a 24 GB card gives to processes (23.5-23.7 GiB), and what the ranks let the allocator hold
+    # under the cap: the planner's budget, so that allocator + context + NCCL fit the card
+    assert 23.5 * GiB <= usable_bytes(24 * GiB) <= 23.7 * GiB
+    assert allocator_limit_bytes(24 * GiB, "fsdp") == card["gpu_budget_bytes"]
+    assert card["gpu_budget_bytes"] + PL.CUDA_CONTEXT_BYTES["fsdp"] + card["gpu_driver_reserved_bytes"] == 24 * GiB
+
+
+def test_the_verdict_is_the_nvml_peak_against_the_card(capsys):
+    rc = cli.main(["plan", "--preset", "3090-7b-offload", "--set", "model.name=13b", "--set",
+                   "precision.master_rounding=stochastic", "--gpu-memory", "24GiB", "--host-memory", "125GiB"])
+    out = capsys.readouterr().out
+    verdict = next(line for line in out.splitlines() if line.startswith("verdict: "))
+    doc = _plan_json(capsys, "--set", "model.name=13b", "--set", "precision.master_rounding=stochastic",
+                     "--gpu-memory", "24GiB", preset="3090-7b-offload")
+    assert rc == 0
+    # "fits: peak 23.4 GiB of 24.0 GiB (98%) as NVML shows it (the allocator needs ...)"
+    assert verdict.startswith("verdict: fits") and " of 24.0 GiB (" in verdict and "as NVML shows it" in verdict
+    pct = int(verdict.split(" of 24.0 GiB (", 1)[1].split("%", 1)[0])
+    assert pct >= 90                                 # the run is near the card's end: the verdict says so
+    assert "the allocator needs" in verdict and "left to it after context and driver" in verdict
+    assert doc["gpu_device_bytes"] == 24 * GiB
+
+
+def test_a_probe_is_under_the_cap_only_when_its_nvml_peak_is(_runs_root):
+    """A probe on the H200 under a 24 GiB cap: its NVML peak less the H200's idle part plus a 24 GB card's
+    must be under 24 GiB. 24.3 GiB NVML (issue 34's probe, counted a winner then) is over."""
+    from shardconsole import plan as PL
+    from shardconsole.tune.engine import Row
+    from shardconsole.tune.probe import ProbeResult
+    from shardconsole.tune.setup import make_tune
+    h200 = PL.Hardware(1, 143771 * 2**20, 125 * GiB, "NVIDIA H200")
+    tune = make_tune(settings.resolve("3090-offload"), budget_s=60, max_probes=2, probe_steps=3,
+                     gpu_memory="24GiB", hardware=h200)
+    tune.plan()
+    option = tune.options[0]
+    idle = 615 * 2**20
+    over = Row(option, ProbeResult("ok", tokens_per_s=1000.0, gpu_peak_bytes=int(24.3 * GiB), gpu_idle_bytes=idle))
+    under = Row(option, ProbeResult("ok", tokens_per_s=900.0, gpu_peak_bytes=int(23.5 * GiB), gpu_idle_bytes=idle))
+    # 24.1 GiB on the H200 is 23.5 GiB of processes: 23.9 GiB on a 24 GB card, whose driver keeps less
+    near = Row(option, ProbeResult("ok", tokens_per_s=950.0, gpu_peak_bytes=int(24.1 * GiB), gpu_idle_bytes=idle))
+    for row in (over, under, near):
+        tune._judge(row)
+    assert over.result.status == "over cap" and "24.0 GiB card" in over.result.message
+    assert under.result.ok and near.result.ok
+    assert tune.card_peak_bytes(near.result) < 24 * GiB < tune.card_peak_bytes(over.result)
+    tune.rows = [over, under]
+    assert tune.winner() is under

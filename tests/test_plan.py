@@ -206,10 +206,11 @@ def test_the_cap_decides_the_verdict():
     big = est("train.micro_batch=8", "memory.gpu_memory_limit=24GiB")
     assert not big.fits and "24.0 GiB cap" in big.verdict and "activations" in big.verdict
     small = est("train.micro_batch=4", "memory.activation_checkpointing=true", "memory.gpu_memory_limit=24GiB")
-    assert small.fits and small.gpu_budget_bytes == 24 * GiB
-    # a real 24 GiB card has less for the allocator than a 24 GiB cap on a big card
+    # the cap is the whole device (issue 34): a 24 GiB cap on the H200 and a real 24 GiB card give the
+    # allocator the same, the card less its driver's part and the rank's context
     card = est("train.micro_batch=4", "memory.activation_checkpointing=true", hw=CARD24)
-    assert card.gpu_budget_bytes < 24 * GiB - GiB
+    assert small.fits and small.gpu_budget_bytes == card.gpu_budget_bytes < 24 * GiB - GiB
+    assert small.gpu_device_bytes == card.gpu_device_bytes == 24 * GiB
 
 
 def test_host_memory_and_gpu_count_are_checked():
@@ -361,6 +362,24 @@ def test_calibration_dry_run_matches_the_matrix_expectations(capsys):
 # ---------------------------------------------------------------------------------------------------
 # Against the measured runs (benchmarks/plan_calibrate.py on the H200 test machine)
 
+def _sets(doc: dict, run: dict) -> list[str]:
+    """A stored run's settings as the planner reads them today. memory.gpu_memory_limit is the whole
+    device since issue 34; a file without "cap_means": "device" was measured when it limited torch's
+    allocator alone, so its cap becomes the device whose allocator share it was."""
+    from shardconsole.machine.hardware import device_cap_for_allocator
+    sets = list(run["sets"])
+    if doc.get("cap_means") == "device":
+        return sets + list(BEFORE_ARENA)
+    engine = next((s.split("=", 1)[1] for s in sets if s.startswith("parallel.backend=")),
+                  doc["base_preset"].get("parallel", {}).get("backend", "fsdp"))
+    out = []
+    for s in sets:
+        if s.startswith("memory.gpu_memory_limit="):
+            s = f"memory.gpu_memory_limit={device_cap_for_allocator(C.parse_size(s.split('=', 1)[1]), engine)}"
+        out.append(s)
+    return out + list(BEFORE_ARENA)
+
+
 def _calibration() -> dict:
     if not CALIBRATION.is_file():
         pytest.skip(f"{CALIBRATION.relative_to(REPO)} is absent: produce it on the GPU machine with "
@@ -373,7 +392,7 @@ def _recomputed(doc: dict) -> list[tuple[dict, PL.Estimate]]:
     hw = PL.Hardware(gpus=h["gpus"], gpu_memory_bytes=h["gpu_memory_bytes"], host_memory_bytes=h["host_memory_bytes"])
     out = []
     for run in doc["runs"]:
-        cfg = C.build(doc["base_preset"], "calibration base", run["sets"] + list(BEFORE_ARENA))
+        cfg = C.build(doc["base_preset"], "calibration base", _sets(doc, run))
         out.append((run, PL.estimate(cfg, resolve(cfg.model.name), hw)))
     return out
 
@@ -467,7 +486,7 @@ def test_issue16_runs_within_10_percent_gpu_and_15_percent_host():
     for run in doc["runs"]:
         m = run["measured"]
         assert m["status"] == "finished", run["name"]
-        cfg = C.build(doc["base_preset"], "calibration base", run["sets"] + list(BEFORE_ARENA))
+        cfg = C.build(doc["base_preset"], "calibration base", _sets(doc, run))
         e = PL.estimate(cfg, resolve(cfg.model.name), hw)
         assert e.fits, run["name"]
         # NVML per process (lanes shared the GPU): the plan's peak less the idle device's reserve
@@ -523,7 +542,7 @@ def test_never_under_by_more_than_5_percent_where_it_says_fits_near_the_cap():
             m = run["measured"]
             if m["status"] != "finished":
                 continue
-            cfg = C.build(doc["base_preset"], "calibration base", run["sets"] + list(BEFORE_ARENA))
+            cfg = C.build(doc["base_preset"], "calibration base", _sets(doc, run))
             e = PL.estimate(cfg, resolve(cfg.model.name), hw)
             if e.fits and e.gpu_budget_bytes and e.gpu_required_bytes >= 0.8 * e.gpu_budget_bytes:
                 near.append(run["name"])

@@ -203,7 +203,7 @@ def test_measured_speeds_reorder_the_cold_start():
 
 def test_the_options_keep_the_global_batch_and_what_the_user_fixed():
     base = C.build({"model": {"name": "1b"}, "data": {"seq_len": 2048}, "parallel": {"device": "cuda"},
-                    "train": {"micro_batch": 4, "grad_accum": 2}, "memory": {"gpu_memory_limit": "24GiB"}}, "test")
+                    "train": {"micro_batch": 4, "grad_accum": 2}, "memory": {"gpu_memory_limit": "26GiB"}}, "test")   # a 26 GB device
     opts = search.options(base, resolve("1b"), H200, SpeedBook([]), fixed={"memory.activation_checkpointing"})
     assert sum(o.baseline for o in opts) == 1
     assert {o.cfg.train.micro_batch * o.cfg.train.grad_accum for o in opts} == {8}

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
 from shardconsole.machine.doctor_verdict import P2P_NOTE_ENV
+from shardconsole.machine.hardware import allocator_limit_bytes
 from shardconsole.runlog.runfolder import LOGS_DIR, PRESET_FILE, metrics_file_of_node
 from shardconsole.settings.models import ModelSpec, resolve
 from shardconsole.settings.schedule import lr_factor      # noqa: F401  (the loops call common.lr_factor; torch-free for resume's line)
@@ -152,9 +153,13 @@ def start(run_dir: Path, run_id: str) -> Rank:
         r.event("info", os.environ[P2P_NOTE_ENV])
     limit = cfg.gpu_memory_limit_bytes
     if use_cuda and limit:
+        # The cap is a card of that size, the whole device (issue 34): the allocator gets what such a
+        # card gives to processes less this rank's context and NCCL, which NVML counts on top of it.
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
-        r.log(f"CUDA memory capped at {C.format_size(limit)} of {C.format_size(total)}")
+        allocator = allocator_limit_bytes(limit, cfg.parallel.backend)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, allocator / total), device)
+        r.log(f"CUDA memory capped at {C.format_size(limit)} of {C.format_size(total)} (the whole device): the "
+              f"allocator may hold {C.format_size(min(allocator, total))}, the rest is context, NCCL and the driver's")
     torch.manual_seed(cfg.train.seed)
     return r
 

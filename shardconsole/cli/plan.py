@@ -77,7 +77,7 @@ def describe(cfg: C.RunConfig) -> str:
     return (f"{eng}, {ranks} rank(s), {cfg.precision.dtype}, micro_batch {cfg.train.micro_batch} x seq "
             f"{cfg.data.seq_len}, {cfg.model.attn_implementation}, "
             + ("checkpointing" if cfg.memory.activation_checkpointing else "no checkpointing")
-            + (f", cap {cfg.memory.gpu_memory_limit}" if cfg.memory.gpu_memory_limit else ""))
+            + (f", cap {cfg.memory.gpu_memory_limit} (a card of that size)" if cfg.memory.gpu_memory_limit else ""))
 
 
 def _parts_lines(parts: dict[str, int], width: int = 40) -> list[str]:
@@ -88,10 +88,8 @@ def format_estimate(est: PL.Estimate, cfg: C.RunConfig, name: str, hw: PL.Hardwa
     lines = [f"plan: {name}: model {est.model} ({human_count(est.n_params)} parameters), {describe(cfg)}",
              f"hardware: {_hw_text(hw)}", ""]
     if est.gpu_parts:
-        lines.append(f"GPU, largest rank: peak {C.format_size(est.gpu_peak_bytes)} as NVML shows it, set at the "
-                     f"{est.gpu_peak_phase} (allocator {C.format_size(est.gpu_allocator_peak_bytes)} + context + driver "
-                     f"reserve); "
-                     f"needs {C.format_size(est.gpu_required_bytes)} allocatable")
+        lines.append(f"GPU, largest rank: {PL.gpu_peak_text(est)}, set at the {est.gpu_peak_phase} (allocator "
+                     f"{C.format_size(est.gpu_allocator_peak_bytes)} + context + driver reserve)")
         lines += _parts_lines(est.gpu_parts)
         others = [f"{k} {C.format_size(v)}" for k, v in est.gpu_phases.items() if k != est.gpu_peak_phase]
         if others:
@@ -99,7 +97,11 @@ def format_estimate(est: PL.Estimate, cfg: C.RunConfig, name: str, hw: PL.Hardwa
         for k, v in est.alternatives.items():
             lines.append(f"  {k}: {C.format_size(v)} saved for backward")
         if est.gpu_budget_bytes:
-            lines.append(f"  allocator budget: {C.format_size(est.gpu_budget_bytes)}")
+            # "allocatable": what torch's allocator must be let hold for the run to go on (under less it
+            # fails); above it the allocator only caches. The budget is the device less context and driver.
+            lines.append(f"  allocator: needs {C.format_size(est.gpu_required_bytes)} of the "
+                         f"{C.format_size(est.gpu_budget_bytes)} it may hold (the device less context and "
+                         f"driver; below the need the run fails, above it the allocator caches)")
         lines.append("")
     lines.append(f"host RAM, node: {C.format_size(est.host_peak_bytes)} "
                  f"({est.ranks_per_node} rank(s) x {C.format_size(est.host_rank_bytes)} + launcher + front end)")

@@ -101,7 +101,9 @@ def cmd_tune(argv: list[str]) -> int:
         done = [r for r in t.rows if r.state == "done"]
         for i, row in enumerate(done[shown[0]:], start=shown[0]):
             res = row.result
-            gpu = f"GPU {res.gpu_peak_bytes / 2**30:.1f} GiB, " if res.gpu_peak_bytes else ""
+            cap = t.limits.gpu_cap_bytes
+            gpu = (f"GPU {t.card_peak_bytes(res) / 2**30:.1f}" + (f" of {cap / 2**30:.1f}" if cap else "")
+                   + " GiB (NVML), ") if res.gpu_peak_bytes else ""
             what = (f"{res.tokens_per_s:,.0f} tokens/s, {gpu}host {res.host_peak_bytes / 2**30:.1f} GiB"
                     if res.ok else f"{res.status}: {res.message}")
             print(f"probe {i + 1}: {row.label}: {what} ({res.seconds:.0f} s)", file=out, flush=True)

@@ -231,9 +231,19 @@ def describe_estimate(plan: ModuleType | None, cfg: C.RunConfig, machine: Machin
         return f"Memory estimate failed: {type(e).__name__}: {e}", None
     if est is None:
         return "Memory estimate: the planner could not describe this machine", None
-    gpu = "" if cfg.parallel.device == "cpu" else f"GPU peak {C.format_size(est.gpu_peak_bytes)} (largest rank) · "
     head = "Estimate on the CPU (no GPU here; rough): " if on_cpu_here else "Estimate: "
-    line = f"{head}{gpu}host peak {C.format_size(est.host_peak_bytes)} · {est.verdict}"
+    if cfg.parallel.device == "cpu":
+        line = f"{head}host peak {C.format_size(est.host_peak_bytes)} · {est.verdict}"
+    else:
+        # The peak against the card as NVML shows it (issue 34); a verdict that fits says the rest itself.
+        verdict = est.verdict if not est.fits else est.verdict.split(":", 1)[0] + (
+            f" (allocator needs {C.format_size(est.gpu_required_bytes)} of {C.format_size(est.gpu_budget_bytes)})"
+            if est.gpu_budget_bytes else "")
+        card = est.gpu_device_bytes
+        gpu = (f"GPU peak {C.format_size(est.gpu_peak_bytes)} of {C.format_size(card)} "
+               f"({100 * est.gpu_peak_bytes / card:.0f}%, NVML, largest rank)" if card else
+               f"GPU peak {C.format_size(est.gpu_peak_bytes)} (NVML, largest rank)")
+        line = f"{head}{gpu} · host peak {C.format_size(est.host_peak_bytes)} · {verdict}"
     if run_dir is not None:
         from shardconsole.session.preflight import disk_shortfall
         short = disk_shortfall(cfg, run_dir, planner=plan)

@@ -59,7 +59,7 @@ from shardconsole.plan.constants import (ALLOCATOR_SLACK_FIXED, ALLOCATOR_SLACK_
                                          GiB, KiB, MiB)
 from shardconsole.plan.deepspeed_rank import _deepspeed, _ds_sub_groups
 from shardconsole.plan.estimator import (Estimate, _cpu_ranks, _verdict, compile_workers_bytes, estimate,
-                                         host_peak_line, model_states, replace_cfg)
+                                         gpu_peak_text, host_peak_line, model_states, replace_cfg)
 from shardconsole.plan.saves import Saves, disk_peak, save_final_of, saves, schedule
 from shardconsole.plan.saves import text_lines as saves_text_lines
 from shardconsole.plan.fit import (EXTRA_STRATEGIES, STRATEGIES, Candidate, FitRow, _spec_of, _strategy_cfg, _toml,
@@ -85,7 +85,7 @@ __all__ = [
     "_Rank", "_fsdp", "_ds_sub_groups", "_deepspeed",
     # estimator
     "Estimate", "estimate", "_cpu_ranks", "model_states", "_verdict", "replace_cfg", "host_peak_line",
-    "compile_workers_bytes",
+    "compile_workers_bytes", "gpu_peak_text",
     # saves
     "Saves", "saves", "schedule", "disk_peak", "save_final_of", "saves_text_lines",
     # fit

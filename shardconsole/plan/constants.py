@@ -15,11 +15,12 @@ KiB, MiB, GiB = 2**10, 2**20, 2**30
 # allocator's reserved bytes. Measured: NVML used (minus the idle device's) minus max_memory_reserved
 # was 1.29 GiB in every FSDP2 run and 1.67-1.68 GiB in every DeepSpeed run of the calibration
 # (benchmarks/data/plan_calibration.json; H200, torch 2.11 + CUDA 13, DeepSpeed 0.19.8, whose
-# FusedAdam/CPUAdam modules and extra communicators add the difference).
-CUDA_CONTEXT_BYTES = {"fsdp": 1320 * MiB, "deepspeed": 1720 * MiB}
-# NVML reports this much used on an idle H200 (driver and ECC reservations): no process can use it.
-# Measured: 0.60 GiB before every calibration run.
-GPU_DRIVER_RESERVED_BYTES = 615 * MiB
+# FusedAdam/CPUAdam modules and extra communicators add the difference). Kept in machine/hardware.py:
+# the ranks size the allocator under a cap with it (a cap is the whole device, issue 34).
+# NVML reports GPU_DRIVER_RESERVED_BYTES used on an idle H200 (driver and ECC reservations): no process
+# can use it. Measured: 0.60 GiB before every calibration run. Other cards: machine/hardware.CARD_MEMORY.
+from shardconsole.machine.hardware import CUDA_CONTEXT_BYTES  # noqa: E402,F401
+from shardconsole.machine.hardware import DEFAULT_DRIVER_RESERVED_BYTES as GPU_DRIVER_RESERVED_BYTES  # noqa: E402
 
 # The caching allocator reserves more than it hands out. Most of it is modelled as parts: the pools
 # of the communication streams (blocks cached for one stream are not reused by another) and the

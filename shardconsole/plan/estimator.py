@@ -11,9 +11,10 @@ from typing import Any
 from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelSpec
 from shardconsole.plan.activation_memory import activations
+from shardconsole.machine.hardware import driver_reserved_bytes
 from shardconsole.plan.constants import (ALLOCATOR_SLACK_FIXED, ALLOCATOR_SLACK_FRACTION, COMPILE_SIDECAR_BYTES,
                                          COMPILE_THREADS_MAX, COMPILE_WORKER_BYTES, CUDA_CONTEXT_BYTES,
-                                         DTYPE_BYTES, FRONTEND_RSS, GPU_DRIVER_RESERVED_BYTES,
+                                         DTYPE_BYTES, FRONTEND_RSS,
                                          HOST_USABLE_FRACTION, LAUNCHER_RSS, RANK_BASE_RSS_CPU, REQUIRED_FIXED,
                                          REQUIRED_FRAGMENTATION)
 from shardconsole.plan.deepspeed_rank import _deepspeed
@@ -38,7 +39,10 @@ class Estimate:
     gpu_required_bytes: int = 0             # what the allocator must be allowed (a cap, a card) to run
     gpu_peak_phase: str = ""                # the moment that sets the GPU peak
     gpu_phases: dict[str, int] = field(default_factory=dict)   # allocated bytes at each moment
-    gpu_budget_bytes: int | None = None     # what the allocator may use: the cap, or the card minus context
+    gpu_budget_bytes: int | None = None     # what the allocator may use: the device less the driver and context
+    gpu_device_bytes: int | None = None     # the device planned for, as NVML totals it: the card, or the cap
+                                            # (memory.gpu_memory_limit names a card of that size)
+    gpu_driver_reserved_bytes: int = 0      # the driver's part of that device (machine/hardware.CARD_MEMORY)
     host_budget_bytes: int | None = None
     host_rank_bytes: int = 0                # one rank's peak RSS
     ranks_per_node: int = 1
@@ -61,6 +65,7 @@ class Estimate:
             "gpu_allocated_peak_bytes": self.gpu_allocated_peak_bytes, "gpu_required_bytes": self.gpu_required_bytes,
             "gpu_peak_phase": self.gpu_peak_phase, "gpu_phases": dict(self.gpu_phases),
             "gpu_budget_bytes": self.gpu_budget_bytes, "host_budget_bytes": self.host_budget_bytes,
+            "gpu_device_bytes": self.gpu_device_bytes, "gpu_driver_reserved_bytes": self.gpu_driver_reserved_bytes,
             "host_rank_bytes": self.host_rank_bytes, "ranks_per_node": self.ranks_per_node,
             "alternatives": dict(self.alternatives), "notes": list(self.notes),
             "host_peak_phase": self.host_peak_phase, "host_save_adds_bytes": self.host_save_adds_bytes,
@@ -76,6 +81,17 @@ def _cpu_ranks(cfg: C.RunConfig, s: Shapes) -> _Rank:
     parts = {k: v for k, v in r.gpu[moment].items() if v and k != "cuBLAS workspaces"}
     host = {"process (python, torch)": RANK_BASE_RSS_CPU, **parts}
     return _Rank({}, {"training": host}, ["CPU ranks: the training memory is host memory (not calibrated)"])
+
+
+def _device(cfg: C.RunConfig, hw: Hardware) -> tuple[int | None, int, str]:
+    """The device a run is planned for: (its total as NVML reports it, the driver's part of it, how the
+    verdict names it). A cap smaller than the card is a card of that size, the whole device (issue 34)."""
+    cap, card = cfg.gpu_memory_limit_bytes, hw.gpu_memory_bytes or None
+    if cap and (card is None or cap < card):
+        return cap, driver_reserved_bytes(None, cap), f"the {C.format_size(cap)} cap"
+    if card:
+        return card, driver_reserved_bytes(hw.gpu_name, card), f"the {C.format_size(card)} card"
+    return None, driver_reserved_bytes(hw.gpu_name, None), ""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -109,6 +125,7 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, start_step: int
     # GPU: the compute stream's largest moment, the pools of the other streams, the allocator's
     # fragmentation, then the context outside the allocator.
     phases = {k: sum(v.values()) for k, v in r.gpu.items()}
+    device_total, reserved, device_what = _device(cfg, hw)
     if phases:
         moment = max(phases, key=lambda k: phases[k])
         allocated = phases[moment]
@@ -121,8 +138,8 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, start_step: int
         gpu_parts["CUDA context + NCCL"] = context
         # NVML's used bytes of the device include what the driver keeps on an idle card: the peak is
         # given as a user reads it (nvidia-smi, the console's GPU panel, issue 16's measured runs).
-        gpu_parts["driver reserved (NVML counts it)"] = GPU_DRIVER_RESERVED_BYTES
-        gpu_peak = allocator_peak + context + GPU_DRIVER_RESERVED_BYTES
+        gpu_parts["driver reserved (NVML counts it)"] = reserved
+        gpu_peak = allocator_peak + context + reserved
         # Under a cap the allocator frees its cached blocks and retries before it fails, so a run
         # needs its largest allocated moment (compute stream + the pools' live part), plus headroom
         # for blocks it cannot free (split segments).
@@ -162,22 +179,21 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, start_step: int
     save_adds = sv.host_add_rank_bytes * per_node
 
     # Budgets and the verdict.
-    cap = cfg.gpu_memory_limit_bytes
+    # The allocator's budget: what the device (the card, or a cap: a card of that size) gives to
+    # processes, less the rank's context and NCCL. The same for a 24 GiB cap on a big card and for a
+    # real 24 GB card (issue 34): the cap's allocator fraction is set from it (backends/common.py).
     gpu_budget = None
     reasons: list[str] = []
     if not on_cpu:
-        card = hw.gpu_memory_bytes - GPU_DRIVER_RESERVED_BYTES - context if hw.gpu_memory_bytes else None
-        budgets = [b for b in (cap, card) if b]
-        gpu_budget = min(budgets) if budgets else None
+        gpu_budget = max(device_total - reserved - context, 0) if device_total else None
         if hw.gpus and per_node > hw.gpus:
             reasons.append(f"{per_node} ranks per node but the node has {hw.gpus} GPU(s)")
         if gpu_budget is None:
             reasons.append("no GPU found here and no GPU size given (--gpu-memory SIZE or memory.gpu_memory_limit)")
         elif required > gpu_budget:
-            what = f"the {C.format_size(cap)} cap" if cap and cap == gpu_budget else \
-                f"the {C.format_size(hw.gpu_memory_bytes)} card"
-            reasons.append(f"GPU needs {C.format_size(required)} (+{C.format_size(context)} "
-                           f"context) over {what}")
+            reasons.append(f"GPU needs {C.format_size(required + context + reserved)} (allocator "
+                           f"{C.format_size(required)} + context {C.format_size(context)} + driver "
+                           f"{C.format_size(reserved)}) over {device_what}")
     host_budget = int(hw.host_memory_bytes * HOST_USABLE_FRACTION) if hw.host_memory_bytes else None
     if host_budget is not None and host_peak > host_budget:
         reasons.append(f"host needs {C.format_size(host_peak)} over {C.format_size(host_budget)} usable "
@@ -192,7 +208,7 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, start_step: int
             gpu_parts[key] -= cut
             excess -= cut
         allocator_peak = gpu_budget
-        gpu_peak = allocator_peak + context + GPU_DRIVER_RESERVED_BYTES
+        gpu_peak = allocator_peak + context + reserved
         notes.append("the allocator will reach the budget and free cached blocks to go on (steps a little slower); "
                      "with memory to spare it would reserve more")
     a = activations(cfg, s)
@@ -203,6 +219,7 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, start_step: int
                    gpu_allocator_peak_bytes=int(allocator_peak), gpu_peak_phase=moment,
                    gpu_allocated_peak_bytes=int(allocated_peak), gpu_required_bytes=int(required),
                    gpu_phases={k: int(v) for k, v in phases.items()}, gpu_budget_bytes=gpu_budget,
+                   gpu_device_bytes=None if on_cpu else device_total, gpu_driver_reserved_bytes=reserved,
                    host_budget_bytes=host_budget, host_rank_bytes=int(rank_host), ranks_per_node=per_node,
                    alternatives=alt, notes=notes, model=spec.name, n_params=s.n_params,
                    host_peak_phase=hmoment, host_save_adds_bytes=int(save_adds), saves=sv,
@@ -276,13 +293,23 @@ def _verdict(e: Estimate, reasons: list[str], cfg: C.RunConfig) -> str:
                 hint = f"largest part: {largest}; shard it over more GPUs or offload it to the CPU"
         return "does not fit: " + "; ".join(reasons) + (f" ({hint})" if hint else "")
     parts = []
-    if e.gpu_budget_bytes:
-        parts.append(f"GPU needs {C.format_size(e.gpu_required_bytes)} of {C.format_size(e.gpu_budget_bytes)} "
-                     f"({100 * e.gpu_required_bytes / e.gpu_budget_bytes:.0f}%)")
+    if e.gpu_budget_bytes and e.gpu_device_bytes:
+        # The peak against the whole card, as nvidia-smi shows it (issue 34: "needs 16.3 of 24.0 GiB (68%)"
+        # read as room to spare on a run at 97% of the card); what the allocator cannot do without after.
+        parts.append(gpu_peak_text(e) + f" (the allocator needs {C.format_size(e.gpu_required_bytes)} of the "
+                     f"{C.format_size(e.gpu_budget_bytes)} left to it after context and driver; more it caches)")
     if e.host_budget_bytes:
         parts.append(f"host {C.format_size(e.host_peak_bytes)} of {C.format_size(e.host_budget_bytes)} usable")
     tight = e.gpu_budget_bytes and e.gpu_required_bytes > 0.9 * e.gpu_budget_bytes
     return ("fits, tight" if tight else "fits") + (": " + ", ".join(parts) if parts else "")
+
+
+def gpu_peak_text(e: Estimate) -> str:
+    """"peak 23.7 of 24.0 GiB (99%) as NVML shows it": the largest rank's device against its total."""
+    if not e.gpu_device_bytes:
+        return f"peak {C.format_size(e.gpu_peak_bytes)} as NVML shows it"
+    return (f"peak {C.format_size(e.gpu_peak_bytes)} of {C.format_size(e.gpu_device_bytes)} "
+            f"({100 * e.gpu_peak_bytes / e.gpu_device_bytes:.0f}%) as NVML shows it")
 
 
 def replace_cfg(cfg: C.RunConfig, *changes: tuple[str, str, Any]) -> C.RunConfig:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from shardconsole.machine.hardware import driver_reserved_bytes
 from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelSpec
 from shardconsole.plan import search
@@ -27,7 +28,8 @@ class Limits:
     max_probes: int = 6
     probe_steps: int = 6
     probe_timeout_s: float = 0.0        # 0: what is left of the budget
-    gpu_cap_bytes: int | None = None    # the probes run under it (memory.gpu_memory_limit)
+    gpu_cap_bytes: int | None = None    # the probes run under it (memory.gpu_memory_limit): a card of that
+                                        # size, the whole device; a probe whose NVML peak is over it does not win
     host_cap_bytes: int | None = None   # a probe whose ranks' RSS went over it does not win
 
 
@@ -128,9 +130,27 @@ class Tune:
             self.on_change(self)
         return run_probe(cfg, run_dir, timeout_s=max(timeout, 1.0), should_stop=lambda: self.stop, on_step=live)
 
+    def card_peak_bytes(self, res: ProbeResult) -> int:
+        """The probe's NVML peak as the capped card would show it: this device's peak less what its
+        driver keeps (the idle reading, at most the table's: machine/hardware.CARD_MEMORY), plus what the
+        driver keeps of a card of the cap's size. On a card of that size itself, the peak as read."""
+        if not res.gpu_peak_bytes:
+            return 0
+        here = driver_reserved_bytes(self.hw.gpu_name, self.hw.gpu_memory_bytes or None)
+        idle = min(res.gpu_idle_bytes, here) if res.gpu_idle_bytes else here
+        cap = self.limits.gpu_cap_bytes
+        return max(res.gpu_peak_bytes - idle, 0) + driver_reserved_bytes(None, cap) if cap else res.gpu_peak_bytes
+
     def _judge(self, row: Row) -> None:
         res = row.result
         assert res is not None
+        cap = self.limits.gpu_cap_bytes
+        if res.ok and cap and res.gpu_peak_bytes and self.card_peak_bytes(res) > cap:
+            # The cap limits more than torch's allocator: the context and NCCL are on the card too (a
+            # probe at 24.3 GiB NVML under a 24.0 GiB cap would run out of memory on the card; issue 34).
+            res.status = "over cap"
+            res.message = (f"NVML peak {C.format_size(self.card_peak_bytes(res))} on a "
+                           f"{C.format_size(cap)} card, over it")
         if res.ok and self.limits.host_cap_bytes and res.host_peak_bytes > self.limits.host_cap_bytes:
             res.status = "over cap"
             res.message = (f"ranks' RSS {C.format_size(res.host_peak_bytes)} over the host cap "

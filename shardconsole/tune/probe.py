@@ -29,6 +29,7 @@ class ProbeResult:
     tokens_per_s: float = 0.0
     steps: int = 0
     gpu_peak_bytes: int = 0             # NVML: the largest used bytes of a device while it ran (0: no GPU)
+    gpu_idle_bytes: int = 0             # NVML: the device's used bytes at the first sample (before the ranks)
     gpu_reserved_peak_bytes: int = 0    # the allocator's peak reserved bytes, largest rank
     host_peak_bytes: int = 0            # the ranks' RSS, summed, at its largest
     seconds: float = 0.0
@@ -83,6 +84,7 @@ def run_probe(cfg: C.RunConfig, run_dir: Path, *, timeout_s: float, should_stop:
                     res.gpu_reserved_peak_bytes = max(res.gpu_reserved_peak_bytes, msg.peak_reserved_bytes or 0)
                 elif isinstance(msg, P.GpuSample):
                     gpu_base.setdefault(msg.index, msg.used_bytes)
+                    res.gpu_idle_bytes = min(gpu_base.values())
                     res.gpu_peak_bytes = max(res.gpu_peak_bytes, msg.used_bytes)
                 elif isinstance(msg, P.HostSample):
                     res.host_peak_bytes = max(res.host_peak_bytes, msg.ranks_rss_bytes)

@@ -34,7 +34,8 @@ def cells(tune: Tune, n: int, row: Row) -> tuple[str, ...]:
         return (str(n), row.label, _gib(e.gpu_peak_bytes), _gib(e.host_peak_bytes), "-", "-", "-", "-", status)
     vs = f"{100 * (res.tokens_per_s / base_tps - 1):+.0f}%" if res.ok and base_tps and not row.option.baseline else "-"
     status = "running" if row.state == "running" else (res.status if res.ok else f"{res.status}: {res.message}"[:60])
-    return (str(n), row.label, _gib(e.gpu_peak_bytes), _gib(e.host_peak_bytes), _gib(res.gpu_peak_bytes),
+    # under a cap, the NVML peak as the capped card would show it (Tune.card_peak_bytes)
+    return (str(n), row.label, _gib(e.gpu_peak_bytes), _gib(e.host_peak_bytes), _gib(tune.card_peak_bytes(res)),
             _gib(res.host_peak_bytes), _rate(res.tokens_per_s) if res.tokens_per_s else "-", vs, status)
 
 
@@ -107,10 +108,12 @@ def preset_text(tune: Tune, winner: Row, name: str, source: str) -> str:
     lines = [f"{HEADER_MARK}, {time.strftime('%Y-%m-%d %H:%M')} on {machine_text(tune)}",
              f"# from preset {source}; the fastest of {len(tune.rows)} probe(s) of {tune.limits.probe_steps} steps "
              f"that stayed under the caps"
-             + (f" (GPU cap {C.format_size(tune.limits.gpu_cap_bytes)})" if tune.limits.gpu_cap_bytes else "")
+             + (f" (GPU cap {C.format_size(tune.limits.gpu_cap_bytes)}, the whole device)"
+                if tune.limits.gpu_cap_bytes else "")
              + (f" (host cap {C.format_size(tune.limits.host_cap_bytes)})" if tune.limits.host_cap_bytes else ""),
-             f"# winner: {winner.option.name}: {res.tokens_per_s:.0f} tokens/s, GPU peak {_gib(res.gpu_peak_bytes)} "
-             f"(NVML), host {_gib(res.host_peak_bytes)} (ranks' RSS)"]
+             f"# winner: {winner.option.name}: {res.tokens_per_s:.0f} tokens/s, GPU peak {_gib(tune.card_peak_bytes(res))} "
+             f"(NVML{', as on the capped card' if tune.limits.gpu_cap_bytes else ''}), host {_gib(res.host_peak_bytes)} "
+             f"(ranks' RSS)"]
     if base is not None and base.result is not None:
         b = base.result
         figure = f"{b.tokens_per_s:.0f} tokens/s" if b.ok else f"{b.status} ({b.message[:80]})"
@@ -120,7 +123,7 @@ def preset_text(tune: Tune, winner: Row, name: str, source: str) -> str:
         r = row.result
         if r is None:
             continue
-        what = f"{r.tokens_per_s:.0f} tokens/s, GPU {_gib(r.gpu_peak_bytes)}, host {_gib(r.host_peak_bytes)}" \
+        what = f"{r.tokens_per_s:.0f} tokens/s, GPU {_gib(tune.card_peak_bytes(r))}, host {_gib(r.host_peak_bytes)}" \
             if r.ok else f"{r.status}: {r.message[:80]}"
         lines.append(f"#   {i + 1}. {row.label}: {what}")
     if winner.option.overrides:

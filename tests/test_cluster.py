@@ -207,6 +207,10 @@ def test_a_rank_that_vanished_is_named_with_its_host_and_last_step(tmp_path):
     assert cause == "crash"
     assert message.startswith("run failed (crash): rank(s) 1 on node1 (last step seen 36) gone, with no end line; "
                               "rank 0's DistBackendError"), message
+    # or the launcher (srun --kill-on-bad-exit, torchrun) ended the survivor first: a stop nobody asked for
+    state.failed[:] = [P.Failed(run="r", rank=0, cause="stopped", message="stopped at step 36: a stop signal")]
+    cause, message = explain_exit(state, 1, tmp_path)
+    assert cause == "crash" and message.startswith("run failed (crash): rank(s) 1 on node1 (last step seen 36) gone")
 
 
 def test_a_gloo_timeout_names_no_nccl_setting(tmp_path):

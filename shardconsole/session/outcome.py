@@ -225,20 +225,21 @@ def explain_exit(state: RunState, rc: int | None, run_dir: Path) -> tuple[str, s
     killed = killed_rank(run_dir)
     if killed:
         return _died_of_signal(state, run_dir, *killed)
+    vanished = _gone_ranks(state, f)
+    if vanished:
+        # A node (or a rank) that vanished writes nothing; its peers' broken connections are the echo.
+        cause = "crash" if f.cause == "stopped" else f.cause
+        return cause, (f"run failed ({cause}): {vanished} gone, with no end line; rank {f.rank}'s "
+                         f"{f.exc_type + ': ' if f.exc_type else ''}{f.message.splitlines()[0] if f.message else ''} "
+                         f"follows from it\n  try: look at that node (dmesg; the Slurm job's state); a resubmit or "
+                         f"`shardconsole resume` continues from the newest complete checkpoint\n"
+                         f"  log: {folder.rank_log(f.rank)}")
     if f is not None and f.cause == "stopped":
         # Nobody asked (no stop_requested line): a signal from outside, or torchrun ending the ranks after
         # one of them died without a word.
         return "crash", (f"run ended by a signal nobody asked for through shardconsole (`kill`, a scheduler, "
                          f"torchrun ending the ranks after another failed): rank {f.rank}: {f.message}"
                          f"\n  launcher log: {folder.launcher_log}")
-    vanished = _gone_ranks(state, f)
-    if vanished:
-        # A node (or a rank) that vanished writes nothing; its peers' broken connections are the echo.
-        return f.cause, (f"run failed ({f.cause}): {vanished} gone, with no end line; rank {f.rank}'s "
-                         f"{f.exc_type + ': ' if f.exc_type else ''}{f.message.splitlines()[0] if f.message else ''} "
-                         f"follows from it\n  try: look at that node (dmesg; the Slurm job's state); a resubmit or "
-                         f"`shardconsole resume` continues from the newest complete checkpoint\n"
-                         f"  log: {folder.rank_log(f.rank)}")
     if f is not None:
         where = f"rank {f.rank}" + (f" at step {f.step}" if f.step else "")
         msg = f"run failed ({f.cause}) on {where}: {f.exc_type + ': ' if f.exc_type else ''}{f.message}"
@@ -267,10 +268,12 @@ _PEER_LOST = ("connection reset", "connection closed", "broken pipe", "connectio
 
 def _gone_ranks(state: RunState, f: P.Failed | None) -> str:
     """'rank(s) 1 on node1 (last step seen 36)': the ranks of this session that said hello and never an
-    end line, when the first failure is a broken connection to a peer; "" otherwise."""
-    if f is None or f.cause not in ("crash", "nccl_timeout"):
+    end line, when the first failure is a broken connection to a peer or a stop nobody asked for (the
+    launcher ending the survivors); "" otherwise."""
+    if f is None or f.cause not in ("crash", "nccl_timeout", "stopped"):
         return ""
-    if not any(w in f"{f.exc_type} {f.message}".lower() for w in _PEER_LOST):
+    # "stopped" here was asked by nobody: srun --kill-on-bad-exit or torchrun ending the survivors
+    if f.cause != "stopped" and not any(w in f"{f.exc_type} {f.message}".lower() for w in _PEER_LOST):
         return ""
     ended = {x.rank for x in state.failed}
     by_host: dict[str, list[int]] = {}

@@ -2,7 +2,7 @@
 # Issue 34: `shardconsole tune` on the H200 under a 24 GiB cap (a 24 GB card, the whole device), twice: the
 # 1b preset 3090-offload and the 7B preset 3090-7b-offload. Each must write a winner whose NVML peak, as
 # the 24 GB card would show it, is under 24 GiB, at the preset's numerics (dtype, master dtype, rounding).
-# Under 10 minutes in all: T1_LIMIT + T2_LIMIT seconds (default 200 + 330) plus two plans.
+# Under 10 minutes in all: T1_LIMIT + T2_LIMIT seconds (default 190 + 320) plus two plans and the check (about 9 minutes).
 # Run from the repo root on the GPU machine after the wheel line (../shared/gpu/wheelhouse.sh), PYTHONPATH set:
 #     bash benchmarks/tune_frontier_gpu.sh
 # Writes $OUT/frontier.log (both plans, both live tables, the winners, the check) and $OUT/frontier.tgz (the
@@ -27,8 +27,8 @@ one() {   # preset, SIGINT limit (s), budget, probes, steps
         --max-probes "$4" --probe-steps "$5" -o "$1-frontier" 2>&1 | tee -a "$LOG"
     echo "=== tune $1: exit ${PIPESTATUS[0]}" | tee -a "$LOG"
 }
-one 3090-offload "${T1_LIMIT:-200}" "${T1_BUDGET:-170s}" 4 4
-one 3090-7b-offload "${T2_LIMIT:-330}" "${T2_BUDGET:-300s}" 2 3
+one 3090-offload "${T1_LIMIT:-190}" "${T1_BUDGET:-160s}" 4 4
+one 3090-7b-offload "${T2_LIMIT:-320}" "${T2_BUDGET:-290s}" 2 3
 python3 - "$W" <<'PY' 2>&1 | tee -a "$LOG"
 # The check: a winner written for each preset, its NVML peak (as on the 24 GB card) under 24 GiB, the
 # preset's numerics kept, every probe of the speed book at those numerics.

@@ -5,7 +5,7 @@
 
 Each cycle starts `tiny-cpu` through launch.Job (the path the front ends use), waits a random time
 in [0, --max-wait] seconds (so stops land in start-up, model load, op builds, training and checkpoint
-saves), stops it (SIGTERM, grace, SIGKILL) and checks that no process of the run is left.
+saves), stops it through session/stop.stop_run (SIGTERM, grace, SIGKILL) and checks that no process of the run is left.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from shardconsole.settings import config as C, preset_store  # noqa: E402
 from shardconsole.launch.job import METRICS_FILE, PRESET_FILE, Job, _live  # noqa: E402
+from shardconsole.session.stop import stop_run  # noqa: E402
 from shardconsole.runlog.runstate import RunState  # noqa: E402
 from shardconsole.runlog.stream import MetricsReader  # noqa: E402
 
@@ -45,7 +46,8 @@ def cycle(backend: str, root: Path, i: int, wait: float, grace: float) -> dict:
     state = stream_state(run_dir)
     phase = state.phase if state.hellos else "not started"
     pids = tuple(state.rank_pids)
-    report = job.stop(grace_s=grace, rank_pids=pids)
+    # the one stop path (session/stop.py); a rank's stop save is waited for no longer than the grace
+    report = stop_run(job, pids, who="stop_cycles", grace_s=grace, save_timeout_s=grace, check_gpus=False)
     time.sleep(0.2)
     left = _live(set(report.signalled) | set(pids))
     return {"cycle": i, "wait_s": round(wait, 2), "phase": phase, "stop_s": round(report.seconds, 2),

@@ -157,6 +157,10 @@ def test_the_nodes_files_read_as_one_stream(tmp_path):
     w.emit(P.Failed(run="r", rank=0, t=5.0, cause="stopped"))
     assert [(m.kind, m.rank) for m in reader.poll()] == [("hello", 1), ("step", 0), ("failed", 1), ("failed", 0)]
     assert reader.bad_lines == 0
+    # a front end on another node appends its samples to its host's file, read with the rest
+    from shardconsole.runlog.runfolder import metrics_file_of_host
+    MetricsWriter(tmp_path / metrics_file_of_host("node 1"), "r", -1).emit(P.Event(run="r", rank=-1, t=6.0, name="x"))
+    assert [(m.kind, m.rank) for m in reader.poll()] == [("event", -1)]
 
 
 def _my_addresses() -> tuple[set[str], str]:

@@ -6,6 +6,7 @@ from here. Standard library only (the ranks import it before torch).
       metrics.jsonl      the stream: every step, memory, GPU and host sample, event, eval line
       metrics.node<N>.jsonl  on a run of several nodes, the lines of node N's ranks (N > 0): no two
                          hosts append to one file (NFS does not keep O_APPEND whole across hosts)
+      metrics.host-<host>.jsonl  on a run of several nodes, the samples and notes of a front end there
       job.json           who started the run here: launcher pid/pgid, host, start time, argv
       stop_request.json  a stop asked through the folder (`shardconsole stop` of a multi-node or Slurm
                          run, Slurm's USR1): every node's ranks look for it at step boundaries
@@ -97,18 +98,30 @@ def metrics_file_of_node(node_rank: int) -> str:
     return METRICS_FILE if node_rank <= 0 else f"{Path(METRICS_FILE).stem}.node{node_rank}.jsonl"
 
 
+def metrics_file_of_host(host: str) -> str:
+    """The stream file a front end on `host` appends its samples and notes to, on a run of several
+    nodes (each node's headless front end samples its own machine)."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in host) or "host"
+    return f"{Path(METRICS_FILE).stem}.host-{safe}.jsonl"
+
+
 def node_metrics_files(main: Path) -> list[Path]:
-    """The other nodes' stream files beside a metrics.jsonl, by node rank."""
+    """The other stream files beside a metrics.jsonl: the nodes' ranks' by node rank, then the front
+    ends' by host."""
     stem = Path(METRICS_FILE).stem
-    found = []
+    if Path(main).name != METRICS_FILE:
+        return []
+    nodes, hosts = [], []
     try:
-        for p in Path(main).parent.glob(f"{stem}.node*.jsonl"):
-            n = p.name[len(stem) + 5:-len(".jsonl")]
-            if n.isdigit() and Path(main).name == METRICS_FILE:
-                found.append((int(n), p))
+        for p in Path(main).parent.glob(f"{stem}.*.jsonl"):
+            middle = p.name[len(stem) + 1:-len(".jsonl")]
+            if middle.startswith("node") and middle[4:].isdigit():
+                nodes.append((int(middle[4:]), p))
+            elif middle.startswith("host-"):
+                hosts.append((middle, p))
     except OSError:
         return []
-    return [p for _, p in sorted(found)]
+    return [p for _, p in sorted(nodes)] + [p for _, p in sorted(hosts)]
 
 
 def write_stop_request(folder: Path, session: str, who: str) -> Path:

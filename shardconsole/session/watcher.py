@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shardconsole.launch import process_identity as PI
+from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
 from shardconsole.session.hang import Watch
-from shardconsole.runlog.runfolder import RunFolder
+from shardconsole.runlog.runfolder import RunFolder, metrics_file_of_host
 from shardconsole.runlog.runstate import RunState
 from shardconsole.session.logtail import LogTail
 from shardconsole.session.outcome import DETACHED
@@ -87,6 +88,16 @@ def rank_alive(hello: P.Hello, run_dir: Path) -> bool:
         return False
 
 
+def _samples_file(folder: RunFolder) -> Path:
+    """Where this front end appends: metrics.jsonl, or on a run of several nodes a file of this host's
+    (a front end on each node samples its machine; no two hosts append to one file)."""
+    try:
+        several = C.load(folder.preset).parallel.nnodes > 1
+    except (C.ConfigError, OSError):
+        several = False
+    return folder.path / metrics_file_of_host(HOST) if several else folder.metrics
+
+
 class Watcher:
     def __init__(self, job: Any, run_dir: Path, run_id: str, probes: Probes | None = None, *,
                  sample_every_s: float = 1.0, look_every_s: float = 1.0, logs: bool = True,
@@ -100,7 +111,7 @@ class Watcher:
         self.sample_every_s, self.look_every_s = sample_every_s, look_every_s
         self.state = RunState()
         self.reader = MetricsReader(self.folder.metrics)
-        self.samples = SampleAppender(self.folder.metrics, run_id)
+        self.samples = SampleAppender(_samples_file(self.folder), run_id)
         self.logs = LogTail(self.folder.path) if logs else None
         self.watch = Watch(timeout_s=hang_timeout_s)
         self.exit_code: int | None = None

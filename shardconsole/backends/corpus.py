@@ -198,6 +198,25 @@ def _messages(rec: dict, where: str) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------
 # Segments to tokens
 
+CHUNK_CHARS = 1 << 16        # the longest text one tokenizer call gets
+BATCH_CHARS = 8 << 20        # a batch of records is tokenized at the latest once it holds this much text
+
+
+def pieces(text: str, size: int) -> Iterator[str]:
+    """text in pieces of about size characters, each cut just before a whitespace that follows a
+    non-whitespace (a word boundary for byte-level BPE's and SentencePiece's pre-tokenizers alike); a
+    stretch without one is cut at 2 * size."""
+    start, n = 0, len(text)
+    while n - start > size:
+        cut = start + size
+        while cut < min(n, start + 2 * size) and not (text[cut].isspace() and not text[cut - 1].isspace()):
+            cut += 1
+        yield text[start:cut]
+        start = cut
+    if start < n:
+        yield text[start:]
+
+
 @dataclass
 class Encoder:
     """Text -> ids with the model folder's tokenizer, or UTF-8 bytes without one."""
@@ -210,7 +229,18 @@ class Encoder:
             return []
         if self.tokenizer is None:
             return [list(t.encode("utf-8")) for t in texts]
-        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        if all(len(t) <= CHUNK_CHARS for t in texts):
+            return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        # A fast tokenizer holds offsets, words and merges per character of a call's text: one 50 MB
+        # record took a rank to 9.9 GiB. Long texts go in pieces cut where a word starts, so the
+        # pre-tokenizer sees the same words and the ids are those of the whole text.
+        out: list[list[int]] = []
+        for t in texts:
+            ids: list[int] = []
+            for piece in pieces(t, CHUNK_CHARS):
+                ids += self.tokenizer([piece], add_special_tokens=False)["input_ids"][0]
+            out.append(ids)
+        return out
 
 
 def load_encoder(model_path: str | None, has_tokenizer: bool, vocab: int) -> Encoder:
@@ -265,8 +295,12 @@ def tokenize_records(records: Iterator[tuple[int, dict]], renderer: Renderer, en
             yield i, np.asarray(ids, dtype=np.int64), np.asarray(flags, dtype=np.uint8)
         batch.clear()
 
+    chars = 0
     for i, rec in records:
-        batch.append((i, renderer.segments(rec, where(i))))
-        if len(batch) >= chunk:
+        segs = renderer.segments(rec, where(i))
+        batch.append((i, segs))
+        chars += sum(len(t) for t, _ in segs)
+        if len(batch) >= chunk or chars >= BATCH_CHARS:
             yield from flush()
+            chars = 0
     yield from flush()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shardconsole.settings.models import ModelSpec
+from shardconsole.settings.models import ModelSpec, Moe, moe_of
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -24,17 +24,23 @@ class Shapes:
     tied: bool
     attention_bias: bool
     mlp_bias: bool
+    moe: Moe | None = None      # the experts of a mixture-of-experts model (settings.models.moe_of)
+    qkv_bias: bool = False      # qwen2's biases on q, k and v (not o)
 
     @classmethod
     def of(cls, spec: ModelSpec) -> "Shapes":
         c = spec.config
         h = int(c["hidden_size"])
         heads = int(c["num_attention_heads"])
+        moe = moe_of(c)
+        # An MoE token passes through top_k experts and the shared one: that is its MLP's activation width.
+        inter = int(c["intermediate_size"]) if moe is None else moe.top_k * moe.expert_inter + moe.shared_inter
         return cls(hidden=h, layers=int(c["num_hidden_layers"]), vocab=int(c["vocab_size"]), heads=heads,
                    kv_heads=int(c.get("num_key_value_heads") or heads),
-                   head_dim=int(c.get("head_dim") or h // heads), intermediate=int(c["intermediate_size"]),
+                   head_dim=int(c.get("head_dim") or h // heads), intermediate=inter,
                    tied=bool(c.get("tie_word_embeddings", False)), attention_bias=bool(c.get("attention_bias")),
-                   mlp_bias=bool(c.get("mlp_bias")))
+                   mlp_bias=bool(c.get("mlp_bias")), moe=moe,
+                   qkv_bias=bool(c.get("qkv_bias")) and not c.get("attention_bias"))
 
     @property
     def q_dim(self) -> int:
@@ -47,11 +53,33 @@ class Shapes:
     def layer_params(self) -> list[tuple[int, ...]]:
         """Shapes of one decoder layer's parameters (nn.Linear weight is [out, in])."""
         h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        out: list[tuple[int, ...]] = [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i), (h,), (h,)]
+        out: list[tuple[int, ...]] = [(q, h), (kv, h), (kv, h), (h, q)]
+        if self.moe is None:
+            out += [(i, h), (i, h), (h, i)]
+        else:
+            out += self._expert_params()
+        out += [(h,), (h,)]
         if self.attention_bias:
             out += [(q,), (kv,), (kv,), (h,)]
-        if self.mlp_bias:
+        elif self.qkv_bias:
+            out += [(q,), (kv,), (kv,)]
+        if self.mlp_bias and self.moe is None:
             out += [(i,), (i,), (h,)]
+        return out
+
+    def _expert_params(self) -> list[tuple[int, ...]]:
+        """transformers' fused experts ([E, 2*inter, h] gate and up, [E, h, inter] down), the router
+        [E, h], a shared expert with its [1, h] gate, and q/k norms where the model has them."""
+        m, h = self.moe, self.hidden
+        assert m is not None
+        out: list[tuple[int, ...]] = [(m.experts, 2 * m.expert_inter, h), (m.experts, h, m.expert_inter),
+                                      (m.experts, h)]
+        if m.shared_inter:
+            out += [(m.shared_inter, h), (m.shared_inter, h), (h, m.shared_inter), (1, h)]
+        if m.qk_norm == "head":
+            out += [(self.head_dim,), (self.head_dim,)]
+        elif m.qk_norm == "full":
+            out += [(self.q_dim,), (self.kv_dim,)]
         return out
 
     def root_params(self) -> list[tuple[int, ...]]:

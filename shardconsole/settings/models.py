@@ -44,6 +44,51 @@ class ModelError(ValueError):
     pass
 
 
+# Mixture-of-experts configs whose parameters are counted (every decoder layer sparse, the experts of
+# transformers' fused [experts, 2*inter, hidden] / [experts, hidden, inter] layout): model_type ->
+# (experts key, expert intermediate key, shared-expert intermediate key or None).
+MOE_TYPES = {"mixtral": ("num_local_experts", "intermediate_size", None),
+             "olmoe": ("num_experts", "intermediate_size", None),
+             "qwen3_moe": ("num_experts", "moe_intermediate_size", None),
+             "qwen2_moe": ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size")}
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok",
+                "moe_intermediate_size", "n_shared_experts")
+
+
+@dataclass(frozen=True)
+class Moe:
+    experts: int             # routed experts per layer
+    top_k: int               # experts each token goes through
+    expert_inter: int        # one expert's intermediate size
+    shared_inter: int        # the shared expert's (0: none)
+    qk_norm: str             # "" | "head" (qwen3_moe: RMSNorm over head_dim) | "full" (olmoe: over q and kv)
+
+
+def moe_of(config: dict[str, Any], where: str = "config.json") -> Moe | None:
+    """The experts of a mixture-of-experts config; None for a dense model. ModelError for an MoE whose
+    parameters the planner cannot count (another layout, or dense and sparse layers mixed): a plan
+    that counted it as dense said 17.0M parameters and "fits" for a model that used 9.7 GiB."""
+    if not any(isinstance(config.get(k), int) and config.get(k) > 1 for k in _EXPERT_KEYS):
+        return None
+    model_type = config.get("model_type")
+    known = MOE_TYPES.get(model_type)
+    if known is None:
+        raise ModelError(f"{where}: a mixture-of-experts model ({model_type}) whose experts shardconsole cannot "
+                         f"count, so no plan of its memory would be true; counted: {', '.join(MOE_TYPES)}")
+    mixed = config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1 \
+        or config.get("first_k_dense_replace")
+    if mixed:
+        raise ModelError(f"{where}: a {model_type} model with dense and sparse layers mixed (mlp_only_layers, "
+                         f"decoder_sparse_step): its parameters are not counted; every layer sparse is")
+    experts_key, inter_key, shared_key = known
+    # transformers renames keys between releases (qwen3_moe's num_experts is num_local_experts in 5.x)
+    experts = next(int(config[k]) for k in (experts_key, "num_local_experts", "num_experts") if config.get(k))
+    return Moe(experts=experts, top_k=int(config.get("num_experts_per_tok") or 2),
+               expert_inter=int(config[inter_key]),
+               shared_inter=int(config.get(shared_key) or 0) if shared_key else 0,
+               qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(model_type, ""))
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str                       # catalog name or the directory as given
@@ -77,7 +122,15 @@ class ModelSpec:
         attn = h * heads * head_dim + 2 * h * kv * head_dim + heads * head_dim * h
         if c.get("attention_bias"):
             attn += heads * head_dim + 2 * kv * head_dim + h
-        mlp = 3 * h * inter
+        elif c.get("qkv_bias"):      # qwen2's: q, k and v, not o
+            attn += heads * head_dim + 2 * kv * head_dim
+        moe = moe_of(c)
+        if moe is None:
+            mlp = 3 * h * inter
+        else:   # the routed experts, the router, and a shared expert with its gate
+            mlp = moe.experts * 3 * h * moe.expert_inter + moe.experts * h
+            mlp += 3 * h * moe.shared_inter + h if moe.shared_inter else 0
+            attn += {"head": 2 * head_dim, "full": heads * head_dim + kv * head_dim}.get(moe.qk_norm, 0)
         norms = 2 * h
         per_layer = attn + mlp + norms
         embed = V * h
@@ -133,6 +186,7 @@ def resolve(name: str) -> ModelSpec:
     if missing:
         raise ModelError(f"{cfg_file}: not a decoder-only transformer config (missing {', '.join(missing)})")
     _check_buildable(raw, cfg_file)
+    moe_of(config, str(cfg_file))      # an MoE it cannot count is refused here, before any plan
     has_weights = any((path / f).exists() for f in WEIGHT_FILES)
     has_tok = any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
     return ModelSpec(name=name, config=config, path=str(path.resolve()), has_weights=has_weights,

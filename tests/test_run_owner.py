@@ -290,3 +290,25 @@ def test_a_console_started_run_folder_is_made_as_the_clis(tmp_path, monkeypatch)
     finally:
         report = handle.stop(0.0, [], who="test", hurry=Hurry())
     assert report.clean
+
+
+def test_the_consoles_resume_is_refused_while_another_process_owns_the_folder(tmp_path):
+    """Item 2, the console's side: a folder owned by another process (a resume preparing, a launcher)
+    is refused in one line naming the holder, before anything is read or written."""
+    from shardconsole.console.services import TorchrunLauncher
+    run_dir = _folder(tmp_path, "owned", [])
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from shardconsole.launch.owner import take_owner; "
+                               "take_owner(Path(sys.argv[1]), 'a test holder'); print('held', flush=True); "
+                               "time.sleep(600)", str(run_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        preset = (run_dir / "preset.toml").read_text()
+        with pytest.raises(C.ConfigError, match=f"in use by a test holder \\(pid {holder.pid}\\)"):
+            TorchrunLauncher(tmp_path).resume(run_dir)
+        assert (run_dir / "preset.toml").read_text() == preset and not (run_dir / "preset.toml.prev").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    with pytest.raises(C.ConfigError, match="no checkpoint"):       # the holder gone, the folder is free
+        TorchrunLauncher(tmp_path).resume(run_dir)

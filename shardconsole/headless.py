@@ -22,7 +22,7 @@ from shardconsole.runlog import protocol as P
 from shardconsole.session.hang import hang_message, where_ranks_are
 from shardconsole.launch.job import Job
 from shardconsole.runlog.runfolder import RunFolder
-from shardconsole.runlog.runstate import RunState, fmt_rate
+from shardconsole.runlog.runstate import RunState, fmt_rate, save_line
 from shardconsole.session.outcome import EXIT_CODES, classify
 from shardconsole.session.resume import EarlierPart
 from shardconsole.session.signals import Detach, quiet_stdout
@@ -32,6 +32,7 @@ from shardconsole.session.watcher import MachineProbes, Tick, Watcher
 __all__ = ["EXIT_CODES", "run", "follow", "step_line", "progress_bar", "fmt_rate"]
 
 POLL_S = 0.2
+SAVE_LINE_EVERY_S = 10.0    # a save's line without a terminal: at its start, this often, at its end
 
 
 def _num(x: float | None, fmt: str) -> str:
@@ -88,6 +89,8 @@ def offload_line(state: RunState, o: P.OffloadTiming) -> str:
 
 
 def progress_bar(state: RunState, width: int) -> str:
+    if state.saving is not None:       # a save of tens of GB takes tens of seconds: its bytes
+        return save_line(state.saving)[:width]
     s = state.last_step
     done, total = (s.step, s.steps) if s else (0, 0)
     label = f" {state.phase} "
@@ -116,6 +119,7 @@ class Printer:
         except (ValueError, OSError):
             self.tty = False
         self._bar_shown = False
+        self._save_said: dict[tuple[int, str], float] = {}     # (step, what) -> elapsed_s last printed
 
     def render(self, tick: Tick, state: RunState) -> None:
         for msg in tick.messages:
@@ -139,11 +143,26 @@ class Printer:
                 self.print(eval_line(msg))
             elif isinstance(msg, P.OffloadTiming) and msg.rank == 0:
                 self.print(offload_line(state, msg))
+            elif isinstance(msg, P.SaveProgress) and msg.rank == 0 and self._save_due(msg):
+                self.print(save_line(msg))
         if self.tty:
             width = shutil.get_terminal_size((100, 20)).columns - 1
             self.out.write("\r\x1b[2K" + progress_bar(state, width))
             self.out.flush()
             self._bar_shown = True
+
+    def _save_due(self, sp: P.SaveProgress) -> bool:
+        """A save's first line, its end, and every SAVE_LINE_EVERY_S between (about one line a second
+        comes; a terminal shows each in its progress bar instead)."""
+        key = (sp.step, sp.what)
+        if sp.done:
+            self._save_said.pop(key, None)
+            return True
+        last = self._save_said.get(key)
+        if last is not None and (self.tty or sp.elapsed_s - last < SAVE_LINE_EVERY_S):
+            return False
+        self._save_said[key] = sp.elapsed_s
+        return True
 
     def print(self, line: str) -> None:
         self.clear_bar()

@@ -168,3 +168,33 @@ async def test_an_op_build_shows_its_time_and_what_it_builds(tmp_path):
         assert any("torch.compile (train.compile): the first steps compile" in line for line in lines)
         first = shown()
         await wait_for(pilot, lambda: shown() >= first + 2, timeout=15, what="the clock moving")
+
+
+async def test_a_save_shows_its_bytes_and_is_not_a_hang(tmp_path):
+    """A save of tens of GB (issue 30): the status line shows its bytes while it runs, the logs its end;
+    with a hang limit far under the save's length the console does not stop it."""
+    run_dir = tmp_path / "runs" / "saving"
+    cfg = C.build({"parallel": {"device": "cpu"}, "train": {"hang_timeout_s": 0.5}})
+    write_run(run_dir, gpus=0, device="cpu", steps=3, cfg=cfg)
+    path = str(run_dir / "checkpoints" / "step_00000003")
+
+    def progress(i: int, done: bool = False) -> P.SaveProgress:
+        return P.SaveProgress(run="saving", rank=0, t=T0 + 1 + i, step=3, written_bytes=min(i * 12_000_000_000, 84 * 10**9),
+                              total_bytes=84_000_000_000, elapsed_s=float(i), path=path, done=done)
+
+    _emit(run_dir, P.Event(run="saving", rank=0, t=T0 + 1, name="phase", detail="saving checkpoint"), progress(1))
+    launcher = FakeLauncher(tmp_path / "runs")
+    app = make_app(tmp_path, attach=run_dir, launcher=launcher)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await _run_screen(pilot, app)
+        screen.attached = False       # as if started here: a hung run it started, it stops
+        for i in range(1, 8):          # about a second between progress lines, as the ranks send them
+            if i > 1:
+                _emit(run_dir, progress(i))
+            await wait_for(pilot, lambda: f"saving step 3: {12.0 * i:.1f} / 84.0 GB, {i} s" in text_of(
+                screen.query_one("#status")), what=f"the save's bytes at {i} s")
+            await pilot.pause(0.3)
+            assert screen.status == "running" and launcher.jobs[0].stops == 0
+        _emit(run_dir, progress(7, done=True))
+        await wait_for(pilot, lambda: screen.view.state.saving is None)
+        assert "saving step" not in text_of(screen.query_one("#status")) and launcher.jobs[0].stops == 0

@@ -10,7 +10,7 @@ import socket
 from dataclasses import dataclass, field
 
 from shardconsole.runlog import protocol as P
-from shardconsole.runlog.runstate import RunState
+from shardconsole.runlog.runstate import RunState, save_line
 
 GIB = 2**30
 OP_BUILD = "op_build"     # the event a rank sends before it builds (or loads) a DeepSpeed op
@@ -171,6 +171,8 @@ def log_line(msg: P.Message) -> str | None:
         text = f"failed ({msg.cause}): {msg.message}".splitlines()[0]
     elif isinstance(msg, P.Finished):
         text = f"finished: {msg.steps} steps in {msg.elapsed_s:.0f} s"
+    elif isinstance(msg, P.SaveProgress) and msg.done and msg.rank == 0:     # under way: the status line
+        text = save_line(msg)
     else:
         return None
     return f"{label:>6}│ {text}"

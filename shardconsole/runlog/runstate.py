@@ -12,6 +12,20 @@ def fmt_rate(x: float) -> str:
     return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
 
 
+def save_line(sp: P.SaveProgress) -> str:
+    """A save as both front ends print it: `saving step 60: 12.3 / 84.0 GB, 9 s`, and once it is done
+    `saved step 60: 84.0 GB in 52 s (1.6 GB/s) to DIR`. The bytes are rank 0's (each rank writes its own
+    shards alike); decimal units, as disks are sold."""
+    scale, unit = (1e9, "GB") if max(sp.total_bytes, sp.written_bytes) >= 1e8 else (1e6, "MB")
+    what = {"model": "the model of step", "export": "the export of step"}.get(sp.what, "step")
+    if sp.done:
+        rate = f" ({sp.written_bytes / sp.elapsed_s / 1e9:.2f} GB/s)" if sp.elapsed_s > 0 else ""
+        return (f"saved {what} {sp.step}: {sp.written_bytes / scale:.1f} {unit} in {sp.elapsed_s:.0f} s{rate}"
+                + (f" to {sp.path}" if sp.path else ""))
+    of = f" / {sp.total_bytes / scale:.1f}" if sp.total_bytes else ""
+    return f"saving {what} {sp.step}: {sp.written_bytes / scale:.1f}{of} {unit}, {sp.elapsed_s:.0f} s"
+
+
 @dataclass
 class RunState:
     """What the front ends know of a run, folded from the stream."""
@@ -29,6 +43,12 @@ class RunState:
     data: P.DataSummary | None = None
     evals: list[P.Eval] = field(default_factory=list)
     offload: dict[int, P.OffloadTiming] = field(default_factory=dict)    # the offload view, by rank
+    save: P.SaveProgress | None = None   # the latest save's progress (rank 0's)
+
+    @property
+    def saving(self) -> P.SaveProgress | None:
+        """The save under way (its progress not done yet), else None."""
+        return self.save if self.save is not None and not self.save.done else None
 
     def apply(self, msg: P.Message) -> None:
         if isinstance(msg, P.Hello):
@@ -56,6 +76,8 @@ class RunState:
             self.evals.append(msg)
         elif isinstance(msg, P.OffloadTiming):
             self.offload[msg.rank] = msg
+        elif isinstance(msg, P.SaveProgress) and msg.rank == 0:
+            self.save = msg
 
     def new_session(self) -> None:
         """A resumed run appends a new session to the same stream: its ranks, its end, its events."""
@@ -63,6 +85,7 @@ class RunState:
         self.failed.clear()
         self.events.clear()
         self.finished = None
+        self.save = None
         self.phase = "starting"
 
     def gpu_of(self, rank: int) -> P.GpuSample | None:

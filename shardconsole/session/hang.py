@@ -18,21 +18,39 @@ from pathlib import Path
 
 from shardconsole.machine import flight_recorder
 from shardconsole.runlog.runfolder import LOGS_DIR
-from shardconsole.runlog.runstate import RunState
+from shardconsole.runlog.runstate import RunState, save_line
 
 FIRST_STEP_GRACE_S = 900.0   # the first step may include torch.compile and op builds
 MIN_HANG_S = 120.0
+# A save reports its bytes about once a second (protocol.SaveProgress): it is progress, however long the
+# save. Only bytes that stop growing for this long (or train.hang_timeout_s, if longer) are a hang: a rank
+# waiting at the save's barrier for a slower one, or one large file on a slow disk, sends no new byte
+# for a while.
+SAVE_STALL_S = 600.0
 
 
 @dataclass
 class Watch:
-    """Tracks when the last step line arrived; says when the gap is far longer than a step."""
+    """Tracks when the last step line arrived; says when the gap is far longer than a step. During a save
+    (a SaveProgress not done) the save's bytes are the progress instead."""
     timeout_s: float = 0.0          # 0: automatic
+    save_stall_s: float = SAVE_STALL_S
     _last_step_at: float | None = None
     _training_since: float | None = None
     _seen_step: int = -1
+    _save_seen: tuple[int, str, int] | None = None
+    _save_moved_at: float | None = None
 
     def update(self, state: RunState, now: float) -> None:
+        sp = state.saving
+        if sp is not None:
+            seen = (sp.step, sp.what, sp.written_bytes)
+            if seen != self._save_seen:
+                self._save_seen, self._save_moved_at = seen, now
+            self._training_since = None       # the step clock starts again after the save
+            self._last_step_at = None
+            return
+        self._save_seen = self._save_moved_at = None
         if state.phase != "training":
             self._training_since = None       # loading, saving a checkpoint: not a hang
             self._last_step_at = None
@@ -53,12 +71,17 @@ class Watch:
         interval = max(1, s.step - (state.prev_step.step if state.prev_step is not None else 0))
         return max(MIN_HANG_S, 20.0 * s.step_s * interval)
 
+    def save_limit(self) -> float:
+        return max(self.timeout_s, self.save_stall_s)
+
     def stalled_for(self, now: float) -> float:
-        ref = self._last_step_at or self._training_since
+        ref = self._save_moved_at or self._last_step_at or self._training_since
         return 0.0 if ref is None else now - ref
 
     def hung(self, state: RunState, now: float) -> bool:
         self.update(state, now)
+        if state.saving is not None:
+            return self.stalled_for(now) > self.save_limit()
         return state.phase == "training" and self.stalled_for(now) > self.limit(state)
 
 
@@ -142,7 +165,11 @@ def where_ranks_are(state: RunState, run_dir: Path, ranks: Iterable[int], wait_s
 
 def hang_message(state: RunState, stacks: dict[int, list[str]], stalled_s: float) -> str:
     s = state.last_step
-    lines = [f"no step for {stalled_s:.0f} s" + (f" (a step took {s.step_s:.2f} s; last step {s.step})" if s else "")]
+    sp = state.saving
+    if sp is not None:
+        lines = [f"no save progress for {stalled_s:.0f} s ({save_line(sp)})"]
+    else:
+        lines = [f"no step for {stalled_s:.0f} s" + (f" (a step took {s.step_s:.2f} s; last step {s.step})" if s else "")]
     waiting = sorted(r for r, f in stacks.items() if f and in_collective(f))
     stuck = sorted(r for r, f in stacks.items() if f and not in_collective(f))
     for r in stuck:

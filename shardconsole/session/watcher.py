@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from shardconsole.launch import process_identity as PI
 from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
-from shardconsole.session.hang import Watch
+from shardconsole.session.hang import SAVE_STALL_S, Watch
 from shardconsole.runlog.runfolder import RunFolder, metrics_file_of_host
 from shardconsole.runlog.runstate import RunState
 from shardconsole.session.logtail import LogTail
@@ -101,7 +101,7 @@ def _samples_file(folder: RunFolder) -> Path:
 class Watcher:
     def __init__(self, job: Any, run_dir: Path, run_id: str, probes: Probes | None = None, *,
                  sample_every_s: float = 1.0, look_every_s: float = 1.0, logs: bool = True,
-                 hang_timeout_s: float = 0.0, record: bool | None = None) -> None:
+                 hang_timeout_s: float = 0.0, record: bool | None = None, save_stall_s: float = SAVE_STALL_S) -> None:
         """record: write the run's TensorBoard events as the stream grows (tbevents.py); by default the
         front end that samples the machine for the run (`probes`) records it too."""
         self.job = job
@@ -113,7 +113,7 @@ class Watcher:
         self.reader = MetricsReader(self.folder.metrics)
         self.samples = SampleAppender(_samples_file(self.folder), run_id)
         self.logs = LogTail(self.folder.path) if logs else None
-        self.watch = Watch(timeout_s=hang_timeout_s)
+        self.watch = Watch(timeout_s=hang_timeout_s, save_stall_s=save_stall_s)
         self.exit_code: int | None = None
         self.ended = False
         self.foreign_lines = 0
@@ -230,7 +230,8 @@ class Watcher:
         return kept
 
     def hung(self) -> bool:
-        """No step line for longer than the hang limit, and nothing else explains the silence. A stream
+        """No step line for longer than the hang limit (during a save: no new byte saved for longer than
+        the save's: hang.SAVE_STALL_S), and nothing else explains the silence. A stream
         that stopped because its disk filled up (the ranks say so in their logs) is not a hang: the ranks
         may be training on, so they are watched by pid and never killed for it."""
         if not self.watch.hung(self.state, time.monotonic()):

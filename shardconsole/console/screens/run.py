@@ -27,6 +27,7 @@ from shardconsole.runlog import protocol as P
 from shardconsole.session.hang import hang_message, where_ranks_are
 from shardconsole.launch.job import StopReport
 from shardconsole.runlog.runfolder import RunFolder
+from shardconsole.runlog.runstate import save_line
 from shardconsole.session.outcome import EXIT_CODES, classify
 from shardconsole.session.stop import Hurry, describe_stop
 from shardconsole.session.watcher import Watcher
@@ -390,7 +391,11 @@ class RunScreen(Screen[None]):
         color = {"stopped": "yellow", "finished": "green", "failed": "red", "stopping": "yellow"}.get(
             self.status, "cyan")
         text.append(f"● {phase}", f"bold {color}")
-        if s is not None and s.steps:
+        if self.live and state.saving is not None:
+            # a save of tens of GB takes tens of seconds: its bytes say it is alive (and the hang watch
+            # counts them as progress); in the step bar's place, which reads 100% by then
+            text.append(f"  {save_line(state.saving)}", "bold")
+        elif s is not None and s.steps:
             frac = min(1.0, s.step / s.steps)
             width = 20 if self.size.width >= 100 else 8     # 80 columns: room for the time elapsed
             filled = int(frac * width)

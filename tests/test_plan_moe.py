@@ -82,3 +82,19 @@ def test_a_long_record_is_tokenized_in_pieces_with_the_same_ids(tmp_path):
     [ids] = enc.encode([text])
     assert max(longest) <= 2 * corpus.CHUNK_CHARS and len(longest) > 10
     assert ids == tok([text], add_special_tokens=False)["input_ids"][0]
+
+
+def test_the_plan_counts_the_tokenizers_bounded_work(tmp_path):
+    """A run on records plans the tokenizing moment: the ranks' base, and the one building rank's
+    tokenizer work, bounded by the text it is handed at once (not by the records' length)."""
+    from shardconsole import plan
+    from shardconsole.settings import preset_store
+    from shardconsole.settings.data_scan import TOKENIZE_WORK_BYTES
+    cfg = preset_store.load("tiny-cpu")
+    spec = resolve(cfg.model.name)
+    hw = plan.detect_hardware()
+    synthetic = plan.estimate(cfg, spec, hw)
+    cfg.data.path = str(tmp_path / "records.jsonl")
+    records = plan.estimate(cfg, spec, hw)
+    [part] = [v for k, v in records.host_parts.items() if k.startswith("tokenizer before training")]
+    assert part == TOKENIZE_WORK_BYTES and records.host_peak_bytes > synthetic.host_peak_bytes

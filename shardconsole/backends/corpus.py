@@ -198,8 +198,8 @@ def _messages(rec: dict, where: str) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------
 # Segments to tokens
 
-CHUNK_CHARS = 1 << 16        # the longest text one tokenizer call gets
-BATCH_CHARS = 8 << 20        # a batch of records is tokenized at the latest once it holds this much text
+CHUNK_CHARS = data_scan.TOKENIZE_CHUNK_CHARS      # the longest text one tokenizer call gets
+BATCH_CHARS = data_scan.TOKENIZE_BATCH_CHARS      # records are tokenized together up to this much text
 
 
 def pieces(text: str, size: int) -> Iterator[str]:
@@ -229,7 +229,7 @@ class Encoder:
             return []
         if self.tokenizer is None:
             return [list(t.encode("utf-8")) for t in texts]
-        if all(len(t) <= CHUNK_CHARS for t in texts):
+        if all(len(t) <= CHUNK_CHARS for t in texts):    # a batch holds at most BATCH_CHARS of text
             return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         # A fast tokenizer holds offsets, words and merges per character of a call's text: one 50 MB
         # record took a rank to 9.9 GiB. Long texts go in pieces cut where a word starts, so the

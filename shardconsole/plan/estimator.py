@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardconsole.settings import config as C
+from shardconsole.settings.data_scan import TOKENIZE_WORK_BYTES
 from shardconsole.settings.models import ModelSpec
 from shardconsole.plan.activation_memory import activations
 from shardconsole.machine.hardware import driver_reserved_bytes
@@ -164,6 +165,12 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, start_step: int
         # the save runs after training, with training's memory still held (its start-up transients gone)
         held = {k: v for k, v in host_by_phase["training"].items() if "transient" not in k}
         host_by_phase["saving"] = {**held, "save (the piece being written)": sv.host_add_rank_bytes}
+    if cfg.data.source in ("auto", "text") and cfg.data.path:
+        # One rank tokenizes before training (the others wait): its tokenizer's work is bounded by
+        # the batch of text it is handed (backends/corpus.py), whatever the records' length.
+        base = {k: v for k, v in host_by_phase["training"].items() if k.startswith("process")}
+        host_by_phase["tokenizing"] = {**base, "tokenizer before training (one rank's work, split over the node)":
+                                       TOKENIZE_WORK_BYTES // max(1, cfg.parallel.nproc_per_node)}
     hphases = {k: sum(v.values()) for k, v in host_by_phase.items()}
     hmoment = max(hphases, key=lambda k: hphases[k])
     rank_host = hphases[hmoment]

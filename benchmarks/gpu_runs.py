@@ -188,6 +188,15 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                            "deepspeed.nvme_path=/tmp/sc-nvme",
                                                            "train.save_final=false"]),
     ],
+    # Issue 33: 7B full fine-tuning (offload) beside LoRA and QLoRA, one H200 capped at 24 GiB, the same
+    # random base (one seed), the same text (benchmarks/lora_7b_gpu.sh writes it), the same tokens a step
+    # (8 x 2048) and steps, each preset's own learning rate; the held-out loss after the last step.
+    "issue33": [
+        (name, preset, ["data.path=/tmp/sc-lora-text.jsonl", "data.eval_fraction=0.02", "train.steps=12",
+                        "train.log_every=1", "train.warmup_steps=2", "train.save_final=false"])
+        for name, preset in (("7b-full-offload-bf16m", "3090-7b-offload"), ("7b-lora-r16", "3090-7b-lora"),
+                             ("7b-qlora-r16", "3090-7b-qlora"))
+    ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
     ],
@@ -220,6 +229,7 @@ def summarize_messages(msgs: list, warmup_frac: float = 0.34) -> dict:
         "mfu": statistics.median(m.mfu for m in keep) if keep and keep[0].mfu is not None else None,
         "step_s": statistics.median(m.step_s for m in keep) if keep else None,
         "last_loss": steps[-1].loss if steps else None,
+        "eval_loss": next((m.loss for m in reversed(msgs) if m.kind == "eval"), None),
         "peak_reserved_gib": max((m.peak_reserved_bytes or 0) for m in mem) / 2**30 if mem else None,
         "peak_allocated_gib": max((m.peak_allocated_bytes or 0) for m in mem) / 2**30 if mem else None,
         "nvml_used_gib": max(m.used_bytes for m in gpu) / 2**30 if gpu else None,

@@ -61,6 +61,13 @@ NOT_AS_WRITTEN: dict[str, tuple[str, list[str]]] = {
         "the same command as the Fine-tune section's export-model, which runs (one export per suite)", []),
     "shardconsole resume runs/my-chat --set train.steps=400": (
         "suite time (see the run above): resumed to 40 steps", ["shardconsole resume runs/my-chat --set train.steps=40"]),
+    "shardconsole --preset tiny-cpu --headless --run-dir runs/my-lora --set model.name=path/to/model "
+    "--set data.path=chats.jsonl --set data.eval_fraction=0.1 --set train.method=lora --set lora.rank=16 "
+    "--set train.steps=200 --set train.eval_every=50": (
+        "suite time: the same LoRA run with 10 steps and an eval every 5",
+        ["shardconsole --preset tiny-cpu --headless --run-dir runs/my-lora --set model.name=path/to/model "
+         "--set data.path=chats.jsonl --set data.eval_fraction=0.1 --set train.method=lora --set lora.rank=16 "
+         "--set train.steps=10 --set train.eval_every=5"]),
     "shardconsole --preset 4090x2-zero3 --set parallel.nnodes=4 --slurm > job.sbatch && sbatch job.sbatch": (
         "needs a Slurm cluster: the script is written as written and checked by bash's parser",
         ["shardconsole --preset 4090x2-zero3 --set parallel.nnodes=4 --slurm > job.sbatch && bash -n job.sbatch"]),
@@ -124,12 +131,14 @@ def walkthrough(tmp_path_factory):
            "SHARDCONSOLE_RUNS_ROOT": str(base / "runs-root"),
            "DS_ACCELERATOR": "cpu", "COLUMNS": "120"}
     # What the Fine-tune section names: a model folder and a .jsonl of chats, made as a user has them.
-    ft = base / _slug("Fine-tune your model on your data")
-    make_hf_model(ft / "path" / "to" / "model", chat_template=True)
-    with open(ft / "chats.jsonl", "w") as fh:
-        for i in range(40):
-            fh.write(json.dumps({"messages": [{"role": "user", "content": f"what is {i} plus {i}?"},
-                                              {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]}) + "\n")
+    for section in ("Fine-tune your model on your data", "LoRA and QLoRA"):
+        ft = base / _slug(section)
+        make_hf_model(ft / "path" / "to" / "model", chat_template=True)
+        with open(ft / "chats.jsonl", "w") as fh:
+            for i in range(40):
+                fh.write(json.dumps({"messages": [{"role": "user", "content": f"what is {i} plus {i}?"},
+                                                  {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]})
+                         + "\n")
     done: list = []
     runs: list[Path] = []
     timings: list[tuple[float, str]] = []      # seconds a command, kept beside the folders for a reader

@@ -26,7 +26,7 @@ import torch
 import torch._dynamo  # noqa: F401
 
 from shardconsole import ds_json
-from shardconsole.backends import common, loop, metrics, modeling, step_timing, trainstate
+from shardconsole.backends import adapters, common, loop, metrics, modeling, qlora, step_timing, trainstate
 from shardconsole.backends.jit_cache import clear_stale_lock, extension_dir
 from shardconsole.backends.ds_checkpoint import resume, save
 from shardconsole.settings.models import ModelError
@@ -288,7 +288,10 @@ def build(r: common.Rank, ds_cfg: dict) -> modeling.CausalLMLoss:
     hf_cfg = modeling.hf_config(r.spec, cfg)
     pretrained = r.spec.path is not None and r.spec.has_weights
     std = float(getattr(hf_cfg, "initializer_range", 0.02))
-    if cfg.deepspeed.stage == 3:
+    if cfg.train.method == "qlora":
+        model = qlora.build(r, hf_cfg)        # the 4-bit base replicated (stages 0-2), adapters on it
+        lm = model.lm
+    elif cfg.deepspeed.stage == 3:
         # Init takes the dtype (fp16 / bf16 / fp32) and the offload_param placement from ds_cfg. No dtype=
         # argument: DeepSpeed 0.19 reads `dtype or fp16 if fp16_supported else bf16` so, on a CPU without
         # fp16, dtype=torch.float32 builds bf16 parameters; only the config path gets fp32 right.
@@ -308,6 +311,12 @@ def build(r: common.Rank, ds_cfg: dict) -> modeling.CausalLMLoss:
         model = modeling.CausalLMLoss(lm)
         if not pretrained:
             init_as_partitions_(model, std, cfg.train.seed, r.world)
+    if cfg.train.method == "lora":
+        # After the base weights are in (ZeRO-3: into partitions): the adapters are new parameters,
+        # which deepspeed.initialize partitions like the rest.
+        adapters.inject(lm, cfg)
+        adapters.init_adapters_(model, cfg.train.seed, r.rank)
+        r.log(f"{cfg.train.method}: {adapters.count_line(model)}")
     per_layer = cfg.compiles_layers
     if cfg.deepspeed.stage == 3 and cfg.deepspeed.stage3_layer_gather:
         # Hooks on the decoder layer only, none on its Linears and norms: ZeRO-3 fetches the whole layer
@@ -357,7 +366,8 @@ def train(r: common.Rank) -> None:
         r.event("warning", f"precision.master_rounding = {cfg.precision.master_rounding!r} is applied by the FSDP2 "
                 "backend's AdamW; DeepSpeed's bf16 masters round to nearest (updates below bf16's resolution are lost)")
     model = build(r, ds_cfg)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=adapters.trained_params(model),
+                                             config=ds_cfg)
     try:
         _train(r, engine, model, stop)
     finally:

@@ -22,7 +22,9 @@ def save(r: common.Rank, engine, data: trainstate.Data, step: int) -> None:
     zero_to_fp32.py) with each rank's RNG states beside it, made visible as step_N when every rank is done."""
     r.phase("saving checkpoint")
     tmp = checkpoints.prepare_checkpoint(r, step)
-    engine.save_checkpoint(str(tmp), tag=f"global_step{step}", client_state={"step": step})
+    # Under LoRA only what trains: the frozen base is the model folder's (or the seed's), unchanged.
+    engine.save_checkpoint(str(tmp), tag=f"global_step{step}", client_state={"step": step},
+                           exclude_frozen_parameters=r.cfg.adapters)
     checkpoints.write_rank_state(tmp, r.rank, {"rng": trainstate.rng_state(r.device)})
     checkpoints.finish_checkpoint(r, step, {"samples_consumed": data.samples})
     if step < r.cfg.train.steps:
@@ -45,7 +47,7 @@ def resume(r: common.Rank, engine, data: trainstate.Data) -> int:
             f"`python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state` for another)")
     safe_checkpoint_loads(engine)
     try:
-        load_path, client = engine.load_checkpoint(str(found.path))
+        load_path, client = engine.load_checkpoint(str(found.path), load_module_strict=not r.cfg.adapters)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:

@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from shardconsole.backends import (checkpoints, common, fsdp_step, loop, master_update, metrics, modeling, offload,
-                                   pinned_arena, step_timing, trainstate)
+from shardconsole.backends import (adapters, checkpoints, common, fsdp_step, loop, master_update, metrics, modeling,
+                                   offload, pinned_arena, qlora, step_timing, trainstate)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -42,9 +42,12 @@ def reduce_dtype(cfg) -> torch.dtype | None:
     return DTYPES[cfg.precision.reduce_dtype or "fp32"]
 
 
-def shard_model(r: common.Rank, model: modeling.CausalLMLoss) -> None:
+def shard_model(r: common.Rank, model: modeling.CausalLMLoss, ignored: set | None = None) -> None:
+    """`ignored`: parameters each rank keeps whole (QLoRA's 4-bit base)."""
     cfg = r.cfg
     kwargs: dict = {"mesh": make_mesh(r), "reshard_after_forward": cfg.reshard_after_forward}
+    if ignored:
+        kwargs["ignored_params"] = ignored
     if cfg.precision.dtype != "fp32":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.precision.dtype],
                                                    reduce_dtype=reduce_dtype(cfg))
@@ -77,14 +80,24 @@ def build(r: common.Rank) -> modeling.CausalLMLoss:
     r.phase("loading model")
     r.faults.on_load()
     hf_cfg = modeling.hf_config(r.spec, r.cfg)
+    if r.cfg.train.method == "qlora":       # the 4-bit base whole on each GPU, the rest sharded
+        model = qlora.build(r, hf_cfg)
+        if r.cfg.memory.activation_checkpointing:
+            modeling.apply_checkpointing(model.lm, r.cfg.memory.checkpoint_policy, compiled=r.cfg.compiles_layers)
+        shard_model(r, model, ignored=qlora.quantised_params(model))
+        return model.train()
     pretrained = r.spec.path is not None and r.spec.has_weights
     full_sd = None
     if pretrained and r.rank == 0:
         full_sd = modeling.load_pretrained(r.spec, hf_cfg).state_dict()
     with torch.device("meta"):
         model = modeling.CausalLMLoss(modeling.build_causal_lm(hf_cfg))
+    if r.cfg.adapters:
+        adapters.inject(model.lm, r.cfg)     # on the meta device, before sharding: the adapters shard too
     if r.cfg.precision.master_dtype == "bf16":
         model.to(torch.bfloat16)    # on the meta device: the shards are born bf16 (8 bytes a parameter)
+    elif r.cfg.adapters and r.cfg.precision.dtype != "fp32":
+        adapters.cast_frozen_(model, DTYPES[r.cfg.precision.dtype])
     if r.cfg.memory.activation_checkpointing:
         modeling.apply_checkpointing(model.lm, r.cfg.memory.checkpoint_policy, compiled=r.cfg.compiles_layers)
     shard_model(r, model)
@@ -93,13 +106,19 @@ def build(r: common.Rank) -> modeling.CausalLMLoss:
     modeling.reset_buffers_(model, hf_cfg, r.device)
     if pretrained:
         sd = {f"lm.{k}": v for k, v in full_sd.items()} if full_sd is not None else {}
-        set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        if r.cfg.adapters and full_sd is not None:
+            sd = adapters.remap_base_state(full_sd, model, prefix="lm.")
+        set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                                 strict=not r.cfg.adapters))
         del full_sd, sd
     else:
         modeling.init_random_(model, float(getattr(hf_cfg, "initializer_range", 0.02)), r.cfg.train.seed, r.rank,
                               draw_on=r.device if r.is_cuda else None)
+    if r.cfg.adapters:
+        adapters.init_adapters_(model, r.cfg.train.seed, r.rank)
+        r.log(f"{r.cfg.train.method}: {adapters.count_line(model)}")
     arena = None
-    if r.cfg.fsdp.cpu_offload and r.cfg.fsdp.host_arena:
+    if r.cfg.fsdp.cpu_offload and r.cfg.fsdp.host_arena and not r.cfg.adapters:
         pin = r.cfg.fsdp.pin_memory and r.is_cuda
         prec = r.cfg.precision
         arena = r.arena = pinned_arena.ShardArena(
@@ -119,7 +138,7 @@ def build(r: common.Rank) -> modeling.CausalLMLoss:
 def uses_compute_copy(cfg) -> bool:
     """fsdp.offload_compute_copy applies: offloaded fp32 shards computed in a lower precision."""
     return (cfg.fsdp.cpu_offload and cfg.fsdp.offload_compute_copy and cfg.precision.dtype != "fp32"
-            and cfg.precision.master_dtype == "fp32")
+            and cfg.precision.master_dtype == "fp32" and not cfg.adapters)   # a frozen base is stored bf16
 
 
 def refresh_compute_copy(r: common.Rank) -> None:
@@ -131,21 +150,21 @@ def make_optimizer(r: common.Rank, model: torch.nn.Module) -> torch.optim.Optimi
     t = r.cfg.train
     if r.cfg.precision.master_dtype == "bf16" and r.cfg.precision.master_rounding != "nearest":
         # bf16 weights that still take updates below bf16's resolution (master_update.py)
-        return master_update.RoundedAdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
+        return master_update.RoundedAdamW(adapters.trained_params(model), lr=t.lr, betas=(t.beta1, t.beta2),
                                           weight_decay=t.weight_decay, rounding=r.cfg.precision.master_rounding,
                                           seed=t.seed * 65_537 + r.rank, compile=r.is_cuda,
                                           warn=lambda line: r.event("warning", line))
     # fused AdamW: one kernel for all tensors (CUDA, and the CPU for offloaded shards). Not with fp16:
     # the sharded grad scaler hands fused AdamW a found_inf of the wrong shape (torch 2.13).
     fused = r.cfg.precision.dtype != "fp16"
-    return torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
+    return torch.optim.AdamW(adapters.trained_params(model), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
                              fused=fused, foreach=None if fused else True)
 
 
 def save(r: common.Rank, model, optim, scaling: fsdp_step.LossScaling, data: trainstate.Data, step: int) -> None:
     r.phase("saving checkpoint")
     tmp = checkpoints.prepare_checkpoint(r, step)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim),
+    state = {"model": _model_state(r, model), "optim": get_optimizer_state_dict(model, optim),
              "step": torch.tensor(step)}
     dcp.save(state, checkpoint_id=str(tmp))
     checkpoints.write_rank_state(tmp, r.rank, {"rng": trainstate.rng_state(r.device), "scaler": scaling.state()})
@@ -161,7 +180,7 @@ def resume(r: common.Rank, model, optim, scaling: fsdp_step.LossScaling, data: t
     if found is None:
         r.event("info", f"no checkpoint in {r.checkpoint_dir()}: starting from step 0")
         return 0
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim),
+    state = {"model": _model_state(r, model), "optim": get_optimizer_state_dict(model, optim),
              "step": torch.tensor(0)}
     try:
         dcp.load(state, storage_reader=fsdp_step.SafeReader(str(found.path)),
@@ -171,7 +190,7 @@ def resume(r: common.Rank, model, optim, scaling: fsdp_step.LossScaling, data: t
     except BaseException as e:   # DCP's CheckpointException (a BaseException) wraps each rank's error
         raise checkpoints.CheckpointError(f"{found.path}: cannot be read as an FSDP2 checkpoint: "
                                           f"{_first_cause(e)}") from e
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not r.cfg.adapters))
     set_optimizer_state_dict(model, optim, state["optim"])
     if r.arena is not None:
         r.arena.place_states(optim)      # where DCP's load left them, if not in place
@@ -181,6 +200,13 @@ def resume(r: common.Rank, model, optim, scaling: fsdp_step.LossScaling, data: t
     data.seek(int(found.meta.get("samples_consumed", step * data.samples_per_step)))
     r.event("info", f"resumed from {found.path} (step {step})")
     return step
+
+
+def _model_state(r: common.Rank, model) -> dict:
+    """What a checkpoint holds of the model: every weight, or under LoRA only the adapters (the base is
+    the model folder's, unchanged)."""
+    state = get_model_state_dict(model)
+    return adapters.trained_state(state, model) if r.cfg.adapters else state
 
 
 def _restore_rank_state(r: common.Rank, found: checkpoints.Found, scaling) -> None:

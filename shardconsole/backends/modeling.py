@@ -51,8 +51,8 @@ def init_random_(model: nn.Module, std: float, seed: int, rank: int, draw_on: to
     gens: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
-        if local.numel() == 0:
-            continue
+        if local.numel() == 0 or ".lora_" in name or ".modules_to_save." in name:
+            continue    # LoRA's own (backends/adapters.py): the base draws as without them, the same model
         if "norm" in name.lower() and local.dim() == 1:
             local.fill_(1.0)
         elif name.endswith("bias"):

@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="the folder to write (must not exist, or be empty)")
     ap.add_argument("--dtype", choices=DTYPES, default=None,
                     help="dtype of the written weights (default: the checkpoint's master weights' own dtype)")
+    ap.add_argument("--adapter", action="store_true",
+                    help="a LoRA / QLoRA run: write peft's adapter folder (PeftModel.from_pretrained(base, OUT_DIR)) "
+                         "instead of the merged model")
     ap.add_argument("--max-shard-size", default="5GB",
                     help="largest safetensors file, e.g. 5GB or 500MB (default 5GB)")
     return ap
@@ -90,6 +93,8 @@ def cmd_export_model(argv: list[str]) -> int:
     except ModelError as e:
         raise ExportError(f"{run.preset}: [model] name: {e} (the export takes the model's config and "
                           f"tokenizer from it)") from None
+    from shardconsole.export_model import adapters
+    adapters.check_exportable(cfg, spec, args.adapter, run.preset)
     ckpt = pick_checkpoint(run.checkpoints(cfg.train.checkpoint_dir), args.step, cfg.parallel.backend)
 
     import torch
@@ -99,21 +104,26 @@ def cmd_export_model(argv: list[str]) -> int:
     stored = {v.dtype for v in state.values() if v.is_floating_point()}
     dtype_name = args.dtype or ("bf16" if stored == {torch.bfloat16} else "fp32")
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
-    model = hf_folder.build_model(hf_folder.hf_config(spec), state, dtype, ckpt.path)
-    n_params = sum(p.numel() for p in model.parameters())
+    if cfg.adapters:     # the checkpoint holds the adapters; the base is the model folder's
+        model = adapters.build(cfg, spec, state, dtype, ckpt.path, merged=not args.adapter)
+    else:
+        model = hf_folder.build_model(hf_folder.hf_config(spec), state, dtype, ckpt.path)
+    n_params = adapters.trained_count(model) if args.adapter else sum(p.numel() for p in model.parameters())
 
     tmp = out.parent / f".{out.name}{PARTIAL}{os.getpid()}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         _sweep_partials(out.parent)
-        shards = hf_folder.write_folder(model, spec, tmp, shard_bytes)
+        shards = (adapters.write_adapter(model, spec, tmp) if args.adapter
+                  else hf_folder.write_folder(model, spec, tmp, shard_bytes))
         tokenizer = (f"copied from {spec.path}" if spec.path and spec.has_tokenizer else
                      f"none: {spec.path} holds none" if spec.path else
                      f"none: the catalog model {spec.name!r} has no tokenizer (it trains on token ids)")
         (tmp / "README.md").write_text(hf_folder.readme_text(
             title=out.name, run=run, cfg=cfg, ckpt=ckpt, spec=spec, architecture=type(model).__name__,
             n_params=n_params, dtype_name=dtype_name, shards=shards, tokenizer=tokenizer,
-            ev=hf_folder.last_eval(run, ckpt.step), prompt_format=hf_folder.add_prompt_format(run, tmp)))
+            ev=hf_folder.last_eval(run, ckpt.step), prompt_format=hf_folder.add_prompt_format(run, tmp),
+            load=adapters.load_lines(out.name, str(spec.path)) if args.adapter else None))
         if out.exists():
             out.rmdir()                 # checked empty above; a rename cannot replace a folder with files
         os.replace(tmp, out)
@@ -122,6 +132,7 @@ def cmd_export_model(argv: list[str]) -> int:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    print(f"wrote {out}: {type(model).__name__}, {human_count(n_params)} parameters in {dtype_name}, "
+    what = "adapter folder of" if args.adapter else type(model).__name__ + ","
+    print(f"wrote {out}: {what} {human_count(n_params)} parameters in {dtype_name}, "
           f"{shards} safetensors file(s), from step {ckpt.step} of {run.path}")
     return 0

@@ -86,6 +86,7 @@ def _parts_lines(parts: dict[str, int], width: int = 40) -> list[str]:
 
 def format_estimate(est: PL.Estimate, cfg: C.RunConfig, name: str, hw: PL.Hardware) -> str:
     lines = [f"plan: {name}: model {est.model} ({human_count(est.n_params)} parameters), {describe(cfg)}",
+             *([f"train.method {cfg.train.method}: {est.trainable_line}"] if cfg.adapters else []),
              f"hardware: {_hw_text(hw)}", ""]
     if est.gpu_parts:
         lines.append(f"GPU, largest rank: {PL.gpu_peak_text(est)}, set at the {est.gpu_peak_phase} (allocator "

@@ -20,8 +20,8 @@ from shardconsole.settings.models import human_count
 
 WidgetKind = Literal["select", "switch", "number", "size", "text"]
 
-# Chosen on the pick tab (model list, backend switch), so the forms do not repeat them.
-PICKED: frozenset[str] = frozenset({"model.name", "parallel.backend"})
+# Chosen on the pick tab (model list, backend and method switches), so the forms do not repeat them.
+PICKED: frozenset[str] = frozenset({"model.name", "parallel.backend", "train.method"})
 # Tables that only one backend reads: the other backend's table is hidden.
 BACKEND_TABLE: dict[str, str] = {"fsdp": "fsdp", "deepspeed": "deepspeed"}
 # The option of an optional select that leaves the setting unset (None: config.py's default applies).
@@ -69,9 +69,10 @@ def table_specs(table: str) -> list[FieldSpec]:
     return [spec_for(table, f.name) for f in fields(C.TABLES[table]) if f"{table}.{f.name}" not in PICKED]
 
 
-def visible_tables(backend: str) -> list[str]:
-    """The tables whose settings the chosen backend reads, in TOML order."""
-    return [t for t in C.TABLES if BACKEND_TABLE.get(t, backend) == backend]
+def visible_tables(backend: str, method: str = "full") -> list[str]:
+    """The tables whose settings the chosen backend and train.method read, in TOML order ([lora] only
+    when adapters train)."""
+    return [t for t in C.TABLES if BACKEND_TABLE.get(t, backend) == backend and (t != "lora" or method != "full")]
 
 
 def value_of(cfg: C.RunConfig, spec: FieldSpec) -> Any:

@@ -129,7 +129,7 @@ def add_prompt_format(run: RunFolder, folder: Path) -> str:
 
 def readme_text(*, title: str, run: RunFolder, cfg: C.RunConfig, ckpt: Checkpoint, spec: ModelSpec,
                 architecture: str, n_params: int, dtype_name: str, shards: int, tokenizer: str,
-                ev: Eval | None, prompt_format: str = "") -> str:
+                ev: Eval | None, prompt_format: str = "", load: list[str] | None = None) -> str:
     backend = ("FSDP2" if cfg.parallel.backend == "fsdp" else f"DeepSpeed ZeRO stage {cfg.deepspeed.stage}")
     eval_line = (f"{ev.loss:.4f} at step {ev.step} (mean over {ev.tokens:,} held-out tokens under loss)" if ev
                  else "none was recorded (set data.eval_fraction or data.eval_path, and train.eval_every)")
@@ -141,7 +141,7 @@ def readme_text(*, title: str, run: RunFolder, cfg: C.RunConfig, ckpt: Checkpoin
         f"checkpoint of step {ckpt.step} (train.steps = {cfg.train.steps}).",
         "",
         f"- model: {spec.name} ({architecture}, {human_count(n_params)} parameters)",
-        f"- trained with: {backend}, compute dtype {cfg.precision.dtype}, master weights "
+        f"- trained with: {backend}, train.method {cfg.train.method}, compute dtype {cfg.precision.dtype}, master weights "
         f"{cfg.precision.master_dtype}, {cfg.parallel.nnodes * cfg.parallel.nproc_per_node} rank(s)",
         f"- weights: {dtype_name}, {shards} safetensors file(s)",
         f"- tokenizer: {tokenizer}",
@@ -151,8 +151,8 @@ def readme_text(*, title: str, run: RunFolder, cfg: C.RunConfig, ckpt: Checkpoin
         "## Load",
         "",
         "```python",
-        "from transformers import AutoModelForCausalLM",
-        f"model = AutoModelForCausalLM.from_pretrained({title!r})",
+        *(load or ["from transformers import AutoModelForCausalLM",
+                   f"model = AutoModelForCausalLM.from_pretrained({title!r})"]),
         "```",
         "",
         "## The run's settings (its preset.toml)",

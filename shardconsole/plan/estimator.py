@@ -20,6 +20,7 @@ from shardconsole.plan.constants import (ALLOCATOR_SLACK_FIXED, ALLOCATOR_SLACK_
                                          REQUIRED_FRAGMENTATION)
 from shardconsole.plan.deepspeed_rank import _deepspeed
 from shardconsole.plan.fsdp_rank import _fsdp
+from shardconsole.plan.lora import lora_rank, trainable_params
 from shardconsole.plan.machine import Hardware
 from shardconsole.plan.rank import _Rank
 from shardconsole.plan.saves import Saves, saves
@@ -55,10 +56,18 @@ class Estimate:
     host_save_adds_bytes: int = 0           # what the save adds to the node over training
     host_phases: dict[str, int] = field(default_factory=dict)  # the node's ranks' bytes at each moment
     saves: Saves | None = None              # what the run writes to disk (plan/saves.py)
+    trainable_params: int = 0               # what the optimizer steps: n_params, or the adapters (train.method)
+
+    @property
+    def trainable_line(self) -> str:
+        """"40.0M of 6.74B trainable, 0.59%"."""
+        from shardconsole.settings.models import human_count
+        n, total = self.trainable_params or self.n_params, max(self.n_params, 1)
+        return f"{human_count(n)} of {human_count(total)} trainable, {100 * n / total:.2f}%"
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "model": self.model, "n_params": self.n_params,
+            "model": self.model, "n_params": self.n_params, "trainable_params": self.trainable_params,
             "gpu_peak_bytes": self.gpu_peak_bytes, "host_peak_bytes": self.host_peak_bytes,
             "fits": self.fits, "verdict": self.verdict,
             "gpu_parts": dict(self.gpu_parts), "host_parts": dict(self.host_parts),
@@ -116,7 +125,9 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, start_step: int
     already in its folder (oldest first), for the disk total."""
     s = Shapes.of(spec)
     on_cpu = cfg.parallel.device == "cpu"
-    if on_cpu:
+    if cfg.adapters:
+        r = lora_rank(cfg, s)       # LoRA / QLoRA, either engine (plan/lora.py)
+    elif on_cpu:
         r = _cpu_ranks(cfg, s)
     elif cfg.parallel.backend == "fsdp":
         r = _fsdp(cfg, s)
@@ -230,7 +241,8 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, start_step: int
                    host_budget_bytes=host_budget, host_rank_bytes=int(rank_host), ranks_per_node=per_node,
                    alternatives=alt, notes=notes, model=spec.name, n_params=s.n_params,
                    host_peak_phase=hmoment, host_save_adds_bytes=int(save_adds), saves=sv,
-                   host_phases={k: int(v) * per_node for k, v in hphases.items()})
+                   host_phases={k: int(v) * per_node for k, v in hphases.items()},
+                   trainable_params=trainable_params(cfg, s) if cfg.adapters else s.n_params)
     est.verdict = _verdict(est, reasons, cfg)
     return est
 

@@ -28,11 +28,26 @@ def check_gpus(r: Resolved, gpu_count: int) -> list[str]:
     if cfg.parallel.device == "cpu":
         return []
     C.validate(cfg, r.source, gpu_count=gpu_count, origins=r.origins)
+    check_qlora(r, gpu_count)
     if cfg.parallel.device == "auto" and gpu_count == 0:
         # CPU ranks over gloo: allowed (tests and laptops), but rarely what a GPU preset meant
         return ["parallel.device is auto and this machine has no GPU: the ranks compute on the CPU "
                 "(slow for anything but the tiny model)"]
     return []
+
+
+def check_qlora(r: Resolved, gpu_count: int) -> None:
+    """train.method = "qlora" needs a CUDA GPU and the bitsandbytes package (the optional extra
+    shardconsole[qlora]); found without importing either."""
+    if r.cfg.train.method != "qlora":
+        return
+    if gpu_count == 0:
+        raise r.error("train", "method", "\"qlora\" keeps the frozen base in 4-bit NF4 through bitsandbytes, "
+                      "which needs CUDA, and this machine has no CUDA GPU: use method = \"lora\"")
+    import importlib.util
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise r.error("train", "method", "\"qlora\" needs the bitsandbytes package: pip install "
+                      "'shardconsole[qlora]' (or use method = \"lora\")")
 
 
 def check_model(r: Resolved, *, weights: bool = True) -> ModelSpec:

@@ -30,7 +30,7 @@ from shardconsole.settings.rules import validate  # noqa: F401  (config.validate
 from shardconsole.settings.values import (ConfigError, _coerce, _parse_override_value,  # noqa: F401
                                         familiar_name, format_size, names_key, override_source, parse_size)
 from shardconsole.settings.tables import (TABLES, TOP_LEVEL_KEYS, DataSettings, DeepspeedSettings,  # noqa: F401
-                                        FsdpSettings, MemorySettings, ModelSettings, ParallelSettings,
+                                        FsdpSettings, LoraSettings, MemorySettings, ModelSettings, ParallelSettings,
                                         PrecisionSettings, RunConfig, TrainSettings, _f)
 
 

@@ -200,7 +200,11 @@ def apply_fsdp_equivalents(cfg: C.RunConfig, given: set[str]) -> list[str]:
         setattr(d, key, value)
         notes.append(f"deepspeed.{key} = {value!r} ({why})")
 
-    put("stage", FSDP_TO_STAGE[f.sharding], f"from fsdp.sharding = {f.sharding!r}")
+    if cfg.train.method == "qlora" and FSDP_TO_STAGE[f.sharding] == 3:
+        # QLoRA's 4-bit base is replicated (no ZeRO-3 partitions of bitsandbytes' packed weights)
+        put("stage", 2, f"from fsdp.sharding = {f.sharding!r}; train.method = \"qlora\" runs at stages 0-2")
+    else:
+        put("stage", FSDP_TO_STAGE[f.sharding], f"from fsdp.sharding = {f.sharding!r}")
     if f.cpu_offload:
         if d.stage == 3:
             put("offload_param", "cpu", "from fsdp.cpu_offload = true")

@@ -97,5 +97,27 @@ def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = 
     if (cfg.data.eval_path or cfg.data.eval_fraction) and not cfg.data.path:
         raise err("data", "eval_path" if cfg.data.eval_path else "eval_fraction",
                   "needs training records too: set data.path")
+    _check_method(cfg, err)
     if cfg.train.compile and p.device == "cpu":
         raise err("train", "compile", "torch.compile of the layers is for GPUs; set it to false on CPU")
+
+
+def _check_method(cfg: RunConfig, err) -> None:
+    """train.method and [lora]: what peft and bitsandbytes can run, known before launch."""
+    t, lo, p = cfg.train, cfg.lora, cfg.parallel
+    if t.method == "full":
+        return
+    if not lo.target_list():
+        raise err("lora", "target_modules", "is empty: all-linear, or comma-separated module names such as "
+                  "q_proj,v_proj")
+    if t.method != "qlora":
+        return
+    if p.device == "cpu":
+        raise err("train", "method", "\"qlora\" keeps the frozen base in 4-bit NF4 through bitsandbytes, which "
+                  "needs CUDA; parallel.device is \"cpu\": use method = \"lora\" there")
+    if p.backend == "deepspeed" and cfg.deepspeed.stage == 3:
+        raise err("train", "method", "\"qlora\" with DeepSpeed needs stage 0, 1 or 2 (the 4-bit base is "
+                  "replicated, only the adapters are partitioned); stage is 3")
+    if cfg.precision.dtype != "bf16":
+        raise err("train", "method", f"\"qlora\" computes in bf16 (bnb_4bit_compute_dtype); precision.dtype "
+                  f"is {cfg.precision.dtype!r}")

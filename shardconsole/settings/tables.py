@@ -95,6 +95,11 @@ class TrainSettings:
     resume: bool = _f(False, "continue from the newest complete checkpoint in checkpoint_dir")
     compile: bool = _f(False, "torch.compile each decoder layer (GPU; first steps are slower)")
     peak_tflops: float = _f(0.0, "peak bf16 TFLOP/s of one GPU for MFU (0: from the GPU table)", min=0.0)
+    # LoRA / QLoRA (issue 33): the base is frozen and only the [lora] adapters (and lora.modules_to_save)
+    # train, so gradients and Adam's state are those of a few million parameters, not billions.
+    method: Literal["full", "lora", "qlora"] = _f(
+        "full", "what trains: every weight (full), LoRA adapters on a frozen base (lora), or LoRA on a "
+        "4-bit NF4 base through bitsandbytes (qlora, CUDA only); settings in [lora]")
     hang_timeout_s: float = _f(
         0.0, "seconds without a step line before the run counts as hung (0: 20x the step time, at least 120 s)",
         min=0.0)
@@ -213,6 +218,28 @@ class MemorySettings:
     empty_cache_every: int = _f(0, "call torch.cuda.empty_cache every N steps (0: never)", min=0)
 
 
+@dataclass
+class LoraSettings:
+    """train.method = "lora" or "qlora": peft's LoraConfig, in its own names where they are short."""
+    rank: int = _f(16, "LoRA rank r: the inner size of each adapter's two matrices", min=1, max=4096)
+    alpha: float = _f(32.0, "LoRA alpha: the adapter's output is scaled by alpha / rank", min=0.0)
+    dropout: float = _f(0.0, "dropout on the adapter's input while training", min=0.0, max=0.9)
+    target_modules: str = _f(
+        "all-linear", "the linear layers that get adapters: all-linear (every linear layer but the output "
+        "head) or comma-separated module names, e.g. q_proj,v_proj")
+    modules_to_save: str = _f(
+        "", "comma-separated modules trained fully beside the adapters, e.g. embed_tokens,lm_head "
+        "(new tokens, a new chat template)")
+
+    def target_list(self) -> list[str] | str:
+        """peft's target_modules: the string "all-linear" or the list of names."""
+        names = [n.strip() for n in self.target_modules.split(",") if n.strip()]
+        return "all-linear" if names == ["all-linear"] else names
+
+    def saved_list(self) -> list[str]:
+        return [n.strip() for n in self.modules_to_save.split(",") if n.strip()]
+
+
 TABLES: dict[str, type] = {
     "model": ModelSettings,
     "data": DataSettings,
@@ -222,6 +249,7 @@ TABLES: dict[str, type] = {
     "fsdp": FsdpSettings,
     "deepspeed": DeepspeedSettings,
     "memory": MemorySettings,
+    "lora": LoraSettings,
 }
 TOP_LEVEL_KEYS = ("description",)
 
@@ -237,6 +265,7 @@ class RunConfig:
     fsdp: FsdpSettings = field(default_factory=FsdpSettings)
     deepspeed: DeepspeedSettings = field(default_factory=DeepspeedSettings)
     memory: MemorySettings = field(default_factory=MemorySettings)
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
     # --- derived values, so that every consumer agrees -------------------------------------------
     @property
@@ -259,6 +288,11 @@ class RunConfig:
         when no ZeRO hook sits inside a layer (stages 0-2, or stage 3 gathering by layer)."""
         d = self.deepspeed
         return self.train.compile and (self.parallel.backend == "fsdp" or d.stage < 3 or d.stage3_layer_gather)
+
+    @property
+    def adapters(self) -> bool:
+        """Only adapters train (train.method lora or qlora): the base is frozen."""
+        return self.train.method != "full"
 
     @property
     def tokens_per_step(self) -> int:

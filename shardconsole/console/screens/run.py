@@ -35,7 +35,7 @@ from shardconsole.session.watcher import Watcher
 from shardconsole.console.messages import MachineSampled, RunEnded, RunHung, RunResumed, RunUpdate, StopFinished
 from shardconsole.console.runview import RunView, log_line
 from shardconsole.console.screens.dialogs import ConfirmScreen, ReportScreen
-from shardconsole.console.services import Probes, RunHandle, RunOptions, planned_peaks
+from shardconsole.console.services import Probes, RunHandle, RunOptions, method_line, planned_peaks
 from shardconsole.console.widgets.run_panels import GpuPanel, HostPanel, LossPanel, ThroughputPanel, duration, gib
 
 HERE = Path(__file__).parent
@@ -124,7 +124,8 @@ class RunScreen(Screen[None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.sub_title = ("attached · " if self.attached else "") + f"run {self.run_id}"
+        self.sub_title = (("attached · " if self.attached else "") + f"run {self.run_id}"
+                          + method_line(self.handle.run_dir))
         self.view.planned_gpu_bytes, self.view.planned_host_bytes = planned_peaks(self.handle.run_dir, self.probes)
         self._draw_status()
         self.set_interval(1.0, self._tick_clock)
@@ -305,7 +306,7 @@ class RunScreen(Screen[None]):
         self.outcome, self.note, self._hurry = "", Text(), Hurry()
         self.query_one("#logs", Log).clear()
         self.status = "running"
-        self.sub_title = f"resumed · run {self.run_id}"
+        self.sub_title = f"resumed · run {self.run_id}" + method_line(self.handle.run_dir)
         self.follow()
 
     @on(StopFinished)

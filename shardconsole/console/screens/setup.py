@@ -42,6 +42,8 @@ HERE = Path(__file__).parent
 BACKENDS = {"fsdp": "FSDP2 (PyTorch)", "deepspeed": "DeepSpeed ZeRO"}
 MODEL_SPEC = F.spec_for("model", "name")
 BACKEND_SPEC = F.spec_for("parallel", "backend")
+METHODS = {"full": "Full fine-tuning", "lora": "LoRA (adapters)", "qlora": "QLoRA (4-bit base, CUDA)"}
+METHOD_SPEC = F.spec_for("train", "method")
 
 
 class PickInput(Input):
@@ -129,6 +131,10 @@ class SetupScreen(SetupActions, Screen[None]):
                         with RadioSet(id="backend"):
                             for key, label in BACKENDS.items():
                                 yield RadioButton(label, value=self.cfg.parallel.backend == key, id=f"backend-{key}")
+                        yield Label("Method", classes="picker-title")
+                        with RadioSet(id="method"):
+                            for key, label in METHODS.items():
+                                yield RadioButton(label, value=self.cfg.train.method == key, id=f"method-{key}")
                     with Vertical(id="preset-picker"):
                         yield Label("Preset", classes="picker-title")
                         yield OptionList(*self._preset_options(), id="presets")
@@ -210,6 +216,7 @@ class SetupScreen(SetupActions, Screen[None]):
             presets.highlighted = None
         with self.prevent(RadioSet.Changed):
             self.query_one(f"#backend-{self.cfg.parallel.backend}", RadioButton).value = True
+            self.query_one(f"#method-{self.cfg.train.method}", RadioButton).value = True
         self._show_model_info()
 
     def _show_model_info(self, error: str = "") -> None:
@@ -274,6 +281,10 @@ class SetupScreen(SetupActions, Screen[None]):
         key = (event.pressed.id or "").removeprefix("backend-")
         self._set(BACKEND_SPEC, key)
 
+    @on(RadioSet.Changed, "#method")
+    def _method_changed(self, event: RadioSet.Changed) -> None:
+        self._set(METHOD_SPEC, (event.pressed.id or "").removeprefix("method-"))
+
     # --- editing -----------------------------------------------------------------------------------
     async def _ensure_form(self, table: str) -> None:
         """Mount the rows of a table's form, once, showing the current values."""
@@ -337,7 +348,7 @@ class SetupScreen(SetupActions, Screen[None]):
             setting.hint = F.hint(spec, value)
         tabs = self.query_one(TabbedContent)
         diff = cfg.diff(self.base)
-        visible = F.visible_tables(cfg.parallel.backend)
+        visible = F.visible_tables(cfg.parallel.backend, cfg.train.method)
         for table in C.TABLES:
             pane = f"tab-{table}"
             tab = tabs.get_tab(pane)
@@ -403,7 +414,7 @@ class SetupScreen(SetupActions, Screen[None]):
     async def action_next_tab(self) -> None:
         """The next table, with the focus in its first field (the pick tab: in the model list)."""
         tabs = self.query_one(TabbedContent)
-        panes = ["tab-pick"] + [f"tab-{t}" for t in F.visible_tables(self.cfg.parallel.backend)]
+        panes = ["tab-pick"] + [f"tab-{t}" for t in F.visible_tables(self.cfg.parallel.backend, self.cfg.train.method)]
         current = tabs.active if tabs.active in panes else panes[0]
         pane = panes[(panes.index(current) + 1) % len(panes)]
         tabs.active = pane

@@ -1,0 +1,125 @@
+"""One rank's memory under LoRA and QLoRA (train.method, backends/adapters.py), both engines.
+
+What trains is small: the adapters (rank r: r * (in + out) per target linear) and lora.modules_to_save,
+each with an fp32 master, its gradient and Adam's two moments (16 bytes a parameter), sharded like the
+base by FSDP2, partitioned by ZeRO (the optimizer from stage 1, gradients from 2). What is frozen is
+the base: in the compute dtype (the ranks cast it, backends/adapters.cast_frozen_) or, under QLoRA,
+the linear layers in 4-bit NF4 with their quantisation constants (bitsandbytes, double quantisation:
+one 8-bit absmax per 64 weights and one fp32 scale per 256 of those), the rest in bf16, replicated on
+every rank. Activations are full fine-tuning's (a frozen linear saves no input, the adapter's A saves
+the same input instead), plus the adapter's r-wide intermediate per target linear and, with dropout,
+the dropped copy of its input. Not calibrated on a GPU yet: the notes say so.
+"""
+
+from __future__ import annotations
+
+from shardconsole.plan.activation_memory import activations
+from shardconsole.plan.constants import CUBLAS_WORKSPACE_BYTES, DTYPE_BYTES, RANK_BASE_RSS, RANK_BASE_RSS_CPU
+from shardconsole.plan.rank import _Rank
+from shardconsole.plan.shapes import Shapes
+from shardconsole.settings import config as C
+
+# NF4 with double quantisation: 4 bits a weight, an 8-bit absmax per 64-weight block, and an fp32
+# scale (plus offset) per 256 blocks of absmax (bitsandbytes functional.quantize_4bit, blocksize 64).
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 8 / (64 * 256)
+ADAM_FP32_BYTES = 16          # fp32 master + fp32 gradient + exp_avg + exp_avg_sq
+
+
+def layer_linears(s: Shapes) -> dict[str, tuple[int, int]]:
+    """A decoder layer's linear layers as peft names them: name -> (in_features, out_features)."""
+    h, q, kv, i = s.hidden, s.q_dim, s.kv_dim, s.intermediate
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def _targets(cfg: C.RunConfig, s: Shapes) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(per-layer target linears, root target linears) as (in, out). all-linear: every linear but the
+    output head (peft leaves it out); names: those of the layer's linears, and lm_head if named."""
+    targets = cfg.lora.target_list()
+    linears = layer_linears(s)
+    if targets == "all-linear":
+        return list(linears.values()), []
+    names = {t.rsplit(".", 1)[-1] for t in targets}
+    root = [(s.hidden, s.vocab)] if "lm_head" in names else []
+    return [shape for name, shape in linears.items() if name in names], root
+
+
+def _saved_params(cfg: C.RunConfig, s: Shapes) -> int:
+    sizes = {"embed_tokens": s.vocab * s.hidden, "lm_head": s.vocab * s.hidden, "norm": s.hidden}
+    return sum(sizes.get(name.rsplit(".", 1)[-1], 0) for name in cfg.lora.saved_list())
+
+
+def trainable_params(cfg: C.RunConfig, s: Shapes) -> int:
+    """What peft makes trainable (its get_nb_trainable_parameters): adapters + the fully trained modules."""
+    r = cfg.lora.rank
+    layer, root = _targets(cfg, s)
+    adapters = s.layers * sum(r * (i + o) for i, o in layer) + sum(r * (i + o) for i, o in root)
+    return adapters + _saved_params(cfg, s)
+
+
+def trainable_line(cfg: C.RunConfig, s: Shapes) -> str:
+    """"40.0M of 6.74B trainable, 0.59%" (of the base model's parameters); full fine-tuning: all of them."""
+    from shardconsole.settings.models import human_count
+    n = trainable_params(cfg, s) if cfg.adapters else s.n_params
+    return f"{human_count(n)} of {human_count(s.n_params)} trainable, {100 * n / s.n_params:.2f}%"
+
+
+def frozen_bytes(cfg: C.RunConfig, s: Shapes) -> int:
+    """The whole frozen base, unsharded: bf16 / fp32 weights, or QLoRA's NF4 linears + the rest in bf16."""
+    if cfg.train.method == "qlora":
+        linear = s.layers * sum(i * o for i, o in layer_linears(s).values())
+        return int(NF4_BYTES_PER_PARAM * linear) + 2 * (s.n_params - linear)
+    return DTYPE_BYTES[cfg.precision.dtype] * s.n_params
+
+
+def lora_rank(cfg: C.RunConfig, s: Shapes) -> _Rank:
+    p, f, d = cfg.parallel, cfg.fsdp, cfg.deepspeed
+    world = p.nproc_per_node * p.nnodes
+    c = DTYPE_BYTES[cfg.precision.dtype]
+    fsdp = p.backend == "fsdp"
+    qlora = cfg.train.method == "qlora"
+    # The frozen base: FSDP2 shards it (QLoRA's 4-bit base is replicated), ZeRO-3 partitions it.
+    shard = 1 if qlora else ({"no_shard": 1, "hybrid_shard": p.nproc_per_node}.get(f.sharding, world) if fsdp
+                             else (world if d.stage == 3 else 1))
+    base = frozen_bytes(cfg, s) // shard
+    offload_base = fsdp and f.cpu_offload and not qlora or (not fsdp and d.offload_param != "none")
+    gathered = 0 if shard == 1 else 2 * c * s.per_layer + c * s.root   # a layer and its prefetch, the root
+    T = trainable_params(cfg, s)
+    t_shard = world if fsdp and f.sharding != "no_shard" else 1
+    weights_b = 4 * T // t_shard
+    grads_b = 4 * T // (world if (not fsdp and d.stage >= 2) or (fsdp and t_shard > 1) else 1)
+    adam_b = 8 * T // (world if (not fsdp and d.stage >= 1) or (fsdp and t_shard > 1) else 1)
+    opt_on_host = (not fsdp and d.offload_optimizer != "none") or (fsdp and f.cpu_offload)
+    a = activations(cfg, s)
+    tokens = cfg.train.micro_batch * cfg.data.seq_len
+    layer, _ = _targets(cfg, s)
+    # LoRA's own: each adapter's [tokens, r] intermediate (saved by B), with dropout the dropped input
+    # saved by A and its mask; recomputed with the layer under checkpointing (one layer's worth then).
+    extra_layer = tokens * sum(c * cfg.lora.rank + (c + 1) * i * (cfg.lora.dropout > 0) for i, _ in layer)
+    extra = extra_layer * (1 if cfg.memory.activation_checkpointing else s.layers)
+    states = {f"frozen base ({'NF4 + constants' if qlora else cfg.precision.dtype}"
+              f"{', sharded' if shard > 1 else ''})": 0 if offload_base else base,
+              "gathered base layers": gathered,
+              "adapters (fp32)": 0 if opt_on_host and fsdp else weights_b,
+              "adapter optimizer states (Adam fp32)": 0 if opt_on_host else adam_b}
+    ws = {"cuBLAS workspaces": CUBLAS_WORKSPACE_BYTES}
+    acts = {"activations": a.saved_all, "LoRA activations": extra}
+    gpu = {
+        "end of forward": {**states, **acts, "loss chunk": a.loss_forward, **ws},
+        "last layer backward": {**states, **acts, "layer backward": a.layer_backward + a.recompute, **ws},
+        "end of backward": {**states, "adapter gradients": 0 if opt_on_host and fsdp else grads_b, **ws},
+        "optimizer step": {**states, "adapter gradients": 0 if opt_on_host and fsdp else grads_b, **ws},
+    }
+    host = {"process (python, torch, CUDA)": RANK_BASE_RSS[p.backend]}
+    if offload_base:
+        host["frozen base (host)"] = base
+    if opt_on_host:
+        host["adapter optimizer states (Adam fp32, host)"] = adam_b + (weights_b + grads_b if fsdp else 0)
+    notes = [f"{cfg.train.method}: {trainable_line(cfg, s)}; the adapters' memory is planned from their shapes, "
+             f"not yet calibrated on a GPU"]
+    if cfg.parallel.device == "cpu":
+        moment = max(gpu, key=lambda k: sum(gpu[k].values()))
+        ram = {"process (python, torch)": RANK_BASE_RSS_CPU,
+               **{k: v for k, v in gpu[moment].items() if v and k != "cuBLAS workspaces"}}
+        return _Rank({}, {"training": ram}, notes + ["CPU ranks: the training memory is host memory"])
+    return _Rank(gpu, {"training": host}, notes)

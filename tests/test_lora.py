@@ -1,0 +1,165 @@
+"""LoRA beside full fine-tuning (issue 33), with real 2-rank CPU runs on a model folder made here.
+
+One run per engine (FSDP2, DeepSpeed ZeRO-3), shared by every check of that engine:
+  6 steps with an eval and a checkpoint at 3 and 6; the step-6 checkpoint is then removed and the run
+  resumed from step 3, so the replayed steps 4-6 must equal the first session's (exact resume); the
+  resumed run is exported merged and as an adapter folder, and both give the run's last eval loss on
+  its held-out windows through transformers and peft, not through our modules.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from shardconsole.settings import config as C
+from tests.conftest import messages, of_kind, shardconsole
+from tests.hf_fixtures import CORPUS, make_hf_model
+
+RUN_TIMEOUT = 600
+SETS = ["data.seq_len=32", "data.eval_fraction=0.2", "train.eval_every=3", "train.steps=6", "train.log_every=1",
+        "train.checkpoint_every=3", "train.method=lora", "lora.rank=4", "lora.modules_to_save=embed_tokens"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    model = make_hf_model(root / "model", chat_template=True)
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"{i}: {t}"}) + "\n" for i, t in enumerate(CORPUS[:60])))
+    return SimpleNamespace(root=root, model=model, corpus=corpus, env={
+        "SHARDCONSOLE_CACHE_DIR": str(root / "cache"), "SHARDCONSOLE_RUNS_ROOT": str(root / "runs"),
+        "DS_ACCELERATOR": "cpu"})
+
+
+def _sets(*sets: str) -> list[str]:
+    return [a for s in sets for a in ("--set", s)]
+
+
+def _lora_run(folder, name: str, *backend: str) -> SimpleNamespace:
+    run = folder.root / name
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run),
+                       *_sets(f"model.name={folder.model}", f"data.path={folder.corpus}", *SETS, *backend),
+                       timeout=RUN_TIMEOUT, env=folder.env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    first = {m.step: m.loss for m in of_kind(messages(run), "step")}
+    shutil.rmtree(run / "checkpoints" / "step_00000006")         # resume from step 3, replaying 4..6
+    res = shardconsole("resume", str(run), timeout=RUN_TIMEOUT, env=folder.env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    steps = of_kind(messages(run), "step")
+    replayed = {m.step: m.loss for m in steps if m.run != steps[0].run}
+    merged, adapter = folder.root / f"{name}-merged", folder.root / f"{name}-adapter"
+    for out, extra in ((merged, []), (adapter, ["--adapter"])):
+        res = shardconsole("export-model", str(run), "-o", str(out), *extra, timeout=300, env=folder.env)
+        assert res.returncode == 0, res.stderr[-3000:]
+    return SimpleNamespace(run=run, first=first, replayed=replayed, merged=merged, adapter=adapter)
+
+
+@pytest.fixture(scope="module")
+def fsdp(folder):
+    return _lora_run(folder, "fsdp")
+
+
+@pytest.fixture(scope="module")
+def zero3(folder):
+    return _lora_run(folder, "zero3", "parallel.backend=deepspeed", "deepspeed.stage=3")
+
+
+def held_out_loss(run: Path, env: dict, model) -> tuple[float, int]:
+    """The mean loss of `model` (a transformers or peft model) over the windows the ranks evaluated."""
+    import os
+
+    from shardconsole.backends import data, token_cache
+    from shardconsole.settings.models import resolve
+    cfg = C.load(run / "preset.toml")
+    spec = resolve(cfg.model.name)
+    os.environ["SHARDCONSOLE_CACHE_DIR"] = env["SHARDCONSOLE_CACHE_DIR"]
+    entry = token_cache.open_entry(cfg.data, cfg.train.seed, spec.path, spec.has_tokenizer, spec.vocab, print)
+    windows = data.EvalWindows(entry.eval.ids, entry.eval.flags, cfg.data.seq_len, 0, 1,
+                               cfg.data.cross_document_attention)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in windows.batches(2):
+            logits = model(input_ids=b.inputs, position_ids=b.positions, use_cache=False).logits.float()
+            total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), b.labels.flatten(),
+                                                       ignore_index=-100, reduction="sum").item()
+            count += int((b.labels != -100).sum())
+    return total / count, count
+
+
+def assert_lora_run(got: SimpleNamespace, folder, monkeypatch) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    monkeypatch.setenv("SHARDCONSOLE_CACHE_DIR", folder.env["SHARDCONSOLE_CACHE_DIR"])
+    # trains: the loss falls; resumes exactly: steps 4..6 again from step 3's adapters and Adam state
+    assert got.first[6] < got.first[1] - 0.1, got.first
+    assert sorted(got.replayed) == [4, 5, 6]
+    assert got.replayed == pytest.approx({s: got.first[s] for s in (4, 5, 6)}, abs=1e-5)
+    # the checkpoint holds what trains: no frozen base weight in it
+    from shardconsole.export_model.checkpoint import pick_checkpoint, read_model_state
+    cfg = C.load(got.run / "preset.toml")
+    held = read_model_state(pick_checkpoint(got.run / "checkpoints", 6, cfg.parallel.backend))
+    assert held and all(".lora_A." in k or ".lora_B." in k or ".modules_to_save." in k for k in held), sorted(held)
+    last = of_kind(messages(got.run), "eval")[-1]
+    assert last.step == 6
+    # merged: a plain transformers model folder
+    merged = AutoModelForCausalLM.from_pretrained(got.merged, dtype=torch.float32).eval()
+    loss, count = held_out_loss(got.run, folder.env, merged)
+    assert count == last.tokens and abs(loss - last.loss) < 1e-3, (loss, last.loss)
+    # adapter folder: peft puts it onto the base, with the run's tokenizer and chat template beside it
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "chat_template.jinja"} <= {
+        p.name for p in got.adapter.iterdir()}
+    base = AutoModelForCausalLM.from_pretrained(folder.model, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, got.adapter).eval()
+    loss, _ = held_out_loss(got.run, folder.env, adapted)
+    assert abs(loss - last.loss) < 1e-3, (loss, last.loss)
+
+
+@pytest.mark.slow
+def test_fsdp_lora_trains_resumes_exactly_and_exports_both_ways(fsdp, folder, monkeypatch):
+    assert_lora_run(fsdp, folder, monkeypatch)
+
+
+@pytest.mark.slow
+def test_zero3_lora_trains_resumes_exactly_and_exports_both_ways(zero3, folder, monkeypatch):
+    assert_lora_run(zero3, folder, monkeypatch)
+
+
+def _one_line_error(res) -> str:
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shardconsole: error: "), res.stderr
+    return lines[0]
+
+
+def test_qlora_is_refused_before_launch_on_a_machine_without_cuda(tmp_path):
+    for device in ("cpu", "auto"):
+        res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(tmp_path / device),
+                           *_sets("train.method=qlora", f"parallel.device={device}", "precision.dtype=bf16"))
+        line = _one_line_error(res)
+        assert "train.method" in line and "CUDA" in line, line
+        assert not (tmp_path / device / "metrics.jsonl").exists()
+
+
+def test_the_planners_trainable_count_is_peft_s(tmp_path):
+    """plan/lora.py counts from the model's shape what peft's injection makes trainable."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from shardconsole.backends.adapters import lora_config
+    from shardconsole.plan import lora
+    from shardconsole.plan.shapes import Shapes
+    from shardconsole.settings.models import resolve
+    model = make_hf_model(tmp_path / "model")
+    for targets, saved in (("all-linear", ""), ("q_proj,v_proj", "embed_tokens,lm_head"), ("down_proj", "")):
+        cfg = C.build({"model": {"name": str(model)}, "train": {"method": "lora"},
+                       "lora": {"rank": 8, "target_modules": targets, "modules_to_save": saved}})
+        spec = resolve(cfg.model.name)
+        peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model), lora_config(cfg))
+        trainable, _ = peft_model.get_nb_trainable_parameters()
+        assert lora.trainable_params(cfg, Shapes.of(spec)) == trainable, (targets, saved)

@@ -123,3 +123,14 @@ def lora_rank(cfg: C.RunConfig, s: Shapes) -> _Rank:
                **{k: v for k, v in gpu[moment].items() if v and k != "cuBLAS workspaces"}}
         return _Rank({}, {"training": ram}, notes + ["CPU ranks: the training memory is host memory"])
     return _Rank(gpu, {"training": host}, notes)
+
+
+def checkpoint_sizes(cfg: C.RunConfig, s: Shapes) -> tuple[int, int, int]:
+    """(full checkpoint, weights-only save, largest tensor) bytes of a LoRA run: only what trains is
+    saved (backends/fsdp.py _model_state, ds_checkpoint.py exclude_frozen_parameters), an fp32 master
+    and Adam's two moments a trained parameter, plus the small fixed files (a MiB is generous)."""
+    T = trainable_params(cfg, s)
+    fixed = 2**20 + cfg.world_size * 64 * 1024
+    saved = _saved_params(cfg, s)
+    largest = 4 * max(s.vocab * s.hidden if saved else 0, cfg.lora.rank * max(s.intermediate, s.vocab, s.hidden))
+    return 12 * T + fixed, 4 * T + fixed, largest

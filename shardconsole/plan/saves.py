@@ -188,7 +188,10 @@ def host_save_add(cfg: C.RunConfig, largest_tensor_bytes: int) -> int:
 def saves(cfg: C.RunConfig, s: Shapes, spec_path: Path | None = None, *, start_step: int = 0,
           existing: list[int] = ()) -> Saves:
     """The run's saves: sizes, schedule, the checkpoint folder's peak, the host RAM a save adds."""
-    if cfg.parallel.backend == "deepspeed":
+    if getattr(cfg, "adapters", False):
+        from shardconsole.plan.lora import checkpoint_sizes     # LoRA: only what trains is saved
+        full, model, largest = checkpoint_sizes(cfg, s)
+    elif cfg.parallel.backend == "deepspeed":
         full, model, largest = _deepspeed_sizes(cfg, s)
     else:
         full, model, largest = _fsdp_sizes(cfg, s)

@@ -68,6 +68,11 @@ NOT_AS_WRITTEN: dict[str, tuple[str, list[str]]] = {
         ["shardconsole --preset tiny-cpu --headless --run-dir runs/my-lora --set model.name=path/to/model "
          "--set data.path=chats.jsonl --set data.eval_fraction=0.1 --set train.method=lora --set lora.rank=16 "
          "--set train.steps=10 --set train.eval_every=5"]),
+    "shardconsole chat runs/my-chat --step 50 --temperature 0.7 --top-p 0.9 --max-new-tokens 200": (
+        "suite time (the run above has 20 steps): its checkpoint of step 20",
+        ["shardconsole chat runs/my-chat --step 20 --temperature 0.7 --top-p 0.9 --max-new-tokens 200 < /dev/null"]),
+    "shardconsole chat my-model": (
+        "interactive: the same chat with its input at an end at once (Ctrl-D)", ["shardconsole chat my-model < /dev/null"]),
     "shardconsole --preset 4090x2-zero3 --set parallel.nnodes=4 --slurm > job.sbatch && sbatch job.sbatch": (
         "needs a Slurm cluster: the script is written as written and checked by bash's parser",
         ["shardconsole --preset 4090x2-zero3 --set parallel.nnodes=4 --slurm > job.sbatch && bash -n job.sbatch"]),

@@ -36,6 +36,8 @@ LAZY_SUBCOMMANDS = {
     "compare": "shardconsole.cli.runs:cmd_compare",
     "doctor": "shardconsole.cli.doctor:cmd_doctor",
     "settings": "shardconsole.cli.settings:cmd_settings",
+    "data": "shardconsole.cli.data:cmd_data",
+    "chat": "shardconsole.cli.chat:cmd_chat",
 }
 
 

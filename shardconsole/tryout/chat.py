@@ -1,0 +1,127 @@
+"""A chat with a trained model: an exported Hugging Face folder, or a run's checkpoint exported on the way
+through export-model's own code path, on the GPU where there is one and on the CPU otherwise.
+
+The prompt is the model folder's chat template (export-model writes the template the run trained with,
+the plain one included), so a conversation here is formatted as the training data was. Generation runs
+in a worker thread with transformers' TextIteratorStreamer: tokens arrive as they are made, and a
+threading.Event stops a generation between two tokens (Ctrl-C in the terminal, a key in a UI).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from shardconsole.settings import config as C
+from shardconsole.settings.models import ModelError, resolve
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0        # 0: greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+
+    def check(self, source: str = "chat") -> "Sampling":
+        if self.temperature < 0:
+            raise C.ConfigError(f"{source}: temperature {self.temperature} is below 0 (0 is greedy)")
+        if not 0 < self.top_p <= 1:
+            raise C.ConfigError(f"{source}: top_p {self.top_p} is not in (0, 1]")
+        if self.max_new_tokens < 1:
+            raise C.ConfigError(f"{source}: max_new_tokens {self.max_new_tokens} is below 1")
+        return self
+
+
+def weights_bytes(folder: Path, dtype_bytes: int = 2) -> int:
+    """The weights as the planner counts them (the model's shapes, not its files)."""
+    try:
+        spec = resolve(str(folder))
+    except ModelError as e:
+        raise C.ConfigError(f"chat: {e}") from None
+    return spec.n_params * dtype_bytes
+
+
+def pick_device(need_bytes: int) -> str:
+    """cuda when a GPU has room for the weights and a margin, else cpu when the host has; else one line."""
+    import psutil
+    import torch
+    margin = GiB // 2
+    if torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info()
+        if free >= need_bytes + margin:
+            return "cuda"
+    avail = psutil.virtual_memory().available
+    if avail >= need_bytes + margin:
+        return "cpu"
+    raise C.ConfigError(f"chat: the weights take {need_bytes / GiB:.1f} GiB and no GPU or host RAM here has that "
+                        f"free ({avail / GiB:.1f} GiB of host RAM available)")
+
+
+class ChatModel:
+    """One model folder, loaded once; `reply` streams the assistant's next turn."""
+
+    def __init__(self, folder: Path, device: str | None = None) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        self.folder = Path(folder)
+        need = weights_bytes(self.folder)
+        self.device = device or pick_device(need)
+        dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
+        try:
+            self.tok = AutoTokenizer.from_pretrained(self.folder, local_files_only=True)
+        except Exception as e:
+            raise C.ConfigError(f"chat: {self.folder}: no tokenizer loads from it ({str(e)[:120]})") from None
+        if not getattr(self.tok, "chat_template", None):
+            raise C.ConfigError(f"chat: {self.folder}: the tokenizer has no chat template; export the run again "
+                                f"with this version (export-model writes the template the run trained with)")
+        self.model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=dtype, local_files_only=True)
+        self.model.to(self.device).eval()
+
+    def prompt_ids(self, messages: list[dict[str, str]]):
+        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)["input_ids"]
+        return ids.to(self.device)
+
+    def reply(self, messages: list[dict[str, str]], sampling: Sampling,
+              stop: threading.Event | None = None) -> Iterator[str]:
+        """The assistant's next turn, a piece of text at a time; ends early once `stop` is set."""
+        from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
+        stop = stop or threading.Event()
+
+        class _Stop(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs) -> bool:
+                return stop.is_set()
+
+        streamer = TextIteratorStreamer(self.tok, skip_prompt=True, skip_special_tokens=True)
+        greedy = sampling.temperature == 0
+        kwargs = dict(input_ids=self.prompt_ids(messages), max_new_tokens=sampling.max_new_tokens,
+                      do_sample=not greedy, streamer=streamer, stopping_criteria=StoppingCriteriaList([_Stop()]),
+                      pad_token_id=self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id)
+        if not greedy:
+            kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p)
+        else:
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        failed: list[BaseException] = []
+
+        def work() -> None:
+            import torch
+            try:
+                with torch.inference_mode():
+                    self.model.generate(**kwargs)
+            except BaseException as e:       # surfaced in the caller's thread, not lost in this one
+                failed.append(e)
+                streamer.end()
+
+        thread = threading.Thread(target=work, name="generate", daemon=True)
+        thread.start()
+        try:
+            yield from streamer
+        finally:
+            stop.set()
+            thread.join()
+        if failed:
+            raise failed[0]

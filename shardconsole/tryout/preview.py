@@ -1,0 +1,163 @@
+"""The first (or a random few) records of a run's data as the model will see them.
+
+The ranks' own code turns each record into tokens (backends/corpus.py: the format detected from the
+columns, the renderer with the chat template, the tokenizer, the loss flags), so what is shown is what
+trains: the text with the template applied and special tokens visible, which tokens are under loss,
+the token count of each record, and how the records pack into the first window of data.seq_len + 1
+tokens (where documents join, each ending with the EOS). The first N records are streamed; `random`
+reads the whole file (a reservoir sample), as the ranks do.
+"""
+
+from __future__ import annotations
+
+import os
+import random as _random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from shardconsole.backends import corpus
+from shardconsole.settings import config as C
+from shardconsole.settings.data_check import locate
+from shardconsole.settings.data_scan import text_records
+from shardconsole.settings.models import ModelSpec
+
+
+@dataclass
+class Piece:
+    text: str            # decoded text of a run of tokens, special tokens visible
+    loss: bool           # under loss
+    tokens: int
+
+
+@dataclass
+class RecordView:
+    index: int           # the record's index in the file (0-based)
+    where: str           # file:line or file: record N
+    pieces: list[Piece]
+    tokens: int
+    loss_tokens: int
+    ids: list[int] = field(repr=False, default_factory=list)
+    flags: list[int] = field(repr=False, default_factory=list)    # corpus.LOSS / DOC_START bits
+
+
+@dataclass
+class Preview:
+    source: str
+    format: str
+    tokenizer: str
+    template: str
+    records: list[RecordView]
+    seq_len: int
+    window: list[tuple[int, int, int]]   # (record index, first token, tokens of it) in the first window
+    notes: list[str]
+
+
+def _stream(path: Path, kind: str, text_key: str, text_split: str) -> Iterator[dict[str, Any]]:
+    """The file's records in order, without reading the whole file (datasets' streaming reader, or the
+    ranks' own .txt splitter)."""
+    if kind == "text":
+        with path.open(encoding="utf-8", newline="") as fh:
+            for text in text_records(fh, text_split):
+                yield {text_key: text}
+        return
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import datasets
+    datasets.disable_progress_bars()
+    if kind == "saved":
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
+        yield from ds
+        return
+    yield from datasets.load_dataset(kind, data_files=str(path), split="train", streaming=True)
+
+
+def _pick(records: Iterator[dict[str, Any]], n: int, rnd: bool, seed: int) -> list[tuple[int, dict[str, Any]]]:
+    if not rnd:
+        out = []
+        for i, rec in enumerate(records):
+            if i >= n:
+                break
+            out.append((i, rec))
+        return out
+    rng = _random.Random(seed)
+    sample: list[tuple[int, dict[str, Any]]] = []
+    for i, rec in enumerate(records):         # reservoir sampling: one pass, n records held
+        if i < n:
+            sample.append((i, rec))
+        elif (j := rng.randrange(i + 1)) < n:
+            sample[j] = (i, rec)
+    return sorted(sample, key=lambda x: x[0])
+
+
+def _pieces(enc: corpus.Encoder, ids: np.ndarray, flags: np.ndarray) -> list[Piece]:
+    """Runs of tokens of one loss state, decoded; the EOS and other special tokens stay visible."""
+    out: list[Piece] = []
+    start = 0
+    loss = (flags & corpus.LOSS).astype(bool)
+    for k in range(1, len(ids) + 1):
+        if k == len(ids) or loss[k] != loss[start]:
+            out.append(Piece(_decode(enc, ids[start:k]), bool(loss[start]), k - start))
+            start = k
+    return out
+
+
+def _decode(enc: corpus.Encoder, ids: np.ndarray) -> str:
+    if enc.tokenizer is None:                 # UTF-8 bytes; byte 0 is the EOS
+        return "".join("<eos>" if b == corpus.BYTES_EOS else chr(b) if b < 128 else f"<0x{b:02X}>"
+                       for b in ids.tolist())
+    return enc.tokenizer.decode(ids.tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def preview(cfg: C.RunConfig, spec: ModelSpec, n: int = 3, *, rnd: bool = False, seed: int = 0) -> Preview:
+    """The first n records of data.path (a random n with rnd) as the ranks tokenize them."""
+    d = cfg.data
+    if not d.path or d.source in ("synthetic", "tokens"):
+        raise C.ConfigError("[data] path: no records to preview: the run trains on "
+                            f"{'a token file' if d.source == 'tokens' else 'synthetic tokens'}")
+    path, kind = locate(d.path, "path")
+    where = corpus._where(path, kind)
+    try:
+        enc = corpus.load_encoder(spec.path, spec.has_tokenizer, int(spec.config.get("vocab_size", 0)))
+        picked = _pick(_stream(path, kind, d.text_key, d.text_split), n, rnd, seed)
+        if not picked:
+            raise C.ConfigError(f"[data] path: {path}: no records")
+        fmt = corpus.detect_format(list(picked[0][1].keys()), d.text_key, str(path))
+        renderer = corpus.Renderer(fmt, d.text_key, enc.tokenizer)
+        views = []
+        for i, ids, flags in corpus.tokenize_records(iter(picked), renderer, enc, where):
+            views.append(RecordView(i, where(i), _pieces(enc, ids, flags), len(ids),
+                                    int((flags & corpus.LOSS).astype(bool).sum()), ids.tolist(), flags.tolist()))
+    except corpus.DataError as e:
+        raise C.ConfigError(str(e)) from None
+    return Preview(str(path), fmt, enc.name, renderer.template_name or "-", views, d.seq_len,
+                   _first_window(views, d.seq_len + 1), _notes(views, d.seq_len, rnd))
+
+
+def _first_window(views: list[RecordView], size: int) -> list[tuple[int, int, int]]:
+    """How the shown records pack into the first window (records in file order, as packing joins them)."""
+    out, used = [], 0
+    for v in views:
+        if used >= size:
+            break
+        take = min(v.tokens, size - used)
+        out.append((v.index, used, take))
+        used += take
+    return out
+
+
+def _notes(views: list[RecordView], seq_len: int, rnd: bool) -> list[str]:
+    notes = []
+    for v in views:
+        if v.tokens > seq_len + 1:
+            notes.append(f"record {v.index + 1} ({v.tokens} tokens) is longer than a window of {seq_len + 1}: "
+                         f"packing carries it on into the next window (nothing is cut)")
+        if v.loss_tokens == 0:
+            notes.append(f"record {v.index + 1}: no token under loss (it trains nothing)")
+    if rnd:
+        notes.append("a random sample: the window below joins the shown records, not neighbours in the file")
+    return notes

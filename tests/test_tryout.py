@@ -1,0 +1,137 @@
+"""Issue 37: see the data before (`shardconsole data --preview`), try the model after (`shardconsole chat`).
+
+- The preview's tokens and loss marks are the ranks' own: equal to what the token cache (the rank's
+  tokenizing path) holds for the same records, for chat, prompt/completion and text records; and the
+  tokens it marks are the ones the record's format puts under loss (checked against the tokenizer alone).
+- A chat with a model folder streams its answer, and greedy decoding gives what transformers' own
+  `generate` gives for the same prompt; Ctrl-C ends a generation, not the chat.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import shardconsole
+from tests.hf_fixtures import make_hf_model
+
+RECORDS = {
+    "chat": [{"messages": [{"role": "user", "content": f"what is {i} plus {i}?"},
+                           {"role": "assistant", "content": f"{2 * i}."}]} for i in range(6)],
+    "prompt_completion": [{"prompt": f"Question: name colour {i}.", "completion": " Answer: blue."}
+                          for i in range(6)],
+    "text": [{"text": f"The quick brown fox {i} jumps over the lazy dog."} for i in range(6)],
+}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("tryout") / "model", chat_template=True, seed=3)
+
+
+def _write(folder: Path, fmt: str) -> Path:
+    path = folder / f"{fmt}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS[fmt]))
+    return path
+
+
+def _preview_json(model: Path, data: Path, n: int) -> dict:
+    out = shardconsole("data", "--preview", str(n), "--json", "--set", f"model.name={model}",
+                       "--set", f"data.path={data}", "--set", "data.seq_len=32")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("fmt", ["chat", "prompt_completion", "text"])
+def test_preview_marks_the_tokens_the_ranks_train_on(model, tmp_path, fmt):
+    from shardconsole.backends import corpus, token_cache
+    from shardconsole.settings import config as C
+    from shardconsole.settings.models import resolve
+    data = _write(tmp_path, fmt)
+    pv = _preview_json(model, data, 3)
+    assert pv["format"] == fmt and [r["index"] for r in pv["records"]] == [0, 1, 2]
+    # The rank's path: the token cache of the same settings, records in file order (no eval split).
+    cfg = C.build({"model": {"name": str(model)}, "data": {"path": str(data), "seq_len": 32}})
+    spec = resolve(str(model))
+    entry = token_cache.open_entry(cfg.data, cfg.train.seed, spec.path, spec.has_tokenizer, spec.vocab, lambda _: None)
+    ids, flags = entry.train.ids.tolist(), entry.train.flags.tolist()
+    at = 0
+    for rec in pv["records"]:
+        n = rec["tokens"]
+        assert rec["ids"] == ids[at:at + n]
+        assert [f & corpus.LOSS for f in rec["flags"]] == [f & corpus.LOSS for f in flags[at:at + n]]
+        assert rec["loss_tokens"] == sum(1 for f in flags[at:at + n] if f & corpus.LOSS)
+        at += n
+    # What the format puts under loss, from the tokenizer alone.
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+    first = pv["records"][0]
+    marked = "".join(p["text"] for p in first["pieces"] if p["loss"])
+    want = {"chat": "0.<|im_end|>\n<|endoftext|>", "prompt_completion": " Answer: blue.<|endoftext|>",
+            # a record's first token starts a document and is never under loss: nothing comes before it
+            "text": RECORDS["text"][0]["text"].removeprefix("The") + "<|endoftext|>"}[fmt]
+    assert marked == want
+    assert first["tokens"] == len(first["ids"]) and tok.decode(first["ids"]).endswith("<|endoftext|>")
+
+
+def test_preview_in_plain_text_marks_loss_and_shows_the_window(model, tmp_path):
+    data = _write(tmp_path, "prompt_completion")
+    out = shardconsole("data", "--preview", "2", "--plain", "--set", f"model.name={model}",
+                       "--set", f"data.path={data}", "--set", "data.seq_len=16")
+    assert out.returncode == 0, out.stderr
+    assert "Question: name colour 0.⟦ Answer: blue.<|endoftext|>⟧" in out.stdout
+    assert "the first window (17 tokens" in out.stdout and "record 1 [" in out.stdout
+
+
+def test_preview_of_synthetic_data_is_one_line(tmp_path):
+    out = shardconsole("data", "--preview", "2", "--preset", "tiny-cpu")
+    assert out.returncode == 2 and "no records to preview" in out.stderr and "Traceback" not in out.stderr
+
+
+def _reference(model: Path, prompt: str, n: int) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.inference_mode():
+        out = lm.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_greedy_chat_answers_as_transformers_generate(model):
+    out = shardconsole("chat", str(model), "--prompt", "what is two plus two?", "--max-new-tokens", "24",
+                       "--device", "cpu")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == _reference(model, "what is two plus two?", 24) + "\n"
+
+
+def test_ctrl_c_ends_a_generation_not_the_chat(model):
+    proc = subprocess.Popen([sys.executable, "-m", "shardconsole", "chat", str(model), "--max-new-tokens", "4000",
+                             "--device", "cpu"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, bufsize=1, env={**os.environ})
+    try:
+        proc.stdin.write("tell me a long story\n")
+        proc.stdin.flush()
+        seen = ""
+        deadline = time.monotonic() + 120
+        while "model> " not in seen or len(seen.split("model> ", 1)[1]) < 2:    # the answer is streaming
+            assert time.monotonic() < deadline and proc.poll() is None
+            seen += proc.stdout.read(1)
+        proc.send_signal(signal.SIGINT)
+        proc.stdin.write("/reset\n")
+        proc.stdin.close()
+        rest = proc.stdout.read()
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "[stopped]" in rest and "(conversation reset)" in rest

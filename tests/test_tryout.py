@@ -135,3 +135,23 @@ def test_ctrl_c_ends_a_generation_not_the_chat(model):
         if proc.poll() is None:
             proc.kill()
     assert "[stopped]" in rest and "(conversation reset)" in rest
+
+
+async def test_ctrl_d_in_the_console_shows_the_preview(model, tmp_path):
+    """The console's data preview runs the CLI's in a child process (the console imports no tokenizer)
+    and shows the records with the tokens under loss styled; the UI keeps answering meanwhile."""
+    from shardconsole.console.screens.dialogs import ReportScreen
+    from tests.test_console import make_app, wait_for
+    data = _write(tmp_path, "prompt_completion")
+    app = make_app(tmp_path, overrides=[f"model.name={model}", f"data.path={data}", "data.seq_len=32"])
+    async with app.run_test(size=(120, 40)) as pilot:
+        setup = app.setup_screen
+        await wait_for(pilot, lambda: setup.machine.detected)
+        await pilot.press("ctrl+d")
+        await wait_for(pilot, lambda: isinstance(app.screen, ReportScreen), timeout=240, what="the preview")
+        body = app.screen.body
+        assert "record 1" in body.plain and " Answer: blue.<|endoftext|>" in body.plain
+        styled = {body.plain[s.start:s.end] for s in body.spans if "green" in str(s.style)}
+        assert " Answer: blue.<|endoftext|>" in styled and "Question: name colour 0." not in styled
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not isinstance(app.screen, ReportScreen))

@@ -58,6 +58,7 @@ class SetupScreen(SetupActions, Screen[None]):
         Binding("ctrl+s", "save_preset", "Save preset"),
         Binding("ctrl+o", "attach", "Attach"),
         Binding("ctrl+t", "tune", "Tune"),
+        Binding("ctrl+d", "preview", "Data preview", show=False),
         Binding("ctrl+n", "next_tab", "Next tab"),
     ]
 

@@ -14,7 +14,7 @@ from shardconsole.settings import config as C
 from shardconsole.settings import preset_store, resolve as settings
 from shardconsole.session import preflight
 
-from shardconsole.console.screens.dialogs import AttachScreen, ConfirmScreen, SavePresetScreen, SaveRequest
+from shardconsole.console.screens.dialogs import AttachScreen, ConfirmScreen, ReportScreen, SavePresetScreen, SaveRequest
 from shardconsole.console.services import AttachError, RunHandle
 
 
@@ -141,6 +141,19 @@ class SetupActions:
         self._refresh()
         self._show_picks()
         self.notify(f"Saved {path}", title="Preset saved")
+
+    async def action_preview(self) -> None:
+        """The first records as the model will see them (console/tryout.py), in a worker: it tokenizes."""
+        if await self._refuse_if_invalid("previewing the data"):
+            return
+        self.notify("tokenizing the first records ...", title="Data preview")
+        cfg = C.copy(self.cfg)
+
+        def work() -> None:
+            from shardconsole.console.tryout import preview
+            title, body = preview(cfg)
+            self.app.call_from_thread(self.app.push_screen, ReportScreen(title, body))
+        self.run_worker(work, thread=True, exclusive=True, group="preview")
 
     async def action_tune(self) -> None:
         """Probe the settings that fit and save the fastest (console/screens/tune.py, tune/engine.py)."""

@@ -90,12 +90,18 @@ def test_the_host_peak_says_which_phase_sets_it_and_what_the_save_adds(capsys):
     saving = PL.estimate(_tiny(*sets), resolve("3b"), hw)
     quiet = PL.estimate(_tiny(*sets, "train.save_final=false"), resolve("3b"), hw)
     assert quiet.host_peak_phase == "training" and quiet.host_save_adds_bytes == 0
-    assert saving.host_peak_phase == "saving" and saving.host_save_adds_bytes == GiB
-    assert saving.host_peak_bytes == quiet.host_peak_bytes + GiB
-    assert PL.host_peak_line(saving) == f"host peak {C.format_size(saving.host_peak_bytes)} (saving); the save adds 1.0 GiB"
+    # the streaming save copies one tensor at a time: the largest one (the embedding, fp32 masters) and
+    # the writer's buffers; within the bound the save path is held to
+    shape = resolve("3b").config
+    largest = 4 * shape["vocab_size"] * shape["hidden_size"]
+    add = saving.host_save_adds_bytes
+    assert saving.host_peak_phase == "saving" and largest < add <= max(GiB, largest) + PL.SAVE_FIXED_BYTES
+    assert saving.host_peak_bytes == quiet.host_peak_bytes + add
+    assert PL.host_peak_line(saving) == (f"host peak {C.format_size(saving.host_peak_bytes)} (saving); the save "
+                                         f"adds {C.format_size(add)}")
     compiled = PL.estimate(_tiny(*sets, "train.compile=true"), resolve("3b"), PL.Hardware(1, 24 * GiB, 128 * GiB, cpus=16))
     assert compiled.host_peak_bytes - saving.host_peak_bytes == PL.COMPILE_SIDECAR_BYTES + 16 * PL.COMPILE_WORKER_BYTES
-    assert shardconsole_plan(capsys, *sum((["--set", x] for x in sets), [])).count("the save adds 1.0 GiB") == 1
+    assert shardconsole_plan(capsys, *sum((["--set", x] for x in sets), [])).count(f"the save adds {C.format_size(add)}") == 1
 
 
 def shardconsole_plan(capsys, *args: str) -> str:

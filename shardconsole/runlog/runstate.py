@@ -14,8 +14,9 @@ def fmt_rate(x: float) -> str:
 
 def save_line(sp: P.SaveProgress) -> str:
     """A save as both front ends print it: `saving step 60: 12.3 / 84.0 GB, 9 s`, and once it is done
-    `saved step 60: 84.0 GB in 52 s (1.6 GB/s) to DIR`. The bytes are rank 0's (each rank writes its own
-    shards alike); decimal units, as disks are sold."""
+    `saved step 60: 84.0 GB in 52 s (1.6 GB/s) to DIR`. Rank 0 sends them: the bytes in the save's folder
+    so far (every rank's, on the file system they share) of the planned total; decimal units, as disks
+    are sold."""
     scale, unit = (1e9, "GB") if max(sp.total_bytes, sp.written_bytes) >= 1e8 else (1e6, "MB")
     what = {"model": "the model of step", "export": "the export of step"}.get(sp.what, "step")
     if sp.done:

@@ -25,8 +25,8 @@ class ShardConsoleApp(App[Path | None]):
     TITLE = "shardconsole"
     ENABLE_COMMAND_PALETTE = False
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
-    # ctrl+l is off the footer (full on the setup screen at 80 columns); the attach dialog names it.
-    BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True), Binding("ctrl+l", "runs", "Runs", show=False)]
+    # In every footer: the setup screen's six bindings and these two fit in 80 columns.
+    BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True), Binding("ctrl+l", "runs", "Runs")]
 
     def __init__(self, launcher: Launcher, probes: Probes, *, preset: str = settings.DEFAULT_PRESET,
                  overrides: list[str] | None = None, resolved: settings.Resolved | None = None,

@@ -19,12 +19,16 @@ from textual.widgets import DataTable, Footer, Label, Static
 
 from shardconsole.console.widgets.line_plot import LinePlot, PlotSeries
 from shardconsole.history import compare as CMP
-from shardconsole.history.index import RunSummary, list_runs
+from shardconsole.history.index import RunSummary, list_runs, roots
+from shardconsole.launch.command import runs_root as default_runs_root
 
 HERE = Path(__file__).parent
-COLUMNS = ("", "id", "preset", "backend", "model", "status", "steps", "tokens/s", "MFU", "peak GPU", "peak host",
+# What tells runs apart first: at 80 columns the table scrolls sideways from the preset on, and the
+# status and steps stay in view next to the id.
+COLUMNS = ("", "id", "status", "steps", "preset", "backend", "model", "tokens/s", "MFU", "peak GPU", "peak host",
            "last loss", "eval loss")
-STATUS_STYLE = {"running": "green", "finished": "cyan", "stopped": "yellow", "failed": "red", "unknown": "dim"}
+STATUS_STYLE = {"running": "green", "finished": "cyan", "stopped": "yellow", "failed": "red", "unknown": "dim",
+                "prepared": "dim"}
 COLORS = ("#5fd7d7", "#ffaf5f", "#af87ff", "#87d75f", "#ff5f87", "#d7d75f")
 
 
@@ -49,8 +53,8 @@ class RunsScreen(Screen[Path | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="runs-body"):
-            yield Label(f"Runs in {self.runs_root or 'the runs root'} (newest first): space marks, c compares, "
-                        f"enter attaches", id="title")
+            where = " and ".join(str(r) for r in roots(self._root()))
+            yield Label(f"Runs in {where} (newest first): space marks, c compares, enter attaches", id="title")
             table = DataTable(id="runs-table", cursor_type="row", zebra_stripes=True)
             table.add_columns(*COLUMNS)
             yield table
@@ -63,11 +67,16 @@ class RunsScreen(Screen[Path | None]):
     @work(thread=True, exclusive=True, group="runs")
     def load(self) -> None:
         try:
-            runs = list_runs(self.runs_root)
+            runs = list_runs(self._root())
         except OSError as e:        # a runs root that cannot be read: said, not raised
             self.app.call_from_thread(self._show_error, f"cannot read the runs: {e}")
             return
         self.app.call_from_thread(self._show, runs)
+
+    def _root(self) -> Path | None:
+        """The default runs root is listed with an old ./runs beside it (None), as `shardconsole runs` and
+        the attach dialog list it: README's `--run-dir runs/my-chat` lands there."""
+        return None if self.runs_root is None or self.runs_root == default_runs_root() else self.runs_root
 
     def _show_error(self, text: str) -> None:
         self.query_one("#detail", Static).update(text)
@@ -79,8 +88,8 @@ class RunsScreen(Screen[Path | None]):
         for r in runs:
             f = CMP.figures(r)
             status = Text(f["status"], STATUS_STYLE.get(r.status, ""))
-            table.add_row("✓" if r.path in self.marked else " ", r.run_id, f["preset"], f["backend"], f["model"],
-                          status, f["steps"], f["tokens/s"], f["MFU"], f["peak GPU"], f["peak host"],
+            table.add_row("✓" if r.path in self.marked else " ", r.run_id, status, f["steps"], f["preset"],
+                          f["backend"], f["model"], f["tokens/s"], f["MFU"], f["peak GPU"], f["peak host"],
                           f["last loss"], f["eval loss"], key=str(r.path))
         if not runs:
             self.query_one("#detail", Static).update(f"No runs in {self.runs_root or 'the runs root'} yet")

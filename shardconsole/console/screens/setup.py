@@ -123,7 +123,9 @@ class SetupScreen(SetupActions, Screen[None]):
         with TabbedContent(id="tabs", initial="tab-pick"):
             with TabPane("Pick", id="tab-pick"):
                 with Horizontal(id="pickers"):
-                    with Vertical(id="model-picker"):
+                    # Scrolls: at 80x24 the backend choice is below the fold, and the focus (tab, down)
+                    # brings it into view instead of moving to a control nobody sees.
+                    with VerticalScroll(id="model-picker", can_focus=False):
                         yield Label("Model", classes="picker-title")
                         yield OptionList(*self._model_options(), id="models")
                         yield PickInput(placeholder="or a local model folder…", id="model-dir", compact=True)
@@ -299,6 +301,7 @@ class SetupScreen(SetupActions, Screen[None]):
     @on(TabbedContent.TabActivated)
     async def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
         pane = event.pane.id or ""
+        self.query_one("#help", Static).display = False     # the last tab's field's help; the next focus sets it
         if pane.startswith("tab-") and pane != "tab-pick":
             await self._ensure_form(pane.removeprefix("tab-"))
 
@@ -423,7 +426,10 @@ class SetupScreen(SetupActions, Screen[None]):
             self.query_one("#models", OptionList).focus()
             return
         await self._ensure_form(pane.removeprefix("tab-"))
-        self.query_one(f"#form-{pane.removeprefix('tab-')}").query(".setting--control").first().focus()
+        control = self.query_one(f"#form-{pane.removeprefix('tab-')}").query(".setting--control").first()
+        # After the switch is drawn: a control in a pane still hidden refuses the focus, which then stayed
+        # in the previous tab (its help line too, and the keys went to a field nobody saw).
+        self.call_after_refresh(control.focus)
 
     async def _go_to(self, path: str) -> None:
         """Show the field at `path` (table.key) with the focus in it."""

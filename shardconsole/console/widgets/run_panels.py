@@ -13,7 +13,7 @@ from textual.widgets import Static
 
 from shardconsole.machine import offload_verdict
 from shardconsole.runlog.runstate import fmt_rate
-from shardconsole.console.runview import GIB, RunView
+from shardconsole.console.runview import GIB, RunView, data_text
 from shardconsole.console.widgets.line_plot import LinePlot, PlotSeries
 
 # Hex colours: the plots draw with Rich styles and the legends with Textual markup, which share these.
@@ -79,6 +79,8 @@ class GpuPanel(VerticalScroll, can_focus=False):
 
     def compose(self) -> ComposeResult:
         yield Static("waiting for the first sample", id="gpu-text", markup=False)
+        # The fullest card's memory over time: its own chart and axis (GiB), not on the host's.
+        yield LinePlot(id="gpu-plot", empty="", fmt=lambda v: f"{v:.1f} GiB", y_min=0.0)
 
     def show(self, view: RunView, gpu_unavailable: str) -> None:
         state = view.state
@@ -100,9 +102,11 @@ class GpuPanel(VerticalScroll, can_focus=False):
             text.append(f"gpu{idx} ")
             text.append_text(bar(g.used_bytes, g.total_bytes, bar_w))
             text.append(f" {gib(g.used_bytes)}/{gib(g.total_bytes)} GiB {util}\n")
-            vitals = gpu_vitals(g)
+            vitals = fit_vitals(g, width - 2)
             if vitals:
-                text.append("  " + vitals + "\n", "bold red" if g.throttle else "dim")
+                text.append("  " + vitals + "\n", "dim")
+            if g.throttle:
+                text.append("  throttled: " + ", ".join(g.throttle) + "\n", "bold red")
             for line in _rank_lines(view, on_gpu.get(idx, [])):
                 text.append("  " + line + "\n", "bright_black" if "n/a" in line else "")
         if view.planned_gpu_bytes:
@@ -123,6 +127,10 @@ class GpuPanel(VerticalScroll, can_focus=False):
                     text.append("  " + line + "\n")
         text.rstrip()
         self.query_one("#gpu-text", Static).update(text)
+        plot = self.query_one("#gpu-plot", LinePlot)
+        plot.display = len(view.gpu_used_gib) > 0
+        plot.series = (PlotSeries("fullest GPU", view.gpu_used_gib.xs, view.gpu_used_gib.ys, GPU_COLOR),)
+        self.border_subtitle = f"[{GPU_COLOR}]fullest GPU used, GiB[/]" if len(view.gpu_used_gib) else ""
 
 
 def gpu_vitals(g) -> str:
@@ -140,6 +148,30 @@ def gpu_vitals(g) -> str:
     if g.throttle:
         parts.append("throttled: " + ", ".join(g.throttle))
     return " · ".join(parts)
+
+
+def fit_vitals(g, width: int) -> str:
+    """The vitals without the throttle reasons (a line of their own) in one line of `width`: the
+    separators and the clock's maximum go first, then the quantities from the end (PCIe, clock)."""
+    parts = []
+    if g.temp_c is not None:
+        parts.append(f"{g.temp_c:.0f}°C")
+    if g.power_w is not None:
+        parts.append(f"{g.power_w:.0f}" + (f"/{g.power_limit_w:.0f}" if g.power_limit_w else "") + " W")
+    clock = None
+    if g.sm_clock_mhz is not None:
+        clock = len(parts)
+        parts.append(f"SM {g.sm_clock_mhz:.0f}" + (f"/{g.sm_clock_max_mhz:.0f}" if g.sm_clock_max_mhz else "") + " MHz")
+    if g.pcie_rx_bps is not None or g.pcie_tx_bps is not None:
+        parts.append(f"PCIe ↓{(g.pcie_rx_bps or 0) / 1e9:.1f} ↑{(g.pcie_tx_bps or 0) / 1e9:.1f} GB/s")
+    for sep in (" · ", "  "):
+        if len(sep.join(parts)) <= width:
+            return sep.join(parts)
+    if clock is not None:
+        parts[clock] = f"SM {g.sm_clock_mhz:.0f} MHz"
+    while parts and len("  ".join(parts)) > width:
+        parts.pop()
+    return "  ".join(parts)
 
 
 def offload_view(view: RunView) -> list[tuple[str, str]]:
@@ -186,8 +218,8 @@ def _rank_lines(view: RunView, ranks: list[int], limit: int = 4) -> list[str]:
 class HostPanel(Panel):
     def compose(self) -> ComposeResult:
         yield Static("waiting for the first sample", id="host-text", markup=False)
-        yield LinePlot(id="memory-plot", empty="memory over time: waiting for samples", fmt=lambda v: f"{v:.1f}G",
-                       y_min=0.0)
+        yield LinePlot(id="memory-plot", empty="host RAM over time: waiting for samples",
+                       fmt=lambda v: f"{v:.1f} GiB", y_min=0.0)
 
     def show(self, view: RunView) -> None:
         host = view.state.host
@@ -209,12 +241,10 @@ class HostPanel(Panel):
         if ranks and len(ranks) <= 8:
             text.append("\n" + " ".join(f"r{r} {gib(view.state.memory[r].host_rss_bytes)}" for r in ranks), "dim")
         self.query_one("#host-text", Static).update(text)
-        series = [PlotSeries("host", view.host_used_gib.xs, view.host_used_gib.ys, HOST_COLOR)]
-        if len(view.gpu_used_gib):
-            series.append(PlotSeries("gpu", view.gpu_used_gib.xs, view.gpu_used_gib.ys, GPU_COLOR))
-        self.query_one("#memory-plot", LinePlot).series = tuple(series)
-        self.border_subtitle = f"[{HOST_COLOR}]host used[/]" + (
-            f" · [{GPU_COLOR}]fullest GPU[/]" if len(view.gpu_used_gib) else "")
+        # One quantity on this axis: the host's used RAM (the fullest GPU has its chart in the GPU panel).
+        self.query_one("#memory-plot", LinePlot).series = (
+            PlotSeries("host", view.host_used_gib.xs, view.host_used_gib.ys, HOST_COLOR),)
+        self.border_subtitle = f"[{HOST_COLOR}]host used, GiB[/]"
 
 
 class ThroughputPanel(Panel):
@@ -265,9 +295,8 @@ class LossPanel(Panel):
             text = pack(items, _width(self))
         d = view.state.data
         if d is not None:
-            text.append(f"\ndata {d.format}: {d.records} records, {d.tokens} tokens, {d.samples} samples, "
-                        f"{100 * d.loss_share:.0f}% under loss, {d.epochs:.2f} epochs · tokenizer "
-                        f"{d.tokenizer or 'n/a'}", "dim")
+            text.append("\ndata " + data_text(d) + ("" if d.format == "synthetic" else
+                        f", {d.epochs:.2f} epochs · tokenizer {d.tokenizer or 'n/a'}"), "dim")
         self.query_one("#loss-text", Static).update(text)
         series = [PlotSeries("loss", view.loss.xs, view.loss.ys, LOSS_COLOR)]
         if len(view.eval_loss):

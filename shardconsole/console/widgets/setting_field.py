@@ -41,6 +41,8 @@ class SettingField(Widget):
         & > .setting--name { width: 26; height: 1; text-overflow: ellipsis; text-wrap: nowrap; }
         &.-changed > .setting--name { color: $accent; text-style: bold; }
         & > .setting--control { width: 22; height: 1; }
+        /* text (paths, names): room for a path, not 22 characters of one */
+        &.-text > .setting--control { width: 48; }
         & > Switch.setting--control {
             border: none; padding: 0; width: 6; background: $panel-darken-1;
             & > .switch--slider { color: $foreground-darken-3; background: $panel-darken-1; }
@@ -58,6 +60,7 @@ class SettingField(Widget):
     .-narrow SettingField {
         & > .setting--name { width: 22; }
         & > .setting--control { width: 18; }
+        &.-text > .setting--control { width: 34; }
     }
     """
 
@@ -78,7 +81,7 @@ class SettingField(Widget):
             return self.setting
 
     def __init__(self, spec: FieldSpec, text: str, *, id: str | None = None) -> None:
-        super().__init__(id=id)
+        super().__init__(id=id, classes="-text" if spec.kind == "text" else None)
         self.spec = spec
         self._text = text
 

@@ -11,7 +11,6 @@ import pytest
 from textual.widgets import DataTable, Footer, Input, RadioSet
 
 from shardconsole.runlog import protocol as P
-from shardconsole.console.runview import data_text
 from shardconsole.console.services import RunOptions
 from tests.conftest import shardconsole
 from tests.test_console import (FakeLauncher, FakeProbes, NO_GPU, gpu_sample, make_app, text_of, wait_for,
@@ -76,10 +75,11 @@ async def test_the_runs_screen_lists_the_runs_root_and_dot_runs_with_status_in_8
 
 
 def test_the_data_line_counts_what_there_is():
-    synthetic = P.DataSummary(format="synthetic", source="synthetic")
-    assert data_text(synthetic) == "synthetic random tokens (no data set, no tokenizer)"
-    one = P.DataSummary(format="text", source="a.txt", records=1, tokens=2048, samples=8, loss_share=1.0)
-    assert data_text(one) == "text from a.txt: 1 record, 2,048 tokens, 8 samples, 100% under loss"
+    from shardconsole.console.runview import log_line
+    synthetic = P.DataSummary(rank=0, format="synthetic", source="synthetic")
+    assert log_line(synthetic).endswith("│ data: synthetic random tokens (no data set, no tokenizer)")
+    one = P.DataSummary(rank=0, format="text", source="a.txt", records=1, tokens=2048, samples=8, loss_share=1.0)
+    assert log_line(one).endswith("│ data: text from a.txt, 1 record, 8 samples, 100% under loss")
 
 
 VITALS = dict(temp_c=63.0, power_w=610.0, power_limit_w=700.0, sm_clock_mhz=1830.0, sm_clock_max_mhz=1980.0,
@@ -96,6 +96,8 @@ async def test_gpu_vitals_fit_one_line_and_each_chart_plots_one_quantity(tmp_pat
         plain(i, used, t, pids), **VITALS, throttle=("sw_power_cap",) if i == 1 else ()))
     run_dir = tmp_path / "runs" / "20260101-000000-h200"
     write_run(run_dir, gpus=2, steps=6)
+    with open(run_dir / "metrics.jsonl", "a") as fh:       # a synthetic-data run: nothing to count
+        fh.write(P.encode(P.DataSummary(run=run_dir.name, rank=0, format="synthetic", source="synthetic")) + "\n")
     app = TC.ShardConsoleApp(FakeLauncher(tmp_path / "runs"), FakeProbes.like(run_dir), attach=run_dir,
                              planner=lambda: None, run_options=RunOptions(sample=False))
     async with app.run_test(size=size) as pilot:
@@ -109,6 +111,7 @@ async def test_gpu_vitals_fit_one_line_and_each_chart_plots_one_quantity(tmp_pat
         if size[0] >= 120:
             assert all(line.endswith("GB/s") for line in vitals), drawn    # all of it, on one line
         assert [line.strip() for line in drawn if "throttled" in line] == ["throttled: sw_power_cap"]
+        assert "data synthetic random tokens (no data set, no tokenizer)" in text_of(screen.query_one("#loss-text"))
         host = screen.query_one("#memory-plot")
         assert [s.label for s in host.series] == ["host"] and host.fmt(42.0) == "42.0 GiB"
         gpu = screen.query_one("#gpu-plot")

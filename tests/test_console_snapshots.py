@@ -8,6 +8,7 @@ on this machine. Update after a deliberate change of the look: pytest tests/test
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -134,3 +135,34 @@ def test_run_stopped_report(snap_compare, in_tmp):
         await wait_for(pilot, lambda: type(pilot.app.screen).__name__ == "ReportScreen")
         await pilot.pause()
     assert snap_compare(attached_app(run_dir), terminal_size=WIDE, run_before=run_before)
+
+
+# --- 80x24, as README promises (issue 36 item 8) ---------------------------------------------------
+
+def test_setup_backend_in_view_at_80x24(snap_compare, in_tmp):
+    """Tab from the model list to the backend choice: it scrolls into view, focused."""
+    async def run_before(pilot: Any) -> None:
+        await machine_known(pilot)
+        await pilot.press("tab", "tab")
+        await wait_for(pilot, lambda: pilot.app.focused is pilot.app.setup_screen.query_one("#backend"))
+        await still(pilot)
+    assert snap_compare(setup_app(), terminal_size=NARROW, run_before=run_before)
+
+
+def test_runs_screen_at_80x24(snap_compare, in_tmp, monkeypatch):
+    """The runs root and ./runs (README's --run-dir runs/my-chat), status and steps next to the id."""
+    monkeypatch.setenv("SHARDCONSOLE_RUNS_ROOT", "root")
+    write_run(Path("root/20260101-000001-tiny-cpu"), gpus=0, device="cpu", steps=3, total_steps=3, finished=True)
+    write_run(Path("runs/my-chat"), gpus=0, device="cpu", steps=2, total_steps=2, finished=True)
+    for folder, t in (("root/20260101-000001-tiny-cpu", 2_000_000_000), ("runs/my-chat", 1_999_999_000)):
+        os.utime(Path(folder) / "preset.toml", (t, t))       # the order (newest first) fixed
+
+    async def run_before(pilot: Any) -> None:
+        await machine_known(pilot)
+        await pilot.press("ctrl+l")
+        await wait_for(pilot, lambda: type(pilot.app.screen).__name__ == "RunsScreen"
+                       and pilot.app.screen.query_one("DataTable").row_count == 2)
+        await still(pilot)
+    app = ShardConsoleApp(FakeLauncher(Path("root")), FakeProbes(gpus=TWO_GPUS), preset="tiny-cpu",
+                          planner=fixed_planner)
+    assert snap_compare(app, terminal_size=NARROW, run_before=run_before)

@@ -14,17 +14,10 @@ from shardconsole.runlog.runstate import RunState, save_line
 
 def count(n: int, noun: str) -> str:
     """'1 record', '3 records'."""
-    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def data_text(d: P.DataSummary) -> str:
-    """What the ranks train on, for the Logs and Loss panels: synthetic tokens have no records to count."""
-    if d.format == "synthetic":
-        return "synthetic random tokens (no data set, no tokenizer)"
-    if not d.records:       # a token file: tokens, no records
-        return f"{d.format} from {d.source}, {count(d.tokens, 'token')}, {count(d.samples, 'sample')}"
-    return (f"{d.format} from {d.source}: {count(d.records, 'record')}, {count(d.tokens, 'token')}, "
-            f"{count(d.samples, 'sample')}, {100 * d.loss_share:.0f}% under loss")
+SYNTHETIC = "synthetic random tokens (no data set, no tokenizer)"
 
 
 GIB = 2**30
@@ -172,8 +165,14 @@ def log_line(msg: P.Message) -> str | None:
         gpu = f" ({msg.gpu_name})" if msg.gpu_name else ""
         text = f"started: {msg.backend or 'rank'} on {msg.device or '?'}{gpu}, pid {msg.pid}" + \
             (f" on {msg.host}" if msg.host else "")
+    elif isinstance(msg, P.DataSummary) and msg.format == "synthetic":
+        text = f"data: {SYNTHETIC}" + (f"; {msg.note}" if msg.note else "")
+    elif isinstance(msg, P.DataSummary) and not msg.records:    # a token file
+        text = f"data: {msg.format} ({msg.source})" + (f"; {msg.note}" if msg.note else "")
     elif isinstance(msg, P.DataSummary):
-        text = "data: " + data_text(msg) + (f"; {msg.note}" if msg.note else "")
+        text = f"data: {msg.format} from {msg.source}, {count(msg.records, 'record')}, " \
+               f"{count(msg.samples, 'sample')}, {100 * msg.loss_share:.0f}% under loss" + \
+               (f"; {msg.note}" if msg.note else "")
     elif isinstance(msg, P.Eval):
         text = f"eval at step {msg.step}: loss {'n/a' if msg.loss is None else f'{msg.loss:.4f}'} " \
                f"({msg.tokens} tokens, {msg.seconds:.1f} s)"

@@ -32,6 +32,14 @@ STATUS_STYLE = {"running": "green", "finished": "cyan", "stopped": "yellow", "fa
 COLORS = ("#5fd7d7", "#ffaf5f", "#af87ff", "#87d75f", "#ff5f87", "#d7d75f")
 
 
+def _short(path: Path) -> str:
+    """A folder under the current directory as the user typed it (runs, not /home/.../runs)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve())) or "."
+    except ValueError:
+        return str(path)
+
+
 class RunsScreen(Screen[Path | None]):
     """Returns a run folder to attach to (enter), or None (escape)."""
 
@@ -53,7 +61,7 @@ class RunsScreen(Screen[Path | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="runs-body"):
-            where = " and ".join(str(r) for r in roots(self._root()))
+            where = " and ".join(_short(r) for r in roots(self._root()))
             yield Label(f"Runs in {where} (newest first): space marks, c compares, enter attaches", id="title")
             table = DataTable(id="runs-table", cursor_type="row", zebra_stripes=True)
             table.add_columns(*COLUMNS)
@@ -76,7 +84,9 @@ class RunsScreen(Screen[Path | None]):
     def _root(self) -> Path | None:
         """The default runs root is listed with an old ./runs beside it (None), as `shardconsole runs` and
         the attach dialog list it: README's `--run-dir runs/my-chat` lands there."""
-        return None if self.runs_root is None or self.runs_root == default_runs_root() else self.runs_root
+        if self.runs_root is None or Path(self.runs_root).resolve() == default_runs_root().resolve():
+            return None
+        return self.runs_root
 
     def _show_error(self, text: str) -> None:
         self.query_one("#detail", Static).update(text)
@@ -106,7 +116,7 @@ class RunsScreen(Screen[Path | None]):
         if not 0 <= row < len(self.runs):
             return
         r = self.runs[row]
-        lines = [f"{r.path}", r.detail or r.status_text]
+        lines = [_short(r.path), r.detail or r.status_text]
         if r.description:
             lines.append(r.description)
         self.query_one("#detail", Static).update("\n".join(lines))

@@ -13,7 +13,7 @@ from textual.widgets import Static
 
 from shardconsole.machine import offload_verdict
 from shardconsole.runlog.runstate import fmt_rate
-from shardconsole.console.runview import GIB, RunView, data_text
+from shardconsole.console.runview import GIB, SYNTHETIC, RunView, count
 from shardconsole.console.widgets.line_plot import LinePlot, PlotSeries
 
 # Hex colours: the plots draw with Rich styles and the legends with Textual markup, which share these.
@@ -128,9 +128,10 @@ class GpuPanel(VerticalScroll, can_focus=False):
         text.rstrip()
         self.query_one("#gpu-text", Static).update(text)
         plot = self.query_one("#gpu-plot", LinePlot)
-        plot.display = len(view.gpu_used_gib) > 0
+        plot.set_class(not len(view.gpu_used_gib), "-empty")
         plot.series = (PlotSeries("fullest GPU", view.gpu_used_gib.xs, view.gpu_used_gib.ys, GPU_COLOR),)
-        self.border_subtitle = f"[{GPU_COLOR}]fullest GPU used, GiB[/]" if len(view.gpu_used_gib) else ""
+        charted = len(view.gpu_used_gib) and self.screen.has_class("-wide")     # run.tcss: not at 80 columns
+        self.border_subtitle = f"[{GPU_COLOR}]fullest GPU used, GiB[/]" if charted else ""
 
 
 def gpu_vitals(g) -> str:
@@ -295,8 +296,11 @@ class LossPanel(Panel):
             text = pack(items, _width(self))
         d = view.state.data
         if d is not None:
-            text.append("\ndata " + data_text(d) + ("" if d.format == "synthetic" else
-                        f", {d.epochs:.2f} epochs · tokenizer {d.tokenizer or 'n/a'}"), "dim")
+            # synthetic tokens have no records, tokens or epochs to count (they were shown as 0)
+            text.append(f"\ndata {SYNTHETIC}" if d.format == "synthetic" else
+                        f"\ndata {d.format}: {count(d.records, 'record')}, {count(d.tokens, 'token')}, "
+                        f"{count(d.samples, 'sample')}, {100 * d.loss_share:.0f}% under loss, {d.epochs:.2f} "
+                        f"epochs · tokenizer {d.tokenizer or 'n/a'}", "dim")
         self.query_one("#loss-text", Static).update(text)
         series = [PlotSeries("loss", view.loss.xs, view.loss.ys, LOSS_COLOR)]
         if len(view.eval_loss):

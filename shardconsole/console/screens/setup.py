@@ -301,7 +301,9 @@ class SetupScreen(SetupActions, Screen[None]):
     @on(TabbedContent.TabActivated)
     async def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
         pane = event.pane.id or ""
-        self.query_one("#help", Static).display = False     # the last tab's field's help; the next focus sets it
+        focused = self.app.focused
+        if focused is None or event.pane not in focused.ancestors:
+            self.query_one("#help", Static).display = False   # the last tab's field's; the next focus sets it
         if pane.startswith("tab-") and pane != "tab-pick":
             await self._ensure_form(pane.removeprefix("tab-"))
 

@@ -34,9 +34,23 @@ def check_exportable(cfg: C.RunConfig, spec: ModelSpec, adapter_only: bool, sour
                           f"with weights as model.name")
 
 
+def _quiet() -> None:
+    """The command's output is its one line: peft's import pulls torchao where it is installed, which logs
+    its missing kernels and torch's pytree deprecations; transformers draws a loading bar and warns of a
+    renamed method peft calls. None of it is the user's to act on."""
+    import logging
+    import warnings
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+
+
 def build(cfg: C.RunConfig, spec: ModelSpec, state: dict, dtype, source: Path, *, merged: bool):
     """The base from the model folder with the checkpoint's adapters on it (a peft model), or merged into
     it (a plain transformers model). `state`: the checkpoint's tensors under the HF model's names."""
+    _quiet()
     import torch
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM

@@ -163,3 +163,29 @@ def test_the_planners_trainable_count_is_peft_s(tmp_path):
         peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model), lora_config(cfg))
         trainable, _ = peft_model.get_nb_trainable_parameters()
         assert lora.trainable_params(cfg, Shapes.of(spec)) == trainable, (targets, saved)
+
+
+async def test_the_console_picks_the_method_on_the_first_tab_and_shows_the_lora_form(tmp_path):
+    """The Method switch on the Pick tab sets train.method; [lora] is a form tab only when adapters train;
+    the plan line says what trains."""
+    from textual.widgets import TabbedContent
+
+    import shardconsole.plan as plan
+    from shardconsole.console.widgets.setting_field import SettingField
+    from tests.test_console import make_app, show_table, text_of
+    app = make_app(tmp_path, planner=lambda: plan)
+    async with app.run_test(size=(120, 40)) as pilot:
+        setup = app.setup_screen
+        tabs = setup.query_one(TabbedContent)
+        assert setup.cfg.train.method == "full" and tabs.get_tab("tab-lora").has_class("-hidden")
+        await pilot.click("#method-lora")
+        await pilot.pause()
+        assert setup.cfg.train.method == "lora" and not tabs.get_tab("tab-lora").has_class("-hidden")
+        assert "train.method full → lora" in text_of(setup.query_one("#changes"))
+        await show_table(pilot, setup, "lora")
+        assert setup.query_one("#field-lora-target_modules", SettingField)
+        deadline = 100
+        while "trainable" not in text_of(setup.query_one("#estimate")) and deadline:
+            await pilot.pause(0.05)
+            deadline -= 1
+        assert "lora: 39.4K of 133.4K trainable" in text_of(setup.query_one("#estimate"))

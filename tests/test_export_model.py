@@ -343,3 +343,22 @@ def test_refusals_are_one_line_and_write_nothing(fsdp, tmp_path):
     (tmp_path / "a-file").write_text("")
     assert "writing failed" in _one_line_error(_export(fsdp.run, tmp_path / "a-file" / "out"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "fresh", "full"]
+
+
+def test_an_export_onto_a_full_disk_is_one_line(fsdp, tmp_path):
+    """Issue 31 item 8: a tmpfs too small for the weights: safetensors' own error (os error 28) was a
+    traceback and exit 1; now one line, exit 2, and nothing half-written left there."""
+    import subprocess
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], check=True)
+    try:
+        res = _export(fsdp.run, mnt / "hf")
+        assert res.returncode == 2, res.stderr[-3000:]
+        assert "Traceback" not in res.stderr, res.stderr[-3000:]
+        # torch's import may warn on stderr first (torchao's optional kernels); ours is one line
+        [line] = [ln for ln in res.stderr.splitlines() if ln.startswith("shardconsole:")]
+        assert "writing failed" in line and "no space left" in line.lower(), line
+        assert list(mnt.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

@@ -129,6 +129,14 @@ def cmd_export_model(argv: list[str]) -> int:
         os.replace(tmp, out)
     except OSError as e:     # a full disk, a read-only parent: nothing half-written is left behind
         raise ExportError(f"-o {out}: writing failed: {e}") from None
+    except Exception as e:
+        # safetensors' writer raises its own SafetensorError for an OSError underneath ("os error 28")
+        if type(e).__name__ != "SafetensorError":
+            raise
+        text = str(e)
+        why = "no space left on device" if "os error 28" in text or "StorageFull" in text else \
+            (text.splitlines() or ["SafetensorError"])[0][:200]
+        raise ExportError(f"-o {out}: writing failed: {why}; nothing was left behind") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

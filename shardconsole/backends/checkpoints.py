@@ -13,15 +13,19 @@ loaded with weights_only=True and an allow-list of DeepSpeed's own classes (deep
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch.distributed as dist
 
+from shardconsole.backends import save_stream
 from shardconsole.backends.common import Rank
+from shardconsole.settings.values import format_size
 
 MANIFEST = "shardconsole.json"
 RANK_STATE_DIR = "rank_state"
@@ -94,6 +98,10 @@ def newest_complete(r: Rank) -> Found | None:
                 meta = json.loads((path / MANIFEST).read_text())
             except (OSError, ValueError):
                 meta = {}
+            if meta.get("what") == "model":
+                why = "it holds the weights alone (train.save_final = \"model\"; export-model reads it)"
+                r.event("warning", f"skipping checkpoint {path}: {why}; trying the previous one")
+                continue
             from shardconsole.backends import data as data_mod
             data_mod.check_resume(r, meta.get("data"), path)     # the data it was trained on, or a refusal
             return Found(step, path, meta)
@@ -166,6 +174,80 @@ def finish_checkpoint(r: Rank, step: int, meta: dict) -> Path:
     return final
 
 
+def run_save(r: Rank, step: int, what: str, total_bytes: int, write: Callable[[Path], None],
+             meta: dict) -> Path:
+    """Every rank: one save from the .partial folder to the renamed one, with SaveProgress from rank 0
+    while it runs. `write(tmp)` writes this rank's files; `what` is "checkpoint" (resumable) or "model"
+    (the weights alone: export-model reads it, resume passes it by). A save that fails removes only its
+    own .partial folder (the last complete checkpoint is never touched: pruning follows a complete save)
+    and raises DiskFullError / SaveOOMError where that is the cause."""
+    r.phase("saving checkpoint")
+    training_peak, start = host_peak_bytes(), reset_host_peak()
+    watch = None
+    try:
+        tmp = prepare_checkpoint(r, step)
+        watch = save_stream.SaveWatch(r, step, what, tmp, total_bytes)
+        write(tmp)
+        final = finish_checkpoint(r, step, {**meta, "what": what})
+    except BaseException as e:
+        if watch is not None:
+            watch.finish()
+        err = _failed_save(r, step, total_bytes, e)
+        if err is e:
+            raise
+        raise err from e
+    seconds = watch.finish(final)
+    # The host peaks on every rank: training's before the save, the save's own, and the resident bytes
+    # when it began (the save's rise is save_peak - start; tests/test_save_path.py and the GPU
+    # benchmark read them).
+    r.event("save_host_peak", f"step={step} what={what} training_peak={training_peak} start={start} "
+                              f"save_peak={host_peak_bytes()} seconds={seconds:.3f} total={total_bytes}",
+            all_ranks=True)
+    return final
+
+
+def _failed_save(r: Rank, step: int, total_bytes: int, e: BaseException) -> BaseException:
+    """Rank 0 removes the failed save's folder (a full disk gets its space back); the error, named."""
+    if r.rank == 0:
+        shutil.rmtree(partial_path(r, step), ignore_errors=True)
+    where = r.checkpoint_dir()
+    free = save_stream.free_bytes(where)
+    if save_stream.disk_full_in(e, free, total_bytes):
+        return save_stream.DiskFullError(
+            errno.ENOSPC, f"disk full at the checkpoint of step {step}: needs {format_size(total_bytes)}, "
+                          f"{format_size(free)} free on {where}")
+    if save_stream.oom_in(e):
+        return save_stream.SaveOOMError(f"host out of memory during the save of step {step} "
+                                        f"({format_size(total_bytes)} to write)")
+    return e
+
+
+def _status_bytes(field: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def host_peak_bytes() -> int:
+    """This process's peak resident set since start or the last reset (VmHWM), 0 where /proc has none."""
+    return _status_bytes("VmHWM:")
+
+
+def reset_host_peak() -> int:
+    """Start the peak afresh at the resident set now (Linux: clear_refs 5), so the save's own peak is
+    told from training's; returns the resident bytes now. Where it cannot be reset, the later peak
+    is the larger of both."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+    return _status_bytes("VmRSS:")
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -199,3 +281,11 @@ def save_due(r: Rank, step: int) -> bool:
 def final_save_due(r: Rank) -> bool:
     t = r.cfg.train
     return t.save_final != "none" or bool(t.checkpoint_every and t.steps % t.checkpoint_every == 0)
+
+
+def final_what(r: Rank) -> str:
+    """The final save's kind: "model" only when asked for and no periodic checkpoint falls on the last
+    step (that one is resumable, as checkpoint_every promises)."""
+    t = r.cfg.train
+    periodic = bool(t.checkpoint_every and t.steps % t.checkpoint_every == 0)
+    return "model" if t.save_final == "model" and not periodic else "checkpoint"

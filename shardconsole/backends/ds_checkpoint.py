@@ -19,16 +19,28 @@ from shardconsole.backends import checkpoints, common, trainstate
 
 def save(r: common.Rank, engine, data: trainstate.Data, step: int) -> None:
     """engine.save_checkpoint into step_N.partial (DeepSpeed's own layout: global_stepN/, latest,
-    zero_to_fp32.py) with each rank's RNG states beside it, made visible as step_N when every rank is done."""
-    r.phase("saving checkpoint")
-    tmp = checkpoints.prepare_checkpoint(r, step)
-    # Under LoRA only what trains: the frozen base is the model folder's (or the seed's), unchanged.
-    engine.save_checkpoint(str(tmp), tag=f"global_step{step}", client_state={"step": step},
-                           exclude_frozen_parameters=r.cfg.adapters)
-    checkpoints.write_rank_state(tmp, r.rank, {"rng": trainstate.rng_state(r.device)})
-    checkpoints.finish_checkpoint(r, step, {"samples_consumed": data.samples})
+    zero_to_fp32.py) with each rank's RNG states beside it, made visible as step_N when every rank is done.
+    Always a full checkpoint, train.save_final = "model" too: DeepSpeed keeps the master weights in the
+    optimizer's partitions, which export-model merges from these files."""
+    def write(tmp) -> None:
+        # Under LoRA only what trains: the frozen base is the model folder's (or the seed's), unchanged.
+        engine.save_checkpoint(str(tmp), tag=f"global_step{step}", client_state={"step": step},
+                               exclude_frozen_parameters=r.cfg.adapters)
+        checkpoints.write_rank_state(tmp, r.rank, {"rng": trainstate.rng_state(r.device)})
+
+    checkpoints.run_save(r, step, "checkpoint", _estimated_bytes(r, engine), write,
+                         {"samples_consumed": data.samples})
     if step < r.cfg.train.steps:
         r.phase("training")
+
+
+def _estimated_bytes(r: common.Rank, engine) -> int:
+    """The checkpoint's size for the progress line: the module in its dtype plus the master weights and
+    Adam's two moments in the master dtype (DeepSpeed's files add a little)."""
+    n = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters())
+    compute = 4 if r.cfg.precision.dtype == "fp32" else 2
+    master = 2 if r.cfg.precision.master_dtype == "bf16" else 4
+    return n * (compute + 3 * master)
 
 
 def resume(r: common.Rank, engine, data: trainstate.Data) -> int:

@@ -28,6 +28,12 @@ def classify(exc: BaseException) -> tuple[str, str]:
     if type(exc).__name__ == "CheckpointError":
         return "config_error", ("move that folder away to resume from the one before it, or set "
                                 "train.resume = false")
+    if type(exc).__name__ == "DiskFullError":
+        return "disk_full", ("free space there, lower train.keep_checkpoints, set train.save_final = \"model\" "
+                             "(weights only), or point train.checkpoint_dir elsewhere; then `shardconsole "
+                             "resume RUN` continues from the last complete checkpoint")
+    if type(exc).__name__ == "SaveOOMError":
+        return "host_oom", "the save needs the host memory of its largest tensor beside training's"
     if isinstance(exc, torch.OutOfMemoryError) or "CUDA out of memory" in text:
         return "gpu_oom", ("lower train.micro_batch, turn on memory.activation_checkpointing, "
                            "or offload (fsdp.cpu_offload / deepspeed.offload_optimizer)")

@@ -17,8 +17,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from shardconsole.backends import (adapters, checkpoints, common, fsdp_step, loop, master_update, metrics, modeling,
-                                   offload, pinned_arena, qlora, step_timing, trainstate)
+from shardconsole.backends import (adapters, checkpoints, common, fsdp_step, hf_export, loop, master_update,
+                                   metrics, modeling, offload, pinned_arena, qlora, save_stream, step_timing,
+                                   trainstate)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -161,16 +162,40 @@ def make_optimizer(r: common.Rank, model: torch.nn.Module) -> torch.optim.Optimi
                              fused=fused, foreach=None if fused else True)
 
 
-def save(r: common.Rank, model, optim, scaling: fsdp_step.LossScaling, data: trainstate.Data, step: int) -> None:
-    r.phase("saving checkpoint")
-    tmp = checkpoints.prepare_checkpoint(r, step)
-    state = {"model": _model_state(r, model), "optim": get_optimizer_state_dict(model, optim),
-             "step": torch.tensor(step)}
-    dcp.save(state, checkpoint_id=str(tmp))
-    checkpoints.write_rank_state(tmp, r.rank, {"rng": trainstate.rng_state(r.device), "scaler": scaling.state()})
-    checkpoints.finish_checkpoint(r, step, {"samples_consumed": data.samples})
+def save(r: common.Rank, model, optim, scaling: fsdp_step.LossScaling, data: trainstate.Data, step: int,
+         what: str = "checkpoint") -> None:
+    """DCP's format, written by save_stream.StreamingWriter: one tensor copied at a time, never the
+    rank's whole state (DCP's own writer holds a copy of every tensor until the file closes)."""
+    state = {"model": _model_state(r, model), "step": torch.tensor(step)}
+    if what == "checkpoint":
+        state["optim"] = get_optimizer_state_dict(model, optim)
+
+    def write(tmp) -> None:
+        dcp.save(state, storage_writer=save_stream.StreamingWriter(tmp))
+        checkpoints.write_rank_state(tmp, r.rank, {"rng": trainstate.rng_state(r.device), "scaler": scaling.state()})
+
+    checkpoints.run_save(r, step, what, _state_bytes(r, state), write, {"samples_consumed": data.samples})
     if step < r.cfg.train.steps:
         r.phase("training")
+
+
+def _state_bytes(r: common.Rank, state: dict) -> int:
+    """All ranks' bytes of the tensors to write (the local shards, summed over the ranks)."""
+    own = sum(t.numel() * t.element_size() for t in _tensors(state))
+    total = torch.tensor([own], dtype=torch.int64, device=r.device)
+    torch.distributed.all_reduce(total)
+    return int(total.item())
+
+
+def _tensors(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+    elif isinstance(obj, torch.Tensor):
+        yield obj.to_local() if hasattr(obj, "to_local") else obj
 
 
 def resume(r: common.Rank, model, optim, scaling: fsdp_step.LossScaling, data: trainstate.Data) -> int:
@@ -243,7 +268,8 @@ def train(r: common.Rank) -> None:
     scaling = fsdp_step.LossScaling(r)
     data = trainstate.Data(r)                 # before resume: resume moves it to the checkpoint's position
     tail = loop.Tail(r, stop, trainstate.Evaluator(r), model,
-                     lambda step: save(r, model, optim, scaling, data, step))
+                     lambda step, what="checkpoint": save(r, model, optim, scaling, data, step, what),
+                     export=lambda step: hf_export.export(r, model, step))
     start_step = resume(r, model, optim, scaling, data) if t.resume else 0
     clip = fsdp_step.Clip(r, model, optim, scaling, reduce_dtype(cfg))
     meter = metrics.StepMeter(r)

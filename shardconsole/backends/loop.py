@@ -24,7 +24,8 @@ class Tail:
     stop: trainstate.StopRequest
     evaluator: trainstate.Evaluator
     evaluated: object                       # what the evaluator runs: the model, or DeepSpeed's engine
-    save: Callable[[int], None]             # writes the checkpoint of a step
+    save: Callable[..., None]               # save(step[, what]): writes the checkpoint of a step
+    export: Callable[[int], None] | None = None     # writes train.export_dir from the trained state
 
     def after_step(self, step: int) -> None:
         cfg = self.r.cfg
@@ -43,4 +44,7 @@ class Tail:
         """The final save, unless this session trained no step (a resume of a finished run)."""
         steps = self.r.cfg.train.steps
         if checkpoints.final_save_due(self.r) and start_step < steps:
-            self.save(steps)
+            what = checkpoints.final_what(self.r)
+            self.save(steps, what) if what != "checkpoint" else self.save(steps)
+        if self.export is not None and self.r.cfg.train.export_dir and start_step < steps:
+            self.export(steps)

@@ -14,6 +14,7 @@ A tool, not a front end: it imports torch, transformers and deepspeed, but only 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import re
 import shutil
@@ -68,6 +69,15 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-shard-size", default="5GB",
                     help="largest safetensors file, e.g. 5GB or 500MB (default 5GB)")
     return ap
+
+
+def _disk_full(e: BaseException) -> bool:
+    """ENOSPC / EDQUOT, also as safetensors' writer reports it (a SafetensorError naming the OS error)."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    text = str(e)
+    return (f"os error {errno.ENOSPC})" in text or f"os error {errno.EDQUOT})" in text
+            or "StorageFull" in text)
 
 
 def cmd_export_model(argv: list[str]) -> int:
@@ -127,15 +137,20 @@ def cmd_export_model(argv: list[str]) -> int:
         if out.exists():
             out.rmdir()                 # checked empty above; a rename cannot replace a folder with files
         os.replace(tmp, out)
-    except OSError as e:     # a full disk, a read-only parent: nothing half-written is left behind
-        raise ExportError(f"-o {out}: writing failed: {e}") from None
-    except Exception as e:
-        # safetensors' writer raises its own SafetensorError for an OSError underneath ("os error 28")
+    except Exception as e:     # a full disk, a read-only parent: nothing half-written is left behind
+        if _disk_full(e):
+            need = n_params * (2 if dtype_name == "bf16" else 4)
+            shutil.rmtree(tmp, ignore_errors=True)        # first, so the free space is what is there
+            free = shutil.disk_usage(out.parent).free if out.parent.exists() else 0
+            raise ExportError(f"-o {out}: writing failed: disk full (no space left on device): the export needs "
+                              f"{C.format_size(need)}, {C.format_size(free)} free on {out.parent}; nothing was "
+                              f"left behind") from None
+        if isinstance(e, OSError):
+            raise ExportError(f"-o {out}: writing failed: {e}") from None
+        # safetensors' writer raises its own SafetensorError for an OSError underneath
         if type(e).__name__ != "SafetensorError":
             raise
-        text = str(e)
-        why = "no space left on device" if "os error 28" in text or "StorageFull" in text else \
-            (text.splitlines() or ["SafetensorError"])[0][:200]
+        why = (str(e).splitlines() or ["SafetensorError"])[0][:200]
         raise ExportError(f"-o {out}: writing failed: {why}; nothing was left behind") from None
     finally:
         if tmp.exists():

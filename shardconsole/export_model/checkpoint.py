@@ -49,7 +49,7 @@ def pick_checkpoint(root: Path, step: int | None, backend: str) -> Checkpoint:
     folders = step_folders(root)
     if not folders:
         raise ExportError(f"{root}: no checkpoint to export (a run writes one at the end with "
-                          f"train.save_final = true, or every train.checkpoint_every steps)")
+                          f"train.save_final = \"full\" or \"model\", or every train.checkpoint_every steps)")
     if step is not None and step not in dict(folders):
         steps = ", ".join(str(n) for n, _ in folders[:8])
         raise ExportError(f"--step {step}: no checkpoint of that step in {root} (steps there: {steps})")

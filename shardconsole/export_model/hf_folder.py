@@ -12,11 +12,9 @@ from shardconsole.settings.models import ModelSpec, human_count
 from shardconsole.runlog.protocol import DataSummary, DecodeError, Eval, decode
 from shardconsole.runlog.runfolder import RunFolder
 
-# What a model folder's tokenizer may consist of (fast and slow tokenizers, chat templates).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "merges.txt",
-                   "chat_template.jinja", "chat_template.json")
-TOKENIZER_DIRS = ("additional_chat_templates",)
+# What a model folder's tokenizer may consist of: the same list as train.export_dir's (imports torch,
+# as this module's callers already have).
+from shardconsole.backends.hf_export import TOKENIZER_DIRS, TOKENIZER_FILES  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------

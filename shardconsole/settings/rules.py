@@ -40,7 +40,16 @@ def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = 
         if p.launcher == "deepspeed":
             raise err("parallel", "launcher", "the deepspeed launcher starts DeepSpeed runs; "
                       "FSDP runs use \"torchrun\"")
+    if cfg.train.export_dir and cfg.train.method != "full":
+        # The live state holds peft's adapters around the base: export-model merges or saves them.
+        raise err("train", "export_dir", f"is written for full fine-tuning; with train.method = "
+                  f"\"{cfg.train.method}\" run `shardconsole export-model RUN -o DIR` (merged, or --adapter)")
     if p.backend == "deepspeed":
+        if cfg.train.export_dir:
+            # DeepSpeed keeps the master weights in its optimizer partitions: the folder comes from its
+            # checkpoint, merged by zero_to_fp32 (export-model), not from the live state.
+            raise err("train", "export_dir", "is written from FSDP2 runs; for a DeepSpeed run keep "
+                      "train.save_final = \"full\" and run `shardconsole export-model RUN -o DIR`")
         if d.offload_param != "none" and d.stage != 3:
             raise err("deepspeed", "offload_param", f"needs stage = 3 (stage is {d.stage}); "
                       "parameters are partitioned only in stage 3")

@@ -1,0 +1,206 @@
+"""`train.export_dir`: the Hugging Face folder written at the end of the run straight from the trained
+state, one tensor at a time, without a checkpoint.
+
+Every rank walks the model's state dict in one order; each sharded tensor is gathered whole
+(DTensor.full_tensor, a collective) and only rank 0 keeps it, converts it to train.export_dtype and
+appends its bytes to the open safetensors file, then drops it. The safetensors header comes first and
+needs every tensor's shape and dtype, which the sharded tensors know without gathering, so no file is
+ever held in memory: the host peak of the export is training's plus one full tensor (and its converted
+copy). The folder is written beside export_dir and renamed at the end, as export-model writes it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import torch
+
+from shardconsole.backends import save_stream
+from shardconsole.backends.common import Rank
+from shardconsole.settings.values import format_size
+
+# What a model folder's tokenizer may consist of (fast and slow tokenizers, chat templates); export-model
+# copies the same.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "merges.txt",
+                   "chat_template.jinja", "chat_template.json")
+TOKENIZER_DIRS = ("additional_chat_templates",)
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+MAX_SHARD_BYTES = 5 * 10**9          # export-model's default --max-shard-size
+PREFIX = "lm."                       # the ranks train CausalLMLoss(lm): the HF model's keys under "lm."
+
+
+def export_dtype(r: Rank) -> torch.dtype:
+    """train.export_dtype, else the master weights' own dtype (export-model's --dtype default)."""
+    name = r.cfg.train.export_dtype or r.cfg.precision.master_dtype
+    return torch.bfloat16 if name == "bf16" else torch.float32
+
+
+def hf_config(r: Rank):
+    """The config the ranks built the model from, without their run-time switches."""
+    from transformers import AutoConfig, LlamaConfig
+    if r.spec.path is not None:
+        return AutoConfig.from_pretrained(r.spec.path, local_files_only=True)
+    return LlamaConfig(**r.spec.config)
+
+
+def _kept_keys(config) -> set[str] | None:
+    """The keys the Hugging Face model saves (its state dict less the tied copies); rank 0 only."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    keys = set(model.state_dict())
+    if getattr(config.get_text_config(), "tie_word_embeddings", False):
+        tied = getattr(model, "_tied_weights_keys", None) or {}
+        keys -= set(tied)
+    return keys
+
+
+def _plan(entries: list[tuple[str, tuple, torch.dtype]], max_bytes: int) -> list[list[tuple[str, tuple, torch.dtype]]]:
+    shards: list[list] = [[]]
+    size = 0
+    for e in entries:
+        n = _nbytes(e[1], e[2])
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += n
+    return shards
+
+
+def _nbytes(shape: tuple, dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def _header(entries: list[tuple[str, tuple, torch.dtype]]) -> bytes:
+    head: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype in entries:
+        n = _nbytes(shape, dtype)
+        head[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(head, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)          # the data starts 8-byte aligned
+    return struct.pack("<Q", len(text)) + text
+
+
+def export(r: Rank, model: torch.nn.Module, step: int) -> Path:
+    """Every rank: write train.export_dir from the trained model (FSDP2: DTensor shards). Returns it."""
+    out = Path(r.cfg.train.export_dir).expanduser()
+    dtype = export_dtype(r)
+    config = hf_config(r)
+    state = model.state_dict()
+    names = [k for k in state if k.startswith(PREFIX)]
+    kept = _kept_keys(config)             # on every rank: a refusal here is every rank's, before any collective
+    entries = [(k[len(PREFIX):], tuple(state[k].shape), dtype if state[k].is_floating_point() else state[k].dtype)
+               for k in names]
+    missing = sorted(kept - {n for n, _, _ in entries})
+    if missing:
+        raise RuntimeError(f"the trained model lacks {', '.join(missing[:3])} of {type(config).__name__}")
+    entries = [e for e in entries if e[0] in kept]
+    total = sum(_nbytes(s, d) for _, s, d in entries)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    r.phase("saving checkpoint")
+    watch = None
+    try:
+        if r.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            watch = save_stream.SaveWatch(r, step, "export", tmp, total)
+        _write_tensors(r, state, entries, names, tmp)
+        if r.rank == 0:
+            _write_folder_files(r, config, dtype, tmp, step)
+            if out.exists():
+                out.rmdir()            # refused before launch unless empty
+            os.replace(tmp, out)
+            watch.finish(out)
+            r.event("exported", f"{out}: {format_size(total)} in {str(dtype).removeprefix('torch.')}")
+    except BaseException as e:
+        if watch is not None:
+            watch.finish()
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = save_stream.free_bytes(out.parent)
+        if save_stream.disk_full_in(e, free, total):
+            raise save_stream.DiskFullError(
+                errno.ENOSPC, f"disk full at the export of step {step}: needs {format_size(total)}, "
+                              f"{format_size(free)} free on {out.parent}") from e
+        raise
+    torch.distributed.barrier()
+    return out
+
+
+def _write_tensors(r: Rank, state: dict, entries: list, names: list[str], tmp: Path) -> None:
+    """All ranks gather every tensor in `names` order (the collectives must match); rank 0 writes the
+    kept ones, shard file by shard file."""
+    if r.rank != 0:
+        for k in names:
+            _full(state[k])
+        return
+    shards = _plan(entries, MAX_SHARD_BYTES)
+    files = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    where = {e[0]: (i, e[2]) for i, shard in enumerate(shards) for e in shard}
+    streams = {}
+    try:
+        for k in names:
+            t = _full(state[k])
+            name = k[len(PREFIX):]
+            if name not in where:
+                continue
+            i, dtype = where[name]
+            if i not in streams:
+                for j in [j for j in streams if j < i]:
+                    streams.pop(j).close()
+                streams[i] = open(tmp / files[i], "wb")
+                streams[i].write(_header(shards[i]))
+            t = t.detach().to("cpu", dtype).contiguous()
+            streams[i].write(t.view(torch.uint8).numpy().data if t.numel() else b"")
+            del t
+    finally:
+        for f in streams.values():
+            f.close()
+    if len(files) > 1:
+        weight_map = {e[0]: files[i] for i, shard in enumerate(shards) for e in shard}
+        total = sum(_nbytes(e[1], e[2]) for shard in shards for e in shard)
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _write_folder_files(r: Rank, config, dtype: torch.dtype, tmp: Path, step: int) -> None:
+    from transformers import GenerationConfig
+    config.torch_dtype = dtype
+    config.save_pretrained(tmp)
+    src = Path(r.spec.path) if r.spec.path is not None else None
+    if src is not None and (src / "generation_config.json").is_file():
+        GenerationConfig.from_pretrained(src, local_files_only=True).save_pretrained(tmp)
+    else:
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+    if src is not None:
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, tmp / name)
+        for name in TOKENIZER_DIRS:
+            if (src / name).is_dir():
+                shutil.copytree(src / name, tmp / name)
+    preset = (r.run_dir / "preset.toml").read_text().rstrip() if (r.run_dir / "preset.toml").is_file() else ""
+    (tmp / "README.md").write_text("\n".join([
+        f"# {Path(r.cfg.train.export_dir).name}", "",
+        f"Written by shardconsole at the end of run `{r.run_id}` ({r.run_dir.resolve()}), from the trained "
+        f"state after step {step} (train.export_dir).", "",
+        f"- model: {r.spec.name} ({type(config).__name__}), weights in {str(dtype).removeprefix('torch.')}",
+        "", "## Load", "", "```python", "from transformers import AutoModelForCausalLM",
+        f"model = AutoModelForCausalLM.from_pretrained({str(Path(r.cfg.train.export_dir).expanduser())!r})",
+        "```", "", "## The run's settings (its preset.toml)", "", "```toml", preset, "```", ""]))

@@ -1,0 +1,179 @@
+"""Saving without a second copy of the state: DCP's files written one tensor at a time, the progress of
+a save, and a failed save told by its cause.
+
+Where the copy came from (torch 2.13, torch/distributed/checkpoint/filesystem.py, measured in
+tests/test_save_path.py): `_write_files_from_queue` keeps every tensor it wrote in `tensor_dict` until the
+rank's file is closed (for the safetensors format, unused by us), and its loaders copy each tensor to a
+fresh one first: `.cpu()` for GPU tensors, `.clone()` for a CPU tensor whose storage is larger than the
+tensor, which is every shard that is a view into the host arena (pinned_arena.py) or a flat parameter.
+So the rank's whole state is copied into host memory before the file is closed: the +35 GiB of the 3b
+offload run at its final save. `StreamingWriter` writes the same file (torch.save records at offsets,
+the same .metadata), copying at most one tensor at a time and dropping it once written: the host peak
+of a save is the training peak plus the largest single tensor. Resume and export read it as before.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from torch.futures import Future
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from shardconsole.runlog import protocol as P
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+PROGRESS_EVERY_S = 1.0
+
+
+class StreamingWriter(FileSystemWriter):
+    """DCP's file system writer, one file per rank, each tensor copied (when it must be: a GPU tensor, a
+    view into a larger storage) just before it is written and dropped right after."""
+
+    def __init__(self, path: str | os.PathLike, on_bytes: Callable[[int], None] | None = None) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+        self.on_bytes = on_bytes or (lambda n: None)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        results: list[WriteResult] = []
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    data = planner.resolve_data(item)
+                else:
+                    data = _alone(planner.resolve_data(item).detach())
+                results.append(_write_item(self.transforms, stream, data, item, name, self.serialization_format))
+                self.on_bytes(results[-1].size_in_bytes)
+                del data                  # the copy, if one was made, goes before the next is made
+            stream.flush()
+            os.fsync(stream.fileno())
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+
+def _alone(t: torch.Tensor) -> torch.Tensor:
+    """The tensor on the host with a storage of its own size (torch.save writes a tensor's whole storage:
+    a view into the arena would write the arena)."""
+    if t.device.type != "cpu":
+        return t.to("cpu")
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return t.clone()
+    return t
+
+
+# ---------------------------------------------------------------------------------------------------
+# Progress
+
+def folder_bytes(path: Path) -> int:
+    """The bytes of the files under path so far (every rank's, on a file system they share)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+class SaveWatch:
+    """Rank 0: a SaveProgress line about once a second while a save runs (the bytes in its folder, of
+    all ranks), and one with done=True at its end; the hang watch counts them as progress."""
+
+    def __init__(self, r, step: int, what: str, path: Path, total_bytes: int) -> None:
+        self.r, self.step, self.what, self.path, self.total = r, step, what, path, int(total_bytes)
+        self.t0 = time.monotonic()
+        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
+        if r.rank == 0:
+            self.emit(False)
+            self.thread = threading.Thread(target=self._run, daemon=True, name="save-progress")
+            self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.wait(PROGRESS_EVERY_S):
+            self.emit(False)
+
+    def emit(self, done: bool) -> None:
+        written = folder_bytes(self.path) if self.path.exists() else 0
+        self.r.emit(P.SaveProgress(run=self.r.run_id, rank=self.r.rank, step=self.step, what=self.what,
+                                   written_bytes=written, total_bytes=max(self.total, written if done else 0),
+                                   elapsed_s=round(time.monotonic() - self.t0, 3), path=str(self.path),
+                                   done=done))
+
+    def finish(self, path: Path | None = None) -> float:
+        """Stop the ticks; with `path` (the save's final folder), the done line. The seconds it took."""
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join()
+            if path is not None:
+                self.path = path
+                self.emit(True)
+        return time.monotonic() - self.t0
+
+
+# ---------------------------------------------------------------------------------------------------
+# A save that failed
+
+class DiskFullError(OSError):
+    """ENOSPC / EDQUOT during a save or an export (failures.classify: cause "disk_full"); reads as its
+    message alone (no "[Errno 28]")."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+class SaveOOMError(MemoryError):
+    """The host ran out of memory during a save (failures.classify: cause "host_oom" where known)."""
+
+
+def _errors_in(exc: BaseException):
+    """The exception and what it wraps: DCP's CheckpointException holds each rank's failure in
+    `failures` ({rank: exception or (exception, frames)}), chained ones sit in __cause__ / __context__."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            for v in failures.values():
+                todo.append(v[0] if isinstance(v, tuple) and v else getattr(v, "exc", v))
+        todo += [e.__cause__, e.__context__]
+
+
+def disk_full_in(exc: BaseException, free: int | None = None, needed: int = 0) -> bool:
+    """ENOSPC / EDQUOT anywhere in the failure, or a failed write (torch.save's zip writer reports a
+    short write as a RuntimeError without the errno: "unexpected pos 704 vs 598", "file write failed")
+    on a file system with less free than the save needed."""
+    errors = list(_errors_in(exc))
+    if any(isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS for e in errors):
+        return True
+    wrote = any(isinstance(e, (OSError, RuntimeError)) for e in errors)
+    return wrote and free is not None and free < needed
+
+
+def oom_in(exc: BaseException) -> bool:
+    return any(isinstance(e, MemoryError) for e in _errors_in(exc))
+
+
+def free_bytes(path: Path) -> int | None:
+    for p in (path, *path.parents):
+        try:
+            st = os.statvfs(p)
+            return st.f_bavail * st.f_frsize
+        except OSError:
+            continue
+    return None

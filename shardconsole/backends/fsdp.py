@@ -17,9 +17,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from shardconsole.backends import (adapters, checkpoints, common, fsdp_step, hf_export, loop, master_update,
-                                   metrics, modeling, offload, pinned_arena, qlora, save_stream, step_timing,
-                                   trainstate)
+from shardconsole.backends import (adapters, checkpoints, common, fsdp_step, hf_export, loop, lowbit_optim,
+                                   master_update, metrics, modeling, offload, pinned_arena, qlora, save_stream,
+                                   step_timing, trainstate)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -149,6 +149,8 @@ def refresh_compute_copy(r: common.Rank) -> None:
 
 def make_optimizer(r: common.Rank, model: torch.nn.Module) -> torch.optim.Optimizer:
     t = r.cfg.train
+    if r.cfg.optim.name != "adamw":
+        return lowbit_optim.make(r.cfg, adapters.trained_params(model))       # torchao's block-quantized moments
     if r.cfg.precision.master_dtype == "bf16" and r.cfg.precision.master_rounding != "nearest":
         # bf16 weights that still take updates below bf16's resolution (master_update.py)
         return master_update.RoundedAdamW(adapters.trained_params(model), lr=t.lr, betas=(t.beta1, t.beta2),
@@ -285,8 +287,7 @@ def train(r: common.Rank) -> None:
         timing.start()
         r.faults.on_step(step)
         lr = t.lr * common.lr_factor(cfg, step)
-        for group in optim.param_groups:
-            group["lr"] = lr
+        lowbit_optim.set_lr(optim, lr)
         for micro in range(t.grad_accum):
             batch = data.next()
             # Reduce-scatter gradients only on the last micro-batch (fewer collectives, more memory).

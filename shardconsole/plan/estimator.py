@@ -25,6 +25,7 @@ from shardconsole.plan.machine import Hardware
 from shardconsole.plan.rank import _Rank
 from shardconsole.plan.saves import Saves, saves
 from shardconsole.plan.shapes import Shapes, _shard_numel
+from shardconsole.plan import optim_states
 
 
 @dataclass
@@ -271,10 +272,12 @@ def model_states(cfg: C.RunConfig, spec: ModelSpec) -> dict[str, dict[str, int]]
     out: dict[str, dict[str, int]] = {"gpu": {}, "host": {}}
     if p.backend == "fsdp":
         shard = {"no_shard": 1, "hybrid_shard": p.nproc_per_node}.get(cfg.fsdp.sharding, W)
-        n = sum(_shard_numel(sh, shard) for sh in s.all_params())
+        numels = [_shard_numel(sh, shard) for sh in s.all_params()]
+        n = sum(numels)
         where = out["host" if cfg.fsdp.cpu_offload else "gpu"]
         m = 2 if cfg.precision.master_dtype == "bf16" else 4
-        where.update({"parameters": m * n, "gradients": m * n, "optimizer states": 2 * m * n})
+        opt = optim_states.adam_state_bytes(cfg.optim.name, numels, m)     # torchao's low-bit blocks too
+        where.update({"parameters": m * n, "gradients": m * n, "optimizer states": opt})
         return out
     d = cfg.deepspeed
     P = s.n_params

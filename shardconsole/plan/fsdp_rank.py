@@ -10,6 +10,7 @@ from shardconsole.plan.constants import (CUBLAS_WORKSPACE_BYTES, DTYPE_BYTES, FS
                                          RANK_BASE_RSS)
 from shardconsole.plan.rank import _Rank
 from shardconsole.plan.shapes import Shapes, _shard_numel, pow2_ceil
+from shardconsole.plan import optim_states
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class _Sizes:
     shard_numels: list[int]
     params_b: int
     adam_b: int
+    adam_tag: str              # "Adam fp32", "AdamW 8-bit"
     layer_shard: int
     root_shard: int
     layer_full: int            # one layer gathered in the compute dtype
@@ -51,6 +53,10 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
     if z.shard == 1 and cfg.fsdp.sharding != "no_shard":
         notes.append(f"{cfg.fsdp.sharding} over one rank shards nothing: same memory as no_shard")
     return _Rank(_gpu_moments(cfg, s, z), _host(cfg, s, z), notes, side, side_live)
+
+
+def _optim_name(cfg: C.RunConfig) -> str:
+    return getattr(getattr(cfg, "optim", None), "name", "adamw")
 
 
 def _sizes(cfg: C.RunConfig, s: Shapes) -> _Sizes:
@@ -81,7 +87,9 @@ def _sizes(cfg: C.RunConfig, s: Shapes) -> _Sizes:
     return _Sizes(
         shard=shard, c=c, reduce_c=reduce_c, m=m, mtag="bf16" if m == 2 else "fp32", offload=f.cpu_offload,
         a=activations(cfg, s), shard_numels=shard_numels, params_b=params_b,
-        adam_b=2 * params_b,           # exp_avg + exp_avg_sq, shaped and typed like the sharded parameter
+        # exp_avg + exp_avg_sq: shaped and typed like the sharded parameter, or torchao's low-bit blocks
+        adam_b=optim_states.adam_state_bytes(_optim_name(cfg), shard_numels, m),
+        adam_tag=optim_states.state_tag(_optim_name(cfg), "bf16" if m == 2 else "fp32"),
         layer_shard=sum(_shard_numel(sh, shard) for sh in s.layer_params()),
         root_shard=sum(_shard_numel(sh, shard) for sh in s.root_params()),
         layer_full=layer_full, root_full=c * s.root,
@@ -96,7 +104,7 @@ def _gpu_moments(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> dict[str, dict[str, 
     the compute stream's peak instead of sharing its free blocks (_side_pools)."""
     a, L, c, m = z.a, s.layers, z.c, z.m
     st = {} if z.offload else {f"parameters ({z.mtag} shards)": z.params_b,
-                               f"optimizer states (Adam {z.mtag})": z.adam_b}
+                               f"optimizer states ({z.adam_tag})": z.adam_b}
     if z.kahan and not z.offload:
         st["Kahan compensation (bf16)"] = z.kahan
     ws = {"cuBLAS workspaces": CUBLAS_WORKSPACE_BYTES}
@@ -189,7 +197,7 @@ def _host(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> dict[str, dict[str, int]]:
     host["training"].update({
         f"parameters ({mtag} shards{where})": sum(in_arena(m * n) for n in z.shard_numels),
         f"gradients ({mtag} shards{tag})": sum(pinned(m * n) for n in z.shard_numels),
-        f"optimizer states (Adam {mtag}{', in the host arena' if arena else ', host'})": z.adam_b})
+        f"optimizer states ({z.adam_tag}{', in the host arena' if arena else ', host'})": z.adam_b})
     if (f.offload_compute_copy and cfg.precision.dtype != "fp32"
             and cfg.precision.master_dtype == "fp32"):
         # backends/offload.py ComputeCopy: one flat buffer, page-locked in place (no rounding).

@@ -34,6 +34,8 @@ NUMERICS: dict[str, tuple[Any, ...]] = {
     "precision.dtype": ("bf16", "fp16", "fp32"),
     "precision.master_dtype": ("fp32", "bf16"),
     "precision.master_rounding": ("nearest", "stochastic", "kahan"),
+    # torchao's block-quantized moments (issue 35): fewer bytes, another update
+    "optim.name": ("adamw", "adamw8bit", "adamw4bit"),
 }
 
 
@@ -104,6 +106,8 @@ def numerics_words(cfg: C.RunConfig, base: C.RunConfig) -> list[str]:
         out.append(f"{p.master_dtype} masters")
     if p.master_dtype == "bf16" and p.master_rounding != b.master_rounding:
         out.append(f"{p.master_rounding} rounding")
+    if cfg.optim.name != base.optim.name:
+        out.append(f"{cfg.optim.name} optimizer")
     return out
 
 

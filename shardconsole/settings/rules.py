@@ -3,6 +3,7 @@ key it names, with the source that set it. Imports no table class: it reads a Ru
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from typing import TYPE_CHECKING
 
@@ -107,6 +108,7 @@ def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = 
         raise err("data", "eval_path" if cfg.data.eval_path else "eval_fraction",
                   "needs training records too: set data.path")
     _check_method(cfg, err)
+    _check_optim(cfg, err)
     if cfg.train.compile and p.device == "cpu":
         raise err("train", "compile", "torch.compile of the layers is for GPUs; set it to false on CPU")
 
@@ -130,3 +132,25 @@ def _check_method(cfg: RunConfig, err) -> None:
     if cfg.precision.dtype != "bf16":
         raise err("train", "method", f"\"qlora\" computes in bf16 (bnb_4bit_compute_dtype); precision.dtype "
                   f"is {cfg.precision.dtype!r}")
+
+
+def _check_optim(cfg: RunConfig, err) -> None:
+    """optim.name: torchao's low-bit AdamW runs in the FSDP2 ranks only (DeepSpeed builds its own
+    optimizer from the ds_config), and needs torchao installed (`pip install shardconsole[lowbit]`)."""
+    name = getattr(getattr(cfg, "optim", None), "name", "adamw")
+    if name == "adamw":
+        return
+    if cfg.parallel.backend == "deepspeed":
+        raise err("optim", "name", f"{name!r} is torchao's optimizer, for the FSDP2 backend; DeepSpeed "
+                  "builds its own Adam: use name = \"adamw\" or parallel.backend = \"fsdp\"")
+    if cfg.fsdp.cpu_offload:
+        # backends/pinned_arena.py lays out fp32-shaped Adam states on the host; low-bit states are the
+        # strategy for models that fit the GPU without offload.
+        raise err("optim", "name", f"{name!r} is for runs without offload (fsdp.cpu_offload is true): use "
+                  "name = \"adamw\" with offload, or cpu_offload = false")
+    if cfg.precision.master_dtype == "bf16" and cfg.precision.master_rounding != "nearest":
+        raise err("optim", "name", f"{name!r} rounds bf16 weights stochastically itself; "
+                  f"precision.master_rounding = {cfg.precision.master_rounding!r} is for adamw: set it to \"nearest\"")
+    if importlib.util.find_spec("torchao") is None:
+        raise err("optim", "name", f"{name!r} needs torchao, which is not installed: "
+                  "pip install 'shardconsole[lowbit]' (or torchao)")

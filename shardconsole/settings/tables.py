@@ -209,6 +209,17 @@ class DeepspeedSettings:
 
 
 @dataclass
+class OptimSettings:
+    # torchao's low-bit AdamW (backends/lowbit_optim.py): the two moments quantized block-wise, 8-bit
+    # 2 bytes a parameter (+ an fp32 scale per 256), 4-bit 1 byte (+ one per 128), against fp32 Adam's 8:
+    # for a model whose states then fit the card, no offload at all (issue 35). A numerics change: the
+    # update is not fp32 Adam's (tune holds it unless named in --vary).
+    name: Literal["adamw", "adamw8bit", "adamw4bit"] = _f(
+        "adamw", "the optimizer: adamw (torch's, fp32 or master-dtype moments), adamw8bit or adamw4bit "
+        "(torchao's block-quantized moments: 2 or 1 byte a parameter instead of 8; FSDP2 only)")
+
+
+@dataclass
 class MemorySettings:
     activation_checkpointing: bool = _f(False, "recompute each decoder layer's activations in backward")
     checkpoint_policy: Literal["full", "selective"] = _f(
@@ -250,6 +261,7 @@ TABLES: dict[str, type] = {
     "deepspeed": DeepspeedSettings,
     "memory": MemorySettings,
     "lora": LoraSettings,
+    "optim": OptimSettings,
 }
 TOP_LEVEL_KEYS = ("description",)
 
@@ -266,6 +278,7 @@ class RunConfig:
     deepspeed: DeepspeedSettings = field(default_factory=DeepspeedSettings)
     memory: MemorySettings = field(default_factory=MemorySettings)
     lora: LoraSettings = field(default_factory=LoraSettings)
+    optim: OptimSettings = field(default_factory=OptimSettings)
 
     # --- derived values, so that every consumer agrees -------------------------------------------
     @property

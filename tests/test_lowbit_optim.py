@@ -1,0 +1,88 @@
+"""optim.name = "adamw8bit" / "adamw4bit" (issue 35): torchao's low-bit AdamW in a real 2-rank FSDP2 run
+on CPU, the planner's bytes for its states against the tensors torchao allocates, and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardconsole.plan import estimator, optim_states
+from shardconsole.settings import config as C
+from shardconsole.settings import models
+from shardconsole.settings import resolve as settings
+from tests.conftest import messages, of_kind, shardconsole
+
+torchao_optim = pytest.importorskip("torchao.optim")
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])
+def test_planner_moment_bytes_are_the_tensors_torchao_allocates(name):
+    """For a quantized shard (>= 4096 values, a multiple of the block) and one left in fp32."""
+    from shardconsole.backends import lowbit_optim
+    assert lowbit_optim.BLOCK_SIZE[name] == optim_states.BLOCK_SIZE[name]
+    cfg = C.RunConfig()
+    cfg.optim.name = name
+    for numel in (8192, 2048):
+        p = torch.nn.Parameter(torch.zeros(numel))
+        opt = lowbit_optim.make(cfg, [p])
+        buf = opt._new_buffer(p, signed=True)          # what its first step keeps for each moment
+        inner = [getattr(buf, a) for a in buf.__tensor_flatten__()[0]] if hasattr(buf, "codes") else [buf]
+        held = sum(t.numel() * t.element_size() for t in inner)     # codes, block scales, code book
+        assert held == optim_states.moment_bytes(name, numel, 4), (name, numel)
+
+
+def test_planner_counts_about_a_quarter_of_adams_bytes_for_8bit():
+    cfg = settings.resolve("3090-fsdp", ["model.name=3b"]).cfg
+    spec = models.resolve("3b")
+    states = {}
+    for name in ("adamw", "adamw8bit", "adamw4bit"):
+        cfg.optim.name = name
+        states[name] = estimator.model_states(cfg, spec)["gpu"]["optimizer states"]
+    assert 0.24 < states["adamw8bit"] / states["adamw"] < 0.27
+    assert 0.12 < states["adamw4bit"] / states["adamw"] < 0.14
+
+
+@pytest.mark.parametrize("sets, says", [
+    (["parallel.backend=deepspeed", "optim.name=adamw8bit"], "for the FSDP2 backend"),
+    (["fsdp.cpu_offload=true", "optim.name=adamw4bit"], "without offload"),
+])
+def test_what_cannot_take_a_low_bit_optimizer_is_refused_in_one_line(tmp_path, sets, says):
+    args = ["--preset", "tiny-cpu", "--headless", "--run-dir", str(tmp_path / "run")]
+    for s in sets:
+        args += ["--set", s]
+    res = shardconsole(*args)
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = [l for l in res.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "optim.name" in lines[0] and says in lines[0] and "--set" in lines[0], lines
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_tiny_fsdp2_run_learns_with_adamw8bit(tmp_path):
+    """2 CPU ranks over gloo; torchao's step compiled by Inductor for the CPU."""
+    run_dir = tmp_path / "run"
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run_dir),
+                       "--set", "optim.name=adamw8bit", "--set", "train.steps=12", "--set", "train.lr=3e-3",
+                       "--set", "train.save_final=none", "--set", "train.log_every=1", timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    steps = of_kind(messages(run_dir), "step")
+    losses = [m.loss for m in steps]
+    assert [m.step for m in steps] == list(range(1, 13))
+    assert losses[-1] < losses[0] - 0.3, losses
+
+
+def test_tune_holds_the_optimizer_unless_named():
+    """optim.name is a numerics key (plan/search.NUMERICS): searched only under `tune --vary optim.name`."""
+    from shardconsole import plan as PL
+    from shardconsole.plan import search
+    from shardconsole.plan.speeds import SpeedBook
+    card = PL.Hardware(gpus=1, gpu_memory_bytes=24 * 2**30, host_memory_bytes=125 * 2**30, gpu_name="NVIDIA H200")
+    base = settings.resolve("3090-fsdp", ["precision.master_dtype=bf16"]).cfg
+    spec = models.resolve(base.model.name)
+    held = search.options(base, spec, card, SpeedBook([]), limit=400)
+    assert held and {o.cfg.optim.name for o in held} == {"adamw"}
+    named = search.options(base, spec, card, SpeedBook([]), vary={"optim.name"}, limit=400)
+    assert {o.cfg.optim.name for o in named} == {"adamw", "adamw8bit", "adamw4bit"}
+    low = next(o for o in named if o.cfg.optim.name == "adamw8bit")
+    assert search.numerics_changed(low.cfg, base) == ["optim.name"]
+    assert "adamw8bit optimizer" in search.numerics_words(low.cfg, base)

@@ -197,6 +197,16 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
         for name, preset in (("7b-full-offload-bf16m", "3090-7b-offload"), ("7b-lora-r16", "3090-7b-lora"),
                              ("7b-qlora-r16", "3090-7b-qlora"))
     ],
+    # Issue 35: 3b without offload on torchao's 8-bit AdamW (bf16 masters: 5.9 GiB of weights, 5.9 of 8-bit
+    # states) beside the offload recipe at 3b, same micro-batch, text and steps: tokens/s and held-out loss.
+    "issue35": [
+        (name, preset, ["model.name=3b", "train.micro_batch=2", "data.path=/tmp/sc-lora-text.jsonl",
+                        "data.eval_fraction=0.02", "train.steps=16", "train.log_every=1", "train.warmup_steps=2",
+                        "train.save_final=false", *extra])
+        for name, preset, extra in (
+            ("3b-adamw8bit-bf16m-no-offload", "3090-fsdp", ["optim.name=adamw8bit", "precision.master_dtype=bf16"]),
+            ("3b-adamw-offload", "3090-offload", []))
+    ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
     ],

@@ -236,7 +236,8 @@ async def test_console_runs_screen(runs):
                 break
             await pilot.pause(0.05)
         assert table.row_count == 3
-        statuses = [str(table.get_row_at(i)[5]) for i in range(3)]
+        from shardconsole.console.screens.runs import COLUMNS
+        statuses = [str(table.get_row_at(i)[COLUMNS.index("status")]) for i in range(3)]
         assert statuses == ["stopped", "failed (nan_loss)", "finished"]
         await pilot.press("space", "down", "down", "space", "c")
         assert isinstance(app.screen, CompareScreen)

@@ -84,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(argv: list[str]) -> int:
+    import logging
+    # peft's import pulls torchao where it is installed, which logs kernels a CPU build lacks ("Failed to
+    # load ..._C_mxfp8.so") on every command that loads transformers: nothing for the user to act on, and
+    # a refusal must stay one line.
+    for name in ("torchao", "torch.utils._pytree"):     # and torchao's pytree deprecations
+        logging.getLogger(name).setLevel(logging.ERROR)
     from shardconsole import __version__
     from shardconsole.machine.torch_version import torch_problem, version_line
     if argv[:1] == ["-V"] or (argv[:1] and argv[0].startswith("-") and "--version" in argv):

@@ -22,7 +22,7 @@ from shardconsole.runlog import protocol as P
 from shardconsole.session.hang import hang_message, where_ranks_are
 from shardconsole.launch.job import Job
 from shardconsole.runlog.runfolder import RunFolder
-from shardconsole.runlog.runstate import RunState, fmt_rate, save_line
+from shardconsole.runlog.runstate import RunState, count, fmt_rate, save_line
 from shardconsole.session.outcome import EXIT_CODES, classify
 from shardconsole.session.resume import EarlierPart
 from shardconsole.session.signals import Detach, quiet_stdout
@@ -70,10 +70,10 @@ def data_line(d: P.DataSummary) -> str:
         return "data: synthetic random tokens (no data set, no tokenizer)" + (f"; {d.note}" if d.note else "")
     text = (f"data: {d.source} ({d.format}), tokenizer {d.tokenizer or 'n/a'}"
             + (f", template {d.template}" if d.template else "")
-            + f": {d.records} records, {d.tokens} tokens, {d.samples} packed samples, "
+            + f": {count(d.records, 'record')}, {count(d.tokens, 'token')}, {count(d.samples, 'packed sample')}, "
             f"{100 * d.loss_share:.0f}% of tokens under loss, {d.epochs:.2f} epochs")
     if d.eval_records or d.eval_samples:
-        text += f"; eval {d.eval_records} records, {d.eval_samples} samples"
+        text += f"; eval {count(d.eval_records, 'record')}, {count(d.eval_samples, 'sample')}"
     return text + (f"\n  note: {d.note}" if d.note else "")
 
 

@@ -185,3 +185,11 @@ def test_the_data_summary_and_each_eval_get_a_line():
                      "58 packed samples, 42% of tokens under loss, 1.50 epochs; eval 6 records, 3 samples",
                      "eval step 20: loss 2.1250 over 4096 tokens (1.2 s)"]
     assert state.data is msgs[0] and state.evals == [msgs[1]]
+
+
+def test_the_data_line_counts_in_the_singular_where_one():
+    """Issue 36 item 11: "1 records" in the headless data line."""
+    from shardconsole.headless import data_line
+    line = data_line(P.DataSummary(source="a.txt", format="text", tokenizer="bytes", records=1, tokens=20,
+                                   samples=1, eval_records=1, eval_samples=3))
+    assert ": 1 record, 20 tokens, 1 packed sample," in line and "eval 1 record, 3 samples" in line

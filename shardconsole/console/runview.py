@@ -10,11 +10,8 @@ import socket
 from dataclasses import dataclass, field
 
 from shardconsole.runlog import protocol as P
-from shardconsole.runlog.runstate import RunState, save_line
+from shardconsole.runlog.runstate import RunState, count, save_line
 
-def count(n: int, noun: str) -> str:
-    """'1 record', '3 records'."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 SYNTHETIC = "synthetic random tokens (no data set, no tokenizer)"

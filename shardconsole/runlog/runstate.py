@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 from shardconsole.runlog import protocol as P
 
 
+def count(n: int, noun: str) -> str:
+    """'1 record', '3 records': both front ends' words for a number of things."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def fmt_rate(x: float) -> str:
     """Tokens a second as both front ends print them: 61.5k."""
     return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"

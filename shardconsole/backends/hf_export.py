@@ -30,6 +30,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "merges.txt",
                    "chat_template.jinja", "chat_template.json")
 TOKENIZER_DIRS = ("additional_chat_templates",)
+
+
+def copy_tokenizer(src: Path, folder: Path) -> None:
+    """The model folder's tokenizer files and chat templates, copied beside an export's weights."""
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, folder / name)
+    for name in TOKENIZER_DIRS:
+        if (src / name).is_dir():
+            shutil.copytree(src / name, folder / name)
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 MAX_SHARD_BYTES = 5 * 10**9          # export-model's default --max-shard-size
 PREFIX = "lm."                       # the ranks train CausalLMLoss(lm): the HF model's keys under "lm."
@@ -189,12 +199,7 @@ def _write_folder_files(r: Rank, config, dtype: torch.dtype, tmp: Path, step: in
     else:
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
     if src is not None:
-        for name in TOKENIZER_FILES:
-            if (src / name).is_file():
-                shutil.copy2(src / name, tmp / name)
-        for name in TOKENIZER_DIRS:
-            if (src / name).is_dir():
-                shutil.copytree(src / name, tmp / name)
+        copy_tokenizer(src, tmp)
     preset = (r.run_dir / "preset.toml").read_text().rstrip() if (r.run_dir / "preset.toml").is_file() else ""
     (tmp / "README.md").write_text("\n".join([
         f"# {Path(r.cfg.train.export_dir).name}", "",

@@ -1,18 +1,6 @@
-"""The doctor's checks: what this machine will do to a run (`shardconsole doctor`, cli/doctor.py, prints them).
-
-    shardconsole doctor [--preset NAME|FILE] [--set table.key=value ...] [--json] [--no-allreduce]
-
-Reports the GPUs with their CUDA and NVML indices and UUIDs (they differ on mixed rigs), each card's
-PCIe link (generation and width, current and max: a x16 card trained at x4 is a common consumer-board
-surprise), peer-to-peer access between each pair and a small NCCL all-reduce with and without P2P,
-the memlock limit (`ulimit -l`) against the pinned host memory the planner expects a rank to lock,
-the driver / CUDA / torch / NCCL / DeepSpeed versions and whether DeepSpeed's ops are built. On a
-machine without a GPU it says what it can.
-
-Its P2P verdict is saved (doctor_verdict.py: doctor.json in the cache folder, with the host and GPU UUIDs):
-a later launch on this machine with broken P2P sets NCCL_P2P_DISABLE=1 itself and says so.
-Exit code: 0 when nothing is wrong, 1 when a check found a problem (each is listed), 2 for bad input.
-"""
+"""The doctor's checks of this machine: GPUs (CUDA and NVML indices, UUIDs, PCIe links), peer-to-peer and a
+small NCCL all-reduce, memlock against the pinned memory a preset needs, versions and DeepSpeed's ops.
+`shardconsole doctor` (cli/doctor.py) prints them; the P2P verdict is saved (machine/doctor_verdict.py)."""
 
 from __future__ import annotations
 

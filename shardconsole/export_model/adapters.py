@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardconsole.export_model.checkpoint import ExportError
-from shardconsole.export_model.hf_folder import TOKENIZER_DIRS, TOKENIZER_FILES
+from shardconsole.backends.hf_export import copy_tokenizer
 from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelSpec
 
@@ -84,16 +84,9 @@ def trained_count(model) -> int:
 def write_adapter(model, spec: ModelSpec, folder: Path) -> int:
     """peft's adapter folder, with the base's tokenizer and chat template beside it; the number of
     safetensors files."""
-    import shutil
     folder.mkdir()
     model.save_pretrained(folder)
-    src = Path(spec.path)
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, folder / name)
-    for name in TOKENIZER_DIRS:
-        if (src / name).is_dir():
-            shutil.copytree(src / name, folder / name)
+    copy_tokenizer(Path(spec.path), folder)
     return len(list(folder.glob("*.safetensors")))
 
 

@@ -3,7 +3,6 @@ save_pretrained's sharded safetensors, config and generation config, the tokeniz
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from shardconsole.settings import config as C
@@ -14,7 +13,7 @@ from shardconsole.runlog.runfolder import RunFolder
 
 # What a model folder's tokenizer may consist of: the same list as train.export_dir's (imports torch,
 # as this module's callers already have).
-from shardconsole.backends.hf_export import TOKENIZER_DIRS, TOKENIZER_FILES  # noqa: E402
+from shardconsole.backends.hf_export import copy_tokenizer  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -172,11 +171,5 @@ def write_folder(model, spec: ModelSpec, folder: Path, max_shard_size: int) -> i
         model.generation_config = GenerationConfig.from_pretrained(spec.path, local_files_only=True)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     if spec.path is not None:
-        src = Path(spec.path)
-        for name in TOKENIZER_FILES:
-            if (src / name).is_file():
-                shutil.copy2(src / name, folder / name)
-        for name in TOKENIZER_DIRS:
-            if (src / name).is_dir():
-                shutil.copytree(src / name, folder / name)
+        copy_tokenizer(Path(spec.path), folder)
     return len(list(folder.glob("*.safetensors")))

@@ -205,8 +205,8 @@ class SaveProgress(Message):
     kind: ClassVar[str] = "save"
     step: int = 0
     what: str = "checkpoint"         # "checkpoint" (full, resumable), "model" (weights only), "export"
-    written_bytes: int = 0           # this rank's bytes written so far
-    total_bytes: int = 0             # this rank's bytes to write in all (0 when not known)
+    written_bytes: int = 0           # bytes written so far, all ranks (the save folder as it grows)
+    total_bytes: int = 0             # bytes to write in all, all ranks (0 when not known)
     elapsed_s: float = 0.0
     path: str = ""                   # the folder written to
     done: bool = False

@@ -105,3 +105,14 @@ def wait_for_steps(run_dir: Path, n: int, timeout: float, proc: subprocess.Popen
     if proc is not None:
         proc.kill()
     pytest.fail(f"fewer than {n} step lines within {timeout:.0f} s")
+
+
+def wait_until(condition, timeout: float, what: str, every_s: float = 0.05):
+    """Poll condition() until it returns something true (returned) or the deadline fails the test."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every_s)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")

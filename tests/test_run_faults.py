@@ -28,19 +28,10 @@ from shardconsole.session.rundir import create_run_dir, stream_stopped_note
 from shardconsole.session.stop import stop_run
 from shardconsole.session.watcher import Watcher
 from shardconsole.runlog.stream import MetricsReader
-from tests.conftest import messages, of_kind, pids_alive, shardconsole
+from tests.conftest import messages, of_kind, pids_alive, shardconsole, wait_until as _wait
 
 REPO = Path(__file__).resolve().parent.parent
 
-
-def _wait(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 # ---------------------------------------------------------------------------------------------------

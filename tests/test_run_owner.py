@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import psutil
@@ -19,7 +18,7 @@ import pytest
 from shardconsole.runlog import protocol as P
 from shardconsole.settings import config as C
 from shardconsole.session.rundir import create_run_dir
-from tests.conftest import messages, of_kind, pids_alive, shardconsole
+from tests.conftest import messages, of_kind, pids_alive, shardconsole, wait_until as _wait
 
 REPO = Path(__file__).resolve().parent.parent
 # A front end as the CLI runs one (cli/run.py after create_run_dir): follows the run, prints its steps.
@@ -27,15 +26,6 @@ FRONT_END = ("import sys; from pathlib import Path; from shardconsole.settings i
              "from shardconsole import headless; d = Path(sys.argv[1]); "
              "sys.exit(headless.run(C.load(d / 'preset.toml'), d, d.name))")
 
-
-def _wait(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def _folder(tmp: Path, name: str, sets: list[str], pad_bytes: int = 0) -> Path:

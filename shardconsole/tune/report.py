@@ -25,17 +25,24 @@ def _rate(x: float) -> str:
     return f"{x / 1000:.2f}k" if x >= 1000 else f"{x:.0f}"
 
 
+def _plan_host(e) -> int:
+    # Like for like with the "host (ranks)" column, which sums the ranks' RSS while they train: the
+    # planner's figure for the ranks in the training phase, not the node's peak (that adds the launcher,
+    # the front end, torch.compile's workers and a save, none of which a probe's RSS holds).
+    return e.host_phases.get("training") or e.host_peak_bytes
+
+
 def cells(tune: Tune, n: int, row: Row) -> tuple[str, ...]:
     e, res = row.option.estimate, row.result
     base = tune.baseline()
     base_tps = base.result.tokens_per_s if base and base.result and base.result.ok else 0.0
     if res is None:
         status = row.state
-        return (str(n), row.label, _gib(e.gpu_peak_bytes), _gib(e.host_peak_bytes), "-", "-", "-", "-", status)
+        return (str(n), row.label, _gib(e.gpu_peak_bytes), _gib(_plan_host(e)), "-", "-", "-", "-", status)
     vs = f"{100 * (res.tokens_per_s / base_tps - 1):+.0f}%" if res.ok and base_tps and not row.option.baseline else "-"
     status = "running" if row.state == "running" else (res.status if res.ok else f"{res.status}: {res.message}"[:60])
     # under a cap, the NVML peak as the capped card would show it (Tune.card_peak_bytes)
-    return (str(n), row.label, _gib(e.gpu_peak_bytes), _gib(e.host_peak_bytes), _gib(tune.card_peak_bytes(res)),
+    return (str(n), row.label, _gib(e.gpu_peak_bytes), _gib(_plan_host(e)), _gib(tune.card_peak_bytes(res)),
             _gib(res.host_peak_bytes), _rate(res.tokens_per_s) if res.tokens_per_s else "-", vs, status)
 
 
@@ -48,7 +55,7 @@ def table(tune: Tune, upcoming: int = 3) -> list[tuple[str, ...]]:
         p = o.prediction
         guess = f"~{_rate(p.value)}" if p.unit == "tokens/s" else f"~{p.value:.2f}x"
         rows.append(("", ("baseline: " if o.baseline else "") + o.name, _gib(o.estimate.gpu_peak_bytes),
-                     _gib(o.estimate.host_peak_bytes), "-", "-", guess, "-", f"next ({p.source})"))
+                     _gib(_plan_host(o.estimate)), "-", "-", guess, "-", f"next ({p.source})"))
     return rows
 
 

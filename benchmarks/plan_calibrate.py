@@ -149,6 +149,7 @@ MATRIX: list[Run] = [
 # host RAM of the lanes' runs is kept under the machine's 128 GiB (the 7b run overlaps only small ones).
 BF16M = ("precision.master_dtype=bf16",)
 UNPIN_F, UNPIN_D = ("fsdp.pin_memory=false",), ("deepspeed.pin_memory=false",)
+COMPILED = ("train.compile=true",)
 for _run, _lane in (
         (_r("i16-ds-1b-z3-alloff-mb4-ckpt-cap24", "deepspeed", "1b", 2048, 4, ckpt=True, cap="24GiB", extra=Z3_ALL,
             seconds=100), 0),
@@ -165,7 +166,11 @@ for _run, _lane in (
         (_r("i16-ds-1b-z3-bf16-mb4-ckpt", "deepspeed", "1b", 2048, 4, ckpt=True, extra=Z3, seconds=35), 2),
         (_r("i16-ds-3b-z3-bf16m-mb4-ckpt", "deepspeed", "3b", 2048, 4, ckpt=True, extra=Z3 + BF16M, seconds=50), 2),
         (_r("i16-fsdp-3b-fp16-mb4-ckpt", "fsdp", "3b", 2048, 4, "fp16", ckpt=True, seconds=45), 2),
-        (_r("i16-ds-1b-z2-optoff-bf16-mb4-ckpt", "deepspeed", "1b", 2048, 4, ckpt=True, extra=Z2_OPT, seconds=45), 2)):
+        (_r("i16-ds-1b-z2-optoff-bf16-mb4-ckpt", "deepspeed", "1b", 2048, 4, ckpt=True, extra=Z2_OPT, seconds=45), 2),
+        # issue 34: compiled runs (the host figure holds torch.compile's sidecar and workers)
+        (_r("i34-fsdp-1b-mb4-compiled-cap24", "fsdp", "1b", 2048, 4, cap="24GiB", extra=COMPILED, seconds=80), 2),
+        (_r("i34-ds-1b-z3-mb4-ckpt-compiled", "deepspeed", "1b", 2048, 4, ckpt=True, extra=Z3 + COMPILED,
+            seconds=90), 0)):
     _run.lane, _run.subset = _lane, "issue16"
     MATRIX.append(_run)
 
@@ -349,6 +354,23 @@ class _Tail:
         return out
 
 
+def _children_pss(pids) -> int:
+    """The summed PSS of every descendant of `pids` (0 when there are none, or psutil cannot read them)."""
+    import psutil
+    total = 0
+    for pid in pids:
+        try:
+            kids = psutil.Process(pid).children(recursive=True)
+        except psutil.Error:
+            continue
+        for k in kids:
+            try:
+                total += k.memory_full_info().pss
+            except (psutil.Error, AttributeError):
+                continue
+    return total
+
+
 def _tail(path: Path, n: int = 2500) -> str:
     try:
         return path.read_text(errors="replace")[-n:]
@@ -376,6 +398,7 @@ def measure(run: Run, base_file: Path, runs_root: Path, timeout_s: float, nvml: 
     nvml_max = [0] * len(base_used)
     nvml_proc_max = 0
     rss_by_phase: dict[str, int] = {}   # the ranks' summed VmRSS, largest seen in each phase of rank 0
+    workers_max = 0                     # the ranks' child processes (torch.compile's sidecar and workers), PSS
     phase = "starting"
     tail = _Tail(run_dir / "metrics.jsonl")
     timed_out = False
@@ -392,6 +415,9 @@ def measure(run: Run, base_file: Path, runs_root: Path, timeout_s: float, nvml: 
                 role.setdefault(int(m["pid"]), f"rank {m.get('rank', 0)}")
             elif m.get("kind") == "event" and m.get("name") == "phase" and m.get("rank") == 0:
                 phase = str(m.get("detail"))
+        workers = _children_pss(p for p, r in role.items() if r.startswith("rank"))
+        if workers:
+            workers_max = max(workers_max, workers)
         rss = 0
         for pid in list(role):
             v = _status_kb(pid, "VmHWM")
@@ -468,7 +494,10 @@ def measure(run: Run, base_file: Path, runs_root: Path, timeout_s: float, nvml: 
         "ranks_hwm_bytes": ranks_hwm or None,
         "launcher_hwm_bytes": launcher_hwm or None,
         "frontend_hwm_bytes": front_hwm or None,
-        "host_peak_bytes": (ranks_rss + launcher_hwm + front_hwm) or None,
+        # torch.compile's sidecar and worker pool are the ranks' children: counted by PSS (forked workers
+        # share their pages with the sidecar; RSS would count them once a worker)
+        "compile_workers_pss_bytes": workers_max or None,
+        "host_peak_bytes": (ranks_rss + launcher_hwm + front_hwm + workers_max) or None,
         "host_used_max_bytes": max((int(h.get("used_bytes") or 0) for h in host_lines), default=None),
         "ranks_rss_by_phase_bytes": rss_by_phase,
         "tokens_per_s": steps[-1].get("tokens_per_s") if steps else None,

@@ -189,3 +189,45 @@ async def test_the_console_picks_the_method_on_the_first_tab_and_shows_the_lora_
             await pilot.pause(0.05)
             deadline -= 1
         assert "lora: 39.4K of 133.4K trainable" in text_of(setup.query_one("#estimate"))
+
+
+def test_qloras_random_base_is_made_a_layer_at_a_time_and_equals_the_lora_runs_base(monkeypatch):
+    """backends/qlora.random_base: when a layer is quantised no other decoder layer is materialised (the
+    quantiser here snapshots the layer's bf16 draw and sends it back to meta, as quantising frees it),
+    and the draws equal init_random_'s on a whole LoRA-injected model (a 1-rank FSDP2 LoRA run's base)."""
+    from transformers import LlamaConfig
+
+    from shardconsole.backends import adapters, modeling, qlora
+    hf_cfg = LlamaConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=48, vocab_size=96, initializer_range=0.3)
+    hf_cfg._attn_implementation = "sdpa"
+    cfg = C.build({"train": {"method": "lora", "seed": 5}, "lora": {"rank": 4, "modules_to_save": "embed_tokens"}})
+    layers, drawn = [], {}
+    real = modeling.decoder_layers
+
+    def capture(lm):
+        layers[:] = real(lm)
+        return layers
+    monkeypatch.setattr(modeling, "decoder_layers", capture)
+
+    def stand_in(layer, device):
+        i = layers.index(layer)
+        assert [j for j, other in enumerate(layers) if not next(other.parameters()).is_meta] == [i]
+        drawn.update({f"model.layers.{i}.{k}": v.clone() for k, v in layer.state_dict().items()})
+        layer.to_empty(device="meta")
+        return 7
+    lm, count = qlora.random_base(hf_cfg, torch.device("cpu"), 5, quantise=stand_in)
+    assert count == 7 * 3 and len(drawn) == 3 * 9
+    drawn.update({k: v for k, v in lm.state_dict().items() if ".layers." not in k})
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        whole = modeling.CausalLMLoss(modeling.build_causal_lm(hf_cfg))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    adapters.inject(whole.lm, cfg)
+    modeling.init_random_(whole, 0.3, 5, 0)
+    base = {adapters.base_key(k[3:]): v for k, v in whole.state_dict().items()
+            if not adapters.is_trained(k) and "rotary" not in k}
+    assert sorted(base) == sorted(k for k in drawn if "rotary" not in k)
+    for k, v in base.items():
+        assert v.dtype == torch.bfloat16 and torch.equal(drawn[k], v), k

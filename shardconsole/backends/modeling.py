@@ -42,17 +42,21 @@ def decoder_layers(lm: nn.Module) -> nn.ModuleList:
     raise TypeError(f"{type(lm).__name__}: cannot find its decoder layers")
 
 
-@torch.no_grad()
-def init_random_(model: nn.Module, std: float, seed: int, rank: int, draw_on: torch.device | None = None) -> None:
-    """Random init of (possibly sharded) parameters in place: normal(0, std) for matrices, ones for
-    norm weights, zeros for biases. Works on each rank's local shard, seeded per rank, so a model
-    built on the meta device never needs a full copy anywhere. `draw_on`: a GPU to draw host shards
-    on (CPU offload), a tensor at a time."""
-    gens: dict[torch.device, torch.Generator] = {}
-    for name, p in model.named_parameters():
+class RandomInit:
+    """The random-init rules, one parameter at a time: normal(0, std) for matrices, ones for norm
+    weights, zeros for biases, drawn from one generator per device seeded from (seed, rank). Drawing
+    the same parameters in the same order gives the same values however they are materialised (a
+    whole model, or QLoRA's one decoder layer at a time, backends/qlora.py)."""
+
+    def __init__(self, std: float, seed: int, rank: int, draw_on: torch.device | None = None) -> None:
+        self.std, self.seed, self.rank, self.draw_on = std, seed, rank, draw_on
+        self.gens: dict[torch.device, torch.Generator] = {}
+
+    @torch.no_grad()
+    def draw_(self, name: str, p: torch.Tensor) -> None:
         local = p.to_local() if hasattr(p, "to_local") else p
         if local.numel() == 0 or ".lora_" in name or ".modules_to_save." in name:
-            continue    # LoRA's own (backends/adapters.py): the base draws as without them, the same model
+            return      # LoRA's own (backends/adapters.py): the base draws as without them, the same model
         if "norm" in name.lower() and local.dim() == 1:
             local.fill_(1.0)
         elif name.endswith("bias"):
@@ -60,14 +64,23 @@ def init_random_(model: nn.Module, std: float, seed: int, rank: int, draw_on: to
         else:
             # Generated where the shard lives: a 7B model's 27 GiB of fp32 draws on one CPU core is minutes.
             # Offloaded shards are drawn on the GPU and copied: 13B on the CPU is minutes more.
-            where = draw_on if local.device.type == "cpu" and draw_on is not None else local.device
-            gen = gens.get(where)
+            where = self.draw_on if local.device.type == "cpu" and self.draw_on is not None else local.device
+            gen = self.gens.get(where)
             if gen is None:
-                gen = gens[where] = torch.Generator(device=where).manual_seed(seed * 7919 + rank)
+                gen = self.gens[where] = torch.Generator(device=where).manual_seed(self.seed * 7919 + self.rank)
             if where == local.device:
-                local.normal_(0.0, std, generator=gen)
+                local.normal_(0.0, self.std, generator=gen)
             else:
-                local.copy_(torch.empty(local.shape, dtype=local.dtype, device=where).normal_(0.0, std, generator=gen))
+                local.copy_(torch.empty(local.shape, dtype=local.dtype, device=where).normal_(0.0, self.std, generator=gen))
+
+
+def init_random_(model: nn.Module, std: float, seed: int, rank: int, draw_on: torch.device | None = None) -> None:
+    """Random init of (possibly sharded) parameters in place (RandomInit's rules). Works on each rank's
+    local shard, seeded per rank, so a model built on the meta device never needs a full copy anywhere.
+    `draw_on`: a GPU to draw host shards on (CPU offload), a tensor at a time."""
+    init = RandomInit(std, seed, rank, draw_on)
+    for name, p in model.named_parameters():
+        init.draw_(name, p)
 
 
 @torch.no_grad()

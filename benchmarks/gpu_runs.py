@@ -197,6 +197,17 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
         for name, preset in (("7b-full-offload-bf16m", "3090-7b-offload"), ("7b-lora-r16", "3090-7b-lora"),
                              ("7b-qlora-r16", "3090-7b-qlora"))
     ],
+    # Issue 33, the LoRA planner's calibration: 7B LoRA and QLoRA (and QLoRA with the adapters' dropout,
+    # and 13B QLoRA) on one H200 capped at 24 GiB by their presets, measured peaks beside `plan --json`'s
+    # (run with --plan). The QLoRA rows' rank0.log line "qlora: build peak ..." is the build's own peak:
+    # the memory lines' peaks are training's (backends/qlora.py resets them after the build).
+    "issue33cal": [
+        (name, preset, ["data.path=/tmp/sc-lora-text.jsonl", "data.eval_fraction=0.02", "train.steps=8",
+                        "train.log_every=1", "train.warmup_steps=2", "train.save_final=false", *extra])
+        for name, preset, extra in (("7b-lora-r16", "3090-7b-lora", []), ("7b-qlora-r16", "3090-7b-qlora", []),
+                                    ("7b-qlora-r16-dropout", "3090-7b-qlora", ["lora.dropout=0.05"]),
+                                    ("13b-qlora-r16", "3090-13b-qlora", []))
+    ],
     # Issue 35: 3b without offload on torchao's 8-bit AdamW (bf16 masters: 5.9 GiB of weights, 5.9 of 8-bit
     # states) beside the offload recipe at 3b, same micro-batch, text and steps: tokens/s and held-out loss.
     "issue35": [
@@ -255,6 +266,24 @@ def summarize_messages(msgs: list, warmup_frac: float = 0.34) -> dict:
     return out
 
 
+def planned(preset: str, sets: list[str]) -> dict:
+    """`shardconsole plan --json` for the same preset and --set values, on this machine: the figures the
+    measured peaks are read against (GiB; allocated and the allocator's reserved, and NVML's)."""
+    argv = [sys.executable, "-m", "shardconsole", "plan", "--preset", preset, "--json"]
+    for s in sets:
+        if not s.startswith("--"):
+            argv += ["--set", s]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
+    try:
+        doc = json.loads(res.stdout)
+    except ValueError:
+        return {"plan_error": (res.stderr or res.stdout)[-300:]}
+    gib = lambda key: doc[key] / 2**30 if doc.get(key) is not None else None
+    return {"plan_allocated_gib": gib("gpu_allocated_peak_bytes"), "plan_reserved_gib": gib("gpu_allocator_peak_bytes"),
+            "plan_nvml_gib": gib("gpu_peak_bytes"), "plan_phase": doc.get("gpu_peak_phase"),
+            "plan_parts_gib": {k: round(v / 2**30, 3) for k, v in (doc.get("gpu_parts") or {}).items()}}
+
+
 def run_headless(preset: str, sets: list[str], root: Path, name: str, timeout: int) -> dict:
     run_dir = root / name
     argv = [sys.executable, "-m", "shardconsole", "--preset", preset, "--headless", "--run-dir", str(run_dir)]
@@ -271,7 +300,7 @@ def run_headless(preset: str, sets: list[str], root: Path, name: str, timeout: i
     log = run_dir / "logs" / "rank0.log"
     if log.exists():     # what the rank said about its host memory (the arena's line) and the offload
         out["rank_log"] = [line[:300] for line in log.read_text(errors="replace").splitlines()
-                           if "host arena" in line or "offload:" in line][:6]
+                           if "host arena" in line or "offload:" in line or "lora:" in line][:6]
     if rc != 0:
         out["stderr_tail"] = err
     return out
@@ -322,10 +351,10 @@ def run_peer(engine: str, loop_args: list[str], name: str, timeout: int) -> dict
     return out
 
 
-def run_entry(name: str, preset: str, sets: list[str], root: Path, timeout: int) -> dict:
+def run_entry(name: str, preset: str, sets: list[str], root: Path, timeout: int, plan: bool = False) -> dict:
     if preset.startswith("bare:"):
         return run_peer(preset.split(":", 1)[1], sets, name, timeout)
-    return run_headless(preset, sets, root, name, timeout)
+    return {**run_headless(preset, sets, root, name, timeout), **(planned(preset, sets) if plan else {})}
 
 
 def fmt(v, spec):
@@ -341,6 +370,7 @@ def main() -> None:
                     help="also run these (all when none given) under bare torchrun with the stream off")
     ap.add_argument("--timeout", type=int, default=400)
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--plan", action="store_true", help="put `plan --json`'s GPU figures beside each run's peaks")
     ap.add_argument("--parallel", action="store_true",
                     help="start every run of the matrix at once (small runs sharing one GPU)")
     args = ap.parse_args()
@@ -356,7 +386,7 @@ def main() -> None:
     if args.parallel:
         from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(len(matrix)) as pool:
-            results = list(pool.map(lambda m: run_entry(m[0], m[1], m[2], root, args.timeout), matrix))
+            results = list(pool.map(lambda m: run_entry(m[0], m[1], m[2], root, args.timeout, args.plan), matrix))
         for r in results:
             print(json.dumps(r), flush=True)
         if args.out:
@@ -364,7 +394,7 @@ def main() -> None:
                                                   "results": results}, indent=1))
         matrix = []
     for name, preset, sets in matrix:
-        results.append(run_entry(name, preset, sets, root, args.timeout))
+        results.append(run_entry(name, preset, sets, root, args.timeout, args.plan))
         print(json.dumps(results[-1]), flush=True)
         if args.overhead is not None and (not args.overhead or name in args.overhead) and ":" not in preset:
             results.append(run_bare(preset, sets, root, name, args.timeout))

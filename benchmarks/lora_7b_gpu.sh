@@ -6,7 +6,12 @@
 # the wheels must include peft and its needs, and bitsandbytes for the QLoRA run):
 #     bash benchmarks/lora_7b_gpu.sh
 # Writes $OUT/lora_7b.json (gpu_runs.py's rows, eval_loss included) and $OUT/lora_7b.log (its table).
+#     bash benchmarks/lora_7b_gpu.sh cal
+# The LoRA planner's calibration instead (matrix issue33cal, about 7 minutes): 7B LoRA, 7B QLoRA (also with
+# lora.dropout 0.05) and 13B QLoRA under the cap, each run's measured peaks beside `plan --json`'s, and
+# QLoRA's build peak (its rank0.log line) apart from its training peak. Writes $OUT/lora_cal.json / .log.
 set -u
+MODE=${1:-table}
 OUTD=${OUT:-/tmp/lora_out}
 mkdir -p "$OUTD"
 export PYTHONUNBUFFERED=1 SHARDCONSOLE_RUNS_ROOT=/tmp/sc-lora-runs SHARDCONSOLE_SPEEDS_FILE=/tmp/sc-lora-speeds.jsonl
@@ -24,6 +29,28 @@ with open("/tmp/sc-lora-text.jsonl", "w") as fh:
         s = " ".join(rng.choice(words) for _ in range(rng.randint(20, 40)))
         fh.write(json.dumps({"text": f"Record {i}: {a} plus {b} is {a + b}. {s.capitalize()}."}) + "\n")
 PY
+if [ "$MODE" = cal ]; then
+    python3 benchmarks/gpu_runs.py --matrix issue33cal --plan --timeout 300 --out "$OUTD/lora_cal.json" 2>&1 \
+        | tee "$OUTD/lora_cal.log"
+    python3 - "$OUTD/lora_cal.json" <<'PY' | tee -a "$OUTD/lora_cal.log"
+import json, re, sys
+rows = json.load(open(sys.argv[1]))["results"]
+f = lambda v: "-" if v is None else f"{v:.2f}"
+err = lambda p, m: "-" if p is None or not m else f"{100 * (p / m - 1):+.0f}%"
+print("\n| run | rc | build peak alloc GiB | train peak alloc / reserved / NVML GiB | plan alloc / reserved / NVML GiB"
+      " | plan err alloc / reserved / NVML |")
+print("|---|---|---|---|---|---|")
+for r in rows:
+    build = next((m.group(1) for line in r.get("rank_log", []) if (m := re.search(r"build peak ([\d.]+) GiB", line))), "-")
+    meas = (r.get("peak_allocated_gib"), r.get("peak_reserved_gib"), r.get("nvml_used_gib"))
+    plan = (r.get("plan_allocated_gib"), r.get("plan_reserved_gib"), r.get("plan_nvml_gib"))
+    print(f"| {r['name']} | {r['rc']} | {build} | {' / '.join(map(f, meas))} | {' / '.join(map(f, plan))} | "
+          f"{' / '.join(err(p, m) for p, m in zip(plan, meas))} |")
+for r in rows:
+    print(r["name"], r.get("plan_phase"), r.get("plan_parts_gib"), r.get("failed") or "", r.get("plan_error", ""))
+PY
+    exit 0
+fi
 python3 benchmarks/gpu_runs.py --matrix issue33 --timeout 420 --out "$OUTD/lora_7b.json" 2>&1 | tee "$OUTD/lora_7b.log"
 python3 - "$OUTD/lora_7b.json" <<'PY' | tee -a "$OUTD/lora_7b.log"
 import json, sys

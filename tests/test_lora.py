@@ -23,7 +23,8 @@ from tests.hf_fixtures import CORPUS, make_hf_model
 
 RUN_TIMEOUT = 600
 SETS = ["data.seq_len=32", "data.eval_fraction=0.2", "train.eval_every=3", "train.steps=6", "train.log_every=1",
-        "train.checkpoint_every=3", "train.method=lora", "lora.rank=4", "lora.modules_to_save=embed_tokens"]
+        "train.checkpoint_every=3", "train.method=lora", "lora.rank=4", "lora.modules_to_save=embed_tokens",
+        "train.peak_tflops=1"]       # an MFU on CPU: the step line's FLOPs a token read back from it
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +108,7 @@ def assert_lora_run(got: SimpleNamespace, folder, monkeypatch) -> None:
     assert held and all(".lora_A." in k or ".lora_B." in k or ".modules_to_save." in k for k in held), sorted(held)
     last = of_kind(messages(got.run), "eval")[-1]
     assert last.step == 6
+    assert_mfu_counts_what_lora_computes(got.run, folder.model)
     # merged: a plain transformers model folder
     merged = AutoModelForCausalLM.from_pretrained(got.merged, dtype=torch.float32).eval()
     loss, count = held_out_loss(got.run, folder.env, merged)
@@ -118,6 +120,27 @@ def assert_lora_run(got: SimpleNamespace, folder, monkeypatch) -> None:
     adapted = PeftModel.from_pretrained(base, got.adapter).eval()
     loss, _ = held_out_loss(got.run, folder.env, adapted)
     assert abs(loss - last.loss) < 1e-3, (loss, last.loss)
+
+
+def assert_mfu_counts_what_lora_computes(run: Path, model: Path) -> None:
+    """The step line's MFU, read back as FLOPs a token: 4 per frozen base weight (forward + the gradient to
+    its input), 6 per trained one, none for the embedding's frozen original (modules_to_save copies it),
+    and attention's 12 L h s, against full fine-tuning's 6N + 12 L h s."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from shardconsole.backends.adapters import lora_config
+    cfg = C.load(run / "preset.toml")
+    base = AutoModelForCausalLM.from_pretrained(model)
+    n = sum(p.numel() for p in base.parameters())
+    h, layers = base.config.hidden_size, base.config.num_hidden_layers
+    saved = base.config.vocab_size * h                       # embed_tokens, trained whole
+    trained, _ = get_peft_model(base, lora_config(cfg)).get_nb_trainable_parameters()
+    attention = 12 * layers * h * cfg.data.seq_len
+    expected, full = 4 * (n - saved) + 6 * trained + attention, 6 * n + attention
+    step = of_kind(messages(run), "step")[-1]
+    got = step.mfu * 1e12 * cfg.world_size / step.tokens_per_s
+    assert got == pytest.approx(expected, rel=1e-6) and got < full, (got, expected, full)
 
 
 @pytest.mark.slow

@@ -388,7 +388,7 @@ def _train(r: common.Rank, engine, model, stop: trainstate.StopRequest) -> None:
     data = trainstate.Data(r)                  # before resume: resume moves it to the checkpoint's position
     tail = loop.Tail(r, stop, trainstate.Evaluator(r), engine, lambda step: save(r, engine, data, step))
     start_step = resume(r, engine, data) if t.resume else 0
-    meter = metrics.StepMeter(r)
+    meter = metrics.StepMeter(r, engine.module)
     fp16 = cfg.precision.dtype == "fp16"
     timing = step_timing.StepTiming(r)        # the offload view (offloaded runs)
     step_timing.instrument_deepspeed(engine, timing)

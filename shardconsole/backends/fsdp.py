@@ -274,7 +274,7 @@ def train(r: common.Rank) -> None:
                      export=lambda step: hf_export.export(r, model, step))
     start_step = resume(r, model, optim, scaling, data) if t.resume else 0
     clip = fsdp_step.Clip(r, model, optim, scaling, reduce_dtype(cfg))
-    meter = metrics.StepMeter(r)
+    meter = metrics.StepMeter(r, model)
     floor = metrics.ScaleFloorWatch(cfg)
     phases = metrics.PhaseTimes(r)
     timing = step_timing.StepTiming(r)           # the offload view (offloaded runs); after Clip's hooks

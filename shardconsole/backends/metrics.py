@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
+from shardconsole.backends.adapters import SAVED
 from shardconsole.backends.common import Rank
 from shardconsole.machine.hardware import peak_tflops
 
@@ -30,12 +31,12 @@ class LossScaleFloorError(RuntimeError):
 class StepMeter:
     """Accumulates on the device between log steps; reads (one sync) only when a line is due."""
 
-    def __init__(self, r: Rank) -> None:
+    def __init__(self, r: Rank, model: torch.nn.Module) -> None:
         self.r = r
         cfg = r.cfg
         self.tokens_per_step = cfg.tokens_per_step
         self.samples_per_step = cfg.train.micro_batch * cfg.train.grad_accum * r.world
-        self.flops_per_token = r.spec.flops_per_token(cfg.data.seq_len)
+        self.flops_per_token = flops_per_token(r, model)
         rate = cfg.train.peak_tflops or (peak_tflops(torch.cuda.get_device_name(r.device)) if r.is_cuda else None)
         self.peak_flops = rate * 1e12 if rate else None
         self.loss_sum = torch.zeros((), device=r.device, dtype=torch.float32)
@@ -77,6 +78,22 @@ class StepMeter:
         self.n = 0
         self.t_last = time.perf_counter()
         return mean_loss
+
+
+def flops_per_token(r: Rank, model: torch.nn.Module) -> float:
+    """The MFU's FLOPs a token for what this run trains (ModelSpec.flops_per_token): under adapters,
+    the trained parameters counted from the model (whole counts: DTensor's global shape, ZeRO-3's
+    ds_numel), the fully trained copies of lora.modules_to_save among them."""
+    seq = r.cfg.data.seq_len
+    if not r.cfg.adapters:
+        return r.spec.flops_per_token(seq)
+    trained = saved = 0
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            n = p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+            trained += n
+            saved += n if SAVED + "." in name else 0
+    return r.spec.flops_per_token(seq, trained=trained, saved=saved)
 
 
 def memory_message(r: Rank, step: int, proc: psutil.Process | None = None) -> P.Memory:

@@ -72,6 +72,37 @@ def frozen_bytes(cfg: C.RunConfig, s: Shapes) -> int:
     return DTYPE_BYTES[cfg.precision.dtype] * s.n_params
 
 
+def adapter_activations(cfg: C.RunConfig, s: Shapes) -> tuple[int, int]:
+    """(LoRA's saved activations beyond full fine-tuning's, QLoRA's transient bytes in a layer's
+    backward), from peft's tuners/lora layer.py and bnb.py forward and bitsandbytes' MatMul4Bit.
+
+    Saved: lora_A saves the linear's input, the tensor full fine-tuning's weight gradient saved (a
+    frozen linear saves none; no dtype copy: FSDP2's mp_policy and DeepSpeed's bf16 module make the
+    adapters compute in the compute dtype, so peft's _cast_input_dtype is a no-op); lora_B saves A's
+    [tokens, r] output; with lora.dropout each target's own nn.Dropout saves its dropped copy of the
+    input (c bytes) and its mask (1 byte), three copies for q/k/v. Full checkpointing recomputes one
+    layer's worth; the selective policy keeps every aten.mm output, so each adapter's two matmul outputs
+    ([tokens, r], [tokens, out]) in every layer, and under QLoRA not the base linears' outputs that the
+    policy's figure in activation_memory counts (bitsandbytes' 4-bit matmul is not aten.mm: recomputed).
+    Transient (QLoRA): at 8192 tokens bitsandbytes dequantises the weight to bf16 and calls F.linear
+    (backends/cuda/ops.py; backward: dequantize_4bit then matmul), and peft clones each base output."""
+    c = DTYPE_BYTES[cfg.precision.dtype]
+    tokens = cfg.train.micro_batch * cfg.data.seq_len
+    layer, _ = _targets(cfg, s)
+    r, ckpt = cfg.lora.rank, cfg.memory.activation_checkpointing
+    per_layer = tokens * sum(c * r + (c + 1) * i * (cfg.lora.dropout > 0) for i, _ in layer)
+    extra = per_layer * (1 if ckpt else s.layers)
+    qlora = cfg.train.method == "qlora"
+    if ckpt and cfg.memory.checkpoint_policy == "selective":
+        kept = sum(c * (r + o) for _, o in layer)
+        if qlora:
+            kept -= sum(c * o for _, o in layer_linears(s).values())
+        extra = max(extra + s.layers * tokens * kept, 0)
+    linears = layer_linears(s).values()
+    transient = (2 * max(i * o for i, o in linears) + tokens * c * max(o for _, o in linears)) if qlora else 0
+    return extra, transient
+
+
 def lora_rank(cfg: C.RunConfig, s: Shapes) -> _Rank:
     p, f, d = cfg.parallel, cfg.fsdp, cfg.deepspeed
     world = p.nproc_per_node * p.nnodes
@@ -91,12 +122,7 @@ def lora_rank(cfg: C.RunConfig, s: Shapes) -> _Rank:
     adam_b = 8 * T // (world if (not fsdp and d.stage >= 1) or (fsdp and t_shard > 1) else 1)
     opt_on_host = (not fsdp and d.offload_optimizer != "none") or (fsdp and f.cpu_offload)
     a = activations(cfg, s)
-    tokens = cfg.train.micro_batch * cfg.data.seq_len
-    layer, _ = _targets(cfg, s)
-    # LoRA's own: each adapter's [tokens, r] intermediate (saved by B), with dropout the dropped input
-    # saved by A and its mask; recomputed with the layer under checkpointing (one layer's worth then).
-    extra_layer = tokens * sum(c * cfg.lora.rank + (c + 1) * i * (cfg.lora.dropout > 0) for i, _ in layer)
-    extra = extra_layer * (1 if cfg.memory.activation_checkpointing else s.layers)
+    extra, transient = adapter_activations(cfg, s)
     states = {f"frozen base ({'NF4 + constants' if qlora else cfg.precision.dtype}"
               f"{', sharded' if shard > 1 else ''})": 0 if offload_base else base,
               "gathered base layers": gathered,
@@ -106,7 +132,8 @@ def lora_rank(cfg: C.RunConfig, s: Shapes) -> _Rank:
     acts = {"activations": a.saved_all, "LoRA activations": extra}
     gpu = {
         "end of forward": {**states, **acts, "loss chunk": a.loss_forward, **ws},
-        "last layer backward": {**states, **acts, "layer backward": a.layer_backward + a.recompute, **ws},
+        "last layer backward": {**states, **acts, "layer backward": a.layer_backward + a.recompute,
+                                "QLoRA's dequantised weight and peft's clone": transient, **ws},
         "end of backward": {**states, "adapter gradients": 0 if opt_on_host and fsdp else grads_b, **ws},
         "optimizer step": {**states, "adapter gradients": 0 if opt_on_host and fsdp else grads_b, **ws},
     }

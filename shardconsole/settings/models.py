@@ -137,9 +137,19 @@ class ModelSpec:
         head = 0 if c.get("tie_word_embeddings") else V * h
         return L * per_layer + embed + head + h
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6N + 12 L h s (docs/MEASURED.md's definition, so MFU figures compare)."""
-        return 6.0 * self.n_params + 12.0 * self.layers * self.hidden * seq_len
+    def flops_per_token(self, seq_len: int, trained: int | None = None, saved: int = 0) -> float:
+        """Training FLOPs per token: 6N + 12 L h s (docs/MEASURED.md's definition, so MFU figures compare).
+
+        Adapters (train.method lora / qlora; `trained` parameters, `saved` of them lora.modules_to_save's
+        full copies): what the method computes. A frozen weight costs its forward (2) and the backward's
+        gradient to its input (2), no gradient to itself: 4 a parameter; a trained one (adapter or copy)
+        6; a saved module's frozen original is not computed at all. Attention's 12 L h s stays (its
+        backward is all gradients to activations). The forward recomputed under activation checkpointing
+        is not counted, as for full fine-tuning: model FLOPs, not the hardware's."""
+        attention = 12.0 * self.layers * self.hidden * seq_len
+        if trained is None:
+            return 6.0 * self.n_params + attention
+        return 4.0 * (self.n_params - saved) + 6.0 * trained + attention
 
 
 def human_count(n: int) -> str:

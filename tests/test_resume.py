@@ -268,3 +268,25 @@ def test_more_steps_keep_the_schedule_and_the_resume_sums_up_the_earlier_part(tm
     # the flight recorder's variable is the one this torch reads: no deprecation warning in the rank logs
     logs = "".join(f.read_text(errors="replace") for f in RunFolder(run).logs.glob("*.log"))
     assert "TRACE_BUFFER_SIZE is deprecated" not in logs
+
+
+@pytest.mark.slow
+def test_fsdp_step_in_backward_equals_the_ordinary_step_and_resumes_exactly(tmp_path):
+    """optim.step_in_backward (issue 35): each parameter stepped by FSDP2's post-accumulate-grad hook in
+    the backward pass. Plain AdamW in fp32 without a clip is the same update, so the losses equal the
+    ordinary step's; the run interrupted at step 5 resumes from step 4 onto the same losses (the
+    optimizer's state saved and loaded as the ordinary one's)."""
+    sets = [*COMMON, "train.clip_grad_norm=0"]
+    ordinary, run = tmp_path / "ordinary", tmp_path / "in-backward"
+    res = start(ordinary, *sets)
+    assert res.returncode == 0, _explain(res, ordinary)
+    res = start(run, *sets, "optim.step_in_backward=true", env={"SHARDCONSOLE_FAULT": "raise@rank=0,step=5"})
+    assert res.returncode != 0
+    said = [e.detail for e in events(run, "info") if e.detail.startswith("optim.step_in_backward")]
+    assert said and "parameters step as their gradients are reduced" in said[0], said
+    assert sorted(losses(run)) == [1, 2, 3, 4]
+    res = resume(run)
+    assert res.returncode == 0, _explain(res, run)
+    ref = losses(ordinary)
+    assert losses(run) == pytest.approx(ref, abs=1e-5), (losses(run), ref)
+    assert len(set(ref.values())) == 6          # the model moved: equal losses are not a frozen model's

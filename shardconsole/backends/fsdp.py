@@ -19,7 +19,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from shardconsole.backends import (adapters, checkpoints, common, fsdp_step, hf_export, loop, lowbit_optim,
                                    master_update, metrics, modeling, offload, pinned_arena, qlora, save_stream,
-                                   step_timing, trainstate)
+                                   step_in_backward, step_timing, trainstate)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -274,6 +274,12 @@ def train(r: common.Rank) -> None:
                      export=lambda step: hf_export.export(r, model, step))
     start_step = resume(r, model, optim, scaling, data) if t.resume else 0
     clip = fsdp_step.Clip(r, model, optim, scaling, reduce_dtype(cfg))
+    # optim.step_in_backward: each parameter steps as FSDP2 reduces its gradient (no clip, no scaler)
+    in_backward = None
+    if cfg.optim.step_in_backward:
+        in_backward = step_in_backward.StepInBackward(optim, adapters.trained_params(model))
+        r.event("info", f"optim.step_in_backward: {len(in_backward.handles)} parameters step as their "
+                        "gradients are reduced, each gradient freed at once")
     meter = metrics.StepMeter(r, model)
     floor = metrics.ScaleFloorWatch(cfg)
     phases = metrics.PhaseTimes(r)
@@ -300,11 +306,16 @@ def train(r: common.Rank) -> None:
         timing.compute_done()
         grads_changed = r.faults.on_grads(model.parameters(), step)
         with timing.host_step():
-            scaling.unscale(optim)
-            grad_norm = clip(grads_changed)
-            phases.mark("clip")
-            scaling.step(optim)
-            phases.mark("step")
+            grad_norm = None
+            if in_backward is None:
+                scaling.unscale(optim)
+                grad_norm = clip(grads_changed)
+                phases.mark("clip")
+                scaling.step(optim)
+                phases.mark("step")
+            elif not in_backward.take_count():
+                raise RuntimeError("optim.step_in_backward: no parameter was stepped in the backward pass "
+                                   "(FSDP2 called no post-accumulate-grad hook)")
             refresh_compute_copy(r)
         optim.zero_grad(set_to_none=True)
         phases.mark("copy+zero")

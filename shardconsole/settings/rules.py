@@ -109,6 +109,7 @@ def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = 
                   "needs training records too: set data.path")
     _check_method(cfg, err)
     _check_optim(cfg, err)
+    _check_step_in_backward(cfg, err)
     if cfg.train.compile and p.device == "cpu":
         raise err("train", "compile", "torch.compile of the layers is for GPUs; set it to false on CPU")
 
@@ -154,3 +155,26 @@ def _check_optim(cfg: RunConfig, err) -> None:
     if importlib.util.find_spec("torchao") is None:
         raise err("optim", "name", f"{name!r} needs torchao, which is not installed: "
                   "pip install 'shardconsole[lowbit]' (or torchao)")
+
+
+def _check_step_in_backward(cfg: RunConfig, err) -> None:
+    """optim.step_in_backward (backends/step_in_backward.py): each parameter steps as FSDP2 reduces its
+    gradient, before the other gradients exist; what needs them all first cannot run."""
+    if not getattr(getattr(cfg, "optim", None), "step_in_backward", False):
+        return
+    t, say = cfg.train, "optim.step_in_backward = true steps each parameter in the backward pass"
+    if cfg.parallel.backend == "deepspeed":
+        raise err("optim", "step_in_backward", f"is for the FSDP2 backend (DeepSpeed's engine steps itself): "
+                  "set it to false or parallel.backend = \"fsdp\"")
+    if cfg.fsdp.cpu_offload:
+        raise err("optim", "step_in_backward", "is for runs without offload (fsdp.cpu_offload is true): "
+                  "set it to false, or cpu_offload = false")
+    if t.grad_accum > 1:
+        raise err("optim", "step_in_backward", f"needs train.grad_accum = 1 (it is {t.grad_accum}): {say}, "
+                  "once per micro-batch")
+    if t.clip_grad_norm > 0:
+        raise err("optim", "step_in_backward", f"needs train.clip_grad_norm = 0 (it is {t.clip_grad_norm:g}): "
+                  f"{say}, before the global norm is known")
+    if cfg.precision.dtype == "fp16":
+        raise err("optim", "step_in_backward", "needs precision.dtype bf16 or fp32: fp16's loss scaler skips "
+                  "a step on an overflow found after the parameters would have stepped")

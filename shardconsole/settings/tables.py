@@ -217,6 +217,11 @@ class OptimSettings:
     name: Literal["adamw", "adamw8bit", "adamw4bit"] = _f(
         "adamw", "the optimizer: adamw (torch's, fp32 or master-dtype moments), adamw8bit or adamw4bit "
         "(torchao's block-quantized moments: 2 or 1 byte a parameter instead of 8; FSDP2 only)")
+    # backends/step_in_backward.py: torchtune's optimizer in backward. The step's result is the ordinary
+    # one, but no clip, no accumulation, no fp16 scaler (settings/rules.py says why each is refused).
+    step_in_backward: bool = _f(
+        False, "step each parameter as its gradient is reduced in the backward pass and free the gradient "
+        "(no whole-model gradient buffer; FSDP2 without offload; needs clip_grad_norm = 0, grad_accum = 1)")
 
 
 @dataclass

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from shardconsole.plan import estimator, optim_states
+from shardconsole.plan.shapes import Shapes
 from shardconsole.settings import config as C
 from shardconsole.settings import models
 from shardconsole.settings import resolve as settings
@@ -86,3 +87,38 @@ def test_tune_holds_the_optimizer_unless_named():
     low = next(o for o in named if o.cfg.optim.name == "adamw8bit")
     assert search.numerics_changed(low.cfg, base) == ["optim.name"]
     assert "adamw8bit optimizer" in search.numerics_words(low.cfg, base)
+
+
+def test_planner_holds_one_layers_gradients_when_stepping_in_backward():
+    """optim.step_in_backward: each layer's gradients are stepped and freed as they are reduced, so the
+    plan keeps one layer's instead of the whole model's, and the GPU peak falls by about the rest."""
+    sets = ["model.name=3b", "optim.name=adamw8bit", "precision.master_dtype=bf16", "train.clip_grad_norm=0"]
+    spec = models.resolve("3b")
+    plain = settings.resolve("3090-fsdp", sets).cfg
+    inbwd = settings.resolve("3090-fsdp", [*sets, "optim.step_in_backward=true"]).cfg
+    whole = estimator.model_states(plain, spec)["gpu"]["gradients"]
+    one = estimator.model_states(inbwd, spec)["gpu"]["gradients"]
+    shapes = Shapes.of(spec)
+    assert whole == 2 * shapes.n_params                     # bf16 gradients of every parameter (one rank)
+    assert one == 2 * max(shapes.per_layer, shapes.root)    # one layer's (or the root's)
+    from shardconsole import plan as PL
+    card = PL.Hardware(gpus=1, gpu_memory_bytes=141 * 2**30, host_memory_bytes=125 * 2**30, gpu_name="NVIDIA H200")
+    plain.memory.gpu_memory_limit = inbwd.memory.gpu_memory_limit = ""       # peaks not clipped at a cap
+    a, b = estimator.estimate(plain, spec, card), estimator.estimate(inbwd, spec, card)
+    assert a.gpu_peak_bytes - b.gpu_peak_bytes > 0.8 * (whole - one), (a.gpu_peak_bytes, b.gpu_peak_bytes)
+
+
+def test_tune_holds_the_step_in_backward_unless_named():
+    from shardconsole import plan as PL
+    from shardconsole.plan import search
+    from shardconsole.plan.speeds import SpeedBook
+    card = PL.Hardware(gpus=1, gpu_memory_bytes=24 * 2**30, host_memory_bytes=125 * 2**30, gpu_name="NVIDIA H200")
+    base = settings.resolve("3090-fsdp", ["precision.master_dtype=bf16", "train.clip_grad_norm=0"]).cfg
+    spec = models.resolve(base.model.name)
+    held = search.options(base, spec, card, SpeedBook([]), limit=400)
+    assert held and not any(o.cfg.optim.step_in_backward for o in held)
+    named = search.options(base, spec, card, SpeedBook([]), vary={"optim.step_in_backward"}, limit=400)
+    inbwd = [o for o in named if o.cfg.optim.step_in_backward]
+    assert inbwd and all(o.cfg.train.grad_accum == 1 for o in inbwd)     # refused with accumulation
+    assert search.numerics_changed(inbwd[0].cfg, base) == ["optim.step_in_backward"]
+    assert "step in backward" in inbwd[0].name

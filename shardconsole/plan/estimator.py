@@ -277,7 +277,11 @@ def model_states(cfg: C.RunConfig, spec: ModelSpec) -> dict[str, dict[str, int]]
         where = out["host" if cfg.fsdp.cpu_offload else "gpu"]
         m = 2 if cfg.precision.master_dtype == "bf16" else 4
         opt = optim_states.adam_state_bytes(cfg.optim.name, numels, m)     # torchao's low-bit blocks too
-        where.update({"parameters": m * n, "gradients": m * n, "optimizer states": opt})
+        # optim.step_in_backward: a layer's gradients live from their reduce-scatter to their steps (one
+        # buffer a layer, freed when its last view is), so one layer's (or the root's) at most
+        one_layer = max(sum(_shard_numel(sh, shard) for sh in part) for part in (s.layer_params(), s.root_params()))
+        grads = m * one_layer if cfg.optim.step_in_backward else m * n
+        where.update({"parameters": m * n, "gradients": grads, "optimizer states": opt})
         return out
     d = cfg.deepspeed
     P = s.n_params

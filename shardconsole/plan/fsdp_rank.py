@@ -38,6 +38,7 @@ class _Sizes:
     last_fwd: int
     accum: int                 # gradients accumulated without sync
     kahan: int
+    in_backward: bool          # optim.step_in_backward: each sharded gradient stepped and freed at once
 
 
 def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
@@ -94,7 +95,8 @@ def _sizes(cfg: C.RunConfig, s: Shapes) -> _Sizes:
         root_shard=sum(_shard_numel(sh, shard) for sh in s.root_params()),
         layer_full=layer_full, root_full=c * s.root,
         head_grad=0 if s.tied else c * s.vocab * s.hidden,    # the head's unsharded gradient, from the loss on
-        sharded=sharded, bwd_n=bwd_n, held=held, last_fwd=last_fwd, accum=accum, kahan=kahan)
+        sharded=sharded, bwd_n=bwd_n, held=held, last_fwd=last_fwd, accum=accum, kahan=kahan,
+        in_backward=bool(getattr(getattr(cfg, "optim", None), "step_in_backward", False)))
 
 
 def _gpu_moments(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> dict[str, dict[str, int]]:
@@ -152,6 +154,10 @@ def _side_pools(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> tuple[dict[str, int],
     Returns (pool -> bytes, moment -> bytes of the pools in use then)."""
     L, m, reduce_c, offload = s.layers, z.m, z.reduce_c, z.offload
     layer_shard, root_shard = z.layer_shard, z.root_shard
+    # optim.step_in_backward (backends/step_in_backward.py): each sharded gradient is stepped and freed
+    # by its hook as it lands, as an offloaded one leaves for the host at once: the pool holds a layer's
+    # (and the next one in flight), never the whole model's.
+    one_at_a_time = offload or z.in_backward
     rs_in = reduce_c * max(s.root, 2 * s.per_layer)
     # With offload each sharded gradient leaves for the host at once. The reduce-scatter output is in the
     # reduce dtype; with bf16 masters it is cast to bf16 before the copy, so the largest output and its
@@ -161,18 +167,19 @@ def _side_pools(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> tuple[dict[str, int],
     off_g = reduce_c + (m if m != reduce_c else 0)
     g_root = m * root_shard
     grads_gpu = (off_g * max(root_shard, layer_shard) + m * layer_shard if m != reduce_c
-                 else m * max(root_shard, 2 * layer_shard)) if offload else (L * m * layer_shard + g_root)
+                 else m * max(root_shard, 2 * layer_shard)) if one_at_a_time else (L * m * layer_shard + g_root)
     n_ag = 1 + max(min(cfg.fsdp.forward_prefetch if z.sharded else 0, max(L - 1, 0)), z.bwd_n)
     ag = z.c * max(s.root, n_ag * s.per_layer) + (m * max(root_shard, n_ag * layer_shard) if offload else 0)
     side = {"reduce-scatter stream pool (sharded gradients, inputs)": grads_gpu + rs_in,
             "all-gather stream pool": ag}
     # What of those pools is in use at each moment (the allocated view, and what a cap must hold).
-    g_layer = 0 if offload else m * layer_shard
+    g_layer = 0 if one_at_a_time else m * layer_shard
     in_flight_ag = z.c * s.per_layer + (m * layer_shard if offload else 0)
     side_live = {"last layer backward": in_flight_ag if z.bwd_n else 0,
-                 "first layer backward": (L - 1) * g_layer + reduce_c * s.per_layer + (m * layer_shard if offload else 0),
+                 "first layer backward": (L - 1) * g_layer + reduce_c * s.per_layer
+                 + (m * layer_shard if one_at_a_time else 0),
                  "end of backward": L * g_layer + g_root + reduce_c * s.root,
-                 "optimizer step": 0 if offload else L * g_layer + g_root}
+                 "optimizer step": 0 if one_at_a_time else L * g_layer + g_root}
     return side, side_live
 
 

@@ -36,6 +36,8 @@ NUMERICS: dict[str, tuple[Any, ...]] = {
     "precision.master_rounding": ("nearest", "stochastic", "kahan"),
     # torchao's block-quantized moments (issue 35): fewer bytes, another update
     "optim.name": ("adamw", "adamw8bit", "adamw4bit"),
+    # each parameter stepped in backward (issue 35): no gradient buffer, but no clip (rules refuse one)
+    "optim.step_in_backward": (False, True),
 }
 
 
@@ -72,6 +74,8 @@ def describe(cfg: C.RunConfig, base: C.RunConfig | None = None) -> str:
     parts = [_strategy_of(cfg), ckpt, f"micro_batch {cfg.train.micro_batch} x {cfg.train.grad_accum}"]
     if cfg.train.compile:
         parts.append("compiled")
+    if cfg.optim.step_in_backward:
+        parts.append("step in backward")
     if base is not None and cfg.precision.dtype != base.precision.dtype:
         parts.append(f"{cfg.precision.dtype} compute")
     if cfg.precision.master_dtype == "bf16":
@@ -108,6 +112,8 @@ def numerics_words(cfg: C.RunConfig, base: C.RunConfig) -> list[str]:
         out.append(f"{p.master_rounding} rounding")
     if cfg.optim.name != base.optim.name:
         out.append(f"{cfg.optim.name} optimizer")
+    if cfg.optim.step_in_backward != base.optim.step_in_backward:
+        out.append("step in backward" if cfg.optim.step_in_backward else "step after backward")
     return out
 
 

@@ -70,6 +70,7 @@ def numerics_note(tune: Tune) -> str:
     free = {k for k in search.NUMERICS if k not in tune.fixed and k not in tune.vary}
     free.discard("precision.master_rounding")     # its cost is the host step's, not the planner's: kept
     free.discard("optim.name")     # the speed book has no optimizer: a low-bit one only ties, never faster
+    free.discard("optim.step_in_backward")     # nor a step in backward
     if not free:
         return ""
     alts = [o for o in search.options(tune.base, tune.spec, tune.hw, tune.book, fixed=tune.fixed,

@@ -135,9 +135,9 @@ class RoundedAdamW(torch.optim.Optimizer):
         self.compile, self.warn = compile, warn
         self.compile_failed: dict[str, str] = {}
         self._hp: dict = {}
-        # Each parameter's place in the whole list seeds its rounding, so a step over one parameter
-        # (optim.step_in_backward narrows the group to it) rounds as the step over all of them does.
-        self._index = {id(p): i for i, p in enumerate((p for g in self.param_groups for p in g["params"]), 1)}
+        # Each parameter's place in the whole optimizer, 1-based: its rounding seed's, also when a subset
+        # of the parameters steps (offload_overlap steps one FSDP unit at a time).
+        self.position = {id(p): i for i, p in enumerate((p for g in self.param_groups for p in g["params"]), 1)}
 
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -159,7 +159,7 @@ class RoundedAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
-                index = self._index[id(p)]
+                index = self.position[id(p)]
                 if p.grad is None:
                     continue
                 state = self._init_state(p)

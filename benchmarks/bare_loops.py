@@ -10,6 +10,20 @@ runs out of memory prints that line with "error" and exits 1. Nothing here impor
 the size table (shardconsole.settings.models), so the shapes match the presets exactly.
 
 On CPU ranks (gloo, the test box) it runs too, for checking: fp32 compute, nothing pinned.
+
+The torchtune-style peer (issue 35): bf16 weights, torchao's low-bit AdamW, one optimizer a parameter
+stepped in the backward pass by a post-accumulate-grad hook (torchtune's optimizer_in_bwd: no clip),
+activation checkpointing, no offload, reduce-scatter in bf16:
+
+    torchrun --standalone --nproc_per_node 1 benchmarks/bare_loops.py --engine fsdp2 --model 3b \
+        --master-dtype bf16 --optim adamw8bit --step-in-backward --reduce-dtype bf16 --checkpointing \
+        --micro-batch 2 --gpu-memory-limit 24 --data /tmp/sc-lora-text.jsonl --eval-fraction 0.02
+
+--data trains on a JSON-lines file of {"text": ...} records read as UTF-8 bytes, EOS byte 0 after each
+(as the product reads text for a catalog model), the held-out records chosen as the product chooses
+them (numpy's permutation by --seed; the product's train.seed is 1234), and prints the held-out loss
+after the last step. The product packs with document masks, this loop without: a close reading, not
+the same number to the last digit.
 """
 
 from __future__ import annotations
@@ -55,7 +69,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                     help="pin offloaded host memory (GPU only)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--optim", choices=["adamw", "adamw8bit", "adamw4bit"], default="adamw",
+                    help="adamw8bit/4bit: torchao's low-bit AdamW (fsdp2 only)")
+    ap.add_argument("--step-in-backward", action="store_true",
+                    help="one optimizer a parameter, stepped by its post-accumulate-grad hook (torchtune)")
+    ap.add_argument("--reduce-dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--data", default=None, help="JSON lines of {\"text\": ...}, read as UTF-8 bytes")
+    ap.add_argument("--eval-fraction", type=float, default=0.0)
     args = ap.parse_args(argv)
+    if args.engine == "deepspeed" and (args.optim != "adamw" or args.step_in_backward):
+        ap.error("--optim and --step-in-backward are for fsdp2")
+    if args.step_in_backward and (args.grad_accum > 1 or args.offload != "none"):
+        ap.error("--step-in-backward steps once a backward, on the GPU: --grad-accum 1, --offload none")
     if args.engine == "fsdp2" and args.offload == "optimizer":
         ap.error("FSDP2 offloads parameters, gradients and optimizer state together: use --offload all")
     if args.engine == "deepspeed" and args.master_dtype == "bf16":
@@ -90,6 +115,59 @@ class RssPeak:
         return max(self.peak, self.proc.memory_info().rss)
 
 
+class NvmlPeak:
+    """The most memory NVML says the GPU uses over the run (what the product's gpu samples show), sampled
+    on a thread like RssPeak; None without NVML."""
+
+    def __init__(self, index: int, every_s: float = 0.05):
+        self.peak, self.every_s, self._stop = None, every_s, threading.Event()
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self.handle, self.nvml = pynvml.nvmlDeviceGetHandleByIndex(index), pynvml
+        except Exception:   # noqa: BLE001 - no NVML: no figure
+            return
+        self.peak = 0
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
+            self._stop.wait(self.every_s)
+
+    def stop(self) -> float | None:
+        self._stop.set()
+        return None if self.peak is None else self.peak / 2**30
+
+
+def text_windows(path: str, seq_len: int, eval_fraction: float, seed: int):
+    """(train, held-out) windows of seq_len + 1 byte ids: records as UTF-8 bytes, EOS 0 after each, back to
+    back; the held-out records picked as the product's token cache picks them."""
+    import numpy as np
+    with open(path, encoding="utf-8") as fh:
+        texts = [json.loads(line)["text"] for line in fh if line.strip()]
+    held = np.zeros(len(texts), dtype=bool)
+    if eval_fraction:
+        held[np.random.default_rng(seed).permutation(len(texts))[:max(1, round(len(texts) * eval_fraction))]] = True
+
+    def pack(keep: bool):
+        ids = np.frombuffer(b"".join(t.encode() + b"\0" for t, h in zip(texts, held) if h == keep), dtype=np.uint8)
+        n = (len(ids) - 1) // seq_len
+        return torch.from_numpy(np.stack([ids[i * seq_len:i * seq_len + seq_len + 1] for i in range(n)]).astype(np.int64))
+    return pack(False), pack(True) if eval_fraction else None
+
+
+@torch.no_grad()
+def held_out_loss(model, windows: torch.Tensor, micro_batch: int, device: torch.device) -> float:
+    """The mean token loss over the held-out windows (equal lengths: the mean of the batch means)."""
+    total, n = 0.0, 0
+    for i in range(0, len(windows), micro_batch):
+        ids = windows[i:i + micro_batch, :-1].to(device)
+        total += model(input_ids=ids, labels=ids).loss.item() * len(ids)
+        n += len(ids)
+    return total / n
+
+
 # ---------------------------------------------------------------------------------------------------
 # FSDP2
 
@@ -111,7 +189,7 @@ def build_fsdp2(args, config, device: torch.device):
             layers[i] = checkpoint_wrapper(layer)
     kw = {}
     if on_gpu:
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=DTYPE[args.reduce_dtype])
     if args.offload == "all":
         # Pinning needs CUDA; on CPU ranks the "offload" is a no-op move, kept so the path runs.
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=args.pin and on_gpu)
@@ -127,9 +205,31 @@ def build_fsdp2(args, config, device: torch.device):
     # Fused AdamW needs the parameters on the GPU; with offload the step runs on the host with torch's
     # default (foreach) AdamW, which is what a plain user of CPUOffloadPolicy gets.
     fused = on_gpu and args.offload == "none"
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0,
-                            fused=fused or None)
-    return model, opt
+    make = lambda ps: make_optimizer(args, ps, fused)          # noqa: E731
+    if not args.step_in_backward:
+        return model, make(model.parameters())
+    # torchtune's optimizer in backward (training.register_optim_in_bwd_hooks): one optimizer a parameter,
+    # stepped and its gradient freed by a hook FSDP2 calls once the sharded gradient is assigned.
+    optims = {p: make([p]) for p in model.parameters()}
+
+    def step_one(p) -> None:
+        optims[p].step()
+        optims[p].zero_grad(set_to_none=True)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step_one)
+    return model, None
+
+
+DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def make_optimizer(args, params, fused: bool):
+    if args.optim == "adamw":
+        return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=fused or None)
+    from torchao.optim import AdamW4bit, AdamW8bit      # torchtune's low-bit choice, torchao's defaults
+    cls = AdamW8bit if args.optim == "adamw8bit" else AdamW4bit
+    return cls(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
 
 
 @torch.no_grad()
@@ -149,6 +249,8 @@ def fsdp2_step(model, opt, batches) -> float:
     for ids in batches:
         loss = model(input_ids=ids, labels=ids).loss
         (loss / len(batches)).backward()
+    if opt is None:               # stepped in the backward pass, no clip (torchtune's optimizer_in_bwd)
+        return loss.item()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -231,7 +333,10 @@ def main(argv=None) -> None:
     else:
         dist.init_process_group("gloo")
     rss = RssPeak()
+    nvml = NvmlPeak(torch.cuda.current_device()) if on_gpu else None
     config = llama_config(args.model)
+    train_w, eval_w = text_windows(args.data, args.seq_len, args.eval_fraction, args.seed) if args.data \
+        else (None, None)
     base = {"engine": args.engine, "model": args.model, "args": vars(args)}
     losses, times = [], []
     try:
@@ -249,9 +354,16 @@ def main(argv=None) -> None:
             engine = build_deepspeed(args, config, device)
             step = lambda b: deepspeed_step(engine, b)              # noqa: E731
         gen = torch.Generator().manual_seed(args.seed * 1000 + rank)     # random tokens, fixed per rank
-        for _ in range(args.steps):
-            batches = [torch.randint(0, config.vocab_size, (args.micro_batch, args.seq_len), generator=gen)
-                       .to(device) for _ in range(args.grad_accum)]
+        order = torch.randperm(len(train_w), generator=gen) if train_w is not None else None
+        for i in range(args.steps):
+            if order is None:
+                batches = [torch.randint(0, config.vocab_size, (args.micro_batch, args.seq_len), generator=gen)
+                           .to(device) for _ in range(args.grad_accum)]
+            else:            # the text's windows in a shuffled order, wrapping around
+                take = [order[(i * args.grad_accum * args.micro_batch + j) % len(order)]
+                        for j in range(args.grad_accum * args.micro_batch)]
+                ids = train_w[torch.stack(take), :-1].to(device)
+                batches = list(ids.split(args.micro_batch))
             if on_gpu:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -265,6 +377,8 @@ def main(argv=None) -> None:
         line = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
         report({**base, "error": line, "steps": len(times), "host_rss_gib": rss.stop() / 2**30})
         os._exit(1)      # not a clean shutdown: the peers may sit in a collective; torchrun ends them
+    eval_loss = held_out_loss(model, eval_w, args.micro_batch, device) \
+        if eval_w is not None and args.engine == "fsdp2" else None
     host_peak = rss.stop()
     step_s = statistics.median(times[args.warmup:])
     tokens = args.micro_batch * args.grad_accum * args.seq_len * world
@@ -272,6 +386,7 @@ def main(argv=None) -> None:
         report({**base, "tokens_per_s": tokens / step_s, "step_s": step_s, "steps": len(times),
                 "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if on_gpu else None,
                 "host_rss_gib": host_peak / 2**30, "loss_first": losses[0], "loss_last": losses[-1],
+                "nvml_peak_gib": nvml.stop() if nvml else None, "eval_loss": eval_loss,
                 "finite": all(math.isfinite(x) for x in losses), "step_times": [round(t, 4) for t in times]})
     dist.destroy_process_group()
 

@@ -549,3 +549,29 @@ def test_never_under_by_more_than_5_percent_where_it_says_fits_near_the_cap():
                 assert e.gpu_required_bytes >= 0.95 * m["peak_allocated_bytes"], run["name"]
                 assert e.gpu_allocator_peak_bytes >= 0.95 * min(m["peak_reserved_bytes"], e.gpu_budget_bytes), run["name"]
     assert near, "no calibration run near its cap: the edge subset of benchmarks/plan_calibrate.py measures some"
+
+
+LORA_CALIBRATION = REPO / "benchmarks" / "data" / "plan_calibration_lora.json"
+
+
+def test_the_lora_planner_is_within_10_percent_of_the_h200_runs():
+    """7B LoRA, 7B QLoRA (with and without dropout) and 13B QLoRA, measured on the H200 under the presets'
+    24 GiB cap (benchmarks/lora_7b_gpu.sh cal): allocated, reserved and NVML peaks each within 10%."""
+    from shardconsole.settings import resolve as R
+    doc = json.loads(LORA_CALIBRATION.read_text())
+    h = doc["hardware"]
+    hw = PL.Hardware(gpus=h["gpus"], gpu_memory_bytes=h["gpu_memory_bytes"], host_memory_bytes=h["host_memory_bytes"])
+    bad = []
+    assert {r["preset"] for r in doc["runs"]} >= {"3090-7b-lora", "3090-7b-qlora", "3090-13b-qlora"}
+    for run in doc["runs"]:
+        cfg = R.resolve(run["preset"], run["sets"]).cfg
+        e = PL.estimate(cfg, resolve(cfg.model.name), hw)
+        m = run["measured"]
+        for what, pred, meas in (("allocated", e.gpu_allocated_peak_bytes, m["peak_allocated_bytes"]),
+                                 ("reserved", e.gpu_allocator_peak_bytes, m["peak_reserved_bytes"]),
+                                 ("nvml", e.gpu_peak_bytes, m["nvml_used_bytes"])):
+            err = pred / meas - 1
+            if abs(err) > 0.10:
+                bad.append(f"{run['name']} {what}: predicted {pred / GiB:.2f} GiB, measured {meas / GiB:.2f} "
+                           f"({100 * err:+.1f}%)")
+    assert not bad, "\n".join(bad)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -204,6 +205,24 @@ def test_two_nodes_on_one_machine(tmp_path):
     assert sorted(h.rank for h in hellos) == [0, 1] and {h.world for h in hellos} == {2}
     assert [m.step for m in of_kind(msgs, "step")] == [3, 6]
     assert len(of_kind(msgs, "finished")) == 1
+    # issue 32: each node's agent has a file of its own (the second did not overwrite the first's) ...
+    from shardconsole.launch.job import ExternalJob, Job, open_run
+    from shardconsole.runlog.runfolder import RunFolder
+    agents = RunFolder(run_dir).agents()
+    assert len(agents) == 2 and not (run_dir / "job.json").exists()
+    pids = {json.loads(a.read_text())["pid"] for a in agents}
+    assert len(pids) == 2 and all(f".{pid}.json" in " ".join(a.name for a in agents) for pid in pids)
+    # ... and attach names every node's; a node 1 elsewhere (its file as that host writes it) is listed, not read
+    here = json.loads(agents[0].read_text())
+    (run_dir / "job.node1.977.json").write_text(json.dumps({**here, "host": "node1", "pid": 977}))
+    assert RunFolder(run_dir).job in agents and isinstance(open_run(run_dir), Job)
+    res = shardconsole("attach", str(run_dir), "--headless", timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "finished: 6 steps" in res.stderr
+    assert res.stderr.count(f"{socket.gethostname()} pid ") == 2 and "node1 pid 977" in res.stderr, res.stderr
+    for a in agents:        # seen from a third machine: every agent is elsewhere, the stream tells the end
+        a.unlink()
+    assert isinstance(open_run(run_dir), ExternalJob)
 
 
 def test_checkpoint_then_resume_continues(tmp_path):

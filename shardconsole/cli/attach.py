@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from shardconsole.cli.errors import UsageError, run_folder
-from shardconsole.launch.job import open_run, run_id_of
+from shardconsole.launch.job import node_agents, open_run, run_id_of
 
 
 def cmd_attach(argv: list[str]) -> int:
@@ -19,8 +19,11 @@ def cmd_attach(argv: list[str]) -> int:
         job = open_run(run_dir)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if args.headless and job.external:
-        print(f"following {run_dir} (started elsewhere; Ctrl-C detaches)", file=sys.stderr)
+    agents = node_agents(run_dir)
+    if args.headless and (job.external or agents):
+        where = f"node agents: {agents}" if agents else "started elsewhere"
+        print(f"following {run_dir} ({where}; Ctrl-C {'detaches' if job.external else 'stops this node'})",
+              file=sys.stderr)
     if args.headless:
         from shardconsole import headless
         return headless.follow(job, run_dir, run_id_of(run_dir))

@@ -335,7 +335,10 @@ def _status(folder: RunFolder, s: RunSummary, state: RunState, session: str) -> 
     if (not folder.job.is_file() or (host and host != HOST)) and not state.failed:
         # Started elsewhere (--print-command, --slurm, another node of a shared folder): only its stream
         # could say it ended.
-        where = f"on host {host}" if host and host != HOST else "elsewhere"
+        from shardconsole.launch.job import node_agents
+        agents = node_agents(folder.path)       # a run of several nodes: every node's agent, not the last
+        where = (f"by the node agents {agents}" if agents else f"on host {host}" if host and host != HOST
+                 else "elsewhere")
         s.status, s.detail = UNKNOWN, f"started {where}; its stream has no end (still running there, or killed)"
         return
     cause, message = explain_exit(state, None, folder.path)

@@ -23,6 +23,7 @@ from shardconsole.launch.owner import FolderInUse, owning  # noqa: F401  (Folder
 from shardconsole.launch.command import (WORKER_MODULE, _launch_env, build_argv, child_env,  # noqa: F401
                                          format_argv, new_run_dir, run_id_of, slurm_script)
 from shardconsole.runlog.runfolder import JOB_FILE as RUN_FILE, LAUNCHER_LOG, METRICS_FILE, PRESET_FILE  # noqa: F401
+from shardconsole.runlog.runfolder import RunFolder, agent_file_name, agent_here, agent_host, read_json
 
 
 @dataclass
@@ -100,14 +101,17 @@ class Job:
                 "create_time": PI.start_time(proc.pid), "host": PI.this_host(),
                 "run_dir": str(run_dir.resolve()), "run_id": run_id, "oom_kills": PI.oom_kills()}
         job = cls(run_dir, proc.pid, proc.pid, argv, proc, info)
-        tmp = run_dir / f"{RUN_FILE}.{os.getpid()}.tmp"   # agents of a multi-node run may share the folder
+        # Agents of a multi-node run share the folder: each node's has a file of its own (RunFolder.job
+        # reads this host's), so node 0's attach or stop never reads node 1's launcher.
+        name = agent_file_name(info["host"], proc.pid) if shared else RUN_FILE
+        tmp = run_dir / f".{name}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(info))
-        os.replace(tmp, run_dir / RUN_FILE)
+        os.replace(tmp, run_dir / name)
         return job
 
     @classmethod
     def from_run_dir(cls, run_dir: Path) -> "Job":
-        info = json.loads((run_dir / RUN_FILE).read_text())
+        info = json.loads(RunFolder(run_dir).job.read_text())
         if not isinstance(info, dict):
             raise ValueError("not a JSON object")
         return cls(run_dir, int(info["pid"]), int(info.get("pgid", info["pid"])), list(info.get("argv", [])),
@@ -230,13 +234,32 @@ class ExternalJob:
         return self.poll() is None
 
 
+def node_agents(run_dir: Path) -> str:
+    """Every node's agent of a run of several nodes (its newest session's), for attach, stop and runs:
+    'node0 pid 4242 (here: running), node1 pid 977'; '' when the run has no agent files (one node, or
+    started by --slurm / by hand with --print-command)."""
+    folder = RunFolder(run_dir)
+    newest = folder.agents()
+    if not newest:
+        return ""
+    words = []
+    for path in reversed(folder.agents(read_json(newest[0]).get("run_id"))):     # in the order they started
+        info = read_json(path)
+        here = info.get("host") == PI.this_host()
+        state = f" (here: {'running' if PI.check_launcher(info, run_dir)[0] == 'ours' else 'ended'})" if here else ""
+        words.append(f"{info.get('host', '?')} pid {info.get('pid', '?')}{state}")
+    return ", ".join(words)
+
+
 def open_run(run_dir: Path) -> Job | ExternalJob:
     """The run in a folder, for attach: the job this machine started (job.json), or one started
     elsewhere that only its stream describes. ValueError with a one-line reason otherwise."""
     if not (run_dir / PRESET_FILE).is_file():
         raise ValueError(f"{run_dir}: not a run folder (no {PRESET_FILE})")
-    if not (run_dir / RUN_FILE).is_file():
-        return ExternalJob(run_dir)     # started by --print-command / --slurm on other machines
+    job_file = RunFolder(run_dir).job
+    if not job_file.is_file() or (agent_host(job_file) and not agent_here(job_file)):
+        # started by --print-command / --slurm on other machines, or by agents none of which is here
+        return ExternalJob(run_dir)
     try:
         return Job.from_run_dir(run_dir)
     except (ValueError, KeyError, OSError) as e:

@@ -8,6 +8,8 @@ from here. Standard library only (the ranks import it before torch).
                          hosts append to one file (NFS does not keep O_APPEND whole across hosts)
       metrics.host-<host>.jsonl  on a run of several nodes, the samples and notes of a front end there
       job.json           who started the run here: launcher pid/pgid, host, start time, argv
+      job.<host>.<pid>.json  on a run of several nodes, one such file per node's agent (no node
+                         overwrites another's): RunFolder.job is this host's newest
       stop_request.json  a stop asked through the folder (`shardconsole stop` of a multi-node or Slurm
                          run, Slurm's USR1): every node's ranks look for it at step boundaries
       origin.json        the preset it was made from, and "prepared" when --print-command / --slurm
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +52,32 @@ class RunFolder:
 
     @property
     def job(self) -> Path:
+        """The file that names the launcher to check here: this host's newest agent file on a run of
+        several nodes, else job.json, else (a run whose agents are all elsewhere) the newest agent's."""
+        agents = self.agents()
+        here = [p for p in agents if agent_here(p)]
+        if here:
+            return here[0]
+        if agents and not (self.path / JOB_FILE).is_file():
+            return agents[0]
         return self.path / JOB_FILE
+
+    def agents(self, session: str | None = None) -> list[Path]:
+        """Every node's agent file (job.<host>.<pid>.json), newest first; with session, only that
+        session's (a resumed run's earlier agents are history)."""
+        found = []
+        try:
+            for p in self.path.glob("job.*.json"):
+                try:
+                    found.append((p.stat().st_mtime, p))
+                except OSError:
+                    continue
+        except OSError:
+            return []
+        files = [p for _, p in sorted(found, reverse=True) if agent_host(p)]
+        if session is None:
+            return files
+        return [p for p in files if read_json(p).get("run_id") == session]
 
     @property
     def origin(self) -> Path:
@@ -93,6 +121,37 @@ class RunFolder:
         return self.path.resolve().name
 
 
+def _safe(host: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in host) or "host"
+
+
+def agent_file_name(host: str, pid: int) -> str:
+    """The agent file of a node's launcher (a run of several nodes): its host and pid in the name, so
+    agents of one shared folder never overwrite each other (two agents on one host neither)."""
+    return f"{Path(JOB_FILE).stem}.{_safe(host)}.{pid}.json"
+
+
+def agent_host(path: Path) -> str:
+    """The (file-safe) host in an agent file's name, '' when the name is not one."""
+    middle = path.name[len(Path(JOB_FILE).stem) + 1:-len(".json")]
+    host, _, pid = middle.rpartition(".")
+    return host if path.name.startswith("job.") and host and pid.isdigit() else ""
+
+
+def agent_here(path: Path) -> bool:
+    """Whether an agent file names a launcher of this host."""
+    return agent_host(path) == _safe(socket.gethostname())
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object file's contents; {} when absent, unreadable or not an object."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def metrics_file_of_node(node_rank: int) -> str:
     """The stream file a node's ranks append to: metrics.jsonl on node 0 (and on one machine)."""
     return METRICS_FILE if node_rank <= 0 else f"{Path(METRICS_FILE).stem}.node{node_rank}.jsonl"
@@ -101,8 +160,7 @@ def metrics_file_of_node(node_rank: int) -> str:
 def metrics_file_of_host(host: str) -> str:
     """The stream file a front end on `host` appends its samples and notes to, on a run of several
     nodes (each node's headless front end samples its own machine)."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in host) or "host"
-    return f"{Path(METRICS_FILE).stem}.host-{safe}.jsonl"
+    return f"{Path(METRICS_FILE).stem}.host-{_safe(host)}.jsonl"
 
 
 def node_metrics_files(main: Path) -> list[Path]:

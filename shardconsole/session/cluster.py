@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from shardconsole.launch.job import node_agents
 from shardconsole.runlog import protocol as P
 from shardconsole.runlog.runfolder import RunFolder, write_stop_request
 from shardconsole.runlog.stream import MetricsReader, MetricsWriter
@@ -139,11 +140,14 @@ def stop_through_folder(run_dir: Path, err: TextIO, *, who: str = "", answer_s: 
         while batch := reader.poll():      # the whole history, 8 MiB at a time
             for msg in batch:
                 s.apply(msg)
+        agents = node_agents(folder.path)
         if not s.run:
             # Nothing names the session to ask, and nothing of ours runs it here (a usage error: exit 2).
+            waiting = f" (node agents: {agents}; still in the rendezvous?)" if agents else ""
             print(f"shardconsole: {folder.path}: a run started elsewhere (--print-command, --slurm or another "
-                  f"node) whose ranks have not started (no hello line): nothing to stop here; for a Slurm job "
-                  f"still pending, scancel it", file=err)
+                  f"node) whose ranks have not started (no hello line){waiting}: nothing to stop here; end each "
+                  f"node's agent there (Ctrl-C in its front end); for a Slurm job still pending, scancel it",
+                  file=err)
             return 2
         if s.ended:
             print(f"nothing to stop: the run has already ended (session {s.run})", file=err)
@@ -155,7 +159,7 @@ def stop_through_folder(run_dir: Path, err: TextIO, *, who: str = "", answer_s: 
         wait_s = answer_s if answer_s is not None else budget_s + ANSWER_MARGIN_S
         nodes = s.by_node()
         print(f"stopping {folder.path}: asked every node through {folder.stop_request.name} "
-              f"({len(nodes)} node(s): {', '.join(nodes)}); waiting up to {wait_s:.0f}s for the ranks to save "
+              f"({len(nodes)} node(s): {', '.join(nodes)}{'; agents ' + agents if agents else ''}); waiting up to {wait_s:.0f}s for the ranks to save "
               f"and end", file=err, flush=True)
         request_stop(folder.path, s.run, who or "`shardconsole stop`")
         deadline = time.monotonic() + wait_s

@@ -78,3 +78,71 @@ def check_multi_node(cfg: C.RunConfig, endpoint_host: str, source: str,
             f"hostname matches it, and {me!r} resolves to {', '.join(sorted(mine)) or 'nothing'}: no node would "
             f"host it; give the hostname ({me}:PORT) as rdzv_endpoint, or map {me} to {endpoint_host} in /etc/hosts",
             source=source, table="parallel", key="rdzv_endpoint")
+
+
+def _endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port) if port.isdigit() else 0
+
+
+def who_hosts(endpoint: str) -> str:
+    """What decides who hosts a c10d rendezvous, as a clause: what the endpoint's host resolves to and
+    whether this node's torchrun would host it (its hostname and what that resolves to)."""
+    host, _ = _endpoint(endpoint)
+    targets, me = _addresses_of(host), socket.gethostname()
+    named = f"{host} resolves to {', '.join(sorted(targets))}" if targets else f"{host} does not resolve here"
+    mine = ", ".join(sorted(_addresses_of(me))) or "nothing"
+    if torchrun_hosts_here(host):
+        return f"{named}; this node ({me}, {mine}) hosts it"
+    try:
+        ipaddress.ip_address(host)
+        node0 = f"the machine whose hostname resolves to {host}"
+    except ValueError:
+        node0 = f"the machine named {host}"
+    return (f"{named}; this node ({me}, which resolves to {mine}) does not host it: torchrun hosts it on "
+            f"{node0} only: is node 0's agent started, and does its hostname resolve to that address?")
+
+
+def connect_error(endpoint: str, timeout_s: float = 2.0) -> str:
+    """Why a TCP connect to the endpoint fails ('' when something accepts it)."""
+    host, port = _endpoint(endpoint)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return ""
+    except socket.timeout:
+        return f"no answer within {timeout_s:.0f}s"
+    except OSError as e:
+        return e.strerror or str(e)
+
+
+class RendezvousWatch:
+    """While a multi-node run's ranks have not started (no hello line), the rendezvous is looked at every
+    LOOK_EVERY_S from FIRST_LOOK_S on (torchrun's agent gives up after its 60 s store timeout when nobody
+    hosts it, after 600 s when node 0 waits alone): one line when nothing answers at the endpoint, one
+    when it answers but the other nodes have not come."""
+
+    FIRST_LOOK_S = 10.0
+    LOOK_EVERY_S = 10.0
+    ALONE_S = 60.0
+
+    def __init__(self, endpoint: str, nnodes: int, started: float) -> None:
+        self.endpoint, self.nnodes, self.started = endpoint, nnodes, started
+        self._next = started + self.FIRST_LOOK_S
+        self._said: set[str] = set()
+
+    def look(self, now: float) -> str:
+        """A line to say now, or ''. Blocks for at most a connect's timeout."""
+        if now < self._next or len(self._said) == 2:
+            return ""
+        self._next = now + self.LOOK_EVERY_S
+        why = connect_error(self.endpoint)
+        waited = now - self.started
+        if why and "unhosted" not in self._said:
+            self._said.add("unhosted")
+            return (f"no rank has started after {waited:.0f}s and nothing answers at the rendezvous {self.endpoint} "
+                    f"({why}): nobody hosts it; {who_hosts(self.endpoint)}")
+        if not why and waited >= self.ALONE_S and "alone" not in self._said:
+            self._said.add("alone")
+            return (f"no rank has started after {waited:.0f}s: the rendezvous {self.endpoint} answers, so its host "
+                    f"waits for the other node(s) of {self.nnodes}: start them with the same rdzv_endpoint")
+        return ""

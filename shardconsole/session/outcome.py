@@ -20,6 +20,7 @@ from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
 from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.runlog.runstate import RunState
+from shardconsole.session.network import who_hosts
 from shardconsole.session.rundir import stream_stopped_note
 
 # Exit codes of `shardconsole --headless` and `attach`, by how the run (or the watching) ended.
@@ -32,6 +33,7 @@ EXIT_CODES = {
     "host_oom": 4,
     "nccl_timeout": 5,
     "hang": 5,
+    "rendezvous": 5,     # the nodes never met: torchrun's agent gave up on a rendezvous nobody hosts
     "nan_loss": 6,
     "loss_scale_floor": 7,
     "disk_full": 9,      # ENOSPC / EDQUOT where the run writes (its folder, a checkpoint, an export)
@@ -255,11 +257,38 @@ def explain_exit(state: RunState, rc: int | None, run_dir: Path) -> tuple[str, s
         code = f"launcher exit code {rc}" if rc is not None else "the launcher gone"
         return "crash", (f"run ended ({code}) but {lost}: no report of its end could be "
                          f"written; check the last checkpoint in {folder.path} before trusting it")
+    never_met = _rendezvous_failed(state, run_dir)
+    if never_met:
+        return "rendezvous", never_met
     gone = _launcher_gone(rc, run_dir)
     if gone is not None:
         return gone
     return "crash", (f"run ended with exit code {rc} and no report from the ranks (crash)"
                      f"\n  launcher log ({folder.launcher_log}):\n{_tail(folder.launcher_log)}")
+
+
+_RDZV_ERROR = re.compile(r"^\S*(Rendezvous\w*Error|DistNetworkError|DistStoreError): (.*)$", re.M)
+
+
+def _rendezvous_failed(state: RunState, run_dir: Path) -> str:
+    """The paragraph for a multi-node run whose agent gave up on the rendezvous before any rank started
+    (torchrun's traceback ends in a Rendezvous*Error), naming the endpoint and who would host it; ''."""
+    if state.hellos:
+        return ""
+    log = _tail(RunFolder(run_dir).launcher_log, 400)
+    errors = _RDZV_ERROR.findall(log)
+    if not any(kind.startswith("Rendezvous") for kind, _ in errors):
+        return ""
+    try:
+        endpoint = C.load(RunFolder(run_dir).preset).parallel.rdzv_endpoint
+    except (C.ConfigError, OSError):
+        endpoint = ""
+    # torch's cause (the store it could not reach) comes before the Rendezvous*Error that wraps it
+    kind, text = next(((k, t) for k, t in errors if not k.startswith("Rendezvous")), errors[-1])
+    return (f"run failed (rendezvous): the nodes never met: torchrun's agent gave up on the rendezvous"
+            + (f" at {endpoint}" if endpoint else "") + f" before any rank started ({kind}: {text.strip()[:240]})"
+            + (f"\n  {who_hosts(endpoint)}" if endpoint else "")
+            + f"\n  launcher log: {RunFolder(run_dir).launcher_log}")
 
 
 _PEER_LOST = ("connection reset", "connection closed", "broken pipe", "connection refused", "timed out",

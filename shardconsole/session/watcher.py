@@ -25,6 +25,7 @@ from shardconsole.session.hang import SAVE_STALL_S, Watch
 from shardconsole.runlog.runfolder import RunFolder, metrics_file_of_host
 from shardconsole.runlog.runstate import RunState
 from shardconsole.session.logtail import LogTail
+from shardconsole.session.network import RendezvousWatch
 from shardconsole.session.outcome import DETACHED
 from shardconsole.session.rundir import stream_stopped_note
 from shardconsole.runlog.stream import MetricsReader, SampleAppender
@@ -88,13 +89,17 @@ def rank_alive(hello: P.Hello, run_dir: Path) -> bool:
         return False
 
 
-def _samples_file(folder: RunFolder) -> Path:
+def _parallel(folder: RunFolder) -> C.ParallelSettings | None:
+    try:
+        return C.load(folder.preset).parallel
+    except (C.ConfigError, OSError):
+        return None
+
+
+def _samples_file(folder: RunFolder, parallel: C.ParallelSettings | None) -> Path:
     """Where this front end appends: metrics.jsonl, or on a run of several nodes a file of this host's
     (a front end on each node samples its machine; no two hosts append to one file)."""
-    try:
-        several = C.load(folder.preset).parallel.nnodes > 1
-    except (C.ConfigError, OSError):
-        several = False
+    several = parallel is not None and parallel.nnodes > 1
     return folder.path / metrics_file_of_host(HOST) if several else folder.metrics
 
 
@@ -111,7 +116,8 @@ class Watcher:
         self.sample_every_s, self.look_every_s = sample_every_s, look_every_s
         self.state = RunState()
         self.reader = MetricsReader(self.folder.metrics)
-        self.samples = SampleAppender(_samples_file(self.folder), run_id)
+        parallel = _parallel(self.folder)
+        self.samples = SampleAppender(_samples_file(self.folder, parallel), run_id)
         self.logs = LogTail(self.folder.path) if logs else None
         self.watch = Watch(timeout_s=hang_timeout_s, save_stall_s=save_stall_s)
         self.exit_code: int | None = None
@@ -121,6 +127,9 @@ class Watcher:
         self._resumed_prefix = f"{self.folder.run_id}-resume-"
         self._sessions: set[str] = set()
         self._own = getattr(job, "proc", None) is not None      # our child: poll() is one waitpid
+        # A node we launched of a run of several nodes: a rendezvous nobody hosts is named while it waits.
+        self._rdzv = RendezvousWatch(parallel.rdzv_endpoint, parallel.nnodes, time.monotonic()) if (
+            self._own and parallel is not None and parallel.nnodes > 1 and parallel.rdzv_endpoint) else None
         self._last_look = float("-inf")
         self._last_sample = float("-inf")
         self._said_lost = False
@@ -161,6 +170,11 @@ class Watcher:
             tick.log_lines = self.logs.poll()
         tick.notes += self._notes
         self._notes.clear()
+        if self._rdzv is not None and self.exit_code is None:
+            if any(h.run == self.run_id for h in self.state.hellos.values()):
+                self._rdzv = None          # the ranks have met
+            elif line := self._rdzv.look(now):
+                tick.notes.append(line)
         if self.reader.lost and not self._said_lost:
             self._said_lost = True
             tick.notes.append(self.reader.lost)

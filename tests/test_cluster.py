@@ -19,7 +19,7 @@ import pytest
 
 from shardconsole.launch.job import PRESET_FILE
 from shardconsole.settings import config as C
-from tests.conftest import messages, of_kind, pids_alive, shardconsole, wait_for_steps
+from tests.conftest import messages, of_kind, pids_alive, shardconsole, wait_for_steps, wait_until
 
 FAKE_SRUN = """#!/bin/bash
 while [[ "$1" == --* ]]; do shift; done
@@ -46,7 +46,9 @@ def _slurm_env(tmp_path: Path, srun: str = FAKE_SRUN) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "srun").write_text(srun)
-    (bin_dir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\n")
+    # `scontrol show config` names KillWait (1 s: no time to save), `show hostnames` node 0 (127.0.0.1)
+    (bin_dir / "scontrol").write_text('#!/bin/bash\n[ "$2" = config ] && echo "KillWait                = 1 sec" '
+                                      '&& exit 0\necho 127.0.0.1\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node[0-1]",
@@ -54,8 +56,10 @@ def _slurm_env(tmp_path: Path, srun: str = FAKE_SRUN) -> dict[str, str]:
 
 
 def _submit(script: Path, env: dict[str, str]) -> subprocess.Popen:
+    """The batch shell in a process group of its own with everything it starts: a plain scancel's
+    SIGTERM reaches them all (killpg)."""
     return subprocess.Popen(["bash", str(script)], env={**env, "SLURM_JOB_ID": str(_job_id_with_a_free_port())},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def test_two_node_slurm_job_stops_from_the_first_node_and_a_resubmit_resumes(tmp_path):
@@ -93,11 +97,30 @@ def test_two_node_slurm_job_stops_from_the_first_node_and_a_resubmit_resumes(tmp
     assert (run_dir / "metrics.node1.jsonl").is_file()
     assert '"rank":1,' not in (run_dir / "metrics.jsonl").read_text()
 
-    # `resume RUN --slurm` writes the same script (any resubmit resumes); resubmitting it continues
-    res = shardconsole("resume", str(run_dir), "--slurm", "--set", f"train.steps={saved + 3}",
+    # `resume RUN --slurm` writes the same script (any resubmit resumes); resubmitted, it resumes, saving
+    # each step; a plain scancel then SIGTERMs every process, with KillWait (1 s) to go: no time to save
+    res = shardconsole("resume", str(run_dir), "--slurm", "--set", "train.checkpoint_every=1",
                        env={"GLOO_SOCKET_IFNAME": "lo"}, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout == text
+    job = _submit(script, env)
+    wait_until(lambda: len({m.step for m in of_kind(messages(run_dir), "step")
+                            if m.run.startswith(f"{run_dir.name}-resume-")}) >= 2, 120, "two resumed steps", every_s=0.5)
+    os.killpg(job.pid, signal.SIGTERM)
+    out, err = job.communicate(timeout=60)
+    msgs = messages(run_dir)
+    session = of_kind(msgs, "hello")[-1].run
+    cancelled = [m for m in of_kind(msgs, "failed") if m.run == session]
+    assert sorted(m.rank for m in cancelled) == [0, 1] and {m.cause for m in cancelled} == {"stopped"}, err[-2000:]
+    assert all("without a save: Slurm's KillWait (1s" in m.message for m in cancelled), cancelled[0].message
+    who = [e.detail for e in of_kind(msgs, "event") if e.name == "stop_requested" and e.run == session]
+    assert len(who) == 1 and "SIGTERM" in who[0] and "KillWait 1s" in who[0], who
+    saved = max(int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*") if p.name[5:].isdigit())
+
+    # resubmitted once more, it continues from the newest complete checkpoint to the end
+    res = shardconsole("resume", str(run_dir), "--slurm", "--set", f"train.steps={saved + 3}",
+                       "--set", "train.checkpoint_every=0", env={"GLOO_SOCKET_IFNAME": "lo"}, timeout=60)
+    assert res.returncode == 0, res.stderr
     job = _submit(script, env)
     out, err = job.communicate(timeout=180)
     assert job.returncode == 0, err[-3000:]
@@ -226,3 +249,21 @@ def test_a_gloo_timeout_names_no_nccl_setting(tmp_path):
     finally:
         dist.destroy_process_group()
     assert cause == "nccl_timeout" and "GLOO_SOCKET_IFNAME" in hint and "NCCL" not in hint
+
+
+def test_a_rendezvous_nobody_hosts_is_named_while_the_ranks_wait_and_when_the_agent_gives_up(tmp_path):
+    """Issue 32 item 6: node 1 started against an endpoint where no agent listens (192.0.2.0/24 is a
+    documentation network: nothing answers there). While torchrun's agent retries its store (60 s), the
+    front end names the endpoint and who would host it; when the agent gives up, the outcome says so."""
+    port = _job_id_with_a_free_port() + 20000
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(tmp_path / "run"),
+                       "--set", "parallel.nnodes=2", "--set", "parallel.nproc_per_node=1",
+                       "--set", f"parallel.rdzv_endpoint=192.0.2.77:{port}", env={"GLOO_SOCKET_IFNAME": "lo"},
+                       timeout=240)
+    note = next((line for line in res.stderr.splitlines() if line.startswith("note: no rank has started")), "")
+    assert f"nothing answers at the rendezvous 192.0.2.77:{port}" in note and "nobody hosts it" in note, res.stderr
+    assert f"this node ({socket.gethostname()}, which resolves to" in note
+    assert res.returncode == 5, res.stderr
+    assert f"run failed (rendezvous): the nodes never met: torchrun's agent gave up on the rendezvous at " \
+           f"192.0.2.77:{port} before any rank started" in res.stderr
+    assert "crash" not in res.stderr and "Traceback" not in res.stderr

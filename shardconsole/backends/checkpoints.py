@@ -109,6 +109,13 @@ def newest_complete(r: Rank) -> Found | None:
     return None
 
 
+def _what(path: Path) -> str:
+    try:
+        return str(json.loads((path / MANIFEST).read_text()).get("what", "checkpoint"))
+    except (OSError, ValueError, AttributeError):
+        return "checkpoint"
+
+
 def latest_checkpoint(folder: Path) -> tuple[int, Path] | None:
     """The highest-numbered step folder, complete or not (for tools that only list)."""
     found = _step_folders(folder)
@@ -197,6 +204,7 @@ def run_save(r: Rank, step: int, what: str, total_bytes: int, write: Callable[[P
             raise
         raise err from e
     seconds = watch.finish(final)
+    r.save_seconds[what] = seconds      # a stop with little time left decides from it (trainstate)
     # The host peaks on every rank: training's before the save, the save's own, and the resident bytes
     # when it began (the save's rise is save_peak - start; tests/test_save_path.py and the GPU
     # benchmark read them).
@@ -267,6 +275,8 @@ def prune(r: Rank, keep: int) -> None:
         return
     complete = [(s, p) for s, p in _step_folders(r.checkpoint_dir())
                 if why_incomplete(p, r.cfg.parallel.backend) is None]
+    if complete and r.step < r.cfg.train.steps and _what(complete[0][1]) == "model":
+        return      # the weights alone, saved by a stop short of time: the resumable checkpoints all stay
     for _, p in complete[keep:]:
         shutil.rmtree(p, ignore_errors=True)
         r.log(f"removed {p}: train.keep_checkpoints = {keep}")

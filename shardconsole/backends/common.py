@@ -57,6 +57,7 @@ class Rank:
     data_entry: object = None
     data_built: bool = False
     data_changed: bool = False     # resumed on other data than the checkpoint's (data.allow_changed)
+    save_seconds: dict = field(default_factory=dict)   # what ("checkpoint", "model") -> its last save's s
     faults: "Injector" = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:

@@ -35,7 +35,8 @@ class Tail:
         if self.evaluator.due(step):
             self.evaluator.run(self.evaluated, step)
         if self.stop.agreed():
-            trainstate.stop_with_save(self.r, self.stop, lambda: self.save(step))
+            trainstate.stop_with_save(self.r, self.stop,
+                                      lambda what: self.save(step) if what == "checkpoint" else self.save(step, what))
         if checkpoints.save_due(self.r, step):
             self.save(step)
         self.stop.start_round()

@@ -127,6 +127,7 @@ class StopRequest:
         self.armed = False       # in the training loop: a stop waits for the next step boundary
         self.first_at: float | None = None
         self.skip_save = False
+        self.by_signal = False   # the first stop came as a signal (Slurm's KillWait may then apply)
         self.group = None
         self.work = None
         self.buf = torch.zeros(1, dtype=torch.int32)
@@ -156,7 +157,7 @@ class StopRequest:
                     end_now(self.r, "a stop signal before training began")
                 if self.first_at is None:
                     self.first_at = now
-                    self.local = True
+                    self.local = self.by_signal = True
                 elif now - self.first_at > self.DEBOUNCE_S:
                     self.skip_save = True
                     end_now(self.r, "a second stop signal: ended without saving")
@@ -217,22 +218,68 @@ def _launcher_grace_s(r) -> float:
     return 30.0
 
 
+# Slurm's KillWait, which the batch script exports: a plain scancel SIGTERMs every process and SIGKILLs
+# them this long after, whatever torchrun's shutdown timeout says.
+KILL_WAIT_ENV = "SHARDCONSOLE_KILL_WAIT_S"
+SAVE_MARGIN = 1.25          # a save's time varies from one to the next (the page cache, a shared disk)
+MODEL_SHARE = 1 / 3         # FSDP2's weights alone against weights + AdamW's two moments (one dtype)
+_WHAT = ("checkpoint", "model", "")
+
+
+def _time_left(r, stop: StopRequest) -> tuple[float, str]:
+    """(seconds before the SIGKILL, counted from the stop's first signal; what sets them)."""
+    grace, source = _launcher_grace_s(r), "the launcher's shutdown timeout"
+    try:
+        kill_wait = float(os.environ.get(KILL_WAIT_ENV) or "nan")
+    except ValueError:
+        kill_wait = float("nan")
+    if stop.by_signal and kill_wait < grace:          # nan compares False: not under Slurm
+        grace, source = kill_wait, f"Slurm's KillWait ({kill_wait:.0f}s: a plain scancel)"
+    elapsed = time.monotonic() - stop.first_at if stop.first_at is not None else 0.0
+    return grace - elapsed - 2.0, source
+
+
+def _what_fits(r, budget: float, source: str) -> tuple[str, str]:
+    """The largest save this run's last one says fits the budget: "checkpoint", "model" (FSDP2's
+    weights alone) or "" (none), and why it is not the checkpoint. Unmeasured: the checkpoint is tried."""
+    full = r.save_seconds.get("checkpoint")
+    if full is None or full * SAVE_MARGIN <= budget:
+        return "checkpoint", ""
+    why = f"{source} leaves {max(0.0, budget):.0f}s and this run's last checkpoint took {full:.1f}s to save"
+    if r.cfg.parallel.backend == "fsdp" and full * MODEL_SHARE * SAVE_MARGIN <= budget:
+        return "model", why
+    return "", why
+
+
 def stop_with_save(r, stop: StopRequest, save) -> None:
     """Every rank at the same step boundary: save (unless train.save_on_stop is off), bounded by
-    train.stop_save_timeout_s and by what the launcher allows, then raise Stopped."""
+    train.stop_save_timeout_s and by what the launcher (or Slurm's KillWait) allows, then raise Stopped.
+    save(what): "checkpoint", or "model" for the weights alone when the checkpoint would not fit; rank
+    0 decides, so that every rank writes the same save."""
     t = r.cfg.train
     if not t.save_on_stop or stop.skip_save:
         raise Stopped(f"stopped at step {r.step} without a save (train.save_on_stop = false)")
-    elapsed = time.monotonic() - stop.first_at if stop.first_at is not None else 0.0
-    budget = min(t.stop_save_timeout_s, _launcher_grace_s(r) - elapsed - 2.0)
-    r.event("stop_save", f"saving step {r.step} before stopping")
+    budget, source = _time_left(r, stop)
+    if t.stop_save_timeout_s < budget:
+        budget, source = t.stop_save_timeout_s, "train.stop_save_timeout_s"
+    what, why = _what_fits(r, budget, source)
+    choice = torch.tensor([_WHAT.index(what)], dtype=torch.int32)
+    dist.broadcast(choice, src=0, group=stop.group)
+    what = _WHAT[int(choice.item())]
+    resume = "resume continues from the newest complete checkpoint"
+    if not what:
+        raise Stopped(f"stopped at step {r.step} without a save: {why or 'rank 0 found no time to save'}; {resume}")
+    r.event("stop_save", f"saving step {r.step} before stopping" + (" (the weights alone)" if what == "model" else ""))
     timer = threading.Timer(max(1.0, budget), end_now,
-                            (r, f"the save of step {r.step} took longer than {max(1.0, budget):.0f}s; its "
+                            (r, f"the save of step {r.step} took longer than {max(1.0, budget):.0f}s ({source}); its "
                                 f".partial folder is removed at the next save or resume"))
     timer.daemon = True
     timer.start()
     try:
-        save()
+        save(what)
     finally:
         timer.cancel()
+    if what == "model":
+        raise Stopped(f"stopped at step {r.step}; {why or 'rank 0 found too little time'}: saved the weights alone "
+                      f"(export-model reads them; {resume})")
     raise Stopped(f"stopped at step {r.step}; saved it")

@@ -75,6 +75,11 @@ class Injector:
             return loss * float("nan")
         return loss
 
+    def changes_grads(self, step: int) -> bool:
+        """on_grads will rewrite this step's gradients after the backward (an update made during the
+        backward would not see them)."""
+        return self.active and self._hit("overflow", step)
+
     def on_grads(self, params, step: int) -> bool:
         """True when a gradient was changed (a norm taken before this is stale)."""
         if self.active and self._hit("overflow", step):

@@ -182,6 +182,11 @@ class FsdpSettings:
     offload_compute_copy: bool = _f(
         False, "offload with fp32 masters: send the GPU a bf16/fp16 host copy of the shards (half the PCIe "
         "bytes; 2 more host bytes a parameter and a cast each step)")
+    # backends/offload_overlap.py: the host step of a layer under the backward of the layers before it.
+    offload_overlap: bool = _f(
+        True, "offload: each layer's host optimizer step starts when its gradients reach the host, under the "
+        "backward (the same update; not with train.clip_grad_norm > 0 or fp16 loss scaling, which need every "
+        "gradient first: those steps run after the backward)")
 
 
 @dataclass

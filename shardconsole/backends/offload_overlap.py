@@ -1,0 +1,184 @@
+"""The offloaded FSDP2 step overlapped with the backward (fsdp.offload_overlap).
+
+Without it an offloaded step is the sum of its parts: the GPU's forward and backward, then the host's
+optimizer step over every shard while the GPU idles (issue 35: 7B fp32 masters, 2.77 s GPU + 1.81 s host
+of a 4.57 s step). Here each FSDP unit's host step starts as soon as that unit's gradients have reached
+the host, while the GPU runs the backward of the units before it: FSDP2's post_backward of a unit issues
+its reduce-scatter and the copies of the gradients to the host, then hands us the unit; a host thread
+waits for those copies (CUDA events, the GIL released), steps the unit's parameters and refreshes their
+compute copy. At the end of the backward only the last units' steps (the first layer and the root:
+backward runs in reverse) are left to wait for.
+
+The update is the one of the plain step: each parameter is stepped once, by the same optimizer with the
+same state, hyper-parameters and (RoundedAdamW) the same rounding seeds; fused AdamW's arithmetic is per
+tensor, so stepping a unit's tensors apart from the others' changes no bit. What cannot overlap:
+- train.clip_grad_norm > 0: the clip factor is the global norm's, known when the last gradient is;
+- fp16 loss scaling: an inf anywhere skips the whole step (the scaler's found_inf), known as late;
+- a step whose gradients a test fault rewrites after the backward (faults.py's overflow);
+- the micro-batches before the last one (no gradient reaches the host before the last backward).
+Those steps run as before, after the backward, and the run says so once (an info event) and in the
+offload view's `overlap` field.
+
+One host thread runs the units in the order their gradients arrive (a unit's step is a few large
+kernels, each parallel over OpenMP threads); it gets all cores but one, which stays with the thread that
+launches the GPU's backward. One thread, not several: the optimizer's state dict and torch.compile'd host
+update (RoundedAdamW) are then never used by two threads at once, and the order is fixed.
+
+The next step's parameter copies need no help here: FSDP2's forward prefetch already issues layer i+1's
+copy under layer i's compute, and the first units' copies cannot start earlier than the end of their
+steps, which are the last of the backward.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from shardconsole.backends import master_update
+from shardconsole.backends.common import Rank
+
+
+def why_not(r: Rank, optim: torch.optim.Optimizer, scaler) -> str:
+    """Why the host step cannot overlap the backward in this run ("" when it can)."""
+    cfg = r.cfg
+    if not (cfg.fsdp.cpu_offload and cfg.fsdp.offload_overlap):
+        return "off"
+    if type(optim) not in (torch.optim.AdamW, master_update.RoundedAdamW):
+        return f"off: optim.name = {cfg.optim.name!r} steps on the device"
+    if scaler is not None:
+        return "off: fp16 loss scaling skips a step on an inf in any gradient, known only after the backward"
+    if cfg.train.clip_grad_norm > 0:
+        return (f"off: train.clip_grad_norm = {cfg.train.clip_grad_norm:g} needs the global gradient norm "
+                f"before any update (set it to 0 to overlap)")
+    return ""
+
+
+def _subset(optim: torch.optim.Optimizer, keep: set[int]) -> torch.optim.Optimizer:
+    """The same optimizer (state, hyper-parameters of this step, grad_scale) over some of its parameters:
+    its step() updates those exactly as the whole optimizer's step() would."""
+    view = object.__new__(type(optim))
+    view.__dict__.update(optim.__dict__)
+    view.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in keep]} for g in optim.param_groups]
+    return view
+
+
+class _Unit:
+    """One FSDP2 parameter group: its optimizer parameters and the compute copies they feed."""
+
+    def __init__(self, group, in_optim: set[int], copy) -> None:
+        self.group = group
+        fps = list(group.fsdp_params)
+        self.params = [fp.sharded_param for fp in fps if id(fp.sharded_param) in in_optim]
+        copied = set(map(id, copy.params)) if copy is not None else set()
+        self.copies = [fp for fp in fps if id(fp) in copied]
+
+
+class Overlap:
+    """Arms each step's last backward; `finish` waits for the units' steps and returns the host seconds
+    they took (the part of them that ran under the backward is that less the wait)."""
+
+    def __init__(self, r: Rank, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+        from shardconsole.backends.offload import fsdp_params
+        from torch.distributed.fsdp import FSDPModule
+        self.r, self.optim = r, optim
+        in_optim = {id(p) for g in optim.param_groups for p in g["params"]}
+        self.units: list[_Unit] = []
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                for group in _param_groups(m._get_fsdp_state()):
+                    unit = _Unit(group, in_optim, r.compute_copy)
+                    if unit.params:
+                        self.units.append(unit)
+                        group.post_backward = self._wrap(group.post_backward, unit)
+        covered = {id(p) for u in self.units for p in u.params}
+        # A parameter outside every unit would be stepped by nobody: the plain step then (never seen).
+        self.complete = covered == in_optim and len(fsdp_params(model)) > 0
+        self.threads = max(1, torch.get_num_threads() - 1)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="host-step",
+                                       initializer=torch.set_num_threads, initargs=(self.threads,))
+        self.armed = False
+        self.futures: list[Future] = []
+        self.stepped: set[int] = set()
+        self.work_s = 0.0
+
+    def arm(self, step: int) -> bool:
+        """Before the last micro-batch's backward: its units step as their gradients land. Not on a step
+        whose gradients a test fault rewrites after the backward."""
+        self.armed = self.complete and not self.r.faults.changes_grads(step)
+        return self.armed
+
+    def _wrap(self, post_backward, unit: _Unit):
+        def hooked(*args, **kwargs):
+            out = post_backward(*args, **kwargs)
+            if self.armed and id(unit) not in self.stepped:
+                params = [p for p in unit.params if p.grad is not None]
+                if params:     # None: this call reduced nothing (FSDP2 calls it again at the end)
+                    self.stepped.add(id(unit))
+                    self.futures.append(self.pool.submit(self._step, unit, params, _landed(unit.group)))
+            return out
+        return hooked
+
+    def _step(self, unit: _Unit, params: list, events: list) -> float:
+        for e in events:
+            e.synchronize()       # the unit's gradients are on the host (releases the GIL)
+        t = time.perf_counter()
+        with torch.no_grad():
+            _subset(self.optim, {id(p) for p in params}).step()
+            if unit.copies:
+                torch._foreach_copy_([fp._compute_copy for fp in unit.copies],
+                                     [fp._sharded_param_data for fp in unit.copies])
+        return time.perf_counter() - t
+
+    def finish(self) -> float:
+        """After the backward: every unit's step done (the last ones waited for); the units whose
+        post_backward reduced nothing had no gradient, so the plain step would skip them too. Returns
+        the host seconds of this step's updates."""
+        try:
+            work = sum(f.result() for f in self.futures)
+        finally:
+            self.futures, self.stepped, self.armed = [], set(), False
+        return work
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def _param_groups(state) -> list:
+    groups = getattr(state, "_fsdp_param_groups", None)     # torch >= 2.12; one group before
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
+
+
+def _landed(group) -> list:
+    """Events after this unit's gradient copies to the host, on every stream FSDP2 may have issued them
+    on (the reduce-scatter's, or the all-reduce's for hybrid sharding or an all-reduce hook): recorded
+    now, right after its post_backward queued them. None on CPU ranks: their copies are synchronous."""
+    if group.device.type != "cuda":
+        return []
+    ctx = group.comm_ctx
+    streams = {id(s): s for s in (getattr(ctx, "reduce_scatter_stream", None), getattr(ctx, "all_reduce_stream", None),
+                                  getattr(group, "_all_reduce_hook_stream", None)) if s is not None}
+    return [s.record_event() for s in streams.values()]
+
+
+def make(r: Rank, model: torch.nn.Module, optim: torch.optim.Optimizer, scaler) -> tuple[Overlap | None, str]:
+    """(the overlap or None, why not). Said once: on, or why off, when the run offloads."""
+    reason = why_not(r, optim, scaler)
+    if not r.cfg.fsdp.cpu_offload:
+        return None, ""
+    if reason == "off":
+        return None, "off (fsdp.offload_overlap = false)"
+    if reason:
+        r.event("info", f"fsdp.offload_overlap: the host step runs after the backward, {reason[5:]}")
+        return None, reason
+    overlap = Overlap(r, model, optim)
+    if not overlap.complete:
+        overlap.close()
+        return None, "off: some trained parameters are in no FSDP2 unit"
+    r.log(f"offload: each unit's host step starts when its gradients reach the host, under the backward "
+          f"(one host thread, {overlap.threads} OpenMP threads)")
+    return overlap, "on"

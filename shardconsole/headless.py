@@ -84,8 +84,11 @@ def eval_line(e: P.Eval) -> str:
 def offload_line(state: RunState, o: P.OffloadTiming) -> str:
     """Rank 0's offload view at a log step, with the PCIe rates its copies made (else its card's, NVML, by
     UUID)."""
-    return offload_verdict.line(o.verdict, o.hint, o.gpu_s, o.host_step_s, o.h2d_s, o.d2h_s, o.step_s,
+    text = offload_verdict.line(o.verdict, o.hint, o.gpu_s, o.host_step_s, o.h2d_s, o.d2h_s, o.step_s,
                                 offload_verdict.pcie_of(o, state.gpu_of(o.rank)), o.pinned_bytes)
+    overlap = offload_verdict.overlap_text(o.overlap, o.gpu_s, o.host_step_s, o.h2d_s, o.d2h_s, o.step_s,
+                                           o.host_hidden_s)
+    return text + (f" · {overlap}" if overlap else "")
 
 
 def progress_bar(state: RunState, width: int) -> str:

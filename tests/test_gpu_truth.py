@@ -158,14 +158,34 @@ def test_offload_line_reads_pcie_from_the_ranks_copies_before_nvml():
     assert "PCIe ↓7.0 ↑6.0 GB/s (step average) · pinned 6.0 GiB · try train.micro_batch" in text
 
 
+OFFLOAD_RUN = ["--preset", "tiny-cpu", "--headless", "--set", "fsdp.cpu_offload=true", "--set", "train.steps=6",
+               "--set", "train.log_every=3", "--set", "train.clip_grad_norm=0"]
+
+
 @pytest.fixture(scope="module")
 def offload_run(tmp_path_factory):
-    """One real 2-rank FSDP2 run with CPU offload (on CPU ranks: the wall-clock offload view)."""
+    """One real 2-rank FSDP2 run with CPU offload (on CPU ranks: the wall-clock offload view), fp32, no clip:
+    the host step overlaps the backward (fsdp.offload_overlap, on by default)."""
     run_dir = tmp_path_factory.mktemp("offload") / "run"
-    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run_dir),
-                       "--set", "fsdp.cpu_offload=true", "--set", "train.steps=6", "--set", "train.log_every=3",
+    res = shardconsole(*OFFLOAD_RUN, "--run-dir", str(run_dir),
                        env={"SHARDCONSOLE_P2P_NOTE": "NCCL_P2P_DISABLE=1 set for this run: test"}, timeout=240)
     return res, run_dir, messages(run_dir)
+
+
+def test_overlapped_host_step_gives_the_plain_steps_losses(offload_run, tmp_path):
+    """fsdp.offload_overlap: each unit stepped as its gradients land, on a host thread, during the backward
+    of the units before it, is the same update as the plain step after the backward (fp32, 2 ranks)."""
+    res, run_dir, msgs = offload_run
+    assert res.returncode == 0, res.stderr
+    assert "host step starts when its gradients reach the host" in (run_dir / "logs" / "rank0.log").read_text()
+    plain = tmp_path / "plain"
+    res = shardconsole(*OFFLOAD_RUN, "--run-dir", str(plain), "--set", "fsdp.offload_overlap=false", timeout=240)
+    assert res.returncode == 0, res.stderr
+    assert {m.overlap for m in of_kind(messages(plain), "offload")} == {"off (fsdp.offload_overlap = false)"}
+    want = [m.loss for m in of_kind(messages(plain), "step")]
+    got = [m.loss for m in of_kind(msgs, "step")]
+    assert len(got) == 6 and len(set(got)) == 6
+    assert got == pytest.approx(want, rel=1e-5, abs=0)
 
 
 def test_offload_view_on_a_real_offloaded_run(offload_run):
@@ -177,7 +197,9 @@ def test_offload_view_on_a_real_offloaded_run(offload_run):
     for m in lines:
         assert m.clock == "wall_clock" and m.steps == 3
         assert m.gpu_s > 0 and m.host_step_s > 0
-        assert m.gpu_s + m.host_step_s <= m.step_s * 1.001          # phases inside the step
+        # the host step's seconds that ran under the backward, not paid again by the step
+        assert m.overlap == "on" and 0 <= m.host_hidden_s <= m.host_step_s
+        assert m.gpu_s + m.host_step_s - m.host_hidden_s <= m.step_s * 1.001          # phases inside the step
         assert 0.4 * steps[m.step].step_s < m.step_s < 2.0 * steps[m.step].step_s   # the step line's time
         assert m.h2d_s is None and m.d2h_s is None                  # CPU ranks copy nothing
         assert m.verdict == offload_verdict.COMPUTE
@@ -185,7 +207,8 @@ def test_offload_view_on_a_real_offloaded_run(offload_run):
     # the view's own cost: under 1% of a step (the median line: one preempted call on a loaded box is not it)
     assert sorted(m.view_s / m.step_s for m in lines)[len(lines) // 2] < 0.01
     out = res.stdout.splitlines()
-    assert sum(line.startswith("offload: compute bound · GPU ") for line in out) == 2, res.stdout
+    assert sum(line.startswith("offload: compute bound · GPU ") and " · overlap on: host step " in line
+               for line in out) == 2, res.stdout
     assert "offload verdict (mean of steps to 6): compute bound" in res.stderr
     # the launch's P2P note (set by launch_command when the doctor's verdict says so) is said by rank 0
     assert [e.detail for e in of_kind(msgs, "event") if e.name == "info" and "NCCL_P2P_DISABLE" in e.detail] == [
@@ -196,7 +219,7 @@ def test_offload_view_on_a_real_offloaded_run(offload_run):
     rows = [text for text, _ in offload_view(view)]
     assert rows[0] == "offload · rank 0, mean of 3 step(s) to 6 (wall clock: CPU ranks)" or \
         rows[0] == "offload · rank 1, mean of 3 step(s) to 6 (wall clock: CPU ranks)"
-    assert rows[-1] == "  compute bound"
+    assert rows[-2].startswith("  overlap on: host step ") and rows[-1] == "  compute bound"
 
 
 def test_hang_report_names_the_collective_each_rank_is_in(tmp_path):

@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from shardconsole.backends import (adapters, checkpoints, common, fsdp_step, hf_export, loop, lowbit_optim,
-                                   master_update, metrics, modeling, offload, pinned_arena, qlora, save_stream,
-                                   step_in_backward, step_timing, trainstate)
+                                   master_update, metrics, modeling, offload, offload_overlap, pinned_arena, qlora,
+                                   save_stream, step_in_backward, step_timing, trainstate)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -285,6 +285,7 @@ def train(r: common.Rank) -> None:
     phases = metrics.PhaseTimes(r)
     timing = step_timing.StepTiming(r)           # the offload view (offloaded runs); after Clip's hooks
     step_timing.instrument_fsdp(model, timing)
+    overlap, timing.overlap = offload_overlap.make(r, model, optim, scaling.scaler)
     r.phase("training")
     stop.start_round()
     for step in range(start_step + 1, t.steps + 1):
@@ -301,22 +302,27 @@ def train(r: common.Rank) -> None:
             loss = r.faults.on_loss(model(batch.inputs, batch.labels, batch.positions), step)
             meter.add(loss)
             phases.mark("forward")
+            if overlap is not None and micro == t.grad_accum - 1:
+                overlap.arm(step)        # each unit's host step starts as its gradients land (offload_overlap)
             scaling.backward(loss / t.grad_accum)
             phases.mark("backward")
         timing.compute_done()
         grads_changed = r.faults.on_grads(model.parameters(), step)
         with timing.host_step():
             grad_norm = None
-            if in_backward is None:
-                scaling.unscale(optim)
-                grad_norm = clip(grads_changed)
-                phases.mark("clip")
-                scaling.step(optim)
-                phases.mark("step")
-            elif not in_backward.take_count():
-                raise RuntimeError("optim.step_in_backward: no parameter was stepped in the backward pass "
-                                   "(FSDP2 called no post-accumulate-grad hook)")
-            refresh_compute_copy(r)
+            if overlap is not None and overlap.armed:
+                timing.overlapped(overlap.finish())     # no clip, no scaler (offload_overlap.why_not)
+            else:
+                if in_backward is None:
+                    scaling.unscale(optim)
+                    grad_norm = clip(grads_changed)
+                    phases.mark("clip")
+                    scaling.step(optim)
+                    phases.mark("step")
+                elif not in_backward.take_count():
+                    raise RuntimeError("optim.step_in_backward: no parameter was stepped in the backward pass "
+                                       "(FSDP2 called no post-accumulate-grad hook)")
+                refresh_compute_copy(r)       # (the overlap refreshes each unit's copy after its step)
         optim.zero_grad(set_to_none=True)
         phases.mark("copy+zero")
         timing.end()

@@ -8,7 +8,9 @@ read back one step late, with `Event.query()` first: by then they have completed
 waits for its gradients on the host anyway), and an event that has not is read at the next step.
 - GPU compute: the compute stream's span from the step's start to the end of the last backward
   (it includes any wait on a copy the compute needed);
-- host step: host clock around the optimizer step (the host does it; the GPU idles);
+- host step: host clock around the optimizer step (the host does it; the GPU idles); with
+  fsdp.offload_overlap the host thread's own seconds of the units' updates, and `host_hidden_s` the part
+  of them the step did not wait for (they ran under the backward);
 - H2D (FSDP2): events on FSDP2's all-gather copy-in stream around each unit's parameter copies (every
   offloaded FSDPParam's `all_gather_inputs` is the copy), forward and backward;
 - D2H (FSDP2): from each unit's all-reduce hook (the reduce-scatter has landed, the gradient copies
@@ -62,7 +64,8 @@ class _Step:
         self.compute: list = []        # [start, end]
         self.h2d: list[tuple] = []
         self.d2h: list[tuple] = []
-        self.host = 0.0
+        self.host = 0.0                # the main thread's time in the host step (what the step waited)
+        self.host_work: float | None = None     # offload_overlap: the host step's own seconds, part of them under the backward
         self.wall = 0.0
         self.h2d_bytes = 0
         self.d2h_bytes = 0
@@ -93,10 +96,12 @@ class StepTiming:
         self._t0 = 0.0
         self.dropped = 0
         self.view_cost = 0.0
+        self.overlap = ""        # the offload line's `overlap`: set by the loop (offload_overlap.make)
 
     def _reset_sums(self) -> None:
         self.n = 0
-        self.sums = {"gpu": 0.0, "host": 0.0, "h2d": 0.0, "d2h": 0.0, "wall": 0.0}
+        self.sums = {"gpu": 0.0, "host": 0.0, "h2d": 0.0, "d2h": 0.0, "wall": 0.0, "hidden": 0.0}
+        self.overlapped_steps = 0
         self.bytes = {"h2d": 0, "d2h": 0}
         self.seen = {"h2d": False, "d2h": False}
 
@@ -146,6 +151,12 @@ class StepTiming:
         finally:
             self.cur.host += time.perf_counter() - t
 
+    def overlapped(self, work_s: float) -> None:
+        """Inside host_step: the host step's updates took `work_s` host seconds, most of them before this
+        (offload_overlap, under the backward); host_step's own time is what the step still waited."""
+        if self.on and self.cur is not None:
+            self.cur.host_work = work_s
+
     @_costed
     def end(self) -> None:
         if not (self.on and self.cur is not None):
@@ -170,7 +181,8 @@ class StepTiming:
             clock="cuda_events" if self.cuda else "wall_clock", step_s=self.sums["wall"] / n, gpu_s=gpu,
             host_step_s=host, h2d_s=h2d, d2h_s=d2h, h2d_bytes=self.bytes["h2d"] // n,
             d2h_bytes=self.bytes["d2h"] // n, pinned_bytes=_pinned_bytes(self.r), verdict=verdict, hint=hint,
-            view_s=self.view_cost / n))
+            view_s=self.view_cost / n, overlap=self.overlap,
+            host_hidden_s=self.sums["hidden"] / n if self.overlapped_steps else None))
         self._reset_sums()
         self.view_cost = 0.0
 
@@ -224,7 +236,12 @@ class StepTiming:
                 copies += t
                 self.sums[kind] += t
                 self.bytes[kind] += getattr(s, f"{kind}_bytes")
-        self.sums["host"] += max(0.0, s.host - copies) if s.host_has_copies else s.host
+        if s.host_work is not None:       # the part of the updates the step did not wait for was hidden
+            self.overlapped_steps += 1
+            self.sums["host"] += s.host_work
+            self.sums["hidden"] += max(0.0, s.host_work - s.host)
+        else:
+            self.sums["host"] += max(0.0, s.host - copies) if s.host_has_copies else s.host
 
 
 def _span(a, b) -> float:

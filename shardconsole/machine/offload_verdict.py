@@ -94,6 +94,21 @@ def pcie_text(pcie: tuple[float, float, str]) -> str:
     return f"PCIe ↓{pcie[0]:.1f} ↑{pcie[1]:.1f} GB/s ({pcie[2]})"
 
 
+def overlap_text(overlap: str, gpu_s: float | None, host_step_s: float | None, h2d_s: float | None,
+                 d2h_s: float | None, step_s: float, host_hidden_s: float | None) -> str:
+    """fsdp.offload_overlap's part of the view: how much of the host step ran under the backward, and how
+    much of all the parts the step did not pay for (the copies run beside the compute on their own streams:
+    what they hid is in that total). "" where the setting does not apply."""
+    if not overlap:
+        return ""
+    if host_hidden_s is None or not host_step_s:
+        return f"overlap {overlap}"
+    parts = sum(x or 0.0 for x in (gpu_s, host_step_s, h2d_s, d2h_s))
+    return (f"overlap {overlap}: host step {host_hidden_s:.3g} of {host_step_s:.3g} s hidden "
+            f"({host_hidden_s / host_step_s:.0%}), parts {parts:.3g} s in a {step_s:.3g} s step "
+            f"({max(0.0, parts - step_s) / parts:.0%} hidden)")
+
+
 def line(v: str, hint: str, gpu_s: float | None, host_step_s: float | None, h2d_s: float | None,
          d2h_s: float | None, step_s: float, pcie: tuple[float, float, str] | None = None,
          pinned_bytes: int | None = None) -> str:

@@ -186,6 +186,9 @@ class OffloadTiming(Message):
     verdict: str = ""                       # "host step bound", "PCIe bound", "GPU bound" (offload_verdict.py)
     hint: str = ""                          # the setting most likely to help
     view_s: float | None = None             # this view's own host time a step (its cost)
+    # fsdp.offload_overlap: "on", "off" or "off: why"; "" where it does not apply (DeepSpeed, older lines)
+    overlap: str = ""
+    host_hidden_s: float | None = None      # of host_step_s, the seconds that ran under the backward
 
 
 @dataclass(frozen=True)

@@ -197,6 +197,10 @@ def offload_view(view: RunView) -> list[tuple[str, str]]:
         extra.append(f"pinned {gib(o.pinned_bytes)} GiB")
     if extra:
         rows.append(("  " + " · ".join(extra), "dim"))
+    overlap = offload_verdict.overlap_text(o.overlap, o.gpu_s, o.host_step_s, o.h2d_s, o.d2h_s, o.step_s,
+                                           o.host_hidden_s)
+    if overlap:
+        rows.append((f"  {overlap}", "dim"))
     if o.verdict:
         rows.append((f"  {o.verdict}" + (f": try {o.hint}" if o.hint else ""), "bold yellow"))
     return rows

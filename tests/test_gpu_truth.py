@@ -184,7 +184,7 @@ def test_overlapped_host_step_gives_the_plain_steps_losses(offload_run, tmp_path
     assert {m.overlap for m in of_kind(messages(plain), "offload")} == {"off (fsdp.offload_overlap = false)"}
     want = [m.loss for m in of_kind(messages(plain), "step")]
     got = [m.loss for m in of_kind(msgs, "step")]
-    assert len(got) == 6 and len(set(got)) == 6
+    assert len(got) == 2 and got[1] < got[0]       # the means of steps 1-3 and 4-6 (log_every = 3)
     assert got == pytest.approx(want, rel=1e-5, abs=0)
 
 

@@ -218,6 +218,22 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
             ("3b-adamw8bit-bf16m-no-offload", "3090-fsdp", ["optim.name=adamw8bit", "precision.master_dtype=bf16"]),
             ("3b-adamw-offload", "3090-offload", []))
     ],
+    # Issue 35 item 1, fsdp.offload_overlap on and off, under the presets' 24 GiB cap, no clip (a clip needs
+    # the global norm before any update: with one the step runs after the backward, as with the overlap off).
+    # Targets: step <= 1.15 x max(GPU, host step, H2D + D2H); 7B fp32 masters >= 5,500 tokens/s, 13B
+    # stochastic >= 3,000. `--overlap-table` prints those figures. The 13B off row is last and apart: with
+    # it the matrix is ~13 minutes, more than one device call (run it with --only 13b-stoch-overlap-off).
+    "issue35-overlap": [
+        (f"{name}-overlap-{on}", preset, [*sets, f"fsdp.offload_overlap={'true' if on == 'on' else 'false'}",
+                                          "train.clip_grad_norm=0", "train.log_every=1", "train.warmup_steps=1",
+                                          "train.save_final=false", f"train.steps={steps}"])
+        for name, preset, sets, steps, ons in (
+            ("3b", "3090-offload", ["model.name=3b"], 6, ("on", "off")),
+            ("7b-fp32", "3090-7b-offload", ["precision.master_dtype=fp32"], 5, ("on", "off")),
+            ("13b-stoch", "3090-7b-offload", ["model.name=13b", "precision.master_rounding=stochastic"], 4, ("on",)),
+            ("13b-stoch", "3090-7b-offload", ["model.name=13b", "precision.master_rounding=stochastic"], 4, ("off",)))
+        for on in ons
+    ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
     ],
@@ -357,6 +373,22 @@ def run_entry(name: str, preset: str, sets: list[str], root: Path, timeout: int,
     return {**run_headless(preset, sets, root, name, timeout), **(planned(preset, sets) if plan else {})}
 
 
+def overlap_row(r: dict) -> str:
+    """One row of the overlap table: the offload view's parts (rank 0's last line), how much of them the
+    step hid, and the step against issue 35's bar (1.15 x the largest part, H2D and D2H counted together)."""
+    o = r.get("offload") or {}
+    gpu, host, h2d, d2h, step = (o.get(k) for k in ("gpu_s", "host_step_s", "h2d_s", "d2h_s", "step_s"))
+    parts = [x for x in (gpu, host, (h2d or 0) + (d2h or 0)) if x is not None]
+    ratio = step / max(parts) if step and parts else None
+    total = sum(x or 0 for x in (gpu, host, h2d, d2h))
+    hidden = max(0.0, total - step) / total if step and total else None
+    host_hidden = (o["host_hidden_s"] / host if o.get("host_hidden_s") is not None and host else None)
+    return (f"{r['name']:<24} {str(r['rc']):>4} {fmt(r.get('step_s'), '.3f'):>7} {fmt(gpu, '.3f'):>6} "
+            f"{fmt(host, '.3f'):>6} {fmt(h2d, '.3f'):>6} {fmt(d2h, '.3f'):>6} {fmt(host_hidden, '.0%'):>8} "
+            f"{fmt(hidden, '.0%'):>7} {fmt(ratio, '.2f'):>9} {fmt(r.get('tokens_per_s'), ',.0f'):>8}  "
+            f"{o.get('overlap', '-')[:60]}")
+
+
 def fmt(v, spec):
     return format(v, spec) if isinstance(v, (int, float)) else "-"
 
@@ -370,6 +402,8 @@ def main() -> None:
                     help="also run these (all when none given) under bare torchrun with the stream off")
     ap.add_argument("--timeout", type=int, default=400)
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--overlap-table", action="store_true",
+                    help="also print the offload view's parts and what the step hid (matrix issue35-overlap)")
     ap.add_argument("--plan", action="store_true", help="put `plan --json`'s GPU figures beside each run's peaks")
     ap.add_argument("--parallel", action="store_true",
                     help="start every run of the matrix at once (small runs sharing one GPU)")
@@ -409,6 +443,12 @@ def main() -> None:
         print(f"{r['name']:<28} {str(r['rc']):>4} {fmt(r['tokens_per_s'], ',.0f'):>9} {mfu:>6} "
               f"{fmt(r['step_s'], '.3f'):>7} {fmt(r['peak_reserved_gib'], '.1f'):>12} "
               f"{fmt(r['nvml_used_gib'], '.1f'):>9} {fmt(r['host_used_gib'], '.1f'):>9}")
+    if args.overlap_table:
+        print(f"\n{'run':<24} {'rc':>4} {'step s':>7} {'GPU s':>6} {'host s':>6} {'H2D s':>6} {'D2H s':>6} "
+              f"{'host hid':>8} {'parts hid':>7} {'step/max':>9} {'tok/s':>8}  overlap")
+        for r in results:
+            print(overlap_row(r))
+        print("targets: step/max <= 1.15; 7b-fp32 >= 5,500 tok/s; 13b-stoch >= 3,000 tok/s (overlap on)")
 
 
 if __name__ == "__main__":

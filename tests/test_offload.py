@@ -156,7 +156,9 @@ def test_offloaded_kahan_run_keeps_its_state_in_the_arena_and_resumes_exactly(tm
     """A real 2-rank offloaded run (torchrun, gloo, CPU ranks) with bf16 masters and Kahan rounding: the
     shards and Adam's states with the compensation buffer live in the host arena; the checkpoint holds the
     compensation in bf16; resumed from step 3 the run repeats steps 4-6 exactly (the arena takes the
-    loaded state, the rounding noise follows the checkpointed step)."""
+    loaded state, the rounding noise follows the checkpointed step). The first run steps each unit under
+    the backward (fsdp.offload_overlap, no clip), the resumed one after it: the same rounding seeds a
+    parameter, the same update."""
     import shutil
 
     from torch.distributed.checkpoint import FileSystemReader
@@ -166,18 +168,21 @@ def test_offloaded_kahan_run_keeps_its_state_in_the_arena_and_resumes_exactly(tm
     base = ["--preset", "tiny-cpu", "--headless", "--set", "precision.dtype=bf16",
             "--set", "precision.master_dtype=bf16", "--set", "precision.master_rounding=kahan",
             "--set", "fsdp.cpu_offload=true", "--set", "train.steps=6", "--set", "train.log_every=1",
-            "--set", "train.save_final=false", "--set", f"train.checkpoint_dir={ckpt}"]
+            "--set", "train.save_final=false", "--set", f"train.checkpoint_dir={ckpt}",
+            "--set", "train.clip_grad_norm=0"]
     first = tmp_path / "first"
     res = shardconsole(*base, "--run-dir", str(first), "--set", "train.checkpoint_every=3")
     assert res.returncode == 0, res.stderr[-2000:]
     log = (first / "logs" / "rank0.log").read_text()
     assert "host arena:" in log and "optimizer states" in log and "left the arena" not in log, log[-2000:]
+    assert "host step starts when its gradients reach the host" in log
     meta = FileSystemReader(str(ckpt / "step_00000003")).read_metadata().state_dict_metadata
     comp = {k: v for k, v in meta.items() if k.startswith("optim.state.") and k.endswith("compensation")}
     assert comp and {str(v.properties.dtype) for v in comp.values()} == {"torch.bfloat16"}
     shutil.rmtree(ckpt / "step_00000006")
     second = tmp_path / "second"
-    res = shardconsole(*base, "--run-dir", str(second), "--set", "train.resume=true")
+    res = shardconsole(*base, "--run-dir", str(second), "--set", "train.resume=true",
+                       "--set", "fsdp.offload_overlap=false")
     assert res.returncode == 0, res.stderr[-2000:]
     want = [(m.step, m.loss, m.grad_norm) for m in of_kind(messages(first), "step")][3:]
     got = [(m.step, m.loss, m.grad_norm) for m in of_kind(messages(second), "step")]

@@ -364,10 +364,12 @@ def test_bf16_masters_with_offload_and_selective_checkpointing(tmp_path):
 def test_offload_compute_copy_trains_the_same_model_and_follows_a_resume(tmp_path):
     """fsdp.offload_compute_copy: the all-gathers read a bf16 host copy of the fp32 shards. The copy must
     be the shards' values at every step: after a resume (loaded after the copy was first made) and after
-    each optimizer step. Resumed from one checkpoint, with and without the copy, the runs are identical."""
+    each optimizer step. Resumed from one checkpoint, with and without the copy, the runs are identical.
+    The copy's run also overlaps the host step with the backward (fsdp.offload_overlap: each unit's copy
+    refreshed after its own step, the resumed state stepped unit by unit), the other steps after it."""
     ckpt = tmp_path / "ckpt"
     base = ["--preset", "tiny-cpu", "--headless", "--set", "precision.dtype=bf16", "--set", "fsdp.cpu_offload=true",
-            "--set", f"train.checkpoint_dir={ckpt}", "--set", "train.log_every=1", "--set", "train.clip_grad_norm=0.1"]
+            "--set", f"train.checkpoint_dir={ckpt}", "--set", "train.log_every=1", "--set", "train.clip_grad_norm=0"]
     res = shardconsole(*base, "--run-dir", str(tmp_path / "first"), "--set", "train.steps=3",
                        "--set", "train.save_final=true", "--set", "fsdp.offload_compute_copy=false")
     assert res.returncode == 0, res.stderr
@@ -376,11 +378,13 @@ def test_offload_compute_copy_trains_the_same_model_and_follows_a_resume(tmp_pat
         run_dir = tmp_path / f"copy-{copy}"
         # No final save: the second resume must start from step 3 again, not from the first one's step 6.
         res = shardconsole(*base, "--run-dir", str(run_dir), "--set", "train.steps=6", "--set", "train.resume=true",
-                           "--set", "train.save_final=false", "--set", f"fsdp.offload_compute_copy={copy}")
+                           "--set", "train.save_final=false", "--set", f"fsdp.offload_compute_copy={copy}",
+                           "--set", f"fsdp.offload_overlap={copy}")
         assert res.returncode == 0, res.stderr
         steps = of_kind(messages(run_dir), "step")
         assert [m.step for m in steps] == [4, 5, 6]
         losses[copy] = [(m.loss, m.grad_norm) for m in steps]
         log = (run_dir / "logs" / "rank0.log").read_text()
         assert ("bf16 host copy of" in log) == (copy == "true"), log[-2000:]
+        assert ("host step starts when its gradients reach the host" in log) == (copy == "true"), log[-2000:]
     assert losses["true"] == pytest.approx(losses["false"], rel=1e-6), losses

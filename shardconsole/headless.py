@@ -1,7 +1,7 @@
 """The front end without a UI: start (or attach to) a run, print one line per log step, stop on Ctrl-C.
 
-A thin renderer of the run session (session/): the watcher reads the stream and samples the machine,
-the outcome names how the run ended, the stop path ends it. What is printed is decided here.
+A thin renderer of the run session (session/run.RunSession): its watcher reads the stream and samples
+the machine, its outcome names how the run ended, its stop ends it. What is printed is decided here.
 
 Its own death never takes the run with it: a closed stdout pipe (`| head`) or a closed terminal
 (SIGHUP) detaches (exit code 8, an event line in the stream says so, `attach` resumes); Ctrl-C and
@@ -16,20 +16,17 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from shardconsole.settings import config as C
 from shardconsole.machine import offload_verdict
 from shardconsole.runlog import protocol as P
-from shardconsole.session.hang import hang_message, where_ranks_are
-from shardconsole.launch.job import Job
-from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.runlog.runstate import RunState, count, fmt_rate, save_line
-from shardconsole.session.outcome import EXIT_CODES, classify
+from shardconsole.session.outcome import EXIT_CODES
 from shardconsole.session.resume import EarlierPart
 from shardconsole.session.signals import Detach, quiet_stdout
-from shardconsole.session.stop import Hurry, describe_stop, interrupts_hurry, stop_run
-from shardconsole.session.watcher import MachineProbes, Tick, Watcher
+from shardconsole.session.run import Hang, RunSession
+from shardconsole.session.stop import Hurry, describe_stop, interrupts_hurry
+from shardconsole.session.watcher import MachineProbes, Tick
 
-__all__ = ["EXIT_CODES", "run", "follow", "step_line", "progress_bar", "fmt_rate"]
+__all__ = ["EXIT_CODES", "follow", "step_line", "progress_bar", "fmt_rate"]
 
 POLL_S = 0.2
 SAVE_LINE_EVERY_S = 10.0    # a save's line without a terminal: at its start, this often, at its end
@@ -196,131 +193,115 @@ def _say(err: TextIO, text: str) -> None:
         pass
 
 
-def run(cfg: C.RunConfig, run_dir: Path, run_id: str, out: TextIO = sys.stdout,
-        err: TextIO = sys.stderr, grace_s: float = 10.0) -> int:
-    """Start the run, follow it to the end, return the exit code (EXIT_CODES)."""
-    job = Job.start(cfg, run_dir, run_id)
-    return follow(job, run_dir, run_id, out, err, grace_s, started_here=True)
-
-
-def follow(job, run_dir: Path, run_id: str, out: TextIO = sys.stdout, err: TextIO = sys.stderr,
-           grace_s: float = 10.0, started_here: bool = False) -> int:
-    """Follow a run to its end (a run attached to: its whole history first). Never raises for what a run
-    or its stream does: the job is always left in a known state."""
-    watcher = Watcher(job, run_dir, run_id, MachineProbes(), logs=False, hang_timeout_s=_hang_timeout(run_dir))
-    printer = Printer(out, session=run_id if started_here else "")
+def follow(session: RunSession, out: TextIO = sys.stdout, err: TextIO = sys.stderr, grace_s: float = 10.0) -> int:
+    """Follow a run session to its end (one attached to: its whole history first); return the exit code
+    (EXIT_CODES). Never raises for what a run or its stream does: the job is always left in a known state."""
+    session.watch(MachineProbes(), logs=False)
+    printer = Printer(out, session=session.run_id if session.started_here else "")
     try:
         try:
-            if started_here:
-                _say(err, f"run {run_id}: {run_dir}  (Ctrl-C stops it; a closed terminal or pipe leaves it "
-                          f"running: `shardconsole attach {run_dir}`)")
+            if session.started_here:
+                _say(err, f"run {session.run_id}: {session.run_dir}  (Ctrl-C stops it; a closed terminal or pipe "
+                          f"leaves it running: `shardconsole attach {session.run_dir}`)")
             else:
-                _replay(watcher, printer)
+                _replay(session, printer)
         except KeyboardInterrupt:
-            return _detach(watcher, printer, err, "Ctrl-C during the history replay")
-        return _follow(watcher, printer, err, grace_s, started_here)
+            return _detach(session, err, "Ctrl-C during the history replay")
+        return _follow(session, printer, err, grace_s)
     except (BrokenPipeError, Detach) as e:
         why = "its output pipe closed" if isinstance(e, BrokenPipeError) else str(e)
-        return _detach(watcher, printer, err, why)
+        return _detach(session, err, why)
     finally:
-        watcher.close()
+        session.close()
 
 
-def _replay(watcher: Watcher, printer: Printer) -> None:
+def _replay(session: RunSession, printer: Printer) -> None:
     """The history of an attached run: every line the stream held when the attach began, however many
     polls that takes (a poll reads at most 8 MiB). Until its end, Ctrl-C detaches (follow)."""
+    reader = session.watcher.reader
     try:
-        end = watcher.folder.metrics.stat().st_size
+        end = session.folder.metrics.stat().st_size
     except OSError:
         end = 0
     while True:
-        before = watcher.reader.offset
-        tick = watcher.poll()
-        printer.render(tick, watcher.state)
-        if tick.ended or watcher.reader.offset >= end or watcher.reader.offset == before:
+        before = reader.offset
+        tick = session.tick()
+        printer.render(tick, session.state)
+        if tick.ended or reader.offset >= end or reader.offset == before:
             return
 
 
-def _follow(watcher: Watcher, printer: Printer, err: TextIO, grace_s: float, started_here: bool) -> int:
-    run_dir = watcher.folder.path
+def _follow(session: RunSession, printer: Printer, err: TextIO, grace_s: float) -> int:
+    run_dir = session.run_dir
     try:
         while True:
-            tick = watcher.poll()
-            printer.render(tick, watcher.state)
+            tick = session.tick()
+            printer.render(tick, session.state)
             for note in tick.notes:
                 printer.clear_bar()
                 _say(err, f"note: {note}")
             if tick.ended:
                 break
-            if watcher.hung():
-                return _hung(watcher, printer, err, grace_s)
+            hang = session.hang()
+            if hang is not None:
+                return _hung(session, hang, printer, err, grace_s)
             time.sleep(POLL_S)
     except KeyboardInterrupt:
         printer.clear_bar()
-        if watcher.external:
+        if session.external:
             _say(err, f"detached from {run_dir}: the run goes on where it was started (a Slurm job stops "
                       f"with scancel)")
-            watcher.detach("Ctrl-C")
+            session.detach("Ctrl-C")
             return EXIT_CODES["detached"]
-        _stop(watcher, grace_s, "Ctrl-C in the front end" if started_here else "Ctrl-C in attach", printer, err,
-              announce="stopping: SIGTERM to every rank ... (Ctrl-C again: SIGKILL now)")
+        _stop(session, grace_s, "Ctrl-C in the front end" if session.started_here else "Ctrl-C in attach",
+              printer, err, announce="stopping: SIGTERM to every rank ... (Ctrl-C again: SIGKILL now)")
         return EXIT_CODES["stopped"]
     printer.clear_bar()
-    if watcher.reader.bad_lines:
-        _say(err, f"warning: {watcher.reader.bad_lines} unreadable metrics line(s) skipped "
-                  f"({watcher.reader.last_error})")
-    rc = watcher.exit_code if getattr(watcher.job, "rc_known", True) else None   # attached: not its parent
-    cause, message = classify(watcher.state, rc, run_dir)
-    s = watcher.state.last_step
+    reader = session.watcher.reader
+    if reader.bad_lines:
+        _say(err, f"warning: {reader.bad_lines} unreadable metrics line(s) skipped ({reader.last_error})")
+    cause, message = session.outcome()
+    s = session.state.last_step
     if cause == "ok" and s is not None:
         message = message.replace("; run folder", f", {fmt_rate(s.tokens_per_s)} tok/s; run folder", 1)
     _say(err, message)
-    last = watcher.state.offload.get(0)
+    last = session.state.offload.get(0)
     if last is not None and last.verdict:
         _say(err, f"offload verdict (mean of steps to {last.step}): {last.verdict}" +
              (f"; try {last.hint}" if last.hint else ""))
     return EXIT_CODES.get(cause, 1)
 
 
-def _hung(watcher: Watcher, printer: Printer, err: TextIO, grace_s: float) -> int:
+def _hung(session: RunSession, hang: Hang, printer: Printer, err: TextIO, grace_s: float) -> int:
     printer.clear_bar()
-    run_dir = watcher.folder
-    if watcher.external:
-        _say(err, f"run hung: no step for {watcher.stalled_for():.0f}s; it was not started here, so it is not "
-                  f"stopped here (rank logs: {run_dir.logs})")
+    logs = session.folder.logs
+    if not hang.stoppable:
+        _say(err, f"run hung: no step for {hang.stalled_s:.0f}s; it was not started here, so it is not "
+                  f"stopped here (rank logs: {logs})")
         return EXIT_CODES["hang"]
-    stacks = where_ranks_are(watcher.state, run_dir.path, watcher.live_ranks())
-    message = hang_message(watcher.state, stacks, watcher.stalled_for())
-    _say(err, f"run hung: {message}\n  stopping it; rank logs: {run_dir.logs}")
-    _stop(watcher, grace_s, "hang: " + message.split(";")[0], printer, err)
+    _say(err, f"run hung: {hang.message}\n  stopping it; rank logs: {logs}")
+    _stop(session, grace_s, "hang: " + hang.message.split(";")[0], printer, err)
     return EXIT_CODES["hang"]
 
 
-def _stop(watcher: Watcher, grace_s: float, who: str, printer: Printer, err: TextIO, announce: str = "") -> None:
+def _stop(session: RunSession, grace_s: float, who: str, printer: Printer, err: TextIO, announce: str = "") -> None:
     hurry = Hurry()
     with interrupts_hurry(hurry):      # first: a second Ctrl-C from here on hurries, never aborts the stop
         if announce:
             _say(err, announce)
-        report = stop_run(watcher.job, watcher.rank_pids, who=who, grace_s=grace_s, hurry=hurry)
+        report = session.stop(who, grace_s=grace_s, hurry=hurry)
         try:
-            printer.render(watcher.poll(), watcher.state)
+            printer.render(session.tick(), session.state)
         except OSError:
             pass
         printer.clear_bar()      # the report goes on a line of its own
         _say(err, describe_stop(report))
 
 
-def _detach(watcher: Watcher, printer: Printer, err: TextIO, why: str) -> int:
+def _detach(session: RunSession, err: TextIO, why: str) -> int:
     """The front end goes; the run does not. Said in the stream and, where it can still be read, on stderr."""
-    watcher.detach(why)
+    session.detach(why)
     quiet_stdout()
-    _say(err, f"detached ({why}): the run goes on; `shardconsole attach {watcher.folder.path}` follows it, "
-              f"`shardconsole stop {watcher.folder.path}` stops it")
+    _say(err, f"detached ({why}): the run goes on; `shardconsole attach {session.run_dir}` follows it, "
+              f"`shardconsole stop {session.run_dir}` stops it")
     return EXIT_CODES["detached"]
-
-
-def _hang_timeout(run_dir: Path) -> float:
-    try:
-        return C.load(RunFolder(run_dir).preset).train.hang_timeout_s
-    except (C.ConfigError, OSError):
-        return 0.0

@@ -17,6 +17,7 @@ from shardconsole.launch.job import ExternalJob, Job
 from shardconsole.settings.models import resolve
 from shardconsole.runlog.runstate import RunState
 from shardconsole.session import outcome
+from shardconsole.session.run import RunSession
 from shardconsole.session.watcher import MachineProbes, Watcher
 from shardconsole.runlog.stream import MetricsWriter
 
@@ -118,7 +119,7 @@ def test_ctrl_c_during_the_history_replay_detaches_and_never_claims_a_stop(tmp_p
         w.emit(P.Step(run="run", rank=0, step=i, steps=9, loss=3.0, lr=1e-4))
     w.close()
     err = io.StringIO()
-    rc = headless.follow(ExternalJob(run), run, "run", out=_InterruptedOut(), err=err)
+    rc = headless.follow(RunSession(ExternalJob(run), run, "run"), out=_InterruptedOut(), err=err)
     assert rc == outcome.EXIT_CODES["detached"] == 8
     assert "detached (Ctrl-C during the history replay): the run goes on" in err.getvalue()
     assert "stopped" not in err.getvalue()
@@ -136,7 +137,7 @@ def test_malformed_lines_are_skipped_and_counted_never_crash(tmp_path):
         fh.write(P.encode(P.Step(run="run", rank=0, step=2, steps=2, loss=1.5, lr=1e-4)) + "\n")
         fh.write(P.encode(P.Finished(run="run", rank=0, steps=2)) + "\n")
     out, err = io.StringIO(), io.StringIO()
-    assert headless.follow(ExternalJob(run), run, "run", out=out, err=err) == 0
+    assert headless.follow(RunSession(ExternalJob(run), run, "run"), out=out, err=err) == 0
     assert "step 2/2 | loss 1.5000" in out.getvalue()
     assert "warning: 3 unreadable metrics line(s) skipped" in err.getvalue()
 
@@ -149,7 +150,7 @@ def test_the_outcome_waits_for_ranks_that_outlive_their_launcher(tmp_path):
     proc = subprocess.Popen([sys.executable, str(HERE / "late_ranks.py"), str(run)], start_new_session=True)
     job = Job(run, proc.pid, proc.pid, [], proc)
     err = io.StringIO()
-    rc = headless.follow(job, run, "run", out=io.StringIO(), err=err)
+    rc = headless.follow(RunSession(job, run, "run"), out=io.StringIO(), err=err)
     assert rc == outcome.EXIT_CODES["nan_loss"] == 6, err.getvalue()
     assert "run failed (nan_loss) on rank" in err.getvalue()
     assert "ChildFailedError" in (run / "launcher.log").read_text()

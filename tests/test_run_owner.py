@@ -23,8 +23,8 @@ from tests.conftest import messages, of_kind, pids_alive, shardconsole, wait_unt
 REPO = Path(__file__).resolve().parent.parent
 # A front end as the CLI runs one (cli/run.py after create_run_dir): follows the run, prints its steps.
 FRONT_END = ("import sys; from pathlib import Path; from shardconsole.settings import config as C; "
-             "from shardconsole import headless; d = Path(sys.argv[1]); "
-             "sys.exit(headless.run(C.load(d / 'preset.toml'), d, d.name))")
+             "from shardconsole import headless; from shardconsole.session.run import RunSession; "
+             "d = Path(sys.argv[1]); sys.exit(headless.follow(RunSession.launch(C.load(d / 'preset.toml'), d, d.name)))")
 
 
 

@@ -18,6 +18,7 @@ from shardconsole.launch.job import Job
 from shardconsole.runlog import protocol as P
 from shardconsole.runlog.runstate import RunState, save_line
 from shardconsole.session.hang import hang_message
+from shardconsole.session.run import RunSession
 from shardconsole.session.watcher import Watcher
 from shardconsole.settings import config as C
 from shardconsole.settings import preset_store
@@ -41,7 +42,7 @@ def test_a_slow_save_is_shown_and_is_not_a_hang(tmp_path, mode, what):
     """Also the export, which sends no phase line: the phase reads "training" and the steps have stopped."""
     run, proc, job = _start(tmp_path, save_s=3.0, mode=mode)
     out, err = io.StringIO(), io.StringIO()
-    rc = headless.follow(job, run, "run", out, err, grace_s=1.0, started_here=True)
+    rc = headless.follow(RunSession(job, run, "run", started_here=True), out, err, grace_s=1.0)
     proc.wait(timeout=30)
     text = out.getvalue()
     assert rc == 0 and "hang" not in err.getvalue() + text, err.getvalue() + text

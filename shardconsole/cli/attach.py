@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from shardconsole.cli.errors import UsageError, run_folder
-from shardconsole.launch.job import node_agents, open_run, run_id_of
+from shardconsole.launch.job import node_agents, open_run
+from shardconsole.session.run import RunSession
 
 
 def cmd_attach(argv: list[str]) -> int:
@@ -16,7 +17,7 @@ def cmd_attach(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     run_dir = run_folder(args.run_dir)
     try:
-        job = open_run(run_dir)
+        job = open_run(run_dir)       # a folder that is not a run's: one line, before any UI
     except ValueError as e:
         raise UsageError(str(e)) from None
     agents = node_agents(run_dir)
@@ -26,7 +27,7 @@ def cmd_attach(argv: list[str]) -> int:
               file=sys.stderr)
     if args.headless:
         from shardconsole import headless
-        return headless.follow(job, run_dir, run_id_of(run_dir))
+        return headless.follow(RunSession(job, run_dir))
     try:
         from shardconsole.console.app import run_console
     except ImportError as e:

@@ -54,13 +54,13 @@ def cmd_resume(argv: list[str]) -> int:
     _refuse_several_nodes(args.run_dir, args.overrides)
     from shardconsole import headless
     from shardconsole.session import preflight
+    from shardconsole.session.run import RunSession
     # The folder's owner from the preparation on: the launch hands the lock to the launcher, so a second
     # resume (or launch) meanwhile is refused in one line (FolderInUse, exit 2).
-    with owning(args.run_dir, "`shardconsole resume`"):
-        cfg = prepare_resume(args.run_dir, args.overrides, check=None if args.force else (
-            lambda c, source: preflight.check_disk_of(c, args.run_dir, source)))
-        print(schedule_text(cfg), file=sys.stderr, flush=True)
-        return headless.run(cfg, args.run_dir, resume_run_id(args.run_dir))
+    session = RunSession.resume(args.run_dir, args.overrides, check=None if args.force else (
+        lambda c, source: preflight.check_disk_of(c, args.run_dir, source)),
+        before_launch=lambda cfg: print(schedule_text(cfg), file=sys.stderr, flush=True))
+    return headless.follow(session)
 
 
 def _refuse_several_nodes(run_dir, overrides: list[str]) -> None:

@@ -106,10 +106,9 @@ def cmd_run(argv: list[str]) -> int:
     if not args.force:
         preflight.check_host_memory(resolved, preflight.check_model(resolved))
         preflight.check_disk(resolved, run_dir)
-    run_dir = _prepare_run_dir(cfg, run_dir, explicit=args.run_dir is not None, launch=resolved)
-    RunFolder(run_dir).write_origin(name)     # the preset's name for `runs` and `compare` (any --run-dir)
     from shardconsole import headless
-    return headless.run(cfg, run_dir, run_dir.resolve().name)
+    from shardconsole.session.run import RunSession
+    return headless.follow(RunSession.start(resolved, run_dir, explicit=args.run_dir is not None))
 
 
 def write_slurm_script(cfg: C.RunConfig, run_dir: Path, run_id: str) -> None:
@@ -130,15 +129,11 @@ def _host_bytes(cfg: C.RunConfig) -> int | None:
         return None
 
 
-def _prepare_run_dir(cfg: C.RunConfig, run_dir: Path, explicit: bool = True,
-                     launch: settings.Resolved | None = None) -> Path:
+def _prepare_run_dir(cfg: C.RunConfig, run_dir: Path, explicit: bool = True) -> Path:
     """Create the run folder with the resolved preset, atomically (session/rundir.py); returns it (a
-    default name taken in the same second gets a suffix). launch (the settings of a run that starts
-    here): a fixed master_port in use or an unwritable run/checkpoint folder is refused first."""
+    default name taken in the same second gets a suffix). A run that starts here makes its folder in
+    session/run.RunSession.start."""
     from shardconsole.session import rundir
-    if launch is not None:
-        rundir.check_port_free(cfg, launch.origin)
-        rundir.check_writable(cfg, run_dir, launch.origin)
     return rundir.create_run_dir(cfg, run_dir, explicit=explicit)
 
 

@@ -75,12 +75,13 @@ def killed_rank(run_dir: Path) -> tuple[int, int] | None:
     return None
 
 
-def fitting_settings(run_dir: Path, top: int = 2) -> str:
-    """After a GPU OOM: the planner's fastest settings that fit this machine (or the run's cap)."""
+def fitting_settings(run_dir: Path, top: int = 2, settings: C.RunConfig | None = None) -> str:
+    """After a GPU OOM: the planner's fastest settings that fit this machine (or the run's cap).
+    settings: the run's, as its session read them (None: read from the folder)."""
     try:
         from shardconsole import plan
         from shardconsole.settings.models import resolve
-        cfg = C.load(RunFolder(run_dir).preset)
+        cfg = settings if settings is not None else C.load(RunFolder(run_dir).preset)
         hw = plan.detect_hardware()
         if cfg.gpu_memory_limit_bytes:
             hw = dataclasses.replace(hw, gpu_memory_bytes=cfg.gpu_memory_limit_bytes)
@@ -212,9 +213,11 @@ def _launcher_gone(rc: int | None, run_dir: Path) -> tuple[str, str] | None:
     return None
 
 
-def explain_exit(state: RunState, rc: int | None, run_dir: Path) -> tuple[str, str]:
+def explain_exit(state: RunState, rc: int | None, run_dir: Path,
+                 settings: C.RunConfig | None = None) -> tuple[str, str]:
     """(cause, one-paragraph message) for a run that ended without a `finished` line. rc: the launcher's
-    exit code, None where this process is not its parent."""
+    exit code, None where this process is not its parent. settings: the run's, as its session read
+    them (None: read from the folder where needed)."""
     folder = RunFolder(run_dir)
     f = state.first_failure()
     who = stop_requested(state)
@@ -248,7 +251,7 @@ def explain_exit(state: RunState, rc: int | None, run_dir: Path) -> tuple[str, s
         if f.hint:
             msg += f"\n  try: {f.hint}"
         if f.cause == "gpu_oom":
-            msg += fitting_settings(run_dir)
+            msg += fitting_settings(run_dir, settings=settings)
         msg += f"\n  log: {folder.rank_log(f.rank)}"
         return f.cause, msg
     lost = stream_stopped_note(run_dir)
@@ -257,7 +260,7 @@ def explain_exit(state: RunState, rc: int | None, run_dir: Path) -> tuple[str, s
         code = f"launcher exit code {rc}" if rc is not None else "the launcher gone"
         return "crash", (f"run ended ({code}) but {lost}: no report of its end could be "
                          f"written; check the last checkpoint in {folder.path} before trusting it")
-    never_met = _rendezvous_failed(state, run_dir)
+    never_met = _rendezvous_failed(state, run_dir, settings)
     if never_met:
         return "rendezvous", never_met
     gone = _launcher_gone(rc, run_dir)
@@ -270,7 +273,7 @@ def explain_exit(state: RunState, rc: int | None, run_dir: Path) -> tuple[str, s
 _RDZV_ERROR = re.compile(r"^\S*(Rendezvous\w*Error|DistNetworkError|DistStoreError): (.*)$", re.M)
 
 
-def _rendezvous_failed(state: RunState, run_dir: Path) -> str:
+def _rendezvous_failed(state: RunState, run_dir: Path, settings: C.RunConfig | None = None) -> str:
     """The paragraph for a multi-node run whose agent gave up on the rendezvous before any rank started
     (torchrun's traceback ends in a Rendezvous*Error), naming the endpoint and who would host it; ''."""
     if state.hellos:
@@ -280,7 +283,7 @@ def _rendezvous_failed(state: RunState, run_dir: Path) -> str:
     if not any(kind.startswith("Rendezvous") for kind, _ in errors):
         return ""
     try:
-        endpoint = C.load(RunFolder(run_dir).preset).parallel.rdzv_endpoint
+        endpoint = (settings if settings is not None else C.load(RunFolder(run_dir).preset)).parallel.rdzv_endpoint
     except (C.ConfigError, OSError):
         endpoint = ""
     # torch's cause (the store it could not reach) comes before the Rendezvous*Error that wraps it
@@ -316,7 +319,8 @@ def _gone_ranks(state: RunState, f: P.Failed | None) -> str:
         f" (last step seen {step})"
 
 
-def classify(state: RunState, rc: int | None, run_dir: Path) -> tuple[str, str]:
+def classify(state: RunState, rc: int | None, run_dir: Path,
+             settings: C.RunConfig | None = None) -> tuple[str, str]:
     """(cause, message) for any ended run: "ok" with a summary when it finished."""
     if state.finished is not None and not state.failed and rc in (0, None):
         s = state.last_step
@@ -324,4 +328,4 @@ def classify(state: RunState, rc: int | None, run_dir: Path) -> tuple[str, str]:
         if s is not None and s.loss is not None:
             summary += f", last loss {s.loss:.4f}"
         return "ok", summary + f"; run folder {run_dir}"
-    return explain_exit(state, rc, run_dir)
+    return explain_exit(state, rc, run_dir, settings)

@@ -89,7 +89,10 @@ def rank_alive(hello: P.Hello, run_dir: Path) -> bool:
         return False
 
 
-def _parallel(folder: RunFolder) -> C.ParallelSettings | None:
+def _parallel(folder: RunFolder, settings: C.RunConfig | None) -> C.ParallelSettings | None:
+    """The run's parallel table: from the settings its session read (settings), else the folder's."""
+    if settings is not None:
+        return settings.parallel
     try:
         return C.load(folder.preset).parallel
     except (C.ConfigError, OSError):
@@ -106,9 +109,11 @@ def _samples_file(folder: RunFolder, parallel: C.ParallelSettings | None) -> Pat
 class Watcher:
     def __init__(self, job: Any, run_dir: Path, run_id: str, probes: Probes | None = None, *,
                  sample_every_s: float = 1.0, look_every_s: float = 1.0, logs: bool = True,
-                 hang_timeout_s: float = 0.0, record: bool | None = None, save_stall_s: float = SAVE_STALL_S) -> None:
+                 hang_timeout_s: float = 0.0, record: bool | None = None, save_stall_s: float = SAVE_STALL_S,
+                 settings: C.RunConfig | None = None) -> None:
         """record: write the run's TensorBoard events as the stream grows (tbevents.py); by default the
-        front end that samples the machine for the run (`probes`) records it too."""
+        front end that samples the machine for the run (`probes`) records it too. settings: the run
+        folder's, as the session read them (None: read here)."""
         self.job = job
         self.folder = RunFolder(Path(run_dir))
         self.run_id = run_id
@@ -116,7 +121,7 @@ class Watcher:
         self.sample_every_s, self.look_every_s = sample_every_s, look_every_s
         self.state = RunState()
         self.reader = MetricsReader(self.folder.metrics)
-        parallel = _parallel(self.folder)
+        parallel = _parallel(self.folder, settings)
         self.samples = SampleAppender(_samples_file(self.folder, parallel), run_id)
         self.logs = LogTail(self.folder.path) if logs else None
         self.watch = Watch(timeout_s=hang_timeout_s, save_stall_s=save_stall_s)
@@ -146,7 +151,8 @@ class Watcher:
     @property
     def rank_pids(self) -> list[int]:
         """The pids of this host's ranks, from their hello lines."""
-        return [h.pid for h in self.state.hellos.values() if h.pid > 0 and (not h.host or h.host == HOST)]
+        # a copy first: a stop asks from its own thread while the follower's poll adds hellos
+        return [h.pid for h in list(self.state.hellos.values()) if h.pid > 0 and (not h.host or h.host == HOST)]
 
     def live_ranks(self) -> list[int]:
         return sorted(r for r, h in self.state.hellos.items() if rank_alive(h, self.folder.path))

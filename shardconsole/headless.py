@@ -13,7 +13,6 @@ from __future__ import annotations
 import shutil
 import sys
 import time
-from pathlib import Path
 from typing import TextIO
 
 from shardconsole.machine import offload_verdict

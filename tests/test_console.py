@@ -27,6 +27,7 @@ from shardconsole.runlog.stream import MetricsWriter
 from shardconsole.console import fields as F
 from shardconsole.console.app import ShardConsoleApp
 from shardconsole.session.logtail import LogTail
+from shardconsole.session.run import RunSession
 from shardconsole.session.watcher import Watcher
 from shardconsole.console.runview import Trace
 from shardconsole.console.services import PlannedRun, RunListing
@@ -63,6 +64,13 @@ class FakeJob:
         return StopReport(signalled=[1000, *self.pids], killed=False, left=[], seconds=0.4)
 
 
+def fake_session(job: FakeJob, run_id: str = "", *, started_here: bool = False) -> RunSession:
+    """The run session the console renders, over a FakeJob: the session's own settings, watcher, hang
+    policy and outcome; only the stop is the fake's (nothing to signal)."""
+    return RunSession(job, job.run_dir, run_id, started_here=started_here,
+                      stop_with=lambda j, pids, *, who, grace_s, hurry, **_: j.stop(grace_s, pids, who=who, hurry=hurry))
+
+
 class FakeLauncher:
     def __init__(self, runs_root: Path, *, run_name: str = "20260101-000000-tiny-cpu",
                  write: Callable[[Path], None] | None = None, alive: bool = True,
@@ -79,18 +87,18 @@ class FakeLauncher:
         run_dir = self.runs_root / self.run_name
         return PlannedRun(run_dir, self.run_name, build_argv(cfg, run_dir, self.run_name, python="python"))
 
-    def start(self, cfg: C.RunConfig, planned: PlannedRun) -> FakeJob:
+    def start(self, resolved: Any, planned: PlannedRun) -> RunSession:
         planned.run_dir.mkdir(parents=True, exist_ok=True)
-        C.save(cfg, planned.run_dir / PRESET_FILE)
+        C.save(resolved.cfg, planned.run_dir / PRESET_FILE)
         if self.write:
             self.write(planned.run_dir)
-        self.started.append(cfg)
+        self.started.append(resolved.cfg)
         self.jobs.append(FakeJob(planned.run_dir, alive=self.alive, on_stop=self.on_stop))
-        return self.jobs[-1]
+        return fake_session(self.jobs[-1], started_here=True)
 
-    def attach(self, run_dir: Path) -> FakeJob:
+    def attach(self, run_dir: Path) -> RunSession:
         self.jobs.append(FakeJob(Path(run_dir), alive=self.alive, on_stop=self.on_stop))
-        return self.jobs[-1]
+        return fake_session(self.jobs[-1])
 
     def recent_runs(self, limit: int = 30) -> list[RunListing]:
         return [RunListing(d, "", self.alive) for d in sorted(self.runs_root.glob("*"))][:limit]

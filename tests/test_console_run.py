@@ -9,7 +9,7 @@ from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
 from shardconsole.launch.job import METRICS_FILE
 from shardconsole.runlog.stream import MetricsWriter
-from tests.test_console import T0, FakeJob, FakeLauncher, make_app, text_of, wait_for, write_run
+from tests.test_console import T0, FakeJob, FakeLauncher, fake_session, make_app, text_of, wait_for, write_run
 
 
 async def _run_screen(pilot, app):
@@ -84,7 +84,7 @@ class ResumingLauncher(FakeLauncher):
         _emit(run_dir, P.Hello(run=run_id, rank=0, t=T0 + 10, world=1, pid=7000, host="node-b"),
               P.Step(run=run_id, rank=0, t=T0 + 11, step=4, steps=5, loss=1.0, lr=1e-4))
         self.jobs.append(FakeJob(run_dir, alive=True))
-        return self.jobs[-1], run_id
+        return fake_session(self.jobs[-1], run_id, started_here=True)
 
 
 async def test_an_ended_run_resumes_in_its_folder(tmp_path):
@@ -198,3 +198,27 @@ async def test_a_save_shows_its_bytes_and_is_not_a_hang(tmp_path):
         _emit(run_dir, progress(7, done=True))
         await wait_for(pilot, lambda: screen.view.state.saving is None)
         assert "saving step" not in text_of(screen.query_one("#status")) and launcher.jobs[0].stops == 0
+
+
+async def test_the_session_reads_the_folders_settings_once_so_an_edit_mid_run_changes_nothing(tmp_path):
+    """Issue 29 item 2: the run session reads preset.toml when it begins and carries the settings. The
+    run screen used to read it again on every "training" phase line: a preset.toml damaged meanwhile
+    (an editor's half-written save) then lost the screen its torch.compile note."""
+    from textual.widgets import Log
+    run_dir = tmp_path / "runs" / "edited"
+    run_dir.mkdir(parents=True)
+    C.save(C.build({"parallel": {"device": "cuda"}, "train": {"compile": True, "hang_timeout_s": 600.0}}),
+           run_dir / "preset.toml")
+    _emit(run_dir, P.Hello(run="edited", rank=0, t=T0, world=1, pid=5000, device="cuda:0"),
+          P.Event(run="edited", rank=0, t=T0, name="phase", detail="starting"))
+    app = make_app(tmp_path, attach=run_dir)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await _run_screen(pilot, app)
+        await wait_for(pilot, lambda: screen.view.state.phase == "starting", what="the first phase")
+        (run_dir / "preset.toml").write_text("[train\ncompile = ")
+        _emit(run_dir, P.Event(run="edited", rank=0, t=T0 + 1, name="phase", detail="training"),
+              P.Step(run="edited", rank=0, t=T0 + 2, step=1, steps=9, loss=2.0, lr=1e-4, step_s=0.5))
+        await wait_for(pilot, lambda: screen.view.state.last_step is not None, what="the first step")
+        lines = screen.query_one("#logs", Log).lines
+        assert any("torch.compile (train.compile): the first steps compile" in line for line in lines), lines
+        assert screen.status == "running" and screen.session.hang_timeout_s == 600.0

@@ -17,6 +17,7 @@ import pytest
 
 from shardconsole.runlog import protocol as P
 from shardconsole.settings import config as C
+from shardconsole.settings import resolve as settings
 from shardconsole.session.rundir import create_run_dir
 from tests.conftest import messages, of_kind, pids_alive, shardconsole, wait_until as _wait
 
@@ -258,7 +259,7 @@ def test_a_rank_dying_of_sigsegv_is_a_crash_named_by_its_signal(tmp_path):
 
 @pytest.mark.slow
 def test_a_console_started_run_folder_is_made_as_the_clis(tmp_path, monkeypatch):
-    """TorchrunLauncher.start goes through create_run_dir: preset.toml holds absolute paths (data.path
+    """TorchrunLauncher.start goes through RunSession.start and create_run_dir: preset.toml holds absolute paths (data.path
     given relative), a planned name taken meanwhile gets the next suffix, and the folder is claimed (a
     CLI launch naming it is refused)."""
     from shardconsole.console.services import TorchrunLauncher
@@ -266,19 +267,21 @@ def test_a_console_started_run_folder_is_made_as_the_clis(tmp_path, monkeypatch)
     from shardconsole.session.stop import Hurry
     monkeypatch.chdir(tmp_path)
     (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(8)))
-    cfg = C.load(REPO / "presets" / "tiny-cpu.toml", ["data.path=corpus.jsonl", "train.steps=2000"])
+    resolved = settings.resolve(str(REPO / "presets" / "tiny-cpu.toml"), ["data.path=corpus.jsonl", "train.steps=2000"])
+    cfg = resolved.cfg
     launcher = TorchrunLauncher(tmp_path / "runs")
     planned = launcher.plan(cfg, "tiny-cpu")
     create_run_dir(cfg, planned.run_dir)            # a CLI launch took the planned name meanwhile
-    handle = launcher.start(cfg, planned)
+    session = launcher.start(resolved, planned)
     try:
-        assert handle.run_dir == planned.run_dir.with_name(planned.run_dir.name + "-2")
-        saved = C.load(handle.run_dir / "preset.toml")
+        assert session.run_dir == planned.run_dir.with_name(planned.run_dir.name + "-2")
+        saved = C.load(session.run_dir / "preset.toml")
         assert saved.data.path == str(tmp_path / "corpus.jsonl")
+        assert session.settings.data.path == saved.data.path     # what the session holds is what the ranks read
         with pytest.raises(RunDirError, match="folder exists and holds a run"):
-            create_run_dir(cfg, handle.run_dir)
+            create_run_dir(cfg, session.run_dir)
     finally:
-        report = handle.stop(0.0, [], who="test", hurry=Hurry())
+        report = session.stop("test", grace_s=0.0, hurry=Hurry())
     assert report.clean
 
 

@@ -13,6 +13,7 @@ from textual.message import Message
 
 from shardconsole.runlog import protocol as P
 from shardconsole.launch.job import StopReport
+from shardconsole.session.run import RunSession
 
 from shardconsole.console.services import Machine
 
@@ -46,15 +47,16 @@ class RunEnded(Message):
 
 @dataclass
 class RunHung(Message):
-    """No step for far longer than a step takes; where each rank is (diagnose.hang_message)."""
+    """No step for far longer than a step takes; where each rank is (session/run.RunSession.hang)."""
     message: str = ""
+    stoppable: bool = True       # False: started elsewhere, not stopped from here
 
 
 @dataclass
 class RunResumed(Message):
-    """`r` on an ended run: the same folder, a new session from its newest checkpoint."""
-    handle: object = None
-    run_id: str = ""
+    """`r` on an ended run: the same folder, a new session (session/run.RunSession) from its newest
+    checkpoint."""
+    session: RunSession
 
 
 @dataclass

@@ -1,65 +1,28 @@
 """What the console is given to work with: a launcher and the machine's probes.
 
 ShardConsoleApp receives one of each (harlequin's injected backend), so tests pass fakes and the UI
-code never reaches for launch.py or NVML directly. The real ones here are thin: they delegate to
-launch.py and probes.py, the same pieces `--headless` uses.
+code never reaches for launch/ or NVML directly. The real ones here are thin: the launcher begins
+session/run.RunSession's (as `--headless` does), the probes are session/watcher's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
 from shardconsole.settings import config as C
-from shardconsole.launch.job import PRESET_FILE, Job, StopReport, build_argv, new_run_dir, open_run
+from shardconsole.settings import resolve as settings
+from shardconsole.launch.job import build_argv, new_run_dir
 from shardconsole.launch.command import runs_root as default_runs_root
-from shardconsole.launch.owner import owning
-from shardconsole.session import rundir
 from shardconsole.runlog.protocol import GpuSample, HostSample
-from shardconsole.session.stop import Hurry, stop_run
+from shardconsole.session.run import RunSession
 from shardconsole.session.watcher import MachineProbes, Probes  # noqa: F401  (the console's probes)
 
 
 class AttachError(ValueError):
     """A folder that is not a run folder; str() is the one line shown to the user."""
-
-
-class RunHandle(Protocol):
-    """A started or attached run: SessionRun here (launch.ExternalJob for a run started on other
-    machines: no stop, its end read from the stream). The session's watcher polls it."""
-    run_dir: Path
-    external: bool
-
-    def poll(self) -> int | None: ...
-    def alive(self) -> bool: ...
-    def stop(self, grace_s: float, rank_pids: Iterable[int], *, who: str, hurry: Hurry) -> StopReport: ...
-
-
-class SessionRun:
-    """launch.Job with the session's one stop path (session/stop.py) as its stop."""
-
-    external = False
-
-    def __init__(self, job: Job) -> None:
-        self.job = job
-        self.run_dir = job.run_dir
-        self.proc = job.proc      # our child: the watcher polls it every look
-
-    def poll(self) -> int | None:
-        return self.job.poll()
-
-    def alive(self) -> bool:
-        return self.job.alive()
-
-    @property
-    def rc_known(self) -> bool:
-        return self.job.rc_known
-
-    def stop(self, grace_s: float, rank_pids: Iterable[int], *, who: str, hurry: Hurry) -> StopReport:
-        return stop_run(self.job, list(rank_pids), who=who, grace_s=grace_s, hurry=hurry)
 
 
 @dataclass(frozen=True)
@@ -86,12 +49,13 @@ class RunListing:
 
 
 class Launcher(Protocol):
+    """Begins run sessions (session/run.RunSession) for the run screen, which renders their ticks."""
     runs_root: Path
 
     def plan(self, cfg: C.RunConfig, preset_name: str) -> PlannedRun: ...
-    def start(self, cfg: C.RunConfig, planned: PlannedRun) -> RunHandle: ...
-    def attach(self, run_dir: Path) -> RunHandle: ...
-    def resume(self, run_dir: Path) -> tuple[RunHandle, str]: ...
+    def start(self, resolved: settings.Resolved, planned: PlannedRun) -> RunSession: ...
+    def attach(self, run_dir: Path) -> RunSession: ...
+    def resume(self, run_dir: Path) -> RunSession: ...
     def recent_runs(self, limit: int = 30) -> list[RunListing]: ...
 
 
@@ -99,7 +63,7 @@ class Launcher(Protocol):
 # The real ones
 
 class TorchrunLauncher:
-    """Starts runs as `--headless` does: a run folder with preset.toml, then launch.Job in its own session."""
+    """Starts runs as `--headless` does: a thin wrapper over session/run.RunSession."""
 
     def __init__(self, runs_root: str | Path | None = None) -> None:
         """runs_root: where run folders go (None: launch_command.runs_root(), the same as the CLI's)."""
@@ -109,34 +73,25 @@ class TorchrunLauncher:
         run_dir = new_run_dir(preset_name, self.runs_root)
         return PlannedRun(run_dir, run_dir.name, build_argv(cfg, run_dir, run_dir.name))
 
-    def start(self, cfg: C.RunConfig, planned: PlannedRun) -> RunHandle:
-        """The CLI's start (cli/run.py): the port and writability checks, then the run folder made by
-        session/rundir.create_run_dir (the exclusive claim; a name taken since it was planned gets the
-        next suffix; every relative path in preset.toml made absolute, so resume and export-model work
-        from any folder). ConfigError (one line) when a check refuses."""
-        rundir.check_port_free(cfg)
-        rundir.check_writable(cfg, planned.run_dir)
-        run_dir = rundir.create_run_dir(cfg, planned.run_dir, explicit=False)
-        cfg = rundir.anchor_paths(cfg)       # what preset.toml now holds, and the ranks read
-        return SessionRun(Job.start(cfg, run_dir, run_dir.name))
+    def start(self, resolved: settings.Resolved, planned: PlannedRun) -> RunSession:
+        """The CLI's start (RunSession.start): the port and writability checks, the run folder made
+        and claimed by session/rundir.create_run_dir (a name taken since it was planned gets the next
+        suffix; every relative path in preset.toml made absolute, so resume and export-model work from
+        any folder). ConfigError (one line) when a check refuses."""
+        return RunSession.start(resolved, planned.run_dir, explicit=False)
 
-    def attach(self, run_dir: Path) -> RunHandle:
+    def attach(self, run_dir: Path) -> RunSession:
         try:
-            job = open_run(Path(run_dir).expanduser())
+            return RunSession.attach(run_dir)
         except ValueError as e:
             raise AttachError(str(e)) from None
-        return job if job.external else SessionRun(job)
 
-    def resume(self, run_dir: Path) -> tuple[RunHandle, str]:
-        """Continue an ended run in its own folder (session/resume.py: newest complete checkpoint);
-        (the run, the run id of this session). ConfigError with one line when it cannot."""
-        from shardconsole.session.resume import prepare_resume, resume_run_id
+    def resume(self, run_dir: Path) -> RunSession:
+        """Continue an ended run in its own folder (RunSession.resume: newest complete checkpoint), the
+        free disk checked first. ConfigError with one line when it cannot."""
         from shardconsole.session import preflight
-        # the folder's owner from the preparation to the launch, which hands the lock to the launcher
-        with owning(Path(run_dir), "the console's resume"):
-            cfg = prepare_resume(run_dir, [], check=lambda c, source: preflight.check_disk_of(c, Path(run_dir), source))
-            run_id = resume_run_id(run_dir)
-            return SessionRun(Job.start(cfg, Path(run_dir), run_id)), run_id
+        return RunSession.resume(run_dir, [], who="the console's resume",
+                                 check=lambda c, source: preflight.check_disk_of(c, Path(run_dir), source))
 
     def recent_runs(self, limit: int = 30) -> list[RunListing]:
         """The newest runs with their status (history/index); a picker needs only the end of each
@@ -253,29 +208,27 @@ def describe_estimate(plan: ModuleType | None, cfg: C.RunConfig, machine: Machin
     return line, bool(est.fits)
 
 
-def method_line(run_dir: Path) -> str:
+def method_line(cfg: C.RunConfig | None) -> str:
     """" · lora: 40.0M of 6.74B trainable, 0.59%" for a run of adapters (the planner's count, which is
-    peft's), "" for full fine-tuning or when it cannot be said."""
+    peft's), "" for full fine-tuning or when it cannot be said. cfg: the run session's settings."""
     try:
-        cfg = C.load(run_dir / PRESET_FILE)
-        if not cfg.adapters:
+        if cfg is None or not cfg.adapters:
             return ""
         from shardconsole.plan.lora import trainable_line
         from shardconsole.plan.shapes import Shapes
         from shardconsole.settings.models import resolve
         return f" · {cfg.train.method}: {trainable_line(cfg, Shapes.of(resolve(cfg.model.name)))}"
-    except Exception:   # a courtesy line: a damaged preset.toml is the watcher's to report
+    except Exception:   # a courtesy line: a model the planner cannot read is the run's to report
         return ""
 
 
-def planned_peaks(run_dir: Path, probes: "Probes") -> tuple[int | None, int | None]:
-    """(GPU peak of the largest rank, host peak) the planner predicts for a run folder's settings on
-    this machine; (None, None) when it cannot say. Never raises: a prediction is a courtesy."""
+def planned_peaks(cfg: C.RunConfig | None, probes: "Probes") -> tuple[int | None, int | None]:
+    """(GPU peak of the largest rank, host peak) the planner predicts for a run's settings (its
+    session's) on this machine; (None, None) when it cannot say. Never raises: a prediction is a courtesy."""
     plan = load_plan()
-    if plan is None:
+    if plan is None or cfg is None:
         return None, None
     try:
-        cfg = C.load(run_dir / PRESET_FILE)
         gpus = probes.gpus()
         hw = plan_hardware(plan, gpus, probes.host())
         if hw is None:

@@ -1,8 +1,9 @@
 """The run screen: a started or attached run, live; stop it, leave it running, resume it, or start another.
 
-A thread worker runs the session's watcher (session/watcher.py, the one the headless front end uses)
-and posts what it finds; the screen folds that into its RunView and redraws the panels. Stopping runs
-in its own worker through the session's stop path, since it waits for the ranks.
+The screen renders a run session (session/run.RunSession, the one the headless front end renders): a
+thread worker ticks the session's one watcher and posts what it finds; the screen folds that into its
+RunView and redraws the panels. Stopping runs in its own worker through the session's stop, since it
+waits for the ranks. The words of the status line and of a stop's report are run_status.py's.
 """
 
 from __future__ import annotations
@@ -24,19 +25,17 @@ from textual.worker import get_current_worker
 
 from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
-from shardconsole.session.hang import hang_message, where_ranks_are
-from shardconsole.launch.job import StopReport
-from shardconsole.runlog.runfolder import RunFolder
-from shardconsole.runlog.runstate import save_line
-from shardconsole.session.outcome import EXIT_CODES, classify
+from shardconsole.session.outcome import EXIT_CODES
+from shardconsole.session.run import RunSession
 from shardconsole.session.stop import Hurry, describe_stop
-from shardconsole.session.watcher import Watcher
 
 from shardconsole.console.messages import MachineSampled, RunEnded, RunHung, RunResumed, RunUpdate, StopFinished
 from shardconsole.console.runview import RunView, log_line
 from shardconsole.console.screens.dialogs import ConfirmScreen, ReportScreen
-from shardconsole.console.services import Probes, RunHandle, RunOptions, method_line, planned_peaks
-from shardconsole.console.widgets.run_panels import GpuPanel, HostPanel, LossPanel, ThroughputPanel, duration, gib
+from shardconsole.console.screens.run_status import short_stop, status_text, stop_details
+from shardconsole.console.services import Probes, RunOptions, method_line, planned_peaks
+from shardconsole.console.widgets.following_log import FollowingLog
+from shardconsole.console.widgets.run_panels import GpuPanel, HostPanel, LossPanel, ThroughputPanel, duration
 
 HERE = Path(__file__).parent
 POLL_S = 0.5           # how often the follower looks at the stream (and the panels redraw); samples: 1 Hz
@@ -44,35 +43,6 @@ LOG_LINES = 500
 
 # Lifecycle of the run as this screen sees it; the phase inside a live run comes from the stream.
 LIVE = ("running", "stopping")
-
-
-class FollowingLog(Log):
-    """A Log that keeps to its newest line until the user scrolls up, and again once they scroll back
-    down. Log's own auto_scroll lost the end for good when lines came before the first layout or many
-    at once (it scrolls before the new lines are laid out), and the panel then showed the oldest lines."""
-
-    following = True
-
-    def add(self, lines: list[str]) -> None:
-        self.write_lines(lines, scroll_end=False)
-        if self.following:
-            # force: the scrollbar that allows the scroll appears only at the next layout
-            self.scroll_end(animate=False, force=True)
-
-    def watch_scroll_y(self, old_value: float, new_value: float) -> None:
-        super().watch_scroll_y(old_value, new_value)
-        if self.size.height and new_value != old_value:    # moved: by the user, or by scroll_end
-            self.following = new_value >= self.max_scroll_y
-
-    def on_resize(self) -> None:
-        if self.following:
-            self.scroll_end(animate=False, force=True)
-
-    def watch_show_vertical_scrollbar(self, shown: bool) -> None:
-        # Textual moves the scrollbar's thumb only while the bar is shown: the forced scroll_end above
-        # runs before the bar appears, which then drew its thumb at the top while the panel showed the end.
-        if shown:
-            self.vertical_scrollbar.position = self.scroll_y
 
 
 class RunScreen(Screen[None]):
@@ -88,13 +58,12 @@ class RunScreen(Screen[None]):
     status: reactive[str] = reactive("running")
     """running | stopping | stopped | finished | failed"""
 
-    def __init__(self, handle: RunHandle, probes: Probes, *, attached: bool = False,
-                 options: RunOptions = RunOptions(), session_id: str | None = None) -> None:
-        """session_id: the run id of a resumed session (its own end lines); the folder's name otherwise."""
+    def __init__(self, session: RunSession, probes: Probes, *, attached: bool = False,
+                 options: RunOptions = RunOptions()) -> None:
         super().__init__()
-        self.handle = handle
+        self.session = session
         self.probes = probes
-        self.run_id = session_id or RunFolder(handle.run_dir).run_id
+        self.run_id = session.run_id
         self.attached = attached
         self.sample = options.sample
         self.stop_grace_s = options.stop_grace_s
@@ -125,8 +94,8 @@ class RunScreen(Screen[None]):
 
     def on_mount(self) -> None:
         self.sub_title = (("attached · " if self.attached else "") + f"run {self.run_id}"
-                          + method_line(self.handle.run_dir))
-        self.view.planned_gpu_bytes, self.view.planned_host_bytes = planned_peaks(self.handle.run_dir, self.probes)
+                          + method_line(self.session.settings))
+        self.view.planned_gpu_bytes, self.view.planned_host_bytes = planned_peaks(self.session.settings, self.probes)
         self._draw_status()
         self.set_interval(1.0, self._tick_clock)
         self.follow()
@@ -151,7 +120,7 @@ class RunScreen(Screen[None]):
             signal.signal(signal.SIGTERM, self._sigterm_before)   # remove_signal_handler left SIG_DFL
 
     def _sigterm(self) -> None:
-        if self.status == "running" and not getattr(self.handle, "external", False):
+        if self.status == "running" and not self.session.external:
             self._exit_after_stop = True
             self._begin_stop("SIGTERM to the console")
         elif self.status == "stopping":
@@ -179,7 +148,7 @@ class RunScreen(Screen[None]):
         if action == "new_run":
             return not self.live
         if action == "resume":
-            return not self.live and not getattr(self.handle, "external", False) \
+            return not self.live and not self.session.external \
                 and hasattr(self.app, "launcher") and hasattr(self.app.launcher, "resume")
         return True
 
@@ -191,14 +160,13 @@ class RunScreen(Screen[None]):
     @work(thread=True, exclusive=True, group="follow")
     def follow(self) -> None:
         worker = get_current_worker()
-        watcher = Watcher(self.handle, self.handle.run_dir, self.run_id, self.probes if self.sample else None,
-                          look_every_s=POLL_S, hang_timeout_s=_hang_timeout(self.handle.run_dir))
+        session = self.session
+        session.watch(self.probes if self.sample else None, look_every_s=POLL_S)
         unavailable = self.probes.gpu_unavailable()
         self.post_message(MachineSampled([], gpu_unavailable=unavailable))
-        hang_said = False
         try:
             while not worker.is_cancelled:
-                tick = watcher.poll()
+                tick = session.tick()
                 stream = [m for m in tick.messages if not isinstance(m, (P.GpuSample, P.HostSample))]
                 samples = [m for m in tick.messages if isinstance(m, (P.GpuSample, P.HostSample))]
                 if stream or tick.log_lines or tick.notes or tick.bad_lines != self.view.bad_lines:
@@ -206,23 +174,19 @@ class RunScreen(Screen[None]):
                 if samples:
                     self.post_message(MachineSampled(samples, gpu_unavailable=unavailable))
                 if tick.ended:
-                    # attached to a run this console did not start: its launcher's exit code is unknown here
-                    rc = tick.exit_code if getattr(self.handle, "rc_known", True) else None
-                    cause, message = classify(watcher.state, rc, self.handle.run_dir)
+                    cause, message = session.outcome()
                     self.post_message(RunEnded(tick.exit_code, cause, message))
                     return
-                if not hang_said and self.status == "running" and watcher.hung():
-                    hang_said = True
-                    stacks = {} if watcher.external else where_ranks_are(watcher.state, self.handle.run_dir,
-                                                                           watcher.live_ranks())
-                    self.post_message(RunHung(hang_message(watcher.state, stacks, watcher.stalled_for())))
+                hang = session.hang() if self.status == "running" else None
+                if hang is not None:
+                    self.post_message(RunHung(hang.message, hang.stoppable))
                 time.sleep(POLL_S)
         finally:
-            watcher.close()
+            session.close()
 
     @work(thread=True, exclusive=True, group="stop")
     def stop_run(self, who: str) -> None:
-        report = self.handle.stop(self.stop_grace_s, self.view.state.rank_pids, who=who, hurry=self._hurry)
+        report = self.session.stop(who, grace_s=self.stop_grace_s, hurry=self._hurry)
         unavailable = self.probes.gpu_unavailable()
         gpus = [] if unavailable else self.probes.gpus(self.run_id)
         self.post_message(StopFinished(report, gpus, unavailable))
@@ -230,11 +194,11 @@ class RunScreen(Screen[None]):
     @work(thread=True, exclusive=True, group="resume")
     def resume_run(self) -> None:
         try:
-            handle, run_id = self.app.launcher.resume(self.handle.run_dir)
+            session = self.app.launcher.resume(self.session.run_dir)
         except (C.ConfigError, OSError, ValueError) as e:
             self.app.call_from_thread(self.notify, str(e), title="Cannot resume", severity="error", timeout=10)
             return
-        self.post_message(RunResumed(handle, run_id))
+        self.post_message(RunResumed(session))
 
     # --- what the workers found --------------------------------------------------------------------
     @on(RunUpdate)
@@ -246,7 +210,7 @@ class RunScreen(Screen[None]):
             if line is not None:
                 said.append(line)
             if isinstance(msg, P.Event) and msg.name == "phase" and msg.detail == "training" and \
-                    _compiles(self.handle.run_dir):
+                    self.session.settings is not None and self.session.settings.train.compile:
                 # No rank says it: torch.compile runs inside the first steps, which then look stalled.
                 said.append(f"{'r0':>6}│ torch.compile (train.compile): the first steps compile the model "
                             f"and take longer; the steps after them show the real speed")
@@ -275,7 +239,7 @@ class RunScreen(Screen[None]):
         if event.cause == "ok":
             steps = self.view.state.finished.steps if self.view.state.finished else 0
             self.note = Text(f"■ finished: {steps} steps in {duration(self.view.elapsed_s)}; "
-                             f"run folder {self.handle.run_dir}", "green")
+                             f"run folder {self.session.run_dir}", "green")
             self.status = "finished"
         elif event.cause == "stopped":      # stopped from elsewhere: another front end, `shardconsole stop`
             self.note = Text(f"■ {event.message.splitlines()[0]}", "yellow")
@@ -288,7 +252,7 @@ class RunScreen(Screen[None]):
 
     @on(RunHung)
     def _run_hung(self, event: RunHung) -> None:
-        if getattr(self.handle, "external", False):
+        if not event.stoppable:
             self.note = Text(f"✖ run hung: {event.message}; it was not started here, so it is not stopped here",
                              "red")
             self._draw_status()
@@ -300,13 +264,13 @@ class RunScreen(Screen[None]):
     @on(RunResumed)
     def _run_resumed(self, event: RunResumed) -> None:
         """The same screen follows the new session: the whole stream again, the old curves included."""
-        self.handle, self.run_id = event.handle, event.run_id
+        self.session, self.run_id = event.session, event.session.run_id
         self.view = RunView(self.run_id)
-        self.view.planned_gpu_bytes, self.view.planned_host_bytes = planned_peaks(self.handle.run_dir, self.probes)
+        self.view.planned_gpu_bytes, self.view.planned_host_bytes = planned_peaks(self.session.settings, self.probes)
         self.outcome, self.note, self._hurry = "", Text(), Hurry()
         self.query_one("#logs", Log).clear()
         self.status = "running"
-        self.sub_title = f"resumed · run {self.run_id}" + method_line(self.handle.run_dir)
+        self.sub_title = f"resumed · run {self.run_id}" + method_line(self.session.settings)
         self.follow()
 
     @on(StopFinished)
@@ -334,7 +298,7 @@ class RunScreen(Screen[None]):
 
     # --- actions -----------------------------------------------------------------------------------
     def action_stop(self) -> None:
-        if getattr(self.handle, "external", False):
+        if self.session.external:
             self.notify("This run was started on other machines (--print-command or --slurm): stop it where it "
                         "runs, e.g. scancel for a Slurm job. q leaves it running.", severity="warning")
             return
@@ -364,7 +328,7 @@ class RunScreen(Screen[None]):
 
     def action_leave(self) -> None:
         """Quit the console; the run goes on in its own session and can be attached to again."""
-        self.app.exit(result=self.handle.run_dir, return_code=0)
+        self.app.exit(result=self.session.run_dir, return_code=0)
 
     def action_new_run(self) -> None:
         """Back to the setup screen, which is always under this one."""
@@ -382,98 +346,6 @@ class RunScreen(Screen[None]):
         self._draw_status()
 
     def _draw_status(self) -> None:
-        if not self.is_mounted:
-            return
-        view, state = self.view, self.view.state
-        s = state.last_step
-        text = Text(no_wrap=True, overflow="ellipsis")
-        phase = {"stopping": "stopping", "stopped": "stopped", "finished": "finished",
-                 "failed": "failed"}.get(self.status, state.phase)
-        color = {"stopped": "yellow", "finished": "green", "failed": "red", "stopping": "yellow"}.get(
-            self.status, "cyan")
-        text.append(f"● {phase}", f"bold {color}")
-        if self.live and state.saving is not None:
-            # a save of tens of GB takes tens of seconds: its bytes say it is alive (and the hang watch
-            # counts them as progress); in the step bar's place, which reads 100% by then
-            text.append(f"  {save_line(state.saving)}", "bold")
-        elif s is not None and s.steps:
-            frac = min(1.0, s.step / s.steps)
-            width = 20 if self.size.width >= 100 else 8     # 80 columns: room for the time elapsed
-            filled = int(frac * width)
-            text.append(f"  step {s.step}/{s.steps} ")
-            text.append("━" * filled, color)
-            text.append("━" * (width - filled), "bright_black")
-            text.append(f" {100 * frac:.0f}%")
-            if view.eta_s is not None and self.live:
-                text.append(f" · eta {duration(view.eta_s)}")
-        elif self.live and state.phase == "building ops":
-            # A first build takes minutes and sends nothing while it runs: the clock says it is alive.
-            took = view.phase_elapsed_s(time.time())
-            text.append(f" {duration(took or 0)}", "bold")
-            text.append(" (a first JIT build takes minutes on a few cores; later runs load the cached build)"
-                        if not view.building else "", "dim")
-        elif self.live:
-            text.append("  waiting for the first step", "dim")
-        if state.world:
-            text.append(f" · {state.world} rank(s)")
-        text.append(f" · {duration(view.elapsed_s)} elapsed")
-        if view.bad_lines:
-            text.append(f" · {view.bad_lines} unreadable metrics line(s) skipped", "yellow")
-        if self.note:
-            text.append("\n")
-            text.append_text(self.note)
-        elif self.live and state.phase == "building ops" and view.building:
-            text.append("\n" + view.building, "dim")
-        self.query_one("#status", Static).update(text)
-
-
-def short_stop(report: StopReport, ranks: int) -> str:
-    """The status line's account of a clean stop, short enough for 80 columns (the report has it all)."""
-    launcher = "the launcher and " if getattr(report, "launcher_pid", 0) else ""
-    how = " (SIGKILL after the grace)" if report.killed else ""
-    return f"stopped in {report.seconds:.1f}s{how}: {launcher}{ranks} rank(s) ended, none left"
-
-
-def stop_details(report: StopReport, view: RunView, before: dict[int, P.GpuSample],
-                 after: list[P.GpuSample], gpu_unavailable: str) -> list[tuple[str, bool]]:
-    """(line, ok) for each rank (has it ended?) and each GPU (does any process of the run still hold
-    memory there?), for the stop report."""
-    out: list[tuple[str, bool]] = []
-    left = set(report.left)
-    launcher = getattr(report, "launcher_pid", 0)      # session/stop.StopOutcome
-    if launcher:
-        alive = launcher in left
-        out.append((f"launcher (torchrun, pid {launcher}): {'still running' if alive else 'ended'}", not alive))
-    for rank, hello in sorted(view.state.hellos.items()):
-        alive = hello.pid in left
-        out.append((f"rank {rank} (pid {hello.pid}): {'still running' if alive else 'ended'}", not alive))
-    others = left - {h.pid for h in view.state.hellos.values()} - {launcher}
-    if others:
-        out.append((f"other process(es) of the run still alive: {sorted(others)}", False))
-    if gpu_unavailable and not after:
-        out.append((f"GPU memory: nothing to free, no GPU here ({gpu_unavailable})", True))
-        return out
-    ours = set(report.signalled) | {h.pid for h in view.state.hellos.values()}
-    for g in after:
-        holders = sorted(set(g.pids) & ours)
-        was = before.get(g.index)
-        change = f"{gib(was.used_bytes)} → {gib(g.used_bytes)} GiB" if was else f"{gib(g.used_bytes)} GiB used"
-        if holders:
-            out.append((f"gpu{g.index}: {change}; still held by pid {holders}", False))
-        else:
-            out.append((f"gpu{g.index}: {change}; no process of the run holds memory", True))
-    return out
-
-
-def _hang_timeout(run_dir: Path) -> float:
-    try:
-        return C.load(RunFolder(run_dir).preset).train.hang_timeout_s
-    except (C.ConfigError, OSError):
-        return 0.0
-
-
-def _compiles(run_dir: Path) -> bool:
-    try:
-        return C.load(RunFolder(run_dir).preset).train.compile
-    except (C.ConfigError, OSError):
-        return False
+        if self.is_mounted:
+            self.query_one("#status", Static).update(
+                status_text(self.view, self.status, self.live, self.note, wide=self.size.width >= 100))

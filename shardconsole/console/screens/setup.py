@@ -4,7 +4,8 @@ The state is what the command line takes: a preset and `table.key=value` overrid
 the command line, then one per edited field, each with its source). The settings shown are the settings
 pipeline's (settings.resolve, lenient: a bad override is set aside and marked at its field instead of
 stopping at the first). Launching runs the same preflight as `--headless` (session/preflight) on that
-Resolved and starts exactly its settings (setup_actions.py: launch, save, attach).
+Resolved and starts exactly its settings (setup_actions.py: launch, save, attach); the words shown of
+the settings are setup_summary.py's.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -23,19 +23,19 @@ from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import (Footer, Header, Input, Label, OptionList, RadioButton, RadioSet, Static, TabbedContent,
                              TabPane)
-from textual.widgets.option_list import Option
 
 from shardconsole.settings import config as C
 from shardconsole.settings import preset_store, resolve as settings
-from shardconsole.launch.job import format_argv
-from shardconsole.settings.models import CATALOG, ModelError, human_count, resolve
+from shardconsole.settings.models import CATALOG, ModelError, resolve
 
 from shardconsole.console import fields as F
 from shardconsole.console.data_field import DataCheck
 from shardconsole.console.messages import MachineDetected
 from shardconsole.console.screens.setup_actions import SetupActions
-from shardconsole.console.services import (Launcher, Machine, PlannedRun, Probes, RunOptions, describe_estimate,
-                                           describe_machine, load_plan, plan_hardware)
+from shardconsole.console.screens.setup_summary import (changes_text, command_text, estimate_text, field_help,
+                                                        machine_text, model_info, model_options, preset_options,
+                                                        problems_text)
+from shardconsole.console.services import Launcher, Machine, PlannedRun, Probes, RunOptions, load_plan, plan_hardware
 from shardconsole.console.widgets.setting_field import SettingField
 
 HERE = Path(__file__).parent
@@ -127,7 +127,7 @@ class SetupScreen(SetupActions, Screen[None]):
                     # brings it into view instead of moving to a control nobody sees.
                     with VerticalScroll(id="model-picker", can_focus=False):
                         yield Label("Model", classes="picker-title")
-                        yield OptionList(*self._model_options(), id="models")
+                        yield OptionList(*model_options(), id="models")
                         yield PickInput(placeholder="or a local model folder…", id="model-dir", compact=True)
                         yield Static(id="model-info", markup=False)
                         yield Label("Backend", classes="picker-title")
@@ -140,7 +140,7 @@ class SetupScreen(SetupActions, Screen[None]):
                                 yield RadioButton(label, value=self.cfg.train.method == key, id=f"method-{key}")
                     with Vertical(id="preset-picker"):
                         yield Label("Preset", classes="picker-title")
-                        yield OptionList(*self._preset_options(), id="presets")
+                        yield OptionList(*preset_options(), id="presets")
             for table in C.TABLES:
                 with TabPane(table, id=f"tab-{table}"):
                     # Filled when first shown (_ensure_form): ninety rows of widgets at start would
@@ -154,25 +154,6 @@ class SetupScreen(SetupActions, Screen[None]):
             yield Static(id="estimate", markup=False)
             yield Static(id="machine", markup=False)
         yield Footer()
-
-    @staticmethod
-    def _model_options() -> list[Option]:
-        out = []
-        for name in CATALOG:
-            spec = resolve(name)
-            out.append(Option(Text.assemble((f"{name:<5}", "bold"), f" {human_count(spec.n_params):>7} params"),
-                              id=name))
-        return out
-
-    @staticmethod
-    def _preset_options() -> list[Option]:
-        out = []
-        for info in preset_store.list_presets():
-            prompt = Text.assemble((info.name, "bold"), "  ", (info.origin, "dim"))
-            if info.description:
-                prompt.append("\n" + info.description, "italic")
-            out.append(Option(prompt, id=info.name))
-        return out
 
     def on_mount(self) -> None:
         self.sub_title = "set up a run"
@@ -223,20 +204,7 @@ class SetupScreen(SetupActions, Screen[None]):
         self._show_model_info()
 
     def _show_model_info(self, error: str = "") -> None:
-        info = self.query_one("#model-info", Static)
-        if error:
-            info.update(Text(error, "red"))
-            return
-        try:
-            spec = resolve(self.cfg.model.name)
-        except ModelError as e:
-            info.update(Text(str(e), "red"))
-            return
-        text = Text.assemble((spec.name if spec.path is None else Path(spec.name).name, "bold"),
-                             f": {human_count(spec.n_params)} params · {spec.layers} layers · hidden {spec.hidden}")
-        if spec.path is not None:
-            text.append("; weights found" if spec.has_weights else "; no weights: trains from random init")
-        info.update(text)
+        self.query_one("#model-info", Static).update(model_info(self.cfg.model.name, error))
 
     @on(OptionList.OptionSelected, "#models")
     def _model_selected(self, event: OptionList.OptionSelected) -> None:
@@ -334,7 +302,6 @@ class SetupScreen(SetupActions, Screen[None]):
                 out.append(problem)
         return out
 
-
     def _refresh(self) -> None:
         """Everything derived from cfg: marks at the fields, tabs, changes, command, estimate."""
         cfg = self.cfg
@@ -369,38 +336,17 @@ class SetupScreen(SetupActions, Screen[None]):
 
     def _draw_summary(self, problems: list[tuple[str, str]], diff: list[tuple[str, object, object]]) -> None:
         cfg = self.cfg
-        bad = Text(no_wrap=False)
-        if problems:
-            path, detail = problems[0]
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            bad.append(f"✗ {path}: {detail}{more}", "bold red")
-        elif self.machine.detected and not self.machine.gpus and cfg.parallel.device == "auto":
-            # Valid, but easy to miss: a GPU preset on a machine without one trains on the CPU.
-            bad.append("! no GPU here: parallel.device = auto runs the ranks on the CPU (slow beyond tiny)",
-                       "yellow")
+        bad = problems_text(problems, cfg, self.machine)
         self.query_one("#problems", Static).update(bad)
         self.query_one("#problems").display = bool(bad)
         changes = F.diff_entries(diff)
-        line = Text()
-        line.append("Changes ", "bold")
-        if changes:
-            line.append(f"from {self.preset_name}: " + " · ".join(changes))
-        else:
-            line.append(f"from {self.preset_name}: none", "dim")
-        if self.notes:   # what the CLI says of these settings (deepspeed keys from the fsdp table, fp16
-            line.append(" · " + "; ".join(self.notes), "dim")          # keys a dtype change dropped)
-        self.query_one("#changes", Static).update(line)
+        self.query_one("#changes", Static).update(changes_text(self.preset_name, changes, self.notes))
         self.query_one("#changes").set_class(not (changes or self.notes), "-none")   # hidden at 80 columns
         self.planned = self.launcher.plan(cfg, self.preset_name)
-        cmd = Text()
-        cmd.append("Command ", "bold")
-        cmd.append(format_argv(self.planned.argv))
-        self.query_one("#command", Static).update(cmd)
-        estimate, fits = (describe_estimate(self.plan, cfg, self.machine, self.planned.run_dir) if not problems else
-                          ("Memory estimate: once the settings are valid", None))
+        self.query_one("#command", Static).update(command_text(self.planned))
         self.query_one("#estimate", Static).update(
-            Text(estimate, "red" if fits is False else "dim" if self.plan is None else ""))
-        self.query_one("#machine", Static).update(Text(describe_machine(self.machine), "dim"))
+            estimate_text(self.plan, cfg, self.machine, self.planned, valid=not problems))
+        self.query_one("#machine", Static).update(machine_text(self.machine))
 
     @on(DescendantFocus)
     def _focus_moved(self, event: DescendantFocus) -> None:
@@ -409,12 +355,7 @@ class SetupScreen(SetupActions, Screen[None]):
         help_line.display = setting is not None
         if setting is None:
             return
-        spec = setting.spec
-        kinds = {"select": "choose with enter", "switch": "space toggles", "number": "a number",
-                 "size": "a size such as 24GiB or 512MiB", "text": "text"}
-        help_line.update(Text.assemble((spec.path, "bold"), f" — {spec.help}  ", (f"({kinds[spec.kind]}"
-                                       + (", empty for the default" if spec.optional and spec.kind != "select"
-                                          else "") + ")", "dim")))
+        help_line.update(field_help(setting.spec))
 
     # --- actions -----------------------------------------------------------------------------------
     async def action_next_tab(self) -> None:

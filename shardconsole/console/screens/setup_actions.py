@@ -15,13 +15,16 @@ from shardconsole.settings import preset_store, resolve as settings
 from shardconsole.session import preflight
 
 from shardconsole.console.screens.dialogs import AttachScreen, ConfirmScreen, ReportScreen, SavePresetScreen, SaveRequest
-from shardconsole.console.services import AttachError, RunHandle
+from shardconsole.console.screens.setup_summary import preset_options
+from shardconsole.session.run import RunSession
+
+from shardconsole.console.services import AttachError
 
 
 class SetupActions:
     """Launch, save and attach; mixed into SetupScreen, whose state it reads (resolved, machine, plan,
     launcher, preset_name, preset_path) and whose methods it calls (_problems, _go_to, _load, _refresh,
-    _show_picks, _preset_options)."""
+    _show_picks)."""
 
     async def _refuse_if_invalid(self, doing: str) -> bool:
         """With a problem left: say it, take the user to its field, and return True."""
@@ -86,17 +89,16 @@ class SetupActions:
 
     def _start(self, resolved: settings.Resolved) -> None:
         """Start exactly the settings that were checked."""
-        cfg = resolved.cfg
-        planned = self.planned or self.launcher.plan(cfg, self.preset_name)
+        planned = self.planned or self.launcher.plan(resolved.cfg, self.preset_name)
         try:
-            handle = self.launcher.start(cfg, planned)
+            session = self.launcher.start(resolved, planned)
         except OSError as e:
             self.notify(f"{planned.run_dir}: {e}", title="Launch failed", severity="error", timeout=10)
             return
         except C.ConfigError as e:     # the launcher's checks (port, writable folders, the folder's claim)
             self.notify(str(e), title="Launch refused", severity="error", timeout=10)
             return
-        self._open_run(handle, attached=False)
+        self._open_run(session, attached=False)
 
     def _run_screen_closed(self, _: None = None) -> None:
         self._refresh()    # a new run folder name for the next launch
@@ -137,7 +139,7 @@ class SetupActions:
             return
         self._load(str(path), [])
         presets = self.query_one("#presets", OptionList)
-        presets.set_options(self._preset_options())
+        presets.set_options(preset_options())
         self._refresh()
         self._show_picks()
         self.notify(f"Saved {path}", title="Preset saved")
@@ -169,14 +171,14 @@ class SetupActions:
         if run_dir is None:
             return
         try:
-            handle = self.launcher.attach(run_dir)
+            session = self.launcher.attach(run_dir)
         except AttachError as e:
             self.notify(str(e), title="Cannot attach", severity="error", timeout=10)
             return
-        self._open_run(handle, attached=True)
+        self._open_run(session, attached=True)
 
-    def _open_run(self, handle: RunHandle, *, attached: bool) -> None:
+    def _open_run(self, session: RunSession, *, attached: bool) -> None:
         # Imported here: the run screen and its panels are not needed for the first paint.
         from shardconsole.console.screens.run import RunScreen
-        self.app.push_screen(RunScreen(handle, self.probes, attached=attached,
+        self.app.push_screen(RunScreen(session, self.probes, attached=attached,
                                        options=self.run_options), self._run_screen_closed)

@@ -133,6 +133,8 @@ def test_release_check_names_the_runs_cards_by_uuid_and_rank():
 
 @pytest.mark.parametrize("times, knobs, verdict, words", [
     ((0.40, 0.90, 0.10, 0.05), offload_verdict.Knobs(), offload_verdict.HOST, "train.grad_accum"),
+    ((0.40, 0.90, 0.10, 0.05), offload_verdict.Knobs(clip_blocks_overlap=True), offload_verdict.HOST,
+     "train.clip_grad_norm = 0"),
     ((0.50, 0.20, 0.45, 0.10), offload_verdict.Knobs(backend="fsdp", compute_copy=False),
      offload_verdict.PCIE, "fsdp.offload_compute_copy = true"),
     ((0.50, 0.20, 0.45, 0.10), offload_verdict.Knobs(backend="fsdp", compute_copy=True),

@@ -18,7 +18,9 @@ never reads them for the clip (0.22-0.36 s of a 3.1B step on the H200 host, now 
 Tried and removed (2026-11-30): the host AdamW step in a thread, a layer at a time, under the next
 forward. On the H200 host the forward slowed from 0.36 s to 1.2-1.4 s beside it and the step from
 0.73 s to 0.85-0.93 s: both move host memory (the step ~28 bytes a parameter, the forward's copies
-4), so they queue on the same memory bandwidth; the step overall got 5-10% slower.
+4), so they queue on the same memory bandwidth; the step overall got 5-10% slower. What replaced it is
+under the backward instead (offload_overlap.py): a layer's step starts when its gradients land, beside
+the backward's longer compute, with a core left to the thread that launches it.
 """
 
 from __future__ import annotations

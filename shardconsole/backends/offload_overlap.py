@@ -98,6 +98,9 @@ class Overlap:
         self.threads = max(1, torch.get_num_threads() - 1)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="host-step",
                                        initializer=torch.set_num_threads, initargs=(self.threads,))
+        # RoundedAdamW's host update is torch.compile'd at its first call: that step runs plain, so Dynamo
+        # and Inductor compile on the main thread, and the host thread only calls the compiled code.
+        self.cold = isinstance(optim, master_update.RoundedAdamW) and optim.compile
         self.armed = False
         self.futures: list[Future] = []
         self.stepped: set[int] = set()
@@ -106,7 +109,8 @@ class Overlap:
     def arm(self, step: int) -> bool:
         """Before the last micro-batch's backward: its units step as their gradients land. Not on a step
         whose gradients a test fault rewrites after the backward."""
-        self.armed = self.complete and not self.r.faults.changes_grads(step)
+        self.armed = self.complete and not self.cold and not self.r.faults.changes_grads(step)
+        self.cold = False
         return self.armed
 
     def _wrap(self, post_backward, unit: _Unit):

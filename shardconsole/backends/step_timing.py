@@ -54,7 +54,9 @@ def knobs(cfg) -> offload_verdict.Knobs:
         low_precision=cfg.precision.dtype != "fp32",
         pin_memory=cfg.fsdp.pin_memory if fsdp else cfg.deepspeed.pin_memory,
         offload_param=fsdp or cfg.deepspeed.offload_param != "none",
-        checkpointing=cfg.memory.activation_checkpointing, compiled=cfg.train.compile)
+        checkpointing=cfg.memory.activation_checkpointing, compiled=cfg.train.compile,
+        clip_blocks_overlap=fsdp and cfg.fsdp.offload_overlap and cfg.train.clip_grad_norm > 0
+        and cfg.precision.dtype != "fp16")
 
 
 class _Step:

@@ -32,6 +32,7 @@ class Knobs:
     offload_param: bool = True             # parameters on the host too (FSDP2 offload always; ZeRO-3 offload_param)
     checkpointing: bool = False
     compiled: bool = False
+    clip_blocks_overlap: bool = False      # fsdp.offload_overlap is on but train.clip_grad_norm keeps the step after the backward
 
 
 def verdict(gpu_s: float | None, host_step_s: float | None, h2d_s: float | None, d2h_s: float | None,
@@ -42,6 +43,9 @@ def verdict(gpu_s: float | None, host_step_s: float | None, h2d_s: float | None,
     if gpu <= 0 and host <= 0:
         return "", ""
     if host >= gpu:
+        if knobs.clip_blocks_overlap:
+            return HOST, ("train.clip_grad_norm = 0: without a clip fsdp.offload_overlap runs each layer's host "
+                          "step under the backward (the clip needs every gradient's norm first)")
         return HOST, ("raise train.grad_accum: the host step is paid once per optimizer step, so more "
                       "micro-batches a step spread it over more tokens")
     if on_gpu and busier >= PCIE_SHARE * gpu:

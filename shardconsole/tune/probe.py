@@ -1,5 +1,5 @@
-"""One probe: a short real run of one candidate through the normal launch path (session/rundir ->
-launch.Job -> session/watcher.Watcher, as headless runs it), measured: tokens/s of the steady steps,
+"""One probe: a short real run of one candidate through the normal launch path (session/rundir, then a
+session/run.RunSession with its one watcher and stop, as headless runs it), measured: tokens/s of the steady steps,
 the GPU peak (NVML's used bytes of the devices, the allocator's peak reserved bytes), the host peak
 (the ranks' RSS), and how it ended. A probe that fails (OOM, a candidate that cannot start) is a result,
 never an exception; a probe that outlives its time is stopped by the normal stop path."""
@@ -53,27 +53,26 @@ def probe_config(cfg: C.RunConfig, steps: int) -> C.RunConfig:
 def run_probe(cfg: C.RunConfig, run_dir: Path, *, timeout_s: float, should_stop: Callable[[], bool] = lambda: False,
               on_step: Callable[[ProbeResult], None] | None = None) -> ProbeResult:
     """Launch cfg in run_dir (created here), follow it to its end or timeout_s, measure it."""
-    from shardconsole.launch.job import Job
     from shardconsole.session import rundir
-    from shardconsole.session.outcome import classify
-    from shardconsole.session.stop import stop_run
-    from shardconsole.session.watcher import MachineProbes, Watcher
+    from shardconsole.session.run import RunSession
+    from shardconsole.session.watcher import MachineProbes
 
     t0 = time.monotonic()
     res = ProbeResult(status="starting", run_dir=str(run_dir))
     try:
         rundir.check_port_free(cfg)
         run_dir = rundir.create_run_dir(cfg, run_dir)
-        job = Job.start(cfg, run_dir, run_dir.resolve().name)
+        session = RunSession.launch(rundir.anchor_paths(cfg), run_dir, run_dir.resolve().name)
     except (C.ConfigError, OSError, ValueError) as e:
         res.status, res.message = "cannot start", str(e).splitlines()[0] if str(e) else type(e).__name__
         return res
-    watcher = Watcher(job, run_dir, run_dir.resolve().name, MachineProbes(), logs=False, record=False)
+    # a probe of a few steps: no hang watch, no TensorBoard events, no rank logs to follow
+    watcher = session.watch(MachineProbes(), logs=False, record=False)
     gpu_base: dict[int, int] = {}
     stopped_why = ""
     try:
         while True:
-            tick = watcher.poll()
+            tick = session.tick()
             changed = False
             for msg in tick.messages:
                 if isinstance(msg, P.Step):
@@ -97,8 +96,8 @@ def run_probe(cfg: C.RunConfig, run_dir: Path, *, timeout_s: float, should_stop:
                 break
             if time.monotonic() - t0 > timeout_s or should_stop():
                 stopped_why = "timeout" if not should_stop() else "stopped"
-                stop_run(job, watcher.rank_pids, who=f"tune: probe {stopped_why}", grace_s=10.0)
-                watcher.poll()
+                session.stop(f"tune: probe {stopped_why}", grace_s=10.0)
+                session.tick()
                 break
             try:
                 time.sleep(POLL_S)
@@ -106,12 +105,12 @@ def run_probe(cfg: C.RunConfig, run_dir: Path, *, timeout_s: float, should_stop:
                 # The ranks run in a session of their own (launch.Job): Ctrl-C reaches only this process,
                 # so the probe is stopped here through the normal stop path before the tune ends.
                 stopped_why, res.interrupted = "stopped", True
-                stop_run(job, watcher.rank_pids, who="tune: Ctrl-C", grace_s=10.0)
-                watcher.poll()
+                session.stop("tune: Ctrl-C", grace_s=10.0)
+                session.tick()
                 break
-        cause, message = classify(watcher.state, watcher.exit_code, run_dir)
+        cause, message = session.outcome()
     finally:
-        watcher.close()
+        session.close()
     res.seconds = time.monotonic() - t0
     res.tokens_per_s = steady_tokens_per_s(res.samples)
     if stopped_why:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -56,6 +57,44 @@ def shardconsole(*args: str, timeout: float = 180, env: dict | None = None, cwd:
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "shardconsole", *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=cwd)
+
+
+FINISHED_RUN_TIMEOUT = 900      # a cold machine builds DeepSpeed's ops inside its first DeepSpeed run
+
+
+def _finished_run(tmp_path_factory, name: str, *sets: str) -> SimpleNamespace:
+    """A tiny-cpu run to its end through the headless front end: its folder (`run`) and the front end's
+    CompletedProcess (`res`); each test asserts on them itself. A session fixture is made before the
+    function-scoped ones above, so the run is given their temporary folders itself."""
+    base = tmp_path_factory.mktemp(name)
+    env = {"SHARDCONSOLE_PRESETS_DIR": str(base / "user-presets"), "SHARDCONSOLE_RUNS_ROOT": str(base / "runs-root"),
+           "SHARDCONSOLE_SPEEDS_FILE": str(base / "speeds.jsonl"),
+           "SHARDCONSOLE_CACHE_DIR": str(tmp_path_factory.getbasetemp() / "token-cache")}
+    run_dir = base / "run"
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run_dir),
+                       *[a for s in sets for a in ("--set", s)], timeout=FINISHED_RUN_TIMEOUT, env=env)
+    return SimpleNamespace(run=run_dir, res=res)
+
+
+# One real run per behaviour: the tests that only read a finished run of these settings share it (each
+# costs 20-60 s of the 2-core box). A test that changes the folder copies it first.
+
+@pytest.fixture(scope="session")
+def fsdp_tiny_run(tmp_path_factory):
+    """FSDP2, 2 ranks, 12 steps, a step line every 3, the final save: test_runs' clean end and
+    test_plan_saves' DCP checkpoint size."""
+    return _finished_run(tmp_path_factory, "fsdp-tiny-run", "train.steps=12", "train.log_every=3")
+
+
+ZERO3_TINY_STEPS = 10
+
+
+@pytest.fixture(scope="session")
+def zero3_tiny_run(tmp_path_factory):
+    """DeepSpeed ZeRO-3, 2 ranks, 10 steps, a step line every 2, the final save: test_deepspeed_run's
+    clean end, test_plan_saves' ZeRO-3 checkpoint size and test_export_model's ZeRO-3 export."""
+    return _finished_run(tmp_path_factory, "zero3-tiny-run", "parallel.backend=deepspeed", "deepspeed.stage=3",
+                         f"train.steps={ZERO3_TINY_STEPS}", "train.log_every=2")
 
 
 def messages(run_dir: Path) -> list:

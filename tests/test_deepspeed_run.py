@@ -94,9 +94,9 @@ def test_deepspeed_builder_parses_the_fixed_arch_list(monkeypatch):
 # Real runs
 
 @pytest.mark.slow
-def test_zero3_two_ranks_trains_and_ends_clean(tmp_path):
-    run_dir = tmp_path / "run"
-    res = run(run_dir, "deepspeed.stage=3", "train.steps=10", "train.log_every=2")
+def test_zero3_two_ranks_trains_and_ends_clean(zero3_tiny_run):
+    """conftest's shared run: deepspeed.stage=3, train.steps=10, train.log_every=2."""
+    run_dir, res = zero3_tiny_run.run, zero3_tiny_run.res
     msgs = assert_clean_run(res, run_dir)
     step_lines = [l for l in res.stdout.splitlines() if l.startswith("step ")]
     assert [l.split()[1] for l in step_lines] == ["2/10", "4/10", "6/10", "8/10", "10/10"]

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from shardconsole.settings import config as C
-from tests.conftest import messages, of_kind, shardconsole
+from tests.conftest import ZERO3_TINY_STEPS, messages, of_kind, shardconsole
 from tests.hf_fixtures import CORPUS, make_hf_model
 
 pytestmark = pytest.mark.slow
@@ -63,11 +63,14 @@ def fsdp(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def zero3(tmp_path_factory):
+def zero3(tmp_path_factory, zero3_tiny_run):
+    """conftest's shared ZeRO-3 run (its final save at step ZERO3_TINY_STEPS), exported here; the tests
+    read its folder, and the one that edits a checkpoint edits a copy."""
+    res = zero3_tiny_run.res
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     root = tmp_path_factory.mktemp("export-zero3")
-    run_dir = root / "run"
-    _run(run_dir, root / "cache", "parallel.backend=deepspeed", "deepspeed.stage=3", "train.steps=4")
-    return SimpleNamespace(root=root, run=run_dir, out=_exported(run_dir, root / "hf"))
+    return SimpleNamespace(root=root, run=zero3_tiny_run.run, step=ZERO3_TINY_STEPS,
+                           out=_exported(zero3_tiny_run.run, root / "hf"))
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +257,7 @@ def test_a_killed_exports_partial_folder_is_removed_by_the_next_export(fsdp, tmp
 
 def test_zero3_export_loads_whole_with_the_checkpoints_tensors(zero3):
     hf = load_export(zero3.out)
-    state = zero_model_state(_step_dir(zero3.run, 4))
+    state = zero_model_state(_step_dir(zero3.run, zero3.step))
     exported = hf.state_dict()
     assert set(exported) == {k.removeprefix("lm.") for k in state}
     for key, value in state.items():
@@ -279,13 +282,14 @@ def test_a_checkpoint_pickle_that_would_run_code_is_refused(zero3, tmp_path):
     shutil.copytree(zero3.run, run)
     marker = tmp_path / "ran"
     # rank 1's file: only zero_to_fp32 reads it (the export reads rank 0's for the stage, weights_only itself)
-    states = sorted((_step_dir(run, 4) / "global_step4").glob("*model_states.pt"))[-1]
+    step = _step_dir(run, zero3.step)
+    states = sorted((step / f"global_step{zero3.step}").glob("*model_states.pt"))[-1]
     sd = torch.load(states, weights_only=False)
     sd["extra"] = _RunsCode(marker)
     torch.save(sd, states)
-    manifest = _step_dir(run, 4) / "shardconsole.json"      # a crafted file comes with a matching manifest
+    manifest = step / "shardconsole.json"      # a crafted file comes with a matching manifest
     meta = json.loads(manifest.read_text())
-    meta["files"][str(states.relative_to(_step_dir(run, 4)))] = states.stat().st_size
+    meta["files"][str(states.relative_to(step))] = states.stat().st_size
     manifest.write_text(json.dumps(meta))
     assert "cannot read the checkpoint" in _one_line_error(_export(run, tmp_path / "out"))
     assert not marker.exists() and not (tmp_path / "out").exists()

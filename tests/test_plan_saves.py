@@ -29,9 +29,10 @@ def _du(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-def _planned_vs_disk(run_dir: Path, *sets: str) -> tuple[int, int]:
-    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run_dir),
-                       *[a for s in sets for a in ("--set", s)], timeout=600)
+def _planned_vs_disk(finished) -> tuple[int, int]:
+    """The planned size of one checkpoint and its newest checkpoint's on disk, of a finished run
+    (conftest's shared runs: the size does not depend on the step count)."""
+    res, run_dir = finished.res, finished.run
     assert res.returncode == 0, res.stderr[-3000:]
     step = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     sv = PL.saves(C.load(run_dir / "preset.toml"), Shapes.of(resolve("tiny")))
@@ -39,15 +40,14 @@ def _planned_vs_disk(run_dir: Path, *sets: str) -> tuple[int, int]:
 
 
 @pytest.mark.slow
-def test_the_planned_dcp_checkpoint_is_the_size_fsdp2_writes(tmp_path):
-    planned, on_disk = _planned_vs_disk(tmp_path / "run", "train.steps=2", "train.log_every=1")
+def test_the_planned_dcp_checkpoint_is_the_size_fsdp2_writes(fsdp_tiny_run):
+    planned, on_disk = _planned_vs_disk(fsdp_tiny_run)
     assert abs(planned / on_disk - 1) < 0.03, (planned, on_disk)
 
 
 @pytest.mark.slow
-def test_the_planned_deepspeed_checkpoint_is_the_size_zero3_writes(tmp_path):
-    planned, on_disk = _planned_vs_disk(tmp_path / "run", "parallel.backend=deepspeed", "deepspeed.stage=3",
-                                        "train.steps=2", "train.log_every=1")
+def test_the_planned_deepspeed_checkpoint_is_the_size_zero3_writes(zero3_tiny_run):
+    planned, on_disk = _planned_vs_disk(zero3_tiny_run)
     assert abs(planned / on_disk - 1) < 0.03, (planned, on_disk)
 
 

@@ -19,10 +19,9 @@ from tests.conftest import assert_nothing_left, messages, of_kind, pids_alive, s
 pytestmark = pytest.mark.slow
 
 
-def test_headless_tiny_cpu_trains_and_ends_clean(tmp_path):
-    run_dir = tmp_path / "run"
-    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run_dir),
-                       "--set", "train.steps=12", "--set", "train.log_every=3")
+def test_headless_tiny_cpu_trains_and_ends_clean(fsdp_tiny_run):
+    """conftest's shared run: train.steps=12, train.log_every=3."""
+    run_dir, res = fsdp_tiny_run.run, fsdp_tiny_run.res
     assert res.returncode == 0, res.stderr + res.stdout
     step_lines = [l for l in res.stdout.splitlines() if l.startswith("step ")]
     assert [l.split()[1] for l in step_lines] == ["3/12", "6/12", "9/12", "12/12"]

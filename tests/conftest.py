@@ -51,6 +51,28 @@ def _token_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("SHARDCONSOLE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "token-cache"))
 
 
+def _end_processes_naming(folder: Path) -> None:
+    """SIGKILL to every process whose command line names `folder` (this process excepted)."""
+    import psutil
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if proc.pid != os.getpid() and str(folder) in " ".join(proc.info["cmdline"] or []):
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that fails while its run goes on (a stop test's `communicate` timing out on a loaded box)
+    left that run training (train.steps=100000) through the rest of the suite, on the suite's 2 cores:
+    the processes naming the failed test's tmp_path end with it. Passing tests pay nothing."""
+    outcome = yield
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if call.when == "call" and tmp is not None and outcome.get_result().failed:
+        _end_processes_naming(tmp)
+
+
 def shardconsole(*args: str, timeout: float = 180, env: dict | None = None, cwd: Path | None = None
                  ) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess, as a user would."""

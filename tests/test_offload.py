@@ -2,7 +2,7 @@
 grad_scale on plain CPU tensors, and the norm summed at each reduce-scatter on a one-process FSDP2 model
 (the real 2-rank runs in test_runs.py and test_deepspeed_run.py cover the sharded path); the host arena
 (pinned_arena.py) on a one-process model and in a real 2-rank offloaded Kahan run resumed exactly, and a
-Kahan resume from a checkpoint without compensation."""
+Kahan resume from a checkpoint without compensation; a unit-at-a-time step (offload_overlap) against the whole step."""
 
 from __future__ import annotations
 
@@ -257,3 +257,36 @@ def test_nvme_offload_without_the_async_io_op_is_one_line(tmp_path):
         line = [ln for ln in res.stderr.splitlines() if "run failed" in ln]
         assert line and 'deepspeed.offload_optimizer = "nvme" needs DeepSpeed\'s async I/O op' in line[0], res.stderr
         assert "Traceback" not in res.stderr
+
+
+def test_a_unit_at_a_time_is_the_whole_step_and_overlap_is_off_where_the_step_needs_every_gradient():
+    """offload_overlap steps the run's optimizer narrowed to one FSDP unit's parameters at a time: for
+    torch's fused AdamW and RoundedAdamW (stochastic rounding seeded by each parameter's place in the whole
+    optimizer) the result is bit for bit the whole step's. And it is off where an update needs every
+    gradient first: a clip (the presets' default) or fp16 loss scaling, each said with the key to change."""
+    from types import SimpleNamespace
+
+    from shardconsole.backends import offload_overlap
+    from shardconsole.backends.master_update import RoundedAdamW
+    from shardconsole.settings import resolve
+    for make, dtype in ((lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), torch.float32),
+                        (lambda ps: RoundedAdamW(ps, lr=1e-2, rounding="stochastic", seed=7), torch.bfloat16)):
+        whole, parts = _params(3, 1.0), _params(3, 1.0)
+        for p in (*whole, *parts):
+            p.data, p.grad = p.data.to(dtype), p.grad.to(dtype)
+        opts = [make(whole), make(parts)]
+        for _ in range(2):
+            opts[0].step()
+            for unit in (parts[2:], parts[:1], parts[1:2]):        # the units in backward order
+                offload_overlap._subset(opts[1], {id(p) for p in unit}).step()
+        for a, b in zip(whole, parts):
+            assert torch.equal(a.data, b.data)
+            assert torch.equal(opts[0].state[a]["exp_avg_sq"], opts[1].state[b]["exp_avg_sq"])
+
+    def reason(*sets, scaler=None):
+        r = SimpleNamespace(cfg=resolve.resolve("tiny-cpu", ["fsdp.cpu_offload=true", *sets]).cfg)
+        return offload_overlap.why_not(r, torch.optim.AdamW(_params(0, 1.0), fused=True), scaler)
+    assert reason("train.clip_grad_norm=0") == ""
+    assert "train.clip_grad_norm = 1 needs the global gradient norm" in reason()
+    assert "fp16 loss scaling" in reason("train.clip_grad_norm=0", scaler=object())
+    assert reason("train.clip_grad_norm=0", "fsdp.offload_overlap=false") == "off"

@@ -67,7 +67,8 @@ class _Step:
         self.h2d: list[tuple] = []
         self.d2h: list[tuple] = []
         self.host = 0.0                # the main thread's time in the host step (what the step waited)
-        self.host_work: float | None = None     # offload_overlap: the host step's own seconds, part of them under the backward
+        # offload_overlap: the host step's own seconds, part of them under the backward
+        self.host_work: float | None = None
         self.wall = 0.0
         self.h2d_bytes = 0
         self.d2h_bytes = 0

@@ -32,7 +32,8 @@ class Knobs:
     offload_param: bool = True             # parameters on the host too (FSDP2 offload always; ZeRO-3 offload_param)
     checkpointing: bool = False
     compiled: bool = False
-    clip_blocks_overlap: bool = False      # fsdp.offload_overlap is on but train.clip_grad_norm keeps the step after the backward
+    # fsdp.offload_overlap is on but train.clip_grad_norm keeps the host step after the backward
+    clip_blocks_overlap: bool = False
 
 
 def verdict(gpu_s: float | None, host_step_s: float | None, h2d_s: float | None, d2h_s: float | None,

@@ -224,10 +224,19 @@ def build_fsdp2(args, config, device: torch.device):
 DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def _torchao_view_dtype() -> None:
+    """torchao 0.18 cannot compile its step over bf16 FSDP2 shards (no aten.view.dtype on its state
+    subclasses; pytorch/ao PR 4216, open): the product's registration of it, the one thing this loop takes
+    from the product besides the size table. Without it the bf16 low-bit peer fails at its first step."""
+    from shardconsole.backends.lowbit_optim import register_view_dtype
+    register_view_dtype()
+
+
 def make_optimizer(args, params, fused: bool):
     if args.optim == "adamw":
         return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=fused or None)
     from torchao.optim import AdamW4bit, AdamW8bit      # torchtune's low-bit choice, torchao's defaults
+    _torchao_view_dtype()
     cls = AdamW8bit if args.optim == "adamw8bit" else AdamW4bit
     return cls(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
 

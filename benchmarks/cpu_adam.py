@@ -3,6 +3,7 @@ and foreach AdamW, and DeepSpeed's CPUAdam (AVX + OpenMP, fp32 or bf16 moments),
 stochastic or Kahan rounding (backends/master_update.py), compiled and eager.
 
     python3 benchmarks/cpu_adam.py --params 500e6 --tensors 64
+    python3 benchmarks/cpu_adam.py --params 1e8 --torch-only --only-rounded    # issue 35: the rounded host step
 
 Prints seconds per step and host bytes per parameter for each; --out writes JSON."""
 
@@ -43,6 +44,7 @@ def main() -> None:
     ap.add_argument("--torch-only", action="store_true", help="skip DeepSpeed's CPUAdam (no op build)")
     ap.add_argument("--eager", action="store_true", help="also the rounded update unfused (slow)")
     ap.add_argument("--skip", nargs="*", default=[], help="case names to leave out")
+    ap.add_argument("--only-rounded", action="store_true", help="only torch's fused bf16 and the rounded update")
     a = ap.parse_args()
     n = int(a.params)
     rows = []
@@ -51,9 +53,12 @@ def main() -> None:
              ("torch fused bf16", torch.bfloat16, lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True))]
     from shardconsole.backends.master_update import RoundedAdamW
     for rounding in ("stochastic", "kahan"):
-        for compiled in (True, False) if a.eager else (True,):
-            cases.append((f"rounded {rounding} bf16" + (" compiled" if compiled else " eager"), torch.bfloat16,
-                          lambda ps, r=rounding, c=compiled: RoundedAdamW(ps, lr=1e-4, rounding=r, compile=c)))
+        # "c++ op": backends/rounded_update_cpu.py (what an offloaded run's host step runs); "inductor": the
+        # update compiled by torch.compile, as before it (issue 35 item 2)
+        for how in ("c++ op", "inductor", "eager") if a.eager else ("c++ op", "inductor"):
+            cases.append((f"rounded {rounding} bf16 {how}", torch.bfloat16,
+                          lambda ps, r=rounding, h=how: RoundedAdamW(ps, lr=1e-4, rounding=r, compile=h != "eager",
+                                                                     host_op=h == "c++ op")))
     try:
         if a.torch_only:
             raise ImportError("--torch-only")
@@ -64,7 +69,7 @@ def main() -> None:
     except Exception as e:   # noqa: BLE001 - report and go on with torch's
         print(f"DeepSpeedCPUAdam unavailable: {e}")
     for name, dtype, mk in cases:
-        if name in a.skip:
+        if name in a.skip or (a.only_rounded and not name.startswith(("rounded", "torch fused bf16"))):
             continue
         ps = make(n, a.tensors, dtype)
         try:

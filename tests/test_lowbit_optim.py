@@ -59,11 +59,14 @@ def test_what_cannot_take_a_low_bit_optimizer_is_refused_in_one_line(tmp_path, s
 
 
 @pytest.mark.slow
-def test_a_tiny_fsdp2_run_learns_with_adamw8bit(tmp_path):
-    """2 CPU ranks over gloo; torchao's step compiled by Inductor for the CPU."""
+def test_a_tiny_fsdp2_run_learns_with_adamw8bit_on_bf16_weights_stepped_in_backward(tmp_path):
+    """2 CPU ranks over gloo; torchao's step compiled by Inductor for the CPU, over bf16 FSDP2 shards
+    (torchao 0.18 fails that without lowbit_optim.register_view_dtype) and in the backward pass."""
     run_dir = tmp_path / "run"
     res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run_dir),
                        "--set", "optim.name=adamw8bit", "--set", "train.steps=12", "--set", "train.lr=3e-3",
+                       "--set", "precision.dtype=bf16", "--set", "precision.master_dtype=bf16",
+                       "--set", "optim.step_in_backward=true", "--set", "train.clip_grad_norm=0",
                        "--set", "train.save_final=none", "--set", "train.log_every=1", timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     steps = of_kind(messages(run_dir), "step")

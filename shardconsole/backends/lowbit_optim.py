@@ -19,6 +19,7 @@ BLOCK_SIZE = {"adamw8bit": 256, "adamw4bit": 128}
 def make(cfg, params) -> torch.optim.Optimizer:
     """torchao's AdamW8bit or AdamW4bit over params, with train's lr, betas and weight decay."""
     from torchao.optim import AdamW4bit, AdamW8bit     # optional dependency: shardconsole[lowbit]
+    register_view_dtype()
     cls = {"adamw8bit": AdamW8bit, "adamw4bit": AdamW4bit}[cfg.optim.name]
     t = cfg.train
     return cls(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
@@ -33,3 +34,32 @@ def set_lr(optim: torch.optim.Optimizer, lr: float) -> None:
             group["lr"].fill_(lr)
         else:
             group["lr"] = lr
+
+
+def register_view_dtype() -> None:
+    """torchao 0.18's moment subclasses take the parameter's dtype as their "appearance", but their
+    aten.view drops it (the view comes back fp32) and they implement no aten.view.dtype. With bf16
+    parameters sharded by FSDP2 (DTensor.from_local views the state), torch.compile's fake copy of the
+    state then fails the step: "OptimState8bit dispatch: ... aten.view.dtype", or a dtype mismatch of the
+    view against its base (on the GPU as on the CPU; pytorch/ao PR 4216, open). Here both keep the
+    appearance dtype, as torchao's own _to_copy does. Once per process; a torchao that has view.dtype
+    keeps its own."""
+    from torch.utils._python_dispatch import return_and_correct_aliasing
+    from torchao.optim.subclass_4bit import OptimState4bit
+    from torchao.optim.subclass_8bit import OptimState8bit
+    aten = torch.ops.aten
+    remake = {OptimState8bit: lambda x, dt: OptimState8bit(x.codes, x.scale, x.qmap, x.signed, dtype=dt),
+              OptimState4bit: lambda x, dt: OptimState4bit(x.codes, x.scale, x.qmap, x.signed, x._shape, dtype=dt)}
+    for cls, like in remake.items():
+        table = getattr(cls, "_ATEN_OP_TABLE", {}).get(cls, {})
+        if aten.view.dtype in table:
+            continue
+
+        def view_as_dtype(func, types, args, kwargs, like=like):
+            return return_and_correct_aliasing(func, args, kwargs, like(args[0], args[1]))
+
+        def view_keeping_dtype(func, types, args, kwargs, like=like, view=table[aten.view.default]):
+            out = view(func, types, args, kwargs)
+            return out if out.dtype == args[0].dtype else like(out, args[0].dtype)
+        cls.implements(aten.view.dtype)(view_as_dtype)
+        cls.implements(aten.view.default)(view_keeping_dtype)

@@ -124,7 +124,7 @@ class RoundedAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, rounding: str = "stochastic", seed: int = 0,
-                 chunk: int | None = None, compile: bool = False, warn=None) -> None:
+                 chunk: int | None = None, compile: bool = False, warn=None, host_op: bool = True) -> None:
         if rounding not in ("stochastic", "kahan"):
             raise ValueError(f"rounding must be 'stochastic' or 'kahan' (nearest is torch's AdamW), not {rounding!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True))
@@ -134,6 +134,8 @@ class RoundedAdamW(torch.optim.Optimizer):
         # on a compile error the eager update is used on that device type, said once through `warn`.
         self.compile, self.warn = compile, warn
         self.compile_failed: dict[str, str] = {}
+        # host_op: compiled on the host, the C++ op of rounded_update_cpu.py (False: Inductor's, to compare)
+        self.host_op, self.host_op_failed = host_op, None     # and why that op could not be built
         self._hp: dict = {}
         # Each parameter's place in the whole optimizer, 1-based: its rounding seed's, also when a subset
         # of the parameters steps (offload_overlap steps one FSDP unit at a time).
@@ -218,4 +220,14 @@ class RoundedAdamW(torch.optim.Optimizer):
     def _fn(self, device_type: str):
         if not self.compile or device_type in self.compile_failed:
             return update_chunk
+        if device_type == "cpu" and self.host_op:       # the host step: the C++ op (rounded_update_cpu.py), else Inductor's
+            from shardconsole.backends import rounded_update_cpu
+            built, why = rounded_update_cpu.get()
+            if built is not None:
+                return rounded_update_cpu.update_chunk
+            if why and self.host_op_failed is None:
+                self.host_op_failed = why
+                if self.warn is not None:
+                    self.warn(f"precision.master_rounding: the C++ host step could not be built ({why}); "
+                              "running the compiled update (about 4x slower on the host)")
         return _fused(device_type)

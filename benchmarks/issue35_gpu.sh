@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 35 item 4, one GPU call (about 6-8 minutes): on one H200 capped at 24 GiB, 3b on torchao's 8-bit
+# AdamW without offload (the ordinary step, then optim.step_in_backward), the torchtune-style bare loop
+# (benchmarks/bare_loops.py: 8-bit AdamW + step in backward + checkpointing, bf16) and the 3b offload
+# recipe, the same text, held-out records, micro-batch, steps and constant lr: tokens/s, NVML's peak, the
+# held-out loss after the last step. Run from the repo root on the GPU machine (PYTHONPATH set, torchao
+# installed):
+#     bash benchmarks/issue35_gpu.sh
+# Writes $OUT/issue35.json (gpu_runs.py's rows) and $OUT/issue35.log (its table). The matrix's other
+# rows (the offload overlap's) are run by their own command.
+set -u
+OUTD=${OUT:-/tmp/issue35_out}
+mkdir -p "$OUTD"
+export PYTHONUNBUFFERED=1 SHARDCONSOLE_RUNS_ROOT=/tmp/sc-i35-runs SHARDCONSOLE_SPEEDS_FILE=/tmp/sc-i35-speeds.jsonl
+python3 -c "import torchao; print('torchao', torchao.__version__)" || echo "torchao missing: the low-bit runs are refused in one line"
+# The text lora_7b_gpu.sh writes (the same 6,000 records), read as UTF-8 bytes by the catalog model.
+python3 - <<'PY'
+import json, random
+rng = random.Random(0)
+words = ("shard gradient optimizer offload adapter rank checkpoint layer memory host device tensor "
+         "step loss batch token window record sample parameter state").split()
+with open("/tmp/sc-lora-text.jsonl", "w") as fh:
+    for i in range(6000):
+        a, b = rng.randint(1, 99), rng.randint(1, 99)
+        s = " ".join(rng.choice(words) for _ in range(rng.randint(20, 40)))
+        fh.write(json.dumps({"text": f"Record {i}: {a} plus {b} is {a + b}. {s.capitalize()}."}) + "\n")
+PY
+python3 benchmarks/gpu_runs.py --matrix issue35 --timeout 240 --out "$OUTD/issue35.json" \
+    --only 3b-adamw8bit-bf16m-step-in-bwd bare-3b-torchtune-adamw8bit-bwd 3b-adamw8bit-bf16m-no-offload \
+    3b-adamw-offload 2>&1 | tee "$OUTD/issue35.log"
+python3 - "$OUTD/issue35.json" <<'PY' | tee -a "$OUTD/issue35.log"
+import json, sys
+rows = json.load(open(sys.argv[1]))["results"]
+print("\n| run | rc | tokens/s | NVML peak GiB | allocator reserved GiB | host GiB | held-out loss after 16 steps |")
+print("|---|---|---|---|---|---|---|")
+for r in rows:
+    f = lambda v, spec: "-" if v is None else format(v, spec)
+    print(f"| {r['name']} | {r['rc']} | {f(r['tokens_per_s'], ',.0f')} | {f(r['nvml_used_gib'], '.1f')} | "
+          f"{f(r['peak_reserved_gib'], '.1f')} | {f(r['host_used_gib'], '.1f')} | {f(r.get('eval_loss'), '.4f')} |"
+          + (f" {r['failed'][0][:120]}" if r.get("failed") else ""))
+PY

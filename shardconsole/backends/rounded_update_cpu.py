@@ -115,7 +115,11 @@ def get():
     """(the built module, None) or (None, why it could not be built); built at most once a process."""
     if "mod" not in _built:
         try:
+            import psutil
             from torch.utils.cpp_extension import load_inline
+            from shardconsole.backends.jit_cache import clear_stale_lock
+            # a build killed midway leaves torch's lock file, and every later load would wait on it
+            clear_stale_lock(NAME, psutil.Process().create_time())
             _built["mod"] = load_inline(NAME, cpp_sources=[SOURCE], functions=["update", "round_stochastic"],
                                         extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
             _built["why"] = None

@@ -27,12 +27,14 @@ def make(n: int, k: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
     return ps
 
 
-def time_steps(opt, steps: int) -> float:
+def time_steps(opt, steps: int) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of all threads) a step. The CPU seconds hold on a shared machine,
+    where the wall time is mostly the neighbours' load: bytes / CPU-second is a core's bandwidth."""
     opt.step()   # states allocated (and the rounded update compiled) on the first step
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         opt.step()
-    return (time.perf_counter() - t0) / steps
+    return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
 
 def main() -> None:
@@ -73,7 +75,7 @@ def main() -> None:
             continue
         ps = make(n, a.tensors, dtype)
         try:
-            s = time_steps(mk(ps), a.steps)
+            s, cpu_s = time_steps(mk(ps), a.steps)
         except Exception as e:   # noqa: BLE001
             rows.append({"name": name, "error": str(e)[:200]})
             continue
@@ -81,12 +83,12 @@ def main() -> None:
         # fp32 28, bf16 14, +4 for the Kahan buffer (read and written).
         moved = (28 if dtype == torch.float32 else 14) + (4 if "kahan" in name else 0)
         rows.append({"name": name, "s_per_step": s, "gparams_per_s": n / s / 1e9, "bytes_per_param": moved,
-                     "gbps": n * moved / s / 1e9})
+                     "gbps": n * moved / s / 1e9, "cpu_s_per_step": cpu_s, "gb_per_cpu_s": n * moved / cpu_s / 1e9})
         del ps
     print(f"{n / 1e6:.0f}M params, {a.tensors} tensors, {torch.get_num_threads()} threads, {os.cpu_count()} cpus")
     for r in rows:
         print(f"{r['name']:<30} " + (f"{r['s_per_step']:.3f} s/step  {r['gparams_per_s']:.2f} Gparam/s  "
-                                     f"{r['gbps']:.1f} GB/s moved"
+                                     f"{r['gbps']:.1f} GB/s moved  ({r['gb_per_cpu_s']:.1f} GB a CPU-second)"
                                      if "s_per_step" in r else r["error"]))
     if a.out:
         with open(a.out, "w") as f:

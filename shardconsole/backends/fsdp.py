@@ -275,11 +275,7 @@ def train(r: common.Rank) -> None:
     start_step = resume(r, model, optim, scaling, data) if t.resume else 0
     clip = fsdp_step.Clip(r, model, optim, scaling, reduce_dtype(cfg))
     # optim.step_in_backward: each parameter steps as FSDP2 reduces its gradient (no clip, no scaler)
-    in_backward = None
-    if cfg.optim.step_in_backward:
-        in_backward = step_in_backward.StepInBackward(optim, adapters.trained_params(model))
-        r.event("info", f"optim.step_in_backward: {len(in_backward.handles)} parameters step as their "
-                        "gradients are reduced, each gradient freed at once")
+    in_backward = step_in_backward.attach(r, optim, adapters.trained_params(model))
     meter = metrics.StepMeter(r, model)
     floor = metrics.ScaleFloorWatch(cfg)
     phases = metrics.PhaseTimes(r)
@@ -319,9 +315,8 @@ def train(r: common.Rank) -> None:
                     phases.mark("clip")
                     scaling.step(optim)
                     phases.mark("step")
-                elif not in_backward.take_count():
-                    raise RuntimeError("optim.step_in_backward: no parameter was stepped in the backward pass "
-                                       "(FSDP2 called no post-accumulate-grad hook)")
+                else:
+                    in_backward.check_stepped()
                 refresh_compute_copy(r)       # (the overlap refreshes each unit's copy after its step)
         optim.zero_grad(set_to_none=True)
         phases.mark("copy+zero")

@@ -47,11 +47,24 @@ class StepInBackward:
         p.grad = None               # the gradient's memory goes back now, not at the end of the step
         self.stepped += 1
 
-    def take_count(self) -> int:
+    def check_stepped(self) -> None:
+        """After a backward: some parameter stepped (else FSDP2 called no hook, and nothing trains)."""
         n, self.stepped = self.stepped, 0
-        return n
+        if not n:
+            raise RuntimeError("optim.step_in_backward: no parameter was stepped in the backward pass "
+                               "(FSDP2 called no post-accumulate-grad hook)")
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+def attach(r, optim: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> StepInBackward | None:
+    """The hooks when r.cfg.optim.step_in_backward is on (said once in the stream), else None."""
+    if not r.cfg.optim.step_in_backward:
+        return None
+    hooks = StepInBackward(optim, params)
+    r.event("info", f"optim.step_in_backward: {len(hooks.handles)} parameters step as their gradients are "
+                    "reduced, each gradient freed at once")
+    return hooks

@@ -1,12 +1,14 @@
 """`shardconsole chat EXPORT_DIR | RUN [--step N] [--temperature T] [--top-p P] [--max-new-tokens N]
-[--system TEXT] [--prompt TEXT]`: talk to a trained model in the terminal.
+[--system TEXT] [--prompt TEXT] [--base [FOLDER]]`: talk to a trained model in the terminal.
 
 EXPORT_DIR is a folder export-model wrote; RUN a run folder or id, whose newest checkpoint (or --step N)
 is exported on the way, through export-model itself, into a temporary folder. A multi-turn
 conversation with the chat template the run trained with; tokens are printed as they are generated.
 Ctrl-C stops a generation and returns to the prompt; Ctrl-C at the prompt or end of input (Ctrl-D)
 ends the chat. `/reset` starts the conversation again. --prompt TEXT: one answer, then exit.
-Temperature 0 (the default) is greedy decoding.
+Temperature 0 (the default) is greedy decoding. --base: the run's base model (the folder it started
+from, or FOLDER) answers each message too, with the same prompt, after the trained model.
+--serve: the console's chat process (tryout/chat_serve.py), JSON lines on stdin and stdout.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--system", default=None, help="a system message at the start of the conversation")
     ap.add_argument("--prompt", default=None, help="one user message: print the answer and exit")
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: the GPU if the weights fit")
+    ap.add_argument("--base", nargs="?", const="", default=None, metavar="FOLDER",
+                    help="the base model answers too (default: the folder the run started from)")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     return ap
 
 
@@ -55,7 +60,20 @@ def model_folder(target: str, step: int | None) -> Iterator[Path]:
         yield out
 
 
-def converse(model, sampling, lines: TextIO, out: TextIO, system: str | None) -> int:
+def base_of(target: str, choice: str | None):
+    """The base beside the run's model: None (not asked), or tryout.base.Base (a folder, or why none)."""
+    from shardconsole.tryout import base as B
+    if choice is None:
+        return None
+    if choice:
+        return B.of_folder(Path(choice).expanduser())
+    path = Path(target).expanduser()
+    return B.of_export(path) if (path / "config.json").is_file() else B.of_run(run_folder(target))
+
+
+def converse(models, sampling, lines: TextIO, out: TextIO, system: str | None) -> int:
+    """models: (label, model) pairs, the run's first. The run's answers make the conversation; the others
+    (the base) answer each message given the very same prompt, so they show what training changed."""
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     while True:
         out.write("you> ")
@@ -76,9 +94,11 @@ def converse(model, sampling, lines: TextIO, out: TextIO, system: str | None) ->
             out.write("(conversation reset)\n")
             continue
         history.append({"role": "user", "content": text})
-        out.write("model> ")
-        answer = _answer(model, history, sampling, out)
-        history.append({"role": "assistant", "content": answer})
+        answers = []
+        for label, model in models:
+            out.write(f"{label}> ")
+            answers.append(_answer(model, history, sampling, out))
+        history.append({"role": "assistant", "content": answers[0]})
 
 
 def _answer(model, history, sampling, out: TextIO) -> str:
@@ -97,19 +117,53 @@ def _answer(model, history, sampling, out: TextIO) -> str:
     return "".join(parts)
 
 
+def _serve(args) -> int:
+    """The console's chat process: every outcome, a failed export included, is a wire line, not stderr."""
+    from shardconsole.settings import config as C
+    from shardconsole.tryout import chat_wire as W
+    from shardconsole.tryout.chat_serve import serve
+    say = lambda msg: (sys.stdout.write(W.encode(msg)), sys.stdout.flush())    # noqa: E731
+    exported = not (Path(args.target).expanduser() / "config.json").is_file()
+    try:
+        base = base_of(args.target, args.base if args.base is not None else "")
+        name = Path(args.target).name
+        if exported:
+            which = f"step {args.step}" if args.step is not None else "the newest checkpoint"
+            say(W.Loading(W.RUN, f"exporting {which} of {args.target} (export-model)"))
+            name = f"{name}, {which}"
+        with model_folder(args.target, args.step) as folder:
+            return serve(folder, base, args.device, sys.stdin, sys.stdout, name)
+    except (UsageError, C.ConfigError) as e:
+        say(W.Unavailable(W.RUN, str(e)))
+        return 2
+    except Exception as e:      # export-model's refusals (ExportError) and any other: the console's one line
+        say(W.Unavailable(W.RUN, str(e) or type(e).__name__))
+        return 2
+
+
 def cmd_chat(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    if args.serve:
+        return _serve(args)
     from shardconsole.tryout.chat import ChatModel, Sampling
     sampling = Sampling(args.temperature, args.top_p, args.max_new_tokens).check("--temperature/--top-p/--max-new-tokens")
+    base = base_of(args.target, args.base)
+    if base is not None and base.folder is None:
+        raise UsageError(f"--base: {base.why}")
     with model_folder(args.target, args.step) as folder:
         print(f"loading {folder} ...", file=sys.stderr)
-        model = ChatModel(folder, args.device)
-        print(f"chat with {args.target} on {model.device} (Ctrl-C stops an answer, Ctrl-D ends; /reset)",
+        models = [("model", ChatModel(folder, args.device))]
+        if base is not None:
+            print(f"loading the base {base.folder} ...", file=sys.stderr)
+            models.append(("base", ChatModel(base.folder, args.device, tokenizer_from=folder)))
+        print(f"chat with {args.target} on {models[0][1].device} (Ctrl-C stops an answer, Ctrl-D ends; /reset)",
               file=sys.stderr)
         if args.prompt is not None:
             history = ([{"role": "system", "content": args.system}] if args.system else [])
-            _answer(model, history + [{"role": "user", "content": args.prompt}], sampling, sys.stdout)
+            history.append({"role": "user", "content": args.prompt})
+            for label, model in models:
+                if base is not None:
+                    sys.stdout.write(f"{label}> ")
+                _answer(model, history, sampling, sys.stdout)
             return 0
-        return converse(model, sampling, sys.stdin, sys.stdout, args.system)
-
-
+        return converse(models, sampling, sys.stdin, sys.stdout, args.system)

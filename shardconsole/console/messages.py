@@ -16,6 +16,7 @@ from shardconsole.launch.job import StopReport
 from shardconsole.session.run import RunSession
 
 from shardconsole.console.services import Machine
+from shardconsole.tryout import chat_wire as W
 
 
 @dataclass
@@ -71,3 +72,11 @@ class StopFinished(Message):
 class MachineDetected(Message):
     """The one look at the machine the setup screen takes at start (GPUs, host memory, planner)."""
     machine: Machine
+
+
+@dataclass
+class ChatHeard(Message):
+    """A line of the chat process (a model loading, ready or unavailable, a piece of an answer, an answer
+    done), or its end (ended: why). Pieces are never dropped: each is part of the answer."""
+    event: W.Wire | None = None
+    ended: str = ""

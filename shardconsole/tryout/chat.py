@@ -46,7 +46,8 @@ def weights_bytes(folder: Path, dtype_bytes: int = 2) -> int:
 
 
 def pick_device(need_bytes: int) -> str:
-    """cuda when a GPU has room for the weights and a margin, else cpu when the host has; else one line."""
+    """cuda when a GPU has room for the weights (bf16, need_bytes) and a margin, else cpu when the host has
+    room for them in fp32 (twice that: the CPU computes in fp32); else one line with both figures."""
     import psutil
     import torch
     margin = GiB // 2
@@ -55,28 +56,32 @@ def pick_device(need_bytes: int) -> str:
         if free >= need_bytes + margin:
             return "cuda"
     avail = psutil.virtual_memory().available
-    if avail >= need_bytes + margin:
+    if avail >= 2 * need_bytes + margin:
         return "cpu"
-    raise C.ConfigError(f"chat: the weights take {need_bytes / GiB:.1f} GiB and no GPU or host RAM here has that "
-                        f"free ({avail / GiB:.1f} GiB of host RAM available)")
+    raise C.ConfigError(f"chat: the weights take {need_bytes / GiB:.1f} GiB in bf16 ({2 * need_bytes / GiB:.1f} GiB "
+                        f"in fp32 on the CPU) and no GPU or host RAM here has that free ({avail / GiB:.1f} GiB of "
+                        f"host RAM available)")
 
 
 class ChatModel:
     """One model folder, loaded once; `reply` streams the assistant's next turn."""
 
-    def __init__(self, folder: Path, device: str | None = None) -> None:
+    def __init__(self, folder: Path, device: str | None = None, tokenizer_from: Path | None = None) -> None:
+        """tokenizer_from: the folder whose tokenizer and chat template format the prompts (default: folder).
+        The base model beside a fine-tune takes the fine-tune's, so both see the very same prompt."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         self.folder = Path(folder)
         need = weights_bytes(self.folder)
         self.device = device or pick_device(need)
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
+        tok_folder = Path(tokenizer_from or folder)
         try:
-            self.tok = AutoTokenizer.from_pretrained(self.folder, local_files_only=True)
+            self.tok = AutoTokenizer.from_pretrained(tok_folder, local_files_only=True)
         except Exception as e:
-            raise C.ConfigError(f"chat: {self.folder}: no tokenizer loads from it ({str(e)[:120]})") from None
+            raise C.ConfigError(f"chat: {tok_folder}: no tokenizer loads from it ({str(e)[:120]})") from None
         if not getattr(self.tok, "chat_template", None):
-            raise C.ConfigError(f"chat: {self.folder}: the tokenizer has no chat template; export the run again "
+            raise C.ConfigError(f"chat: {tok_folder}: the tokenizer has no chat template; export the run again "
                                 f"with this version (export-model writes the template the run trained with)")
         self.model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=dtype, local_files_only=True)
         self.model.to(self.device).eval()
@@ -88,13 +93,16 @@ class ChatModel:
 
     def reply(self, messages: list[dict[str, str]], sampling: Sampling,
               stop: threading.Event | None = None) -> Iterator[str]:
-        """The assistant's next turn, a piece of text at a time; ends early once `stop` is set."""
+        """The assistant's next turn, a piece of text at a time; ends early once `stop` is set. `stop` is
+        the caller's to read afterwards (set: the answer was cut); a caller that leaves early ends the
+        generation through an event of its own."""
         from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
         stop = stop or threading.Event()
+        left = threading.Event()
 
         class _Stop(StoppingCriteria):
             def __call__(self, input_ids, scores, **kwargs) -> bool:
-                return stop.is_set()
+                return stop.is_set() or left.is_set()
 
         streamer = TextIteratorStreamer(self.tok, skip_prompt=True, skip_special_tokens=True)
         greedy = sampling.temperature == 0
@@ -121,7 +129,7 @@ class ChatModel:
         try:
             yield from streamer
         finally:
-            stop.set()
+            left.set()
             thread.join()
         if failed:
             raise failed[0]

@@ -29,6 +29,7 @@ COLUMNS = ("", "id", "status", "steps", "preset", "backend", "model", "tokens/s"
            "last loss", "eval loss")
 STATUS_STYLE = {"running": "green", "finished": "cyan", "stopped": "yellow", "failed": "red", "unknown": "dim",
                 "prepared": "dim"}
+CHATTABLE = ("finished", "stopped")     # a live run's checkpoints are still being written
 COLORS = ("#5fd7d7", "#ffaf5f", "#af87ff", "#87d75f", "#ff5f87", "#d7d75f")
 
 
@@ -48,6 +49,7 @@ class RunsScreen(Screen[Path | None]):
         Binding("escape", "close", "Back"),
         Binding("space", "mark", "Mark"),
         Binding("c", "compare", "Compare marked"),
+        Binding("t", "chat", "Chat"),
         Binding("enter", "attach", "Attach", show=True, priority=True),
         Binding("r", "refresh", "Refresh"),
     ]
@@ -146,6 +148,18 @@ class RunsScreen(Screen[Path | None]):
         r = self._current()
         if r is not None:
             self.dismiss(r.path)
+
+    def action_chat(self) -> None:
+        """Talk to the model a finished or stopped run trained (its newest checkpoint, exported on the way)."""
+        r = self._current()
+        if r is None:
+            return
+        if r.status not in CHATTABLE:
+            self.notify(f"{r.run_id} is {r.status}: chat with a finished or stopped run (it has its checkpoints)",
+                        severity="warning")
+            return
+        from shardconsole.console.screens.chat import ChatScreen
+        self.app.push_screen(ChatScreen(r.path, r.run_id))
 
     def action_refresh(self) -> None:
         self.load()

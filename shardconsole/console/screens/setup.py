@@ -58,6 +58,8 @@ class SetupScreen(SetupActions, Screen[None]):
         Binding("ctrl+s", "save_preset", "Save preset"),
         Binding("ctrl+o", "attach", "Attach"),
         Binding("ctrl+t", "tune", "Tune"),
+        # ctrl+d previews from any tab; the footer names it on the data tab (setup_actions.check_action)
+        Binding("ctrl+d", "preview('shown')", "Data preview"),
         Binding("ctrl+d", "preview", "Data preview", show=False),
         Binding("ctrl+n", "next_tab", "Next tab"),
     ]
@@ -269,6 +271,7 @@ class SetupScreen(SetupActions, Screen[None]):
     @on(TabbedContent.TabActivated)
     async def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
         pane = event.pane.id or ""
+        self.refresh_bindings()
         focused = self.app.focused
         if focused is None or event.pane not in focused.ancestors:
             self.query_one("#help", Static).display = False   # the last tab's field's; the next focus sets it

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from textual.widgets import OptionList
+from textual.widgets import OptionList, TabbedContent
 
 from shardconsole.settings import config as C
 from shardconsole.settings import preset_store, resolve as settings
@@ -144,7 +144,15 @@ class SetupActions:
         self._show_picks()
         self.notify(f"Saved {path}", title="Preset saved")
 
-    async def action_preview(self) -> None:
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """The data preview's key in the footer on the data tab only; ctrl+d works on every tab (its
+        hidden binding)."""
+        if action == "preview" and parameters:
+            tabs = self.query(TabbedContent)
+            return bool(tabs) and tabs.first().active == "tab-data"
+        return True
+
+    async def action_preview(self, _shown: str = "") -> None:
         """The first records as the model will see them (console/tryout.py), in a worker: it tokenizes."""
         if await self._refuse_if_invalid("previewing the data"):
             return

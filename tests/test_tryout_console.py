@@ -1,0 +1,199 @@
+"""Issue 37 in the console: a chat with a run's model (the runs screen's `t`), its base beside it, and the
+looks of the chat and of the data preview (pytest-textual-snapshot, at 120x40 and 80x24).
+
+The chat screen talks to a real `shardconsole chat --serve` child with the tiny model folder of
+test_tryout (its `model` fixture; no training here): tokens stream into the screen, greedy answers equal
+transformers' `generate` for the same prompt, and ctrl+c ends an answer, not the app. The snapshots are
+greedy (fixed weights, no sampling) and show no paths or timings; the preview's is drawn from a frozen
+`shardconsole data --preview --json` answer (tests/data/preview_sample.json): what it shows is tested
+against the ranks' tokens in test_tryout.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from textual.app import App
+
+from shardconsole.console.messages import ChatHeard
+from shardconsole.console.screens.chat import ChatScreen
+from shardconsole.tryout import chat_wire as W
+from tests.conftest import shardconsole
+from tests.hf_fixtures import make_hf_model
+from tests.test_console import FakeLauncher, FakeProbes, wait_for, write_run
+from tests.test_console_snapshots import WIDE, NARROW, TWO_GPUS, fixed_planner, machine_known, still
+from tests.test_tryout import _reference, model  # noqa: F401  (model: the tiny folder, a fixture)
+
+LOAD_S = 240        # a child that imports torch and transformers, on a loaded 2-core box
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """Another tiny folder of the same shape and tokenizer: the 'base' the run started from."""
+    return make_hf_model(tmp_path_factory.mktemp("tryout-base") / "base", chat_template=True, seed=11)
+
+
+class ChatHost(App[None]):
+    def __init__(self, target: Path, base: Path | None = None) -> None:
+        super().__init__()
+        self.target, self.base = target, base
+
+    def on_mount(self) -> None:
+        self.push_screen(ChatScreen(self.target, "model", device="cpu", base=self.base))
+
+
+async def ready(pilot: Any, model: str = W.RUN) -> ChatScreen:
+    screen = pilot.app.screen
+    await wait_for(pilot, lambda: model in screen.ready or model in screen.unavailable, timeout=LOAD_S,
+                   what=f"the {model} model loaded")
+    assert model in screen.ready, screen.unavailable
+    return screen
+
+
+async def say(pilot: Any, screen: ChatScreen, text: str, max_new_tokens: int) -> None:
+    screen.query_one("#max-new-tokens").value = str(max_new_tokens)
+    screen.query_one("#prompt").focus()
+    await pilot.press(*text, "enter")
+    await wait_for(pilot, lambda: screen.chat.turns and not screen.chat.answering(), timeout=LOAD_S,
+                   what="the answers")
+
+
+async def test_chat_streams_and_greedy_answers_equal_generate_beside_the_base(model, base):
+    """At 120x40, the base side by side (ctrl+b): both answer the same prompt, each as `generate` does,
+    and the run's answer arrives in pieces before it is done."""
+    heard: list[Any] = []
+    app = ChatHost(model, base)
+    async with app.run_test(size=WIDE, message_hook=lambda m: heard.append(m) if isinstance(m, ChatHeard) else None) \
+            as pilot:
+        screen = await ready(pilot)
+        await pilot.press("ctrl+b")
+        await ready(pilot, W.BASE)
+        await say(pilot, screen, "what is two plus two?", 24)
+        turn = screen.chat.turns[0]
+        assert turn.answers[W.RUN].text == _reference(model, "what is two plus two?", 24)
+        assert turn.answers[W.BASE].text == _reference(base, "what is two plus two?", 24)
+        assert turn.answers[W.BASE].text != turn.answers[W.RUN].text
+        events = [m.event for m in heard if m.event is not None and getattr(m.event, "model", "") == W.RUN]
+        pieces = [e for e in events if isinstance(e, W.Piece)]
+        done = next(i for i, e in enumerate(events) if isinstance(e, W.Done))
+        assert len(pieces) > 1 and events.index(pieces[-1]) < done     # streamed, not one block at the end
+        # The second message's prompt carries the first answer (multi-turn): the base is given it too.
+        await say(pilot, screen, "and three?", 4)
+        assert screen.chat.messages()[:3] == [{"role": "user", "content": "what is two plus two?"},
+                                              {"role": "assistant", "content": turn.answers[W.RUN].text},
+                                              {"role": "user", "content": "and three?"}]
+
+
+async def test_ctrl_c_ends_an_answer_not_the_app(model):
+    """At 80x24: ctrl+c mid-answer ends it ([stopped]), the chat goes on; escape then goes back."""
+    app = ChatHost(model)
+    async with app.run_test(size=NARROW) as pilot:
+        screen = await ready(pilot)
+        screen.query_one("#max-new-tokens").value = "4000"
+        screen.query_one("#prompt").focus()
+        await pilot.press(*"tell me a long story", "enter")
+        await wait_for(pilot, lambda: len(screen.chat.turns[0].answers[W.RUN].text) > 2, timeout=LOAD_S,
+                       what="the answer streaming")
+        await pilot.press("ctrl+c")
+        await wait_for(pilot, lambda: not screen.chat.answering(), timeout=LOAD_S, what="the stop")
+        answer = screen.chat.turns[0].answers[W.RUN]
+        assert answer.stopped and not answer.error and app.is_running and app.screen is screen
+        assert "[stopped]" in str(screen.query_one("#log-run").render())
+        await say(pilot, screen, "hi", 3)
+        assert screen.chat.turns[1].answers[W.RUN].done and not screen.chat.turns[1].answers[W.RUN].stopped
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not isinstance(app.screen, ChatScreen))
+        assert app.is_running
+
+
+async def test_t_on_the_runs_screen_chats_with_a_finished_run_only(tmp_path):
+    """`t` on a running run says why not; on a finished one it opens the chat, whose export of the newest
+    checkpoint goes through export-model: this run kept none, said in one line, the app goes on."""
+    from shardconsole.console.app import ShardConsoleApp
+    root = tmp_path / "runs"
+    write_run(root / "20260101-000001-done", gpus=0, device="cpu", steps=3, total_steps=3, finished=True)
+    write_run(root / "20260101-000002-live", gpus=0, device="cpu", steps=2, total_steps=9)
+    app = ShardConsoleApp(FakeLauncher(root), FakeProbes(gpus=TWO_GPUS), preset="tiny-cpu", planner=fixed_planner)
+    async with app.run_test(size=WIDE) as pilot:
+        await machine_known(pilot)
+        await pilot.press("ctrl+l")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "RunsScreen"
+                       and app.screen.query_one("DataTable").row_count == 2)
+        runs = app.screen
+        live = next(i for i, r in enumerate(runs.runs) if r.run_id.endswith("live"))
+        runs.query_one("DataTable").move_cursor(row=live)
+        await pilot.press("t")
+        assert app.screen is runs
+        runs.query_one("DataTable").move_cursor(row=1 - live)
+        await pilot.press("t")
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen))
+        chat = app.screen
+        await wait_for(pilot, lambda: W.RUN in chat.unavailable, timeout=LOAD_S, what="the export's answer")
+        assert "no checkpoint to export" in chat.unavailable[W.RUN]
+        assert "no checkpoint to export" in str(chat.query_one("#chat-status").render())
+        assert chat.query_one("#prompt").disabled
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: app.screen is runs)
+
+
+def test_headless_chat_with_the_base_beside(model, base):
+    out = shardconsole("chat", str(model), "--prompt", "hello there", "--max-new-tokens", "12", "--device", "cpu",
+                       "--base", str(base))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == (f"model> {_reference(model, 'hello there', 12)}\n"
+                          f"base> {_reference(base, 'hello there', 12)}\n")
+    none = shardconsole("chat", str(model), "--prompt", "hi", "--base")
+    assert none.returncode == 2 and "does not say which run it came from" in none.stderr
+    assert "Traceback" not in none.stderr
+
+
+# --- the looks ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def model_here(model, tmp_path, monkeypatch) -> Path:
+    """The model folder as ./model, so nothing on screen names the machine's temporary folder."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").symlink_to(model)
+    return Path("model")
+
+
+def chatted(text: str, max_new_tokens: int, with_base: bool = False) -> Any:
+    async def run_before(pilot: Any) -> None:
+        screen = await ready(pilot)
+        if with_base:
+            await pilot.press("ctrl+b")
+            await ready(pilot, W.BASE)
+        await say(pilot, screen, text, max_new_tokens)
+        await still(pilot)
+    return run_before
+
+
+def test_chat_with_the_base_at_120x40(snap_compare, model_here, base):
+    assert snap_compare(ChatHost(model_here, base), terminal_size=WIDE,
+                        run_before=chatted("what is two plus two?", 24, with_base=True))
+
+
+def test_chat_at_80x24(snap_compare, model_here):
+    assert snap_compare(ChatHost(model_here), terminal_size=NARROW, run_before=chatted("hello", 16))
+
+
+@pytest.mark.parametrize("size", [WIDE, NARROW], ids=["120x40", "80x24"])
+def test_data_preview(snap_compare, monkeypatch, tmp_path, size):
+    """ctrl+d on the setup screen's data tab (its key in the footer), the preview drawn from a frozen answer."""
+    from shardconsole.console import tryout
+    from tests.test_console import show_table
+    from tests.test_console_snapshots import setup_app
+    sample = json.loads((Path(__file__).parent / "data" / "preview_sample.json").read_text())
+    monkeypatch.setattr(tryout, "preview", lambda cfg, records=3: (tryout._title(sample), tryout._body(sample)))
+    monkeypatch.chdir(tmp_path)
+
+    async def run_before(pilot: Any) -> None:
+        await machine_known(pilot)
+        await show_table(pilot, pilot.app.setup_screen, "data")
+        await pilot.press("ctrl+d")
+        await wait_for(pilot, lambda: type(pilot.app.screen).__name__ == "ReportScreen")
+        await still(pilot)
+    assert snap_compare(setup_app(), terminal_size=size, run_before=run_before)

@@ -37,6 +37,8 @@ def base(tmp_path_factory) -> Path:
 
 
 class ChatHost(App[None]):
+    ENABLE_COMMAND_PALETTE = False      # as the console's app
+
     def __init__(self, target: Path, base: Path | None = None) -> None:
         super().__init__()
         self.target, self.base = target, base
@@ -195,5 +197,6 @@ def test_data_preview(snap_compare, monkeypatch, tmp_path, size):
         await show_table(pilot, pilot.app.setup_screen, "data")
         await pilot.press("ctrl+d")
         await wait_for(pilot, lambda: type(pilot.app.screen).__name__ == "ReportScreen")
+        pilot.app.clear_notifications()      # "tokenizing ..." goes after a few seconds: not part of the look
         await still(pilot)
     assert snap_compare(setup_app(), terminal_size=size, run_before=run_before)

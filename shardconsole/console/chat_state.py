@@ -87,5 +87,7 @@ class Conversation:
                 t.append(" [stopped]", style="yellow")
             elif not answer.done:
                 t.append("▍", style="dim")
+            elif not answer.text:       # else an empty line reads as a chat that hangs
+                t.append("(nothing: the model ended its turn at once)", style="dim")
             t.append("\n\n")
         return t

@@ -34,6 +34,7 @@ FIELDS = (("temperature", "temperature", "0", float, lambda v: v >= 0, "a number
 
 class ChatScreen(Screen[None]):
     CSS_PATH = HERE / "chat.tcss"
+    AUTO_FOCUS = "#prompt"      # one can write the first message while the model loads
     BINDINGS = [
         Binding("escape", "stop_or_back", "Stop / back"),
         # priority: the prompt's Input would take ctrl+c as copy, the app as its quit hint
@@ -67,10 +68,12 @@ class ChatScreen(Screen[None]):
                 for fid, label, default, *_ in FIELDS:
                     yield Label(label, classes="field-label")
                     yield Input(default, id=fid, compact=True, classes="field")
-            yield Input(placeholder="your message (enter sends)", id="prompt", disabled=True)
+            yield Input(placeholder="your message (enter sends)", id="prompt")
         yield Footer()
 
     def on_mount(self) -> None:
+        self.query_one("#col-run").border_title = "the run's model"
+        self.query_one("#col-base").border_title = "its base model, the same prompt"
         self.query_one("#col-base").display = False
         self.listen()
 
@@ -115,10 +118,7 @@ class ChatScreen(Screen[None]):
 
     def _refresh(self) -> None:
         self._status(self._status_line())
-        prompt = self.query_one("#prompt", Input)
-        prompt.disabled = W.RUN not in self.ready or W.RUN in self.unavailable
-        if not prompt.disabled and self.focused is None:
-            prompt.focus()
+        self.query_one("#prompt", Input).disabled = W.RUN in self.unavailable
         for model, label in LABELS.items():
             why = self.unavailable.get(model) if model == W.BASE else None
             text = Text(why + "\n\n", style="yellow") if why else Text()
@@ -135,7 +135,8 @@ class ChatScreen(Screen[None]):
             return "starting the chat process…"
         line = f"{LABELS[W.RUN]} on {self.ready[W.RUN]}"
         if self.base_on:
-            base = self.unavailable.get(W.BASE) or (f"on {self.ready[W.BASE]}" if W.BASE in self.ready else "loading…")
+            base = ("not there (see its column)" if W.BASE in self.unavailable else
+                    f"on {self.ready[W.BASE]}" if W.BASE in self.ready else "loading…")
             line += f"; base {base}"
         if self.chat.answering():
             line += "; answering (ctrl+c or escape stops)"
@@ -151,6 +152,9 @@ class ChatScreen(Screen[None]):
         text = event.value.strip()
         if not text:
             return
+        if W.RUN not in self.ready:
+            self.notify("the model is still loading: enter sends once it is ready", severity="warning")
+            return
         if self.chat.answering():
             self.notify("an answer is still coming: ctrl+c stops it", severity="warning")
             return
@@ -163,6 +167,10 @@ class ChatScreen(Screen[None]):
             self.client.send(W.Ask(model, prompt, **sampling))
         event.input.value = ""
         self._refresh()
+
+    @on(Input.Submitted, ".field")
+    def _field_done(self) -> None:
+        self.query_one("#prompt", Input).focus()
 
     def _sampling(self) -> dict | None:
         """The fields' values, or None with one line naming the field that is wrong and what it takes."""

@@ -59,7 +59,7 @@ class SetupScreen(SetupActions, Screen[None]):
         Binding("ctrl+o", "attach", "Attach"),
         Binding("ctrl+t", "tune", "Tune"),
         # ctrl+d previews from any tab; the footer names it on the data tab (setup_actions.check_action)
-        Binding("ctrl+d", "preview('shown')", "Data preview"),
+        Binding("ctrl+d", "preview('shown')", "Preview"),
         Binding("ctrl+d", "preview", "Data preview", show=False),
         Binding("ctrl+n", "next_tab", "Next tab"),
     ]

@@ -48,7 +48,7 @@ class RunsScreen(Screen[Path | None]):
     BINDINGS = [
         Binding("escape", "close", "Back"),
         Binding("space", "mark", "Mark"),
-        Binding("c", "compare", "Compare marked"),
+        Binding("c", "compare", "Compare"),     # the marked runs; short: 80 columns hold every key
         Binding("t", "chat", "Chat"),
         Binding("enter", "attach", "Attach", show=True, priority=True),
         Binding("r", "refresh", "Refresh"),

@@ -73,6 +73,9 @@ NOT_AS_WRITTEN: dict[str, tuple[str, list[str]]] = {
         ["shardconsole chat runs/my-chat --step 20 --temperature 0.7 --top-p 0.9 --max-new-tokens 200 < /dev/null"]),
     "shardconsole chat my-model": (
         "interactive: the same chat with its input at an end at once (Ctrl-D)", ["shardconsole chat my-model < /dev/null"]),
+    "shardconsole chat runs/my-chat --base": (
+        "interactive: the same chat with its input at an end at once (Ctrl-D), both models loaded",
+        ["shardconsole chat runs/my-chat --base < /dev/null"]),
     "shardconsole --preset 4090x2-zero3 --set parallel.nnodes=4 --slurm > job.sbatch && sbatch job.sbatch": (
         "needs a Slurm cluster: the script is written as written and checked by bash's parser",
         ["shardconsole --preset 4090x2-zero3 --set parallel.nnodes=4 --slurm > job.sbatch && bash -n job.sbatch"]),

@@ -200,3 +200,28 @@ def test_data_preview(snap_compare, monkeypatch, tmp_path, size):
         pilot.app.clear_notifications()      # "tokenizing ..." goes after a few seconds: not part of the look
         await still(pilot)
     assert snap_compare(setup_app(), terminal_size=size, run_before=run_before)
+
+
+# --- pure parts -----------------------------------------------------------------------------------
+
+def test_the_base_of_a_run_is_its_model_folder_or_said_to_be_none(base, tmp_path):
+    from shardconsole.tryout import base as B
+    assert B.of_preset(f'[model]\nname = "{base}"\n', "preset.toml").folder == base.resolve()
+    random = B.of_preset('[model]\nname = "tiny"\n', "preset.toml")
+    assert random.folder is None and "random init" in random.why
+    (tmp_path / "shapes").mkdir()
+    (tmp_path / "shapes" / "config.json").write_text((base / "config.json").read_text())
+    shapes = B.of_preset(f'[model]\nname = "{tmp_path / "shapes"}"\n', "preset.toml")
+    assert shapes.folder is None and "no weights" in shapes.why
+    # an export names its run's preset in its README (both exports write this block)
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "README.md").write_text(
+        f"# x\n\n## The run's settings (its preset.toml)\n\n```toml\n[model]\nname = \"{base}\"\n```\n")
+    assert B.of_export(tmp_path / "export").folder == base.resolve()
+
+
+def test_weights_that_fit_nowhere_are_refused_in_one_line():
+    from shardconsole.settings import config as C
+    from shardconsole.tryout.chat import pick_device
+    with pytest.raises(C.ConfigError, match=r"^chat: the weights take .* GiB in bf16 .* no GPU or host RAM here"):
+        pick_device(1 << 50)

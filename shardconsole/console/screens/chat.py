@@ -118,6 +118,7 @@ class ChatScreen(Screen[None]):
 
     def _refresh(self) -> None:
         self._status(self._status_line())
+        self.query_one("#chat-status").set_class(W.RUN in self.unavailable, "-error")
         self.query_one("#prompt", Input).disabled = W.RUN in self.unavailable
         for model, label in LABELS.items():
             why = self.unavailable.get(model) if model == W.BASE else None

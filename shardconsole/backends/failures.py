@@ -24,6 +24,8 @@ def classify(exc: BaseException) -> tuple[str, str]:
     """(cause, hint) for a failure inside a rank."""
     text = f"{type(exc).__name__}: {exc}"
     if type(exc).__name__ == "Stopped":
+        if os.environ.get("SLURM_JOB_ID"):      # a Slurm job's script resumes when it is submitted again
+            return "stopped", "continue it with `sbatch` of the same script, or `shardconsole resume RUN_DIR --slurm`"
         return "stopped", "continue it with `shardconsole resume RUN_DIR`"
     if type(exc).__name__ == "CheckpointError":
         return "config_error", ("move that folder away to resume from the one before it, or set "

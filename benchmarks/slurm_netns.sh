@@ -8,7 +8,8 @@
 #
 # Then: a two-node tiny-cpu run is submitted, cancelled with a plain `scancel` (SIGTERM, KillWait later
 # SIGKILL), resubmitted (it resumes), stopped with `shardconsole stop` from node0, resubmitted again, and
-# node1 is killed (every process in its namespace, kill -9). Each step prints what the stream and
+# node1 is killed (every process in its namespace, kill -9); it comes back, Slurm runs the requeued job,
+# which resumes, and `scancel --batch --signal=USR1` stops it cleanly. Each step prints what the stream and
 # `shardconsole attach` say. One command:
 #
 #   apt-get install -y slurm-wlm && sudo benchmarks/slurm_netns.sh        (from the repository root)
@@ -37,6 +38,14 @@ down() {
 on() {   # on NODE_INDEX COMMAND...: run in that node's namespaces, with its hostname
     local i=$1; shift
     ip netns exec "${NS[$i]}" unshare --uts sh -c 'hostname "$0"; exec "$@"' "node$i" "$@"
+}
+
+start_slurmd() {
+    # ip netns exec gives each command a fresh /sys (no cgroup mounted): slurmd's cgroup/v1 plugin gets
+    # its controllers in that namespace, mounted by the shell that then becomes slurmd
+    on "$1" sh -c 'mount -t tmpfs none /sys/fs/cgroup && for c in freezer memory cpuset devices pids; do
+        mkdir -p "/sys/fs/cgroup/$c" && mount -t cgroup -o "$c" none "/sys/fs/cgroup/$c"; done
+        exec slurmd -D -f "$0" -N "$1"' "$SLURM_CONF" "node$1" >> "$W/slurmd.node$1.stdout" 2>&1 &
 }
 
 up() {
@@ -88,13 +97,7 @@ EOF
         > "$W/cgroup.conf"
     on 0 slurmctld -D -f "$SLURM_CONF" > "$W/ctld.stdout" 2>&1 &
     sleep 2
-    # ip netns exec gives each command a fresh /sys (no cgroup mounted): slurmd's cgroup/v1 plugin gets
-    # its controllers in that namespace, mounted by the shell that then becomes slurmd
-    for i in 0 1; do
-        on "$i" sh -c 'mount -t tmpfs none /sys/fs/cgroup && for c in freezer memory cpuset devices pids; do
-            mkdir -p "/sys/fs/cgroup/$c" && mount -t cgroup -o "$c" none "/sys/fs/cgroup/$c"; done
-            exec slurmd -D -f "$0" -N "$1"' "$SLURM_CONF" "node$i" > "$W/slurmd.node$i.stdout" 2>&1 &
-    done
+    for i in 0 1; do start_slurmd "$i"; done
     for _ in $(seq 60); do
         [ "$(on 0 sinfo -h -o %T | sort -u)" = "idle" ] && { echo "cluster up: $(on 0 sinfo -h -N -o '%N %T' | tr '\n' ' ')"; return 0; }
         sleep 1
@@ -153,11 +156,30 @@ scenario() {
     on 0 "$PY" -m shardconsole attach "$RUN" --headless 2>&1 | tail -4
     on 0 sacct -j "$job" 2>/dev/null | tail -3
     on 0 scontrol show job "$job" 2>/dev/null | grep -E "JobState|Reason" | head -2
-    echo "== leftovers (should be none):"; pgrep -af "shardconsole.backends|torch.distributed.run" || echo none
+    requeued "$job"
+}
+
+requeued() {   # requeued JOB: node1 comes back; Slurm runs the requeued job, which resumes; a clean stop
+    RUN=$W/runs/two
+    echo "== 4. node1 back: the job Slurm requeued after the node failure runs again and resumes"
+    start_slurmd 1
+    sleep 3
+    on 0 scontrol update NodeName=node1 State=RESUME 2>/dev/null   # ReturnToService=2 may have done it
+    on 0 scontrol release "$1" 2>/dev/null
+    before=$(steps_of)
+    wait_steps $((before + 3)) 600 || { on 0 squeue; tail -30 "$RUN"/slurm-*.out; return 1; }
+    grep -h '"kind":"event"' "$RUN"/metrics*.jsonl | grep -o '"detail":"resumed from[^"]*"' | tail -1
+    echo "== 5. the clean stop: scancel --batch --signal=USR1"
+    on 0 scancel --batch --signal=USR1 "$1"
+    wait_job_gone "$1" 420
+    on 0 "$PY" -m shardconsole attach "$RUN" --headless 2>&1 | tail -3
+    on 0 sacct -j "$1" 2>/dev/null | tail -3
+    echo "== leftovers of these runs (should be none):"; pgrep -af "$W/runs" || echo none
 }
 
 case "${1:-all}" in
     down) down ;;
     up) up ;;
+    requeued) requeued "$2" ;;
     *) up && scenario; rc=$?; [ -n "${SC_KEEP:-}" ] || down; exit $rc ;;
 esac

@@ -152,7 +152,8 @@ scenario() {
     job=$(submit); echo "job $job"
     wait_steps $((before + 3)) 300 || { tail -30 "$RUN"/slurm-*.out; return 1; }
     for pid in $(ip netns pids sc_n1); do kill -9 "$pid" 2>/dev/null; done
-    wait_job_gone "$job" 180
+    # --requeue: Slurm puts the job back in the queue (pending until node1 returns) once it marks the node down
+    for _ in $(seq 180); do [ "$(on 0 squeue -h -j "$job" -o %t 2>/dev/null)" != R ] && break; sleep 1; done
     on 0 "$PY" -m shardconsole attach "$RUN" --headless 2>&1 | tail -4
     on 0 sacct -j "$job" 2>/dev/null | tail -3
     on 0 scontrol show job "$job" 2>/dev/null | grep -E "JobState|Reason" | head -2

@@ -252,8 +252,9 @@ def node_agents(run_dir: Path) -> str:
 
 
 def open_run(run_dir: Path) -> Job | ExternalJob:
-    """The run in a folder, for attach: the job this machine started (job.json), or one started
-    elsewhere that only its stream describes. ValueError with a one-line reason otherwise."""
+    """The run in a folder, for attach: the job this machine started (job.json, or this host's agent
+    file on a run of several nodes), or one started elsewhere that only its stream describes (no job
+    file, or agent files of other hosts only). ValueError with a one-line reason otherwise."""
     if not (run_dir / PRESET_FILE).is_file():
         raise ValueError(f"{run_dir}: not a run folder (no {PRESET_FILE})")
     job_file = RunFolder(run_dir).job

@@ -168,9 +168,7 @@ for _run, _lane in (
         (_r("i16-fsdp-3b-fp16-mb4-ckpt", "fsdp", "3b", 2048, 4, "fp16", ckpt=True, seconds=45), 2),
         (_r("i16-ds-1b-z2-optoff-bf16-mb4-ckpt", "deepspeed", "1b", 2048, 4, ckpt=True, extra=Z2_OPT, seconds=45), 2),
         # issue 34: compiled runs (the host figure holds torch.compile's sidecar and workers)
-        (_r("i34-fsdp-1b-mb4-compiled-cap24", "fsdp", "1b", 2048, 4, cap="24GiB", extra=COMPILED, seconds=80), 2),
-        (_r("i34-ds-1b-z3-mb4-ckpt-compiled", "deepspeed", "1b", 2048, 4, ckpt=True, extra=Z3 + COMPILED,
-            seconds=90), 0)):
+        (_r("i34-fsdp-1b-mb4-compiled-cap24", "fsdp", "1b", 2048, 4, cap="24GiB", extra=COMPILED, seconds=80), 2)):
     _run.lane, _run.subset = _lane, "issue16"
     MATRIX.append(_run)
 

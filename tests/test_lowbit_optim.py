@@ -125,3 +125,20 @@ def test_tune_holds_the_step_in_backward_unless_named():
     assert inbwd and all(o.cfg.train.grad_accum == 1 for o in inbwd)     # refused with accumulation
     assert search.numerics_changed(inbwd[0].cfg, base) == ["optim.step_in_backward"]
     assert "step in backward" in inbwd[0].name
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])
+def test_low_bit_states_take_a_dtype_view_as_the_compiled_step_asks(name):
+    """The compiled step on the H200 (torch 2.11, torchao 0.18) asked for aten.view.dtype of a state,
+    which torchao does not implement (pytorch/ao#4216): with the shim the view keeps the codes and
+    changes only the appearance dtype, as torchao's own _to_copy does."""
+    from shardconsole.backends import lowbit_optim
+    cfg = settings.resolve("tiny-cpu", [f"optim.name={name}"]).cfg
+    p = torch.nn.Parameter(torch.randn(64, 4096, dtype=torch.bfloat16))
+    opt = lowbit_optim.make(cfg, [p])
+    state = opt._new_buffer(p, True)
+    before = state.dequantize().clone()
+    v = torch.ops.aten.view.dtype(state, torch.float32)
+    assert type(v) is type(state) and v.dtype == torch.float32 and v.shape == state.shape
+    assert v.codes.data_ptr() == state.codes.data_ptr()
+    assert torch.equal(v.dequantize(), before)

@@ -392,18 +392,19 @@ def _train(r: common.Rank, engine, model, stop: trainstate.StopRequest) -> None:
     fp16 = cfg.precision.dtype == "fp16"
     timing = step_timing.StepTiming(r)        # the offload view (offloaded runs)
     step_timing.instrument_deepspeed(engine, timing)
+    if r.faults.active:         # test faults, hooked on the engine (faults.py)
+        r.faults.install(r, engine, model)
     r.phase("training")
     stop.start_round()
     for step in range(start_step + 1, t.steps + 1):
         r.step = step
         timing.start()
-        r.faults.on_step(step)
         lr = t.lr * common.lr_factor(cfg, step)
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
         for _ in range(t.grad_accum):
             batch = data.next()
-            loss = r.faults.on_loss(engine(batch.inputs, batch.labels, batch.positions), step)
+            loss = engine(batch.inputs, batch.labels, batch.positions)
             meter.add(loss)
             engine.backward(loss)        # DeepSpeed divides by grad_accum and applies the loss scale
             timing.compute_done()

@@ -9,7 +9,10 @@ Set SHARDCONSOLE_FAULT to one or more `kind@key=value,...` separated by ';', e.g
     SHARDCONSOLE_FAULT="overflow@step=2"           a gradient becomes inf from step 2 (fp16 skips)
     SHARDCONSOLE_FAULT="raise@rank=1,step=2"       a plain exception
     SHARDCONSOLE_FAULT="slow_save@step=4"          sleep 60 s inside checkpoint saves from step 4 on
-Without the variable every hook is a single attribute test.
+Without the variable nothing is installed: the rank loops hold no fault code. With it, the loops call
+`install` (hooks on the module a loop calls: the step's faults and the loss) or `install_fsdp` (also
+FSDP2's unscale and clip: the gradient fault); the load and save faults are an attribute test each,
+outside the loop.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -94,3 +98,36 @@ class Injector:
     def on_save(self, step: int) -> None:
         if self.active and self._hit("slow_save", step):
             time.sleep(60)
+
+    def install(self, r, called: torch.nn.Module, model: torch.nn.Module) -> None:
+        """The step's faults (sleep, kill, oom, raise) before the first training forward of each step, and
+        the loss fault on what that forward returns. `called`: what the loop calls (the model, or DeepSpeed's
+        engine); `model` says whether it trains (DeepSpeed's engine.train() sets only its module's flag), so
+        an evaluation's forwards are left alone."""
+        seen = [0]
+
+        def before(module, args) -> None:
+            if model.training and r.step != seen[0]:      # the step's later micro-batches: no second time
+                seen[0] = r.step
+                self.on_step(r.step)
+
+        def after(module, args, loss):
+            return self.on_loss(loss, r.step) if model.training else loss
+
+        # The first pre-hook (FSDP2's root unshards in its own): the fault comes before the step's collectives.
+        called.register_forward_pre_hook(before, prepend=True)
+        called.register_forward_hook(after)       # the last hook: on the loss the loop receives
+
+    def install_fsdp(self, r, model: torch.nn.Module, scaling, clip: Callable) -> Callable:
+        """install, and the gradient fault: an inf written after the backward, before the scaler unscales
+        (fp16's scaler must see it); the clip returned is told then that a norm summed during the backward
+        is stale."""
+        self.install(r, model, model)
+        unscale, changed = scaling.unscale, [False]
+
+        def unscale_after_fault(optim) -> None:
+            changed[0] = self.on_grads(model.parameters(), r.step)
+            unscale(optim)
+
+        scaling.unscale = unscale_after_fault
+        return lambda grads_changed=False: clip(grads_changed or changed[0])

@@ -276,6 +276,8 @@ def train(r: common.Rank) -> None:
     clip = fsdp_step.Clip(r, model, optim, scaling, reduce_dtype(cfg))
     # optim.step_in_backward: each parameter steps as FSDP2 reduces its gradient (no clip, no scaler)
     in_backward = step_in_backward.attach(r, optim, adapters.trained_params(model))
+    if r.faults.active:         # test faults, wrapped around the model, the unscale and the clip (faults.py)
+        clip = r.faults.install_fsdp(r, model, scaling, clip)
     meter = metrics.StepMeter(r, model)
     floor = metrics.ScaleFloorWatch(cfg)
     phases = metrics.PhaseTimes(r)
@@ -288,14 +290,13 @@ def train(r: common.Rank) -> None:
         r.step = step
         phases.start()
         timing.start()
-        r.faults.on_step(step)
         lr = t.lr * common.lr_factor(cfg, step)
         lowbit_optim.set_lr(optim, lr)
         for micro in range(t.grad_accum):
             batch = data.next()
             # Reduce-scatter gradients only on the last micro-batch (fewer collectives, more memory).
             model.set_requires_gradient_sync(micro == t.grad_accum - 1)
-            loss = r.faults.on_loss(model(batch.inputs, batch.labels, batch.positions), step)
+            loss = model(batch.inputs, batch.labels, batch.positions)
             meter.add(loss)
             phases.mark("forward")
             if overlap is not None and micro == t.grad_accum - 1:
@@ -303,7 +304,6 @@ def train(r: common.Rank) -> None:
             scaling.backward(loss / t.grad_accum)
             phases.mark("backward")
         timing.compute_done()
-        grads_changed = r.faults.on_grads(model.parameters(), step)
         with timing.host_step():
             grad_norm = None
             if overlap is not None and overlap.armed:
@@ -311,7 +311,7 @@ def train(r: common.Rank) -> None:
             else:
                 if in_backward is None:
                     scaling.unscale(optim)
-                    grad_norm = clip(grads_changed)
+                    grad_norm = clip()
                     phases.mark("clip")
                     scaling.step(optim)
                     phases.mark("step")

@@ -102,7 +102,7 @@ class Clip:
                 r.log("offload: the gradient norm is summed where each reduce-scatter lands, before the copy "
                       "to the host")
 
-    def __call__(self, grads_changed: bool):
+    def __call__(self, grads_changed: bool = False):
         """Clip (or arrange the clip inside the optimizer step); returns the gradient norm or None."""
         if self.max_norm <= 0:
             return None

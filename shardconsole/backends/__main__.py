@@ -38,8 +38,10 @@ def main() -> None:
         if isinstance(exc, SystemExit) and not exc.code:
             code = 0
         else:
-            failures.report_failure(r, exc, args.run_dir, args.run_id)
+            failures.report_failure(r, exc, args.run_dir, args.run_id)    # once: the engine's may have
             code = 1
+    if r is not None:
+        r.writer.close()      # after its last line (one write() a line: nothing is left to flush)
     common.exit_rank(code)
 
 

@@ -358,20 +358,20 @@ def train(r: common.Rank) -> None:
     prepare_env(r)
     ds_cfg = ds_json.to_ds_config(cfg, device=r.device.type)
     import deepspeed
-    build_ops(r, ds_cfg)
-    stop = trainstate.StopRequest(r)
-    if cfg.precision.dtype == "fp16" and not r.is_cuda:
-        allow_cpu_fp16(r)
-    if cfg.precision.master_dtype == "bf16" and cfg.precision.master_rounding != "nearest" and r.rank == 0:
-        r.event("warning", f"precision.master_rounding = {cfg.precision.master_rounding!r} is applied by the FSDP2 "
-                "backend's AdamW; DeepSpeed's bf16 masters round to nearest (updates below bf16's resolution are lost)")
-    model = build(r, ds_cfg)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=adapters.trained_params(model),
-                                             config=ds_cfg)
-    try:
+    with loop.ending(r) as held:
+        build_ops(r, ds_cfg)        # the process group, then DeepSpeed's on it
+        stop = trainstate.StopRequest(r)
+        if cfg.precision.dtype == "fp16" and not r.is_cuda:
+            allow_cpu_fp16(r)
+        if cfg.precision.master_dtype == "bf16" and cfg.precision.master_rounding != "nearest" and r.rank == 0:
+            r.event("warning", f"precision.master_rounding = {cfg.precision.master_rounding!r} is applied by the "
+                    "FSDP2 backend's AdamW; DeepSpeed's bf16 masters round to nearest (updates below bf16's "
+                    "resolution are lost)")
+        model = build(r, ds_cfg)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=adapters.trained_params(model),
+                                                 config=ds_cfg)
+        held.append(engine.destroy)
         _train(r, engine, model, stop)
-    finally:
-        engine.destroy()
 
 
 def _train(r: common.Rank, engine, model, stop: trainstate.StopRequest) -> None:

@@ -80,6 +80,13 @@ def _oom_context(r: Rank | None) -> str:
 
 
 def report_failure(r: Rank | None, exc: BaseException, run_dir: Path, run_id: str) -> None:
+    """Once per failure: an engine's loop.ending reports it before its teardown, __main__ then again."""
+    if getattr(exc, "_shardconsole_reported", False):
+        return
+    try:
+        exc._shardconsole_reported = True       # type: ignore[attr-defined]
+    except AttributeError:                      # an exception without a __dict__: reported twice at worst
+        pass
     cause, hint = classify(exc)
     # A stop is not a crash: no traceback in the report.
     tb = "" if cause == "stopped" else "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

@@ -260,8 +260,20 @@ def _first_cause(e: BaseException) -> str:
 
 
 def train(r: common.Rank) -> None:
-    cfg, t = r.cfg, r.cfg.train
     common.init_process_group(r)
+    with loop.ending(r) as held:
+        held.append(lambda: release(r))
+        _train(r)
+
+
+def release(r: common.Rank) -> None:
+    """What the Rank holds beyond train (the model and optimizer end with its frame): the host arena
+    and the compute copy."""
+    r.arena = r.compute_copy = None
+
+
+def _train(r: common.Rank) -> None:
+    cfg, t = r.cfg, r.cfg.train
     stop = trainstate.StopRequest(r)
     model = build(r)
     optim = make_optimizer(r, model)

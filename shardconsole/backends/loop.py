@@ -5,17 +5,24 @@ differ: FSDP2's clip and scaler, DeepSpeed's engine); the tail is the same for b
     empty the CUDA cache when due -> evaluate when due -> a stop agreed by every rank saves and ends
     -> a periodic checkpoint when due -> the next stop round
 and after the last step the final save. `save(step)` is the engine's checkpoint writer.
+`ending` is how both engines' train end, however they end (torchtitan's main closes in a finally).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
-from shardconsole.backends import checkpoints, trainstate
+from shardconsole.backends import checkpoints, common, failures, trainstate
 from shardconsole.backends.common import Rank
+
+# A teardown after a failure gets this long; then the rank ends as __main__ would have (its report is out).
+TEARDOWN_S = 10.0
 
 
 @dataclass
@@ -49,3 +56,36 @@ class Tail:
             self.save(steps, what) if what != "checkpoint" else self.save(steps)
         if self.export is not None and self.r.cfg.train.export_dir and start_step < steps:
             self.export(steps)
+
+
+@contextlib.contextmanager
+def ending(r: Rank) -> Iterator[list[Callable[[], None]]]:
+    """An engine's train inside it appends what to release (DeepSpeed's engine.destroy, ...); it is
+    released however train ends, the last appended first. After a failure: the `failed` line first
+    (a peer that sees this rank's group go raises too, and the earliest line names the root cause),
+    then the release and the process group destroyed without a barrier (the peers may be gone), bounded
+    by TEARDOWN_S. After success __main__'s common.shutdown destroys the group, after a barrier."""
+    held: list[Callable[[], None]] = []
+    try:
+        yield held
+    except BaseException as exc:
+        failed = not (isinstance(exc, SystemExit) and not exc.code)     # as __main__ counts it
+        if failed:
+            failures.report_failure(r, exc, r.run_dir, r.run_id)
+        guard = threading.Timer(TEARDOWN_S, common.exit_rank, (int(failed),))
+        guard.daemon = True
+        guard.start()
+        for release in [*reversed(held), _destroy_group]:
+            try:
+                release()
+            except Exception as e:       # noqa: BLE001 - the failure already reported is the one that counts
+                r.log(f"teardown after the failure: {type(e).__name__}: {e}")
+        guard.cancel()
+        raise
+    for release in reversed(held):
+        release()
+
+
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

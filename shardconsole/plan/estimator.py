@@ -126,52 +126,121 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, start_step: int
     already in its folder (oldest first), for the disk total."""
     s = Shapes.of(spec)
     on_cpu = cfg.parallel.device == "cpu"
-    if cfg.adapters:
-        r = lora_rank(cfg, s)       # LoRA / QLoRA, either engine (plan/lora.py)
-    elif on_cpu:
-        r = _cpu_ranks(cfg, s)
-    elif cfg.parallel.backend == "fsdp":
-        r = _fsdp(cfg, s)
-    else:
-        r = _deepspeed(cfg, s)
-
-    # GPU: the compute stream's largest moment, the pools of the other streams, the allocator's
-    # fragmentation, then the context outside the allocator.
-    phases = {k: sum(v.values()) for k, v in r.gpu.items()}
-    device_total, reserved, device_what = _device(cfg, hw)
-    if phases:
-        moment = max(phases, key=lambda k: phases[k])
-        allocated = phases[moment]
-        gpu_parts = {k: int(v) for k, v in r.gpu[moment].items() if v}
-        gpu_parts.update({k: int(v) for k, v in r.side.items() if v})
-        slack = int(allocated * ALLOCATOR_SLACK_FRACTION) + ALLOCATOR_SLACK_FIXED
-        gpu_parts["allocator slack (fragmentation)"] = slack
-        allocator_peak = allocated + sum(r.side.values()) + slack
-        context = CUDA_CONTEXT_BYTES[cfg.parallel.backend]
-        gpu_parts["CUDA context + NCCL"] = context
-        # NVML's used bytes of the device include what the driver keeps on an idle card: the peak is
-        # given as a user reads it (nvidia-smi, the console's GPU panel, issue 16's measured runs).
-        gpu_parts["driver reserved (NVML counts it)"] = reserved
-        gpu_peak = allocator_peak + context + reserved
-        # Under a cap the allocator frees its cached blocks and retries before it fails, so a run
-        # needs its largest allocated moment (compute stream + the pools' live part), plus headroom
-        # for blocks it cannot free (split segments).
-        live = {k: v + r.side_live.get(k, 0) for k, v in phases.items()}
-        allocated_peak = max(live.values())
-        required = int(allocated_peak * (1 + REQUIRED_FRAGMENTATION)) + REQUIRED_FIXED
-        if cfg.parallel.backend == "deepspeed":
-            # DeepSpeed's step allocates multi-GiB contiguous buffers (the fp32 gradients of a
-            # sub-group): after the allocator frees its cached blocks the memory is still in split
-            # segments and the retry fails. Measured: ZeRO-3 1b with a cap 8% over the allocated-peak
-            # rule died at step 2 (edge-ds-1b-z3-mb4-ckpt-above). It needs its full reserved peak.
-            required = max(required, allocator_peak)
-    else:
-        moment, allocator_peak, gpu_peak, gpu_parts, context = "", 0, 0, {}, 0
-        allocated_peak = required = 0
-
-    # Host: one rank's largest moment (the save's among them: plan/saves.py); the node holds every local
-    # rank, the launcher, the front end and, with train.compile, inductor's compile workers.
+    r = _rank_model(cfg, s)
+    g = _gpu(cfg, r, hw)
     sv = saves(cfg, s, spec.path, start_step=start_step, existing=existing)
+    h = _host(cfg, r, sv, hw)
+    reasons, gpu_budget, host_budget = _budgets(cfg, hw, g, h)
+    notes = list(r.notes)
+    if gpu_budget is not None and g.required <= gpu_budget < g.allocator_peak:
+        notes.append(_allocator_at_budget(g, r, gpu_budget))
+    a = activations(cfg, s)
+    alt = {("activations without checkpointing" if cfg.memory.activation_checkpointing
+            else "activations with checkpointing"): a.alternative_saved}
+    est = Estimate(gpu_peak_bytes=int(g.peak), host_peak_bytes=int(h.peak), fits=not reasons,
+                   gpu_parts=g.parts, host_parts=h.parts, verdict="",
+                   gpu_allocator_peak_bytes=int(g.allocator_peak), gpu_peak_phase=g.moment,
+                   gpu_allocated_peak_bytes=int(g.allocated_peak), gpu_required_bytes=int(g.required),
+                   gpu_phases={k: int(v) for k, v in g.phases.items()}, gpu_budget_bytes=gpu_budget,
+                   gpu_device_bytes=None if on_cpu else g.device_total, gpu_driver_reserved_bytes=g.reserved,
+                   host_budget_bytes=host_budget, host_rank_bytes=int(h.rank), ranks_per_node=h.per_node,
+                   alternatives=alt, notes=notes, model=spec.name, n_params=s.n_params,
+                   host_peak_phase=h.moment, host_save_adds_bytes=int(h.save_adds), saves=sv,
+                   host_phases={k: int(v) * h.per_node for k, v in h.phases.items()},
+                   trainable_params=trainable_params(cfg, s) if cfg.adapters else s.n_params)
+    est.verdict = _verdict(est, reasons, cfg)
+    return est
+
+
+def _rank_model(cfg: C.RunConfig, s: Shapes) -> _Rank:
+    """One rank's memory by moment, from the model of its engine."""
+    if cfg.adapters:
+        return lora_rank(cfg, s)       # LoRA / QLoRA, either engine (plan/lora.py)
+    if cfg.parallel.device == "cpu":
+        return _cpu_ranks(cfg, s)
+    return _fsdp(cfg, s) if cfg.parallel.backend == "fsdp" else _deepspeed(cfg, s)
+
+
+@dataclass
+class _Gpu:
+    """The largest rank's device: its moments, the peak and what the allocator must be allowed."""
+    device_total: int | None
+    reserved: int                      # the driver's part, which NVML counts
+    device_what: str                   # how the verdict names the device
+    phases: dict[str, int]             # allocated bytes at each moment of the compute stream
+    moment: str = ""
+    parts: dict[str, int] = field(default_factory=dict)
+    allocated_peak: int = 0
+    allocator_peak: int = 0
+    context: int = 0
+    peak: int = 0
+    required: int = 0
+
+
+def _gpu(cfg: C.RunConfig, r: _Rank, hw: Hardware) -> _Gpu:
+    """The compute stream's largest moment, the pools of the other streams, the allocator's
+    fragmentation, then the context outside the allocator."""
+    phases = {k: sum(v.values()) for k, v in r.gpu.items()}
+    g = _Gpu(*_device(cfg, hw), phases)
+    if not phases:
+        return g
+    g.moment = max(phases, key=lambda k: phases[k])
+    allocated = phases[g.moment]
+    g.parts = {k: int(v) for k, v in r.gpu[g.moment].items() if v}
+    g.parts.update({k: int(v) for k, v in r.side.items() if v})
+    slack = int(allocated * ALLOCATOR_SLACK_FRACTION) + ALLOCATOR_SLACK_FIXED
+    g.parts["allocator slack (fragmentation)"] = slack
+    g.allocator_peak = allocated + sum(r.side.values()) + slack
+    g.context = CUDA_CONTEXT_BYTES[cfg.parallel.backend]
+    g.parts["CUDA context + NCCL"] = g.context
+    # NVML's used bytes of the device include what the driver keeps on an idle card: the peak is
+    # given as a user reads it (nvidia-smi, the console's GPU panel, issue 16's measured runs).
+    g.parts["driver reserved (NVML counts it)"] = g.reserved
+    g.peak = g.allocator_peak + g.context + g.reserved
+    # Under a cap the allocator frees its cached blocks and retries before it fails, so a run
+    # needs its largest allocated moment (compute stream + the pools' live part), plus headroom
+    # for blocks it cannot free (split segments).
+    live = {k: v + r.side_live.get(k, 0) for k, v in phases.items()}
+    g.allocated_peak = max(live.values())
+    g.required = int(g.allocated_peak * (1 + REQUIRED_FRAGMENTATION)) + REQUIRED_FIXED
+    if cfg.parallel.backend == "deepspeed":
+        # DeepSpeed's step allocates multi-GiB contiguous buffers (the fp32 gradients of a
+        # sub-group): after the allocator frees its cached blocks the memory is still in split
+        # segments and the retry fails. Measured: ZeRO-3 1b with a cap 8% over the allocated-peak
+        # rule died at step 2 (edge-ds-1b-z3-mb4-ckpt-above). It needs its full reserved peak.
+        g.required = max(g.required, g.allocator_peak)
+    return g
+
+
+def _allocator_at_budget(g: _Gpu, r: _Rank, gpu_budget: int) -> str:
+    """The allocator stops at the budget: it frees cached blocks and retries instead of growing. The
+    slack and the pools are cut to it; the note that says so."""
+    excess = g.allocator_peak - gpu_budget
+    for key in ["allocator slack (fragmentation)"] + [k for k in r.side if k in g.parts]:
+        cut = min(excess, g.parts.get(key, 0))
+        g.parts[key] -= cut
+        excess -= cut
+    g.allocator_peak = gpu_budget
+    g.peak = g.allocator_peak + g.context + g.reserved
+    return ("the allocator will reach the budget and free cached blocks to go on (steps a little slower); "
+            "with memory to spare it would reserve more")
+
+
+@dataclass
+class _Host:
+    """The node at its peak: one rank's largest moment times the local ranks, and the rest."""
+    phases: dict[str, int]             # one rank's bytes at each moment
+    moment: str
+    rank: int                          # one rank's peak
+    parts: dict[str, int]
+    peak: int
+    save_adds: int
+    per_node: int
+
+
+def _host(cfg: C.RunConfig, r: _Rank, sv: Saves, hw: Hardware) -> _Host:
+    """One rank's largest moment (the save's among them: plan/saves.py); the node holds every local
+    rank, the launcher, the front end and, with train.compile, inductor's compile workers."""
     host_by_phase = {k: dict(v) for k, v in r.host.items()}
     if sv.host_add_rank_bytes:
         # the save runs after training, with training's memory still held (its start-up transients gone)
@@ -185,7 +254,6 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, start_step: int
                                        TOKENIZE_WORK_BYTES // max(1, cfg.parallel.nproc_per_node)}
     hphases = {k: sum(v.values()) for k, v in host_by_phase.items()}
     hmoment = max(hphases, key=lambda k: hphases[k])
-    rank_host = hphases[hmoment]
     per_node = cfg.parallel.nproc_per_node
     host_parts = {k + (f" x {per_node} ranks" if per_node > 1 else ""): int(v) * per_node
                   for k, v in host_by_phase[hmoment].items() if v}
@@ -194,58 +262,32 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, start_step: int
     compile_b = compile_workers_bytes(cfg, hw)
     if compile_b:
         host_parts[f"torch.compile workers ({compile_threads(hw)} + 1 a rank)"] = compile_b * per_node
-    host_peak = sum(host_parts.values())
-    save_adds = sv.host_add_rank_bytes * per_node
+    return _Host(hphases, hmoment, hphases[hmoment], host_parts, sum(host_parts.values()),
+                 sv.host_add_rank_bytes * per_node, per_node)
 
-    # Budgets and the verdict.
-    # The allocator's budget: what the device (the card, or a cap: a card of that size) gives to
-    # processes, less the rank's context and NCCL. The same for a 24 GiB cap on a big card and for a
-    # real 24 GB card (issue 34): the cap's allocator fraction is set from it (backends/common.py).
+
+def _budgets(cfg: C.RunConfig, hw: Hardware, g: _Gpu, h: _Host) -> tuple[list[str], int | None, int | None]:
+    """(why it does not fit, the allocator's budget, the host's). The allocator's budget: what the
+    device (the card, or a cap: a card of that size) gives to processes, less the rank's context and
+    NCCL. The same for a 24 GiB cap on a big card and for a real 24 GB card (issue 34): the cap's
+    allocator fraction is set from it (backends/common.py)."""
     gpu_budget = None
     reasons: list[str] = []
-    if not on_cpu:
-        gpu_budget = max(device_total - reserved - context, 0) if device_total else None
-        if hw.gpus and per_node > hw.gpus:
-            reasons.append(f"{per_node} ranks per node but the node has {hw.gpus} GPU(s)")
+    if cfg.parallel.device != "cpu":
+        gpu_budget = max(g.device_total - g.reserved - g.context, 0) if g.device_total else None
+        if hw.gpus and h.per_node > hw.gpus:
+            reasons.append(f"{h.per_node} ranks per node but the node has {hw.gpus} GPU(s)")
         if gpu_budget is None:
             reasons.append("no GPU found here and no GPU size given (--gpu-memory SIZE or memory.gpu_memory_limit)")
-        elif required > gpu_budget:
-            reasons.append(f"GPU needs {C.format_size(required + context + reserved)} (allocator "
-                           f"{C.format_size(required)} + context {C.format_size(context)} + driver "
-                           f"{C.format_size(reserved)}) over {device_what}")
+        elif g.required > gpu_budget:
+            reasons.append(f"GPU needs {C.format_size(g.required + g.context + g.reserved)} (allocator "
+                           f"{C.format_size(g.required)} + context {C.format_size(g.context)} + driver "
+                           f"{C.format_size(g.reserved)}) over {g.device_what}")
     host_budget = int(hw.host_memory_bytes * HOST_USABLE_FRACTION) if hw.host_memory_bytes else None
-    if host_budget is not None and host_peak > host_budget:
-        reasons.append(f"host needs {C.format_size(host_peak)} over {C.format_size(host_budget)} usable "
+    if host_budget is not None and h.peak > host_budget:
+        reasons.append(f"host needs {C.format_size(h.peak)} over {C.format_size(host_budget)} usable "
                        f"of {C.format_size(hw.host_memory_bytes)}")
-    fits = not reasons
-    notes = list(r.notes)
-    if gpu_budget is not None and required <= gpu_budget < allocator_peak:
-        # The allocator stops at the budget: it frees cached blocks and retries instead of growing.
-        excess = allocator_peak - gpu_budget
-        for key in ["allocator slack (fragmentation)"] + [k for k in r.side if k in gpu_parts]:
-            cut = min(excess, gpu_parts.get(key, 0))
-            gpu_parts[key] -= cut
-            excess -= cut
-        allocator_peak = gpu_budget
-        gpu_peak = allocator_peak + context + reserved
-        notes.append("the allocator will reach the budget and free cached blocks to go on (steps a little slower); "
-                     "with memory to spare it would reserve more")
-    a = activations(cfg, s)
-    alt = {("activations without checkpointing" if cfg.memory.activation_checkpointing
-            else "activations with checkpointing"): a.alternative_saved}
-    est = Estimate(gpu_peak_bytes=int(gpu_peak), host_peak_bytes=int(host_peak), fits=fits,
-                   gpu_parts=gpu_parts, host_parts=host_parts, verdict="",
-                   gpu_allocator_peak_bytes=int(allocator_peak), gpu_peak_phase=moment,
-                   gpu_allocated_peak_bytes=int(allocated_peak), gpu_required_bytes=int(required),
-                   gpu_phases={k: int(v) for k, v in phases.items()}, gpu_budget_bytes=gpu_budget,
-                   gpu_device_bytes=None if on_cpu else device_total, gpu_driver_reserved_bytes=reserved,
-                   host_budget_bytes=host_budget, host_rank_bytes=int(rank_host), ranks_per_node=per_node,
-                   alternatives=alt, notes=notes, model=spec.name, n_params=s.n_params,
-                   host_peak_phase=hmoment, host_save_adds_bytes=int(save_adds), saves=sv,
-                   host_phases={k: int(v) * per_node for k, v in hphases.items()},
-                   trainable_params=trainable_params(cfg, s) if cfg.adapters else s.n_params)
-    est.verdict = _verdict(est, reasons, cfg)
-    return est
+    return reasons, gpu_budget, host_budget
 
 
 def host_peak_line(e: Estimate) -> str:

@@ -322,6 +322,17 @@ def _zero(im: _Import, z: Any, base: C.RunConfig) -> None:
         z = {}
     if not isinstance(z, dict):
         raise im.error("zero_optimization", f"expected an object, got {z!r}")
+    _zero_keys(im, z, base.deepspeed)
+    _zero_offload(im, _offload_blocks(im, z))
+    for key in z:
+        if key in _ZERO_UNMAPPED:
+            im.skip(f"zero_optimization.{key}", _ZERO_UNMAPPED[key])
+        elif key not in _ZERO_ALL:
+            im.skip(f"zero_optimization.{key}", _known(key, _ZERO_ALL))
+
+
+def _zero_keys(im: _Import, z: dict, ds: Any) -> None:
+    """The stage, then each ZeRO knob shardconsole has (the file's, or DeepSpeed's default)."""
     stage = z.get("stage", 0)
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise im.error("zero_optimization.stage", f"expected 0, 1, 2 or 3, got {stage!r}")
@@ -330,7 +341,6 @@ def _zero(im: _Import, z: Any, base: C.RunConfig) -> None:
         im.set("deepspeed", "stage", stage, "zero_optimization.stage")
     else:
         im.default("deepspeed", "stage", 0)
-    ds = base.deepspeed
     for key in ZERO_KEYS:
         where = f"zero_optimization.{key}"
         if key in z:
@@ -342,7 +352,10 @@ def _zero(im: _Import, z: Any, base: C.RunConfig) -> None:
         else:
             default = DS_ZERO_DEFAULTS[key]
             im.default("deepspeed", key, stage == 3 if key == "overlap_comm" else default)
-    # Offload: the current blocks, and the pre-0.5 booleans that old example configs still carry.
+
+
+def _offload_blocks(im: _Import, z: dict) -> dict[str, Any]:
+    """Offload: the current blocks, and the pre-0.5 booleans that old example configs still carry."""
     blocks = {"offload_optimizer": z.get("offload_optimizer"), "offload_param": z.get("offload_param")}
     # (DeepSpeed turns them into blocks with default pinning and ignores cpu_offload_use_pin_memory.)
     if z.get("cpu_offload") is True and blocks["offload_optimizer"] is None:
@@ -354,6 +367,11 @@ def _zero(im: _Import, z: Any, base: C.RunConfig) -> None:
     if "cpu_offload_use_pin_memory" in z:
         im.skip("zero_optimization.cpu_offload_use_pin_memory", "deprecated; DeepSpeed ignores it (pin_memory "
                 "inside the offload blocks counts)")
+    return blocks
+
+
+def _zero_offload(im: _Import, blocks: dict[str, Any]) -> None:
+    """Each offload block's device; the pinning and the NVMe folder, which shardconsole has once for both."""
     pins: list[tuple[str, bool]] = []
     paths: list[tuple[str, str]] = []
     for name, block in blocks.items():
@@ -393,11 +411,6 @@ def _zero(im: _Import, z: Any, base: C.RunConfig) -> None:
         for other, value in paths[1:]:
             if value != path:
                 im.skip(other, f"{value!r}: shardconsole uses one nvme_path; {key} wins")
-    for key in z:
-        if key in _ZERO_UNMAPPED:
-            im.skip(f"zero_optimization.{key}", _ZERO_UNMAPPED[key])
-        elif key not in _ZERO_ALL:
-            im.skip(f"zero_optimization.{key}", _known(key, _ZERO_ALL))
 
 
 def merge(base: dict[str, Any], over: dict[str, dict[str, Any]]) -> dict[str, Any]:

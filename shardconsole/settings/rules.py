@@ -22,70 +22,12 @@ def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = 
     def err(table: str, key: str, msg: str) -> ConfigError:
         return ConfigError(msg, source=(origins or {}).get(f"{table}.{key}", source), table=table, key=key)
 
-    p, f, d, prec = cfg.parallel, cfg.fsdp, cfg.deepspeed, cfg.precision
-    if prec.master_dtype == "bf16" and prec.dtype != "bf16":
-        raise err("precision", "master_dtype", f"\"bf16\" needs dtype = \"bf16\" (dtype is {prec.dtype!r})")
-    if prec.master_dtype == "bf16" and p.backend == "deepspeed" and d.stage == 0:
-        raise err("precision", "master_dtype", "\"bf16\" needs ZeRO stage 1, 2 or 3 with DeepSpeed (stage is 0)")
-    if prec.dtype != "fp16":
-        for key in prec.FP16_KEYS:
-            if getattr(prec, key) is not None:
-                raise err("precision", key, f"is an fp16 loss-scale setting but dtype is {prec.dtype!r}; "
-                          "remove it or set precision.dtype = \"fp16\"")
-    if p.backend == "fsdp":
-        if f.cpu_offload and f.sharding == "no_shard":
-            raise err("fsdp", "cpu_offload", "needs sharded parameters; with sharding = \"no_shard\" "
-                      "nothing is offloaded: use full_shard or shard_grad_op")
-        if f.sharding == "hybrid_shard" and p.nnodes < 2 and p.nproc_per_node < 2:
-            raise err("fsdp", "sharding", "hybrid_shard needs more than one rank")
-        if p.launcher == "deepspeed":
-            raise err("parallel", "launcher", "the deepspeed launcher starts DeepSpeed runs; "
-                      "FSDP runs use \"torchrun\"")
-    if cfg.train.export_dir and cfg.train.method != "full":
-        # The live state holds peft's adapters around the base: export-model merges or saves them.
-        raise err("train", "export_dir", f"is written for full fine-tuning; with train.method = "
-                  f"\"{cfg.train.method}\" run `shardconsole export-model RUN -o DIR` (merged, or --adapter)")
-    if p.backend == "deepspeed":
-        if cfg.train.export_dir:
-            # DeepSpeed keeps the master weights in its optimizer partitions: the folder comes from its
-            # checkpoint, merged by zero_to_fp32 (export-model), not from the live state.
-            raise err("train", "export_dir", "is written from FSDP2 runs; for a DeepSpeed run keep "
-                      "train.save_final = \"full\" and run `shardconsole export-model RUN -o DIR`")
-        if d.offload_param != "none" and d.stage != 3:
-            raise err("deepspeed", "offload_param", f"needs stage = 3 (stage is {d.stage}); "
-                      "parameters are partitioned only in stage 3")
-        if d.offload_optimizer != "none" and d.stage == 0:
-            raise err("deepspeed", "offload_optimizer", "needs stage 1, 2 or 3 (stage is 0)")
-        for key in ("offload_optimizer", "offload_param"):
-            if getattr(d, key) == "nvme" and not d.nvme_path:
-                raise err("deepspeed", "nvme_path", f"{key} = \"nvme\" needs nvme_path, a folder on a fast disk")
-        if d.offload_param == "nvme" and d.offload_optimizer == "none":
-            pass  # allowed by DeepSpeed
-        if d.offload_optimizer == "nvme" and d.stage != 3:
-            # Stages 1-2 have no NVMe swapper: DeepSpeed would quietly keep the states in host memory.
-            raise err("deepspeed", "offload_optimizer", f"\"nvme\" needs stage = 3 (ZeRO-Infinity; stage is "
-                      f"{d.stage}); stages 1 and 2 offload to \"cpu\" only")
-        if p.launcher == "deepspeed" and p.nnodes > 1:
-            # The deepspeed runner reaches other nodes through a hostfile and ssh/pdsh; torchrun's c10d
-            # rendezvous starts DeepSpeed ranks on every node from the same command.
-            raise err("parallel", "launcher", f"the deepspeed launcher needs a hostfile and ssh for nnodes = "
-                      f"{p.nnodes}; use launcher = \"torchrun\" (it runs DeepSpeed ranks on every node)")
-    if p.nnodes > 1 and not p.rdzv_endpoint and not rendezvous_from_launcher and p.rendezvous != "slurm":
-        # Blamed on whatever set nnodes (`--set parallel.nnodes=4` on a one-node preset), at the
-        # rendezvous field, which is what is missing.
-        raise ConfigError(f"nnodes = {p.nnodes} needs the host:port of node 0: set parallel.rdzv_endpoint "
-                          "(e.g. \"node0:29400\"), or use --slurm, whose script takes the job's first node",
-                          source=(origins or {}).get("parallel.nnodes", (origins or {}).get(
-                              "parallel.rdzv_endpoint", source)), table="parallel", key="rdzv_endpoint")
-    if p.rdzv_endpoint and not re.match(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$", p.rdzv_endpoint):
-        raise err("parallel", "rdzv_endpoint", f"{p.rdzv_endpoint!r} is not host:port")
-    if p.node_rank >= p.nnodes:
-        raise err("parallel", "node_rank", f"{p.node_rank} but nnodes is {p.nnodes}: use 0..{p.nnodes - 1}")
-    if p.device == "cuda" and gpu_count == 0:
-        raise err("parallel", "device", "is \"cuda\" but this machine has no CUDA GPU; use \"cpu\" or \"auto\"")
-    if gpu_count and p.device != "cpu" and p.nproc_per_node > gpu_count:
-        raise err("parallel", "nproc_per_node", f"{p.nproc_per_node} ranks but this machine has "
-                  f"{gpu_count} GPU(s): use at most {gpu_count}, or device = \"cpu\"")
+    p = cfg.parallel
+    _check_precision(cfg, err)
+    _check_fsdp(cfg, err)
+    _check_export(cfg, err)
+    _check_deepspeed(cfg, err)
+    _check_nodes(cfg, err, source, origins, gpu_count, rendezvous_from_launcher)
     if cfg.memory.gpu_memory_limit:
         try:
             limit = parse_size(cfg.memory.gpu_memory_limit)
@@ -112,6 +54,92 @@ def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = 
     _check_step_in_backward(cfg, err)
     if cfg.train.compile and p.device == "cpu":
         raise err("train", "compile", "torch.compile of the layers is for GPUs; set it to false on CPU")
+
+
+def _check_precision(cfg: RunConfig, err) -> None:
+    p, d, prec = cfg.parallel, cfg.deepspeed, cfg.precision
+    if prec.master_dtype == "bf16" and prec.dtype != "bf16":
+        raise err("precision", "master_dtype", f"\"bf16\" needs dtype = \"bf16\" (dtype is {prec.dtype!r})")
+    if prec.master_dtype == "bf16" and p.backend == "deepspeed" and d.stage == 0:
+        raise err("precision", "master_dtype", "\"bf16\" needs ZeRO stage 1, 2 or 3 with DeepSpeed (stage is 0)")
+    if prec.dtype != "fp16":
+        for key in prec.FP16_KEYS:
+            if getattr(prec, key) is not None:
+                raise err("precision", key, f"is an fp16 loss-scale setting but dtype is {prec.dtype!r}; "
+                          "remove it or set precision.dtype = \"fp16\"")
+
+
+def _check_fsdp(cfg: RunConfig, err) -> None:
+    p, f = cfg.parallel, cfg.fsdp
+    if p.backend == "fsdp":
+        if f.cpu_offload and f.sharding == "no_shard":
+            raise err("fsdp", "cpu_offload", "needs sharded parameters; with sharding = \"no_shard\" "
+                      "nothing is offloaded: use full_shard or shard_grad_op")
+        if f.sharding == "hybrid_shard" and p.nnodes < 2 and p.nproc_per_node < 2:
+            raise err("fsdp", "sharding", "hybrid_shard needs more than one rank")
+        if p.launcher == "deepspeed":
+            raise err("parallel", "launcher", "the deepspeed launcher starts DeepSpeed runs; "
+                      "FSDP runs use \"torchrun\"")
+
+
+def _check_export(cfg: RunConfig, err) -> None:
+    """train.export_dir: the live state of a full FSDP2 fine-tune; the others export from the checkpoint."""
+    if cfg.train.export_dir and cfg.train.method != "full":
+        # The live state holds peft's adapters around the base: export-model merges or saves them.
+        raise err("train", "export_dir", f"is written for full fine-tuning; with train.method = "
+                  f"\"{cfg.train.method}\" run `shardconsole export-model RUN -o DIR` (merged, or --adapter)")
+    if cfg.parallel.backend == "deepspeed":
+        if cfg.train.export_dir:
+            # DeepSpeed keeps the master weights in its optimizer partitions: the folder comes from its
+            # checkpoint, merged by zero_to_fp32 (export-model), not from the live state.
+            raise err("train", "export_dir", "is written from FSDP2 runs; for a DeepSpeed run keep "
+                      "train.save_final = \"full\" and run `shardconsole export-model RUN -o DIR`")
+
+
+def _check_deepspeed(cfg: RunConfig, err) -> None:
+    p, d = cfg.parallel, cfg.deepspeed
+    if p.backend == "deepspeed":
+        if d.offload_param != "none" and d.stage != 3:
+            raise err("deepspeed", "offload_param", f"needs stage = 3 (stage is {d.stage}); "
+                      "parameters are partitioned only in stage 3")
+        if d.offload_optimizer != "none" and d.stage == 0:
+            raise err("deepspeed", "offload_optimizer", "needs stage 1, 2 or 3 (stage is 0)")
+        for key in ("offload_optimizer", "offload_param"):
+            if getattr(d, key) == "nvme" and not d.nvme_path:
+                raise err("deepspeed", "nvme_path", f"{key} = \"nvme\" needs nvme_path, a folder on a fast disk")
+        if d.offload_param == "nvme" and d.offload_optimizer == "none":
+            pass  # allowed by DeepSpeed
+        if d.offload_optimizer == "nvme" and d.stage != 3:
+            # Stages 1-2 have no NVMe swapper: DeepSpeed would quietly keep the states in host memory.
+            raise err("deepspeed", "offload_optimizer", f"\"nvme\" needs stage = 3 (ZeRO-Infinity; stage is "
+                      f"{d.stage}); stages 1 and 2 offload to \"cpu\" only")
+        if p.launcher == "deepspeed" and p.nnodes > 1:
+            # The deepspeed runner reaches other nodes through a hostfile and ssh/pdsh; torchrun's c10d
+            # rendezvous starts DeepSpeed ranks on every node from the same command.
+            raise err("parallel", "launcher", f"the deepspeed launcher needs a hostfile and ssh for nnodes = "
+                      f"{p.nnodes}; use launcher = \"torchrun\" (it runs DeepSpeed ranks on every node)")
+
+
+def _check_nodes(cfg: RunConfig, err, source: str, origins: dict[str, str] | None, gpu_count: int | None,
+                 rendezvous_from_launcher: bool) -> None:
+    """The nodes, the rendezvous and the ranks against this machine's GPUs."""
+    p = cfg.parallel
+    if p.nnodes > 1 and not p.rdzv_endpoint and not rendezvous_from_launcher and p.rendezvous != "slurm":
+        # Blamed on whatever set nnodes (`--set parallel.nnodes=4` on a one-node preset), at the
+        # rendezvous field, which is what is missing.
+        raise ConfigError(f"nnodes = {p.nnodes} needs the host:port of node 0: set parallel.rdzv_endpoint "
+                          "(e.g. \"node0:29400\"), or use --slurm, whose script takes the job's first node",
+                          source=(origins or {}).get("parallel.nnodes", (origins or {}).get(
+                              "parallel.rdzv_endpoint", source)), table="parallel", key="rdzv_endpoint")
+    if p.rdzv_endpoint and not re.match(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$", p.rdzv_endpoint):
+        raise err("parallel", "rdzv_endpoint", f"{p.rdzv_endpoint!r} is not host:port")
+    if p.node_rank >= p.nnodes:
+        raise err("parallel", "node_rank", f"{p.node_rank} but nnodes is {p.nnodes}: use 0..{p.nnodes - 1}")
+    if p.device == "cuda" and gpu_count == 0:
+        raise err("parallel", "device", "is \"cuda\" but this machine has no CUDA GPU; use \"cpu\" or \"auto\"")
+    if gpu_count and p.device != "cpu" and p.nproc_per_node > gpu_count:
+        raise err("parallel", "nproc_per_node", f"{p.nproc_per_node} ranks but this machine has "
+                  f"{gpu_count} GPU(s): use at most {gpu_count}, or device = \"cpu\"")
 
 
 def _check_method(cfg: RunConfig, err) -> None:

@@ -62,7 +62,8 @@ class Tail:
 def ending(r: Rank) -> Iterator[list[Callable[[], None]]]:
     """An engine's train inside it appends what to release (DeepSpeed's engine.destroy, ...); it is
     released however train ends, the last appended first. After a failure: the `failed` line first
-    (a peer that sees this rank's group go raises too, and the earliest line names the root cause),
+    (the earliest line names the root cause, and a peer that sees this rank's group go raises too;
+    under gloo it sees that only when this process exits, NCCL's teardown can be sooner),
     then the release and the process group destroyed without a barrier (the peers may be gone), bounded
     by TEARDOWN_S. After success __main__'s common.shutdown destroys the group, after a barrier."""
     held: list[Callable[[], None]] = []

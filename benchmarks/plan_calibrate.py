@@ -353,7 +353,10 @@ class _Tail:
 
 
 def _children_pss(pids) -> int:
-    """The summed PSS of every descendant of `pids` (0 when there are none, or psutil cannot read them)."""
+    """The summed PSS of the descendants of `pids` that are Python (torch.compile's sidecar and workers;
+    0 when there are none, or psutil cannot read them). DeepSpeed's JIT op builds (ninja, nvcc, c++) are
+    left out: a machine's first DeepSpeed run makes them once (2.6-3.6 GiB for a moment on the H200), and
+    the plan names them in a note rather than in its steady figure."""
     import psutil
     total = 0
     for pid in pids:
@@ -363,6 +366,8 @@ def _children_pss(pids) -> int:
             continue
         for k in kids:
             try:
+                if "python" not in k.name().lower():
+                    continue
                 total += k.memory_full_info().pss
             except (psutil.Error, AttributeError):
                 continue
@@ -674,6 +679,7 @@ def adopt16(path: Path) -> int:
     for key in ("machine", "hardware", "base_preset", "started", "lanes", "code_version"):
         doc[key] = new[key]
     doc["cap_means"] = new.get("cap_means", "allocator")
+    doc["host_arena"] = True        # measured on today's backends: FSDP2's host arena on where it applies
     doc["command"] = new.get("command", doc.get("command"))
     doc.pop("code_version_note", None)
     doc["runs"] = [{k: r[k] for k in ("name", "model", "subset", "sets", "expect_oom", "cap_factor", "lane",

@@ -368,8 +368,10 @@ def _sets(doc: dict, run: dict) -> list[str]:
     allocator alone, so its cap becomes the device whose allocator share it was."""
     from shardconsole.machine.hardware import device_cap_for_allocator
     sets = list(run["sets"])
+    # runs measured since the arena (issue 17) say so: planned as run, with it
+    arena = [] if doc.get("host_arena") else list(BEFORE_ARENA)
     if doc.get("cap_means") == "device":
-        return sets + list(BEFORE_ARENA)
+        return sets + arena
     engine = next((s.split("=", 1)[1] for s in sets if s.startswith("parallel.backend=")),
                   doc["base_preset"].get("parallel", {}).get("backend", "fsdp"))
     out = []
@@ -377,7 +379,7 @@ def _sets(doc: dict, run: dict) -> list[str]:
         if s.startswith("memory.gpu_memory_limit="):
             s = f"memory.gpu_memory_limit={device_cap_for_allocator(C.parse_size(s.split('=', 1)[1]), engine)}"
         out.append(s)
-    return out + list(BEFORE_ARENA)
+    return out + arena
 
 
 def _calibration() -> dict:
@@ -502,7 +504,7 @@ def test_issue16_runs_within_10_percent_gpu_and_15_percent_host():
         if e.gpu_required_bytes < 0.9 * m["peak_allocated_bytes"]:
             bad.append(f"{run['name']}: requires {e.gpu_required_bytes / GiB:.2f} GiB, allocated "
                        f"{m['peak_allocated_bytes'] / GiB:.2f}")
-    assert checked == 30 and not bad, "\n".join(bad)
+    assert checked == 3 * len(doc["runs"]) >= 33 and not bad, "\n".join(bad)
 
 
 def test_plan_json_within_10_percent_of_the_devices_nvml_on_the_earlier_runs(capsys):

@@ -132,8 +132,9 @@ SAFETENSORS_TENSOR_BYTES = 160
 SAVE_FIXED_BYTES = 32 * MiB
 # torch.compile (train.compile): inductor's compile sidecar per rank (a Python with torch imported)
 # and its pool of compile_threads = min(32, CPUs) workers forked from it. Measured here (CPU torch 2.13,
-# 4 workers): the sidecar 298 MB RSS, each worker 3-5 MB of its own (USS) at rest; Triton's
-# compiles on a GPU machine make the workers larger (not measured: the GPU call does).
+# 4 workers): the sidecar 298 MB RSS, each worker 3-5 MB of its own (USS) at rest. On the H200
+# (benchmarks/results/session6/plan_issue16.json, i34-fsdp-1b-mb4-compiled-cap24: 16 workers, Triton
+# compiling a 1b model) the ranks' children held 0.49 GiB PSS at most: the sidecar and ~12 MiB a worker.
 COMPILE_SIDECAR_BYTES = 320 * MiB
-COMPILE_WORKER_BYTES = 64 * MiB
+COMPILE_WORKER_BYTES = 12 * MiB
 COMPILE_THREADS_MAX = 32

@@ -270,6 +270,10 @@ def _notes(cfg: C.RunConfig, k: _Ctx) -> list[str]:
         files = (3 * k.m * k.part if k.opt_nvme else 0) + (k.c * k.part if k.par_nvme else 0)
         notes.append(f"NVMe offload: the host side is DeepSpeed's swap buffers as its source sizes them (not "
                      f"measured yet); the files under deepspeed.nvme_path take about {files / GiB:.1f} GiB a rank")
+    # Measured on the H200 (benchmarks/results/session6/plan_issue16.json): the lanes' first DeepSpeed runs
+    # had 2.6-3.6 GiB of build processes beside the ranks; later runs loaded the cached ops.
+    notes.append("the first DeepSpeed run on a machine builds its ops (ninja, nvcc): up to ~3.6 GiB of host "
+                 "RAM for a minute beside this figure; later runs load them from the cache")
     if stage < 3:
         notes.append(f"ZeRO-{stage} builds the whole fp32 model on the CPU of every rank "
                      f"({4 * k.P / GiB:.1f} GiB each) before DeepSpeed moves it to the GPU")

@@ -14,17 +14,7 @@ mkdir -p "$OUTD"
 export PYTHONUNBUFFERED=1 SHARDCONSOLE_RUNS_ROOT=/tmp/sc-i35-runs SHARDCONSOLE_SPEEDS_FILE=/tmp/sc-i35-speeds.jsonl
 python3 -c "import torchao; print('torchao', torchao.__version__)" || echo "torchao missing: the low-bit runs are refused in one line"
 # The text lora_7b_gpu.sh writes (the same 6,000 records), read as UTF-8 bytes by the catalog model.
-python3 - <<'PY'
-import json, random
-rng = random.Random(0)
-words = ("shard gradient optimizer offload adapter rank checkpoint layer memory host device tensor "
-         "step loss batch token window record sample parameter state").split()
-with open("/tmp/sc-lora-text.jsonl", "w") as fh:
-    for i in range(6000):
-        a, b = rng.randint(1, 99), rng.randint(1, 99)
-        s = " ".join(rng.choice(words) for _ in range(rng.randint(20, 40)))
-        fh.write(json.dumps({"text": f"Record {i}: {a} plus {b} is {a + b}. {s.capitalize()}."}) + "\n")
-PY
+python3 benchmarks/sample_text.py /tmp/sc-lora-text.jsonl
 python3 benchmarks/gpu_runs.py --matrix issue35 --timeout 240 --out "$OUTD/issue35.json" \
     --only 3b-adamw8bit-bf16m-step-in-bwd bare-3b-torchtune-adamw8bit-bwd 3b-adamw-offload \
     3b-adamw8bit-bf16m-no-offload 2>&1 | tee "$OUTD/issue35.log"

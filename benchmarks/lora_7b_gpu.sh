@@ -18,17 +18,7 @@ export PYTHONUNBUFFERED=1 SHARDCONSOLE_RUNS_ROOT=/tmp/sc-lora-runs SHARDCONSOLE_
 python3 -c "import bitsandbytes, peft; print('bitsandbytes', bitsandbytes.__version__, 'peft', peft.__version__)" \
     || echo "bitsandbytes or peft missing: the QLoRA (or every adapter) run will be refused in one line"
 # The text: 2 MB of numbered sentences, read as UTF-8 bytes by the catalog model (no tokenizer); 2% held out.
-python3 - <<'PY'
-import json, random
-rng = random.Random(0)
-words = ("shard gradient optimizer offload adapter rank checkpoint layer memory host device tensor "
-         "step loss batch token window record sample parameter state").split()
-with open("/tmp/sc-lora-text.jsonl", "w") as fh:
-    for i in range(6000):
-        a, b = rng.randint(1, 99), rng.randint(1, 99)
-        s = " ".join(rng.choice(words) for _ in range(rng.randint(20, 40)))
-        fh.write(json.dumps({"text": f"Record {i}: {a} plus {b} is {a + b}. {s.capitalize()}."}) + "\n")
-PY
+python3 benchmarks/sample_text.py /tmp/sc-lora-text.jsonl
 if [ "$MODE" = cal ]; then
     python3 benchmarks/gpu_runs.py --matrix issue33cal --plan --timeout 300 --out "$OUTD/lora_cal.json" 2>&1 \
         | tee "$OUTD/lora_cal.log"

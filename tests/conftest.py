@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,6 +17,12 @@ import pytest
 from shardconsole.launch.job import _group_pids
 from shardconsole.runlog.protocol import decode
 from shardconsole.runlog.runfolder import node_metrics_files
+
+# A suite started as a background job (`pytest &`, nohup, some CI runners) inherits SIGINT ignored, and
+# an ignored signal stays ignored across exec: every front end a test starts would then ignore the
+# Ctrl-C the tests send it. Restore the default here, so children start as from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -19,6 +19,8 @@ from pathlib import Path
 from shardconsole.runlog.protocol import MAX_LINE, DecodeError, Message, decode, encode
 from shardconsole.runlog.runfolder import node_metrics_files
 
+NAME_EVERY_S = 1.0      # how often a reader that keeps finding lines still stats its file's name
+
 
 class MetricsWriter:
     """Appends one rank's (or the front end's) lines. A line the file refuses (a full disk, a folder
@@ -131,6 +133,11 @@ class MetricsReader:
     def _readers(self) -> list[FileReader]:
         return [self._main, *self._nodes.values()]
 
+    def check_names(self) -> None:
+        """Look now whether a file's name went (a run's last tick: a deletion must still be said)."""
+        for r in self._readers:
+            r.check_name()
+
     @property
     def bad_lines(self) -> int:
         return sum(r.bad_lines for r in self._readers)
@@ -178,6 +185,7 @@ class FileReader:
         self._pos = 0
         self._partial = b""
         self._skipping = False      # inside an over-long line: dropped up to its newline, counted once
+        self._named_at = float("-inf")
 
     def poll(self, max_bytes: int = 8 << 20) -> list[Message]:
         if self._fd is None:
@@ -193,8 +201,10 @@ class FileReader:
             self.last_error = f"{self.path}: {e.strerror}"
             return []
         self._pos += len(chunk)
-        if not chunk:
-            self._check_name()
+        # Looked at when caught up, and at least once a second: a slow front end on a loaded machine may
+        # find new lines at every poll until the run ends and would otherwise never notice the name go.
+        if not chunk or time.monotonic() - self._named_at >= NAME_EVERY_S:
+            self.check_name()
         data = self._partial + chunk
         lines = data.split(b"\n")
         self._partial = lines.pop()  # an unfinished line stays for the next poll
@@ -221,9 +231,11 @@ class FileReader:
         """How far into the file the lines have been read (a partial last line included)."""
         return self._pos
 
-    def _check_name(self) -> None:
+    def check_name(self) -> None:
+        """Set `lost` when the file's name no longer leads to the file being read (deleted, replaced)."""
         if self.lost or self._fd is None:
             return
+        self._named_at = time.monotonic()
         try:
             mine = os.fstat(self._fd)
             now = os.stat(self.path)

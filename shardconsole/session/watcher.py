@@ -181,11 +181,13 @@ class Watcher:
                 self._rdzv = None          # the ranks have met
             elif line := self._rdzv.look(now):
                 tick.notes.append(line)
+        if not self.ended:
+            self._check_end(tick)
+            if self.ended:
+                self.reader.check_names()
         if self.reader.lost and not self._said_lost:
             self._said_lost = True
             tick.notes.append(self.reader.lost)
-        if not self.ended:
-            self._check_end(tick)
         if self.recorder is not None:
             self._record(tick)
         tick.ended, tick.exit_code, tick.bad_lines = self.ended, self.exit_code, self.reader.bad_lines

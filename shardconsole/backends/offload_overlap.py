@@ -31,6 +31,8 @@ steps, which are the last of the backward.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -95,9 +97,13 @@ class Overlap:
         covered = {id(p) for u in self.units for p in u.params}
         # A parameter outside every unit would be stepped by nobody: the plain step then (never seen).
         self.complete = covered == in_optim and len(fsdp_params(model)) > 0
-        self.threads = max(1, torch.get_num_threads() - 1)
+        self.plan, cores, switch_s = _host_threads()
+        self.threads = self.step_threads = self.plan[0]
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="host-step",
-                                       initializer=torch.set_num_threads, initargs=(self.threads,))
+                                       initializer=_start_host_thread, initargs=(self.threads, cores))
+        if switch_s:
+            sys.setswitchinterval(switch_s)
+        self.blocking = os.environ.get("SHARDCONSOLE_OVERLAP_SPIN", "") != "1"
         # RoundedAdamW's host update is torch.compile'd at its first call: that step runs plain, so Dynamo
         # and Inductor compile on the main thread, and the host thread only calls the compiled code.
         self.cold = isinstance(optim, master_update.RoundedAdamW) and optim.compile
@@ -110,6 +116,9 @@ class Overlap:
         """Before the last micro-batch's backward: its units step as their gradients land. Not on a step
         whose gradients a test fault rewrites after the backward."""
         self.armed = self.complete and not self.cold and not self.r.faults.changes_grads(step)
+        if len(self.plan) > 1:      # a benchmark's sweep: one thread count a step, said in the rank log
+            self.step_threads = self.plan[step % len(self.plan)]
+            self.r.log(f"offload overlap: step {step} on {self.step_threads} OpenMP threads")
         self.cold = False
         return self.armed
 
@@ -120,11 +129,14 @@ class Overlap:
                 params = [p for p in unit.params if p.grad is not None]
                 if params:     # None: this call reduced nothing (FSDP2 calls it again at the end)
                     self.stepped.add(id(unit))
-                    self.futures.append(self.pool.submit(self._step, unit, params, _landed(unit.group)))
+                    events = _landed(unit.group, self.blocking)
+                    self.futures.append(self.pool.submit(self._step, unit, params, events, self.step_threads))
             return out
         return hooked
 
-    def _step(self, unit: _Unit, params: list, events: list) -> float:
+    def _step(self, unit: _Unit, params: list, events: list, threads: int) -> float:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         for e in events:
             e.synchronize()       # the unit's gradients are on the host (releases the GIL)
         t = time.perf_counter()
@@ -157,7 +169,27 @@ def _param_groups(state) -> list:
     return [group] if group is not None else []
 
 
-def _landed(group) -> list:
+def _host_threads() -> tuple[list[int], list[int] | None, float]:
+    """(the host step's OpenMP threads, one count or a benchmark's sweep of one a step; the cores its
+    thread is held to or None; the interpreter's GIL switch interval to set or 0). All cores but one by
+    default; SHARDCONSOLE_OVERLAP_THREADS (N or N,M,...), _PIN=1 and _SWITCH_S are the benchmarks'
+    knobs for the contention with the thread that launches the backward."""
+    allowed = sorted(os.sched_getaffinity(0))
+    asked = [int(v) for v in os.environ.get("SHARDCONSOLE_OVERLAP_THREADS", "").split(",") if v.strip()]
+    plan = [max(1, min(n, len(allowed))) for n in asked or [torch.get_num_threads() - 1]]
+    threads = max(plan)
+    cores = allowed[-threads:] if os.environ.get("SHARDCONSOLE_OVERLAP_PIN", "") == "1" and threads < len(allowed) else None
+    return plan, cores, float(os.environ.get("SHARDCONSOLE_OVERLAP_SWITCH_S", "0") or 0)
+
+
+def _start_host_thread(threads: int, cores: list[int] | None) -> None:
+    """The host thread's start: its cores (Linux: this thread only; its OpenMP workers inherit them)."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(threads)
+
+
+def _landed(group, blocking: bool = True) -> list:
     """Events after this unit's gradient copies to the host, on every stream FSDP2 may have issued them
     on (the reduce-scatter's, or the all-reduce's for hybrid sharding or an all-reduce hook): recorded
     now, right after its post_backward queued them. None on CPU ranks: their copies are synchronous."""
@@ -166,7 +198,9 @@ def _landed(group) -> list:
     ctx = group.comm_ctx
     streams = {id(s): s for s in (getattr(ctx, "reduce_scatter_stream", None), getattr(ctx, "all_reduce_stream", None),
                                   getattr(group, "_all_reduce_hook_stream", None)) if s is not None}
-    return [s.record_event() for s in streams.values()]
+    # Blocking events: the host thread sleeps in the driver while it waits, rather than spinning a core
+    # and the driver's locks beside the thread that launches the backward.
+    return [s.record_event(torch.cuda.Event(blocking=blocking)) for s in streams.values()]
 
 
 def make(r: Rank, model: torch.nn.Module, optim: torch.optim.Optimizer, scaler) -> tuple[Overlap | None, str]:

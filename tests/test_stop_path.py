@@ -64,3 +64,16 @@ def test_a_rank_deaf_to_sigterm_is_killed_after_the_grace_period(tmp_path):
     run, proc, job = _start(tmp_path, save_s=-1)
     report = stop_run(job, [proc.pid], who="test", grace_s=0.5, save_timeout_s=600, check_gpus=False)
     assert report.killed and report.clean and report.seconds < 10
+
+
+def test_a_folder_whose_settings_cannot_be_read_waits_the_default_stop_save(tmp_path):
+    """The console, headless, RunSession and `shardconsole stop` fall back to one budget for a folder whose
+    preset.toml is unreadable: the default settings' (they held 120 s and 300 s apart)."""
+    from shardconsole.session.outcome import stop_save_timeout
+    from shardconsole.settings import config as C
+    (tmp_path / "preset.toml").write_text("[train\nsteps = ")
+    assert stop_save_timeout(tmp_path) == C.TrainSettings().stop_save_timeout_s
+    cfg = C.RunConfig()
+    cfg.train.stop_save_timeout_s = 42.0
+    C.save(cfg, tmp_path / "preset.toml")
+    assert stop_save_timeout(tmp_path) == 42.0

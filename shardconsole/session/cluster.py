@@ -28,6 +28,7 @@ from shardconsole.runlog import protocol as P
 from shardconsole.runlog.runfolder import RunFolder, write_stop_request
 from shardconsole.runlog.stream import MetricsReader, MetricsWriter
 from shardconsole.session import network
+from shardconsole.session.outcome import stop_save_timeout
 from shardconsole.settings import config as C
 
 PREV_SUFFIX = ".prev"
@@ -152,10 +153,7 @@ def stop_through_folder(run_dir: Path, err: TextIO, *, who: str = "", answer_s: 
         if s.ended:
             print(f"nothing to stop: the run has already ended (session {s.run})", file=err)
             return 0
-        try:
-            budget_s = C.load(folder.preset).train.stop_save_timeout_s
-        except (C.ConfigError, OSError):
-            budget_s = 300.0
+        budget_s = stop_save_timeout(folder.path)
         wait_s = answer_s if answer_s is not None else budget_s + ANSWER_MARGIN_S
         nodes = s.by_node()
         print(f"stopping {folder.path}: asked every node through {folder.stop_request.name} "

@@ -44,6 +44,20 @@ EXIT_CODES = {
 # An Event of this name is written to the stream by whoever stops a run (a front end, `shardconsole stop`),
 # before any signal: every other front end on that run then reports "stopped", not a crash.
 STOP_REQUESTED = "stop_requested"
+# A folder whose preset.toml cannot be read waits what a run of the default settings would: one number
+# for the console, headless, RunSession and `shardconsole stop` alike (they held 120 s and 300 s apart).
+DEFAULT_STOP_SAVE_TIMEOUT_S = C.TrainSettings().stop_save_timeout_s
+
+
+def stop_save_timeout(run_dir) -> float:
+    """train.stop_save_timeout_s of the run in run_dir (its preset.toml), or the default's."""
+    try:
+        return float(getattr(C.load(RunFolder(run_dir).preset).train, "stop_save_timeout_s",
+                             DEFAULT_STOP_SAVE_TIMEOUT_S))
+    except (C.ConfigError, OSError):
+        return DEFAULT_STOP_SAVE_TIMEOUT_S
+
+
 DETACHED = "detached"
 
 

@@ -26,11 +26,10 @@ from shardconsole.runlog import protocol as P
 from shardconsole.launch.job import Job, StopReport
 from shardconsole.launch.process_identity import live as _live
 from shardconsole.runlog.runfolder import RunFolder
-from shardconsole.session.outcome import STOP_REQUESTED
+from shardconsole.session.outcome import DEFAULT_STOP_SAVE_TIMEOUT_S, STOP_REQUESTED, stop_save_timeout
 from shardconsole.runlog.stream import MetricsReader, MetricsWriter
 
 STOP_SAVE = "stop_save"
-DEFAULT_STOP_SAVE_TIMEOUT_S = 120.0
 
 
 class Hurry:
@@ -44,14 +43,6 @@ class Hurry:
 
     def is_set(self) -> bool:
         return self.flag
-
-
-def stop_save_timeout(run_dir) -> float:
-    try:
-        return float(getattr(C.load(RunFolder(run_dir).preset).train, "stop_save_timeout_s",
-                             DEFAULT_STOP_SAVE_TIMEOUT_S))
-    except (C.ConfigError, OSError):
-        return DEFAULT_STOP_SAVE_TIMEOUT_S
 
 
 def announce(run_dir, run_id: str, who: str) -> None:

@@ -795,21 +795,22 @@ async def test_quitting_leaves_a_live_run_going(tmp_path):
 
 
 FLOOD = """
-import sys, time
+import select, sys
 from shardconsole.runlog import protocol as P
 from shardconsole.runlog.stream import MetricsWriter
 GIB = 2**30
-path, seconds, steps_per_s = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+path, cap, steps_per_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 w = MetricsWriter(path, "big", 0)
-end, s = time.monotonic() + seconds, 200
-while time.monotonic() < end:
+s = 200
+while s < 200 + cap:    # until the test closes our stdin (it has seen enough), or the cap
     s += 1
     t = 1_800_000_000.0 + s
     for r in range(64):
         w.emit(P.Memory(run="big", rank=r, t=t, step=s, device_index=r % 8, reserved_bytes=20 * GIB,
                         peak_reserved_bytes=22 * GIB, host_rss_bytes=3 * GIB))
     w.emit(P.Step(run="big", rank=0, t=t, step=s, steps=100_000, loss=2.0, tokens_per_s=1e6, step_s=0.01))
-    time.sleep(1 / steps_per_s)
+    if select.select([sys.stdin], [], [], 1 / steps_per_s)[0]:
+        break
 print(s)
 """
 
@@ -824,13 +825,16 @@ async def test_many_gpus_and_ranks_keep_the_ui_responsive(tmp_path):
     async with app.run_test(size=(120, 40)) as pilot:
         screen = await wait_for(pilot, lambda: isinstance(app.screen, RunScreen) and app.screen)
         await wait_for(pilot, lambda: screen.view.state.last_step is not None)
-        flood = subprocess.Popen([sys.executable, "-c", FLOOD, str(run_dir / METRICS_FILE), "3", "20"],
-                                 stdout=subprocess.PIPE, text=True)
+        # The flood writes 20 steps a second until told to end (its stdin closed) or 1,200 steps (a minute):
+        # keys are pressed while it runs until the screen has shown three steps, however slow the machine.
+        flood = subprocess.Popen([sys.executable, "-c", FLOOD, str(run_dir / METRICS_FILE), "1200", "20"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         seen: list[int] = []          # the step the screen showed after each key press it handled
         try:
-            while flood.poll() is None:
+            while flood.poll() is None and len(set(seen)) < 3:
                 await pilot.press("tab")
-                seen.append(screen.view.state.last_step.step)
+                if flood.poll() is None:      # handled while the flood still wrote
+                    seen.append(screen.view.state.last_step.step)
                 await pilot.pause(0.1)
         finally:
             last = int(flood.communicate(timeout=30)[0])
@@ -841,7 +845,6 @@ async def test_many_gpus_and_ranks_keep_the_ui_responsive(tmp_path):
         # and between them the screen moved on with the stream. A UI blocked by the stream handles a
         # press only once it is through the lines, so it shows no steps between presses. (Order, not
         # seconds: the test must hold on a loaded machine.)
-        assert len(seen) >= 3, f"only {len(seen)} key press(es) handled while the flood ran"
         assert len(set(seen)) >= 3 and seen == sorted(seen), f"the stream did not move between presses: {seen}"
         assert "8 ranks: reserved" in text_of(screen.query_one("#gpu-text"))
 

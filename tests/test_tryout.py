@@ -95,6 +95,16 @@ def test_preview_of_synthetic_data_is_one_line(tmp_path):
     assert out.returncode == 2 and "no records to preview" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_a_run_without_a_tokenizer_is_refused_before_its_export(fsdp_tiny_run):
+    """tiny-cpu trains a catalog size on token ids: nothing to chat in. One line, before export-model
+    copies a checkpoint (minutes at 7B) only for the tokenizer load to fail with transformers' words."""
+    out = shardconsole("chat", str(fsdp_tiny_run.run), "--prompt", "hi")
+    assert out.returncode == 2, out.stderr
+    line = out.stderr.strip()
+    assert "catalog size 'tiny'" in line and "there is no tokenizer to turn a message into tokens" in line, line
+    assert "wrote " not in line and "Traceback" not in line and len(line.splitlines()) == 1, line
+
+
 def _reference(model: Path, prompt: str, n: int) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -132,6 +132,8 @@ class Printer:
                 self.earlier = None
             if isinstance(msg, P.Step):
                 self.print(step_line(_at(state, msg)))
+            elif isinstance(msg, P.Event) and msg.name in P.RECORD_ONLY_EVENTS:
+                continue
             elif isinstance(msg, P.Event) and msg.name != "phase":
                 self.print(f"[{msg.name}] {msg.detail}")
             elif isinstance(msg, P.Event) and msg.detail not in ("training", "evaluating"):   # an eval has its own line

@@ -26,6 +26,8 @@ def test_headless_tiny_cpu_trains_and_ends_clean(fsdp_tiny_run):
     step_lines = [l for l in res.stdout.splitlines() if l.startswith("step ")]
     assert [l.split()[1] for l in step_lines] == ["3/12", "6/12", "9/12", "12/12"]
     assert "tok/s" in step_lines[0] and "s/step" in step_lines[0] and "mem r0" in step_lines[-1]
+    # The final save is said once, for a person; its host-peak records are the stream's, not the screen's.
+    assert "saved step 12" in res.stdout and "save_host_peak" not in res.stdout, res.stdout
 
     msgs = messages(run_dir)
     steps = of_kind(msgs, "step")

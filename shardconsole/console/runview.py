@@ -152,6 +152,8 @@ def log_line(msg: P.Message) -> str | None:
     memory: the panels show them). A healthy run writes nothing to its log files: this is what it says."""
     label = "run" if msg.rank < 0 else f"r{msg.rank}"
     if isinstance(msg, P.Event):
+        if msg.name in P.RECORD_ONLY_EVENTS:
+            return None
         if msg.name == "phase":
             text = f"▸ {msg.detail}"
         elif msg.name == OP_BUILD:

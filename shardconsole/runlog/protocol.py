@@ -88,6 +88,11 @@ class Memory(Message):
     device_index: int | None = None
 
 
+# Events written for the stream's readers (tests, benchmarks, the planner's calibration), not for a
+# person: the headless lines and the console's Logs leave them out (every rank writes one a save).
+RECORD_ONLY_EVENTS = frozenset({"save_host_peak"})
+
+
 @dataclass(frozen=True)
 class Event(Message):
     kind: ClassVar[str] = "event"

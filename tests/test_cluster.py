@@ -253,11 +253,14 @@ def test_a_gloo_timeout_names_no_nccl_setting(tmp_path):
 
 def test_a_rendezvous_nobody_hosts_is_named_while_the_ranks_wait_and_when_the_agent_gives_up(tmp_path):
     """Issue 32 item 6: node 1 started against an endpoint where no agent listens (192.0.2.0/24 is a
-    documentation network: nothing answers there). While torchrun's agent retries its store (60 s), the
-    front end names the endpoint and who would host it; when the agent gives up, the outcome says so."""
+    documentation network: nothing answers there). While torchrun's agent retries its store (for
+    parallel.rdzv_connect_timeout_s: 15 s here, not torch's 60, and the watch's first look comes at a third
+    of it), the front end names the endpoint and who would host it; when the agent gives up, the outcome
+    says so."""
     port = _job_id_with_a_free_port() + 20000
     res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(tmp_path / "run"),
                        "--set", "parallel.nnodes=2", "--set", "parallel.nproc_per_node=1",
+                       "--set", "parallel.rdzv_connect_timeout_s=15",
                        "--set", f"parallel.rdzv_endpoint=192.0.2.77:{port}", env={"GLOO_SOCKET_IFNAME": "lo"},
                        timeout=240)
     note = next((line for line in res.stderr.splitlines() if line.startswith("note: no rank has started")), "")

@@ -38,6 +38,19 @@ def test_multi_node_rendezvous():
     assert "--rdzv-id=run7" in argv and "--standalone" not in argv
     cfg.parallel.node_rank = 1
     assert "--node-rank=1" in build_argv(cfg, Path("r"), "run7", python="py")
+    # how long nodes wait for each other: torch's defaults unless set, always said on the line
+    assert "--rdzv-conf=read_timeout=60,join_timeout=600" in argv
+    cfg = C.build({}, overrides=["parallel.nnodes=2", "parallel.rdzv_endpoint=host:29400",
+                                 "parallel.rdzv_connect_timeout_s=900", "parallel.rdzv_join_timeout_s=1800"])
+    assert "--rdzv-conf=read_timeout=900,join_timeout=1800" in build_argv(cfg, Path("r"), "run7", python="py")
+    # one node: loopback_torchrun's own rendezvous, nobody to wait for
+    assert not any(a.startswith("--rdzv-conf") for a in build_argv(C.build({}), Path("r"), "r", python="py"))
+
+
+def test_rendezvous_timeouts_are_validated():
+    for bad in ("parallel.rdzv_connect_timeout_s=0", "parallel.rdzv_join_timeout_s=-5"):
+        with pytest.raises(C.ConfigError, match=bad.split("=")[0].split(".")[1]):
+            C.build({}, overrides=["parallel.nnodes=2", "parallel.rdzv_endpoint=host:29400", bad])
 
 
 def test_deepspeed_launcher():
@@ -90,6 +103,9 @@ def test_slurm_script(tmp_path):
     assert '--rdzv-endpoint="$head_node:29500"' in srun and '--rdzv-id="$SLURM_JOB_ID"' in srun
     assert f"--run-dir '{tmp_path / 'run dir'}'" in srun          # quoted: the path has a space
     assert '--cpus-per-task="$SLURM_CPUS_ON_NODE"' in srun and '--run-id "$session"' in srun
+    assert "--rdzv-conf=read_timeout=60,join_timeout=600" in srun
+    late = C.build({}, overrides=["parallel.device=cpu", "parallel.rdzv_connect_timeout_s=300"])
+    assert "--rdzv-conf=read_timeout=300,join_timeout=600" in slurm_script(late, tmp_path, "x", python="py")
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
     # CPU ranks: no GPUs asked of Slurm, and the ranks told not to take one; a port per job
     cpu = slurm_script(C.build({}, overrides=["parallel.device=cpu"]), tmp_path, "x", python="py")

@@ -69,10 +69,16 @@ def build_argv(cfg: C.RunConfig, run_dir: str | Path, run_id: str, python: str =
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{p.master_port or 0}",
                  f"--rdzv-id={run_id}", "--local-addr=127.0.0.1"]
     else:
-        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={p.rdzv_endpoint}", f"--rdzv-id={p.rdzv_id or run_id}"]
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={p.rdzv_endpoint}", f"--rdzv-id={p.rdzv_id or run_id}",
+                 rdzv_conf(p)]
         if p.node_rank >= 0:
             argv += [f"--node-rank={p.node_rank}"]
     return argv + worker
+
+
+def rdzv_conf(p: C.ParallelSettings) -> str:
+    """torchrun's rendezvous timeouts for a run of several nodes (settings/tables.py says what each bounds)."""
+    return f"--rdzv-conf=read_timeout={p.rdzv_connect_timeout_s},join_timeout={p.rdzv_join_timeout_s}"
 
 
 SLURM_RDZV_PORT = 20000
@@ -101,7 +107,7 @@ def slurm_script(cfg: C.RunConfig, run_dir: str | Path, run_id: str, python: str
     # A port of the user's, else one per job: two jobs sharing a node must not meet in one rendezvous.
     port = p.rdzv_endpoint.rsplit(":", 1)[1] if p.rdzv_endpoint else f"$(({SLURM_RDZV_PORT} + SLURM_JOB_ID % 20000))"
     torchrun = [python, "-m", "torch.distributed.run", f"--nproc-per-node={p.nproc_per_node}", "--max-restarts=0",
-                "--rdzv-backend=c10d"]
+                "--rdzv-backend=c10d", rdzv_conf(p)]
     worker = ["-m", WORKER_MODULE, "--run-dir", str(run_dir), "--run-id"]
     session = [python, "-m", SESSION_MODULE]
     # sbatch reads the #SBATCH lines itself, where shell quoting cannot hold a newline: names go there

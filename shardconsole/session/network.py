@@ -117,17 +117,18 @@ def connect_error(endpoint: str, timeout_s: float = 2.0) -> str:
 
 class RendezvousWatch:
     """While a multi-node run's ranks have not started (no hello line), the rendezvous is looked at every
-    LOOK_EVERY_S from FIRST_LOOK_S on (torchrun's agent gives up after its 60 s store timeout when nobody
-    hosts it, after 600 s when node 0 waits alone): one line when nothing answers at the endpoint, one
-    when it answers but the other nodes have not come."""
+    LOOK_EVERY_S from FIRST_LOOK_S on (torchrun's agent gives up after parallel.rdzv_connect_timeout_s
+    when nobody hosts it, after rdzv_join_timeout_s when node 0 waits alone): one line when nothing
+    answers at the endpoint, one when it answers but the other nodes have not come. A connect timeout
+    shorter than 30 s moves the first look to a third of it, so that the line comes while the node waits."""
 
     FIRST_LOOK_S = 10.0
     LOOK_EVERY_S = 10.0
     ALONE_S = 60.0
 
-    def __init__(self, endpoint: str, nnodes: int, started: float) -> None:
+    def __init__(self, endpoint: str, nnodes: int, started: float, connect_timeout_s: float = 60.0) -> None:
         self.endpoint, self.nnodes, self.started = endpoint, nnodes, started
-        self._next = started + self.FIRST_LOOK_S
+        self._next = started + min(self.FIRST_LOOK_S, connect_timeout_s / 3)
         self._said: set[str] = set()
 
     def look(self, now: float) -> str:

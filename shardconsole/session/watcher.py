@@ -133,7 +133,8 @@ class Watcher:
         self._sessions: set[str] = set()
         self._own = getattr(job, "proc", None) is not None      # our child: poll() is one waitpid
         # A node we launched of a run of several nodes: a rendezvous nobody hosts is named while it waits.
-        self._rdzv = RendezvousWatch(parallel.rdzv_endpoint, parallel.nnodes, time.monotonic()) if (
+        self._rdzv = RendezvousWatch(parallel.rdzv_endpoint, parallel.nnodes, time.monotonic(),
+                                     parallel.rdzv_connect_timeout_s) if (
             self._own and parallel is not None and parallel.nnodes > 1 and parallel.rdzv_endpoint) else None
         self._last_look = float("-inf")
         self._last_sample = float("-inf")

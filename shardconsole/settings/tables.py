@@ -117,6 +117,17 @@ class ParallelSettings:
     master_port: int = _f(0, "port for single-node runs (0: pick a free one)", min=0, max=65535)
     launcher: Literal["torchrun", "deepspeed"] = _f("torchrun", "program that starts the ranks")
     timeout_s: int = _f(600, "collective timeout in seconds", min=10)
+    # torchrun's c10d rendezvous (torch/distributed/elastic/rendezvous), as --rdzv-conf: read_timeout is
+    # the TCPStore's timeout, so how long a node's agent keeps trying to reach the store node 0's agent
+    # hosts (torch's default 60 s: a node started a minute before node 0 gave up) and the bound on each
+    # store call; join_timeout bounds the wait, once the store answers, until every node has joined.
+    rdzv_connect_timeout_s: int = _f(
+        60, "multi-node torchrun (and --slurm): seconds a node keeps trying to reach the rendezvous host (node "
+        "0's agent) before it gives up, and the bound on each rendezvous store call (torch's read_timeout)",
+        min=1, max=86_400)
+    rdzv_join_timeout_s: int = _f(
+        600, "multi-node torchrun (and --slurm): seconds the nodes have, once the rendezvous host answers, "
+        "until all nnodes have joined (torch's join_timeout)", min=1, max=604_800)
     # Recorded in the run folder's preset.toml, which every rank and reader validates again: a Slurm
     # run's node 0 is named by the job (its first node), not by rdzv_endpoint.
     rendezvous: Literal["endpoint", "slurm"] = _f(

@@ -37,7 +37,9 @@ works; to monkeypatch a name that the planner itself looks up, patch the module 
   fsdp_rank.py          _fsdp: an FSDP2 rank
   deepspeed_rank.py     _ds_sub_groups, _deepspeed: a DeepSpeed ZeRO rank
   estimator.py          Estimate, estimate (peaks, budgets, verdict), _cpu_ranks, model_states,
-                        _verdict, replace_cfg, host_peak_line, compile_workers_bytes
+                        _verdict, replace_cfg (host_peak_line, compile_workers_bytes re-exported)
+  host.py               _Host, _host (the node's host peak over the moments), host_peak_line,
+                        compile_workers_bytes
   saves.py              Saves, saves: a checkpoint's, a model save's and the export's bytes, the disk
                         total with keep_checkpoints, what a save adds to host RAM
   fit.py                STRATEGIES, EXTRA_STRATEGIES, speed_score, fit_table (FitRow),

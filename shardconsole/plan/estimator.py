@@ -4,22 +4,19 @@ settings with a few changes."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from shardconsole.settings import config as C
-from shardconsole.settings.data_scan import TOKENIZE_WORK_BYTES
 from shardconsole.settings.models import ModelSpec
 from shardconsole.plan.activation_memory import activations
 from shardconsole.machine.hardware import driver_reserved_bytes
-from shardconsole.plan.constants import (ALLOCATOR_SLACK_FIXED, ALLOCATOR_SLACK_FRACTION, COMPILE_SIDECAR_BYTES,
-                                         COMPILE_THREADS_MAX, COMPILE_WORKER_BYTES, CUDA_CONTEXT_BYTES,
-                                         DTYPE_BYTES, FRONTEND_RSS,
-                                         HOST_USABLE_FRACTION, LAUNCHER_RSS, RANK_BASE_RSS_CPU, REQUIRED_FIXED,
+from shardconsole.plan.constants import (ALLOCATOR_SLACK_FIXED, ALLOCATOR_SLACK_FRACTION, CUDA_CONTEXT_BYTES,
+                                         DTYPE_BYTES, HOST_USABLE_FRACTION, RANK_BASE_RSS_CPU, REQUIRED_FIXED,
                                          REQUIRED_FRAGMENTATION)
 from shardconsole.plan.deepspeed_rank import _deepspeed
 from shardconsole.plan.fsdp_rank import _fsdp
+from shardconsole.plan.host import _Host, _host, compile_threads, compile_workers_bytes, host_peak_line  # noqa: F401
 from shardconsole.plan.lora import lora_rank, trainable_params
 from shardconsole.plan.machine import Hardware
 from shardconsole.plan.rank import _Rank
@@ -107,18 +104,6 @@ def _device(cfg: C.RunConfig, hw: Hardware) -> tuple[int | None, int, str]:
 
 # ---------------------------------------------------------------------------------------------------
 # The estimate
-
-def compile_threads(hw: Hardware) -> int:
-    """inductor's compile_threads: min(32, the CPUs a rank may use) (torch/_inductor/config.py)."""
-    return min(COMPILE_THREADS_MAX, hw.cpus or os.cpu_count() or 1)
-
-
-def compile_workers_bytes(cfg: C.RunConfig, hw: Hardware) -> int:
-    """One rank's torch.compile processes (train.compile): the sidecar and its worker pool."""
-    if not cfg.train.compile:
-        return 0
-    return COMPILE_SIDECAR_BYTES + compile_threads(hw) * COMPILE_WORKER_BYTES
-
 
 def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, start_step: int = 0,
              existing: list[int] = ()) -> Estimate:
@@ -226,46 +211,6 @@ def _allocator_at_budget(g: _Gpu, r: _Rank, gpu_budget: int) -> str:
             "with memory to spare it would reserve more")
 
 
-@dataclass
-class _Host:
-    """The node at its peak: one rank's largest moment times the local ranks, and the rest."""
-    phases: dict[str, int]             # one rank's bytes at each moment
-    moment: str
-    rank: int                          # one rank's peak
-    parts: dict[str, int]
-    peak: int
-    save_adds: int
-    per_node: int
-
-
-def _host(cfg: C.RunConfig, r: _Rank, sv: Saves, hw: Hardware) -> _Host:
-    """One rank's largest moment (the save's among them: plan/saves.py); the node holds every local
-    rank, the launcher, the front end and, with train.compile, inductor's compile workers."""
-    host_by_phase = {k: dict(v) for k, v in r.host.items()}
-    if sv.host_add_rank_bytes:
-        # the save runs after training, with training's memory still held (its start-up transients gone)
-        held = {k: v for k, v in host_by_phase["training"].items() if "transient" not in k}
-        host_by_phase["saving"] = {**held, "save (the piece being written)": sv.host_add_rank_bytes}
-    if cfg.data.source in ("auto", "text") and cfg.data.path:
-        # One rank tokenizes before training (the others wait): its tokenizer's work is bounded by
-        # the batch of text it is handed (backends/corpus.py), whatever the records' length.
-        base = {k: v for k, v in host_by_phase["training"].items() if k.startswith("process")}
-        host_by_phase["tokenizing"] = {**base, "tokenizer before training (one rank's work, split over the node)":
-                                       TOKENIZE_WORK_BYTES // max(1, cfg.parallel.nproc_per_node)}
-    hphases = {k: sum(v.values()) for k, v in host_by_phase.items()}
-    hmoment = max(hphases, key=lambda k: hphases[k])
-    per_node = cfg.parallel.nproc_per_node
-    host_parts = {k + (f" x {per_node} ranks" if per_node > 1 else ""): int(v) * per_node
-                  for k, v in host_by_phase[hmoment].items() if v}
-    host_parts["launcher (torchrun)" if cfg.parallel.launcher == "torchrun" else "launcher (deepspeed)"] = LAUNCHER_RSS
-    host_parts["front end"] = FRONTEND_RSS
-    compile_b = compile_workers_bytes(cfg, hw)
-    if compile_b:
-        host_parts[f"torch.compile workers ({compile_threads(hw)} + 1 a rank)"] = compile_b * per_node
-    return _Host(hphases, hmoment, hphases[hmoment], host_parts, sum(host_parts.values()),
-                 sv.host_add_rank_bytes * per_node, per_node)
-
-
 def _budgets(cfg: C.RunConfig, hw: Hardware, g: _Gpu, h: _Host) -> tuple[list[str], int | None, int | None]:
     """(why it does not fit, the allocator's budget, the host's). The allocator's budget: what the
     device (the card, or a cap: a card of that size) gives to processes, less the rank's context and
@@ -288,19 +233,6 @@ def _budgets(cfg: C.RunConfig, hw: Hardware, g: _Gpu, h: _Host) -> tuple[list[st
         reasons.append(f"host needs {C.format_size(h.peak)} over {C.format_size(host_budget)} usable "
                        f"of {C.format_size(hw.host_memory_bytes)}")
     return reasons, gpu_budget, host_budget
-
-
-def host_peak_line(e: Estimate) -> str:
-    """Which moment sets the host peak, and what the save adds: "host peak 56.1 GiB (training); the save
-    adds 0.8 GiB"."""
-    line = f"host peak {C.format_size(e.host_peak_bytes)} ({e.host_peak_phase})"
-    if e.host_save_adds_bytes:
-        line += f"; the save adds {C.format_size(e.host_save_adds_bytes)}"
-        if e.host_peak_phase != "saving":
-            line += " (under the peak)"
-    elif e.saves is not None and not e.saves.schedule and not e.saves.export_dir:
-        line += "; no save"
-    return line
 
 
 def model_states(cfg: C.RunConfig, spec: ModelSpec) -> dict[str, dict[str, int]]:

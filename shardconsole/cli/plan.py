@@ -104,10 +104,19 @@ def format_estimate(est: PL.Estimate, cfg: C.RunConfig, name: str, hw: PL.Hardwa
                          f"{C.format_size(est.gpu_budget_bytes)} it may hold (the device less context and "
                          f"driver; below the need the run fails, above it the allocator caches)")
         lines.append("")
-    lines.append(f"host RAM, node: {C.format_size(est.host_peak_bytes)} "
-                 f"({est.ranks_per_node} rank(s) x {C.format_size(est.host_rank_bytes)} + launcher + front end)")
+    ld, per_node = est.loading, est.ranks_per_node
+    if est.host_peak_phase == "loading" and ld is not None and ld.who == "rank 0" and per_node > 1:
+        ranks = (f"rank 0 {C.format_size(ld.rank_bytes(0))} + {per_node - 1} rank(s) x "
+                 f"{C.format_size(ld.rank_bytes(1))}")
+    else:
+        ranks = f"{per_node} rank(s) x {C.format_size(est.host_rank_bytes)}"
+    lines.append(f"host RAM, node: {C.format_size(est.host_peak_bytes)} ({ranks} + launcher + front end)")
     lines += _parts_lines(est.host_parts)
     lines.append(PL.host_peak_line(est))
+    if ld is not None:
+        lines.append(f"  loading the model folder ({ld.how}): the node's ranks "
+                     f"{C.format_size(est.host_phases['loading'])}, training's "
+                     f"{C.format_size(est.host_phases.get('training', 0))}")
     if est.saves is not None:
         lines += ["", *PL.saves_text_lines(est.saves, cfg.train.checkpoint_dir)]
     for n in est.notes:

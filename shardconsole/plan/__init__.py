@@ -40,6 +40,8 @@ works; to monkeypatch a name that the planner itself looks up, patch the module 
                         _verdict, replace_cfg (host_peak_line, compile_workers_bytes re-exported)
   host.py               _Host, _host (the node's host peak over the moments), host_peak_line,
                         compile_workers_bytes
+  loading.py            Loading, loading: the host RAM of loading a model folder's weights (rank 0's fp32
+                        copy under FSDP2, every rank's under ZeRO-0/1/2 and QLoRA), folder_weights
   saves.py              Saves, saves: a checkpoint's, a model save's and the export's bytes, the disk
                         total with keep_checkpoints, what a save adds to host RAM
   fit.py                STRATEGIES, EXTRA_STRATEGIES, speed_score, fit_table (FitRow),

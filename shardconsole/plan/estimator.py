@@ -17,6 +17,7 @@ from shardconsole.plan.constants import (ALLOCATOR_SLACK_FIXED, ALLOCATOR_SLACK_
 from shardconsole.plan.deepspeed_rank import _deepspeed
 from shardconsole.plan.fsdp_rank import _fsdp
 from shardconsole.plan.host import _Host, _host, compile_threads, compile_workers_bytes, host_peak_line  # noqa: F401
+from shardconsole.plan.loading import Loading, loading
 from shardconsole.plan.lora import lora_rank, trainable_params
 from shardconsole.plan.machine import Hardware
 from shardconsole.plan.rank import _Rank
@@ -55,6 +56,7 @@ class Estimate:
     host_phases: dict[str, int] = field(default_factory=dict)  # the node's ranks' bytes at each moment
     saves: Saves | None = None              # what the run writes to disk (plan/saves.py)
     trainable_params: int = 0               # what the optimizer steps: n_params, or the adapters (train.method)
+    loading: Loading | None = None          # loading the model folder's weights (plan/loading.py); None: no folder
 
     @property
     def trainable_line(self) -> str:
@@ -79,6 +81,7 @@ class Estimate:
             "host_peak_phase": self.host_peak_phase, "host_save_adds_bytes": self.host_save_adds_bytes,
             "host_phases": dict(self.host_phases),
             "saves": self.saves.to_dict() if self.saves is not None else None,
+            "loading": self.loading.to_dict() if self.loading is not None else None,
         }
 
 
@@ -114,9 +117,14 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, start_step: int
     r = _rank_model(cfg, s)
     g = _gpu(cfg, r, hw)
     sv = saves(cfg, s, spec.path, start_step=start_step, existing=existing)
-    h = _host(cfg, r, sv, hw)
-    reasons, gpu_budget, host_budget = _budgets(cfg, hw, g, h)
+    ld = loading(cfg, spec, s)
+    h = _host(cfg, r, sv, hw, ld)
+    reasons, gpu_budget, host_budget = _budgets(cfg, hw, g, h, ld)
     notes = list(r.notes)
+    if ld is not None:
+        notes.append(f"loading the model folder: {ld.who} reads its {C.format_size(ld.mapped_bytes)} of weights "
+                     f"files; their pages stay resident while it loads (the rank's RSS shows them) but are page "
+                     f"cache the kernel can drop, so they are not counted here")
     if gpu_budget is not None and g.required <= gpu_budget < g.allocator_peak:
         notes.append(_allocator_at_budget(g, r, gpu_budget))
     a = activations(cfg, s)
@@ -131,7 +139,7 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, start_step: int
                    host_budget_bytes=host_budget, host_rank_bytes=int(h.rank), ranks_per_node=h.per_node,
                    alternatives=alt, notes=notes, model=spec.name, n_params=s.n_params,
                    host_peak_phase=h.moment, host_save_adds_bytes=int(h.save_adds), saves=sv,
-                   host_phases={k: int(v) * h.per_node for k, v in h.phases.items()},
+                   host_phases={k: int(v) for k, v in h.node.items()}, loading=ld,
                    trainable_params=trainable_params(cfg, s) if cfg.adapters else s.n_params)
     est.verdict = _verdict(est, reasons, cfg)
     return est
@@ -211,7 +219,8 @@ def _allocator_at_budget(g: _Gpu, r: _Rank, gpu_budget: int) -> str:
             "with memory to spare it would reserve more")
 
 
-def _budgets(cfg: C.RunConfig, hw: Hardware, g: _Gpu, h: _Host) -> tuple[list[str], int | None, int | None]:
+def _budgets(cfg: C.RunConfig, hw: Hardware, g: _Gpu, h: _Host,
+             ld: Loading | None = None) -> tuple[list[str], int | None, int | None]:
     """(why it does not fit, the allocator's budget, the host's). The allocator's budget: what the
     device (the card, or a cap: a card of that size) gives to processes, less the rank's context and
     NCCL. The same for a 24 GiB cap on a big card and for a real 24 GB card (issue 34): the cap's
@@ -230,8 +239,14 @@ def _budgets(cfg: C.RunConfig, hw: Hardware, g: _Gpu, h: _Host) -> tuple[list[st
                            f"{C.format_size(g.reserved)}) over {g.device_what}")
     host_budget = int(hw.host_memory_bytes * HOST_USABLE_FRACTION) if hw.host_memory_bytes else None
     if host_budget is not None and h.peak > host_budget:
-        reasons.append(f"host needs {C.format_size(h.peak)} over {C.format_size(host_budget)} usable "
-                       f"of {C.format_size(hw.host_memory_bytes)}")
+        line = (f"host needs {C.format_size(h.peak)} over {C.format_size(host_budget)} usable "
+                f"of {C.format_size(hw.host_memory_bytes)}")
+        if h.moment == "loading" and ld is not None:
+            # the load, not training, is what does not fit: say so, and what the code offers against it
+            trained = h.peak - h.node["loading"] + max(v for k, v in h.node.items() if k != "loading")
+            line += (f" while loading the model folder (the other moments need {C.format_size(trained)}; "
+                     f"{ld.help})")
+        reasons.append(line)
     return reasons, gpu_budget, host_budget
 
 

@@ -109,22 +109,30 @@ def _check_data_file(r: Resolved) -> None:
         raise r.error("data", "path", f"{data}: not UTF-8 text (byte {e.start})") from None
 
 
+def _host_estimate(r: Resolved, spec: ModelSpec | None, hardware: Any, planner: ModuleType | None) -> Any:
+    """The planner's estimate of the run on this machine; None when it cannot say."""
+    try:
+        if planner is None:
+            from shardconsole import plan as planner
+        spec = spec or resolve_model(r.cfg.model.name)
+        return planner.estimate(r.cfg, spec, hardware if hardware is not None else planner.detect_hardware())
+    except Exception:
+        return None
+
+
+def _over(est: Any) -> tuple[int, int] | None:
+    budget = getattr(est, "host_budget_bytes", None)
+    if est is None or not budget or est.host_peak_bytes <= budget:
+        return None
+    return est.host_peak_bytes, budget
+
+
 def host_overrun(r: Resolved, spec: ModelSpec | None = None, hardware: Any = None,
                  planner: ModuleType | None = None) -> tuple[int, int] | None:
     """(planned host peak, usable host RAM) when the planner puts the run over this machine's RAM; None
     when it fits or the planner cannot say (a check that cannot run must not block a launch). The
     console passes its own planner and the hardware its probes saw; --headless detects them."""
-    try:
-        if planner is None:
-            from shardconsole import plan as planner
-        spec = spec or resolve_model(r.cfg.model.name)
-        est = planner.estimate(r.cfg, spec, hardware if hardware is not None else planner.detect_hardware())
-    except Exception:
-        return None
-    budget = getattr(est, "host_budget_bytes", None)
-    if not budget or est.host_peak_bytes <= budget:
-        return None
-    return est.host_peak_bytes, budget
+    return _over(_host_estimate(r, spec, hardware, planner))
 
 
 def check_host_memory(r: Resolved, spec: ModelSpec) -> None:
@@ -132,10 +140,15 @@ def check_host_memory(r: Resolved, spec: ModelSpec) -> None:
     fail cleanly like a GPU OOM, the kernel's OOM killer may take any process (the planner's host figure
     was within 6% of every calibration run). GPU verdicts are left to the run: a GPU OOM is caught and
     explained with the settings that fit."""
-    over = host_overrun(r, spec)
+    est = _host_estimate(r, spec, None, None)
+    over = _over(est)
     if over is not None:
         peak, budget = (C.format_size(b) for b in over)
-        raise C.ConfigError(f"the planner puts this run at {peak} of host RAM, over the {budget} usable here "
+        ld = getattr(est, "loading", None)
+        # the load of a model folder, not training, sets the peak: say so, and what the code offers
+        what = (f" while loading the model folder ({ld.help})" if ld is not None
+                and est.host_peak_phase == "loading" else "")
+        raise C.ConfigError(f"the planner puts this run at {peak} of host RAM{what}, over the {budget} usable here "
                             f"(`shardconsole plan --preset {r.preset}` lists the parts; --force launches anyway)",
                             source=r.preset)
 

@@ -41,9 +41,10 @@ def train_tokenizer(vocab_size: int = 384):
 
 
 def make_hf_model(folder: Path, *, chat_template: bool = False, vocab_size: int = 384, seed: int = 0,
-                  tie_word_embeddings: bool = False) -> Path:
+                  tie_word_embeddings: bool = False, dtype: str = "float32") -> Path:
     """A Llama-architecture model folder (config.json, generation_config.json, model.safetensors,
-    tokenizer files) that models.resolve and transformers' Auto classes both accept."""
+    tokenizer files) that models.resolve and transformers' Auto classes both accept. `dtype`: the
+    weights' dtype in the file (torch's name: "float32", "bfloat16")."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     folder = Path(folder)
@@ -57,6 +58,6 @@ def make_hf_model(folder: Path, *, chat_template: bool = False, vocab_size: int 
                          tie_word_embeddings=tie_word_embeddings, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id, bos_token_id=None)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(folder, safe_serialization=True)
     return folder

@@ -22,7 +22,7 @@ from shardconsole.session.outcome import EXIT_CODES
 from shardconsole.session.resume import EarlierPart
 from shardconsole.session.signals import Detach, quiet_stdout
 from shardconsole.session.run import Hang, RunSession
-from shardconsole.session.stop import Hurry, describe_stop, interrupts_hurry
+from shardconsole.session.stop import HANG_GRACE_S, Hurry, describe_stop, interrupts_hurry
 from shardconsole.session.watcher import MachineProbes, Tick
 
 __all__ = ["EXIT_CODES", "follow", "step_line", "progress_bar", "fmt_rate"]
@@ -281,7 +281,7 @@ def _hung(session: RunSession, hang: Hang, printer: Printer, err: TextIO, grace_
                   f"stopped here (rank logs: {logs})")
         return EXIT_CODES["hang"]
     _say(err, f"run hung: {hang.message}\n  stopping it; rank logs: {logs}")
-    _stop(session, grace_s, "hang: " + hang.message.split(";")[0], printer, err)
+    _stop(session, min(grace_s, HANG_GRACE_S), "hang: " + hang.message.split(";")[0], printer, err)
     return EXIT_CODES["hang"]
 
 

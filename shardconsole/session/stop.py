@@ -63,6 +63,14 @@ class StopOutcome(StopReport):
     rank_pids: tuple[int, ...] = ()
 
 
+# The grace of a stop for a hang (headless and the console): a hang is declared after train.hang_timeout_s
+# without a step, so a rank that has not moved that long does not reach the step boundary where it would
+# act on the SIGTERM in the next seconds, and a save on stop needs every rank. The full 10 s grace was
+# waited out after every hang, then SIGKILL all the same; a rank that does reach it in these 3 s and says
+# it saves still gets the save budget (stop_run's stop_save wait).
+HANG_GRACE_S = 3.0
+
+
 def stop_run(job: Job, rank_pids, *, who: str, grace_s: float = 10.0, save_timeout_s: float | None = None,
              hurry: Hurry | None = None, check_gpus: bool = True) -> StopReport:
     """SIGTERM every verified process of the run folder (the launcher when job.json's identity holds,

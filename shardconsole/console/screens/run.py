@@ -27,7 +27,7 @@ from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
 from shardconsole.session.outcome import EXIT_CODES
 from shardconsole.session.run import RunSession
-from shardconsole.session.stop import Hurry, describe_stop
+from shardconsole.session.stop import HANG_GRACE_S, Hurry, describe_stop
 
 from shardconsole.console.messages import MachineSampled, RunEnded, RunHung, RunResumed, RunUpdate, StopFinished
 from shardconsole.console.runview import RunView, log_line
@@ -185,8 +185,8 @@ class RunScreen(Screen[None]):
             session.close()
 
     @work(thread=True, exclusive=True, group="stop")
-    def stop_run(self, who: str) -> None:
-        report = self.session.stop(who, grace_s=self.stop_grace_s, hurry=self._hurry)
+    def stop_run(self, who: str, grace_s: float | None = None) -> None:
+        report = self.session.stop(who, grace_s=self.stop_grace_s if grace_s is None else grace_s, hurry=self._hurry)
         unavailable = self.probes.gpu_unavailable()
         gpus = [] if unavailable else self.probes.gpus(self.run_id)
         self.post_message(StopFinished(report, gpus, unavailable))
@@ -259,7 +259,7 @@ class RunScreen(Screen[None]):
             return
         self.outcome = "hang"
         self.note = Text(f"✖ run hung: {event.message}; stopping it", "red")
-        self._begin_stop("the console: hang, " + event.message.split(";")[0])
+        self._begin_stop("the console: hang, " + event.message.split(";")[0], min(self.stop_grace_s, HANG_GRACE_S))
 
     @on(RunResumed)
     def _run_resumed(self, event: RunResumed) -> None:
@@ -317,10 +317,10 @@ class RunScreen(Screen[None]):
             "(ranks saving a checkpoint on stop get longer; s again skips that). Steps since the last "
             "checkpoint are lost.", yes="Stop", no="Keep running"), answer)
 
-    def _begin_stop(self, who: str) -> None:
+    def _begin_stop(self, who: str, grace_s: float | None = None) -> None:
         self._gpu_before_stop = dict(self.view.state.gpus)
         self.status = "stopping"
-        self.stop_run(who)
+        self.stop_run(who, grace_s)
 
     def action_resume(self) -> None:
         if not self.live:

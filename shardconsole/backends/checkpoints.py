@@ -25,9 +25,10 @@ import torch.distributed as dist
 
 from shardconsole.backends import save_stream
 from shardconsole.backends.common import Rank
+# The completeness test lives beside the run folder's layout (no torch): export and the console use it too.
+from shardconsole.runlog.checkpoint_files import MANIFEST, why_incomplete  # noqa: F401  (re-exported)
 from shardconsole.settings.values import format_size
 
-MANIFEST = "shardconsole.json"
 RANK_STATE_DIR = "rank_state"
 PREFIX, PARTIAL = "step_", ".partial"
 
@@ -59,33 +60,6 @@ def _step_folders(folder: Path) -> list[tuple[int, Path]]:
         if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit():
             out.append((int(p.name[len(PREFIX):]), p))
     return sorted(out, reverse=True)
-
-
-def why_incomplete(path: Path, backend: str) -> str | None:
-    """None when the folder holds a complete checkpoint, else what is wrong with it."""
-    manifest = path / MANIFEST
-    if manifest.is_file():
-        try:
-            meta = json.loads(manifest.read_text())
-            files = dict(meta["files"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return f"its {MANIFEST} is unreadable"
-        if meta.get("backend") != backend:
-            return f"written by a {meta.get('backend')} run, this run is {backend}"
-        for name, size in files.items():
-            f = path / name
-            if not f.is_file():
-                return f"{name} is missing"
-            if f.stat().st_size != size:
-                return f"{name} is truncated ({f.stat().st_size} of {size} bytes)"
-        return None
-    # Written before manifests: only the backend's own marker can be checked.
-    if backend == "fsdp":
-        meta_file = path / ".metadata"
-        return None if meta_file.is_file() and meta_file.stat().st_size > 0 else "no DCP .metadata (empty or cut short)"
-    if (path / "latest").is_file():
-        return None
-    return "no DeepSpeed 'latest' file (empty, cut short, or written by an FSDP run)"
 
 
 def newest_complete(r: Rank) -> Found | None:

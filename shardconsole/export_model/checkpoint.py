@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardconsole.runlog.checkpoint_files import why_incomplete
 from shardconsole.settings.models import ModelError
 
 # The ranks train CausalLMLoss(lm): every checkpoint key is the Hugging Face model's own key under "lm.".
@@ -44,7 +45,7 @@ def step_folders(root: Path) -> list[tuple[int, Path]]:
 
 def pick_checkpoint(root: Path, step: int | None, backend: str) -> Checkpoint:
     """The newest complete checkpoint, or the one of `step`; complete as resume judges it (the manifest's
-    files all there at their sizes: backends/checkpoints.why_incomplete)."""
+    files all there at their sizes: runlog/checkpoint_files.why_incomplete)."""
     kind = "dcp" if backend == "fsdp" else "deepspeed"
     folders = step_folders(root)
     if not folders:
@@ -53,7 +54,6 @@ def pick_checkpoint(root: Path, step: int | None, backend: str) -> Checkpoint:
     if step is not None and step not in dict(folders):
         steps = ", ".join(str(n) for n, _ in folders[:8])
         raise ExportError(f"--step {step}: no checkpoint of that step in {root} (steps there: {steps})")
-    from shardconsole.backends.checkpoints import why_incomplete     # imports torch: after the quick refusals
     if step is not None:
         path = dict(folders)[step]
         why = why_incomplete(path, backend)

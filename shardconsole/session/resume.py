@@ -24,10 +24,10 @@ from shardconsole.launch.owner import owning
 from shardconsole.settings import config as C
 from shardconsole.settings import resolve as settings
 from shardconsole.runlog import protocol as P
+from shardconsole.runlog.checkpoint_files import MANIFEST, why_incomplete
 from shardconsole.runlog.runfolder import RunFolder
 
 PREV_SUFFIX = ".prev"
-MANIFEST = "shardconsole.json"     # written by backends/checkpoints.py into every complete checkpoint
 
 
 def checkpoints_in(folder: Path) -> list[tuple[int, Path]]:
@@ -42,6 +42,12 @@ def checkpoints_in(folder: Path) -> list[tuple[int, Path]]:
         if (p / MANIFEST).is_file() or (p / ".metadata").is_file() or (p / "latest").is_file():
             out.append((int(name[5:]), p))
     return sorted(out, reverse=True)
+
+
+def complete_checkpoints(folder: Path, backend: str) -> list[tuple[int, Path]]:
+    """checkpoints_in's folders that also pass the test export-model and the ranks apply (every file the
+    manifest lists, at its size): the steps a chat (`chat RUN --step N`) can be given, newest first."""
+    return [(step, p) for step, p in checkpoints_in(folder) if why_incomplete(p, backend) is None]
 
 
 def _still_running(folder: RunFolder) -> str:

@@ -115,6 +115,26 @@ def fsdp_tiny_run(tmp_path_factory):
     return _finished_run(tmp_path_factory, "fsdp-tiny-run", "train.steps=12", "train.log_every=3")
 
 
+@pytest.fixture(scope="session")
+def fsdp_chat_run(tmp_path_factory):
+    """FSDP2 from a tiny Hugging Face folder (tokenizer, chat template) on a .jsonl with a held-out split,
+    4 steps, a checkpoint every 2, all kept (steps 2 and 4, the final save): test_export_model's FSDP
+    export and the console's chat step chooser (test_tryout_console). `model`: the folder it started
+    from; `cache`: the token cache it ran with."""
+    from tests.hf_fixtures import CORPUS, make_hf_model
+    root = tmp_path_factory.mktemp("fsdp-chat-model")
+    model = make_hf_model(root / "model", chat_template=True)
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"{i}: {t}"}) + "\n" for i, t in enumerate(CORPUS[:60])))
+    run = _finished_run(tmp_path_factory, "fsdp-chat-run", "train.save_final=true", f"model.name={model}",
+                        "data.source=auto", f"data.path={corpus}", "data.seq_len=32", "data.eval_fraction=0.2",
+                        "train.eval_every=2", "train.steps=4", "train.checkpoint_every=2",
+                        "train.keep_checkpoints=0", "train.micro_batch=2")
+    assert run.res.returncode == 0, run.res.stdout[-3000:] + run.res.stderr[-3000:]
+    run.model, run.cache = model, tmp_path_factory.getbasetemp() / "token-cache"
+    return run
+
+
 ZERO3_TINY_STEPS = 10
 
 

@@ -49,17 +49,12 @@ def _exported(run_dir: Path, out: Path, *extra: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fsdp(tmp_path_factory):
+def fsdp(tmp_path_factory, fsdp_chat_run):
+    """conftest's shared FSDP2 run from a Hugging Face folder (checkpoints at 2 and 4), exported here."""
     root = tmp_path_factory.mktemp("export-fsdp")
-    model = make_hf_model(root / "model", chat_template=True)
-    corpus = root / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"{i}: {t}"}) + "\n" for i, t in enumerate(CORPUS[:60])))
-    run_dir = root / "run"
-    _run(run_dir, root / "cache", f"model.name={model}", "data.source=auto", f"data.path={corpus}", "data.seq_len=32",
-         "data.eval_fraction=0.2", "train.eval_every=2", "train.steps=4", "train.checkpoint_every=2",
-         "train.micro_batch=2")
-    out = _exported(run_dir, root / "hf", "--max-shard-size", "100KB")    # ~0.6 MB of fp32: several files
-    return SimpleNamespace(root=root, run=run_dir, model=model, out=out, cache=root / "cache")
+    out = _exported(fsdp_chat_run.run, root / "hf", "--max-shard-size", "100KB")    # ~0.6 MB of fp32: several files
+    return SimpleNamespace(root=root, run=fsdp_chat_run.run, model=fsdp_chat_run.model, out=out,
+                           cache=fsdp_chat_run.cache)
 
 
 @pytest.fixture(scope="module")

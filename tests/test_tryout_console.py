@@ -12,6 +12,7 @@ against the ranks' tokens in test_tryout.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -111,34 +112,98 @@ async def test_ctrl_c_ends_an_answer_not_the_app(model):
         assert app.is_running
 
 
-async def test_t_on_the_runs_screen_chats_with_a_finished_run_only(tmp_path):
-    """`t` on a running run says why not; on a finished one it opens the chat, whose export of the newest
-    checkpoint goes through export-model: this run kept none, said in one line, the app goes on."""
+async def open_runs(pilot: Any, rows: int) -> Any:
+    """ctrl+l from the setup screen, once the runs screen lists `rows` runs."""
+    app = pilot.app
+    await machine_known(pilot)
+    await pilot.press("ctrl+l")
+    await wait_for(pilot, lambda: type(app.screen).__name__ == "RunsScreen"
+                   and app.screen.query_one("DataTable").row_count == rows)
+    return app.screen
+
+
+def console_on(root: Path) -> Any:
     from shardconsole.console.app import ShardConsoleApp
+    return ShardConsoleApp(FakeLauncher(root), FakeProbes(gpus=TWO_GPUS), preset="tiny-cpu", planner=fixed_planner)
+
+
+async def test_t_on_the_runs_screen_chats_with_a_finished_run_only(tmp_path):
+    """`t` on a running run says why not; on a finished one that kept no checkpoint it says so in one
+    line, opens nothing, and the runs list stays."""
     root = tmp_path / "runs"
     write_run(root / "20260101-000001-done", gpus=0, device="cpu", steps=3, total_steps=3, finished=True)
     write_run(root / "20260101-000002-live", gpus=0, device="cpu", steps=2, total_steps=9)
-    app = ShardConsoleApp(FakeLauncher(root), FakeProbes(gpus=TWO_GPUS), preset="tiny-cpu", planner=fixed_planner)
+    app = console_on(root)
     async with app.run_test(size=WIDE) as pilot:
-        await machine_known(pilot)
-        await pilot.press("ctrl+l")
-        await wait_for(pilot, lambda: type(app.screen).__name__ == "RunsScreen"
-                       and app.screen.query_one("DataTable").row_count == 2)
-        runs = app.screen
+        runs = await open_runs(pilot, 2)
         live = next(i for i, r in enumerate(runs.runs) if r.run_id.endswith("live"))
         runs.query_one("DataTable").move_cursor(row=live)
         await pilot.press("t")
         assert app.screen is runs
+        assert "chat with a finished or stopped run" in str(list(app._notifications)[-1].message)
         runs.query_one("DataTable").move_cursor(row=1 - live)
         await pilot.press("t")
-        await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen))
+        notes = [str(n.message) for n in app._notifications]
+        assert "no complete checkpoint left in" in notes[-1] and "nothing to chat with" in notes[-1], notes
+        assert len(notes[-1].splitlines()) == 1 and app.screen is runs
+
+
+def _copy_run(fsdp_chat_run: Any, root: Path, name: str) -> Path:
+    """The shared run under a runs root of this test's (the tests change its checkpoint folder)."""
+    run = root / name
+    shutil.copytree(fsdp_chat_run.run, run)
+    return run
+
+
+def _step(run: Path, n: int) -> Path:
+    return run / "checkpoints" / f"step_{n:08d}"
+
+
+async def test_t_picks_the_checkpoint_step_to_chat_with(fsdp_chat_run, tmp_path):
+    """A run that kept steps 2 and 4: `t` lists both (newest first and highlighted), never a .partial
+    save or a cut-short copy; down and enter chat with step 2, the chat child exports step 2 and says so."""
+    from shardconsole.console.screens.dialogs import StepPickScreen
+    run = _copy_run(fsdp_chat_run, tmp_path / "runs", "20260101-000001-two-steps")
+    shutil.copytree(_step(run, 4), run / "checkpoints" / "step_00000006.partial")     # a save killed midway
+    cut = shutil.copytree(_step(run, 2), _step(run, 3))                                # a copy cut short
+    (biggest := max((f for f in cut.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)).write_bytes(
+        biggest.read_bytes()[:10])
+    app = console_on(tmp_path / "runs")
+    async with app.run_test(size=NARROW) as pilot:
+        runs = await open_runs(pilot, 1)
+        await pilot.press("t")
+        await wait_for(pilot, lambda: isinstance(app.screen, StepPickScreen), what="the step chooser")
+        steps = app.screen.query_one("#steps")
+        assert [o.id for o in steps.options] == ["4", "2"] and steps.highlighted == 0 and steps.has_focus
+        await pilot.press("escape")                  # back to the runs list, nothing opened
+        await wait_for(pilot, lambda: app.screen is runs, what="the runs list")
+        await pilot.press("t")
+        await wait_for(pilot, lambda: isinstance(app.screen, StepPickScreen), what="the step chooser again")
+        await pilot.press("down", "enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen), what="the chat")
         chat = app.screen
-        await wait_for(pilot, lambda: W.RUN in chat.unavailable, timeout=LOAD_S, what="the export's answer")
-        assert "no checkpoint to export" in chat.unavailable[W.RUN]
-        assert "no checkpoint to export" in str(chat.query_one("#chat-status").render())
-        assert chat.query_one("#prompt").disabled
-        await pilot.press("escape")
-        await wait_for(pilot, lambda: app.screen is runs)
+        assert "Chat with 20260101-000001-two-steps, step 2" in str(chat.query_one("#chat-title").render())
+        assert chat.client.argv()[-2:] == ["--step", "2"]
+        await ready(pilot)
+        # The child's own word for what it exported and loaded, in the status line under the title.
+        assert chat.names[W.RUN] == "20260101-000001-two-steps, step 2"
+        assert str(chat.query_one("#chat-status").render()).startswith("20260101-000001-two-steps, step 2 on cpu")
+
+
+async def test_t_with_one_checkpoint_opens_the_chat_at_once(fsdp_chat_run, tmp_path):
+    """Step 2 pruned: `t` opens the chat with the one left (step 4), no chooser in between."""
+    from shardconsole.console.screens.dialogs import StepPickScreen
+    run = _copy_run(fsdp_chat_run, tmp_path / "runs", "20260101-000001-one-step")
+    shutil.rmtree(_step(run, 2))
+    app = console_on(tmp_path / "runs")
+    async with app.run_test(size=WIDE) as pilot:
+        runs = await open_runs(pilot, 1)
+        await pilot.press("t")
+        # a chooser would stay until a key picks a step: the chat on top of the runs list means none came
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen), what="the chat")
+        assert app.screen_stack[-2] is runs and not any(isinstance(s, StepPickScreen) for s in app.screen_stack)
+        assert "one-step, step 4" in str(app.screen.query_one("#chat-title").render())
+        assert app.screen.client.argv()[-2:] == ["--step", "4"]
 
 
 def test_headless_chat_with_the_base_beside(model, base):

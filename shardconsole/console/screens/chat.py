@@ -45,13 +45,15 @@ class ChatScreen(Screen[None]):
 
     def __init__(self, target: Path, title: str, *, step: int | None = None, device: str | None = None,
                  base: Path | None = None) -> None:
-        """target: a run folder (its checkpoint is exported on the way) or an exported model folder;
-        base: the base model's folder (None: the folder the run started from)."""
+        """target: a run folder (its checkpoint of `step`, else its newest, is exported on the way) or an
+        exported model folder; base: the base model's folder (None: the folder the run started from)."""
         super().__init__()
-        self.target, self.title_text = Path(target), title
+        # The step in the title: a run keeps several checkpoints, and the user sees which one was picked.
+        self.target, self.title_text = Path(target), title if step is None else f"{title}, step {step}"
         self.client = ChatProcess(self.target, step=step, device=device, base=base)
         self.chat = Conversation()
         self.ready: dict[str, str] = {}          # model -> device, once loaded
+        self.names: dict[str, str] = {}          # model -> what the child says it loaded (its run and step)
         self.unavailable: dict[str, str] = {}    # model -> why
         self.base_on = False
 
@@ -106,7 +108,7 @@ class ChatScreen(Screen[None]):
         elif isinstance(ev, W.Loading):
             self._status(ev.text + " …")
         elif isinstance(ev, W.Ready):
-            self.ready[ev.model] = ev.device
+            self.ready[ev.model], self.names[ev.model] = ev.device, ev.name
         elif isinstance(ev, W.Unavailable):
             self.unavailable[ev.model] = ev.text
         elif isinstance(ev, W.Piece):
@@ -134,7 +136,8 @@ class ChatScreen(Screen[None]):
             return self.unavailable[W.RUN]
         if W.RUN not in self.ready:
             return "starting the chat process…"
-        line = f"{LABELS[W.RUN]} on {self.ready[W.RUN]}"
+        # The child's own name for what it loaded ("<run>, step N"; an export's folder name), not ours.
+        line = f"{self.names.get(W.RUN) or LABELS[W.RUN]} on {self.ready[W.RUN]}"
         if self.base_on:
             base = ("not there (see its column)" if W.BASE in self.unavailable else
                     f"on {self.ready[W.BASE]}" if W.BASE in self.ready else "loading…")

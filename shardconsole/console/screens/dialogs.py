@@ -1,10 +1,12 @@
-"""Modal screens: confirm, a report to read, save a preset, pick a run folder to attach to.
+"""Modal screens: confirm, a report to read, save a preset, pick a run folder to attach to, pick the
+checkpoint step of a run to chat with.
 
 Each returns its answer through dismiss(), so the caller reads it in a callback or with push_screen_wait.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from textual.widgets.option_list import Option
 
 from shardconsole.settings import config as C
 from shardconsole.settings import preset_store
+from shardconsole.settings.values import format_size
 from shardconsole.console.services import RunListing
 
 HERE = Path(__file__).parent
@@ -220,6 +223,47 @@ class AttachScreen(ModalScreen[Path | None]):
     @on(Button.Pressed, "#cancel")
     def _cancel(self) -> None:
         self.dismiss(None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+@dataclass(frozen=True)
+class SavedStep:
+    """A complete checkpoint of a run, as the step chooser lists it."""
+    step: int
+    written: float              # the manifest's (else the folder's) mtime
+    size: int | None = None     # the bytes its manifest lists; None when it has none
+
+
+class StepPickScreen(ModalScreen[int | None]):
+    """Which checkpoint of a run to chat with: newest first and highlighted; enter picks, escape goes back."""
+
+    CSS_PATH = HERE / "pick_step.tcss"
+    BINDINGS = [Binding("escape", "cancel", "Back")]
+    AUTO_FOCUS = "#steps"
+
+    def __init__(self, run_id: str, saves: list[SavedStep]) -> None:
+        super().__init__()
+        self.run_id, self.saves = run_id, sorted(saves, key=lambda s: s.step, reverse=True)
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            # the count: a long list scrolls, and its end is then out of view
+            yield Label(f"Chat with which of {self.run_id}'s {len(self.saves)} checkpoints?", id="title")
+            yield OptionList(*[self._option(s) for s in self.saves], id="steps")
+            yield Label("↑↓ choose · enter opens the chat · escape goes back", classes="dim")
+
+    def _option(self, save: SavedStep) -> Option:
+        width = len(str(self.saves[0].step))       # the steps' digits in one column
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(save.written))
+        size = format_size(save.size) if save.size is not None else ""
+        return Option(Text.assemble((f"step {save.step:>{width}}", "bold"), f"   {when}   ", (size, "dim")),
+                      id=str(save.step))
+
+    @on(OptionList.OptionSelected)
+    def _selected(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(int(event.option.id or 0))
 
     def action_cancel(self) -> None:
         self.dismiss(None)

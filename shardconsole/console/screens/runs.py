@@ -17,10 +17,14 @@ from textual.containers import Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Label, Static
 
+from shardconsole.console.screens.dialogs import SavedStep, StepPickScreen
 from shardconsole.console.widgets.line_plot import LinePlot, PlotSeries
 from shardconsole.history import compare as CMP
 from shardconsole.history.index import RunSummary, list_runs, roots
 from shardconsole.launch.command import runs_root as default_runs_root
+from shardconsole.runlog.checkpoint_files import MANIFEST, listed_bytes
+from shardconsole.runlog.runfolder import RunFolder
+from shardconsole.session.resume import complete_checkpoints
 
 HERE = Path(__file__).parent
 # What tells runs apart first: at 80 columns the table scrolls sideways from the preset on, and the
@@ -39,6 +43,28 @@ def _short(path: Path) -> str:
         return str(Path(path).resolve().relative_to(Path.cwd().resolve())) or "."
     except ValueError:
         return str(path)
+
+
+def chat_steps(r: RunSummary) -> tuple[list[SavedStep], str]:
+    """The run's complete checkpoints (resume's and export-model's test of a folder: a .partial or cut-short
+    one is never offered), or none and the one line that says why."""
+    if r.settings is None:
+        return [], f"{r.run_id}: its preset.toml cannot be read, so neither can where its checkpoints are"
+    folder = RunFolder(r.path).checkpoints(r.settings.train.checkpoint_dir)
+    try:
+        found = complete_checkpoints(folder, r.settings.parallel.backend)
+        saves = [SavedStep(step, _mtime(path), listed_bytes(path)) for step, path in found]
+    except OSError as e:
+        return [], f"{r.run_id}: cannot read its checkpoints: {e}"
+    if not saves:
+        return [], (f"{r.run_id}: no complete checkpoint left in {_short(folder)} (none saved, or pruned or "
+                    f"deleted since): nothing to chat with")
+    return saves, ""
+
+
+def _mtime(path: Path) -> float:
+    manifest = path / MANIFEST
+    return (manifest if manifest.is_file() else path).stat().st_mtime
 
 
 class RunsScreen(Screen[Path | None]):
@@ -150,7 +176,8 @@ class RunsScreen(Screen[Path | None]):
             self.dismiss(r.path)
 
     def action_chat(self) -> None:
-        """Talk to the model a finished or stopped run trained (its newest checkpoint, exported on the way)."""
+        """Talk to the model a finished or stopped run trained: its one complete checkpoint at once, or
+        the one picked from a list when it kept several (exported on the way, as `chat RUN --step N`)."""
         r = self._current()
         if r is None:
             return
@@ -158,8 +185,18 @@ class RunsScreen(Screen[Path | None]):
             self.notify(f"{r.run_id} is {r.status}: chat with a finished or stopped run (it has its checkpoints)",
                         severity="warning")
             return
+        saves, why = chat_steps(r)
+        if not saves:
+            self.notify(why, severity="warning")
+        elif len(saves) == 1:
+            self._open_chat(r, saves[0].step)
+        else:
+            self.app.push_screen(StepPickScreen(r.run_id, saves),
+                                 lambda step: None if step is None else self._open_chat(r, step))
+
+    def _open_chat(self, r: RunSummary, step: int) -> None:
         from shardconsole.console.screens.chat import ChatScreen
-        self.app.push_screen(ChatScreen(r.path, r.run_id))
+        self.app.push_screen(ChatScreen(r.path, r.run_id, step=step))
 
     def action_refresh(self) -> None:
         self.load()

@@ -123,6 +123,10 @@ def test_zero_0_to_2_load_on_every_rank_and_zero_3_a_tensor_at_a_time(tmp_path):
     # rank 0 reads one tensor and casts it: the largest is the [32000, 4096] embedding, fp32 and bf16
     assert z3.loading.rank0 == {"one tensor read and cast (largest, rank 0)": 32000 * 4096 * (4 + 2)}
     assert z3.host_peak_phase != "loading"
+    # CPU ranks gather every parameter on the host (fp32 here), and the heap keeps freed blocks: the model
+    cpu = estimate(str(folder), "parallel.backend=deepspeed", "parallel.launcher=torchrun", "deepspeed.stage=3",
+                   "parallel.device=cpu", "precision.dtype=fp32")
+    assert cpu.loading.each["parameters gathered on the host (CPU ranks, freed blocks kept)"] == 4 * n
 
 
 @pytest.fixture(scope="module")

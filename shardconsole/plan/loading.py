@@ -10,7 +10,8 @@ trains from random init and loads nothing): the "loading" moment of a rank, as t
   ZeRO-0/1/2           every rank: from_pretrained in fp32, the whole model (backends/deepspeed.py build);
                        it replaces the random-init "build" moment, the same model on the CPU.
   ZeRO-3               rank 0 reads one tensor at a time into its gathered parameter
-                       (deepspeed.load_pretrained_partitions): a tensor and its cast.
+                       (deepspeed.load_pretrained_partitions): a tensor and its cast; on CPU ranks
+                       every rank gathers on the host too.
   QLoRA                every rank: from_pretrained in bf16, whole, then a linear at a time to the GPU
                        (backends/qlora.py build).
 
@@ -138,6 +139,11 @@ def loading(cfg: C.RunConfig, spec: ModelSpec, s: Shapes) -> Loading | None:
         c = DTYPE_BYTES[cfg.precision.dtype]
         if cfg.deepspeed.offload_param != "none" or cpu:
             each["parameters (partitions, host)"] = c * -(-s.n_params // cfg.world_size)
+        if cpu:
+            # CPU ranks gather every parameter whole on the host, and the C heap keeps many of the freed
+            # blocks: measured 0.4-0.6 GiB per rank over the partitions at 0.63 GiB of fp32 parameters
+            # (benchmarks/load_host_memory.py), so the whole model is counted
+            each["parameters gathered on the host (CPU ranks, freed blocks kept)"] = c * s.n_params
         return Loading("rank 0", cfg.precision.dtype, each,
                        {"one tensor read and cast (largest, rank 0)": largest * (4 + c)}, w.file_bytes,
                        "ZeRO-3 reads the folder a tensor at a time; more host RAM", whole=False)

@@ -260,28 +260,34 @@ def test_nvme_offload_without_the_async_io_op_is_one_line(tmp_path):
 
 
 def test_a_unit_at_a_time_is_the_whole_step_and_overlap_is_off_where_the_step_needs_every_gradient():
-    """offload_overlap steps the run's optimizer narrowed to one FSDP unit's parameters at a time: for
-    torch's fused AdamW and RoundedAdamW (stochastic rounding seeded by each parameter's place in the whole
-    optimizer) the result is bit for bit the whole step's. And it is off where an update needs every
-    gradient first: a clip (the presets' default) or fp16 loss scaling, each said with the key to change."""
+    """offload_overlap steps the run's optimizer narrowed to one FSDP unit's parameters at a time
+    (partial_step.PartialStep, which step_in_backward shares): for torch's fused AdamW and RoundedAdamW
+    (stochastic rounding seeded by each parameter's place in the whole optimizer), over two param groups
+    and a unit that spans both, the result is bit for bit the whole step's, and the groups are whole
+    again after each partial step. And it is off where an update needs every gradient first: a clip
+    (the presets' default) or fp16 loss scaling, each said with the key to change."""
     from types import SimpleNamespace
 
-    from shardconsole.backends import offload_overlap
+    from shardconsole.backends import offload_overlap, partial_step
     from shardconsole.backends.master_update import RoundedAdamW
     from shardconsole.settings import resolve
-    for make, dtype in ((lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), torch.float32),
-                        (lambda ps: RoundedAdamW(ps, lr=1e-2, rounding="stochastic", seed=7), torch.bfloat16)):
+    for make, dtype in ((lambda gs: torch.optim.AdamW(gs, lr=1e-2, fused=True), torch.float32),
+                        (lambda gs: RoundedAdamW(gs, lr=1e-2, rounding="stochastic", seed=7), torch.bfloat16)):
         whole, parts = _params(3, 1.0), _params(3, 1.0)
         for p in (*whole, *parts):
             p.data, p.grad = p.data.to(dtype), p.grad.to(dtype)
-        opts = [make(whole), make(parts)]
+        opts = [make([{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}]) for ps in (whole, parts)]
+        partial = partial_step.PartialStep(opts[1])
+        every = [[id(p) for p in g["params"]] for g in opts[1].param_groups]
         for _ in range(2):
             opts[0].step()
-            for unit in (parts[2:], parts[:1], parts[1:2]):        # the units in backward order
-                offload_overlap._subset(opts[1], {id(p) for p in unit}).step()
+            for unit in (parts[3:], parts[1:3], parts[:1]):        # the units in backward order
+                partial.step(unit)
+                assert [[id(p) for p in g["params"]] for g in opts[1].param_groups] == every
         for a, b in zip(whole, parts):
             assert torch.equal(a.data, b.data)
             assert torch.equal(opts[0].state[a]["exp_avg_sq"], opts[1].state[b]["exp_avg_sq"])
+            assert int(opts[1].state[b]["step"]) == 2         # each parameter stepped once a step
 
     def reason(*sets, scaler=None):
         r = SimpleNamespace(cfg=resolve.resolve("tiny-cpu", ["fsdp.cpu_offload=true", *sets]).cfg)

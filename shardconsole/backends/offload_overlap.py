@@ -5,9 +5,9 @@ optimizer step over every shard while the GPU idles (issue 35: 7B fp32 masters, 
 of a 4.57 s step). Here each FSDP unit's host step starts as soon as that unit's gradients have reached
 the host, while the GPU runs the backward of the units before it: FSDP2's post_backward of a unit issues
 its reduce-scatter and the copies of the gradients to the host, then hands us the unit; a host thread
-waits for those copies (CUDA events, the GIL released), steps the unit's parameters and refreshes their
-compute copy. At the end of the backward only the last units' steps (the first layer and the root:
-backward runs in reverse) are left to wait for.
+waits for those copies (CUDA events, the GIL released), steps the unit's parameters (the run's optimizer
+narrowed to them in place, partial_step.py) and refreshes their compute copy. At the end of the backward
+only the last units' steps (the first layer and the root: backward runs in reverse) are left to wait for.
 
 The update is the one of the plain step: each parameter is stepped once, by the same optimizer with the
 same state, hyper-parameters and (RoundedAdamW) the same rounding seeds; fused AdamW's arithmetic is per
@@ -40,6 +40,7 @@ import torch
 
 from shardconsole.backends import master_update
 from shardconsole.backends.common import Rank
+from shardconsole.backends.partial_step import PartialStep
 
 
 def why_not(r: Rank, optim: torch.optim.Optimizer, scaler) -> str:
@@ -55,15 +56,6 @@ def why_not(r: Rank, optim: torch.optim.Optimizer, scaler) -> str:
         return (f"off: train.clip_grad_norm = {cfg.train.clip_grad_norm:g} needs the global gradient norm "
                 f"before any update (set it to 0 to overlap)")
     return ""
-
-
-def _subset(optim: torch.optim.Optimizer, keep: set[int]) -> torch.optim.Optimizer:
-    """The same optimizer (state, hyper-parameters of this step, grad_scale) over some of its parameters:
-    its step() updates those exactly as the whole optimizer's step() would."""
-    view = object.__new__(type(optim))
-    view.__dict__.update(optim.__dict__)
-    view.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in keep]} for g in optim.param_groups]
-    return view
 
 
 class _Unit:
@@ -85,6 +77,7 @@ class Overlap:
         from shardconsole.backends.offload import fsdp_params
         from torch.distributed.fsdp import FSDPModule
         self.r, self.optim = r, optim
+        self.partial = PartialStep(optim)     # the one optimizer narrowed to a unit (partial_step.py)
         in_optim = {id(p) for g in optim.param_groups for p in g["params"]}
         self.units: list[_Unit] = []
         for m in model.modules():
@@ -141,7 +134,7 @@ class Overlap:
             e.synchronize()       # the unit's gradients are on the host (releases the GIL)
         t = time.perf_counter()
         with torch.no_grad():
-            _subset(self.optim, {id(p) for p in params}).step()
+            self.partial.step(params)
             if unit.copies:
                 torch._foreach_copy_([fp._compute_copy for fp in unit.copies],
                                      [fp._sharded_param_data for fp in unit.copies])

@@ -5,7 +5,8 @@ most a layer's (the one just reduced, and the next one in flight). torchtune's o
 How: torch's `register_post_accumulate_grad_hook` on each trained (sharded DTensor) parameter. FSDP2
 calls those hooks itself once it has assigned the sharded gradient (torch's _fsdp_collectives.py
 foreach_reduce, on the stream the reduce ran on, before the event the next forward waits for). The hook
-runs the run's one optimizer with its group narrowed to that one parameter, so
+runs the run's one optimizer narrowed to that one parameter (partial_step.py, which offload_overlap.py
+shares), so
 
 - the update is the ordinary step's (torch's AdamW and torchao's low-bit AdamW update each tensor on
   its own; RoundedAdamW seeds its rounding by the parameter's place in the whole list, not the
@@ -23,27 +24,21 @@ from __future__ import annotations
 
 import torch
 
+from shardconsole.backends.partial_step import PartialStep
+
 
 class StepInBackward:
     """The hooks on `params` stepping `optim`; `remove()` takes them off."""
 
     def __init__(self, optim: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
         self.optim = optim
-        self.group_of = {p: g for g in optim.param_groups for p in g["params"]}
+        self.partial = PartialStep(optim)
         self.handles = [p.register_post_accumulate_grad_hook(self._step) for p in params]
-        self.stepped = 0            # parameters stepped since the last `take_count` (a test reads it)
+        self.stepped = 0            # parameters stepped since the last `check_stepped`
 
     def _step(self, p: torch.nn.Parameter) -> None:
-        # One optimizer over one parameter: the other groups are left as they are (their parameters
-        # have no gradient now: each earlier one was freed by its hook, the later ones are not reduced
-        # yet), this group is narrowed so the step does not walk every parameter each time.
-        group = self.group_of[p]
-        every = group["params"]
-        group["params"] = [p]
-        try:
-            self.optim.step()
-        finally:
-            group["params"] = every
+        # The one optimizer over this one parameter: the step walks nothing else.
+        self.partial.step([p])
         p.grad = None               # the gradient's memory goes back now, not at the end of the step
         self.stepped += 1
 

@@ -6,6 +6,7 @@ come from the run's own metrics.jsonl (median of the step lines after warm-up).
 
     python3 benchmarks/gpu_runs.py --out $OUT/runs.json --matrix issue2
     python3 benchmarks/gpu_runs.py --list
+    python3 benchmarks/gpu_runs.py --markdown $OUT/runs.json      # a results file as a markdown table
 
 `--overhead` also runs the same worker under bare torchrun with the stream off
 (SHARDCONSOLE_STREAM=off, no front end) to measure what the console's machinery costs.
@@ -411,6 +412,21 @@ def fmt(v, spec):
     return format(v, spec) if isinstance(v, (int, float)) else "-"
 
 
+def markdown(results: list[dict]) -> str:
+    """A results file's rows as a markdown table (the GPU scripts' logs and the issues quote it); a run
+    that failed shows its first failure line, or its stderr's last line when it said none."""
+    lines = ["| run | rc | tokens/s | NVML peak GiB | allocator reserved GiB | host GiB | held-out loss | failure |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        said = [*r.get("failed", []), *reversed(r.get("stderr_tail", "").splitlines())] if r.get("rc") else []
+        why = next((ln.strip() for s in said for ln in str(s).splitlines() if ln.strip()), "")
+        lines.append(f"| {r['name']} | {r.get('rc')} | {fmt(r.get('tokens_per_s'), ',.0f')} | "
+                     f"{fmt(r.get('nvml_used_gib'), '.1f')} | {fmt(r.get('peak_reserved_gib'), '.1f')} | "
+                     f"{fmt(r.get('host_used_gib'), '.1f')} | {fmt(r.get('eval_loss'), '.4f')} | "
+                     f"{why[:160].replace('|', '/')} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--matrix", default="issue2", choices=sorted(MATRICES))
@@ -423,9 +439,14 @@ def main() -> None:
     ap.add_argument("--overlap-table", action="store_true",
                     help="also print the offload view's parts and what the step hid (matrix issue35-overlap)")
     ap.add_argument("--plan", action="store_true", help="put `plan --json`'s GPU figures beside each run's peaks")
+    ap.add_argument("--markdown", metavar="FILE.json", default=None,
+                    help="print FILE.json's results (written by --out) as a markdown table; runs nothing")
     ap.add_argument("--parallel", action="store_true",
                     help="start every run of the matrix at once (small runs sharing one GPU)")
     args = ap.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())["results"]))
+        return
     matrix = MATRICES[args.matrix]
     if args.only:
         matrix = [m for m in matrix if m[0] in args.only]

@@ -6,8 +6,8 @@
 # held-out loss after the last step. Run from the repo root on the GPU machine (PYTHONPATH set, torchao
 # installed):
 #     bash benchmarks/issue35_gpu.sh
-# Writes $OUT/issue35.json (gpu_runs.py's rows) and $OUT/issue35.log (its table). The matrix's other
-# rows (the offload overlap's) are run by their own command.
+# Writes $OUT/issue35.json (gpu_runs.py's rows) and $OUT/issue35.log (its table: gpu_runs.py --markdown).
+# The matrix's other rows (the offload overlap's) are run by their own command.
 set -u
 OUTD=${OUT:-/tmp/issue35_out}
 mkdir -p "$OUTD"
@@ -18,14 +18,4 @@ python3 benchmarks/sample_text.py /tmp/sc-lora-text.jsonl
 python3 benchmarks/gpu_runs.py --matrix issue35 --timeout 240 --out "$OUTD/issue35.json" \
     --only 3b-adamw8bit-bf16m-step-in-bwd bare-3b-torchtune-adamw8bit-bwd 3b-adamw-offload \
     3b-adamw8bit-bf16m-no-offload 2>&1 | tee "$OUTD/issue35.log"
-python3 - "$OUTD/issue35.json" <<'PY' | tee -a "$OUTD/issue35.log"
-import json, sys
-rows = json.load(open(sys.argv[1]))["results"]
-print("\n| run | rc | tokens/s | NVML peak GiB | allocator reserved GiB | host GiB | held-out loss after 16 steps |")
-print("|---|---|---|---|---|---|---|")
-for r in rows:
-    f = lambda v, spec: "-" if v is None else format(v, spec)
-    print(f"| {r['name']} | {r['rc']} | {f(r['tokens_per_s'], ',.0f')} | {f(r['nvml_used_gib'], '.1f')} | "
-          f"{f(r['peak_reserved_gib'], '.1f')} | {f(r['host_used_gib'], '.1f')} | {f(r.get('eval_loss'), '.4f')} |"
-          + (f" {r['failed'][0][:120]}" if r.get("failed") else ""))
-PY
+{ echo; python3 benchmarks/gpu_runs.py --markdown "$OUTD/issue35.json"; } | tee -a "$OUTD/issue35.log"

@@ -5,7 +5,7 @@
 # About 6 minutes. Run from the repo root on the GPU machine after the wheelhouse line (PYTHONPATH set;
 # the wheels must include peft and its needs, and bitsandbytes for the QLoRA run):
 #     bash benchmarks/lora_7b_gpu.sh
-# Writes $OUT/lora_7b.json (gpu_runs.py's rows, eval_loss included) and $OUT/lora_7b.log (its table).
+# Writes $OUT/lora_7b.json (gpu_runs.py's rows, eval_loss included) and $OUT/lora_7b.log (its table: gpu_runs.py --markdown).
 #     bash benchmarks/lora_7b_gpu.sh cal
 # The LoRA planner's calibration instead (matrix issue33cal, about 7 minutes): 7B LoRA, 7B QLoRA (also with
 # lora.dropout 0.05) and 13B QLoRA under the cap, each run's measured peaks beside `plan --json`'s, and
@@ -42,13 +42,4 @@ PY
     exit 0
 fi
 python3 benchmarks/gpu_runs.py --matrix issue33 --timeout 420 --out "$OUTD/lora_7b.json" 2>&1 | tee "$OUTD/lora_7b.log"
-python3 - "$OUTD/lora_7b.json" <<'PY' | tee -a "$OUTD/lora_7b.log"
-import json, sys
-rows = json.load(open(sys.argv[1]))["results"]
-print("\n| run | tokens/s | GPU reserved peak GiB | NVML GiB | host GiB | held-out loss after 12 steps |")
-print("|---|---|---|---|---|---|")
-for r in rows:
-    f = lambda v, spec: "-" if v is None else format(v, spec)
-    print(f"| {r['name']} | {f(r['tokens_per_s'], ',.0f')} | {f(r['peak_reserved_gib'], '.1f')} | "
-          f"{f(r['nvml_used_gib'], '.1f')} | {f(r['host_used_gib'], '.1f')} | {f(r['eval_loss'], '.4f')} |")
-PY
+{ echo; python3 benchmarks/gpu_runs.py --markdown "$OUTD/lora_7b.json"; } | tee -a "$OUTD/lora_7b.log"

@@ -155,6 +155,20 @@ def _copy_run(fsdp_chat_run: Any, root: Path, name: str) -> Path:
     return run
 
 
+async def test_t_on_a_run_without_a_tokenizer_says_so_before_any_step_or_export(fsdp_tiny_run, tmp_path):
+    """conftest's tiny-cpu run (a catalog size on token ids, its final checkpoint kept): one line that
+    there is no tokenizer, no step list, no chat screen exporting a checkpoint only to fail."""
+    root = tmp_path / "runs"
+    _copy_run(fsdp_tiny_run, root, "20260101-000003-tiny")
+    app = console_on(root)
+    async with app.run_test(size=WIDE) as pilot:
+        runs = await open_runs(pilot, 1)
+        await pilot.press("t")
+        notes = [str(n.message) for n in app._notifications]
+        assert notes and "there is no tokenizer to turn a message into tokens" in notes[-1], notes
+        assert "catalog size 'tiny'" in notes[-1] and app.screen is runs
+
+
 def _step(run: Path, n: int) -> Path:
     return run / "checkpoints" / f"step_{n:08d}"
 

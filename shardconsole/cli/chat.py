@@ -50,7 +50,9 @@ def model_folder(target: str, step: int | None) -> Iterator[Path]:
         yield path
         return
     run = run_folder(target)
-    _has_a_tokenizer(run)
+    from shardconsole.tryout.base import no_tokenizer
+    if why := no_tokenizer(run):
+        raise UsageError(why)
     from shardconsole.cli.export_model import cmd_export_model
     with tempfile.TemporaryDirectory(prefix="shardconsole-chat-") as tmp:
         out = Path(tmp) / "model"
@@ -59,26 +61,6 @@ def model_folder(target: str, step: int | None) -> Iterator[Path]:
             if cmd_export_model(argv) != 0:
                 raise UsageError(f"{run}: its checkpoint could not be exported for the chat")
         yield out
-
-
-def _has_a_tokenizer(run: Path) -> None:
-    """An export carries its model folder's tokenizer; a run whose model has none (a catalog size, a
-    folder without tokenizer files) has no words to chat in: said in one line before the export, which
-    at 7B takes minutes."""
-    from shardconsole.runlog.runfolder import RunFolder
-    from shardconsole.settings import config as C
-    from shardconsole.settings.models import ModelError, resolve
-    try:
-        name = C.load(RunFolder(run).preset).model.name
-        spec = resolve(name)
-    except (C.ConfigError, OSError, ModelError):
-        return          # export-model names what is wrong with the folder
-    if spec.path is not None and spec.has_tokenizer:
-        return
-    what = (f"the catalog size {name!r} from random init (its data went in as token ids or UTF-8 bytes)"
-            if spec.path is None else f"{spec.path}, a folder without tokenizer files")
-    raise UsageError(f"chat: {run} trained {what}: there is no tokenizer to turn a message into tokens; "
-                     f"chat with a run of a Hugging Face model folder that has its tokenizer (model.name = FOLDER)")
 
 
 def base_of(target: str, choice: str | None):

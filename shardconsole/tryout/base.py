@@ -61,6 +61,24 @@ def of_export(folder: Path) -> Base:
     return of_preset(found.group(1), str(readme))
 
 
+def no_tokenizer(run_dir: Path) -> str:
+    """Why a run has no words to chat in ("" when it has): an export carries its model folder's tokenizer,
+    so a run of a catalog size or of a folder without tokenizer files exports none. Said before the
+    export (minutes at 7B), by `chat RUN` and by the console's runs screen alike."""
+    preset = Path(run_dir) / PRESET_FILE
+    try:
+        name = tomllib.loads(preset.read_text()).get("model", {}).get("name")
+        spec = resolve(name) if isinstance(name, str) and name else None
+    except (OSError, tomllib.TOMLDecodeError, ModelError):
+        spec = None
+    if spec is None or (spec.path is not None and spec.has_tokenizer):
+        return ""       # export-model names what is wrong with an unreadable folder
+    what = (f"the catalog size {name!r} from random init (its data went in as token ids or UTF-8 bytes)"
+            if spec.path is None else f"{spec.path}, a folder without tokenizer files")
+    return (f"chat: {run_dir} trained {what}: there is no tokenizer to turn a message into tokens; chat with "
+            f"a run of a Hugging Face model folder that has its tokenizer (model.name = FOLDER)")
+
+
 def of_folder(folder: Path) -> Base:
     """An explicit base (--base FOLDER): it must be a model folder with weights."""
     try:

@@ -25,6 +25,7 @@ from shardconsole.launch.command import runs_root as default_runs_root
 from shardconsole.runlog.checkpoint_files import MANIFEST, listed_bytes
 from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.session.resume import complete_checkpoints
+from shardconsole.tryout.base import no_tokenizer
 
 HERE = Path(__file__).parent
 # What tells runs apart first: at 80 columns the table scrolls sideways from the preset on, and the
@@ -186,7 +187,8 @@ class RunsScreen(Screen[Path | None]):
                         severity="warning")
             return
         saves, why = chat_steps(r)
-        if not saves:
+        why = why if not saves else no_tokenizer(r.path)    # before a step is picked and any export
+        if why:
             self.notify(why, severity="warning")
         elif len(saves) == 1:
             self._open_chat(r, saves[0].step)

@@ -34,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from plan_calibrate import _Tail  # noqa: E402  (the calibration's reader of a growing metrics.jsonl)
+
 SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16,
              intermediate_size=2816, vocab_size=32000, max_position_embeddings=512)
 COMMON = ["train.steps=1", "train.micro_batch=1", "train.grad_accum=1", "train.warmup_steps=0",
@@ -80,29 +82,6 @@ def _status(pid: int) -> dict[str, int] | None:
         if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
             out[k] = int(v.split()[0]) * 1024
     return out
-
-
-class _Tail:
-    def __init__(self, path: Path) -> None:
-        self.path, self.pos, self.buf = path, 0, b""
-
-    def read(self) -> list[dict]:
-        try:
-            with self.path.open("rb") as fh:
-                fh.seek(self.pos)
-                data = fh.read()
-        except OSError:
-            return []
-        self.pos += len(data)
-        self.buf += data
-        *lines, self.buf = self.buf.split(b"\n")
-        out = []
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-        return out
 
 
 def _maps(pid: int, needle: str) -> bool:

@@ -135,16 +135,22 @@ def test_a_20_mib_line_is_one_bad_line(tmp_path):
     assert reader.bad_lines == 1
 
 
-def test_reader_keeps_reading_a_deleted_stream(tmp_path):
-    """Deleting metrics.jsonl mid-run: the ranks write on through their open descriptors, and so the
-    reader reads on, saying once that the name is gone (issue 22 item 14)."""
-    path = tmp_path / "metrics.jsonl"
+def _deleted_mid_run(path):
+    """A stream read once, then deleted while its rank writes on: (the writer, the reader), one line
+    waiting in the open file."""
     w = MetricsWriter(path, "r", 0)
     w.emit(SAMPLES[1])
     reader = MetricsReader(path)
     assert reader.poll() == [SAMPLES[1]]
     path.unlink()
     w.emit(SAMPLES[5])
+    return w, reader
+
+
+def test_reader_keeps_reading_a_deleted_stream(tmp_path):
+    """Deleting metrics.jsonl mid-run: the ranks write on through their open descriptors, and so the
+    reader reads on, saying once that the name is gone (issue 22 item 14)."""
+    w, reader = _deleted_mid_run(tmp_path / "metrics.jsonl")
     assert reader.poll() == [SAMPLES[5]]
     assert reader.poll() == [] and "deleted" in reader.lost
     w.close()
@@ -154,24 +160,12 @@ def test_a_reader_that_never_catches_up_still_sees_the_name_go(tmp_path, monkeyp
     """A slow front end on a loaded machine finds new lines at every poll up to the run's end (CI at
     bedd844: no 'was deleted' said). The name is looked at on a clock as well, and once more at the end."""
     from shardconsole.runlog import stream
-    path = tmp_path / "metrics.jsonl"
-    w = MetricsWriter(path, "r", 0)
-    w.emit(SAMPLES[1])
-    reader = MetricsReader(path)
-    assert reader.poll() == [SAMPLES[1]]
-    path.unlink()
-    w.emit(SAMPLES[5])
+    w, reader = _deleted_mid_run(tmp_path / "metrics.jsonl")
     assert reader.poll() == [SAMPLES[5]]
     reader.check_names()                                            # the watcher's last tick
     assert "deleted" in reader.lost
-    other = tmp_path / "other.jsonl"
-    w2 = MetricsWriter(other, "r", 0)
-    w2.emit(SAMPLES[1])
-    late = MetricsReader(other)
     monkeypatch.setattr(stream, "NAME_EVERY_S", 0.0)
-    assert late.poll() == [SAMPLES[1]]
-    other.unlink()
-    w2.emit(SAMPLES[5])
+    w2, late = _deleted_mid_run(tmp_path / "other.jsonl")
     assert late.poll() == [SAMPLES[5]] and "deleted" in late.lost
     w.close()
     w2.close()

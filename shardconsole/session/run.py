@@ -25,8 +25,8 @@ from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.runlog.runstate import RunState
 from shardconsole.session import rundir
 from shardconsole.session.hang import SAVE_STALL_S, hang_message, where_ranks_are
-from shardconsole.session.outcome import classify
-from shardconsole.session.stop import DEFAULT_STOP_SAVE_TIMEOUT_S, Hurry, stop_run
+from shardconsole.session.outcome import DEFAULT_STOP_SAVE_TIMEOUT_S, classify
+from shardconsole.session.stop import Hurry, stop_run
 from shardconsole.session.watcher import Probes, Tick, Watcher
 from shardconsole.settings import config as C
 from shardconsole.settings.resolve import Resolved

@@ -26,7 +26,7 @@ from shardconsole.runlog import protocol as P
 from shardconsole.launch.job import Job, StopReport
 from shardconsole.launch.process_identity import live as _live
 from shardconsole.runlog.runfolder import RunFolder
-from shardconsole.session.outcome import DEFAULT_STOP_SAVE_TIMEOUT_S, STOP_REQUESTED, stop_save_timeout
+from shardconsole.session.outcome import STOP_REQUESTED, stop_save_timeout
 from shardconsole.runlog.stream import MetricsReader, MetricsWriter
 
 STOP_SAVE = "stop_save"

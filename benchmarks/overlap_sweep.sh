@@ -6,6 +6,7 @@
 # masters, 13B stochastic. Run from the repo root on the GPU machine:
 #     bash benchmarks/overlap_sweep.sh 3b 7b        (about 6 minutes)
 #     bash benchmarks/overlap_sweep.sh 13b          (about 4)
+#     bash benchmarks/overlap_sweep.sh 7b-fp32 13b-stoch 3b-blocking   (single rows by name)
 # Writes $OUT/sweep/NAME/{metrics.jsonl,rank0.log}; `python3 benchmarks/overlap_sweep.py $OUT/sweep`
 # prints each thread count's median step beside the offload view's parts.
 set -u
@@ -27,14 +28,21 @@ row() {   # NAME PRESET STEPS THREADS [ENV=V ...] -- [--set ...]
 }
 for what in "$@"; do
     case $what in
-    3b)
-        row 3b-blocking 3090-offload 11 15,12,8,6,4 -- --set model.name=3b
-        row 3b-pinned 3090-offload 11 15,12,8,6,4 SHARDCONSOLE_OVERLAP_PIN=1 -- --set model.name=3b
-        row 3b-spin 3090-offload 6 15 SHARDCONSOLE_OVERLAP_SPIN=1 -- --set model.name=3b
-        row 3b-off 3090-offload 6 15 -- --set model.name=3b --set fsdp.offload_overlap=false ;;
-    7b)
-        row 7b-fp32 3090-7b-offload 8 15,10,6 -- --set precision.master_dtype=fp32 ;;
-    13b)
-        row 13b-stoch 3090-7b-offload 6 15,8 -- --set model.name=13b --set precision.master_rounding=stochastic ;;
+    3b) set -- 3b-blocking 3b-pinned 3b-spin 3b-off ;;
+    7b) set -- 7b-fp32 ;;
+    13b) set -- 13b-stoch ;;
+    *) set -- "$what" ;;
     esac
+    for one in "$@"; do
+        case $one in
+        3b-blocking) row 3b-blocking 3090-offload 11 15,12,8,6,4 -- --set model.name=3b ;;
+        3b-pinned) row 3b-pinned 3090-offload 11 15,12,8,6,4 SHARDCONSOLE_OVERLAP_PIN=1 -- --set model.name=3b ;;
+        3b-spin) row 3b-spin 3090-offload 6 15 SHARDCONSOLE_OVERLAP_SPIN=1 -- --set model.name=3b ;;
+        3b-off) row 3b-off 3090-offload 6 15 -- --set model.name=3b --set fsdp.offload_overlap=false ;;
+        7b-fp32) row 7b-fp32 3090-7b-offload 8 15,10,6 -- --set precision.master_dtype=fp32 ;;
+        7b-pinned) row 7b-pinned 3090-7b-offload 8 15,10,6 SHARDCONSOLE_OVERLAP_PIN=1 -- --set precision.master_dtype=fp32 ;;
+        13b-stoch) row 13b-stoch 3090-7b-offload 6 15,8 -- --set model.name=13b --set precision.master_rounding=stochastic ;;
+        *) echo "unknown row $one (3b 7b 13b, or one of 3b-blocking 3b-pinned 3b-spin 3b-off 7b-fp32 7b-pinned 13b-stoch)" ;;
+        esac
+    done
 done

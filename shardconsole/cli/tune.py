@@ -9,8 +9,8 @@ each a few steps through the normal launch path under the memory cap, re-ranked 
 what it measured, until the budget or the probe count ends. The fastest probe that stayed under the
 caps is written as the user preset NAME (default: P-tuned), its figures in the header comment. A key
 given with --set is kept as given: the tune searches only the others. The numerics (precision.dtype,
-master_dtype, master_rounding) change the update, so they are kept as given too unless named with
---vary KEY (repeatable); where changing them is predicted much faster, one line under the table says
+master_dtype, master_rounding, optim.name, optim.step_in_backward, train.clip_grad_norm) change the
+update, so they are kept as given too unless named with --vary KEY (repeatable); where changing them is predicted much faster, one line under the table says
 so (planned, not probed). The output preset name is checked before the first probe. Exit codes: 0 a preset written,
 1 no probe finished under the caps, 2 bad input, 130 stopped with Ctrl-C (a preset is written from what
 was measured when one finished).
@@ -45,8 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--probe-steps", type=int, default=6, help="optimizer steps of each probe (the first is not timed)")
     ap.add_argument("--vary", action="append", default=[], metavar="KEY",
                     help="search a numerics key too (precision.dtype, precision.master_dtype, "
-                         "precision.master_rounding): it changes the update, so it is kept as given unless named; "
-                         "repeatable")
+                         "precision.master_rounding, optim.name, optim.step_in_backward, train.clip_grad_norm: "
+                         "0 lets an FSDP2 offload's host step run under the backward): it changes the update, "
+                         "so it is kept as given unless named; repeatable")
     ap.add_argument("-o", "--output", default=None, metavar="NAME", help="the preset to write (default: P-tuned)")
     ap.add_argument("--runs-root", default=None, metavar="DIR", help="where the probes' run folders go")
     ap.add_argument("--dry-run", action="store_true", help="list the options that fit, ranked; probe nothing")

@@ -24,7 +24,7 @@ from shardconsole.settings.models import ModelSpec
 from shardconsole.plan.estimator import Estimate, estimate, replace_cfg
 from shardconsole.plan.fit import EXTRA_STRATEGIES, STRATEGIES, _toml
 from shardconsole.plan.machine import Hardware
-from shardconsole.plan.speeds import Prediction, SpeedBook
+from shardconsole.plan.speeds import Prediction, SpeedBook, signature
 
 ALL_STRATEGIES = {**STRATEGIES, **EXTRA_STRATEGIES}
 OFFLOADING = {"full_shard+offload", "ZeRO-3+offload", "ZeRO-3+optimizer offload", "ZeRO-2+optimizer offload"}
@@ -38,6 +38,9 @@ NUMERICS: dict[str, tuple[Any, ...]] = {
     "optim.name": ("adamw", "adamw8bit", "adamw4bit"),
     # each parameter stepped in backward (issue 35): no gradient buffer, but no clip (rules refuse one)
     "optim.step_in_backward": (False, True),
+    # no clip by the global norm: the FSDP2 offload's host step can then run under the backward
+    # (fsdp.offload_overlap); the values are the base's and 0 (_numerics_levers)
+    "train.clip_grad_norm": (0.0,),
 }
 
 
@@ -96,6 +99,8 @@ def _numerics_levers(base: C.RunConfig, vary: set[str]) -> dict[str, list[list[t
             continue
         table, key = path.split(".")
         values = [v for v in NUMERICS[path] if not (v == "fp16" and base.parallel.device == "cpu")]
+        if path == "train.clip_grad_norm":
+            values = sorted({base.train.clip_grad_norm, *values}, reverse=True)
         out[path] = [[(table, key, v)] for v in values]
     return out
 
@@ -114,6 +119,8 @@ def numerics_words(cfg: C.RunConfig, base: C.RunConfig) -> list[str]:
         out.append(f"{cfg.optim.name} optimizer")
     if cfg.optim.step_in_backward != base.optim.step_in_backward:
         out.append("step in backward" if cfg.optim.step_in_backward else "step after backward")
+    if cfg.train.clip_grad_norm != base.train.clip_grad_norm:
+        out.append("no gradient clip" if cfg.train.clip_grad_norm <= 0 else f"clip at {cfg.train.clip_grad_norm:g}")
     return out
 
 
@@ -201,7 +208,7 @@ def options(base: C.RunConfig, spec: ModelSpec, hw: Hardware, book: SpeedBook, *
         except (C.ConfigError, ValueError, TypeError):
             continue
         key = _key(cfg)
-        if key in seen:
+        if key in seen or _clip_for_nothing(cfg, base):
             continue
         seen.add(key)
         est = estimate(cfg, spec, hw)
@@ -213,6 +220,12 @@ def options(base: C.RunConfig, spec: ModelSpec, hw: Hardware, book: SpeedBook, *
         out.append(Option(describe(base), [], base, estimate(base, spec, hw), book.predict(base, hw), baseline=True))
     rank(out, book, hw)
     return out
+
+
+def _clip_for_nothing(cfg: C.RunConfig, base: C.RunConfig) -> bool:
+    """A clip changed where it buys no speed: only the FSDP2 offload overlaps its host step without one
+    (plan/speeds.signature's "overlap"); elsewhere it would be another training at the same speed."""
+    return cfg.train.clip_grad_norm != base.train.clip_grad_norm and not signature(cfg).get("overlap")
 
 
 def _fill_launcher(cfg: C.RunConfig, base: C.RunConfig) -> C.RunConfig:

@@ -85,6 +85,9 @@ COMPILE_FACTOR = 64.4 / 57.0          # ZeRO-3 1b, layers compiled vs eager (h20
 SELECTIVE_FACTOR = 0.9                # between none (1.0) and full checkpointing (0.80): assumed
 BF16_MASTER_OFFLOAD_FACTOR = 1.5      # offload moving half the bytes: 7b 2.9k vs 0.5k tok/s measured at
                                       # fp32 masters thrashing the host, so assumed far lower here
+# FSDP2 offload with the host step under the backward (fsdp.offload_overlap, no clip): 3b under 24 GiB,
+# 5,863 against 4,838 tokens/s in one H200 call (benchmarks/results/issue35_20261202/overlap_matrix.json)
+OVERLAP_FACTOR = 5863 / 4838
 
 
 def cold_score(cfg: C.RunConfig) -> float:
@@ -98,6 +101,8 @@ def cold_score(cfg: C.RunConfig) -> float:
         score *= COMPILE_FACTOR
     if key.endswith(("offload", "_opt", "_all")) and cfg.precision.master_dtype == "bf16":
         score *= BF16_MASTER_OFFLOAD_FACTOR
+    if signature(cfg).get("overlap"):
+        score *= OVERLAP_FACTOR
     # Larger micro-batches use the GPU better: an assumed factor tokens / (tokens + 2048), relative to 16k.
     tokens = cfg.train.micro_batch * cfg.data.seq_len
     ref = 16384

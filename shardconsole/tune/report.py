@@ -61,6 +61,29 @@ def table(tune: Tune, upcoming: int = 3) -> list[tuple[str, ...]]:
 
 MUCH_FASTER = 1.2      # a numerics change predicted this much faster than the best kept is worth a line
 
+# The numerics the note looks at, a bundle at a time (searching all at once multiplies the options past
+# the search's limit). The speed book has no optimizer and no step-in-backward, so a low-bit optimizer
+# is faster only where its fewer bytes let a faster strategy fit (no offload); the rounding's cost is the
+# host step's, not the planner's, so it is left as given.
+NOTE_BUNDLES = (
+    ("precision.dtype", "precision.master_dtype"),
+    ("train.clip_grad_norm",),                        # the FSDP2 offload's host step under the backward
+    ("optim.name", "precision.master_dtype"),         # fewer state bytes: no offload where it then fits
+    ("optim.name", "precision.master_dtype", "optim.step_in_backward", "train.clip_grad_norm"),
+)
+
+
+def _boldness(cfg, base) -> tuple[int, int]:
+    """How far the numerics move, for ties (the book has no optimizer): the keys changed, then each
+    value's place in search.NUMERICS (8-bit states before 4-bit)."""
+    changed = search.numerics_changed(cfg, base)
+    places = 0
+    for path in changed:
+        table, key = path.split(".")
+        value, values = getattr(getattr(cfg, table), key), search.NUMERICS[path]
+        places += values.index(value) if value in values else 0
+    return len(changed), places
+
 
 def numerics_note(tune: Tune) -> str:
     """One line: the fastest option the planner and the speed book see if the numerics the tune kept
@@ -68,19 +91,18 @@ def numerics_note(tune: Tune) -> str:
     before any probe, the fastest option kept). Planned, never probed: such a winner would be another
     training ("" when there is none, or it is not much faster)."""
     free = {k for k in search.NUMERICS if k not in tune.fixed and k not in tune.vary}
-    free.discard("precision.master_rounding")     # its cost is the host step's, not the planner's: kept
-    free.discard("optim.name")     # the speed book has no optimizer: a low-bit one only ties, never faster
-    free.discard("optim.step_in_backward")     # nor a step in backward
-    if not free:
-        return ""
-    alts = [o for o in search.options(tune.base, tune.spec, tune.hw, tune.book, fixed=tune.fixed,
-                                      vary=tune.vary | free)
-            if o.estimate.fits and search.numerics_changed(o.cfg, tune.base)]
+    alts = []
+    for bundle in dict.fromkeys(tuple(k for k in b if k in free) for b in NOTE_BUNDLES):
+        if not bundle:
+            continue
+        alts += [o for o in search.options(tune.base, tune.spec, tune.hw, tune.book, fixed=tune.fixed,
+                                           vary=tune.vary | set(bundle))
+                 if o.estimate.fits and search.numerics_changed(o.cfg, tune.base)]
     win = tune.winner()
     kept = win.option if win is not None else next((o for o in tune.options if o.estimate.fits), None)
     if not alts or kept is None:
         return ""
-    best = max(alts, key=lambda o: o.prediction.value)
+    best = max(alts, key=lambda o: (o.prediction.value, tuple(-b for b in _boldness(o.cfg, tune.base)), -(o.estimate.gpu_peak_bytes or 0)))
     ref = tune.book.predict(kept.cfg, tune.hw)
     if ref.unit != best.prediction.unit or ref.value <= 0 or best.prediction.value < MUCH_FASTER * ref.value:
         return ""
@@ -92,7 +114,9 @@ def numerics_note(tune: Tune) -> str:
         gain = f"would give ~{_rate(best.prediction.value)} tokens/s, {ratio:.1f}x {than}"
     else:
         gain = f"would be ~{ratio:.1f}x as fast as {than}"
-    section = "bf16 masters: the trade-off" if "precision.master_dtype" in changed else "Tune"
+    section = ("Without offload: low-bit AdamW and the step in backward" if "optim.name" in changed else
+               "bf16 masters: the trade-off" if "precision.master_dtype" in changed else
+               "Offload view" if "train.clip_grad_norm" in changed else "Tune")
     return (f"{words} {gain} ({best.name}; {best.prediction.source}, not probed); it changes the update: "
             f"see README, \"{section}\"; " + " ".join(f"--vary {k}" for k in changed) + " probes it")
 

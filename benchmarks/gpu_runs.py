@@ -251,6 +251,12 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
             ("13b-stoch", "3090-7b-offload", ["model.name=13b", "precision.master_rounding=stochastic"], 3, ("on",)),
             ("13b-stoch", "3090-7b-offload", ["model.name=13b", "precision.master_rounding=stochastic"], 3, ("off",)))
         for on in ons
+    ] + [
+        # The bare FSDP2 offload loops beside them: the same shapes (full offload, checkpointing, the cap).
+        ("bare-3b-fsdp2-offload-mb4", "bare:fsdp2", BARE_3B + ["--micro-batch", "4"]),
+        ("bare-7b-fsdp2-offload-mb8", "bare:fsdp2", ["--model", "7b", "--offload", "all", "--checkpointing",
+                                                     "--gpu-memory-limit", "24", "--steps", "4", "--warmup", "2",
+                                                     "--micro-batch", "8"]),
     ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),

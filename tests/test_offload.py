@@ -296,3 +296,46 @@ def test_a_unit_at_a_time_is_the_whole_step_and_overlap_is_off_where_the_step_ne
     assert "train.clip_grad_norm = 1 needs the global gradient norm" in reason()
     assert "fp16 loss scaling" in reason("train.clip_grad_norm=0", scaler=object())
     assert reason("train.clip_grad_norm=0", "fsdp.offload_overlap=false") == "off"
+
+
+def test_the_host_step_thread_and_its_openmp_workers_yield_to_the_launching_thread():
+    """offload_overlap's host thread starts at nice HOST_NICE on every core by default, and the OpenMP
+    workers its first parallel kernel starts inherit that (Linux: nice is a thread's); a rank already
+    niced further stays as it is (raising a priority back is not ours to do). Read from /proc."""
+    import os
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shardconsole.backends import offload_overlap
+
+    def nices() -> dict[int, int]:
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            stat = open(f"/proc/self/task/{tid}/stat").read()
+            out[int(tid)] = int(stat.rsplit(")", 1)[1].split()[16])
+        return out
+
+    def work(first_nice: int) -> tuple[int, dict[int, int]]:
+        x = torch.randn(512, 512)
+        for _ in range(3):
+            x = torch.tanh(x @ x)            # a parallel kernel: the thread's OpenMP team starts
+        return threading.get_native_id(), nices()
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())      # pytest's own (0 unless niced)
+    want = max(mine, 10)
+    plan, cores, _, nice = offload_overlap._host_threads()
+    assert plan == [torch.get_num_threads()] and cores is None and nice == offload_overlap.HOST_NICE == 10
+    before = set(nices())
+    with ThreadPoolExecutor(1, initializer=offload_overlap._start_host_thread,
+                            initargs=(2, None, nice)) as pool:
+        tid, seen = pool.submit(work, 0).result()
+    started = {t: n for t, n in seen.items() if t not in before}
+    assert started[tid] == want and set(started.values()) == {want}, started   # the thread and its workers
+    assert nices()[threading.get_native_id()] == mine                          # the launching thread is not
+
+    def already_niced():
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), max(mine, 15))
+        offload_overlap._start_host_thread(1, None, 10)
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(already_niced).result() == max(mine, 15)

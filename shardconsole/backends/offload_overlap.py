@@ -20,8 +20,11 @@ Those steps run as before, after the backward, and the run says so once (an info
 offload view's `overlap` field.
 
 One host thread runs the units in the order their gradients arrive (a unit's step is a few large
-kernels, each parallel over OpenMP threads); it gets all cores but one, which stays with the thread that
-launches the GPU's backward. One thread, not several: the optimizer's state dict and torch.compile'd host
+kernels, each parallel over OpenMP threads); it gets every core, at nice 10 with its OpenMP workers, so
+the thread that launches the GPU's backward takes a core from it whenever it wakes. (H200, 3b under the
+24 GiB cap, one call: 1.528 s a step on all cores but one at the rank's priority, 1.494 s at nice 10,
+1.452 s on all 16 cores at nice 10; fewer threads were slower at every size, and holding the host
+thread to some cores was slower too: benchmarks/results/issue35_20261202.) One thread, not several: the optimizer's state dict and torch.compile'd host
 update (RoundedAdamW) are then never used by two threads at once, and the order is fixed.
 
 The next step's parameter copies need no help here: FSDP2's forward prefetch already issues layer i+1's
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -90,10 +94,10 @@ class Overlap:
         covered = {id(p) for u in self.units for p in u.params}
         # A parameter outside every unit would be stepped by nobody: the plain step then (never seen).
         self.complete = covered == in_optim and len(fsdp_params(model)) > 0
-        self.plan, cores, switch_s = _host_threads()
+        self.plan, cores, switch_s, self.nice = _host_threads()
         self.threads = self.step_threads = self.plan[0]
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="host-step",
-                                       initializer=_start_host_thread, initargs=(self.threads, cores))
+                                       initializer=_start_host_thread, initargs=(self.threads, cores, self.nice))
         if switch_s:
             sys.setswitchinterval(switch_s)
         self.blocking = os.environ.get("SHARDCONSOLE_OVERLAP_SPIN", "") != "1"
@@ -162,23 +166,33 @@ def _param_groups(state) -> list:
     return [group] if group is not None else []
 
 
-def _host_threads() -> tuple[list[int], list[int] | None, float]:
+HOST_NICE = 10      # the host step yields a core to the launching thread (module docstring)
+
+
+def _host_threads() -> tuple[list[int], list[int] | None, float, int]:
     """(the host step's OpenMP threads, one count or a benchmark's sweep of one a step; the cores its
-    thread is held to or None; the interpreter's GIL switch interval to set or 0). All cores but one by
-    default; SHARDCONSOLE_OVERLAP_THREADS (N or N,M,...), _PIN=1 and _SWITCH_S are the benchmarks'
+    thread is held to or None; the interpreter's GIL switch interval to set or 0; the nice value of the
+    host thread and its OpenMP workers, 0 = the rank's). Every core at HOST_NICE by default;
+    SHARDCONSOLE_OVERLAP_THREADS (N or N,M,...), _PIN=1, _SWITCH_S and _NICE=N are the benchmarks'
     knobs for the contention with the thread that launches the backward."""
     allowed = sorted(os.sched_getaffinity(0))
     asked = [int(v) for v in os.environ.get("SHARDCONSOLE_OVERLAP_THREADS", "").split(",") if v.strip()]
-    plan = [max(1, min(n, len(allowed))) for n in asked or [torch.get_num_threads() - 1]]
+    plan = [max(1, min(n, len(allowed))) for n in asked or [torch.get_num_threads()]]
     threads = max(plan)
     cores = allowed[-threads:] if os.environ.get("SHARDCONSOLE_OVERLAP_PIN", "") == "1" and threads < len(allowed) else None
-    return plan, cores, float(os.environ.get("SHARDCONSOLE_OVERLAP_SWITCH_S", "0") or 0)
+    return (plan, cores, float(os.environ.get("SHARDCONSOLE_OVERLAP_SWITCH_S", "0") or 0),
+            int(os.environ.get("SHARDCONSOLE_OVERLAP_NICE", str(HOST_NICE)) or 0))
 
 
-def _start_host_thread(threads: int, cores: list[int] | None) -> None:
-    """The host thread's start: its cores (Linux: this thread only; its OpenMP workers inherit them)."""
+def _start_host_thread(threads: int, cores: list[int] | None, nice: int = 0) -> None:
+    """The host thread's start: its cores and its nice value (Linux: both are this thread's only, and
+    the OpenMP workers it then starts inherit them), so a lower priority lets the thread that launches
+    the GPU's work take a core from the host step at once."""
     if cores:
         os.sched_setaffinity(0, cores)
+    tid = threading.get_native_id()
+    if nice > os.getpriority(os.PRIO_PROCESS, tid):      # only ever lower (a niced rank stays as it is)
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
     torch.set_num_threads(threads)
 
 
@@ -211,5 +225,5 @@ def make(r: Rank, model: torch.nn.Module, optim: torch.optim.Optimizer, scaler) 
         overlap.close()
         return None, "off: some trained parameters are in no FSDP2 unit"
     r.log(f"offload: each unit's host step starts when its gradients reach the host, under the backward "
-          f"(one host thread, {overlap.threads} OpenMP threads)")
+          f"(one host thread, {overlap.threads} OpenMP threads, at nice {overlap.nice} or the rank's if higher)")
     return overlap, "on"

@@ -291,3 +291,30 @@ def test_the_flight_recorder_variable_is_the_one_the_installed_torch_reads(tmp_p
             if k in fr.ENV_VARS} == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}
     script = slurm_script(C.build({}), tmp_path / "run", "r1")
     assert ("TORCH_NCCL_TRACE_BUFFER_SIZE" in script) != new
+
+
+def test_an_offloaded_run_of_several_ranks_a_node_splits_the_host_cores(tmp_path):
+    """torchrun gives each of several ranks OMP_NUM_THREADS=1 unless it is set: an offloaded run's host
+    optimizer step would run on one core. The launch (and the sbatch script, from Slurm's count) splits
+    the node's cores between its ranks; one rank, no offload, CPU ranks or the user's own value: unset."""
+    import os
+    from shardconsole.launch import command as launch_command
+    two = ["parallel.device=cuda", "parallel.nproc_per_node=2"]
+    fsdp = C.build({}, overrides=[*two, "fsdp.cpu_offload=true"], gpu_count=None)
+    zero = C.build({}, overrides=[*two, "parallel.backend=deepspeed", "deepspeed.stage=3",
+                                  "deepspeed.offload_optimizer=cpu"], gpu_count=None)
+    cores = len(os.sched_getaffinity(0))
+    for cfg in (fsdp, zero):
+        assert launch_command._launch_env(cfg, {})["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+    assert launch_command._launch_env(fsdp, {"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"
+    for overrides in (two, ["parallel.device=cuda", "fsdp.cpu_offload=true"],
+                      ["parallel.device=cpu", "parallel.nproc_per_node=2", "fsdp.cpu_offload=true"]):
+        assert "OMP_NUM_THREADS" not in launch_command._launch_env(C.build({}, overrides=overrides, gpu_count=None), {})
+    script = slurm_script(C.build({}, overrides=[*two, "parallel.nnodes=2", "parallel.rdzv_endpoint=n0:29500",
+                                                 "fsdp.cpu_offload=true"], gpu_count=None),
+                          tmp_path, "x", python="py")
+    line = next(x for x in script.splitlines() if x.startswith("export OMP_NUM_THREADS="))
+    for on_node, want in (("32", "16"), ("1", "1")):
+        got = subprocess.run(["bash", "-c", f"{line}; echo $OMP_NUM_THREADS"], capture_output=True, text=True,
+                             env={"SLURM_CPUS_ON_NODE": on_node, "PATH": os.environ["PATH"]}).stdout.strip()
+        assert got == want, (line, got)

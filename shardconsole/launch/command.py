@@ -136,6 +136,10 @@ def slurm_script(cfg: C.RunConfig, run_dir: str | Path, run_id: str, python: str
     lines += ["set -euo pipefail", f"cd {_sh_quote(str(Path(workdir or os.getcwd()).resolve()))}"]
     env = child_env(cfg, base={k: os.environ[k] for k in INTERFACE_VARS if os.environ.get(k)})
     lines += [f"export {k}={_sh_quote(v)}" for k, v in sorted(env.items())]
+    if _split_cores(cfg, env):
+        n = p.nproc_per_node
+        lines += ["# the host optimizer step's threads: a rank's share of the node's cores (torchrun's default is 1)",
+                  f"export OMP_NUM_THREADS=$(( ${{SLURM_CPUS_ON_NODE:-{n}}} / {n} > 0 ? ${{SLURM_CPUS_ON_NODE:-{n}}} / {n} : 1 ))"]
     lines += [f"run_dir={_sh_quote(str(run_dir))}",
               'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
               "# a resubmitted or requeued job resumes from the newest complete checkpoint, as a session of its own",
@@ -238,4 +242,18 @@ def _launch_env(cfg: C.RunConfig, env: dict[str, str] | None) -> dict[str, str]:
             out[doctor_verdict.P2P_NOTE_ENV] = why
     if cfg.parallel.nnodes == 1 and not cfg.parallel.rdzv_endpoint:
         out.setdefault("GLOO_SOCKET_IFNAME", "lo")    # one node: gloo's pair sockets on loopback too
+    if _split_cores(cfg, out):
+        out["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // cfg.parallel.nproc_per_node))
     return out
+
+
+def _split_cores(cfg: C.RunConfig, env: dict[str, str]) -> bool:
+    """Whether the launch sets OMP_NUM_THREADS itself: torchrun gives each of several ranks a node one
+    thread unless it is set, and an offloaded run's host optimizer step (FSDP2's, DeepSpeed's CPUAdam)
+    would then run on one core; the node's cores are split between its ranks instead. A value of the
+    user's is kept; CPU ranks keep torchrun's (their compute is the host's already)."""
+    if cfg.parallel.device == "cpu" or cfg.parallel.nproc_per_node < 2 or "OMP_NUM_THREADS" in env:
+        return False
+    d = cfg.deepspeed
+    return bool(cfg.fsdp.cpu_offload) if cfg.parallel.backend == "fsdp" else \
+        d.offload_optimizer != "none" or d.offload_param != "none"

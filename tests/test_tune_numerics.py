@@ -78,3 +78,23 @@ def test_the_vary_help_names_every_numerics_key(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for key in search.NUMERICS:
         assert key in text, key
+
+
+def test_plan_fit_at_low_bit_states_names_them_and_the_strategies_they_rule_out(capsys):
+    """`plan --fit --set optim.name=adamw8bit --set precision.master_dtype=bf16`: 3b trains on one 24 GiB
+    card without offload (1b at the defaults), the header names the states, and the strategies that
+    settings refuse (offload, DeepSpeed) are one line each, not a largest model they could never run."""
+    from shardconsole.cli import main as cli
+    card = ["plan", "--fit", "--gpus", "1", "--gpu-memory", "24GiB", "--host-memory", "125GiB"]
+    assert cli.main(card) == 0
+    plain = capsys.readouterr().out
+    assert cli.main([*card, "--set", "optim.name=adamw8bit", "--set", "precision.master_dtype=bf16"]) == 0
+    low = capsys.readouterr().out
+    row = lambda out, name: next(x.split() for x in out.splitlines() if x.split()[:1] == [name])  # noqa: E731
+    assert row(plain, "no_shard")[1] == "1b" and row(low, "no_shard")[1] == "3b"
+    assert "bf16 masters, adamw8bit states" in low.splitlines()[1] and "masters" not in plain.splitlines()[1]
+    assert row(low, "full_shard+offload")[1] == "-" and row(plain, "full_shard+offload")[1] == "7b"
+    refusals = [x for x in low.splitlines() if "refused with these settings" in x]
+    assert len(refusals) == 2 and refusals[0].strip().startswith("full_shard+offload: ")
+    assert "for runs without offload" in refusals[0] and "ZeRO-3+offload" in refusals[1]
+    assert "refused" not in plain

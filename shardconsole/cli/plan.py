@@ -188,10 +188,13 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     print(f"  {'strategy':<20} {'model':<7} {'params':>7} {'GPU peak':>10} {'host peak':>10}")
     for r in rows:
         e = r.estimate
-        print(f"  {r.strategy:<20} {r.model or 'none':<7} {human_count(r.n_params) if r.n_params else '-':>7} "
+        print(f"  {r.strategy:<20} {'-' if r.refused else r.model or 'none':<7} {human_count(r.n_params) if r.n_params else '-':>7} "
               f"{C.format_size(e.gpu_peak_bytes) if e else '-':>10} {C.format_size(e.host_peak_bytes) if e else '-':>10}")
     print("  (GPU peak as NVML would show the device: context and the driver's reserve included; host: the "
           "node's RAM, ranks + launcher)")
+    for reason in dict.fromkeys(r.refused for r in rows if r.refused):
+        names = ", ".join(r.strategy for r in rows if r.refused == reason)
+        print(f"  {names}: refused with these settings ({reason})")
     if cands is not None:
         print(f"\nsettings that fit {cfg.model.name} (seq_len {cfg.data.seq_len}, {cfg.precision.dtype}), fastest first")
         unit = cands[0].speed_unit if cands else "relative"

@@ -41,6 +41,16 @@ EXTRA_STRATEGIES: dict[str, list[tuple[str, str, Any]]] = {
 }
 
 
+def _state_words(cfg: C.RunConfig) -> str:
+    """What decides the bytes a parameter beside the strategy, where not the defaults (", bf16 masters,
+    adamw8bit states, step in backward"): the table's answer changes with each."""
+    p, o = cfg.precision, cfg.optim
+    words = [f"{p.master_dtype} masters" + ("" if p.master_rounding == "nearest" else f" ({p.master_rounding})")
+             if p.master_dtype != "fp32" else "",
+             f"{o.name} states" if o.name != "adamw" else "", "step in backward" if o.step_in_backward else ""]
+    return "".join(f", {w}" for w in words if w)
+
+
 def _strategy_cfg(base: C.RunConfig, name: str, hw: Hardware, *, model: str | None = None,
                   micro_batch: int | None = None, checkpointing: bool | None = None) -> C.RunConfig:
     changes = list({**STRATEGIES, **EXTRA_STRATEGIES}[name])
@@ -88,10 +98,11 @@ class FitRow:
     n_params: int
     estimate: Estimate | None
     settings: str                   # the settings it was checked with
+    refused: str = ""               # why these settings cannot run this strategy at all (settings.rules)
 
     def to_dict(self) -> dict[str, Any]:
         return {"strategy": self.strategy, "model": self.model, "n_params": self.n_params,
-                "settings": self.settings,
+                "settings": self.settings, "refused": self.refused,
                 "gpu_peak_bytes": self.estimate.gpu_peak_bytes if self.estimate else None,
                 "host_peak_bytes": self.estimate.host_peak_bytes if self.estimate else None}
 
@@ -111,16 +122,23 @@ def fit_table(hardware: Hardware, *, seq_len: int = 2048, micro_batch: int = 1, 
     rows = []
     for strategy in STRATEGIES:
         best: tuple[ModelSpec, Estimate] | None = None
+        refused = ""
         for spec in specs:
             cfg = _strategy_cfg(base, strategy, hardware, model=spec.name, micro_batch=micro_batch,
                                 checkpointing=checkpointing)
+            try:    # a low-bit optimizer with offload, say: no size of model would run
+                C.validate(cfg, "fit")
+            except C.ConfigError as e:
+                refused = str(e).split(": ", 1)[-1]
+                break
             est = estimate(cfg, spec, hardware)
             if est.fits:
                 best = (spec, est)
         settings = f"micro_batch {micro_batch}, seq_len {seq_len}, " + \
-            ("checkpointing" if checkpointing else "no checkpointing") + f", {base.precision.dtype}"
+            ("checkpointing" if checkpointing else "no checkpointing") + f", {base.precision.dtype}" + \
+            _state_words(base)
         rows.append(FitRow(strategy, best[0].name if best else None, best[0].n_params if best else 0,
-                           best[1] if best else None, settings))
+                           best[1] if best else None, settings, refused))
     return rows
 
 

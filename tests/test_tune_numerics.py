@@ -98,3 +98,15 @@ def test_plan_fit_at_low_bit_states_names_them_and_the_strategies_they_rule_out(
     assert len(refusals) == 2 and refusals[0].strip().startswith("full_shard+offload: ")
     assert "for runs without offload" in refusals[0] and "ZeRO-3+offload" in refusals[1]
     assert "refused" not in plain
+
+
+def test_plan_says_when_the_clip_keeps_the_offloads_host_step_after_the_backward():
+    from shardconsole.plan import estimator
+
+    def notes(*sets):
+        cfg = settings.resolve("3090-7b-offload", list(sets)).cfg
+        return [n for n in estimator.estimate(cfg, models.resolve("7b"), CARD).notes if "host optimizer step" in n]
+    [note] = notes()
+    assert note.startswith("the host optimizer step runs after the backward: train.clip_grad_norm = 1 needs")
+    assert "0 lets it run under the backward" in note
+    assert notes("train.clip_grad_norm=0") == [] and notes("fsdp.offload_overlap=false") == []

@@ -27,6 +27,13 @@ def imported(d: dict, world: int = 1, base: C.RunConfig | None = None) -> tuple[
     return C.build(merge(base.to_dict(), over), "test.json"), mapped, unmapped
 
 
+# Every built-in preset made DeepSpeed, but those on torchao's low-bit AdamW: an FSDP2 optimizer that
+# DeepSpeed cannot run (test_a_low_bit_preset_made_deepspeed_is_one_line).
+FSDP_ONLY = sorted(p.stem for p in PRESETS.glob("*.toml")
+                   if C.load_toml(p).get("optim", {}).get("name", "adamw") != "adamw")
+DS_PRESETS = sorted(p.stem for p in PRESETS.glob("*.toml") if p.stem not in FSDP_ONLY)
+
+
 def resolved(raw: dict, name: str, overrides: list[str]) -> tuple[C.RunConfig, list[str]]:
     """The settings pipeline over a preset document, as every front end resolves it."""
     r = S.resolve_doc(raw, name, name, S.from_cli(overrides))
@@ -77,7 +84,7 @@ def test_cpu_ranks_use_torch_adam_unless_the_optimizer_is_offloaded():
     assert ds["optimizer"]["params"]["torch_adam"] is True and ds["zero_force_ds_cpu_optimizer"] is False
 
 
-@pytest.mark.parametrize("preset", sorted(p.stem for p in PRESETS.glob("*.toml")))
+@pytest.mark.parametrize("preset", DS_PRESETS)
 def test_every_preset_as_deepspeed_passes_deepspeeds_config_parser(preset):
     """DeepSpeed's own DeepSpeedConfig (pydantic, unknown keys forbidden) accepts each exported file.
     One rank, so that its batch arithmetic (no process group here: world size 1) holds."""
@@ -342,7 +349,7 @@ def test_import_of_export_gives_back_the_settings(raw):
     assert to_ds_config(y, device="cuda") == to_ds_config(x, device="cuda")
 
 
-@pytest.mark.parametrize("preset", sorted(p.stem for p in PRESETS.glob("*.toml")))
+@pytest.mark.parametrize("preset", DS_PRESETS)
 def test_import_of_export_for_every_preset(preset):
     raw = C.load_toml(PRESETS / f"{preset}.toml")
     x, _ = resolved(raw, preset, ["parallel.backend=deepspeed"])
@@ -517,3 +524,12 @@ def test_import_takes_the_rank_count_a_files_batch_keys_name():
     assert mapped[0].startswith("train_batch_size / (micro x accumulation) -> parallel.nproc_per_node = 2")
     with pytest.raises(C.ConfigError, match="train_batch_size: 16 but"):
         from_ds_config(ds, "ds.json", world_size=1)
+
+
+@pytest.mark.parametrize("preset", FSDP_ONLY)
+def test_a_low_bit_preset_made_deepspeed_is_one_line(preset):
+    raw = C.load_toml(PRESETS / f"{preset}.toml")
+    with pytest.raises(C.ConfigError) as e:
+        resolved(raw, preset, ["parallel.backend=deepspeed"])
+    assert "[optim] name" in str(e.value) and "for the FSDP2 backend" in str(e.value)
+    assert len(str(e.value).splitlines()) == 1

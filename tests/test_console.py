@@ -194,8 +194,9 @@ def write_run(run_dir: Path, *, gpus: int = 2, ranks_per_gpu: int = 1, steps: in
     (run_dir / "launcher.log").write_text("torchrun: starting 2 workers\n")
 
 
-async def wait_for(pilot: Any, condition: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
-    """Let the app run until condition() is true (workers and messages take a few frames)."""
+async def wait_for(pilot: Any, condition: Callable[[], Any], timeout: float = 60.0, what: str = "") -> Any:
+    """Let the app run until condition() is true (workers and messages take a few frames). The timeout
+    is a cap for a broken app, not a pace: CI's loaded machine once needed more than 10 s for a focus."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = condition()

@@ -49,10 +49,17 @@ async def machine_known(pilot: Any) -> None:
 async def still(pilot: Any) -> None:
     """No blinking cursor and no tab underline on its way: a snapshot must not depend on when it is taken."""
     from textual.widgets import Input
+    from textual.widgets import DataTable
     for screen in pilot.app.screen_stack:
         for widget in screen.query(Input):
             widget.cursor_blink = False
     await pilot.wait_for_scheduled_animations()
+    await pilot.pause()
+    # A DataTable measures its columns when the app is idle: on a loaded machine the picture could be
+    # taken between the rows and their widths (CI once froze "20" for the run id). Wait for that idle.
+    tables = [t for screen in pilot.app.screen_stack for t in screen.query(DataTable)]
+    await wait_for(pilot, lambda: not any(t._require_update_dimensions or t._updated_cells for t in tables),
+                   what="the tables' column widths")
     await pilot.pause()
 
 

@@ -311,7 +311,10 @@ def test_the_host_step_thread_and_its_openmp_workers_yield_to_the_launching_thre
     def nices() -> dict[int, int]:
         out = {}
         for tid in os.listdir("/proc/self/task"):
-            stat = open(f"/proc/self/task/{tid}/stat").read()
+            try:
+                stat = open(f"/proc/self/task/{tid}/stat").read()
+            except FileNotFoundError:     # a thread that ended between the listing and the read
+                continue
             out[int(tid)] = int(stat.rsplit(")", 1)[1].split()[16])
         return out
 

@@ -24,8 +24,9 @@ kernels, each parallel over OpenMP threads); it gets every core, at nice 10 with
 the thread that launches the GPU's backward takes a core from it whenever it wakes. (H200, 3b under the
 24 GiB cap, one call: 1.528 s a step on all cores but one at the rank's priority, 1.494 s at nice 10,
 1.452 s on all 16 cores at nice 10; fewer threads were slower at every size, and holding the host
-thread to some cores was slower too: benchmarks/results/issue35_20261202.) One thread, not several: the optimizer's state dict and torch.compile'd host
-update (RoundedAdamW) are then never used by two threads at once, and the order is fixed.
+thread to some cores was slower too: benchmarks/results/issue35_20261202.) One thread, not several:
+the optimizer's state dict and torch.compile'd host update (RoundedAdamW) are then never used by two
+threads at once, and the order is fixed.
 
 The next step's parameter copies need no help here: FSDP2's forward prefetch already issues layer i+1's
 copy under layer i's compute, and the first units' copies cannot start earlier than the end of their

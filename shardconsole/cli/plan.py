@@ -188,7 +188,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     print(f"  {'strategy':<20} {'model':<7} {'params':>7} {'GPU peak':>10} {'host peak':>10}")
     for r in rows:
         e = r.estimate
-        print(f"  {r.strategy:<20} {'-' if r.refused else r.model or 'none':<7} {human_count(r.n_params) if r.n_params else '-':>7} "
+        model = "-" if r.refused else r.model or "none"
+        print(f"  {r.strategy:<20} {model:<7} {human_count(r.n_params) if r.n_params else '-':>7} "
               f"{C.format_size(e.gpu_peak_bytes) if e else '-':>10} {C.format_size(e.host_peak_bytes) if e else '-':>10}")
     print("  (GPU peak as NVML would show the device: context and the driver's reserve included; host: the "
           "node's RAM, ranks + launcher)")

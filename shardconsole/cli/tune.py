@@ -10,8 +10,8 @@ what it measured, until the budget or the probe count ends. The fastest probe th
 caps is written as the user preset NAME (default: P-tuned), its figures in the header comment. A key
 given with --set is kept as given: the tune searches only the others. The numerics (precision.dtype,
 master_dtype, master_rounding, optim.name, optim.step_in_backward, train.clip_grad_norm) change the
-update, so they are kept as given too unless named with --vary KEY (repeatable); where changing them is predicted much faster, one line under the table says
-so (planned, not probed). The output preset name is checked before the first probe. Exit codes: 0 a preset written,
+update, so they are kept as given too unless named with --vary KEY (repeatable); where changing them
+is predicted much faster, one line under the table says so (planned, not probed). The output preset name is checked before the first probe. Exit codes: 0 a preset written,
 1 no probe finished under the caps, 2 bad input, 130 stopped with Ctrl-C (a preset is written from what
 was measured when one finished).
 """

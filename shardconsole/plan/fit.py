@@ -122,15 +122,16 @@ def fit_table(hardware: Hardware, *, seq_len: int = 2048, micro_batch: int = 1, 
     rows = []
     for strategy in STRATEGIES:
         best: tuple[ModelSpec, Estimate] | None = None
-        refused = ""
+        refusals, valid = [], False
         for spec in specs:
             cfg = _strategy_cfg(base, strategy, hardware, model=spec.name, micro_batch=micro_batch,
                                 checkpointing=checkpointing)
             try:    # a low-bit optimizer with offload, say: no size of model would run
                 C.validate(cfg, "fit")
             except C.ConfigError as e:
-                refused = str(e).split(": ", 1)[-1]
-                break
+                refusals.append(str(e).split(": ", 1)[-1])
+                continue
+            valid = True
             est = estimate(cfg, spec, hardware)
             if est.fits:
                 best = (spec, est)
@@ -138,7 +139,7 @@ def fit_table(hardware: Hardware, *, seq_len: int = 2048, micro_batch: int = 1, 
             ("checkpointing" if checkpointing else "no checkpointing") + f", {base.precision.dtype}" + \
             _state_words(base)
         rows.append(FitRow(strategy, best[0].name if best else None, best[0].n_params if best else 0,
-                           best[1] if best else None, settings, refused))
+                           best[1] if best else None, settings, "" if valid else refusals[0]))
     return rows
 
 

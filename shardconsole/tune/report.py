@@ -102,7 +102,8 @@ def numerics_note(tune: Tune) -> str:
     kept = win.option if win is not None else next((o for o in tune.options if o.estimate.fits), None)
     if not alts or kept is None:
         return ""
-    best = max(alts, key=lambda o: (o.prediction.value, tuple(-b for b in _boldness(o.cfg, tune.base)), -(o.estimate.gpu_peak_bytes or 0)))
+    best = max(alts, key=lambda o: (o.prediction.value, tuple(-b for b in _boldness(o.cfg, tune.base)),
+                                    -(o.estimate.gpu_peak_bytes or 0)))
     ref = tune.book.predict(kept.cfg, tune.hw)
     if ref.unit != best.prediction.unit or ref.value <= 0 or best.prediction.value < MUCH_FASTER * ref.value:
         return ""

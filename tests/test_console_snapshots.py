@@ -169,6 +169,11 @@ def test_runs_screen_at_80x24(snap_compare, in_tmp, monkeypatch):
         await pilot.press("ctrl+l")
         await wait_for(pilot, lambda: type(pilot.app.screen).__name__ == "RunsScreen"
                        and pilot.app.screen.query_one("DataTable").row_count == 2)
+        # The ids measured into their column (CI twice pictured the table between its rows and their
+        # widths: "20" for the id, every column at its label's width).
+        table = pilot.app.screen.query_one("DataTable")
+        await wait_for(pilot, lambda: max(c.content_width for c in table.columns.values())
+                       >= len("20260101-000001-tiny-cpu"), what="the id column's width")
         await still(pilot)
     app = ShardConsoleApp(FakeLauncher(Path("root")), FakeProbes(gpus=TWO_GPUS), preset="tiny-cpu",
                           planner=fixed_planner)

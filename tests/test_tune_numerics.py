@@ -18,6 +18,8 @@ from shardconsole.settings import resolve as settings
 from shardconsole.tune.engine import Tune
 from shardconsole.tune.report import numerics_note
 
+# 3090-7b-offload as it was before it dropped its clip (the article's 1.0): the user these tests are about
+CLIPPED = ["train.clip_grad_norm=1.0"]
 CARD = PL.Hardware(gpus=1, gpu_memory_bytes=24 * 2**30, host_memory_bytes=125 * 2**30, gpu_name="NVIDIA H200")
 
 
@@ -29,9 +31,9 @@ def _planned(preset: str, sets: list[str], vary: frozenset = frozenset()) -> Tun
 
 
 def test_no_clip_is_searched_only_when_named_and_only_where_it_lets_the_offload_overlap():
-    held = _planned("3090-7b-offload", [])
+    held = _planned("3090-7b-offload", CLIPPED)
     assert {o.cfg.train.clip_grad_norm for o in held.options} == {1.0}
-    named = _planned("3090-7b-offload", [], frozenset({"train.clip_grad_norm"})).options
+    named = _planned("3090-7b-offload", CLIPPED, frozenset({"train.clip_grad_norm"})).options
     unclipped = [o for o in named if o.cfg.train.clip_grad_norm == 0]
     assert unclipped and {o.cfg.train.clip_grad_norm for o in named} == {1.0, 0.0}
     # the clip goes only where the host step then runs under the backward: FSDP2 with CPU offload
@@ -46,7 +48,7 @@ def test_no_clip_is_searched_only_when_named_and_only_where_it_lets_the_offload_
 
 
 def test_the_overlap_counts_in_the_cold_start_only_when_it_can_run():
-    base = settings.resolve("3090-7b-offload", []).cfg
+    base = settings.resolve("3090-7b-offload", CLIPPED).cfg
     free = PL.replace_cfg(base, ("train", "clip_grad_norm", 0.0))
     off = PL.replace_cfg(free, ("fsdp", "offload_overlap", False))
     assert cold_score(free) > cold_score(base) == pytest.approx(cold_score(off))
@@ -64,11 +66,11 @@ def test_a_3b_offload_user_is_told_of_adamw8bit_without_offload():
 
 
 def test_a_7b_offload_user_is_told_what_the_clip_costs():
-    note = numerics_note(_planned("3090-7b-offload", []))
+    note = numerics_note(_planned("3090-7b-offload", CLIPPED))
     assert note.startswith("no gradient clip would be ~1.2x"), note
     assert note.endswith("--vary train.clip_grad_norm probes it") and '"Offload view"' in note
     # named, it is an option, so the note has nothing left to say of it
-    assert "no gradient clip" not in numerics_note(_planned("3090-7b-offload", [],
+    assert "no gradient clip" not in numerics_note(_planned("3090-7b-offload", CLIPPED,
                                                             frozenset({"train.clip_grad_norm"})))
 
 
@@ -104,7 +106,7 @@ def test_plan_says_when_the_clip_keeps_the_offloads_host_step_after_the_backward
     from shardconsole.plan import estimator
 
     def notes(*sets):
-        cfg = settings.resolve("3090-7b-offload", list(sets)).cfg
+        cfg = settings.resolve("3090-7b-offload", [*CLIPPED, *sets]).cfg
         return [n for n in estimator.estimate(cfg, models.resolve("7b"), CARD).notes if "host optimizer step" in n]
     [note] = notes()
     assert note.startswith("the host optimizer step runs after the backward: train.clip_grad_norm = 1 needs")

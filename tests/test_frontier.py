@@ -88,12 +88,12 @@ def test_a_24gib_cap_on_a_big_card_plans_as_a_24gb_card(capsys):
 
 
 def test_the_verdict_is_the_nvml_peak_against_the_card(capsys):
-    rc = cli.main(["plan", "--preset", "3090-7b-offload", "--set", "model.name=13b", "--set",
-                   "precision.master_rounding=stochastic", "--gpu-memory", "24GiB", "--host-memory", "125GiB"])
+    rc = cli.main(["plan", "--preset", "3090-7b-offload", "--set", "model.name=13b", "--set", "train.micro_batch=8",
+                   "--set", "precision.master_rounding=stochastic", "--gpu-memory", "24GiB", "--host-memory", "125GiB"])
     out = capsys.readouterr().out
     verdict = next(line for line in out.splitlines() if line.startswith("verdict: "))
     doc = _plan_json(capsys, "--set", "model.name=13b", "--set", "precision.master_rounding=stochastic",
-                     "--gpu-memory", "24GiB", preset="3090-7b-offload")
+                     "--set", "train.micro_batch=8", "--gpu-memory", "24GiB", preset="3090-7b-offload")
     assert rc == 0
     # "fits: peak 23.4 GiB of 24.0 GiB (98%) as NVML shows it (the allocator needs ...)"
     assert verdict.startswith("verdict: fits") and " of 24.0 GiB (" in verdict and "as NVML shows it" in verdict
@@ -127,3 +127,26 @@ def test_a_probe_is_under_the_cap_only_when_its_nvml_peak_is(_runs_root):
     assert tune.card_peak_bytes(near.result) < 24 * GiB < tune.card_peak_bytes(over.result)
     tune.rows = [over, under]
     assert tune.winner() is under
+
+
+def test_a_micro_batch_nobody_chose_is_lowered_where_it_would_fill_the_gpu():
+    """3090-7b-offload's micro-batch 12 is 7b's (20.5 GiB NVML on the H200 under its 24 GiB cap); at 13b
+    the same preset runs at 8, the shape measured to fit there (23.3 GiB NVML, 21.2 reserved), with one
+    line that says so. A micro-batch the user set is kept, and CPU ranks are not planned for a GPU."""
+    from shardconsole import plan as PL
+    from shardconsole.session import preflight
+    h200 = PL.Hardware(1, 141 * GiB, 125 * GiB, "NVIDIA H200")
+    thirteen = settings.resolve("3090-7b-offload", ["model.name=13b", "precision.master_rounding=stochastic"])
+    fitted, line = preflight.fit_micro_batch(thirteen, 1, hardware=h200)
+    assert thirteen.cfg.train.micro_batch == 12 and fitted.cfg.train.micro_batch == 8
+    assert line.startswith("train.micro_batch: 3090-7b-offload's 12 at 13b needs all of the 22.3 GiB"), line
+    assert "running at 8" in line and line.endswith("(--set train.micro_batch=12 keeps 12)")
+    assert fitted.origin("train", "micro_batch") == "fitted to this GPU"
+    assert fitted.cfg.model.name == "13b" and fitted.cfg.precision.master_rounding == "stochastic"
+    seven = settings.resolve("3090-7b-offload", ["precision.master_dtype=fp32"])
+    assert preflight.fit_micro_batch(seven, 1, hardware=h200) == (seven, None)
+    chosen = settings.resolve("3090-7b-offload", ["model.name=13b", "train.micro_batch=12"])
+    assert preflight.fit_micro_batch(chosen, 1, hardware=h200) == (chosen, None)
+    assert preflight.fit_micro_batch(thirteen, 0, hardware=h200) == (thirteen, None)
+    cpu = settings.resolve("3090-7b-offload", ["model.name=13b", "parallel.device=cpu"])
+    assert preflight.fit_micro_batch(cpu, 1, hardware=h200) == (cpu, None)

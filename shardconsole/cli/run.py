@@ -58,6 +58,9 @@ def load_config(preset: str | None, overrides: list[str], *, here: bool = True,
         gpus = gpu_count()
     for warning in preflight.check_launch(r, gpu_count=gpus):
         print(f"shardconsole: {warning}", file=sys.stderr)
+    r, fitted = preflight.fit_micro_batch(r, gpus)
+    if fitted:
+        print(f"shardconsole: {fitted}", file=sys.stderr)
     return r
 
 

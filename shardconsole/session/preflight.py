@@ -12,7 +12,7 @@ from __future__ import annotations
 import codecs
 import os
 import shutil
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -151,6 +151,51 @@ def check_host_memory(r: Resolved, spec: ModelSpec) -> None:
         raise C.ConfigError(f"the planner puts this run at {peak} of host RAM{what}, over the {budget} usable here "
                             f"(`shardconsole plan --preset {r.preset}` lists the parts; --force launches anyway)",
                             source=r.preset)
+
+
+def _gpu_full(est: Any) -> bool:
+    """The planner puts the allocator at this GPU's whole budget: over it, or at it with its cache
+    emptied to go on (the planner's caching peak is held to the budget there). 13b on 3090-7b-offload
+    under a 24 GiB cap: mb 8 peaks at 21.8 of 22.3 GiB (measured: 21.2 reserved, 23.3 NVML), mb 9 at
+    the budget."""
+    budget = getattr(est, "gpu_budget_bytes", None)
+    return bool(budget) and (est.gpu_required_bytes > budget or est.gpu_allocator_peak_bytes >= budget)
+
+
+def fit_micro_batch(r: Resolved, gpu_count: int | None, spec: ModelSpec | None = None, hardware: Any = None,
+                    planner: ModuleType | None = None) -> tuple[Resolved, str | None]:
+    """(the settings to launch, the line that says what changed). A micro-batch nobody chose (the
+    preset's or the default, not `--set` or a console field) that the planner puts at this GPU's whole
+    budget is lowered to the largest that leaves the allocator room: a preset is tuned for its model
+    (3090-7b-offload's 12 is 7b's), and the same preset at 13b would otherwise build, pin 120 GiB of
+    host memory and then stop on a GPU out of memory or crawl through emptied caches.
+    A micro-batch the user chose is theirs: the run's out-of-memory report says what fits. Unchanged
+    when the ranks run on the CPU, when no micro-batch fits, or when the planner cannot say."""
+    if not gpu_count or r.cfg.parallel.device == "cpu" or "train.micro_batch" in r.origins:
+        return r, None
+    est = _host_estimate(r, spec, hardware, planner)
+    if est is None or not _gpu_full(est):
+        return r, None
+    if planner is None:
+        from shardconsole import plan as planner
+    try:
+        spec = spec or resolve_model(r.cfg.model.name)
+        hw = hardware if hardware is not None else planner.detect_hardware()
+        old = r.cfg.train.micro_batch
+        for mb in range(old - 1, 0, -1):
+            cfg = planner.replace_cfg(r.cfg, ("train", "micro_batch", mb))
+            if not _gpu_full(planner.estimate(cfg, spec, hw)):
+                break
+        else:
+            return r, None
+    except Exception:
+        return r, None
+    whose = "the default" if r.path is None else f"{r.preset}'s"
+    line = (f"train.micro_batch: {whose} {old} at {r.cfg.model.name} needs all of the "
+            f"{C.format_size(est.gpu_budget_bytes)} the GPU leaves its allocator, as the planner counts it "
+            f"(`shardconsole plan`); running at {mb}, the largest that leaves it room "
+            f"(--set train.micro_batch={old} keeps {old})")
+    return replace(r, cfg=cfg, origins={**r.origins, "train.micro_batch": "fitted to this GPU"}), line
 
 
 @dataclass

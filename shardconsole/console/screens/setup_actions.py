@@ -52,6 +52,12 @@ class SetupActions:
             return
         for warning in warnings:
             self.notify(warning, severity="warning", timeout=8)
+        if self.plan is not None and self.machine.plan_hardware is not None:
+            # a micro-batch nobody chose that fills the GPU is lowered, as --headless lowers it
+            resolved, fitted = preflight.fit_micro_batch(resolved, self.machine.gpu_count,
+                                                         hardware=self.machine.plan_hardware, planner=self.plan)
+            if fitted:
+                self.notify(fitted, severity="warning", timeout=10)
         # The free disk for the checkpoints and the export, as --headless checks it (refused there
         # unless --force): here a question.
         planned = self.planned or self.launcher.plan(resolved.cfg, self.preset_name)

@@ -247,9 +247,11 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                           "train.save_final=false", f"train.steps={steps}"])
         for name, preset, sets, steps, ons in (
             ("3b", "3090-offload", ["model.name=3b"], 5, ("on", "off")),
-            ("7b-fp32", "3090-7b-offload", ["precision.master_dtype=fp32"], 4, ("on", "off")),
-            ("13b-stoch", "3090-7b-offload", ["model.name=13b", "precision.master_rounding=stochastic"], 3, ("on",)),
-            ("13b-stoch", "3090-7b-offload", ["model.name=13b", "precision.master_rounding=stochastic"], 3, ("off",)))
+            ("7b-fp32", "3090-7b-offload", ["precision.master_dtype=fp32", "train.micro_batch=8"], 4, ("on", "off")),
+            ("13b-stoch", "3090-7b-offload", ["model.name=13b", "precision.master_rounding=stochastic",
+                                              "train.micro_batch=8"], 3, ("on",)),
+            ("13b-stoch", "3090-7b-offload", ["model.name=13b", "precision.master_rounding=stochastic",
+                                              "train.micro_batch=8"], 3, ("off",)))
         for on in ons
     ] + [
         # The bare FSDP2 offload loops beside them: the same shapes (full offload, checkpointing, the cap).
@@ -257,6 +259,74 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("bare-7b-fsdp2-offload-mb8", "bare:fsdp2", ["--model", "7b", "--offload", "all", "--checkpointing",
                                                      "--gpu-memory-limit", "24", "--steps", "4", "--warmup", "2",
                                                      "--micro-batch", "8"]),
+    ],
+    # Issue 35's last call pair. A: the 7B recipe as the preset now runs it (no clip: the host step
+    # under the backward) with fp32 masters at mb 8 and 12, its bare FSDP2 peer, 13B stochastic.
+    # B: 3b without offload (3090-3b-adamw8bit) at mb 2/4/6 beside the torchtune-style bare loop at the
+    # same shapes, and 3b with offload (3090-offload at 3b: the article's clip 1.0, then no clip) beside
+    # the bare FSDP2 offload loop.
+    "issue35-final": [
+        (f"7b-fp32-mb{mb}", "3090-7b-offload", ["precision.master_dtype=fp32", f"train.micro_batch={mb}",
+                                                "train.log_every=1", "train.warmup_steps=1",
+                                                "train.save_final=false", "train.steps=4"])
+        for mb in (8, 12)
+    ] + [
+        ("bare-7b-fsdp2-offload-mb8", "bare:fsdp2", ["--model", "7b", "--offload", "all", "--checkpointing",
+                                                     "--gpu-memory-limit", "24", "--steps", "4", "--warmup", "2",
+                                                     "--micro-batch", "8"]),
+        ("bare-7b-fsdp2-offload-mb12", "bare:fsdp2", ["--model", "7b", "--offload", "all", "--checkpointing",
+                                                      "--gpu-memory-limit", "24", "--steps", "4", "--warmup", "2",
+                                                      "--micro-batch", "12"]),
+        ("7b-preset", "3090-7b-offload", ["train.log_every=1", "train.warmup_steps=1", "train.save_final=false",
+                                          "train.steps=4"]),
+        ("3b-adamw8bit-preset", "3090-3b-adamw8bit", ["train.steps=10", "train.warmup_steps=1",
+                                                      "train.save_final=false"]),
+        ("13b-stoch", "3090-7b-offload", ["model.name=13b", "precision.master_rounding=stochastic",
+                                          "train.micro_batch=8", "train.log_every=1", "train.warmup_steps=1", "train.save_final=false",
+                                          "train.steps=3"]),
+    ] + [
+        (f"3b-adamw8bit-mb{mb}", "3090-3b-adamw8bit", [f"train.micro_batch={mb}", "train.steps=10",
+                                                       "train.warmup_steps=1", "train.save_final=false"])
+        for mb in (2, 4, 6)
+    ] + [
+        (f"bare-3b-torchtune-adamw8bit-bwd-mb{mb}", "bare:fsdp2",
+         ["--model", "3b", "--micro-batch", str(mb), "--steps", "10", "--warmup", "4", "--master-dtype", "bf16",
+          "--optim", "adamw8bit", "--step-in-backward", "--reduce-dtype", "bf16", "--checkpointing",
+          "--gpu-memory-limit", "24"])
+        for mb in (2, 4, 6)
+    ] + [
+        (f"3b-offload-mb4-{name}", "3090-offload", ["model.name=3b", "train.log_every=1", "train.warmup_steps=1",
+                                                    "train.save_final=false", "train.steps=5", *sets])
+        for name, sets in (("clip1", []), ("noclip", ["train.clip_grad_norm=0"]))
+    ] + [
+        ("bare-3b-fsdp2-offload-mb4", "bare:fsdp2", BARE_3B + ["--micro-batch", "4"]),
+    ],
+    # Issue 35's confirming call: the presets as shipped, each beside its bare peer, and 13b on the 7B
+    # preset with no micro-batch named (the launch fits the preset's 12 down and says so).
+    "issue35-confirm": [
+        ("13b-stoch-fitted", "3090-7b-offload", ["model.name=13b", "precision.master_rounding=stochastic",
+                                                 "train.log_every=1", "train.warmup_steps=1",
+                                                 "train.save_final=false", "train.steps=3"]),
+        ("7b-fp32-preset", "3090-7b-offload", ["precision.master_dtype=fp32", "train.log_every=1",
+                                               "train.warmup_steps=1", "train.save_final=false", "train.steps=4"]),
+        ("bare-7b-fsdp2-offload-mb12", "bare:fsdp2", ["--model", "7b", "--offload", "all", "--checkpointing",
+                                                      "--gpu-memory-limit", "24", "--steps", "4", "--warmup", "2",
+                                                      "--micro-batch", "12"]),
+        ("3b-adamw8bit-preset", "3090-3b-adamw8bit", ["train.steps=10", "train.warmup_steps=1",
+                                                      "train.save_final=false"]),
+        ("bare-3b-torchtune-adamw8bit-bwd-mb4", "bare:fsdp2",
+         ["--model", "3b", "--micro-batch", "4", "--steps", "10", "--warmup", "4", "--master-dtype", "bf16",
+          "--optim", "adamw8bit", "--step-in-backward", "--reduce-dtype", "bf16", "--checkpointing",
+          "--gpu-memory-limit", "24"]),
+        ("3b-offload-mb4", "3090-offload", ["model.name=3b", "train.log_every=1", "train.warmup_steps=1",
+                                            "train.save_final=false", "train.steps=5"]),
+        ("bare-3b-fsdp2-offload-mb4", "bare:fsdp2", BARE_3B + ["--micro-batch", "4"]),
+    ] + [
+        # 3b without offload with its layers compiled (train.compile), at the preset's mb 4 and at 6
+        (f"3b-adamw8bit-compiled-mb{mb}", "3090-3b-adamw8bit", ["train.compile=true", f"train.micro_batch={mb}",
+                                                               "train.steps=14", "train.warmup_steps=1",
+                                                               "train.save_final=false"])
+        for mb in (4, 6)
     ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
@@ -343,6 +413,8 @@ def run_headless(preset: str, sets: list[str], root: Path, name: str, timeout: i
                            if "host arena" in line or "offload:" in line or "lora:" in line][:6]
     if rc != 0:
         out["stderr_tail"] = err
+    # what the launch changed and said so (a micro-batch fitted to this GPU, say)
+    out["notices"] = [line[:300] for line in err.splitlines() if line.startswith("shardconsole: train.")][:4]
     return out
 
 

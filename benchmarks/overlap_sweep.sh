@@ -41,9 +41,9 @@ for what in "$@"; do
         3b-nice) row 3b-nice 3090-offload 9 16,15 SHARDCONSOLE_OVERLAP_NICE=10 -- --set model.name=3b ;;
         3b-spin) row 3b-spin 3090-offload 6 15 SHARDCONSOLE_OVERLAP_SPIN=1 -- --set model.name=3b ;;
         3b-off) row 3b-off 3090-offload 6 15 -- --set model.name=3b --set fsdp.offload_overlap=false ;;
-        7b-fp32) row 7b-fp32 3090-7b-offload 8 15,10,6 -- --set precision.master_dtype=fp32 ;;
-        7b-pinned) row 7b-pinned 3090-7b-offload 8 15,10,6 SHARDCONSOLE_OVERLAP_PIN=1 -- --set precision.master_dtype=fp32 ;;
-        13b-stoch) row 13b-stoch 3090-7b-offload 6 15,8 -- --set model.name=13b --set precision.master_rounding=stochastic ;;
+        7b-fp32) row 7b-fp32 3090-7b-offload 8 15,10,6 -- --set precision.master_dtype=fp32 --set train.micro_batch=8 ;;
+        7b-pinned) row 7b-pinned 3090-7b-offload 8 15,10,6 SHARDCONSOLE_OVERLAP_PIN=1 -- --set precision.master_dtype=fp32 --set train.micro_batch=8 ;;
+        13b-stoch) row 13b-stoch 3090-7b-offload 6 15,8 -- --set model.name=13b --set precision.master_rounding=stochastic --set train.micro_batch=8 ;;
         *) echo "unknown row $one (3b 7b 13b, or one of 3b-blocking 3b-pinned 3b-base 3b-nice 3b-spin 3b-off 7b-fp32 7b-pinned 13b-stoch)" ;;
         esac
     done

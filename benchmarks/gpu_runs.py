@@ -327,6 +327,15 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                                "train.steps=14", "train.warmup_steps=1",
                                                                "train.save_final=false"])
         for mb in (4, 6)
+    ] + [
+        # the 7B recipe with its layers compiled: at 7b fp32 and at 13b stochastic (fitted to mb 8)
+        ("13b-stoch-compiled", "3090-7b-offload", ["model.name=13b", "precision.master_rounding=stochastic",
+                                                   "train.compile=true", "train.log_every=1",
+                                                   "train.warmup_steps=1", "train.save_final=false",
+                                                   "train.steps=4"]),
+        ("7b-fp32-compiled", "3090-7b-offload", ["precision.master_dtype=fp32", "train.compile=true",
+                                                 "train.log_every=1", "train.warmup_steps=1",
+                                                 "train.save_final=false", "train.steps=5"]),
     ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),

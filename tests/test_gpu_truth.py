@@ -202,7 +202,10 @@ def test_offload_view_on_a_real_offloaded_run(offload_run):
         # the host step's seconds that ran under the backward, not paid again by the step
         assert m.overlap == "on" and 0 <= m.host_hidden_s <= m.host_step_s
         assert m.gpu_s + m.host_step_s - m.host_hidden_s <= m.step_s * 1.001          # phases inside the step
-        assert 0.4 * steps[m.step].step_s < m.step_s < 2.0 * steps[m.step].step_s   # the step line's time
+        if m.rank == 0:
+            # the view's steps lie inside the step line's interval (rank 0's, the same perf_counter): an
+            # order, not a ratio; a loaded box stretches the interval's data and report parts, not the step
+            assert m.step_s <= steps[m.step].step_s * 1.001
         assert m.h2d_s is None and m.d2h_s is None                  # CPU ranks copy nothing
         assert m.verdict == offload_verdict.COMPUTE
         assert m.view_s > 0

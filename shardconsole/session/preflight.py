@@ -173,14 +173,15 @@ def fit_micro_batch(r: Resolved, gpu_count: int | None, spec: ModelSpec | None =
     when the ranks run on the CPU, when no micro-batch fits, or when the planner cannot say."""
     if not gpu_count or r.cfg.parallel.device == "cpu" or "train.micro_batch" in r.origins:
         return r, None
-    est = _host_estimate(r, spec, hardware, planner)
-    if est is None or not _gpu_full(est):
-        return r, None
-    if planner is None:
-        from shardconsole import plan as planner
     try:
+        if planner is None:
+            from shardconsole import plan as planner
+        # the model and the machine once: every micro-batch tried is planned on the same two
         spec = spec or resolve_model(r.cfg.model.name)
         hw = hardware if hardware is not None else planner.detect_hardware()
+        est = planner.estimate(r.cfg, spec, hw)
+        if not _gpu_full(est):
+            return r, None
         old = r.cfg.train.micro_batch
         for mb in range(old - 1, 0, -1):
             cfg = planner.replace_cfg(r.cfg, ("train", "micro_batch", mb))

@@ -228,7 +228,7 @@ def _torchao_view_dtype() -> None:
     """torchao 0.18 cannot compile its step over bf16 FSDP2 shards (no aten.view.dtype on its state
     subclasses; pytorch/ao PR 4216, open): the product's registration of it, the one thing this loop takes
     from the product besides the size table. Without it the bf16 low-bit peer fails at its first step."""
-    from shardconsole.backends.lowbit_optim import register_view_dtype
+    from shardconsole.backends.optim.lowbit_optim import register_view_dtype
     register_view_dtype()
 
 

@@ -1,6 +1,6 @@
 """Time one AdamW step on the CPU over N parameters, as an offloaded optimizer runs it: torch's fused
 and foreach AdamW, and DeepSpeed's CPUAdam (AVX + OpenMP, fp32 or bf16 moments), and the bf16 update with
-stochastic or Kahan rounding (backends/master_update.py), compiled and eager.
+stochastic or Kahan rounding (backends/optim/master_update.py), compiled and eager.
 
     python3 benchmarks/cpu_adam.py --params 500e6 --tensors 64
     python3 benchmarks/cpu_adam.py --params 1e8 --torch-only --only-rounded    # issue 35: the rounded host step
@@ -53,9 +53,9 @@ def main() -> None:
     cases = [("torch fused fp32", torch.float32, lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)),
              ("torch foreach fp32", torch.float32, lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True)),
              ("torch fused bf16", torch.bfloat16, lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True))]
-    from shardconsole.backends.master_update import RoundedAdamW
+    from shardconsole.backends.optim.master_update import RoundedAdamW
     for rounding in ("stochastic", "kahan"):
-        # "c++ op": backends/rounded_update_cpu.py (what an offloaded run's host step runs); "inductor": the
+        # "c++ op": backends/optim/rounded_update_cpu.py (what an offloaded run's host step runs); "inductor": the
         # update compiled by torch.compile, as before it (issue 35 item 2)
         for how in ("c++ op", "inductor", "eager") if a.eager else ("c++ op", "inductor"):
             cases.append((f"rounded {rounding} bf16 {how}", torch.bfloat16,

@@ -201,7 +201,7 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
     # Issue 33, the LoRA planner's calibration: 7B LoRA and QLoRA (and QLoRA with the adapters' dropout,
     # and 13B QLoRA) on one H200 capped at 24 GiB by their presets, measured peaks beside `plan --json`'s
     # (run with --plan). The QLoRA rows' rank0.log line "qlora: build peak ..." is the build's own peak:
-    # the memory lines' peaks are training's (backends/qlora.py resets them after the build).
+    # the memory lines' peaks are training's (backends/model/qlora.py resets them after the build).
     "issue33cal": [
         (name, preset, ["data.path=/tmp/sc-lora-text.jsonl", "data.eval_fraction=0.02", "train.steps=8",
                         "train.log_every=1", "train.warmup_steps=2", "train.save_final=false", *extra])

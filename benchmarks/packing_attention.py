@@ -19,9 +19,9 @@ import time
 import numpy as np
 import torch
 
-from shardconsole.backends.corpus import DOC_START, LOSS
-from shardconsole.backends.data import windows_to_batch
-from shardconsole.backends.modeling import CausalLMLoss
+from shardconsole.backends.data.corpus import DOC_START, LOSS
+from shardconsole.backends.data.batches import windows_to_batch
+from shardconsole.backends.model.modeling import CausalLMLoss
 from shardconsole.settings.models import CATALOG
 
 

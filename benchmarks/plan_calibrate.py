@@ -766,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.out:
         ap.error("--out is required (or --dry-run)")
     have_ds = importlib.util.find_spec("deepspeed") is not None and \
-        importlib.util.find_spec("shardconsole.backends.deepspeed") is not None
+        importlib.util.find_spec("shardconsole.backends.engine.deepspeed") is not None
     runs_root = args.runs_root or Path(f"/tmp/plancal-{time.strftime('%Y%m%d-%H%M%S')}")
     runs_root.mkdir(parents=True, exist_ok=True)
     base_file = runs_root / "calibration-base.toml"
@@ -792,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "other_estimators": other_estimators(run)}
         elapsed = time.monotonic() - t_start
         if "parallel.backend=deepspeed" in run.sets and not have_ds:
-            entry["measured"] = {"status": "skipped", "reason": "deepspeed or shardconsole.backends.deepspeed missing"}
+            entry["measured"] = {"status": "skipped", "reason": "deepspeed or shardconsole.backends.engine.deepspeed missing"}
         elif elapsed + run.seconds > args.time_budget:
             entry["measured"] = {"status": "skipped", "reason": f"time budget ({elapsed:.0f} s used)"}
         else:

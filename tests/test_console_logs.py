@@ -82,7 +82,7 @@ def test_the_stop_report_names_the_launcher_and_the_ranks():
 
 def test_the_op_build_folder_is_torchs(tmp_path, monkeypatch):
     from torch.utils.cpp_extension import _get_build_directory
-    from shardconsole.backends.deepspeed import extension_dir
+    from shardconsole.backends.engine.deepspeed import extension_dir
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)

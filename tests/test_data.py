@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from shardconsole.settings import config as C
-from shardconsole.backends.corpus import DOC_START, LOSS
-from shardconsole.backends.data import (IGNORE, DataError, EvalWindows, PackedWindows, SyntheticTokens,
+from shardconsole.backends.data.corpus import DOC_START, LOSS
+from shardconsole.backends.data.batches import (IGNORE, DataError, EvalWindows, PackedWindows, SyntheticTokens,
                                         _token_file, windows_to_batch)
-from shardconsole.backends.modeling import CausalLMLoss, chunked_cross_entropy
+from shardconsole.backends.model.modeling import CausalLMLoss, chunked_cross_entropy
 
 
 def cfg_for(**data) -> C.RunConfig:
@@ -185,7 +185,7 @@ def test_restarted_positions_keep_documents_apart(tiny_lm):
 
 
 def test_evaluate_without_a_process_group_is_the_token_mean(tiny_lm):
-    from shardconsole.backends.evaluation import evaluate
+    from shardconsole.backends.observe.evaluation import evaluate
     n_tok = 8 * 3 + 2
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(1, 64, (n_tok,), generator=g).numpy()

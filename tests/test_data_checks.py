@@ -79,7 +79,7 @@ def test_every_line_of_the_file_is_checked_before_launch(tmp_path):
 def test_a_csv_messages_column_of_json_strings_is_read_as_json(tmp_path):
     """A CSV cell holds text: chats in a CSV are JSON strings. The ranks read them as JSON (they said
     "expected a non-empty list of turns"); a cell that is not JSON is named before launch."""
-    from shardconsole.backends import token_cache
+    from shardconsole.backends.data import token_cache
     tok = model_folder(tmp_path / "model")
     f = tmp_path / "chats.csv"
     with f.open("w", newline="") as fh:
@@ -96,8 +96,8 @@ def test_a_csv_messages_column_of_json_strings_is_read_as_json(tmp_path):
 
 
 def test_a_model_folder_without_a_tokenizer_is_refused_unless_bytes_are_asked_for(tmp_path):
-    from shardconsole.backends import token_cache
-    from shardconsole.backends.corpus import DataError
+    from shardconsole.backends.data import token_cache
+    from shardconsole.backends.data.corpus import DataError
     data = jsonl(tmp_path / "d.jsonl", [{"text": "hello world"}] * 4)
     bare = model_folder(tmp_path / "bare", tokenizer=False, vocab_size=384)
     cfg = cfg_for(data)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import messages, of_kind, shardconsole
-from shardconsole.backends import token_cache
+from shardconsole.backends.data import token_cache
 from shardconsole.settings import config as C
 
 

@@ -55,7 +55,7 @@ def _logs(run_dir: Path) -> str:
 # TORCH_CUDA_ARCH_LIST (no GPU needed: DeepSpeed's own parser decides)
 
 def test_arch_list_fix():
-    from shardconsole.backends.deepspeed import fix_cuda_arch_list
+    from shardconsole.backends.engine.deepspeed import fix_cuda_arch_list
     assert fix_cuda_arch_list("9.0a") == "9.0"
     assert fix_cuda_arch_list("8.0;9.0a") == "8.0;9.0"
     assert fix_cuda_arch_list("8.0 9.0a 10.0a+PTX") == "8.0;9.0;10.0+PTX"
@@ -66,7 +66,7 @@ def test_arch_list_fix():
 def test_deepspeed_builder_parses_the_fixed_arch_list(monkeypatch):
     """DeepSpeed's CUDA op builder itself: "9.0a" crashes it (docs/MEASURED.md), the fixed value parses."""
     from deepspeed.ops.op_builder.builder import CUDAOpBuilder
-    from shardconsole.backends.deepspeed import fix_cuda_arch_list
+    from shardconsole.backends.engine.deepspeed import fix_cuda_arch_list
 
     class Probe(CUDAOpBuilder):
         BUILD_VAR, NAME = "DS_BUILD_PROBE", "probe"

@@ -434,7 +434,7 @@ def test_invalid_combination_from_the_command_line_is_exit_2():
 # not depend on the machine; --format hf-trainer
 
 def test_import_without_a_scheduler_keeps_the_learning_rate_constant_as_deepspeed_does():
-    from shardconsole.backends.common import lr_factor
+    from shardconsole.backends.rank.common import lr_factor
     base = C.build({"train": {"schedule": "cosine", "warmup_steps": 3, "steps": 40}})
     cfg, mapped, _ = imported(json.loads((CONFIGS / "zero3.json").read_text()), base=base)
     assert (cfg.train.schedule, cfg.train.warmup_steps) == ("constant", 0)

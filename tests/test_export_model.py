@@ -103,7 +103,7 @@ def zero_model_state(ckpt: Path) -> dict:
 
 def trained_module(run_dir: Path, state: dict):
     """CausalLMLoss(lm) as the ranks build it, holding the checkpoint's weights (strict: every key)."""
-    from shardconsole.backends import modeling
+    from shardconsole.backends.model import modeling
     from shardconsole.settings.models import resolve
     cfg = C.load(run_dir / "preset.toml")
     hf_cfg = modeling.hf_config(resolve(cfg.model.name), cfg)
@@ -167,7 +167,7 @@ def test_fsdp_export_keeps_the_folders_tokenizer_and_architecture(fsdp):
 def test_exported_loss_on_the_eval_set_equals_the_runs_last_eval_loss(fsdp, monkeypatch):
     """The issue's check: the held-out windows the ranks evaluated (C's token cache, the run's own
     settings), through the exported model in fp32 on the CPU, give the run's last eval loss."""
-    from shardconsole.backends import data, token_cache
+    from shardconsole.backends.data import batches as data, token_cache
     from shardconsole.settings.models import resolve
     last = of_kind(messages(fsdp.run), "eval")[-1]
     assert last.step == 4
@@ -308,7 +308,7 @@ def test_the_export_prompts_with_the_template_the_run_trained_with(zero2_bf16_ti
     """The folder's tokenizer has no chat template, so the run rendered its chats with the plain one: the
     export carries it (apply_chat_template prompts as the run trained) and its README names it."""
     from transformers import AutoTokenizer
-    from shardconsole.backends.corpus import PLAIN_TEMPLATE
+    from shardconsole.backends.data.corpus import PLAIN_TEMPLATE
     assert [d.template for d in of_kind(messages(zero2_bf16_tied.run), "data")] == ["shardconsole-plain"]
     tok = AutoTokenizer.from_pretrained(zero2_bf16_tied.out)
     assert tok.chat_template == PLAIN_TEMPLATE

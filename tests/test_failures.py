@@ -1,4 +1,4 @@
-"""Each failure class injected for real (SHARDCONSOLE_FAULT, see backends/faults.py) through the real
+"""Each failure class injected for real (SHARDCONSOLE_FAULT, see backends/rank/faults.py) through the real
 headless path: classified right, with the documented exit code and a message that says what to do."""
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ import pytest
 from conftest import messages, of_kind, shardconsole
 from hf_fixtures import make_hf_model
 from shardconsole.settings import config as C
-from shardconsole.backends import token_cache
-from shardconsole.backends.corpus import DOC_START, LOSS, DataError
+from shardconsole.backends.data import token_cache
+from shardconsole.backends.data.corpus import DOC_START, LOSS, DataError
 from shardconsole.settings.data_check import check_data
 
 CHAT = [
@@ -185,7 +185,7 @@ def test_checks_before_launch(tmp_path, models):
 
 
 def test_a_path_without_a_source_trains_on_the_file(tmp_path, models):
-    from shardconsole.backends.data import PackedWindows, _build
+    from shardconsole.backends.data.batches import PackedWindows, _build
     f = write_jsonl(tmp_path / "chat.jsonl", CHAT * 20)
     cfg = C.build({"model": {"name": str(models["chat"])}, "data": {"path": str(f), "seq_len": 16}}, "p.toml",
                   gpu_count=0)

@@ -8,7 +8,7 @@ import time
 
 import psutil
 
-from shardconsole.backends.jit_cache import clear_stale_lock, extension_dir
+from shardconsole.backends.rank.jit_cache import clear_stale_lock, extension_dir
 
 
 def test_stale_lock_removed_live_ones_kept(tmp_path, monkeypatch):

@@ -75,7 +75,7 @@ def held_out_loss(run: Path, env: dict, model) -> tuple[float, int]:
     """The mean loss of `model` (a transformers or peft model) over the windows the ranks evaluated."""
     import os
 
-    from shardconsole.backends import data, token_cache
+    from shardconsole.backends.data import batches as data, token_cache
     from shardconsole.settings.models import resolve
     cfg = C.load(run / "preset.toml")
     spec = resolve(cfg.model.name)
@@ -129,7 +129,7 @@ def assert_mfu_counts_what_lora_computes(run: Path, model: Path) -> None:
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from shardconsole.backends.adapters import lora_config
+    from shardconsole.backends.model.adapters import lora_config
     cfg = C.load(run / "preset.toml")
     base = AutoModelForCausalLM.from_pretrained(model)
     n = sum(p.numel() for p in base.parameters())
@@ -174,7 +174,7 @@ def test_the_planners_trainable_count_is_peft_s(tmp_path):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from shardconsole.backends.adapters import lora_config
+    from shardconsole.backends.model.adapters import lora_config
     from shardconsole.plan import lora
     from shardconsole.plan.shapes import Shapes
     from shardconsole.settings.models import resolve
@@ -220,7 +220,7 @@ def test_qloras_random_base_is_made_a_layer_at_a_time_and_equals_the_lora_runs_b
     and the draws equal init_random_'s on a whole LoRA-injected model (a 1-rank FSDP2 LoRA run's base)."""
     from transformers import LlamaConfig
 
-    from shardconsole.backends import adapters, modeling, qlora
+    from shardconsole.backends.model import adapters, modeling, qlora
     hf_cfg = LlamaConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=48, vocab_size=96, initializer_range=0.3)
     hf_cfg._attn_implementation = "sdpa"

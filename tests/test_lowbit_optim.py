@@ -19,7 +19,7 @@ torchao_optim = pytest.importorskip("torchao.optim")
 @pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])
 def test_planner_moment_bytes_are_the_tensors_torchao_allocates(name):
     """For a quantized shard (>= 4096 values, a multiple of the block) and one left in fp32."""
-    from shardconsole.backends import lowbit_optim
+    from shardconsole.backends.optim import lowbit_optim
     assert lowbit_optim.BLOCK_SIZE[name] == optim_states.BLOCK_SIZE[name]
     cfg = C.RunConfig()
     cfg.optim.name = name
@@ -132,7 +132,7 @@ def test_low_bit_states_take_a_dtype_view_as_the_compiled_step_asks(name):
     """The compiled step on the H200 (torch 2.11, torchao 0.18) asked for aten.view.dtype of a state,
     which torchao does not implement (pytorch/ao#4216): with the shim the view keeps the codes and
     changes only the appearance dtype, as torchao's own _to_copy does."""
-    from shardconsole.backends import lowbit_optim
+    from shardconsole.backends.optim import lowbit_optim
     cfg = settings.resolve("tiny-cpu", [f"optim.name={name}"]).cfg
     p = torch.nn.Parameter(torch.randn(64, 4096, dtype=torch.bfloat16))
     opt = lowbit_optim.make(cfg, [p])

@@ -8,7 +8,7 @@ import torch
 
 from shardconsole.settings import config as C
 from shardconsole.settings import resolve as settings
-from shardconsole.backends.master_update import RoundedAdamW, round_stochastic_
+from shardconsole.backends.optim.master_update import RoundedAdamW, round_stochastic_
 
 N, STEPS, LR = 2048, 600, 1e-4
 
@@ -115,7 +115,7 @@ def test_dtype_override_ignores_the_presets_fp16_keys_with_a_note(tmp_path):
 def test_planner_bytes_per_parameter_are_what_the_optimizer_keeps(master):
     """plan/constants.MASTER_STATE_BYTES against the tensors a step leaves: the weight, its gradient and
     every optimizer state tensor shaped like it, for the optimizer fsdp.make_optimizer picks."""
-    from shardconsole.backends import pinned_arena
+    from shardconsole.backends.offload import pinned_arena
     from shardconsole.plan import constants
     n = 1000
     dtype = torch.float32 if master == "fp32" else torch.bfloat16
@@ -182,7 +182,7 @@ def test_the_compiled_update_compiles_once_for_every_shape_and_matches_eager(rou
     shape was the 4.8 s step at 1B on the GPU machine (its kernel ran on one thread); its results are the
     eager update's, to a bf16 step."""
     from torch._dynamo.utils import counters
-    from shardconsole.backends import master_update
+    from shardconsole.backends.optim import master_update
     torch._dynamo.reset()
     master_update._COMPILED.clear()
     gen = torch.Generator().manual_seed(2)
@@ -215,11 +215,11 @@ def test_the_compiled_update_compiles_once_for_every_shape_and_matches_eager(rou
 
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
 def test_the_cpp_host_step_rounds_as_the_python_one_and_matches_eager(rounding):
-    """backends/rounded_update_cpu.py, the host step of an offloaded run with bf16 masters (issue 35):
+    """backends/optim/rounded_update_cpu.py, the host step of an offloaded run with bf16 masters (issue 35):
     the rounding is master_update's bit for bit; three steps of the update agree with eager to a bf16 step
     (an fp32 ulp apart where eager fuses a multiply-add picks other random bits, as compiled does); the
     same seeds give the same weights (a resumed run rounds alike)."""
-    from shardconsole.backends import rounded_update_cpu
+    from shardconsole.backends.optim import rounded_update_cpu
     built, why = rounded_update_cpu.get()
     assert built is not None, why
     x = torch.randn(100_003, generator=torch.Generator().manual_seed(3)) * 3

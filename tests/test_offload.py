@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardconsole.backends import offload
+from shardconsole.backends.offload import host_copy as offload
 
 
 def _params(seed: int, scale: float) -> list[torch.nn.Parameter]:
@@ -114,7 +114,7 @@ def test_host_arena_holds_shards_and_states_and_trains_alike(tmp_path):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    from shardconsole.backends import pinned_arena
+    from shardconsole.backends.offload import pinned_arena
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         plain, packed = _offloaded_net(0), _offloaded_net(0)
@@ -198,8 +198,8 @@ def test_kahan_resumes_from_a_checkpoint_written_without_compensation(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    from shardconsole.backends import fsdp_step
-    from shardconsole.backends.master_update import RoundedAdamW
+    from shardconsole.backends.engine import fsdp_step
+    from shardconsole.backends.optim.master_update import RoundedAdamW
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         nets, opts = [], []
@@ -268,8 +268,9 @@ def test_a_unit_at_a_time_is_the_whole_step_and_overlap_is_off_where_the_step_ne
     (the presets' default) or fp16 loss scaling, each said with the key to change."""
     from types import SimpleNamespace
 
-    from shardconsole.backends import offload_overlap, partial_step
-    from shardconsole.backends.master_update import RoundedAdamW
+    from shardconsole.backends.offload import overlap as offload_overlap
+    from shardconsole.backends.optim import partial_step
+    from shardconsole.backends.optim.master_update import RoundedAdamW
     from shardconsole.settings import resolve
     for make, dtype in ((lambda gs: torch.optim.AdamW(gs, lr=1e-2, fused=True), torch.float32),
                         (lambda gs: RoundedAdamW(gs, lr=1e-2, rounding="stochastic", seed=7), torch.bfloat16)):
@@ -306,7 +307,7 @@ def test_the_host_step_thread_and_its_openmp_workers_yield_to_the_launching_thre
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from shardconsole.backends import offload_overlap
+    from shardconsole.backends.offload import overlap as offload_overlap
 
     def nices() -> dict[int, int]:
         out = {}

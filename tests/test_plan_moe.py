@@ -66,7 +66,7 @@ def test_a_long_record_is_tokenized_in_pieces_with_the_same_ids(tmp_path):
     """One record of 2 MB: no tokenizer call gets more than CHUNK_CHARS of it (a 50 MB record took a
     rank to 9.9 GiB in one call), and the ids equal the whole text's."""
     from hf_fixtures import train_tokenizer
-    from shardconsole.backends import corpus
+    from shardconsole.backends.data import corpus
     tok = train_tokenizer(384)
     words = "the quick brown fox jumps over the lazy dog, sharded training keeps parameters split".split()
     text = "\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(i % 23 + 1)) + "  end."

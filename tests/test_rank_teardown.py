@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardconsole.backends import failures, loop
-from shardconsole.backends.common import Rank
+from shardconsole.backends.observe import failures
+from shardconsole.backends.engine import loop
+from shardconsole.backends.rank.common import Rank
 from shardconsole.runlog.stream import MetricsWriter
 from shardconsole.settings import config as C
 from shardconsole.settings.models import resolve

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shardconsole.backends import token_cache
-from shardconsole.backends.data import PackedWindows, summary
+from shardconsole.backends.data import token_cache
+from shardconsole.backends.data.batches import PackedWindows, summary
 from shardconsole.settings import config as C
 from shardconsole.settings.data_check import check_data
 
@@ -63,6 +63,6 @@ def test_too_few_records_hold_out_packed_windows_and_the_summary_says_so(tmp_pat
     # Too little for even that: one line, on the rank (what the check before launch cannot count).
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("short\n")
-    from shardconsole.backends.corpus import DataError
+    from shardconsole.backends.data.corpus import DataError
     with pytest.raises(DataError, match=r"eval_fraction: .*tiny.txt: 1 record\(s\), 6 tokens make 0 window"):
         entry(cfg_for(tiny, eval_fraction=0.1))

@@ -51,7 +51,7 @@ def _preview_json(model: Path, data: Path, n: int) -> dict:
 
 @pytest.mark.parametrize("fmt", ["chat", "prompt_completion", "text"])
 def test_preview_marks_the_tokens_the_ranks_train_on(model, tmp_path, fmt):
-    from shardconsole.backends import corpus, token_cache
+    from shardconsole.backends.data import corpus, token_cache
     from shardconsole.settings import config as C
     from shardconsole.settings.models import resolve
     data = _write(tmp_path, fmt)

@@ -17,16 +17,17 @@ def main() -> None:
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
 
-    from shardconsole.backends import common, failures   # import torch: after argument parsing
+    from shardconsole.backends.rank import common  # import torch: after argument parsing
+    from shardconsole.backends.observe import failures
     r = None
     code = 0
     t0 = time.time()
     try:
         r = common.start(args.run_dir, args.run_id)
         if r.cfg.parallel.backend == "deepspeed":
-            from shardconsole.backends import deepspeed as backend
+            from shardconsole.backends.engine import deepspeed as backend
         else:
-            from shardconsole.backends import fsdp as backend
+            from shardconsole.backends.engine import fsdp as backend
         backend.train(r)
         r.phase("finished")
         common.shutdown(r)

@@ -135,7 +135,7 @@ DS_OPS = (("CPUAdam", "cpu_adam", "optimizer offload"), ("FusedAdam", "fused_ada
 
 def _pinned_part(label: str) -> bool:
     """A planner host part that is page-locked: the planner says "pinned" in the part's name, and FSDP2's
-    host arena (backends/offload.py) pins everything it holds in place ("... in the host arena")."""
+    host arena (backends/offload/host_copy.py) pins everything it holds in place ("... in the host arena")."""
     return "pinned" in label or "host arena" in label
 
 
@@ -157,7 +157,7 @@ def deepspeed_ops() -> dict[str, Any]:
     except (OSError, SyntaxError, ValueError):
         pass
     import torch
-    from shardconsole.backends.jit_cache import extension_dir
+    from shardconsole.backends.rank.jit_cache import extension_dir
     torch_cuda = torch.version.cuda
     can_jit = bool(shutil.which("ninja") or importlib.util.find_spec("ninja")) and bool(
         shutil.which(os.environ.get("CXX", "c++")))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardconsole.export_model.checkpoint import ExportError
-from shardconsole.backends.hf_export import copy_tokenizer
+from shardconsole.backends.checkpoint.hf_export import copy_tokenizer
 from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelSpec
 
@@ -55,7 +55,7 @@ def build(cfg: C.RunConfig, spec: ModelSpec, state: dict, dtype, source: Path, *
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from shardconsole.backends.adapters import lora_config
+    from shardconsole.backends.model.adapters import lora_config
     base = AutoModelForCausalLM.from_pretrained(spec.path, local_files_only=True, dtype=torch.float32)
     model = get_peft_model(base, lora_config(cfg))
     expected = {k for k, p in model.named_parameters() if p.requires_grad}

@@ -121,7 +121,7 @@ def _read_dcp(path: Path) -> dict:
     "model" entries; the .metadata pickle through the ranks' own restricted reader."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    from shardconsole.backends.fsdp_step import SafeReader
+    from shardconsole.backends.engine.fsdp_step import SafeReader
     with warnings.catch_warnings(), _no_code_from_pickles([]):
         # "torch.distributed is unavailable or uninitialized, assuming ... a single process": that is the point
         warnings.simplefilter("ignore")

@@ -13,7 +13,7 @@ from shardconsole.runlog.runfolder import RunFolder
 
 # What a model folder's tokenizer may consist of: the same list as train.export_dir's (imports torch,
 # as this module's callers already have).
-from shardconsole.backends.hf_export import copy_tokenizer  # noqa: E402
+from shardconsole.backends.checkpoint.hf_export import copy_tokenizer  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -109,9 +109,9 @@ def _last_of(run: RunFolder, kind: bytes, cls: type):
 def add_prompt_format(run: RunFolder, folder: Path) -> str:
     """Give the export the chat template the run rendered its chats with, so `apply_chat_template` on it
     prompts as the run trained. A tokenizer's own template came with its files; the plain one the ranks
-    use for a tokenizer without one (backends/corpus.py) is written as chat_template.jinja, which
+    use for a tokenizer without one (backends/data/corpus.py) is written as chat_template.jinja, which
     transformers' tokenizers read. Returns what the README says of it."""
-    from shardconsole.backends.corpus import PLAIN_TEMPLATE, PLAIN_TEMPLATE_NAME
+    from shardconsole.backends.data.corpus import PLAIN_TEMPLATE, PLAIN_TEMPLATE_NAME
     data = _last_of(run, b'"data"', DataSummary)
     if data is None or not data.template:
         return "none (the run trained on no chats or instructions)"

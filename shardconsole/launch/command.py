@@ -89,7 +89,7 @@ HOST_MEMORY_MARGIN = 1.10      # the planner's host figure was within 6% of ever
 # The interface gloo and NCCL bind to on every node: chosen where the script is written, and kept in it.
 INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 SESSION_MODULE = "shardconsole.session.cluster"
-KILL_WAIT_ENV = "SHARDCONSOLE_KILL_WAIT_S"     # backends/trainstate.py reads it (Slurm's KillWait)
+KILL_WAIT_ENV = "SHARDCONSOLE_KILL_WAIT_S"     # backends/engine/trainstate.py reads it (Slurm's KillWait)
 
 
 def slurm_script(cfg: C.RunConfig, run_dir: str | Path, run_id: str, python: str = sys.executable,
@@ -148,7 +148,7 @@ def slurm_script(cfg: C.RunConfig, run_dir: str | Path, run_id: str, python: str
               f"stop_request() {{ {_sh_join(session)} stop \"$run_dir\" \"$session\" \"$1\"; }}",
               'trap \'stop_request "Slurm (USR1 to job $SLURM_JOB_ID)"\' USR1',
               "# a plain scancel (or the time limit) SIGTERMs every process and SIGKILLs them KillWait later:",
-              "# the ranks save what fits in it (backends/trainstate.py), and the stream says who stopped them",
+              "# the ranks save what fits in it (backends/engine/trainstate.py), and the stream says who stopped them",
               f"export {KILL_WAIT_ENV}=\"$(scontrol show config 2>/dev/null | sed -n 's/^KillWait *= *\\([0-9]*\\).*/\\1/p')\"",
               f'trap \'stop_request "Slurm (SIGTERM to job $SLURM_JOB_ID: scancel or the time limit; KillWait '
               f'${{{KILL_WAIT_ENV}:-?}}s)"\' TERM',

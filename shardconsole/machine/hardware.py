@@ -89,7 +89,7 @@ def usable_bytes(total_bytes: int, device_name: str | None = None) -> int:
 def allocator_limit_bytes(device_cap_bytes: int, engine: str) -> int:
     """memory.gpu_memory_limit names a card (the whole device): the caching allocator of a rank may
     hold what that card gives to processes less the rank's CUDA context and NCCL, so that allocator +
-    context + NCCL fit, as they must on the card itself (backends/common.py sets the fraction from it)."""
+    context + NCCL fit, as they must on the card itself (backends/rank/common.py sets the fraction from it)."""
     return max(usable_bytes(device_cap_bytes) - CUDA_CONTEXT_BYTES.get(engine, CUDA_CONTEXT_BYTES["fsdp"]), 0)
 
 

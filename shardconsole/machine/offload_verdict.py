@@ -1,6 +1,6 @@
 """Where an offloaded step goes, in one line: the verdict and the setting most likely to help.
 
-Standard library only: the ranks call it with their measured phase times (backends/step_timing.py),
+Standard library only: the ranks call it with their measured phase times (backends/observe/step_timing.py),
 tests call it with numbers of their own. The rule, from what overlaps with what in an offloaded step:
 - the host optimizer step runs while the GPU waits (nothing overlaps it in a plain loop): when it is
   the largest part, the step is "host step bound";

@@ -1,7 +1,7 @@
 """The oldest torch shardconsole runs on, checked at start-up from the installed package's metadata
 (importing torch would cost the console its fast start).
 
-Why 2.8: the FSDP2 offload path (backends/offload.py) reaches into FSDP2's internals, which moved and
+Why 2.8: the FSDP2 offload path (backends/offload/host_copy.py) reaches into FSDP2's internals, which moved and
 grew over the releases:
 - `torch.distributed.fsdp.fully_shard` and `torch.distributed.fsdp._fully_shard._fsdp_param` (FSDPParam,
   ShardedState): torch 2.6 (before, FSDP2 lived in torch.distributed._composable.fsdp);

@@ -2,7 +2,7 @@
 
 Pure functions of the settings (RunConfig), the model's shape (ModelSpec, from its config: nothing is
 built and torch is not imported) and the hardware (Hardware). The model follows what the ranks of this
-package really do (backends/fsdp.py, backends/deepspeed.py, backends/common.py), part by part:
+package really do (backends/engine/fsdp.py, backends/engine/deepspeed.py, backends/rank/common.py), part by part:
 
   GPU   parameters, gradients and optimizer states (where the backend keeps them, in which dtype,
         divided by the shard group), gathered (unsharded) parameters and prefetch, activations saved

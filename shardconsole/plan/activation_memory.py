@@ -13,7 +13,7 @@ from shardconsole.plan.shapes import Shapes
 
 # ---------------------------------------------------------------------------------------------------
 # Activations: what autograd keeps for backward, per decoder layer, from the HF Llama code path
-# (transformers models/llama/modeling_llama.py) as run by backends/common.py.
+# (transformers models/llama/modeling_llama.py) as run by backends/rank/common.py.
 
 def layer_activation_bytes_per_token(s: Shapes, c: int) -> int:
     """Bytes saved for backward by one decoder layer per token, compute dtype of c bytes, SDPA.

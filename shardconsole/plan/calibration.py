@@ -2,14 +2,14 @@
 a run takes, stored beside the calibration data (benchmarks/data/plan_calibration_issue16.json).
 
 The files, and why each one counts:
-  backends/fsdp.py        what FSDP2 shards, keeps gathered, prefetches; where optimizer states live
-  backends/deepspeed.py   how the ZeRO engine is built (zero.Init, z3 leaf modules, offload wiring)
-  backends/modeling.py    how the model is built and which modules are gathered whole; the chunked loss
-  backends/offload.py     FSDP2's host side: compute copy, device grad norm, host step buffers
-  backends/pinned_arena.py  one pinned host arena for FSDP2's offloaded states (host RAM, rounding)
-  backends/master_update.py the master update (bf16 master rounding: extra buffers on the host)
-  backends/fsdp_step.py   the step's extra buffers (clip, fp16 scaler)
-  backends/common.py      the memory cap (set_per_process_memory_fraction) and the device setup
+  backends/engine/fsdp.py        what FSDP2 shards, keeps gathered, prefetches; where optimizer states live
+  backends/engine/deepspeed.py   how the ZeRO engine is built (zero.Init, z3 leaf modules, offload wiring)
+  backends/model/modeling.py    how the model is built and which modules are gathered whole; the chunked loss
+  backends/offload/host_copy.py     FSDP2's host side: compute copy, device grad norm, host step buffers
+  backends/offload/pinned_arena.py  one pinned host arena for FSDP2's offloaded states (host RAM, rounding)
+  backends/optim/master_update.py the master update (bf16 master rounding: extra buffers on the host)
+  backends/engine/fsdp_step.py   the step's extra buffers (clip, fp16 scaler)
+  backends/rank/common.py      the memory cap (set_per_process_memory_fraction) and the device setup
   ds_json/export.py       the ds_config DeepSpeed receives (buckets, reuse distance, pinning)
 The hash is over each file's tokens without comments, blank lines and docstrings: the same on every
 Python (3.11 here, 3.12 on the GPU machine; ast.dump and ast.unparse differ between them), so a comment
@@ -26,9 +26,9 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1]
 
-MEMORY_SOURCES = ("backends/fsdp.py", "backends/deepspeed.py", "backends/modeling.py", "backends/offload.py",
-                  "backends/pinned_arena.py", "backends/master_update.py", "backends/fsdp_step.py",
-                  "backends/common.py", "ds_json/export.py")
+MEMORY_SOURCES = ("backends/engine/fsdp.py", "backends/engine/deepspeed.py", "backends/model/modeling.py", "backends/offload/host_copy.py",
+                  "backends/offload/pinned_arena.py", "backends/optim/master_update.py", "backends/engine/fsdp_step.py",
+                  "backends/rank/common.py", "ds_json/export.py")
 
 CALIBRATION_FILE = PACKAGE.parent / "benchmarks" / "data" / "plan_calibration_issue16.json"
 

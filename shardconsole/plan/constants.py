@@ -42,7 +42,7 @@ REQUIRED_FIXED = 256 * MiB
 # stream. From the torch source; small next to the rest.
 CUBLAS_WORKSPACE_BYTES = 64 * MiB
 
-# Tokens per chunk of the loss: backends/common.py chunked_cross_entropy(chunk_tokens=4096).
+# Tokens per chunk of the loss: backends/rank/common.py chunked_cross_entropy(chunk_tokens=4096).
 LOSS_CHUNK_TOKENS = 4096
 
 # Host RSS of one rank in training before any model byte: Python + torch + CUDA runtime and
@@ -83,10 +83,10 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 # Bytes a parameter of FSDP2's kept state (weight, gradient, two Adam moments) for each way of keeping the
 # masters: fp32 16; bf16 with precision.master_rounding nearest or stochastic 8, kahan 10 (a bf16
-# compensation buffer). From backends/master_update.py; tests/test_master_rounding.py measures the
+# compensation buffer). From backends/optim/master_update.py; tests/test_master_rounding.py measures the
 # optimizer's tensors against it.
 MASTER_STATE_BYTES = {"fp32": 16, "nearest": 8, "stochastic": 8, "kahan": 10}
-# fsdp.host_arena (backends/pinned_arena.py): offloaded shards, Adam's states (with the compensation) and
+# fsdp.host_arena (backends/offload/pinned_arena.py): offloaded shards, Adam's states (with the compensation) and
 # the compute copy in one region pinned in place, each view aligned to this many bytes: no power-of-two
 # block per tensor. The gradients are still pinned a block per tensor by torch (pow2_ceil).
 HOST_ARENA_ALIGN = 4096
@@ -127,7 +127,7 @@ RANK_STATE_BYTES = 22 * KiB
 EXPORT_FIXED_BYTES = 16 * KiB
 SAFETENSORS_TENSOR_BYTES = 160
 # What a save holds beside the state it writes, besides the one tensor it copies at a time
-# (backends/save_stream.py StreamingWriter, hf_export.py): the writer's buffers, the zip records, the
+# (backends/checkpoint/save_stream.py StreamingWriter, hf_export.py): the writer's buffers, the zip records, the
 # progress thread. Measured: +7 MB on the CPU arena run of tests/test_save_path.py; rounded up.
 SAVE_FIXED_BYTES = 32 * MiB
 # torch.compile (train.compile): inductor's compile sidecar per rank (a Python with torch imported)

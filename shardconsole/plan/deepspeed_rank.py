@@ -1,4 +1,4 @@
-"""One DeepSpeed ZeRO rank's memory over the moments of a step (backends/deepspeed.py, stages 0-3,
+"""One DeepSpeed ZeRO rank's memory over the moments of a step (backends/engine/deepspeed.py, stages 0-3,
 with or without CPU offload)."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class _Held:
 
 
 def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
-    """backends/deepspeed.py with the ds_config of ds_json.to_ds_config, modelled on DeepSpeed 0.19's
+    """backends/engine/deepspeed.py with the ds_config of ds_json.to_ds_config, modelled on DeepSpeed 0.19's
     runtime/zero/stage3.py, stage_1_and_2.py, partitioned_param_coordinator.py and
     partition_parameters.py (buffers named as there). Stage 3 builds under zero.Init (partitioned at
     construction, on the GPU or, with offload_param, on the CPU); stages 0-2 build the whole fp32

@@ -224,7 +224,7 @@ def _budgets(cfg: C.RunConfig, hw: Hardware, g: _Gpu, h: _Host,
     """(why it does not fit, the allocator's budget, the host's). The allocator's budget: what the
     device (the card, or a cap: a card of that size) gives to processes, less the rank's context and
     NCCL. The same for a 24 GiB cap on a big card and for a real 24 GB card (issue 34): the cap's
-    allocator fraction is set from it (backends/common.py)."""
+    allocator fraction is set from it (backends/rank/common.py)."""
     gpu_budget = None
     reasons: list[str] = []
     if cfg.parallel.device != "cpu":

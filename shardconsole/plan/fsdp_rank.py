@@ -1,4 +1,4 @@
-"""One FSDP2 rank's memory over the moments of a step (backends/fsdp.py)."""
+"""One FSDP2 rank's memory over the moments of a step (backends/engine/fsdp.py)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class _Sizes:
 
 
 def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
-    """backends/fsdp.py: fully_shard per decoder layer and on the root (the root kept gathered after
+    """backends/engine/fsdp.py: fully_shard per decoder layer and on the root (the root kept gathered after
     forward); parameters fp32 sharded; MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=fp32
     by default) unless fp32; fused AdamW with fp32 states shaped like the sharded parameters;
     explicit prefetch of N layers. Peaks are evaluated at the moments where memory turns: the end of
@@ -87,7 +87,7 @@ def _sizes(cfg: C.RunConfig, s: Shapes) -> _Sizes:
     # Gradient accumulation without sync: FSDP2 keeps each layer's unsharded gradient, in the reduce
     # dtype when it differs from the compute dtype (_fsdp_param.py to_accumulated_grad_if_needed).
     accum = (reduce_c if reduce_c != c else c) * s.n_params if cfg.train.grad_accum > 1 else 0
-    # precision.master_rounding = kahan (backends/master_update.py): a bf16 compensation buffer shaped like
+    # precision.master_rounding = kahan (backends/optim/master_update.py): a bf16 compensation buffer shaped like
     # the sharded parameters, beside the masters (on the host when offloaded).
     kahan = 2 * sum(shard_numels) if m == 2 and getattr(cfg.precision, "master_rounding", "") == "kahan" else 0
     return _Sizes(
@@ -119,7 +119,7 @@ def _gpu_moments(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> dict[str, dict[str, 
     root = {"gathered root (embedding, head)": z.root_full}
     unsharded_grad = c * s.per_layer        # a layer's gradient from autograd, before its reduce-scatter
     acc_c = (z.reduce_c if z.reduce_c != c else c)
-    # The clip is folded into fused AdamW except under fp16's scaler (backends/fsdp_step.py Clip): then
+    # The clip is folded into fused AdamW except under fp16's scaler (backends/engine/fsdp_step.py Clip): then
     # clip_grad_norm_ and the scaler's unscale run over the sharded DTensor gradients and hold a copy
     # of them at the step. Measured (i16-fsdp-3b-fp16-mb4-ckpt): allocated 58.6 GiB = parameters +
     # Adam + gradients + one more copy of the gradients (11.7 GiB each).
@@ -159,7 +159,7 @@ def _side_pools(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> tuple[dict[str, int],
     Returns (pool -> bytes, moment -> bytes of the pools in use then)."""
     L, m, reduce_c, offload = s.layers, z.m, z.reduce_c, z.offload
     layer_shard, root_shard = z.layer_shard, z.root_shard
-    # optim.step_in_backward (backends/step_in_backward.py): each sharded gradient is stepped and freed
+    # optim.step_in_backward (backends/optim/step_in_backward.py): each sharded gradient is stepped and freed
     # by its hook as it lands, as an offloaded one leaves for the host at once: the pool holds a layer's
     # (and the next one in flight), never the whole model's.
     one_at_a_time = offload or z.in_backward
@@ -190,7 +190,7 @@ def _side_pools(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> tuple[dict[str, int],
 
 def _host(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> dict[str, dict[str, int]]:
     """One rank's RSS. The model is built on the meta device, so no full copy exists anywhere
-    (backends/fsdp.py build), and init_random_ draws each shard in place on its device."""
+    (backends/engine/fsdp.py build), and init_random_ draws each shard in place on its device."""
     f, m, mtag = cfg.fsdp, z.m, z.mtag
     host: dict[str, dict[str, int]] = {"training": {"process (python, torch, CUDA)": RANK_BASE_RSS["fsdp"]}}
     if not z.offload:
@@ -200,7 +200,7 @@ def _host(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> dict[str, dict[str, int]]:
     # (.to("cpu", non_blocking=True) allocates pinned memory); Adam's states are plain zeros_like.
     pinned = pow2_ceil if f.pin_memory else (lambda n: n)
     tag = ", pinned" if f.pin_memory else ""
-    # fsdp.host_arena (backends/pinned_arena.py): the shards and Adam's states in one region pinned in
+    # fsdp.host_arena (backends/offload/pinned_arena.py): the shards and Adam's states in one region pinned in
     # place, each view 4 KiB-aligned: no power-of-two block per shard. The gradients are still pinned
     # a block per tensor by torch.
     arena = getattr(f, "host_arena", False)
@@ -212,7 +212,7 @@ def _host(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> dict[str, dict[str, int]]:
         f"optimizer states ({z.adam_tag}{', in the host arena' if arena else ', host'})": z.adam_b})
     if (f.offload_compute_copy and cfg.precision.dtype != "fp32"
             and cfg.precision.master_dtype == "fp32"):
-        # backends/offload.py ComputeCopy: one flat buffer, page-locked in place (no rounding).
+        # backends/offload/host_copy.py ComputeCopy: one flat buffer, page-locked in place (no rounding).
         host["training"][f"{cfg.precision.dtype} copy of the shards (all-gather input, pinned)"] = \
             2 * sum(z.shard_numels)
     if z.kahan:

@@ -55,7 +55,7 @@ def _host(cfg: C.RunConfig, r: _Rank, sv: Saves, hw: Hardware, ld: Loading | Non
         host_by_phase["saving"] = {**held, "save (the piece being written)": sv.host_add_rank_bytes}
     if cfg.data.source in ("auto", "text") and cfg.data.path:
         # One rank tokenizes before training (the others wait): its tokenizer's work is bounded by
-        # the batch of text it is handed (backends/corpus.py), whatever the records' length.
+        # the batch of text it is handed (backends/data/corpus.py), whatever the records' length.
         base = {k: v for k, v in host_by_phase["training"].items() if k.startswith("process")}
         host_by_phase["tokenizing"] = {**base, "tokenizer before training (one rank's work, split over the node)":
                                        TOKENIZE_WORK_BYTES // max(1, cfg.parallel.nproc_per_node)}

@@ -1,19 +1,19 @@
 """The host RAM of loading a model folder's weights (model.name a folder with weights; a catalog size
 trains from random init and loads nothing): the "loading" moment of a rank, as the ranks load it.
 
-  FSDP2 (full, LoRA)   rank 0 alone: transformers' from_pretrained in fp32 (backends/modeling.py
+  FSDP2 (full, LoRA)   rank 0 alone: transformers' from_pretrained in fp32 (backends/model/modeling.py
                        load_pretrained), its state dict held while set_model_state_dict broadcasts it a
-                       tensor at a time into every rank's shards (backends/fsdp.py build: the shards are
+                       tensor at a time into every rank's shards (backends/engine/fsdp.py build: the shards are
                        made before, on the host with CPU offload or on CPU ranks, and filled as the
                        tensors arrive; a rank whose shards live on the host receives each tensor whole
                        first, torch's _broadcast_tensors: under NCCL every rank, under gloo all but 0).
-  ZeRO-0/1/2           every rank: from_pretrained in fp32, the whole model (backends/deepspeed.py build);
+  ZeRO-0/1/2           every rank: from_pretrained in fp32, the whole model (backends/engine/deepspeed.py build);
                        it replaces the random-init "build" moment, the same model on the CPU.
   ZeRO-3               rank 0 reads one tensor at a time into its gathered parameter
                        (deepspeed.load_pretrained_partitions): a tensor and its cast; on CPU ranks
                        every rank gathers on the host too.
   QLoRA                every rank: from_pretrained in bf16, whole, then a linear at a time to the GPU
-                       (backends/qlora.py build).
+                       (backends/model/qlora.py build).
 
 What from_pretrained holds, measured (benchmarks/load_host_memory.py): a tensor whose file dtype differs
 from the one asked for is converted into new memory (its bytes in the asked dtype); a tensor already in

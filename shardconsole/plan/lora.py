@@ -1,4 +1,4 @@
-"""One rank's memory under LoRA and QLoRA (train.method, backends/adapters.py), both engines.
+"""One rank's memory under LoRA and QLoRA (train.method, backends/model/adapters.py), both engines.
 
 What trains is small: the adapters (rank r: r * (in + out) per target linear) and lora.modules_to_save,
 each with an fp32 master, its gradient and Adam's two moments (16 bytes a parameter), sharded like the
@@ -161,7 +161,7 @@ def lora_rank(cfg: C.RunConfig, s: Shapes) -> _Rank:
 
 def checkpoint_sizes(cfg: C.RunConfig, s: Shapes) -> tuple[int, int, int]:
     """(full checkpoint, weights-only save, largest tensor) bytes of a LoRA run: only what trains is
-    saved (backends/fsdp.py _model_state, ds_checkpoint.py exclude_frozen_parameters), an fp32 master
+    saved (backends/engine/fsdp.py _model_state, ds_checkpoint.py exclude_frozen_parameters), an fp32 master
     and Adam's two moments a trained parameter, plus the small fixed files (a MiB is generous)."""
     T = trainable_params(cfg, s)
     fixed = 2**20 + cfg.world_size * 64 * 1024

@@ -15,7 +15,7 @@ A "model" save (train.save_final = "model") is FSDP2's weights alone as the full
 (train.export_dir, FSDP2) is a Hugging Face folder of safetensors at train.export_dtype (default: the
 master dtype, as export-model).
 
-The disk total follows backends/checkpoints.py: a save writes step_N.partial beside the kept ones and
+The disk total follows backends/checkpoint/checkpoints.py: a save writes step_N.partial beside the kept ones and
 prunes to train.keep_checkpoints only once it is complete, so the peak is the kept ones plus the one
 being written. Standard library only.
 """
@@ -82,7 +82,7 @@ class Saves:
 
 
 def schedule(cfg: C.RunConfig, start_step: int = 0, save_final: str | None = None) -> list[tuple[int, str]]:
-    """The saves the ranks make after start_step (backends/checkpoints.py save_due, final_save_due):
+    """The saves the ranks make after start_step (backends/checkpoint/checkpoints.py save_due, final_save_due):
     every checkpoint_every steps but the last, then the final one."""
     t = cfg.train
     final = save_final or save_final_of(cfg)

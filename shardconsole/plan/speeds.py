@@ -70,7 +70,7 @@ def signature(cfg: C.RunConfig) -> dict[str, Any]:
     if cfg.parallel.backend == "fsdp":
         sig["sharding"] = cfg.fsdp.sharding
         sig["pin_memory"] = bool(cfg.fsdp.pin_memory) if cfg.fsdp.cpu_offload else None
-        if cfg.fsdp.cpu_offload:      # the host step under the backward or after it (backends/offload_overlap.py)
+        if cfg.fsdp.cpu_offload:      # the host step under the backward or after it (backends/offload/overlap.py)
             sig["overlap"] = bool(cfg.fsdp.offload_overlap and cfg.train.clip_grad_norm <= 0
                                   and cfg.precision.dtype != "fp16")
     else:

@@ -1,4 +1,4 @@
-"""What makes a checkpoint folder complete, standard library only: the ranks (backends/checkpoints.py),
+"""What makes a checkpoint folder complete, standard library only: the ranks (backends/checkpoint/checkpoints.py),
 export-model (export_model/checkpoint.py) and the console's step chooser judge a step folder by this one
 test, so a folder the ranks would skip on resume is never offered to export or chat either.
 

@@ -173,7 +173,7 @@ class GpuSample(Message):
 
 @dataclass(frozen=True)
 class OffloadTiming(Message):
-    """Where an offloaded step goes, one rank's mean over `steps` steps up to `step` (backends/step_timing.py).
+    """Where an offloaded step goes, one rank's mean over `steps` steps up to `step` (backends/observe/step_timing.py).
     GPU times come from CUDA events read one step late; CPU ranks time the same phases by wall clock
     (`clock` says which). None: that phase was not measured for this backend."""
     kind: ClassVar[str] = "offload"

@@ -1,6 +1,6 @@
 """Front-end diagnosis of a run that stopped making progress: is it hung, and where is each rank?
 
-Ranks register faulthandler on SIGUSR1 (backends/common.py), so a signal makes each one write every
+Ranks register faulthandler on SIGUSR1 (backends/rank/common.py), so a signal makes each one write every
 thread's Python stack into its log without stopping it. A rank whose main thread sits inside
 torch.distributed waits for a collective; a rank anywhere else is the one holding the others up.
 Standard library only.

@@ -230,7 +230,7 @@ def _existing_checkpoints(folder: Path) -> tuple[int, list[int]]:
 
 
 def checkpoint_dir_of(cfg: C.RunConfig, run_dir: Path) -> Path:
-    """Where the ranks write checkpoints (backends/common.py Rank.checkpoint_dir)."""
+    """Where the ranks write checkpoints (backends/rank/common.py Rank.checkpoint_dir)."""
     d = cfg.train.checkpoint_dir
     return Path(d).expanduser() if d else Path(run_dir) / "checkpoints"
 

@@ -1,7 +1,7 @@
 """One streaming pass over a text data file before launch: its encoding, every record's shape, one record
 format for the whole file, and how many records it holds, each failure named by file and line.
 
-The ranks apply the same rules as they tokenize (backends/corpus.py imports the format rules from here),
+The ranks apply the same rules as they tokenize (backends/data/corpus.py imports the format rules from here),
 but a rank finds a bad line only after the launch, torch's import and the tokenizer load (50-100 s);
 this pass finds it in about a second. Files past SCAN_BYTES are read up to there (the front ends must
 stay quick on a 100 GB corpus); the ranks check the rest as they read. Standard library only.

@@ -2,7 +2,7 @@
 
 Only shapes live here (dicts that LlamaConfig accepts), read without torch or transformers, so the
 console and the planner can size a model instantly. The ranks turn a ModelSpec into a module in
-backends/common.py.
+backends/rank/common.py.
 """
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ def _check_optim(cfg: RunConfig, err) -> None:
         raise err("optim", "name", f"{name!r} is torchao's optimizer, for the FSDP2 backend; DeepSpeed "
                   "builds its own Adam: use name = \"adamw\" or parallel.backend = \"fsdp\"")
     if cfg.fsdp.cpu_offload:
-        # backends/pinned_arena.py lays out fp32-shaped Adam states on the host; low-bit states are the
+        # backends/offload/pinned_arena.py lays out fp32-shaped Adam states on the host; low-bit states are the
         # strategy for models that fit the GPU without offload.
         raise err("optim", "name", f"{name!r} is for runs without offload (fsdp.cpu_offload is true): use "
                   "name = \"adamw\" with offload, or cpu_offload = false")
@@ -186,7 +186,7 @@ def _check_optim(cfg: RunConfig, err) -> None:
 
 
 def _check_step_in_backward(cfg: RunConfig, err) -> None:
-    """optim.step_in_backward (backends/step_in_backward.py): each parameter steps as FSDP2 reduces its
+    """optim.step_in_backward (backends/optim/step_in_backward.py): each parameter steps as FSDP2 reduces its
     gradient, before the other gradients exist; what needs them all first cannot run."""
     if not getattr(getattr(cfg, "optim", None), "step_in_backward", False):
         return

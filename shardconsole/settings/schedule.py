@@ -1,5 +1,5 @@
 """The learning-rate schedule as a function of the settings: what the ranks apply before each optimizer
-step (backends/common.py re-exports it) and what `resume` says the added steps get. No torch.
+step (backends/rank/common.py re-exports it) and what `resume` says the added steps get. No torch.
 
 A resume that adds steps keeps the schedule the run had (train.schedule_steps = the steps it spanned):
 past its end the lr stays at the value the schedule reached there, a constant tail. Re-stretching the

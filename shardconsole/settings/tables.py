@@ -146,7 +146,7 @@ class PrecisionSettings:
     master_dtype: Literal["fp32", "bf16"] = _f(
         "fp32", "dtype of the kept weights, their gradients and Adam's moments (bf16: 8 bytes a parameter "
         "instead of 16; updates below bf16's resolution are lost)")
-    # How an fp32 update lands in bf16 masters (backends/master_update.py). stochastic: rounded up or down
+    # How an fp32 update lands in bf16 masters (backends/optim/master_update.py). stochastic: rounded up or down
     # with the probability of its distance, so small updates survive on average (8 bytes a parameter);
     # kahan: a bf16 buffer keeps what rounding dropped (10 bytes); nearest: torch's AdamW as is.
     # Default nearest, from the measurement (README, "master_rounding"): stochastic and kahan reach
@@ -185,7 +185,7 @@ class FsdpSettings:
     forward_prefetch: int = _f(1, "decoder layers whose all-gather is issued ahead in forward", min=0, max=8)
     backward_prefetch: int = _f(1, "decoder layers whose all-gather is issued ahead in backward", min=0, max=8)
     pin_memory: bool = _f(True, "pin host memory of offloaded parameters (GPU only)")
-    # backends/pinned_arena.py: torch pins each tensor in a power-of-two block (28 GB of 7B fp32 shards
+    # backends/offload/pinned_arena.py: torch pins each tensor in a power-of-two block (28 GB of 7B fp32 shards
     # take ~40 GB pinned); one region pinned in place wastes nothing.
     host_arena: bool = _f(
         True, "offload: the shards and Adam's states in one host region pinned in place (no power-of-two "
@@ -193,7 +193,7 @@ class FsdpSettings:
     offload_compute_copy: bool = _f(
         False, "offload with fp32 masters: send the GPU a bf16/fp16 host copy of the shards (half the PCIe "
         "bytes; 2 more host bytes a parameter and a cast each step)")
-    # backends/offload_overlap.py: the host step of a layer under the backward of the layers before it.
+    # backends/offload/overlap.py: the host step of a layer under the backward of the layers before it.
     offload_overlap: bool = _f(
         True, "offload: each layer's host optimizer step starts when its gradients reach the host, under the "
         "backward (the same update; not with train.clip_grad_norm > 0 or fp16 loss scaling, which need every "
@@ -226,14 +226,14 @@ class DeepspeedSettings:
 
 @dataclass
 class OptimSettings:
-    # torchao's low-bit AdamW (backends/lowbit_optim.py): the two moments quantized block-wise, 8-bit
+    # torchao's low-bit AdamW (backends/optim/lowbit_optim.py): the two moments quantized block-wise, 8-bit
     # 2 bytes a parameter (+ an fp32 scale per 256), 4-bit 1 byte (+ one per 128), against fp32 Adam's 8:
     # for a model whose states then fit the card, no offload at all (issue 35). A numerics change: the
     # update is not fp32 Adam's (tune holds it unless named in --vary).
     name: Literal["adamw", "adamw8bit", "adamw4bit"] = _f(
         "adamw", "the optimizer: adamw (torch's, fp32 or master-dtype moments), adamw8bit or adamw4bit "
         "(torchao's block-quantized moments: 2 or 1 byte a parameter instead of 8; FSDP2 only)")
-    # backends/step_in_backward.py: torchtune's optimizer in backward. The step's result is the ordinary
+    # backends/optim/step_in_backward.py: torchtune's optimizer in backward. The step's result is the ordinary
     # one, but no clip, no accumulation, no fp16 scaler (settings/rules.py says why each is refused).
     step_in_backward: bool = _f(
         False, "step each parameter as its gradient is reduced in the backward pass and free the gradient "

@@ -1,6 +1,6 @@
 """The first (or a random few) records of a run's data as the model will see them.
 
-The ranks' own code turns each record into tokens (backends/corpus.py: the format detected from the
+The ranks' own code turns each record into tokens (backends/data/corpus.py: the format detected from the
 columns, the renderer with the chat template, the tokenizer, the loss flags), so what is shown is what
 trains: the text with the template applied and special tokens visible, which tokens are under loss,
 the token count of each record, and how the records pack into the first window of data.seq_len + 1
@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from shardconsole.backends import corpus
+from shardconsole.backends.data import corpus
 from shardconsole.settings import config as C
 from shardconsole.settings.data_check import locate
 from shardconsole.settings.data_scan import text_records

@@ -18,8 +18,11 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from shardconsole.backends import checkpoints, common, failures, trainstate
-from shardconsole.backends.common import Rank
+from shardconsole.backends.checkpoint import checkpoints
+from shardconsole.backends.rank import common
+from shardconsole.backends.observe import failures
+from shardconsole.backends.engine import trainstate
+from shardconsole.backends.rank.common import Rank
 
 # A teardown after a failure gets this long; then the rank ends as __main__ would have (its report is out).
 TEARDOWN_S = 10.0

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
-from shardconsole.backends.adapters import SAVED
-from shardconsole.backends.common import Rank
+from shardconsole.backends.model.adapters import SAVED
+from shardconsole.backends.rank.common import Rank
 from shardconsole.machine.hardware import peak_tflops
 
 

@@ -17,9 +17,13 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from shardconsole.backends import (adapters, checkpoints, common, fsdp_step, hf_export, loop, lowbit_optim,
-                                   master_update, metrics, modeling, offload, offload_overlap, pinned_arena, qlora,
-                                   save_stream, step_in_backward, step_timing, trainstate)
+from shardconsole.backends.model import adapters, modeling, qlora
+from shardconsole.backends.checkpoint import checkpoints, hf_export, save_stream
+from shardconsole.backends.rank import common
+from shardconsole.backends.engine import fsdp_step, loop, trainstate
+from shardconsole.backends.optim import lowbit_optim, master_update, step_in_backward
+from shardconsole.backends.observe import metrics, step_timing
+from shardconsole.backends.offload import host_copy as offload, overlap as offload_overlap, pinned_arena
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

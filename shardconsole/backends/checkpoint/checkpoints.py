@@ -23,8 +23,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from shardconsole.backends import save_stream
-from shardconsole.backends.common import Rank
+from shardconsole.backends.checkpoint import save_stream
+from shardconsole.backends.rank.common import Rank
 # The completeness test lives beside the run folder's layout (no torch): export and the console use it too.
 from shardconsole.runlog.checkpoint_files import MANIFEST, why_incomplete  # noqa: F401  (re-exported)
 from shardconsole.settings.values import format_size
@@ -76,7 +76,7 @@ def newest_complete(r: Rank) -> Found | None:
                 why = "it holds the weights alone (train.save_final = \"model\"; export-model reads it)"
                 r.event("warning", f"skipping checkpoint {path}: {why}; trying the previous one")
                 continue
-            from shardconsole.backends import data as data_mod
+            from shardconsole.backends.data import batches as data_mod
             data_mod.check_resume(r, meta.get("data"), path)     # the data it was trained on, or a refusal
             return Found(step, path, meta)
         r.event("warning", f"skipping checkpoint {path}: {why}; trying the previous one")
@@ -140,7 +140,7 @@ def finish_checkpoint(r: Rank, step: int, meta: dict) -> Path:
     if r.rank == 0:
         tmp = partial_path(r, step)
         files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
-        from shardconsole.backends import data as data_mod
+        from shardconsole.backends.data import batches as data_mod
         manifest = {**meta, "step": step, "world": r.world, "backend": r.cfg.parallel.backend,
                     "data": data_mod.identity(r), "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))

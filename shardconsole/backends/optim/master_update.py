@@ -221,7 +221,7 @@ class RoundedAdamW(torch.optim.Optimizer):
         if not self.compile or device_type in self.compile_failed:
             return update_chunk
         if device_type == "cpu" and self.host_op:       # the host step: the C++ op (rounded_update_cpu.py), else Inductor's
-            from shardconsole.backends import rounded_update_cpu
+            from shardconsole.backends.optim import rounded_update_cpu
             built, why = rounded_update_cpu.get()
             if built is not None:
                 return rounded_update_cpu.update_chunk

@@ -76,7 +76,7 @@ class ShardArena:
 
     def __init__(self, model: torch.nn.Module, *, pin: bool, rounding: str, copy_dtype: torch.dtype | None,
                  grads_pinned: bool) -> None:
-        from shardconsole.backends.offload import fsdp_params
+        from shardconsole.backends.offload.host_copy import fsdp_params
         self.params = [fp for fp in fsdp_params(model) if fp.offload_to_cpu]
         self.state_names = STATE_NAMES[rounding]
         shard_bytes = [_aligned(fp._sharded_param_data.numel() * fp._sharded_param_data.element_size())

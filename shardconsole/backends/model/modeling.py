@@ -46,7 +46,7 @@ class RandomInit:
     """The random-init rules, one parameter at a time: normal(0, std) for matrices, ones for norm
     weights, zeros for biases, drawn from one generator per device seeded from (seed, rank). Drawing
     the same parameters in the same order gives the same values however they are materialised (a
-    whole model, or QLoRA's one decoder layer at a time, backends/qlora.py)."""
+    whole model, or QLoRA's one decoder layer at a time, backends/model/qlora.py)."""
 
     def __init__(self, std: float, seed: int, rank: int, draw_on: torch.device | None = None) -> None:
         self.std, self.seed, self.rank, self.draw_on = std, seed, rank, draw_on
@@ -56,7 +56,7 @@ class RandomInit:
     def draw_(self, name: str, p: torch.Tensor) -> None:
         local = p.to_local() if hasattr(p, "to_local") else p
         if local.numel() == 0 or ".lora_" in name or ".modules_to_save." in name:
-            return      # LoRA's own (backends/adapters.py): the base draws as without them, the same model
+            return      # LoRA's own (backends/model/adapters.py): the base draws as without them, the same model
         if "norm" in name.lower() and local.dim() == 1:
             local.fill_(1.0)
         elif name.endswith("bias"):

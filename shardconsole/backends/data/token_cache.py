@@ -26,8 +26,8 @@ from typing import Callable
 
 import numpy as np
 
-from shardconsole.backends import corpus
-from shardconsole.backends.corpus import DataError
+from shardconsole.backends.data import corpus
+from shardconsole.backends.data.corpus import DataError
 from shardconsole.settings.data_check import TOKENIZER_FILES, tokenizer_dir
 
 FORMAT_VERSION = 2     # 2: blank text records dropped, data.text_split, CSV chats as JSON strings

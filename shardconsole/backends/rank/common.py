@@ -31,9 +31,9 @@ from shardconsole.settings.schedule import lr_factor      # noqa: F401  (the loo
 from shardconsole.runlog.stream import MetricsWriter
 
 if TYPE_CHECKING:
-    from shardconsole.backends.offload import ComputeCopy
-    from shardconsole.backends.pinned_arena import ShardArena
-    from shardconsole.backends.faults import Injector
+    from shardconsole.backends.offload.host_copy import ComputeCopy
+    from shardconsole.backends.offload.pinned_arena import ShardArena
+    from shardconsole.backends.rank.faults import Injector
 
 
 @dataclass
@@ -61,7 +61,7 @@ class Rank:
     faults: "Injector" = field(default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
-        from shardconsole.backends.faults import Injector
+        from shardconsole.backends.rank.faults import Injector
         if self.faults is None:
             self.faults = Injector(self.rank)
 

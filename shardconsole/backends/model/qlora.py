@@ -1,6 +1,6 @@
 """QLoRA's frozen base (train.method = "qlora"): every decoder linear in 4-bit NF4 through bitsandbytes
 (double quantisation, bf16 compute, bf16 quant storage so both engines see bf16 tensors), on each
-rank's GPU; the adapters on top come from backends/adapters.py as for LoRA.
+rank's GPU; the adapters on top come from backends/model/adapters.py as for LoRA.
 
 The 4-bit base is replicated, not sharded: 7B is 3.8 GB in NF4, and bitsandbytes' packed weights
 and their quant states do not survive FSDP2's flat shards or ZeRO-3's partitions. FSDP2 is told to
@@ -19,7 +19,8 @@ import itertools
 import torch
 import torch.nn as nn
 
-from shardconsole.backends import adapters, common, modeling
+from shardconsole.backends.model import adapters, modeling
+from shardconsole.backends.rank import common
 
 
 def _is_quantised_linear(name: str, module: nn.Module) -> bool:

@@ -18,7 +18,8 @@ import pickle
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from shardconsole.backends import common, offload
+from shardconsole.backends.rank import common
+from shardconsole.backends.offload import host_copy as offload
 
 
 class LossScaling:

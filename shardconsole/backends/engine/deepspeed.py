@@ -26,9 +26,12 @@ import torch
 import torch._dynamo  # noqa: F401
 
 from shardconsole import ds_json
-from shardconsole.backends import adapters, common, loop, metrics, modeling, qlora, step_timing, trainstate
-from shardconsole.backends.jit_cache import clear_stale_lock, extension_dir
-from shardconsole.backends.ds_checkpoint import resume, save
+from shardconsole.backends.model import adapters, modeling, qlora
+from shardconsole.backends.rank import common
+from shardconsole.backends.engine import loop, trainstate
+from shardconsole.backends.observe import metrics, step_timing
+from shardconsole.backends.rank.jit_cache import clear_stale_lock, extension_dir
+from shardconsole.backends.engine.ds_checkpoint import resume, save
 from shardconsole.settings.models import ModelError
 
 

@@ -14,7 +14,9 @@ resume refuses a different rank count with this advice before DeepSpeed is asked
 
 from __future__ import annotations
 
-from shardconsole.backends import checkpoints, common, trainstate
+from shardconsole.backends.checkpoint import checkpoints
+from shardconsole.backends.rank import common
+from shardconsole.backends.engine import trainstate
 
 
 def save(r: common.Rank, engine, data: trainstate.Data, step: int) -> None:

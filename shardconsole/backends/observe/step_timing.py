@@ -34,7 +34,7 @@ import torch
 
 from shardconsole.machine import offload_verdict
 from shardconsole.runlog import protocol as P
-from shardconsole.backends.common import Rank
+from shardconsole.backends.rank.common import Rank
 
 MAX_PENDING = 4   # steps whose events have not completed yet; older ones are dropped, not waited for
 

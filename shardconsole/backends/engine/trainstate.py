@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardconsole.backends import data as data_mod
+from shardconsole.backends.data import batches as data_mod
 from shardconsole.runlog.runfolder import read_stop_request
 
 
@@ -100,7 +100,7 @@ class Evaluator:
 
     def run(self, model, step: int) -> None:
         from shardconsole.runlog import protocol as P
-        from shardconsole.backends import evaluation
+        from shardconsole.backends.observe import evaluation
         r = self.r
         r.phase("evaluating")      # a long eval is not a hang: the hang watch counts only "training"
         t0 = time.perf_counter()
@@ -202,7 +202,7 @@ def end_now(r, why: str) -> None:
     from shardconsole.runlog import protocol as P
     r.writer.emit(P.Failed(run=r.run_id, rank=r.rank, cause="stopped", message=f"stopped at step {r.step}: {why}",
                            exc_type="Stopped", step=r.step))
-    from shardconsole.backends.common import exit_rank
+    from shardconsole.backends.rank.common import exit_rank
     exit_rank(1)
 
 

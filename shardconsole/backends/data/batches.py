@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from shardconsole.runlog import protocol as P
-from shardconsole.backends import token_cache
-from shardconsole.backends.corpus import DOC_START, LOSS, DataError
+from shardconsole.backends.data import token_cache
+from shardconsole.backends.data.corpus import DOC_START, LOSS, DataError
 from shardconsole.settings.config import RunConfig
 
 IGNORE = -100

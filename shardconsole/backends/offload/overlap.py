@@ -43,9 +43,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from shardconsole.backends import master_update
-from shardconsole.backends.common import Rank
-from shardconsole.backends.partial_step import PartialStep
+from shardconsole.backends.optim import master_update
+from shardconsole.backends.rank.common import Rank
+from shardconsole.backends.optim.partial_step import PartialStep
 
 
 def why_not(r: Rank, optim: torch.optim.Optimizer, scaler) -> str:
@@ -79,7 +79,7 @@ class Overlap:
     they took (the part of them that ran under the backward is that less the wait)."""
 
     def __init__(self, r: Rank, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
-        from shardconsole.backends.offload import fsdp_params
+        from shardconsole.backends.offload.host_copy import fsdp_params
         from torch.distributed.fsdp import FSDPModule
         self.r, self.optim = r, optim
         self.partial = PartialStep(optim)     # the one optimizer narrowed to a unit (partial_step.py)

@@ -15,7 +15,7 @@ Where eager torch computes an element with a fused multiply-add (its vectorised 
 differ by an ulp, which picks other random bits: the same distribution, as compiled against eager.
 
 Built once per machine by torch.utils.cpp_extension.load_inline (cached in torch's extension folder,
-backends/jit_cache.py); needs a C++ compiler, which the GPU machines have (Inductor uses one). When the
+backends/rank/jit_cache.py); needs a C++ compiler, which the GPU machines have (Inductor uses one). When the
 build fails, `get()` returns None with the reason and the caller keeps the compiled update.
 """
 
@@ -126,7 +126,7 @@ def get():
         try:
             import psutil
             from torch.utils.cpp_extension import load_inline
-            from shardconsole.backends.jit_cache import clear_stale_lock
+            from shardconsole.backends.rank.jit_cache import clear_stale_lock
             # a build killed midway leaves torch's lock file, and every later load would wait on it
             clear_stale_lock(NAME, psutil.Process().create_time())
             _built["mod"] = load_inline(NAME, cpp_sources=[SOURCE], functions=["update", "round_stochastic"],

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from shardconsole.backends import save_stream
-from shardconsole.backends.common import Rank
+from shardconsole.backends.checkpoint import save_stream
+from shardconsole.backends.rank.common import Rank
 from shardconsole.settings.values import format_size
 
 # What a model folder's tokenizer may consist of (fast and slow tokenizers, chat templates); export-model

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from shardconsole.backends.partial_step import PartialStep
+from shardconsole.backends.optim.partial_step import PartialStep
 
 
 class StepInBackward:

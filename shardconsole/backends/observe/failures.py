@@ -12,8 +12,8 @@ import torch
 
 from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
-from shardconsole.backends.common import Rank
-from shardconsole.backends.metrics import LossScaleFloorError, NanLossError
+from shardconsole.backends.rank.common import Rank
+from shardconsole.backends.observe.metrics import LossScaleFloorError, NanLossError
 from shardconsole.runlog.runfolder import metrics_file_of_node
 from shardconsole.runlog.stream import MetricsWriter
 

@@ -1,0 +1,1 @@
+"""What a rank measures and reports: step and memory lines, the offload view, the held-out loss, failures."""

@@ -40,15 +40,20 @@ class StepMeter:
         rate = cfg.train.peak_tflops or (peak_tflops(torch.cuda.get_device_name(r.device)) if r.is_cuda else None)
         self.peak_flops = rate * 1e12 if rate else None
         self.loss_sum = torch.zeros((), device=r.device, dtype=torch.float32)
-        self.n = 0
+        self.n = 0                 # micro-batches since the last line: the loss is their mean
+        self.steps = 0             # optimizer steps since the last line: the figures are per step
+        self.counted_step: int | None = None
         self.t_last = time.perf_counter()
-        self.tokens_total = 0
         self.proc = psutil.Process()
 
     def add(self, loss: torch.Tensor) -> None:
+        """Once per micro-batch. With train.grad_accum = k an optimizer step is k micro-batches: the step
+        time, tokens/s and MFU are per optimizer step (r.step tells a new one from the same)."""
         self.loss_sum += loss.detach().float()   # stays on the device: no sync
         self.n += 1
-        self.tokens_total += self.tokens_per_step
+        if self.counted_step != self.r.step:
+            self.counted_step = self.r.step
+            self.steps += 1
 
     def due(self, step: int) -> bool:
         return step % self.r.cfg.train.log_every == 0 or step == self.r.cfg.train.steps
@@ -63,8 +68,7 @@ class StepMeter:
         loss = self.loss_sum.clone()
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)
         mean_loss = loss.item() / max(1, self.n) / r.world
-        steps_done = max(1, self.n)
-        dt = (now - self.t_last) / steps_done
+        dt = (now - self.t_last) / max(1, self.steps)      # the wall time of one optimizer step
         tps = self.tokens_per_step / dt if dt > 0 else 0.0
         mfu = (tps / r.world) * self.flops_per_token / self.peak_flops if self.peak_flops else None
         gn = float(grad_norm) if grad_norm is not None else None
@@ -73,9 +77,9 @@ class StepMeter:
             r.emit(P.Step(run=r.run_id, rank=0, step=step, steps=r.cfg.train.steps, loss=mean_loss, lr=lr,
                           grad_norm=gn, tokens_per_s=tps,
                           samples_per_s=self.samples_per_step / dt if dt > 0 else 0.0, step_s=dt, mfu=mfu,
-                          loss_scale=loss_scale, skipped_steps=skipped, tokens=self.tokens_total))
+                          loss_scale=loss_scale, skipped_steps=skipped, tokens=step * self.tokens_per_step))
         self.loss_sum.zero_()
-        self.n = 0
+        self.n = self.steps = 0
         self.t_last = time.perf_counter()
         return mean_loss
 

@@ -1,0 +1,47 @@
+"""The objective seam: both engines ask it for a micro-batch's loss, so SFT and preference training run on
+FSDP2 and DeepSpeed alike without either engine knowing which one it trains.
+
+`model` is what the engine calls for a forward (FSDP2's root module, DeepSpeed's engine): called as
+model(inputs, labels, positions, **kwargs), it runs modeling.CausalLMLoss.forward inside the engine's hooks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import torch
+
+from shardconsole.backends.data.batches import Batch
+
+Forward = Callable[..., Any]
+
+
+class Objective(Protocol):
+    """One training objective. `prepare` runs once before the first step of a session (a reference pass,
+    say); `micro_loss` once per micro-batch, its result goes to backward; `figures` once per step line."""
+
+    name: str
+
+    def prepare(self, model: Forward) -> None: ...
+
+    def micro_loss(self, model: Forward, batch: Batch) -> torch.Tensor: ...
+
+    def figures(self) -> dict[str, float]:
+        """What the step line adds (all ranks reduced), since the last call; {} when nothing."""
+        ...
+
+
+class NextToken:
+    """Supervised fine-tuning and pre-training: the mean next-token loss over the labelled tokens."""
+
+    name = "sft"
+
+    def prepare(self, model: Forward) -> None:
+        return None
+
+    def micro_loss(self, model: Forward, batch: Batch) -> torch.Tensor:
+        loss: torch.Tensor = model(batch.inputs, batch.labels, batch.positions)
+        return loss
+
+    def figures(self) -> dict[str, float]:
+        return {}

@@ -1,9 +1,11 @@
 """LoRA beside full fine-tuning (issue 33), with real 2-rank CPU runs on a model folder made here.
 
-One run per engine (FSDP2, DeepSpeed ZeRO-3), shared by every check of that engine:
+One run per engine (FSDP2 with lora.modules_to_save = embed_tokens, DeepSpeed ZeRO-3 with the default
+none: a frozen embedding once crashed ZeRO-3 at step 1), shared by every check of that engine:
   6 steps with an eval and a checkpoint at 3 and 6; the step-6 checkpoint is then removed and the run
   resumed from step 3, so the replayed steps 4-6 must equal the first session's (exact resume); the
-  resumed run is exported merged and as an adapter folder, and both give the run's last eval loss on
+  resumed run is exported merged and as an adapter folder by export-model, and by the run itself
+  (train.export_dir: FSDP2 as peft's adapters, ZeRO-3 merged), and all give the run's last eval loss on
   its held-out windows through transformers and peft, not through our modules.
 """
 
@@ -23,8 +25,7 @@ from tests.hf_fixtures import CORPUS, make_hf_model
 
 RUN_TIMEOUT = 600
 SETS = ["data.seq_len=32", "data.eval_fraction=0.2", "train.eval_every=3", "train.steps=6", "train.log_every=1",
-        "train.checkpoint_every=3", "train.method=lora", "lora.rank=4", "lora.modules_to_save=embed_tokens",
-        "train.peak_tflops=1"]       # an MFU on CPU: the step line's FLOPs a token read back from it
+        "train.checkpoint_every=3", "train.method=lora", "lora.rank=4", "train.peak_tflops=1"]       # an MFU on CPU: the step line's FLOPs a token read back from it
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +44,15 @@ def _sets(*sets: str) -> list[str]:
 
 
 def _lora_run(folder, name: str, *backend: str) -> SimpleNamespace:
-    run = folder.root / name
+    run, live = folder.root / name, folder.root / f"{name}-live"
     res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run),
-                       *_sets(f"model.name={folder.model}", f"data.path={folder.corpus}", *SETS, *backend),
+                       *_sets(f"model.name={folder.model}", f"data.path={folder.corpus}", f"train.export_dir={live}",
+                              *SETS, *backend),
                        timeout=RUN_TIMEOUT, env=folder.env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     first = {m.step: m.loss for m in of_kind(messages(run), "step")}
     shutil.rmtree(run / "checkpoints" / "step_00000006")         # resume from step 3, replaying 4..6
+    live.rename(folder.root / f"{name}-live-first")               # the resumed session exports there again
     res = shardconsole("resume", str(run), timeout=RUN_TIMEOUT, env=folder.env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     steps = of_kind(messages(run), "step")
@@ -58,12 +61,12 @@ def _lora_run(folder, name: str, *backend: str) -> SimpleNamespace:
     for out, extra in ((merged, []), (adapter, ["--adapter"])):
         res = shardconsole("export-model", str(run), "-o", str(out), *extra, timeout=300, env=folder.env)
         assert res.returncode == 0, res.stderr[-3000:]
-    return SimpleNamespace(run=run, first=first, replayed=replayed, merged=merged, adapter=adapter)
+    return SimpleNamespace(run=run, first=first, replayed=replayed, merged=merged, adapter=adapter, live=live)
 
 
 @pytest.fixture(scope="module")
 def fsdp(folder):
-    return _lora_run(folder, "fsdp")
+    return _lora_run(folder, "fsdp", "lora.modules_to_save=embed_tokens", "train.export_adapter=true")
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +123,19 @@ def assert_lora_run(got: SimpleNamespace, folder, monkeypatch) -> None:
     adapted = PeftModel.from_pretrained(base, got.adapter).eval()
     loss, _ = held_out_loss(got.run, folder.env, adapted)
     assert abs(loss - last.loss) < 1e-3, (loss, last.loss)
+    # the run's own export (train.export_dir), written from the live state at the last step
+    if cfg.train.export_adapter:
+        assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in got.live.iterdir()}
+        base = AutoModelForCausalLM.from_pretrained(folder.model, dtype=torch.float32)
+        live = PeftModel.from_pretrained(base, got.live).eval()
+    else:
+        live = AutoModelForCausalLM.from_pretrained(got.live, dtype=torch.float32).eval()
+        from safetensors.torch import load_file
+        ours, theirs = load_file(got.live / "model.safetensors"), load_file(got.merged / "model.safetensors")
+        assert set(ours) == set(theirs)
+        assert max((ours[k].float() - theirs[k].float()).abs().max().item() for k in ours) < 1e-6
+    loss, _ = held_out_loss(got.run, folder.env, live)
+    assert abs(loss - last.loss) < 1e-3, (loss, last.loss)
 
 
 def assert_mfu_counts_what_lora_computes(run: Path, model: Path) -> None:
@@ -134,7 +150,7 @@ def assert_mfu_counts_what_lora_computes(run: Path, model: Path) -> None:
     base = AutoModelForCausalLM.from_pretrained(model)
     n = sum(p.numel() for p in base.parameters())
     h, layers = base.config.hidden_size, base.config.num_hidden_layers
-    saved = base.config.vocab_size * h                       # embed_tokens, trained whole
+    saved = base.config.vocab_size * h if "embed_tokens" in cfg.lora.modules_to_save else 0   # trained whole
     trained, _ = get_peft_model(base, lora_config(cfg)).get_nb_trainable_parameters()
     attention = 12 * layers * h * cfg.data.seq_len
     expected, full = 4 * (n - saved) + 6 * trained + attention, 6 * n + attention

@@ -327,8 +327,9 @@ def test_the_host_step_thread_and_its_openmp_workers_yield_to_the_launching_thre
 
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())      # pytest's own (0 unless niced)
     want = max(mine, 10)
-    plan, cores, _, nice = offload_overlap._host_threads()
-    assert plan == [torch.get_num_threads()] and cores is None and nice == offload_overlap.HOST_NICE == 10
+    from shardconsole.backends.rank.knobs import Knobs
+    plan, cores, _, nice = offload_overlap._host_threads(Knobs.from_env({}))
+    assert plan == [torch.get_num_threads()] and cores is None and nice == 10
     before = set(nices())
     with ThreadPoolExecutor(1, initializer=offload_overlap._start_host_thread,
                             initargs=(2, None, nice)) as pool:

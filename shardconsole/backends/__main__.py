@@ -24,11 +24,8 @@ def main() -> None:
     t0 = time.time()
     try:
         r = common.start(args.run_dir, args.run_id)
-        if r.cfg.parallel.backend == "deepspeed":
-            from shardconsole.backends.engine import deepspeed as backend
-        else:
-            from shardconsole.backends.engine import fsdp as backend
-        backend.train(r)
+        from shardconsole.backends.engine import loop, select
+        loop.run(r, select.engine(r))
         r.phase("finished")
         common.shutdown(r)
         from shardconsole.runlog.protocol import Finished

@@ -89,7 +89,7 @@ HOST_MEMORY_MARGIN = 1.10      # the planner's host figure was within 6% of ever
 # The interface gloo and NCCL bind to on every node: chosen where the script is written, and kept in it.
 INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 SESSION_MODULE = "shardconsole.session.cluster"
-KILL_WAIT_ENV = "SHARDCONSOLE_KILL_WAIT_S"     # backends/engine/trainstate.py reads it (Slurm's KillWait)
+KILL_WAIT_ENV = "SHARDCONSOLE_KILL_WAIT_S"     # backends/rank/knobs.py reads it (Slurm's KillWait)
 
 
 def slurm_script(cfg: C.RunConfig, run_dir: str | Path, run_id: str, python: str = sys.executable,

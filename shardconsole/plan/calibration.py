@@ -3,7 +3,9 @@ a run takes, stored beside the calibration data (benchmarks/data/plan_calibratio
 
 The files, and why each one counts:
   backends/engine/fsdp.py        what FSDP2 shards, keeps gathered, prefetches; where optimizer states live
+  backends/engine/fsdp_engine.py  the FSDP2 step: gradient sync per micro-batch, the host step, the save
   backends/engine/deepspeed.py   how the ZeRO engine is built (zero.Init, z3 leaf modules, offload wiring)
+  backends/engine/ds_engine.py   deepspeed.initialize and the ZeRO step
   backends/model/modeling.py    how the model is built and which modules are gathered whole; the chunked loss
   backends/offload/host_copy.py     FSDP2's host side: compute copy, device grad norm, host step buffers
   backends/offload/pinned_arena.py  one pinned host arena for FSDP2's offloaded states (host RAM, rounding)
@@ -26,7 +28,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1]
 
-MEMORY_SOURCES = ("backends/engine/fsdp.py", "backends/engine/deepspeed.py", "backends/model/modeling.py", "backends/offload/host_copy.py",
+MEMORY_SOURCES = ("backends/engine/fsdp.py", "backends/engine/fsdp_engine.py", "backends/engine/deepspeed.py",
+                  "backends/engine/ds_engine.py", "backends/model/modeling.py", "backends/offload/host_copy.py",
                   "backends/offload/pinned_arena.py", "backends/optim/master_update.py", "backends/engine/fsdp_step.py",
                   "backends/rank/common.py", "ds_json/export.py")
 

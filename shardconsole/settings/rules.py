@@ -83,17 +83,15 @@ def _check_fsdp(cfg: RunConfig, err) -> None:
 
 
 def _check_export(cfg: RunConfig, err) -> None:
-    """train.export_dir: the live state of a full FSDP2 fine-tune; the others export from the checkpoint."""
-    if cfg.train.export_dir and cfg.train.method != "full":
-        # The live state holds peft's adapters around the base: export-model merges or saves them.
-        raise err("train", "export_dir", f"is written for full fine-tuning; with train.method = "
-                  f"\"{cfg.train.method}\" run `shardconsole export-model RUN -o DIR` (merged, or --adapter)")
-    if cfg.parallel.backend == "deepspeed":
-        if cfg.train.export_dir:
-            # DeepSpeed keeps the master weights in its optimizer partitions: the folder comes from its
-            # checkpoint, merged by zero_to_fp32 (export-model), not from the live state.
-            raise err("train", "export_dir", "is written from FSDP2 runs; for a DeepSpeed run keep "
-                      "train.save_final = \"full\" and run `shardconsole export-model RUN -o DIR`")
+    """train.export_dir: the live state, on both engines, full or LoRA (merged, or peft's adapters)."""
+    t = cfg.train
+    if t.export_adapter and t.method != "lora":
+        raise err("train", "export_adapter", f"writes a LoRA run's adapters; train.method is \"{t.method}\""
+                  + (" (QLoRA: run `shardconsole export-model RUN -o DIR --adapter`)" if t.method == "qlora" else ""))
+    if t.export_dir and t.method == "qlora":
+        # The live base is bitsandbytes' 4-bit NF4: export-model merges into the model folder's own weights.
+        raise err("train", "export_dir", "is not written from a QLoRA run's 4-bit base; leave it empty and run "
+                  "`shardconsole export-model RUN -o DIR` (merged into the model folder's weights, or --adapter)")
 
 
 def _check_deepspeed(cfg: RunConfig, err) -> None:

@@ -90,6 +90,8 @@ class TrainSettings:
     checkpoint_dir: str = _f("", "where checkpoints go (empty: <run dir>/checkpoints)")
     export_dir: str = _f("", "write the trained model as a Hugging Face folder here after the last step "
                          "(empty: no export); no checkpoint is needed for it")
+    export_adapter: bool = _f(False, "a LoRA run's train.export_dir holds peft's adapter folder instead of the "
+                              "merged model")
     export_dtype: Literal["bf16", "fp32"] | None = _f(
         None, "dtype of train.export_dir's weights (default: the master weights' own dtype, as export-model)")
     resume: bool = _f(False, "continue from the newest complete checkpoint in checkpoint_dir")

@@ -13,6 +13,7 @@ loaded with weights_only=True and an allow-list of DeepSpeed's own classes (deep
 
 from __future__ import annotations
 
+import enum
 import errno
 import json
 import os
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from shardconsole.backends.checkpoint import save_stream
 from shardconsole.backends.rank.common import Rank
+from shardconsole.backends.rank.errors import CheckpointError  # noqa: F401  (raised here; re-exported)
 # The completeness test lives beside the run folder's layout (no torch): export and the console use it too.
 from shardconsole.runlog.checkpoint_files import MANIFEST, why_incomplete  # noqa: F401  (re-exported)
 from shardconsole.settings.values import format_size
@@ -33,8 +35,16 @@ RANK_STATE_DIR = "rank_state"
 PREFIX, PARTIAL = "step_", ".partial"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names its folder."""
+# CheckpointError (a checkpoint that cannot be used; the message names its folder) lives in rank/errors.py.
+
+
+class SaveKind(enum.Enum):
+    """What a save writes. CHECKPOINT resumes (weights, optimizer, rank states); MODEL is the weights
+    alone (train.save_final = "model", or a stop short of time), which export-model reads and resume
+    passes by. An engine that cannot write the weights alone writes a checkpoint for MODEL (DeepSpeed:
+    its master weights are in the optimizer's partitions)."""
+    CHECKPOINT = "checkpoint"
+    MODEL = "model"
 
 
 @dataclass(frozen=True)
@@ -155,13 +165,13 @@ def finish_checkpoint(r: Rank, step: int, meta: dict) -> Path:
     return final
 
 
-def run_save(r: Rank, step: int, what: str, total_bytes: int, write: Callable[[Path], None],
+def run_save(r: Rank, step: int, kind: SaveKind, total_bytes: int, write: Callable[[Path], None],
              meta: dict) -> Path:
     """Every rank: one save from the .partial folder to the renamed one, with SaveProgress from rank 0
-    while it runs. `write(tmp)` writes this rank's files; `what` is "checkpoint" (resumable) or "model"
-    (the weights alone: export-model reads it, resume passes it by). A save that fails removes only its
+    while it runs. `write(tmp)` writes this rank's files; `kind` is what they hold (SaveKind). A save that fails removes only its
     own .partial folder (the last complete checkpoint is never touched: pruning follows a complete save)
     and raises DiskFullError / SaveOOMError where that is the cause."""
+    what = kind.value
     r.phase("saving checkpoint")
     training_peak, start = host_peak_bytes(), reset_host_peak()
     watch = None
@@ -178,7 +188,7 @@ def run_save(r: Rank, step: int, what: str, total_bytes: int, write: Callable[[P
             raise
         raise err from e
     seconds = watch.finish(final)
-    r.save_seconds[what] = seconds      # a stop with little time left decides from it (trainstate)
+    r.progress.save_seconds[what] = seconds      # a stop with little time left decides from it (trainstate)
     # The host peaks on every rank: training's before the save, the save's own, and the resident bytes
     # when it began (the save's rise is save_peak - start; tests/test_save_path.py and the GPU
     # benchmark read them).
@@ -267,9 +277,9 @@ def final_save_due(r: Rank) -> bool:
     return t.save_final != "none" or bool(t.checkpoint_every and t.steps % t.checkpoint_every == 0)
 
 
-def final_what(r: Rank) -> str:
+def final_what(r: Rank) -> SaveKind:
     """The final save's kind: "model" only when asked for and no periodic checkpoint falls on the last
     step (that one is resumable, as checkpoint_every promises)."""
     t = r.cfg.train
     periodic = bool(t.checkpoint_every and t.steps % t.checkpoint_every == 0)
-    return "model" if t.save_final == "model" and not periodic else "checkpoint"
+    return SaveKind.MODEL if t.save_final == "model" and not periodic else SaveKind.CHECKPOINT

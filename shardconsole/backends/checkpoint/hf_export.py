@@ -16,7 +16,9 @@ import json
 import os
 import shutil
 import struct
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO, Callable
 
 import torch
 
@@ -59,7 +61,7 @@ def hf_config(r: Rank):
     return LlamaConfig(**r.spec.config)
 
 
-def _kept_keys(config) -> set[str] | None:
+def _kept_keys(config) -> set[str]:
     """The keys the Hugging Face model saves (its state dict less the tied copies); rank 0 only."""
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
@@ -103,21 +105,50 @@ def _header(entries: list[tuple[str, tuple, torch.dtype]]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def export(r: Rank, model: torch.nn.Module, step: int) -> Path:
-    """Every rank: write train.export_dir from the trained model (FSDP2: DTensor shards). Returns it."""
+@dataclass
+class FullTensors:
+    """A trained model's tensors under the Hugging Face model's names, each gathered whole when asked:
+    `full(name)` may be a collective (FSDP2's full_tensor, ZeRO's gathers), so every rank asks for every
+    entry, in `entries` order. How an engine gathers is its own (fsdp_engine, ds_engine); the writing is
+    this module's."""
+    entries: list[tuple[str, tuple[int, ...], torch.dtype]]     # name, shape, dtype as trained
+    full: Callable[[str], torch.Tensor]
+
+
+def of_state_dict(state: dict[str, torch.Tensor]) -> FullTensors:
+    """FSDP2's state dict (DTensor shards under "lm."): gathered with full_tensor."""
+    names = [k for k in state if k.startswith(PREFIX)]
+    entries = [(k[len(PREFIX):], tuple(state[k].shape), state[k].dtype) for k in names]
+    return FullTensors(entries, lambda name: _full(state[PREFIX + name]))
+
+
+def export(r: Rank, src: FullTensors, step: int) -> Path:
+    """Every rank: write train.export_dir as a Hugging Face model folder from `src`. Returns it."""
     out = Path(r.cfg.train.export_dir).expanduser()
     dtype = export_dtype(r)
     config = hf_config(r)
-    state = model.state_dict()
-    names = [k for k in state if k.startswith(PREFIX)]
     kept = _kept_keys(config)             # on every rank: a refusal here is every rank's, before any collective
-    entries = [(k[len(PREFIX):], tuple(state[k].shape), dtype if state[k].is_floating_point() else state[k].dtype)
-               for k in names]
+    entries = [(n, shape, dtype if dt.is_floating_point else dt) for n, shape, dt in src.entries]
     missing = sorted(kept - {n for n, _, _ in entries})
     if missing:
         raise RuntimeError(f"the trained model lacks {', '.join(missing[:3])} of {type(config).__name__}")
     entries = [e for e in entries if e[0] in kept]
     total = sum(_nbytes(s, d) for _, s, d in entries)
+
+    def write(tmp: Path) -> None:
+        _write_tensors(r, src, entries, tmp)
+        if r.rank == 0:
+            _write_folder_files(r, config, dtype, tmp, step)
+
+    written_to(r, out, step, total, write)
+    if r.rank == 0:
+        r.event("exported", f"{out}: {format_size(total)} in {str(dtype).removeprefix('torch.')}")
+    return out
+
+
+def written_to(r: Rank, out: Path, step: int, total: int, write: Callable[[Path], None]) -> None:
+    """Every rank: `write(tmp)` fills a hidden folder beside `out` (rank 0 made it), renamed to `out` when
+    complete; a failure leaves no folder, and a full disk is named as one."""
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     r.phase("saving checkpoint")
     watch = None
@@ -126,14 +157,13 @@ def export(r: Rank, model: torch.nn.Module, step: int) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             watch = save_stream.SaveWatch(r, step, "export", tmp, total)
-        _write_tensors(r, state, entries, names, tmp)
+        write(tmp)
         if r.rank == 0:
-            _write_folder_files(r, config, dtype, tmp, step)
             if out.exists():
                 out.rmdir()            # refused before launch unless empty
             os.replace(tmp, out)
-            watch.finish(out)
-            r.event("exported", f"{out}: {format_size(total)} in {str(dtype).removeprefix('torch.')}")
+            if watch is not None:
+                watch.finish(out)
     except BaseException as e:
         if watch is not None:
             watch.finish()
@@ -145,25 +175,23 @@ def export(r: Rank, model: torch.nn.Module, step: int) -> Path:
                               f"{format_size(free)} free on {out.parent}") from e
         raise
     torch.distributed.barrier()
-    return out
 
 
-def _write_tensors(r: Rank, state: dict, entries: list, names: list[str], tmp: Path) -> None:
-    """All ranks gather every tensor in `names` order (the collectives must match); rank 0 writes the
-    kept ones, shard file by shard file."""
+def _write_tensors(r: Rank, src: FullTensors, entries: list, tmp: Path) -> None:
+    """All ranks gather every tensor of `src` in its order (the collectives must match); rank 0 writes
+    the kept ones (`entries`), shard file by shard file."""
     if r.rank != 0:
-        for k in names:
-            _full(state[k])
+        for name, _, _ in src.entries:
+            src.full(name)
         return
     shards = _plan(entries, MAX_SHARD_BYTES)
     files = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     where = {e[0]: (i, e[2]) for i, shard in enumerate(shards) for e in shard}
-    streams = {}
+    streams: dict[int, BinaryIO] = {}
     try:
-        for k in names:
-            t = _full(state[k])
-            name = k[len(PREFIX):]
+        for name, _, _ in src.entries:
+            t = src.full(name)
             if name not in where:
                 continue
             i, dtype = where[name]

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from shardconsole.runlog import protocol as P
+from shardconsole.backends.rank.errors import DiskFullError, SaveOOMError  # noqa: F401  (raised here; re-exported)
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 PROGRESS_EVERY_S = 1.0
@@ -125,22 +126,14 @@ class SaveWatch:
 # ---------------------------------------------------------------------------------------------------
 # A save that failed
 
-class DiskFullError(OSError):
-    """ENOSPC / EDQUOT during a save or an export (failures.classify: cause "disk_full"); reads as its
-    message alone (no "[Errno 28]")."""
-
-    def __str__(self) -> str:
-        return str(self.strerror)
-
-
-class SaveOOMError(MemoryError):
-    """The host ran out of memory during a save (failures.classify: cause "host_oom" where known)."""
+# DiskFullError (ENOSPC / EDQUOT: cause "disk_full") and SaveOOMError (cause "host_oom") live in rank/errors.py.
 
 
 def _errors_in(exc: BaseException):
     """The exception and what it wraps: DCP's CheckpointException holds each rank's failure in
     `failures` ({rank: exception or (exception, frames)}), chained ones sit in __cause__ / __context__."""
-    seen, todo = set(), [exc]
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:

@@ -281,7 +281,7 @@ def _split_notes(m: dict, d) -> list[str]:
 def make_source(r):
     """The rank's training source (r: a backends.common.Rank); rank 0 emits the data summary."""
     src, entry = _build(r.cfg, r.spec.vocab, r.spec.path, r.spec.has_tokenizer, r.rank, r.world, r.log)
-    r.data_entry, r.data_built = entry, True
+    r.data_state.entry, r.data_state.built = entry, True
     if r.rank == 0:
         s = summary(r.cfg, r.world, src, entry)
         r.emit(dataclasses.replace(s, run=r.run_id, rank=r.rank))
@@ -292,10 +292,10 @@ def make_source(r):
 
 def make_eval_source(r) -> EvalWindows | None:
     """The held-out windows of this rank, or None when there is no eval data (needs make_source first)."""
-    if not r.data_built:
-        _, r.data_entry = _build(r.cfg, r.spec.vocab, r.spec.path, r.spec.has_tokenizer, r.rank, r.world, r.log)
-        r.data_built = True
-    entry = r.data_entry
+    if not r.data_state.built:
+        _, r.data_state.entry = _build(r.cfg, r.spec.vocab, r.spec.path, r.spec.has_tokenizer, r.rank, r.world, r.log)
+        r.data_state.built = True
+    entry = r.data_state.entry
     if entry is None or entry.eval is None or len(entry.eval.ids) < 2:
         return None
     return EvalWindows(entry.eval.ids, entry.eval.flags, r.cfg.data.seq_len, r.rank, r.world,
@@ -313,7 +313,7 @@ def next_batch(source, micro_batch: int, device: torch.device) -> Batch:
 def identity(r) -> dict | None:
     """What a checkpoint records of its data: the file's content hash, its record count and the token
     cache key (the tokenizer, seq_len, split and format settings). None: synthetic tokens or a token file."""
-    entry = r.data_entry
+    entry = r.data_state.entry
     if entry is None:
         return None
     m = entry.meta
@@ -341,7 +341,7 @@ def check_resume(r, saved: dict | None, checkpoint: Path) -> None:
     if not r.cfg.data.allow_changed:
         raise DataError(f"[data] path: {now['path']}: {what}; resume on the data the checkpoint was trained on, "
                         f"or --set data.allow_changed=true to go on from the start of an epoch of the new data")
-    r.data_changed = True
+    r.data_state.changed = True
     if r.rank == 0:
         r.event("warning", f"data: {now['path']}: {what}; data.allow_changed: going on from the start of an "
                            f"epoch of the new data")

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from shardconsole.settings.data_check import locate
+from shardconsole.backends.rank.errors import DataError  # noqa: F401  (raised here; re-exported)
 from shardconsole.settings.data_scan import FORMATS, ROLES, SHAREGPT_ROLES, ScanError  # noqa: F401 (re-exported)
 from shardconsole.settings import data_scan
 PLAIN_TEMPLATE_NAME = "shardconsole-plain"
@@ -38,8 +39,7 @@ LOSS, DOC_START = 1, 2
 BYTES_EOS = 0
 
 
-class DataError(ValueError):
-    pass
+# DataError lives in rank/errors.py (cause "config_error").
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -128,7 +128,7 @@ class Renderer:
         self.template = own if isinstance(own, str) and own else PLAIN_TEMPLATE
         self.template_name = ("tokenizer's chat template" if self.template is own else PLAIN_TEMPLATE_NAME) \
             if fmt in ("chat", "alpaca") else ""
-        self._jinja = None
+        self._jinja: Any = None       # jinja2's sandboxed Template, made on first use
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         if self.tok is not None:

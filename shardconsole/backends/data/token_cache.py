@@ -171,7 +171,10 @@ def open_entry(d, seed: int, model_path: str | None, has_tokenizer: bool, vocab:
         ids = np.memmap(folder / f"{name}.ids", dtype=dtype, mode="r", shape=(n,))
         flags = np.memmap(folder / f"{name}.flags", dtype=np.uint8, mode="r", shape=(n,))
         return Split(ids, flags, info["records"])
-    return Entry(folder, meta, split("train"), split("eval"), built)
+    train = split("train")
+    if train is None:       # written by every build: a cache entry edited by hand
+        raise DataError(f"{folder}: a token cache entry without its train split; remove the folder to rebuild it")
+    return Entry(folder, meta, train, split("eval"), built)
 
 
 class _Writer:

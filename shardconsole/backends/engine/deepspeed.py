@@ -1,10 +1,5 @@
-"""The DeepSpeed ZeRO rank: build ops, build the model, deepspeed.initialize, train, log, checkpoint.
-Reads top to bottom like fsdp.py; one optimizer step is the inner loop of `train`.
-
-The ds_config comes from shardconsole.ds_json.to_ds_config, the same function behind `shardconsole
-export --format deepspeed`, so the exported file is the config the run used. What each setting maps to
-is written there. The loop owns the learning-rate schedule (common.lr_factor, as in fsdp.py) and sets
-the rate on the optimizer's param groups before each step.
+"""The DeepSpeed ZeRO rank's environment, ops and model: the engine that trains it (deepspeed.initialize,
+steps, saves, resumes, exports) is ds_engine.py.
 
 Stage 3 builds the model under deepspeed.zero.Init: each decoder module is partitioned as soon as it is
 constructed, so no rank ever holds the whole model. Random init then fills each rank's partitions in
@@ -15,9 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 import re
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -25,13 +20,9 @@ import torch
 # "TypeError: Signature mismatch between ... new_tensor ... and ... tensor_pynew" (docs/MEASURED.md).
 import torch._dynamo  # noqa: F401
 
-from shardconsole import ds_json
 from shardconsole.backends.model import adapters, modeling, qlora
 from shardconsole.backends.rank import common
-from shardconsole.backends.engine import loop, trainstate
-from shardconsole.backends.observe import metrics, step_timing
 from shardconsole.backends.rank.jit_cache import clear_stale_lock, extension_dir
-from shardconsole.backends.engine.ds_checkpoint import resume, save
 from shardconsole.settings.models import ModelError
 
 
@@ -100,7 +91,7 @@ def skip_shm_comm_op() -> None:
     # Not `import deepspeed.comm.torch`: deepspeed.comm's attribute `torch` is the torch package.
     ds_torch = importlib.import_module("deepspeed.comm.torch")
     if hasattr(ds_torch, "build_shm_op"):
-        ds_torch.build_shm_op = lambda: None
+        setattr(ds_torch, "build_shm_op", lambda: None)
 
 
 def build_ops(r: common.Rank, ds_cfg: dict) -> None:
@@ -189,7 +180,7 @@ class _Weights:
     and torch.load(mmap=True) map the files), so rank 0 never holds the whole model either."""
 
     def __init__(self, folder: Path) -> None:
-        self.handles: dict[Path, object] = {}
+        self.handles: dict[Path, Any] = {}
         self.where: dict[str, Path] = {}
         for f in _weight_files(folder):
             if f.suffix == ".safetensors":
@@ -215,6 +206,7 @@ def load_pretrained_partitions(r: common.Rank, model: modeling.CausalLMLoss) -> 
     params = dict(model.lm.named_parameters())
     # Every rank opens the index (no tensor is read), so a folder that lacks weights fails everywhere
     # at once instead of leaving ranks 1.. waiting in the first gather.
+    assert r.spec.path is not None      # a folder with weights: build() loads partitions only then
     weights = _Weights(Path(r.spec.path))
     missing = sorted(set(params) - set(weights.where))
     if missing:
@@ -320,6 +312,12 @@ def build(r: common.Rank, ds_cfg: dict) -> modeling.CausalLMLoss:
         adapters.inject(lm, cfg)
         adapters.init_adapters_(model, cfg.train.seed, r.rank)
         r.log(f"{cfg.train.method}: {adapters.count_line(model)}")
+        if cfg.deepspeed.stage == 3:
+            # With a frozen embedding the first decoder layer's input needs no gradient, so ZeRO-3's
+            # backward hook on that layer never fires and its partitions are used ungathered ("size of
+            # tensor a (0) must match"); an embedding output that asks for a gradient fires it (transformers'
+            # own remedy for frozen bases, as with peft and activation checkpointing).
+            lm.enable_input_require_grads()
     per_layer = cfg.compiles_layers
     if cfg.deepspeed.stage == 3 and cfg.deepspeed.stage3_layer_gather:
         # Hooks on the decoder layer only, none on its Linears and norms: ZeRO-3 fetches the whole layer
@@ -347,87 +345,3 @@ def loss_scale(engine) -> float | None:
     scfg = getattr(opt, "loss_scale_config", None)
     value = scfg.cur_scale if scfg is not None else getattr(opt, "cur_scale", None)
     return float(value) if value is not None else None
-
-
-# ---------------------------------------------------------------------------------------------------
-# Training
-
-def train(r: common.Rank) -> None:
-    cfg = r.cfg
-    # DeepSpeed 0.19 calls these deprecated torch names on every ZeRO collective: one warning line per
-    # step in each rank's log, with nothing for the user to do.
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
-    prepare_env(r)
-    ds_cfg = ds_json.to_ds_config(cfg, device=r.device.type)
-    import deepspeed
-    with loop.ending(r) as held:
-        build_ops(r, ds_cfg)        # the process group, then DeepSpeed's on it
-        stop = trainstate.StopRequest(r)
-        if cfg.precision.dtype == "fp16" and not r.is_cuda:
-            allow_cpu_fp16(r)
-        if cfg.precision.master_dtype == "bf16" and cfg.precision.master_rounding != "nearest" and r.rank == 0:
-            r.event("warning", f"precision.master_rounding = {cfg.precision.master_rounding!r} is applied by the "
-                    "FSDP2 backend's AdamW; DeepSpeed's bf16 masters round to nearest (updates below bf16's "
-                    "resolution are lost)")
-        model = build(r, ds_cfg)
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=adapters.trained_params(model),
-                                                 config=ds_cfg)
-        held.append(engine.destroy)
-        _train(r, engine, model, stop)
-
-
-def _train(r: common.Rank, engine, model, stop: trainstate.StopRequest) -> None:
-    cfg, t = r.cfg, r.cfg.train
-    # zero.Init (stage 3) and the engine's module.half()/bfloat16() (stages 0-2) cast the rotary
-    # frequencies to the compute dtype; rebuilt in fp32 they match the FSDP backend's (and the model's).
-    modeling.reset_buffers_(model, modeling.hf_config(r.spec, cfg), r.device)
-    if t.compile and not cfg.compiles_layers:
-        # Stage 3 with hooks inside each layer: DeepSpeed's own torch.compile integration (docs/MEASURED.md
-        # measured it slower than eager on one H200; kept because the setting asks for it).
-        engine.compile()
-        r.event("info", "train.compile with deepspeed.stage3_layer_gather = false: engine.compile() "
-                        "(DeepSpeed's torch.compile integration, slower than compiling each layer)")
-    data = trainstate.Data(r)                  # before resume: resume moves it to the checkpoint's position
-    tail = loop.Tail(r, stop, trainstate.Evaluator(r), engine, lambda step: save(r, engine, data, step))
-    start_step = resume(r, engine, data) if t.resume else 0
-    meter = metrics.StepMeter(r, engine.module)
-    fp16 = cfg.precision.dtype == "fp16"
-    timing = step_timing.StepTiming(r)        # the offload view (offloaded runs)
-    step_timing.instrument_deepspeed(engine, timing)
-    if r.faults.active:         # test faults, hooked on the engine (faults.py)
-        r.faults.install(r, engine, model)
-    r.phase("training")
-    stop.start_round()
-    for step in range(start_step + 1, t.steps + 1):
-        r.step = step
-        timing.start()
-        lr = t.lr * common.lr_factor(cfg, step)
-        for group in engine.optimizer.param_groups:
-            group["lr"] = lr
-        for _ in range(t.grad_accum):
-            batch = data.next()
-            loss = engine(batch.inputs, batch.labels, batch.positions)
-            meter.add(loss)
-            engine.backward(loss)        # DeepSpeed divides by grad_accum and applies the loss scale
-            timing.compute_done()
-            try:
-                with timing.host_step():
-                    engine.step()        # an optimizer step only at the accumulation boundary
-            except Exception as e:
-                if "loss scale already at minimum" in str(e):
-                    raise metrics.LossScaleFloorError(
-                        f"fp16 overflow at the minimum loss scale "
-                        f"({cfg.precision.fp16_value('min_loss_scale')}) at step {step}") from e
-                raise
-        timing.end()
-        if fp16 and not engine.was_step_applied():
-            r.event("overflow", f"step {step} skipped: gradient overflow in fp16; loss scale now "
-                                f"{loss_scale(engine):g}")
-        if meter.due(step):
-            mean = meter.report(step, lr, engine.get_global_grad_norm(), loss_scale(engine) if fp16 else None,
-                                engine.skipped_steps)
-            metrics.check_loss(r, mean, step)
-            timing.report(step)
-        tail.after_step(step)
-    tail.after_last_step(start_step)

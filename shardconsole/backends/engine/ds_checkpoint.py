@@ -30,7 +30,7 @@ def save(r: common.Rank, engine, data: trainstate.Data, step: int) -> None:
                                exclude_frozen_parameters=r.cfg.adapters)
         checkpoints.write_rank_state(tmp, r.rank, {"rng": trainstate.rng_state(r.device)})
 
-    checkpoints.run_save(r, step, "checkpoint", _estimated_bytes(r, engine), write,
+    checkpoints.run_save(r, step, checkpoints.SaveKind.CHECKPOINT, _estimated_bytes(r, engine), write,
                          {"samples_consumed": data.samples})
     if step < r.cfg.train.steps:
         r.phase("training")

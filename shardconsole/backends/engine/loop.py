@@ -1,64 +1,93 @@
-"""What both engines do after each optimizer step and after the last one, written once.
+"""The training loop of both engines, written once, and how it ends.
 
-An engine's loop owns its step (forward, backward, the optimizer) and its step line (the figures
-differ: FSDP2's clip and scaler, DeepSpeed's engine); the tail is the same for both:
+`run` drives an Engine (contract.py) from start to the last step: the engine owns its step (forward,
+backward, the optimizer: the figures differ, FSDP2's clip and scaler, DeepSpeed's engine); the loop owns
+the order, the step line and the tail of each step, the same for both:
     empty the CUDA cache when due -> evaluate when due -> a stop agreed by every rank saves and ends
     -> a periodic checkpoint when due -> the next stop round
-and after the last step the final save. `save(step)` is the engine's checkpoint writer.
-`ending` is how both engines' train end, however they end (torchtitan's main closes in a finally).
+and after the last step the final save and the export. `ending` is how a run ends however it ends
+(torchtitan's main closes in a finally).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from shardconsole.backends.checkpoint import checkpoints
-from shardconsole.backends.rank import common
-from shardconsole.backends.observe import failures
 from shardconsole.backends.engine import trainstate
+from shardconsole.backends.checkpoint.checkpoints import SaveKind
+from shardconsole.backends.engine.contract import Engine
+from shardconsole.backends.observe import failures, metrics
+from shardconsole.backends.rank import common
 from shardconsole.backends.rank.common import Rank
 
 # A teardown after a failure gets this long; then the rank ends as __main__ would have (its report is out).
 TEARDOWN_S = 10.0
 
 
-@dataclass
+def run(r: Rank, engine: Engine) -> None:
+    """One session of a run, from the process group to the export; released however it ends."""
+    t = r.cfg.train
+    with ending(r) as held:
+        engine.start()
+        held.append(engine.release)
+        # After the process group (its stop rounds are collectives), before the model: a stop while
+        # the model loads ends the rank at once (trainstate.StopRequest).
+        stop = trainstate.StopRequest(r)
+        data = trainstate.Data(r)       # before the load: a resume moves it to the checkpoint's position
+        engine.build(data)
+        start_step = engine.load() if t.resume else 0
+        engine.ready()
+        engine.objective.prepare(engine.module)
+        meter = metrics.StepMeter(r, engine.module)
+        tail = Tail(r, stop, engine)
+        r.phase("training")
+        stop.start_round()
+        for step in range(start_step + 1, t.steps + 1):
+            r.progress.step = step
+            lr = t.lr * common.lr_factor(r.cfg, step)
+            engine.step(step, lr, meter)
+            if meter.due(step):
+                figures = engine.figures()
+                mean = meter.report(step, lr, figures.grad_norm, figures.loss_scale, figures.skipped)
+                metrics.check_loss(r, mean, step)
+                engine.after_line(step, figures)
+            tail.after_step(step)
+        tail.after_last_step(start_step)
+
+
 class Tail:
-    r: Rank
-    stop: trainstate.StopRequest
-    evaluator: trainstate.Evaluator
-    evaluated: object                       # what the evaluator runs: the model, or DeepSpeed's engine
-    save: Callable[..., None]               # save(step[, what]): writes the checkpoint of a step
-    export: Callable[[int], None] | None = None     # writes train.export_dir from the trained state
+    """What follows each optimizer step and the last one, for every engine."""
+
+    def __init__(self, r: Rank, stop: trainstate.StopRequest, engine: Engine) -> None:
+        self.r, self.stop, self.engine = r, stop, engine
 
     def after_step(self, step: int) -> None:
         cfg = self.r.cfg
         every = cfg.memory.empty_cache_every
         if every and self.r.is_cuda and step % every == 0:
             torch.cuda.empty_cache()
-        if self.evaluator.due(step):
-            self.evaluator.run(self.evaluated, step)
+        self.engine.evaluate(step)
         if self.stop.agreed():
-            trainstate.stop_with_save(self.r, self.stop,
-                                      lambda what: self.save(step) if what == "checkpoint" else self.save(step, what))
+            trainstate.stop_with_save(self.r, self.stop, lambda kind: self.engine.save(step, kind))
         if checkpoints.save_due(self.r, step):
-            self.save(step)
+            self.engine.save(step, SaveKind.CHECKPOINT)
         self.stop.start_round()
 
     def after_last_step(self, start_step: int) -> None:
-        """The final save, unless this session trained no step (a resume of a finished run)."""
+        """The final save and the export, unless this session trained no step (a resume of a finished run)."""
         steps = self.r.cfg.train.steps
-        if checkpoints.final_save_due(self.r) and start_step < steps:
-            what = checkpoints.final_what(self.r)
-            self.save(steps, what) if what != "checkpoint" else self.save(steps)
-        if self.export is not None and self.r.cfg.train.export_dir and start_step < steps:
-            self.export(steps)
+        if start_step >= steps:
+            return
+        if checkpoints.final_save_due(self.r):
+            self.engine.save(steps, checkpoints.final_what(self.r))
+        if self.r.cfg.train.export_dir:
+            self.engine.export(steps)
 
 
 @contextlib.contextmanager

@@ -18,13 +18,17 @@ import random
 import signal
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from shardconsole.backends.data import batches as data_mod
+from shardconsole.backends.rank.errors import Stopped  # noqa: F401  (raised here; re-exported)
 from shardconsole.runlog.runfolder import read_stop_request
+from shardconsole.backends.checkpoint.checkpoints import SaveKind
+from shardconsole.backends.rank.common import Rank
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -74,7 +78,7 @@ class Data:
         self.samples = 0
 
     def seek(self, samples: int) -> None:
-        if self.r.data_changed:      # resumed on other data (data.allow_changed)
+        if self.r.data_state.changed:      # resumed on other data (data.allow_changed)
             samples = data_mod.epoch_start(self.source, samples)
         self.samples = samples
         self.source.seek(samples)
@@ -106,7 +110,7 @@ class Evaluator:
         t0 = time.perf_counter()
         loss, tokens = evaluation.evaluate(model, self.source, r.cfg.train.micro_batch, r.device)
         if r.rank == 0:
-            r.emit(P.Eval(run=r.run_id, rank=0, step=step, loss=float(loss), tokens=int(tokens),
+            r.emit(P.Eval(run=r.run_id, rank=0, step=step, loss=None if loss is None else float(loss), tokens=int(tokens),
                           seconds=time.perf_counter() - t0))
         r.phase("training")
 
@@ -193,8 +197,7 @@ class StopRequest:
         return bool(int(self.buf.item()))
 
 
-class Stopped(Exception):
-    """The run was asked to stop (failures.classify: cause "stopped")."""
+# Stopped (the run was asked to stop: cause "stopped") lives in rank/errors.py.
 
 
 def end_now(r, why: str) -> None:
@@ -210,17 +213,11 @@ def _launcher_grace_s(r) -> float:
     """Seconds the launcher waits after forwarding SIGTERM before it SIGKILLs the ranks: torchrun's
     --shutdown-timeout / TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30 s by default); the deepspeed launcher's
     terminate_process_tree waits a fixed 30 s."""
-    if r.cfg.parallel.launcher == "torchrun":
-        try:
-            return float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
-        except ValueError:
-            return 30.0
-    return 30.0
+    return r.knobs.launcher_grace_s if r.cfg.parallel.launcher == "torchrun" else 30.0
 
 
 # Slurm's KillWait, which the batch script exports: a plain scancel SIGTERMs every process and SIGKILLs
 # them this long after, whatever torchrun's shutdown timeout says.
-KILL_WAIT_ENV = "SHARDCONSOLE_KILL_WAIT_S"
 SAVE_MARGIN = 1.25          # a save's time varies from one to the next (the page cache, a shared disk)
 MODEL_SHARE = 1 / 3         # FSDP2's weights alone against weights + AdamW's two moments (one dtype)
 _WHAT = ("checkpoint", "model", "")
@@ -229,10 +226,7 @@ _WHAT = ("checkpoint", "model", "")
 def _time_left(r, stop: StopRequest) -> tuple[float, str]:
     """(seconds before the SIGKILL, counted from the stop's first signal; what sets them)."""
     grace, source = _launcher_grace_s(r), "the launcher's shutdown timeout"
-    try:
-        kill_wait = float(os.environ.get(KILL_WAIT_ENV) or "nan")
-    except ValueError:
-        kill_wait = float("nan")
+    kill_wait = float("nan") if r.knobs.kill_wait_s is None else r.knobs.kill_wait_s
     if stop.by_signal and kill_wait < grace:          # nan compares False: not under Slurm
         grace, source = kill_wait, f"Slurm's KillWait ({kill_wait:.0f}s: a plain scancel)"
     elapsed = time.monotonic() - stop.first_at if stop.first_at is not None else 0.0
@@ -242,7 +236,7 @@ def _time_left(r, stop: StopRequest) -> tuple[float, str]:
 def _what_fits(r, budget: float, source: str) -> tuple[str, str]:
     """The largest save this run's last one says fits the budget: "checkpoint", "model" (FSDP2's
     weights alone) or "" (none), and why it is not the checkpoint. Unmeasured: the checkpoint is tried."""
-    full = r.save_seconds.get("checkpoint")
+    full = r.progress.save_seconds.get("checkpoint")
     if full is None or full * SAVE_MARGIN <= budget:
         return "checkpoint", ""
     why = f"{source} leaves {max(0.0, budget):.0f}s and this run's last checkpoint took {full:.1f}s to save"
@@ -251,11 +245,11 @@ def _what_fits(r, budget: float, source: str) -> tuple[str, str]:
     return "", why
 
 
-def stop_with_save(r, stop: StopRequest, save) -> None:
+def stop_with_save(r: Rank, stop: StopRequest, save: Callable[[SaveKind], None]) -> None:
     """Every rank at the same step boundary: save (unless train.save_on_stop is off), bounded by
     train.stop_save_timeout_s and by what the launcher (or Slurm's KillWait) allows, then raise Stopped.
-    save(what): "checkpoint", or "model" for the weights alone when the checkpoint would not fit; rank
-    0 decides, so that every rank writes the same save."""
+    save(kind): a checkpoint, or the weights alone (SaveKind.MODEL) when the checkpoint would not fit;
+    rank 0 decides, so that every rank writes the same save."""
     t = r.cfg.train
     if not t.save_on_stop or stop.skip_save:
         raise Stopped(f"stopped at step {r.step} without a save (train.save_on_stop = false)")
@@ -276,7 +270,7 @@ def stop_with_save(r, stop: StopRequest, save) -> None:
     timer.daemon = True
     timer.start()
     try:
-        save(what)
+        save(SaveKind(what))
     finally:
         timer.cancel()
     if what == "model":

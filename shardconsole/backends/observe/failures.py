@@ -13,7 +13,9 @@ import torch
 from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
 from shardconsole.backends.rank.common import Rank
-from shardconsole.backends.observe.metrics import LossScaleFloorError, NanLossError
+from shardconsole.backends.rank.errors import RankFailure, Stopped
+from shardconsole.backends.rank.knobs import KnobError, Knobs
+from shardconsole.settings.models import ModelError
 from shardconsole.runlog.runfolder import metrics_file_of_node
 from shardconsole.runlog.stream import MetricsWriter
 
@@ -23,27 +25,14 @@ from shardconsole.runlog.stream import MetricsWriter
 def classify(exc: BaseException) -> tuple[str, str]:
     """(cause, hint) for a failure inside a rank."""
     text = f"{type(exc).__name__}: {exc}"
-    if type(exc).__name__ == "Stopped":
-        if os.environ.get("SLURM_JOB_ID"):      # a Slurm job's script resumes when it is submitted again
-            return "stopped", "continue it with `sbatch` of the same script, or `shardconsole resume RUN_DIR --slurm`"
-        return "stopped", "continue it with `shardconsole resume RUN_DIR`"
-    if type(exc).__name__ == "CheckpointError":
-        return "config_error", ("move that folder away to resume from the one before it, or set "
-                                "train.resume = false")
-    if type(exc).__name__ == "DiskFullError":
-        return "disk_full", ("free space there, lower train.keep_checkpoints, set train.save_final = \"model\" "
-                             "(weights only), or point train.checkpoint_dir elsewhere; then `shardconsole "
-                             "resume RUN` continues from the last complete checkpoint")
-    if type(exc).__name__ == "SaveOOMError":
-        return "host_oom", "the save needs the host memory of its largest tensor beside training's"
+    if isinstance(exc, Stopped) and os.environ.get("SLURM_JOB_ID"):   # Slurm's script resumes when submitted again
+        return "stopped", "continue it with `sbatch` of the same script, or `shardconsole resume RUN_DIR --slurm`"
+    if isinstance(exc, RankFailure):
+        return exc.cause, exc.hint
     if isinstance(exc, torch.OutOfMemoryError) or "CUDA out of memory" in text:
         return "gpu_oom", ("lower train.micro_batch, turn on memory.activation_checkpointing, "
                            "or offload (fsdp.cpu_offload / deepspeed.offload_optimizer)")
-    if isinstance(exc, NanLossError):
-        return "nan_loss", ("lower train.lr, keep train.clip_grad_norm on, or use precision.dtype = \"bf16\"")
-    if isinstance(exc, LossScaleFloorError):
-        return "loss_scale_floor", "fp16 overflows every step: use bf16, lower train.lr, or raise clipping"
-    if isinstance(exc, (C.ConfigError,)) or type(exc).__name__ in ("DataError", "ModelError"):
+    if isinstance(exc, (C.ConfigError, ModelError, KnobError)):
         return "config_error", ""
     if "Watchdog" in text or "timed out" in text.lower() or "Timeout" in type(exc).__name__:
         if not _on_nccl():      # gloo (CPU ranks): no NCCL setting helps
@@ -54,6 +43,14 @@ def classify(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, FileNotFoundError):
         return "config_error", ""
     return "crash", ""
+
+
+def _knobs_or_defaults() -> Knobs:
+    """The rank's environment when the failure came before its Rank (a bad knob among them: then rank 0's)."""
+    try:
+        return Knobs.from_env()
+    except KnobError:
+        return Knobs()
 
 
 def _on_nccl() -> bool:
@@ -91,9 +88,9 @@ def report_failure(r: Rank | None, exc: BaseException, run_dir: Path, run_id: st
     # A stop is not a crash: no traceback in the report.
     tb = "" if cause == "stopped" else "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     print(tb, file=sys.stderr, flush=True)
-    rank = r.rank if r else int(os.environ.get("RANK", "0"))
-    writer = r.writer if r else MetricsWriter(run_dir / metrics_file_of_node(int(os.environ.get("GROUP_RANK", "0") or 0)),
-                                               run_id, rank)
+    knobs = r.knobs if r else _knobs_or_defaults()
+    rank = knobs.rank
+    writer = r.writer if r else MetricsWriter(run_dir / metrics_file_of_node(knobs.node), run_id, rank)
     message = str(exc).splitlines()[0][:600] if str(exc) else type(exc).__name__
     if cause == "gpu_oom":
         try:

@@ -15,15 +15,11 @@ from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
 from shardconsole.backends.model.adapters import SAVED
 from shardconsole.backends.rank.common import Rank
+from shardconsole.backends.rank.errors import LossScaleFloorError, NanLossError  # noqa: F401  (re-exported)
 from shardconsole.machine.hardware import peak_tflops
 
 
-class NanLossError(RuntimeError):
-    pass
-
-
-class LossScaleFloorError(RuntimeError):
-    pass
+# NanLossError and LossScaleFloorError live in rank/errors.py, with their cause and hint.
 
 
 # Metrics
@@ -149,7 +145,7 @@ class PhaseTimes:
     Synchronizing removes the overlap between phases, so the step is slower while this is on."""
 
     def __init__(self, r: Rank) -> None:
-        self.on = os.environ.get("SHARDCONSOLE_PHASE_TIMES") == "1" and r.rank == 0
+        self.on = r.knobs.phase_times and r.rank == 0
         self.r = r
         self.sums: dict[str, float] = {}
         self.count = 0

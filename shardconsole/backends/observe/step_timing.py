@@ -27,6 +27,7 @@ CPU ranks (no CUDA) time the same phases by wall clock; there are no copies to t
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 import os
 import time
 
@@ -88,9 +89,11 @@ def _costed(method):
 
 
 class StepTiming:
-    def __init__(self, r: Rank) -> None:
+    def __init__(self, r: Rank, arena: Any = None) -> None:
+        """`arena`: FSDP2's host arena (offload/pinned_arena.ShardArena) when the engine built one."""
         self.r = r
-        self.on = offloaded(r.cfg) and os.environ.get("SHARDCONSOLE_OFFLOAD_VIEW", "on") != "off"
+        self.arena = arena
+        self.on = offloaded(r.cfg) and r.knobs.offload_view
         self.cuda = r.is_cuda
         self.knobs = knobs(r.cfg)
         self.cur: _Step | None = None
@@ -183,7 +186,7 @@ class StepTiming:
             run=self.r.run_id, rank=self.r.rank, step=step, steps=n,
             clock="cuda_events" if self.cuda else "wall_clock", step_s=self.sums["wall"] / n, gpu_s=gpu,
             host_step_s=host, h2d_s=h2d, d2h_s=d2h, h2d_bytes=self.bytes["h2d"] // n,
-            d2h_bytes=self.bytes["d2h"] // n, pinned_bytes=_pinned_bytes(self.r), verdict=verdict, hint=hint,
+            d2h_bytes=self.bytes["d2h"] // n, pinned_bytes=_pinned_bytes(self.r, self.arena), verdict=verdict, hint=hint,
             view_s=self.view_cost / n, overlap=self.overlap,
             host_hidden_s=self.sums["hidden"] / n if self.overlapped_steps else None))
         self._reset_sums()
@@ -258,7 +261,7 @@ def _done(s: _Step) -> bool:
     return all(e.query() for e in events)
 
 
-def _pinned_bytes(r: Rank) -> int | None:
+def _pinned_bytes(r: Rank, shard_arena: Any) -> int | None:
     """This rank's page-locked host memory. CUDA pins through its driver (cudaHostAlloc for torch's
     pinned cache, cudaHostRegister for the host arena), which Linux does not count in VmLck: on the
     H200 VmLck read 0 while the arena held 37.6 GiB pinned. So: the arena's region when it is pinned,
@@ -268,7 +271,6 @@ def _pinned_bytes(r: Rank) -> int | None:
     if not r.is_cuda:
         return total
     total = total or 0
-    shard_arena = r.arena
     arena = getattr(shard_arena, "arena", None)
     if arena is not None and arena.pinned:
         total += arena.nbytes
@@ -344,7 +346,7 @@ def _hook_wrapper(inner, timing: StepTiming, unit: dict):
     return hook
 
 
-def _timed(cls: type) -> type:
+def _timed(cls: Any) -> type:
     """A subclass of (possibly already replaced) FSDPParam class `cls` that marks the copies."""
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
     base_inputs, base_to_dtensor = cls.all_gather_inputs, cls.to_sharded_dtensor

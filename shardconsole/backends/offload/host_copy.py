@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -48,7 +50,7 @@ def fsdp_params(model: torch.nn.Module) -> list:
     return out
 
 
-def _shadowed(cls: type) -> type:
+def _shadowed(cls: Any) -> type:
     """A subclass of torch's FSDPParam whose all-gather input, when sharded, is the host copy in the
     compute dtype (moved to the GPU without blocking, from pinned memory) instead of the fp32 shard."""
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState

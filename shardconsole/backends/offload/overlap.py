@@ -45,6 +45,8 @@ import torch
 
 from shardconsole.backends.optim import master_update
 from shardconsole.backends.rank.common import Rank
+from shardconsole.backends.rank.knobs import Knobs
+from shardconsole.backends.offload.host_copy import ComputeCopy
 from shardconsole.backends.optim.partial_step import PartialStep
 
 
@@ -78,7 +80,8 @@ class Overlap:
     """Arms each step's last backward; `finish` waits for the units' steps and returns the host seconds
     they took (the part of them that ran under the backward is that less the wait)."""
 
-    def __init__(self, r: Rank, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+    def __init__(self, r: Rank, model: torch.nn.Module, optim: torch.optim.Optimizer,
+                 compute_copy: ComputeCopy | None = None) -> None:
         from shardconsole.backends.offload.host_copy import fsdp_params
         from torch.distributed.fsdp import FSDPModule
         self.r, self.optim = r, optim
@@ -88,20 +91,20 @@ class Overlap:
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 for group in _param_groups(m._get_fsdp_state()):
-                    unit = _Unit(group, in_optim, r.compute_copy)
+                    unit = _Unit(group, in_optim, compute_copy)
                     if unit.params:
                         self.units.append(unit)
                         group.post_backward = self._wrap(group.post_backward, unit)
         covered = {id(p) for u in self.units for p in u.params}
         # A parameter outside every unit would be stepped by nobody: the plain step then (never seen).
         self.complete = covered == in_optim and len(fsdp_params(model)) > 0
-        self.plan, cores, switch_s, self.nice = _host_threads()
+        self.plan, cores, switch_s, self.nice = _host_threads(r.knobs)
         self.threads = self.step_threads = self.plan[0]
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="host-step",
                                        initializer=_start_host_thread, initargs=(self.threads, cores, self.nice))
         if switch_s:
             sys.setswitchinterval(switch_s)
-        self.blocking = os.environ.get("SHARDCONSOLE_OVERLAP_SPIN", "") != "1"
+        self.blocking = not r.knobs.overlap_spin
         # RoundedAdamW's host update is torch.compile'd at its first call: that step runs plain, so Dynamo
         # and Inductor compile on the main thread, and the host thread only calls the compiled code.
         self.cold = isinstance(optim, master_update.RoundedAdamW) and optim.compile
@@ -167,22 +170,20 @@ def _param_groups(state) -> list:
     return [group] if group is not None else []
 
 
-HOST_NICE = 10      # the host step yields a core to the launching thread (module docstring)
 
 
-def _host_threads() -> tuple[list[int], list[int] | None, float, int]:
+def _host_threads(knobs: Knobs) -> tuple[list[int], list[int] | None, float, int]:
     """(the host step's OpenMP threads, one count or a benchmark's sweep of one a step; the cores its
     thread is held to or None; the interpreter's GIL switch interval to set or 0; the nice value of the
     host thread and its OpenMP workers, 0 = the rank's). Every core at HOST_NICE by default;
     SHARDCONSOLE_OVERLAP_THREADS (N or N,M,...), _PIN=1, _SWITCH_S and _NICE=N are the benchmarks'
     knobs for the contention with the thread that launches the backward."""
     allowed = sorted(os.sched_getaffinity(0))
-    asked = [int(v) for v in os.environ.get("SHARDCONSOLE_OVERLAP_THREADS", "").split(",") if v.strip()]
+    asked = list(knobs.overlap_threads)
     plan = [max(1, min(n, len(allowed))) for n in asked or [torch.get_num_threads()]]
     threads = max(plan)
-    cores = allowed[-threads:] if os.environ.get("SHARDCONSOLE_OVERLAP_PIN", "") == "1" and threads < len(allowed) else None
-    return (plan, cores, float(os.environ.get("SHARDCONSOLE_OVERLAP_SWITCH_S", "0") or 0),
-            int(os.environ.get("SHARDCONSOLE_OVERLAP_NICE", str(HOST_NICE)) or 0))
+    cores = allowed[-threads:] if knobs.overlap_pin and threads < len(allowed) else None
+    return plan, cores, knobs.overlap_switch_s, knobs.overlap_nice
 
 
 def _start_host_thread(threads: int, cores: list[int] | None, nice: int = 0) -> None:
@@ -211,7 +212,8 @@ def _landed(group, blocking: bool = True) -> list:
     return [s.record_event(torch.cuda.Event(blocking=blocking)) for s in streams.values()]
 
 
-def make(r: Rank, model: torch.nn.Module, optim: torch.optim.Optimizer, scaler) -> tuple[Overlap | None, str]:
+def make(r: Rank, model: torch.nn.Module, optim: torch.optim.Optimizer, scaler,
+         compute_copy: ComputeCopy | None = None) -> tuple[Overlap | None, str]:
     """(the overlap or None, why not). Said once: on, or why off, when the run offloads."""
     reason = why_not(r, optim, scaler)
     if not r.cfg.fsdp.cpu_offload:
@@ -221,7 +223,7 @@ def make(r: Rank, model: torch.nn.Module, optim: torch.optim.Optimizer, scaler) 
     if reason:
         r.event("info", f"fsdp.offload_overlap: the host step runs after the backward, {reason[5:]}")
         return None, reason
-    overlap = Overlap(r, model, optim)
+    overlap = Overlap(r, model, optim, compute_copy)
     if not overlap.complete:
         overlap.close()
         return None, "off: some trained parameters are in no FSDP2 unit"

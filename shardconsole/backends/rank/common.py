@@ -14,7 +14,7 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,22 +23,39 @@ import torch.distributed as dist
 
 from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
-from shardconsole.machine.doctor_verdict import P2P_NOTE_ENV
 from shardconsole.machine.hardware import allocator_limit_bytes
 from shardconsole.runlog.runfolder import LOGS_DIR, PRESET_FILE, metrics_file_of_node
 from shardconsole.settings.models import ModelSpec, resolve
 from shardconsole.settings.schedule import lr_factor      # noqa: F401  (the loops call common.lr_factor; torch-free for resume's line)
 from shardconsole.runlog.stream import MetricsWriter
+from shardconsole.backends.rank.faults import Injector
+from shardconsole.backends.rank.knobs import Knobs
 
-if TYPE_CHECKING:
-    from shardconsole.backends.offload.host_copy import ComputeCopy
-    from shardconsole.backends.offload.pinned_arena import ShardArena
-    from shardconsole.backends.rank.faults import Injector
 
 
 @dataclass
+class Progress:
+    """What changes in a rank as it runs: the step, the phase, and each save kind's last duration (a stop
+    with little time left decides from it)."""
+    step: int = 0
+    phase: str = "starting"
+    save_seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class DataState:
+    """The token cache's entry of the run's data (None for synthetic data; `built` tells it from "not yet"),
+    and whether a resume runs on other data than the checkpoint's (data.allow_changed)."""
+    entry: Any = None
+    built: bool = False
+    changed: bool = False
+
+
+@dataclass(frozen=True)
 class Rank:
-    """One rank's view of the run: who it is, where it computes, where it reports."""
+    """One rank's view of the run, fixed at start: who it is, where it computes, where it reports, what the
+    environment asked of it. What changes as it runs is in `progress` and `data_state`; what an engine builds
+    (model, optimizer, host arena) is the engine's (engine/contract.py), never the rank's."""
     cfg: C.RunConfig
     run_dir: Path
     run_id: str
@@ -48,22 +65,22 @@ class Rank:
     device: torch.device
     writer: MetricsWriter
     spec: ModelSpec
-    step: int = 0
-    current_phase: str = "starting"
-    # What the rank built that later parts read: FSDP2's host arena and compute copy (offload), and
-    # the token cache's entry of the data (None for synthetic data; data_built tells it from "not yet").
-    arena: "ShardArena | None" = None
-    compute_copy: "ComputeCopy | None" = None
-    data_entry: object = None
-    data_built: bool = False
-    data_changed: bool = False     # resumed on other data than the checkpoint's (data.allow_changed)
-    save_seconds: dict = field(default_factory=dict)   # what ("checkpoint", "model") -> its last save's s
-    faults: "Injector" = field(default=None)  # type: ignore[assignment]
+    knobs: Knobs = field(default_factory=Knobs)
+    faults: Injector = field(default=None)  # type: ignore[assignment]
+    progress: Progress = field(default_factory=Progress)
+    data_state: DataState = field(default_factory=DataState)
 
     def __post_init__(self) -> None:
-        from shardconsole.backends.rank.faults import Injector
         if self.faults is None:
-            self.faults = Injector(self.rank)
+            object.__setattr__(self, "faults", Injector(self.rank, self.knobs.faults))
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    @property
+    def current_phase(self) -> str:
+        return self.progress.phase
 
     @property
     def is_cuda(self) -> bool:
@@ -80,7 +97,7 @@ class Rank:
 
     def phase(self, name: str) -> None:
         assert name in P.PHASES, name
-        self.current_phase = name
+        self.progress.phase = name
         self.event("phase", name)
 
     def log(self, text: str) -> None:
@@ -116,20 +133,17 @@ def _serve_flight_recorder(run_dir: Path, rank: int) -> None:
 
 
 def start(run_dir: Path, run_id: str) -> Rank:
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    knobs = Knobs.from_env()
+    rank, local_rank, world = knobs.rank, knobs.local_rank, knobs.world
     _redirect_output(run_dir, rank)
     # SIGUSR1 dumps every thread's Python stack into the rank's log: the front end uses it to say
     # where each rank is stuck when a run hangs.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     _serve_flight_recorder(run_dir, rank)
-    # SHARDCONSOLE_STREAM=off: the same rank with no metrics written (benchmarks/overhead.py measures
-    # what the stream costs against this).
-    stream_on = os.environ.get("SHARDCONSOLE_STREAM", "on") != "off"
-    # GROUP_RANK: torchrun's node rank. Each node's ranks append to a file of their own (runfolder.py).
-    stream_file = metrics_file_of_node(int(os.environ.get("GROUP_RANK", "0") or 0))
-    writer = MetricsWriter(run_dir / stream_file if stream_on else None, run_id, rank)
+    # Each node's ranks append to a file of their own (runfolder.py); no stream at all for the benchmark
+    # that measures what the stream costs (benchmarks/overhead.py).
+    stream_file = metrics_file_of_node(knobs.node)
+    writer = MetricsWriter(run_dir / stream_file if knobs.stream else None, run_id, rank)
     cfg = C.load(run_dir / PRESET_FILE)
     spec = resolve(cfg.model.name)
     use_cuda = cfg.parallel.device == "cuda" or (cfg.parallel.device == "auto" and torch.cuda.is_available())
@@ -138,7 +152,7 @@ def start(run_dir: Path, run_id: str) -> Rank:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    r = Rank(cfg, run_dir, run_id, rank, local_rank, world, device, writer, spec)
+    r = Rank(cfg, run_dir, run_id, rank, local_rank, world, device, writer, spec, knobs)
     gpu_name = torch.cuda.get_device_name(device) if use_cuda else None
     uuid = None
     if use_cuda:
@@ -150,8 +164,8 @@ def start(run_dir: Path, run_id: str) -> Rank:
                    pid=os.getpid(), device=str(device), gpu_name=gpu_name, gpu_uuid=uuid,
                    backend=cfg.parallel.backend, n_params=spec.n_params))
     r.phase("starting")
-    if rank == 0 and os.environ.get(P2P_NOTE_ENV):     # the launch turned NCCL's P2P off: say why
-        r.event("info", os.environ[P2P_NOTE_ENV])
+    if rank == 0 and knobs.p2p_note:     # the launch turned NCCL's P2P off: say why
+        r.event("info", knobs.p2p_note)
     limit = cfg.gpu_memory_limit_bytes
     if use_cuda and limit:
         # The cap is a card of that size, the whole device (issue 34): the allocator gets what such a

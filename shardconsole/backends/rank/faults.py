@@ -49,9 +49,9 @@ def parse(text: str) -> list[Fault]:
 
 
 class Injector:
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, spec: str = "") -> None:
         self.rank = rank
-        self.faults = parse(os.environ.get("SHARDCONSOLE_FAULT", ""))
+        self.faults = parse(spec)       # SHARDCONSOLE_FAULT, read by knobs.Knobs
         self.active = bool(self.faults)
 
     def _hit(self, kind: str, step: int | None = None) -> bool:

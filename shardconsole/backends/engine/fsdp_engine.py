@@ -1,0 +1,179 @@
+"""The FSDP2 engine (contract.Engine): builds with fsdp.py, steps, saves DCP checkpoints, resumes, exports.
+One optimizer step reads top to bottom in `step`."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+
+from shardconsole.backends.checkpoint import checkpoints, hf_export, lora_export, save_stream
+from shardconsole.backends.checkpoint.checkpoints import SaveKind
+from shardconsole.backends.engine import fsdp, fsdp_step, trainstate
+from shardconsole.backends.engine.contract import LineFigures
+from shardconsole.backends.model import adapters
+from shardconsole.backends.objective.base import Objective
+from shardconsole.backends.observe import metrics, step_timing
+from shardconsole.backends.observe.metrics import StepMeter
+from shardconsole.backends.offload import overlap as offload_overlap
+from shardconsole.backends.optim import lowbit_optim, step_in_backward
+from shardconsole.backends.rank import common
+from shardconsole.backends.rank.common import Rank
+
+
+class FsdpEngine:
+    def __init__(self, r: Rank, objective: Objective) -> None:
+        self.r, self.objective = r, objective
+        self.built: fsdp.Built | None = None
+
+    # -- the contract's parts, in the loop's order --------------------------------------------------
+
+    def start(self) -> None:
+        common.init_process_group(self.r)
+
+    def build(self, data: trainstate.Data) -> None:
+        r = self.r
+        self.data = data
+        self.built = fsdp.build(r)
+        self.model = self.built.model
+        self.optim = fsdp.make_optimizer(r, self.model)
+        if self.built.arena is not None:
+            self.built.arena.place_states(self.optim)    # Adam's states in the host arena before the first step
+        self.scaling = fsdp_step.LossScaling(r)
+        self.evaluator = trainstate.Evaluator(r)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.model
+
+    def ready(self) -> None:
+        r, cfg = self.r, self.r.cfg
+        self.clip: Callable[[], Any] = fsdp_step.Clip(r, self.model, self.optim, self.scaling, fsdp.reduce_dtype(cfg))
+        # optim.step_in_backward: each parameter steps as FSDP2 reduces its gradient (no clip, no scaler)
+        self.in_backward = step_in_backward.attach(r, self.optim, adapters.trained_params(self.model))
+        if r.faults.active:     # test faults, wrapped around the model, the unscale and the clip (faults.py)
+            self.clip = r.faults.install_fsdp(r, self.model, self.scaling, self.clip)
+        self.floor = metrics.ScaleFloorWatch(cfg)
+        self.phases = metrics.PhaseTimes(r)
+        # the offload view (offloaded runs); after Clip's hooks
+        self.timing = step_timing.StepTiming(r, self.built.arena if self.built else None)
+        step_timing.instrument_fsdp(self.model, self.timing)
+        copy = self.built.compute_copy if self.built else None
+        self.overlap, self.timing.overlap = offload_overlap.make(r, self.model, self.optim, self.scaling.scaler, copy)
+        self.grad_norm: torch.Tensor | float | None = None
+
+    def step(self, step: int, lr: float, meter: StepMeter) -> None:
+        t = self.r.cfg.train
+        model, optim, scaling, phases, timing = self.model, self.optim, self.scaling, self.phases, self.timing
+        phases.start()
+        timing.start()
+        lowbit_optim.set_lr(optim, lr)
+        for micro in range(t.grad_accum):
+            batch = self.data.next()
+            # Reduce-scatter gradients only on the last micro-batch (fewer collectives, more memory).
+            model.set_requires_gradient_sync(micro == t.grad_accum - 1)
+            loss = self.objective.micro_loss(model, batch)
+            meter.add(loss)
+            phases.mark("forward")
+            if self.overlap is not None and micro == t.grad_accum - 1:
+                self.overlap.arm(step)     # each unit's host step starts as its gradients land (offload_overlap)
+            scaling.backward(loss / t.grad_accum)
+            phases.mark("backward")
+        timing.compute_done()
+        with timing.host_step():
+            self.grad_norm = None
+            if self.overlap is not None and self.overlap.armed:
+                timing.overlapped(self.overlap.finish())     # no clip, no scaler (offload_overlap.why_not)
+            else:
+                if self.in_backward is None:
+                    scaling.unscale(optim)
+                    self.grad_norm = self.clip()
+                    phases.mark("clip")
+                    scaling.step(optim)
+                    phases.mark("step")
+                else:
+                    self.in_backward.check_stepped()
+                self._refresh_compute_copy()     # (the overlap refreshes each unit's copy after its step)
+        optim.zero_grad(set_to_none=True)
+        phases.mark("copy+zero")
+        timing.end()
+
+    def figures(self) -> LineFigures:
+        norm = self.grad_norm
+        full = norm.full_tensor() if norm is not None and hasattr(norm, "full_tensor") else norm
+        return LineFigures(grad_norm=full, loss_scale=self.scaling.value(),
+                           skipped=self.scaling.skipped_since_last_line())
+
+    def after_line(self, step: int, figures: LineFigures) -> None:
+        self.floor.check(step, figures.loss_scale, figures.skipped)
+        self.phases.report(step)
+        self.timing.report(step)
+
+    def evaluate(self, step: int) -> None:
+        if self.evaluator.due(step):
+            self.evaluator.run(self.model, step)
+
+    def save(self, step: int, kind: SaveKind) -> None:
+        """DCP's format, written by save_stream.StreamingWriter: one tensor copied at a time, never the
+        rank's whole state (DCP's own writer holds a copy of every tensor until the file closes)."""
+        r = self.r
+        state = {"model": fsdp._model_state(r, self.model), "step": torch.tensor(step)}
+        if kind is SaveKind.CHECKPOINT:
+            state["optim"] = get_optimizer_state_dict(self.model, self.optim)
+
+        def write(tmp) -> None:
+            dcp.save(state, storage_writer=save_stream.StreamingWriter(tmp))
+            checkpoints.write_rank_state(tmp, r.rank, {"rng": trainstate.rng_state(r.device),
+                                                       "scaler": self.scaling.state()})
+
+        checkpoints.run_save(r, step, kind, fsdp._state_bytes(r, state), write,
+                             {"samples_consumed": self.data.samples})
+        if step < r.cfg.train.steps:
+            r.phase("training")
+
+    def load(self) -> int:
+        """The newest complete checkpoint (any world size: DCP reshards); 0 when there is none."""
+        r = self.r
+        checkpoints.remove_partials(r)
+        found = checkpoints.newest_complete(r)
+        if found is None:
+            r.event("info", f"no checkpoint in {r.checkpoint_dir()}: starting from step 0")
+            return 0
+        state = {"model": fsdp._model_state(r, self.model), "optim": get_optimizer_state_dict(self.model, self.optim),
+                 "step": torch.tensor(0)}
+        try:
+            dcp.load(state, storage_reader=fsdp_step.SafeReader(str(found.path)),
+                     planner=fsdp_step.safe_load_planner())
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:   # DCP's CheckpointException (a BaseException) wraps each rank's error
+            raise checkpoints.CheckpointError(f"{found.path}: cannot be read as an FSDP2 checkpoint: "
+                                              f"{fsdp._first_cause(e)}") from e
+        set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=not r.cfg.adapters))
+        set_optimizer_state_dict(self.model, self.optim, state["optim"])
+        if self.built is not None and self.built.arena is not None:
+            self.built.arena.place_states(self.optim)      # where DCP's load left them, if not in place
+        self._refresh_compute_copy()
+        step = int(state["step"])
+        fsdp._restore_rank_state(r, found, self.scaling)
+        self.data.seek(int(found.meta.get("samples_consumed", step * self.data.samples_per_step)))
+        r.event("info", f"resumed from {found.path} (step {step})")
+        return step
+
+    def export(self, step: int) -> None:
+        src = hf_export.of_state_dict(self.model.state_dict())
+        if self.r.cfg.adapters:
+            lora_export.export(self.r, src, step)
+        else:
+            hf_export.export(self.r, src, step)
+
+    def release(self) -> None:
+        """The host arena and the compute copy (the model and optimizer end with this object)."""
+        self.built = None
+
+    def _refresh_compute_copy(self) -> None:
+        if self.built is not None and self.built.compute_copy is not None:
+            self.built.compute_copy.refresh()

@@ -124,6 +124,7 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
     if cfg.train.steps <= newest:
         raise C.ConfigError(f"{folder.path}: its newest checkpoint is step {newest} and train.steps is "
                             f"{cfg.train.steps}: nothing left to train; add --set train.steps=N with N > {newest}")
+    _check_export_dir(cfg, resolved.origin("train", "export_dir"))
     cfg.train.resume = True
     if check is not None:
         check(cfg, str(folder.preset))
@@ -131,6 +132,17 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
     shutil.copy2(folder.preset, prev)
     C.save(cfg, folder.preset)
     return cfg
+
+
+def _check_export_dir(cfg: C.RunConfig, source: str) -> None:
+    """train.export_dir is written again at the resumed run's end, and the export never overwrites: a
+    folder the earlier session filled failed the run then, after its training (refused now instead)."""
+    text = cfg.train.export_dir
+    path = Path(text).expanduser() if text else None
+    if path is not None and path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise C.ConfigError(f"{path} already holds files (the earlier session's export?) and the export never "
+                            f"overwrites: add --set train.export_dir=NEW_FOLDER, or --set train.export_dir= for none",
+                            source=source, table="train", key="export_dir")
 
 
 class EarlierPart:

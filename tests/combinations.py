@@ -85,7 +85,14 @@ class Combo:
         s["train.grad_accum"] = rng.choice((1, 2))
         s["train.steps"] = rng.choice(STEPS)
         s["train.checkpoint_every"] = rng.choice((0, EVERY))
-        return cls(tuple(s.items()), export=rng.random() < 0.5, resume=rng.random() < 0.3)
+        export = rng.random() < 0.5
+        if export:
+            # merged or peft's adapters (train.export_adapter), at a dtype of the table's or the default
+            s["train.export_adapter"] = pick("train.export_adapter")
+            dtype = rng.choice([*allowed("train.export_dtype"), None])
+            if dtype is not None:
+                s["train.export_dtype"] = dtype
+        return cls(tuple(s.items()), export=export, resume=rng.random() < 0.3)
 
     def get(self, key: str, default: Any = None) -> Any:
         return dict(self.sets_).get(key, default)
@@ -110,7 +117,8 @@ class Combo:
                  "precision.dtype": "dtype=", "optim.name": "", "train.grad_accum": "accum=",
                  "train.steps": "steps=", "train.checkpoint_every": "every=",
                  "deepspeed.offload_optimizer": "offopt=", "deepspeed.offload_param": "offparam=",
-                 "fsdp.cpu_offload": "offload=", "memory.activation_checkpointing": "ac="}
+                 "fsdp.cpu_offload": "offload=", "memory.activation_checkpointing": "ac=",
+                 "train.export_adapter": "adapter=", "train.export_dtype": "export_dtype="}
         parts = [f"{short.get(k, k + '=')}{_text(v)}" for k, v in self.sets_]
         return "-".join(parts + (["export"] if self.export else []) + (["resume"] if self.resume else []))
 

@@ -101,26 +101,34 @@ def test_a_refused_combination_stops_before_any_rank(index, matrix, tmp_path):
         assert "train.method" in line or "[train] method" in line, line
 
 
-def _final_step_folder(run: Path, steps: int) -> Path:
-    return run / "checkpoints" / f"step_{steps:08d}"
-
-
 def assert_saves(combo: Combo, run: Path, steps: int, why: str, start: int = 0) -> None:
-    """The checkpoints the settings promise, complete, each of the kind it should be."""
-    from shardconsole.runlog.checkpoint_files import MANIFEST, why_incomplete
+    """The checkpoints the settings promise, complete, each of the kind it should be: a periodic one and
+    a final "full" one resume; a final "model" one may be the weights alone (an engine that keeps its
+    masters in the optimizer's partitions writes a checkpoint for it)."""
+    from shardconsole.runlog.checkpoint_files import why_incomplete
     every, final = combo.get("train.checkpoint_every"), combo.get("train.save_final")
     periodic_last = bool(every) and steps % every == 0
     for step in range(start + 1, steps):
         if every and step % every == 0:
-            folder = _final_step_folder(run, step)
+            folder = _step_folder(run, step)
             assert why_incomplete(folder, combo.backend) is None, f"step {step}: {why_incomplete(folder, combo.backend)}{why}"
-    folder = _final_step_folder(run, steps)
+            assert _what(folder) == "checkpoint", f"step {step}: {_what(folder)}{why}"
+    folder = _step_folder(run, steps)
     if final == "none" and not periodic_last:
         assert not folder.exists(), f"a final save with save_final=none{why}"
         return
     assert why_incomplete(folder, combo.backend) is None, f"final: {why_incomplete(folder, combo.backend)}{why}"
-    what = json.loads((folder / MANIFEST).read_text()).get("what", "checkpoint")
-    assert what == ("model" if final == "model" and not periodic_last else "checkpoint"), f"{what}{why}"
+    kinds = {"checkpoint", "model"} if final == "model" and not periodic_last else {"checkpoint"}
+    assert _what(folder) in kinds, f"final save is a {_what(folder)!r}, not {kinds}{why}"
+
+
+def _step_folder(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step_{step:08d}"
+
+
+def _what(folder: Path) -> str:
+    from shardconsole.runlog.checkpoint_files import MANIFEST
+    return str(json.loads((folder / MANIFEST).read_text()).get("what", "checkpoint"))
 
 
 def assert_export_loads(folder: Path, why: str) -> None:
@@ -140,13 +148,9 @@ def assert_export_loads(folder: Path, why: str) -> None:
     assert torch.isfinite(logits).all(), f"non-finite logits from the export{why}"
 
 
-def _resumable_steps(combo: Combo, steps: int) -> list[int]:
-    """Steps holding a checkpoint the ranks can resume from (a "model" save is not one)."""
-    every, final = combo.get("train.checkpoint_every"), combo.get("train.save_final")
-    out = [s for s in range(1, steps + 1) if every and s % every == 0]
-    if final == "full":
-        out.append(steps)
-    return sorted(set(out))
+def _resumable_steps(run: Path, steps: int) -> list[int]:
+    """Steps holding a complete checkpoint the ranks resume from (a weights-alone save is not one)."""
+    return [s for s in range(1, steps + 1) if _step_folder(run, s).is_dir() and _what(_step_folder(run, s)) != "model"]
 
 
 def _resume(combo: Combo, m: SimpleNamespace, run: Path, why: str) -> None:
@@ -154,8 +158,12 @@ def _resume(combo: Combo, m: SimpleNamespace, run: Path, why: str) -> None:
     resume is refused before launch in one line."""
     steps = combo.get("train.steps")
     before = len(of_kind(messages(run), "hello"))
-    res = shardconsole("resume", str(run), "--set", f"train.steps={steps + 2}", timeout=RUN_TIMEOUT, env=m.env)
-    resumable = _resumable_steps(combo, steps)
+    resumable = _resumable_steps(run, steps)
+    # the export never overwrites the first session's folder: a resume names a new one (refused otherwise:
+    # test_a_resume_onto_the_earlier_export_folder_is_refused_before_launch)
+    again = ["--set", f"train.export_dir={run}-export2"] if combo.export else []
+    res = shardconsole("resume", str(run), "--set", f"train.steps={steps + 2}", *again, timeout=RUN_TIMEOUT,
+                       env=m.env)
     if res.returncode == 2 or not resumable:
         # nothing to continue from (no save, or weights alone): refused, never a restart from step 0
         assert_refused_before_launch_of_resume(res, run, before, why)
@@ -166,6 +174,8 @@ def _resume(combo: Combo, m: SimpleNamespace, run: Path, why: str) -> None:
     start = resumable[-1] if resumable else 0
     assert second and second[0] == start + 1 and second[-1] == steps + 2, f"resumed steps {second}{why}"
     assert_saves(combo, run, steps + 2, why, start=start)
+    if combo.export:
+        assert_export_loads(Path(f"{run}-export2"), why)
 
 
 def assert_refused_before_launch_of_resume(res, run: Path, hellos_before: int, why: str) -> None:
@@ -233,3 +243,18 @@ def test_resume_of_a_weights_only_save_is_refused_not_restarted(matrix, tmp_path
     res = shardconsole("resume", str(run), "--set", "train.steps=4", timeout=RUN_TIMEOUT, env=matrix.env)
     assert_refused_before_launch_of_resume(res, run, hellos, "")
     assert "weights alone" in res.stderr and "export-model" in res.stderr, res.stderr
+
+
+@pytest.mark.slow
+def test_a_resume_onto_the_earlier_export_folder_is_refused_before_launch(matrix, tmp_path):
+    """The resumed run writes train.export_dir again at its end, and the export never overwrites: the run
+    trained, saved, then failed on the first session's folder ("Directory not empty")."""
+    run, export = tmp_path / "run", tmp_path / "export"
+    sets = [*BASE, *matrix.paths, "train.steps=2", f"train.export_dir={export}"]
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run),
+                       *[a for s in sets for a in ("--set", s)], timeout=RUN_TIMEOUT, env=matrix.env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    hellos = len(of_kind(messages(run), "hello"))
+    res = shardconsole("resume", str(run), "--set", "train.steps=3", timeout=RUN_TIMEOUT, env=matrix.env)
+    assert_refused_before_launch_of_resume(res, run, hellos, "")
+    assert "[train] export_dir" in res.stderr and "train.export_dir=NEW_FOLDER" in res.stderr, res.stderr

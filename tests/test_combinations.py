@@ -26,7 +26,7 @@ from tests.combinations import SEED, SEED_ENV, Combo, predicted_refusal, sample
 from tests.conftest import messages, of_kind, shardconsole
 
 RUNS = int(os.environ.get("SHARDCONSOLE_MATRIX_RUNS", "16"))
-REFUSALS = int(os.environ.get("SHARDCONSOLE_MATRIX_REFUSALS", "12"))
+REFUSALS = int(os.environ.get("SHARDCONSOLE_MATRIX_REFUSALS", "24"))
 RUN_TIMEOUT = 600        # a cold machine builds DeepSpeed's CPUAdam inside its first offloaded run
 # What every point shares: the paths are added per session (the model folder is made here).
 BASE = ["data.seq_len=16", "train.micro_batch=1", "train.log_every=1", "train.warmup_steps=0"]
@@ -77,7 +77,7 @@ def test_every_refusal_resolve_makes_is_one_line_naming_its_key():
     from shardconsole.settings import config as C
     from shardconsole.settings import resolve as settings
     rng, counts = random.Random(SEED), {"accepted": 0, "refused": 0}
-    for _ in range(600):
+    for _ in range(300):
         combo = Combo.draw(rng)
         try:
             settings.resolve("tiny-cpu", settings.from_cli([*BASE, *combo.sets()]))
@@ -97,8 +97,8 @@ def test_a_refused_combination_stops_before_any_rank(index, matrix, tmp_path):
     res = shardconsole(*_argv(combo, matrix, run), timeout=120, env=matrix.env)
     line = assert_refused_before_launch(res, run, _repeat(combo, matrix, f"refused{index}"))
     assert line == f"shardconsole: error: {predicted}", _repeat(combo, matrix, f"refused{index}")
-    if combo.get("train.method") == "qlora":
-        assert "train.method" in line or "[train] method" in line, line
+    if combo.get("train.method") == "qlora":      # CUDA-only: refused on CPU, for that or a QLoRA rule
+        assert "qlora" in line.lower(), line
 
 
 def assert_saves(combo: Combo, run: Path, steps: int, why: str, start: int = 0) -> None:

@@ -83,6 +83,8 @@ class Combo:
         s["precision.dtype"] = "bf16" if s["precision.master_dtype"] == "bf16" else pick("precision.dtype")
         s["optim.name"] = pick("optim.name")
         s["memory.activation_checkpointing"] = pick("memory.activation_checkpointing")
+        if s["memory.activation_checkpointing"]:
+            s["memory.checkpoint_policy"] = pick("memory.checkpoint_policy")
         s["train.grad_accum"] = rng.choice((1, 2))
         s["train.steps"] = rng.choice(STEPS)
         s["train.checkpoint_every"] = rng.choice((0, EVERY))
@@ -118,7 +120,7 @@ class Combo:
                  "precision.dtype": "dtype=", "optim.name": "", "train.grad_accum": "accum=",
                  "train.steps": "steps=", "train.checkpoint_every": "every=",
                  "deepspeed.offload_optimizer": "offopt=", "deepspeed.offload_param": "offparam=",
-                 "fsdp.cpu_offload": "offload=", "memory.activation_checkpointing": "ac=",
+                 "fsdp.cpu_offload": "offload=", "memory.activation_checkpointing": "ac=", "memory.checkpoint_policy": "",
                  "train.export_adapter": "adapter=", "train.export_dtype": "export_dtype="}
         parts = [f"{short.get(k, k + '=')}{_text(v)}" for k, v in self.sets_]
         return "-".join(parts + (["export"] if self.export else []) + (["resume"] if self.resume else []))

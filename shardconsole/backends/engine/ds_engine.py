@@ -21,7 +21,7 @@ from shardconsole.backends.checkpoint.hf_export import FullTensors
 from shardconsole.backends.engine import deepspeed as ds, ds_checkpoint, trainstate
 from shardconsole.backends.engine.contract import LineFigures
 from shardconsole.backends.model import adapters, modeling
-from shardconsole.backends.objective.base import Objective
+from shardconsole.backends.objective.base import Forward, Objective
 from shardconsole.backends.observe import metrics, step_timing
 from shardconsole.backends.observe.metrics import StepMeter
 from shardconsole.backends.rank.common import Rank
@@ -70,6 +70,11 @@ class DeepSpeedEngine:
     def module(self) -> torch.nn.Module:
         module: torch.nn.Module = self.engine.module
         return module
+
+    @property
+    def forward(self) -> Forward:
+        forward: Forward = self.engine
+        return forward
 
     def load(self) -> int:
         return ds_checkpoint.resume(self.r, self.engine, self.data)

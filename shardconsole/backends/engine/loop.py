@@ -41,9 +41,10 @@ def run(r: Rank, engine: Engine) -> None:
         stop = trainstate.StopRequest(r)
         data = trainstate.Data(r)       # before the load: a resume moves it to the checkpoint's position
         engine.build(data)
+        # Before the load: full DPO's reference log-probs are the starting weights' (cached after a first pass).
+        engine.objective.prepare(engine.forward)
         start_step = engine.load() if t.resume else 0
         engine.ready()
-        engine.objective.prepare(engine.module)
         meter = metrics.StepMeter(r, engine.module)
         tail = Tail(r, stop, engine)
         r.phase("training")

@@ -27,6 +27,12 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_report_header(config) -> str:
+    """The combination matrix's seed (tests/test_combinations.py), so a CI log names the sample it ran."""
+    from tests.combinations import SEED, SEED_ENV
+    return f"combination matrix: {SEED_ENV}={SEED}"
+
+
 @pytest.fixture(autouse=True)
 def _user_presets(tmp_path_factory, monkeypatch):
     """Never read or write the real user's presets folder."""

@@ -50,6 +50,20 @@ def check_qlora(r: Resolved, gpu_count: int) -> None:
                       "'shardconsole[qlora]' (or use method = \"lora\")")
 
 
+def check_nvme_offload(r: Resolved) -> None:
+    """deepspeed offload to "nvme" swaps through DeepSpeed's async I/O op, which links libaio: without the
+    library on this machine the op can neither be built nor loaded, and the ranks would refuse it only
+    after they started. Found as `shardconsole doctor` finds it, without importing DeepSpeed."""
+    d = r.cfg.deepspeed
+    if r.cfg.parallel.backend != "deepspeed" or "nvme" not in (d.offload_optimizer, d.offload_param):
+        return
+    import ctypes.util
+    if ctypes.util.find_library("aio") is None:
+        key = "offload_optimizer" if d.offload_optimizer == "nvme" else "offload_param"
+        raise r.error("deepspeed", key, "\"nvme\" needs DeepSpeed's async I/O op, which needs libaio, and this "
+                      "machine has none (apt install libaio-dev): use \"cpu\"")
+
+
 def check_model(r: Resolved, *, weights: bool = True) -> ModelSpec:
     """The model as the ranks will build it: a catalog size, or a folder transformers can build that
     holds weights (weights=False: the shape is enough, as for a plan)."""
@@ -326,6 +340,7 @@ def check_launch(r: Resolved, *, gpu_count: int | None) -> list[str]:
     """Every check that stops a launch here except the host RAM (the console asks, --headless refuses
     unless --force). gpu_count None: not known yet (not checked). Returns the warnings."""
     warnings = check_gpus(r, gpu_count) if gpu_count is not None else []
+    check_nvme_offload(r)
     check_model(r)
     check_data(r)
     return warnings

@@ -12,6 +12,7 @@ Front-end side: standard library and the settings layer only (no torch, no backe
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -42,6 +43,14 @@ def checkpoints_in(folder: Path) -> list[tuple[int, Path]]:
         if (p / MANIFEST).is_file() or (p / ".metadata").is_file() or (p / "latest").is_file():
             out.append((int(name[5:]), p))
     return sorted(out, reverse=True)
+
+
+def _what(path: Path) -> str:
+    """A step folder's kind as its manifest says ("checkpoint" or "model"); older folders are checkpoints."""
+    try:
+        return str(json.loads((path / MANIFEST).read_text()).get("what", "checkpoint"))
+    except (OSError, ValueError, AttributeError):
+        return "checkpoint"
 
 
 def complete_checkpoints(folder: Path, backend: str) -> list[tuple[int, Path]]:
@@ -103,10 +112,19 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
     if not found:
         raise C.ConfigError(f"{folder.path}: no checkpoint in {ckpt_dir} to resume from (the run saved none: "
                             f"train.checkpoint_every was 0 and it ended before its final save)")
-    newest = found[0][0]
+    # The ranks skip a weights-alone save (train.save_final = "model"): with nothing else they would start
+    # again from step 0 under the name of a resume.
+    resumable = [(step, p) for step, p in found if _what(p) != "model"]
+    if not resumable:
+        raise C.ConfigError(f"{folder.path}: its checkpoint (step {found[0][0]}) holds the weights alone "
+                            f"(train.save_final = \"model\"): nothing to resume from; `shardconsole export-model "
+                            f"{folder.path}` reads it, and a run resumes from train.save_final = \"full\" or "
+                            f"train.checkpoint_every saves")
+    newest = resumable[0][0]
     if cfg.train.steps <= newest:
         raise C.ConfigError(f"{folder.path}: its newest checkpoint is step {newest} and train.steps is "
                             f"{cfg.train.steps}: nothing left to train; add --set train.steps=N with N > {newest}")
+    _check_export_dir(cfg, resolved.origin("train", "export_dir"))
     cfg.train.resume = True
     if check is not None:
         check(cfg, str(folder.preset))
@@ -114,6 +132,17 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
     shutil.copy2(folder.preset, prev)
     C.save(cfg, folder.preset)
     return cfg
+
+
+def _check_export_dir(cfg: C.RunConfig, source: str) -> None:
+    """train.export_dir is written again at the resumed run's end, and the export never overwrites: a
+    folder the earlier session filled failed the run then, after its training (refused now instead)."""
+    text = cfg.train.export_dir
+    path = Path(text).expanduser() if text else None
+    if path is not None and path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise C.ConfigError(f"{path} already holds files (the earlier session's export?) and the export never "
+                            f"overwrites: add --set train.export_dir=NEW_FOLDER, or --set train.export_dir= for none",
+                            source=source, table="train", key="export_dir")
 
 
 class EarlierPart:

@@ -144,3 +144,28 @@ def test_lora_reference_is_the_base_with_adapters_off():
     assert torch.allclose(off, base, atol=1e-6)
     after, _ = model(ids, labels, reduction="row")
     assert torch.allclose(after, tuned) and all(p.requires_grad for n, p in model.named_parameters() if ".lora_" in n)
+
+
+# --- the figures in the front ends --------------------------------------------------------------------
+
+def test_step_and_eval_lines_and_tensorboard_carry_the_figures_only_for_preference_runs():
+    from shardconsole import headless
+    from shardconsole.runlog import protocol as P
+    from shardconsole.runlog.runstate import RunState
+    from shardconsole.runlog.tbevents import scalars
+    dpo = P.Step(run="r", step=3, steps=8, loss=0.61, reward_chosen=0.25, reward_rejected=-0.5, reward_margin=0.75,
+                 pref_accuracy=0.875)
+    sft = P.Step(run="r", step=3, steps=8, loss=2.5)
+    lines = []
+    for step in (dpo, sft):
+        state = RunState()
+        state.apply(step)
+        lines.append(headless.step_line(state))
+    assert "acc 87.5% margin +0.750 (chosen +0.250, rejected -0.500)" in lines[0] and "acc" not in lines[1]
+    ev = P.Eval(run="r", step=8, loss=0.5, pairs=16, reward_chosen=0.1, reward_rejected=-0.2, reward_margin=0.3,
+                pref_accuracy=1.0)
+    assert headless.eval_line(ev) == ("eval step 8: loss 0.5000 acc 100.0% margin +0.300 (chosen +0.100, "
+                                      "rejected -0.200) over 16 pairs (0.0 s)")
+    assert dict(scalars(dpo))["rewards/train_accuracy_pct"] == 87.5
+    assert dict(scalars(ev))["rewards/eval_margin"] == pytest.approx(0.3)
+    assert not any(tag.startswith("rewards/") for tag, _ in scalars(sft))

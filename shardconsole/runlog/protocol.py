@@ -19,7 +19,8 @@ VERSION = 1
 MAX_LINE = 4096
 
 # Phases a run goes through, reported with Event(name="phase", detail=<phase>).
-PHASES = ("starting", "loading model", "building ops", "training", "evaluating", "saving checkpoint", "finished")
+PHASES = ("starting", "loading model", "building ops", "reference pass", "training", "evaluating", "saving checkpoint",
+          "finished")
 
 # Failure classes, also used for exit codes (see session/outcome.EXIT_CODES).
 FAILURE_CAUSES = ("gpu_oom", "host_oom", "nccl_timeout", "hang", "nan_loss", "loss_scale_floor",

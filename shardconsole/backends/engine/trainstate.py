@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from shardconsole.backends.data import batches as data_mod
+from shardconsole.backends.data import preference as pair_data
 from shardconsole.runlog.runfolder import read_stop_request
 
 
@@ -70,7 +71,8 @@ class Data:
         t = r.cfg.train
         self.micro_batch = t.micro_batch
         self.samples_per_step = t.micro_batch * t.grad_accum * r.world
-        self.source = data_mod.make_source(r)
+        # A preference objective's sample is a pair (two rows), served by data/preference.py
+        self.source = (pair_data if _pairs(r) else data_mod).make_source(r)
         self.samples = 0
 
     def seek(self, samples: int) -> None:
@@ -91,7 +93,7 @@ class Evaluator:
     def __init__(self, r) -> None:
         self.r = r
         self.every = int(getattr(r.cfg.train, "eval_every", 0) or 0)
-        self.source = data_mod.make_eval_source(r)
+        self.source = (pair_data if _pairs(r) else data_mod).make_eval_source(r)
 
     def due(self, step: int) -> bool:
         if self.source is None:
@@ -104,11 +106,31 @@ class Evaluator:
         r = self.r
         r.phase("evaluating")      # a long eval is not a hang: the hang watch counts only "training"
         t0 = time.perf_counter()
+        if _pairs(r):
+            self._run_pairs(model, step, t0)
+            return
         loss, tokens = evaluation.evaluate(model, self.source, r.cfg.train.micro_batch, r.device)
         if r.rank == 0:
             r.emit(P.Eval(run=r.run_id, rank=0, step=step, loss=float(loss), tokens=int(tokens),
                           seconds=time.perf_counter() - t0))
         r.phase("training")
+
+
+    def _run_pairs(self, model, step: int, t0: float) -> None:
+        """The preference loss and figures over the held-out pairs (r.objective: objective/preference.make)."""
+        from shardconsole.runlog import protocol as P
+        r = self.r
+        f = r.objective.evaluate(model, self.source, r.cfg.train.micro_batch, r.device)
+        if r.rank == 0 and f:
+            r.emit(P.Eval(run=r.run_id, rank=0, step=step, loss=f["loss"], pairs=f["pairs"],
+                          reward_chosen=f["reward_chosen"], reward_rejected=f["reward_rejected"],
+                          reward_margin=f["reward_margin"], pref_accuracy=f["pref_accuracy"],
+                          seconds=time.perf_counter() - t0))
+        r.phase("training")
+
+
+def _pairs(r) -> bool:
+    return getattr(r.cfg.train, "objective", "sft") != "sft"
 
 
 # ---------------------------------------------------------------------------------------------------

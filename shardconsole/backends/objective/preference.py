@@ -185,10 +185,11 @@ class Preference:
 
 
 def make(r: Any) -> Objective:
-    """The run's objective from train.objective: NextToken for "sft", Preference for "dpo" / "orpo"."""
-    if getattr(r.cfg.train, "objective", "sft") == "sft":
-        return NextToken()
-    return Preference(r)
+    """The run's objective from train.objective: NextToken for "sft", Preference for "dpo" / "orpo". Kept
+    on the Rank as r.objective too: the Evaluator (engine/trainstate.py) asks it for the held-out figures."""
+    obj: Objective = NextToken() if getattr(r.cfg.train, "objective", "sft") == "sft" else Preference(r)
+    r.objective = obj
+    return obj
 
 
 # ---------------------------------------------------------------------------------------------------

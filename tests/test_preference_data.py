@@ -169,3 +169,25 @@ def test_step_and_eval_lines_and_tensorboard_carry_the_figures_only_for_preferen
     assert dict(scalars(dpo))["rewards/train_accuracy_pct"] == 87.5
     assert dict(scalars(ev))["rewards/eval_margin"] == pytest.approx(0.3)
     assert not any(tag.startswith("rewards/") for tag, _ in scalars(sft))
+
+
+def test_data_preview_shows_a_pair_with_its_loss_masks(tmp_path):
+    from hf_fixtures import make_hf_model
+    from shardconsole.cli.data import format_preview
+    from shardconsole.settings.models import resolve
+    from shardconsole.tryout.preview import preview
+    model = make_hf_model(tmp_path / "model", chat_template=True)
+    recs = [{"prompt": [{"role": "user", "content": "how is it?"}], "chosen": [{"role": "assistant", "content": "good"}],
+             "rejected": [{"role": "assistant", "content": "bad, really"}]}]
+    data = write_jsonl(tmp_path / "p.jsonl", recs)
+    cfg = settings.resolve("tiny-cpu", [f"model.name={model}", f"data.path={data}", "train.objective=orpo"]).cfg
+    pv = preview(cfg, resolve(str(model)), 1)
+    chosen, rejected = pv.records
+    assert (pv.format, chosen.row, rejected.row) == ("preference", "chosen", "rejected")
+    # the same prompt, not under loss, then the answer (its end of turn and the EOS) under loss
+    assert [p.loss for p in chosen.pieces] == [False, True] and chosen.pieces[0].text == rejected.pieces[0].text
+    assert chosen.pieces[0].text.endswith("<|im_start|>assistant\n")
+    assert chosen.pieces[1].text == "good<|im_end|>\n<|endoftext|>"
+    assert rejected.loss_tokens == rejected.pieces[1].tokens and "bad, really" in rejected.pieces[1].text
+    text = format_preview(pv, color=False)
+    assert "── record 1 chosen" in text and "── record 1 rejected" in text and "⟦good<|im_end|>" in text

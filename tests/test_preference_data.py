@@ -191,3 +191,34 @@ def test_data_preview_shows_a_pair_with_its_loss_masks(tmp_path):
     assert rejected.loss_tokens == rejected.pieces[1].tokens and "bad, really" in rejected.pieces[1].text
     text = format_preview(pv, color=False)
     assert "── record 1 chosen" in text and "── record 1 rejected" in text and "⟦good<|im_end|>" in text
+
+
+# --- the planner and tune ------------------------------------------------------------------------------
+
+def test_planner_counts_two_rows_a_pair_and_says_what_the_reference_costs(tmp_path):
+    from shardconsole import plan as PL
+    from shardconsole.plan.activation_memory import activations
+    from shardconsole.plan.search import NUMERICS
+    from shardconsole.plan.shapes import Shapes
+    from shardconsole.plan.speeds import signature
+    from shardconsole.settings.models import resolve
+    data = write_jsonl(tmp_path / "p.jsonl", PAIRS)
+    base = [f"data.path={data}", "train.micro_batch=2", "parallel.device=cuda", "model.name=1b"]
+    sft = settings.resolve("tiny-cpu", base).cfg
+    dpo = settings.resolve("tiny-cpu", [*base, "train.objective=dpo"]).cfg
+    rows4 = settings.resolve("tiny-cpu", [f"data.path={data}", "train.micro_batch=4", "parallel.device=cuda",
+                                          "model.name=1b"]).cfg
+    s = Shapes.of(resolve("1b"))
+    assert activations(dpo, s).saved_all == activations(rows4, s).saved_all > activations(sft, s).saved_all
+    hw = PL.Hardware(gpus=1, gpu_memory_bytes=80 * 2**30, host_memory_bytes=256 * 2**30, gpu_name="H100")
+    est, est_sft = PL.estimate(dpo, resolve("1b"), hw), PL.estimate(sft, resolve("1b"), hw)
+    assert est.gpu_peak_bytes > est_sft.gpu_peak_bytes
+    assert "reference pass" in " ".join(est.notes) and "16 bytes a pair" in " ".join(est.notes)
+    lora = settings.resolve("tiny-cpu", [*base, "train.objective=dpo", "train.method=lora"]).cfg
+    from shardconsole.plan.estimator import preference_notes
+    assert "reference pass" in " ".join(preference_notes(dpo))
+    assert "adapters off" in " ".join(preference_notes(lora)) and preference_notes(sft) == []
+    # the speed book keeps DPO apart from SFT; tune never changes the objective (it is not a lever)
+    assert signature(dpo)["objective"] == "dpo" and "objective" not in signature(sft)
+    assert rows4.tokens_per_step == dpo.tokens_per_step
+    assert not any(k.startswith("train.objective") for k in NUMERICS)    # never a lever --vary could name

@@ -337,6 +337,21 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                  "train.log_every=1", "train.warmup_steps=1",
                                                  "train.save_final=false", "train.steps=5"]),
     ],
+    # Issue 47: DPO on one H200 capped at 24 GiB by the presets, seq 1024, each beside SFT on rows of the same
+    # length (benchmarks/sample_pairs.py) with the same sequences a step (SFT 12 rows, DPO 6 pairs; LoRA 8 and
+    # 4): full fine-tuning on the 7B offload recipe and LoRA on the 7B LoRA recipe. tokens/s counts both rows
+    # of a pair; full DPO's reference pass (before step 1) is its own figure (reference_s).
+    "issue47": [
+        (name, preset, ["data.seq_len=1024", "train.steps=10", "train.log_every=1", "train.warmup_steps=1",
+                        "train.save_final=false", "train.grad_accum=1", *extra])
+        for name, preset, extra in (
+            ("7b-offload-sft", "3090-7b-offload", ["data.path=/tmp/sc-dpo-sft.jsonl", "train.micro_batch=12"]),
+            ("7b-offload-dpo", "3090-7b-offload", ["data.path=/tmp/sc-dpo-pairs.jsonl", "train.objective=dpo",
+                                                   "train.micro_batch=6"]),
+            ("7b-lora-sft", "3090-7b-lora", ["data.path=/tmp/sc-dpo-sft.jsonl", "train.micro_batch=8"]),
+            ("7b-lora-dpo", "3090-7b-lora", ["data.path=/tmp/sc-dpo-pairs.jsonl", "train.objective=dpo",
+                                             "train.micro_batch=4"]))
+    ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
     ],
@@ -370,6 +385,10 @@ def summarize_messages(msgs: list, warmup_frac: float = 0.34) -> dict:
         "step_s": statistics.median(m.step_s for m in keep) if keep else None,
         "last_loss": steps[-1].loss if steps else None,
         "eval_loss": next((m.loss for m in reversed(msgs) if m.kind == "eval"), None),
+        # full DPO's reference pass before step 1 (backends/objective/preference.py's info line)
+        "reference_s": next((float(m.detail.split(" in ")[1].split(" s")[0]) for m in msgs if m.kind == "event"
+                             and m.name == "info" and "reference log-probs" in m.detail and " in " in m.detail
+                             and "computed" in m.detail), None),
         "peak_reserved_gib": max((m.peak_reserved_bytes or 0) for m in mem) / 2**30 if mem else None,
         "peak_allocated_gib": max((m.peak_allocated_bytes or 0) for m in mem) / 2**30 if mem else None,
         "nvml_used_gib": max(m.used_bytes for m in gpu) / 2**30 if gpu else None,

@@ -17,7 +17,7 @@ from typing import TextIO
 
 from shardconsole.machine import offload_verdict
 from shardconsole.runlog import protocol as P
-from shardconsole.runlog.runstate import RunState, count, fmt_rate, save_line
+from shardconsole.runlog.runstate import RunState, count, fmt_rate, preference_text, save_line
 from shardconsole.session.outcome import EXIT_CODES
 from shardconsole.session.resume import EarlierPart
 from shardconsole.session.signals import Detach, quiet_stdout
@@ -46,6 +46,8 @@ def step_line(state: RunState) -> str:
         parts.append(f"gnorm {s.grad_norm:.2f}")
     if s.loss_scale is not None:
         parts.append(f"scale {s.loss_scale:g}" + (f" skipped {s.skipped_steps}" if s.skipped_steps else ""))
+    if preference_text(s):
+        parts.insert(2, preference_text(s))
     mem = []
     for rank in sorted(state.memory):
         m = state.memory[rank]
@@ -66,7 +68,8 @@ def data_line(d: P.DataSummary) -> str:
         return "data: synthetic random tokens (no data set, no tokenizer)" + (f"; {d.note}" if d.note else "")
     text = (f"data: {d.source} ({d.format}), tokenizer {d.tokenizer or 'n/a'}"
             + (f", template {d.template}" if d.template else "")
-            + f": {count(d.records, 'record')}, {count(d.tokens, 'token')}, {count(d.samples, 'packed sample')}, "
+            + f": {count(d.records, 'record')}, {count(d.tokens, 'token')}, "
+            f"{count(d.samples, 'pair' if d.format == 'preference' else 'packed sample')}, "
             f"{100 * d.loss_share:.0f}% of tokens under loss, {d.epochs:.2f} epochs")
     if d.eval_records or d.eval_samples:
         text += f"; eval {count(d.eval_records, 'record')}, {count(d.eval_samples, 'sample')}"
@@ -74,6 +77,9 @@ def data_line(d: P.DataSummary) -> str:
 
 
 def eval_line(e: P.Eval) -> str:
+    if preference_text(e):
+        return f"eval step {e.step}: loss {_num(e.loss, '.4f')} {preference_text(e)} over {count(e.pairs, 'pair')} " \
+               f"({e.seconds:.1f} s)"
     return f"eval step {e.step}: loss {_num(e.loss, '.4f')} over {e.tokens} tokens ({e.seconds:.1f} s)"
 
 

@@ -42,9 +42,12 @@ def format_preview(pv, color: bool) -> str:
              f"under loss: {'green' if color else 'between ⟦ and ⟧'}; ↵ is a line break", ""]
     for v in pv.records:
         share = f"{100 * v.loss_tokens / v.tokens:.0f}%" if v.tokens else "-"
-        lines.append(f"── record {v.index + 1} ({v.where}): {v.tokens} tokens, {v.loss_tokens} under loss ({share})")
+        what = f"record {v.index + 1}" + (f" {v.row}" if v.row else "")
+        lines.append(f"── {what} ({v.where}): {v.tokens} tokens, {v.loss_tokens} under loss ({share})")
         lines.append("".join(f"{on}{_visible(p.text)}{off}" if p.loss else _visible(p.text) for p in v.pieces))
         lines.append("")
+    if pv.format == "preference":      # pairs are rows of their own: no window packs them
+        return "\n".join(lines + [f"note: {n}" for n in pv.notes])
     joined = " + ".join(f"record {i + 1} [{take} of its tokens]" for i, _, take in pv.window)
     lines.append(f"the first window ({pv.seq_len + 1} tokens: data.seq_len + 1): {joined}"
                  + ("" if sum(t for *_, t in pv.window) >= pv.seq_len + 1 else

@@ -10,7 +10,7 @@ import socket
 from dataclasses import dataclass, field
 
 from shardconsole.runlog import protocol as P
-from shardconsole.runlog.runstate import RunState, count, save_line
+from shardconsole.runlog.runstate import RunState, count, preference_text, save_line
 
 
 
@@ -173,8 +173,9 @@ def log_line(msg: P.Message) -> str | None:
                f"{count(msg.samples, 'sample')}, {100 * msg.loss_share:.0f}% under loss" + \
                (f"; {msg.note}" if msg.note else "")
     elif isinstance(msg, P.Eval):
-        text = f"eval at step {msg.step}: loss {'n/a' if msg.loss is None else f'{msg.loss:.4f}'} " \
-               f"({msg.tokens} tokens, {msg.seconds:.1f} s)"
+        text = f"eval at step {msg.step}: loss {'n/a' if msg.loss is None else f'{msg.loss:.4f}'} " + (
+            f"{preference_text(msg)} ({count(msg.pairs, 'pair')}, {msg.seconds:.1f} s)" if preference_text(msg)
+            else f"({msg.tokens} tokens, {msg.seconds:.1f} s)")
     elif isinstance(msg, P.Failed) and msg.cause == "stopped":    # a stop is not a failure
         text = f"stopped: {msg.message}".splitlines()[0]
     elif isinstance(msg, P.Failed):

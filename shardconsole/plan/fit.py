@@ -85,7 +85,7 @@ def speed_score(cfg: C.RunConfig) -> float:
     score = SPEED_FACTOR[key]
     if cfg.memory.activation_checkpointing:
         score *= SPEED_FACTOR["checkpointing"]
-    tokens = cfg.train.micro_batch * cfg.data.seq_len
+    tokens = cfg.train.micro_batch * cfg.rows_per_sample * cfg.data.seq_len
     ref = 16384
     score *= (tokens / (tokens + 2048)) / (ref / (ref + 2048))
     return score

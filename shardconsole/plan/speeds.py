@@ -67,6 +67,8 @@ def signature(cfg: C.RunConfig) -> dict[str, Any]:
            "ranks": cfg.parallel.nproc_per_node * cfg.parallel.nnodes, "micro_batch": cfg.train.micro_batch,
            "checkpointing": m.checkpoint_policy if m.activation_checkpointing else "none",
            "compile": bool(cfg.train.compile)}
+    if cfg.train.objective != "sft":     # a pair's two rows, and LoRA DPO's reference forward: not SFT's speed
+        sig["objective"] = cfg.train.objective
     if cfg.parallel.backend == "fsdp":
         sig["sharding"] = cfg.fsdp.sharding
         sig["pin_memory"] = bool(cfg.fsdp.pin_memory) if cfg.fsdp.cpu_offload else None
@@ -88,6 +90,9 @@ BF16_MASTER_OFFLOAD_FACTOR = 1.5      # offload moving half the bytes: 7b 2.9k v
 # FSDP2 offload with the host step under the backward (fsdp.offload_overlap, no clip): 3b under 24 GiB,
 # 5,863 against 4,838 tokens/s in one H200 call (benchmarks/results/issue35_20261202/overlap_matrix.json)
 OVERLAP_FACTOR = 5863 / 4838
+# LoRA DPO adds a forward of the base without grad per micro-batch (backends/objective/preference.py): about a
+# third of a step's compute, counted in no token. Assumed, not measured yet (benchmarks/dpo_gpu.sh measures it).
+LORA_DPO_FACTOR = 0.75
 
 
 def cold_score(cfg: C.RunConfig) -> float:
@@ -103,8 +108,10 @@ def cold_score(cfg: C.RunConfig) -> float:
         score *= BF16_MASTER_OFFLOAD_FACTOR
     if signature(cfg).get("overlap"):
         score *= OVERLAP_FACTOR
+    if cfg.train.objective == "dpo" and cfg.adapters:
+        score *= LORA_DPO_FACTOR
     # Larger micro-batches use the GPU better: an assumed factor tokens / (tokens + 2048), relative to 16k.
-    tokens = cfg.train.micro_batch * cfg.data.seq_len
+    tokens = cfg.train.micro_batch * cfg.rows_per_sample * cfg.data.seq_len
     ref = 16384
     return score * (tokens / (tokens + 2048)) / (ref / (ref + 2048))
 

@@ -17,6 +17,15 @@ def fmt_rate(x: float) -> str:
     return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
 
 
+def preference_text(m: P.Step | P.Eval) -> str:
+    """A preference run's figures as both front ends print them: `acc 87.5% margin +0.750 (chosen +0.250,
+    rejected -0.500)`; "" for a message without them (SFT)."""
+    if m.pref_accuracy is None or m.reward_margin is None:
+        return ""
+    return (f"acc {100 * m.pref_accuracy:.1f}% margin {m.reward_margin:+.3f} (chosen {m.reward_chosen or 0:+.3f}, "
+            f"rejected {m.reward_rejected or 0:+.3f})")
+
+
 def save_line(sp: P.SaveProgress) -> str:
     """A save as both front ends print it: `saving step 60: 12.3 / 84.0 GB, 9 s`, and once it is done
     `saved step 60: 84.0 GB in 52 s (1.6 GB/s) to DIR`. Rank 0 sends them: the bytes in the save's folder

@@ -64,7 +64,7 @@ class DeepSpeedEngine:
             self.engine.compile()
             r.event("info", "train.compile with deepspeed.stage3_layer_gather = false: engine.compile() "
                             "(DeepSpeed's torch.compile integration, slower than compiling each layer)")
-        self.evaluator = trainstate.Evaluator(r)
+        self.evaluator = trainstate.Evaluator(r, self.objective)
 
     @property
     def module(self) -> torch.nn.Module:

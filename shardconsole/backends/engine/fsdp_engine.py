@@ -43,7 +43,7 @@ class FsdpEngine:
         if self.built.arena is not None:
             self.built.arena.place_states(self.optim)    # Adam's states in the host arena before the first step
         self.scaling = fsdp_step.LossScaling(r)
-        self.evaluator = trainstate.Evaluator(r)
+        self.evaluator = trainstate.Evaluator(r, self.objective)
 
     @property
     def module(self) -> torch.nn.Module:

@@ -55,7 +55,8 @@ def run(r: Rank, engine: Engine) -> None:
             engine.step(step, lr, meter)
             if meter.due(step):
                 figures = engine.figures()
-                mean = meter.report(step, lr, figures.grad_norm, figures.loss_scale, figures.skipped)
+                mean = meter.report(step, lr, figures.grad_norm, figures.loss_scale, figures.skipped,
+                                    figures=engine.objective.figures())
                 metrics.check_loss(r, mean, step)
                 engine.after_line(step, figures)
             tail.after_step(step)

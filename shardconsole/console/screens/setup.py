@@ -324,7 +324,7 @@ class SetupScreen(SetupActions, Screen[None]):
             setting.hint = F.hint(spec, value)
         tabs = self.query_one(TabbedContent)
         diff = cfg.diff(self.base)
-        visible = F.visible_tables(cfg.parallel.backend, cfg.train.method)
+        visible = F.visible_tables(cfg.parallel.backend, cfg.train.method, cfg.train.objective)
         for table in C.TABLES:
             pane = f"tab-{table}"
             tab = tabs.get_tab(pane)
@@ -364,7 +364,8 @@ class SetupScreen(SetupActions, Screen[None]):
     async def action_next_tab(self) -> None:
         """The next table, with the focus in its first field (the pick tab: in the model list)."""
         tabs = self.query_one(TabbedContent)
-        panes = ["tab-pick"] + [f"tab-{t}" for t in F.visible_tables(self.cfg.parallel.backend, self.cfg.train.method)]
+        panes = ["tab-pick"] + [f"tab-{t}" for t in F.visible_tables(self.cfg.parallel.backend, self.cfg.train.method,
+                                                              self.cfg.train.objective)]
         current = tabs.active if tabs.active in panes else panes[0]
         pane = panes[(panes.index(current) + 1) % len(panes)]
         tabs.active = pane

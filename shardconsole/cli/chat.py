@@ -104,6 +104,12 @@ def converse(models, sampling, lines: TextIO, out: TextIO, system: str | None) -
         history.append({"role": "assistant", "content": answers[0]})
 
 
+# What an answer without a word says (the console's chat says the same, console/chat_state.py): the model's
+# first token ended its turn (a small base, or a fine-tune whose data taught it to stop).
+EMPTY_ANSWER = ("(nothing: the model ended its turn at once, without a word; try --temperature 0.7, "
+                "another message, or more training)")
+
+
 def _answer(model, history, sampling, out: TextIO) -> str:
     parts: list[str] = []
     stop = threading.Event()
@@ -115,6 +121,9 @@ def _answer(model, history, sampling, out: TextIO) -> str:
     except KeyboardInterrupt:       # Ctrl-C ends this generation, not the chat
         stop.set()
         out.write(" [stopped]")
+    else:
+        if not "".join(parts).strip():      # an empty line reads as a chat that failed or hangs
+            out.write(EMPTY_ANSWER)
     out.write("\n")
     out.flush()
     return "".join(parts)

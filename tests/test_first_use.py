@@ -48,3 +48,21 @@ def test_interactive_chat_says_so_too(mute_model):
                          input="hi\n", capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     assert "model> (nothing: the model ended its turn at once" in out.stdout, out.stdout
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_attach_leaves_a_finished_run_as_it_was(fsdp_tiny_run, tmp_path):
+    """Item 2 (and issue 45): attach replays a finished run and writes nothing into it: no machine sample
+    after its `finished` line, no detached note, its TensorBoard file not rewritten."""
+    import shutil
+    assert fsdp_tiny_run.res.returncode == 0, fsdp_tiny_run.res.stderr[-2000:]
+    run = tmp_path / fsdp_tiny_run.run.name
+    shutil.copytree(fsdp_tiny_run.run, run)
+    before = _files(run)
+    out = shardconsole("attach", str(run), "--headless")
+    assert out.returncode == 0, out.stderr
+    assert "finished: 12 steps" in out.stderr and [ln for ln in out.stdout.splitlines() if ln.startswith("step ")]
+    assert _files(run) == before

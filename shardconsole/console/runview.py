@@ -60,8 +60,10 @@ class RunView:
     tokens_per_s: Trace = field(default_factory=Trace)
     host_used_gib: Trace = field(default_factory=Trace)
     gpu_used_gib: Trace = field(default_factory=Trace)     # the fullest card: the one that runs out first
-    t0: float | None = None
+    t0: float | None = None          # the first and newest line of any writer (front ends' samples too)
     t_last: float | None = None
+    run_t0: float | None = None      # the ranks' own first and last lines: how long the run took
+    run_t_last: float | None = None
     bad_lines: int = 0
     min_loss: float | None = None
     local_host: str = field(default_factory=socket.gethostname)
@@ -82,6 +84,11 @@ class RunView:
             self.t0 = msg.t
         if self.t_last is None or msg.t > self.t_last:
             self.t_last = msg.t
+        if msg.rank >= 0:      # a rank's line, not a front end's sample or note
+            if self.run_t0 is None or msg.t < self.run_t0:
+                self.run_t0 = msg.t
+            if self.run_t_last is None or msg.t > self.run_t_last:
+                self.run_t_last = msg.t
         if isinstance(msg, P.Step):
             if msg.loss is not None and msg.loss == msg.loss:   # NaN is reported, not plotted
                 self.loss.append(msg.step, msg.loss)
@@ -100,8 +107,13 @@ class RunView:
     # --- derived -----------------------------------------------------------------------------------
     @property
     def elapsed_s(self) -> float:
-        """From the first line to the last, so that a replayed run shows the time it took."""
-        return (self.t_last - self.t0) if self.t0 is not None and self.t_last is not None else 0.0
+        """From the ranks' first line to their last once the run is over, so that a replayed run shows the
+        time it took (never up to a sample a later front end appended); while it goes on, to the newest
+        line of any writer (the front end's samples, once a second, keep the clock moving)."""
+        start = self.run_t0 if self.run_t0 is not None else self.t0
+        over = self.state.finished is not None or bool(self.state.failed)
+        end = self.run_t_last if over and self.run_t_last is not None else self.t_last
+        return max(0.0, end - start) if start is not None and end is not None else 0.0
 
     def phase_elapsed_s(self, now: float) -> float | None:
         """How long the current phase has lasted, by the wall clock (a build sends nothing while it runs)."""

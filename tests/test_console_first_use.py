@@ -1,0 +1,46 @@
+"""Issue 49 in the console: what a new user trips on there (attach to a finished run, the data preview
+from every data field, the stop dialog's words, the Logs panel's library noise). Real run folders where
+it is about runs; the pilot at 120x40 and 80x24 where it is about the screen."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from shardconsole.runlog import protocol as P
+from tests.test_console import make_app, text_of, wait_for
+
+
+def _run_span(run: Path) -> float:
+    """How long the run took by its ranks' own first and last lines."""
+    ts = [m.t for m in (P.decode(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()) if m.rank >= 0]
+    return max(ts) - min(ts)
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)])
+async def test_attach_to_a_finished_run_writes_nothing_and_says_how_long_it_took(fsdp_tiny_run, tmp_path, size):
+    from shardconsole.console.screens.run import RunScreen
+    from shardconsole.console.services import TorchrunLauncher
+    from shardconsole.console.widgets.run_panels import duration
+    from shardconsole.session.watcher import MachineProbes
+    run = tmp_path / fsdp_tiny_run.run.name
+    shutil.copytree(fsdp_tiny_run.run, run)
+    # A host sample an earlier attach appended after the finished line, twenty minutes on: the duration
+    # is the run's own still.
+    with open(run / "metrics.jsonl", "a") as fh:
+        fh.write(P.encode(P.HostSample(run=run.name, t=time.time() + 1200, used_bytes=1, total_bytes=2)) + "\n")
+    before = _files(run)
+    app = make_app(tmp_path, attach=run, launcher=TorchrunLauncher(tmp_path / "runs"), probes=MachineProbes())
+    async with app.run_test(size=size) as pilot:
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, RunScreen) and app.screen)
+        await wait_for(pilot, lambda: screen.status == "finished", what="the end of the replay")
+        note = str(screen.note)
+        assert f"finished: 12 steps in {duration(_run_span(run))};" in note, note
+    assert _files(run) == before

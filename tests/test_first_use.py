@@ -66,3 +66,56 @@ def test_attach_leaves_a_finished_run_as_it_was(fsdp_tiny_run, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "finished: 12 steps" in out.stderr and [ln for ln in out.stdout.splitlines() if ln.startswith("step ")]
     assert _files(run) == before
+
+
+# --- item 8: a closed terminal detaches, said in the stream ----------------------------------------
+
+def _tmux(sock: str, *args: str) -> str:
+    import subprocess
+    return subprocess.run(["tmux", "-L", sock, "-f", "/dev/null", *args], capture_output=True, text=True,
+                          check=True, timeout=30).stdout
+
+
+@pytest.mark.parametrize("front", ["headless", "console"])
+def test_a_closed_terminal_detaches_and_says_so_in_the_stream(tmp_path, front):
+    """tmux kill-session under a run's front end: the run goes on, metrics.jsonl gets a `detached` event
+    (README's table), the front end exits."""
+    import os
+    import shlex
+    import shutil
+    import sys
+    from tests.conftest import messages, of_kind, pids_alive, wait_for_steps, wait_until
+    if shutil.which("tmux") is None:
+        pytest.fail("tmux is needed for this test (apt-get install tmux)")
+    sock, root = f"w49-{os.getpid()}-{front}", tmp_path / "runs"
+    env = {k: os.environ[k] for k in os.environ if k.startswith("SHARDCONSOLE_") or k in (
+        "PYTHONPATH", "DS_ACCELERATOR", "PATH", "HOME")}
+    env["SHARDCONSOLE_RUNS_ROOT"] = str(root)
+    argv = [sys.executable, "-m", "shardconsole", "--preset", "tiny-cpu", "--set", "train.steps=100000",
+            "--set", "train.log_every=1"] + (["--headless", "--run-dir", str(root / "run")] if front == "headless" else [])
+    command = "env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(argv)
+    _tmux(sock, "new-session", "-d", "-s", "w", "-x", "120", "-y", "40", command)
+    run = None
+    try:
+        pane_pid = int(_tmux(sock, "list-panes", "-t", "w", "-F", "#{pane_pid}").split()[0])
+        if front == "console":
+            wait_until(lambda: "Launch" in _tmux(sock, "capture-pane", "-p", "-t", "w"), 120, "the setup screen")
+            _tmux(sock, "send-keys", "-t", "w", "C-r")
+        run = wait_until(lambda: next(iter(root.glob("*/metrics.jsonl")), None), 120, "the run's stream").parent
+        wait_for_steps(run, 2, 180)
+        import psutil
+        pane = psutil.Process(pane_pid)     # the front end: the pane's process or the shell's child
+        front_pids = [p.pid for p in [pane, *pane.children(recursive=True)] if "shardconsole" in " ".join(p.cmdline())
+                      and "backends" not in " ".join(p.cmdline()) and "torchrun" not in " ".join(p.cmdline())]
+        assert front_pids, [p.cmdline() for p in [pane, *pane.children(recursive=True)]]
+        _tmux(sock, "kill-session", "-t", "w")
+        wait_until(lambda: not pids_alive(front_pids), 60, "the front end's exit")
+        msgs = messages(run)
+        detached = [e for e in of_kind(msgs, "event") if e.name == "detached"]
+        assert len(detached) == 1 and "the terminal closed (SIGHUP)" in detached[0].detail, detached
+        assert pids_alive(h.pid for h in of_kind(msgs, "hello")), "the run went with its terminal"
+    finally:
+        import subprocess
+        subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
+        if run is not None:
+            shardconsole("stop", str(run), timeout=90)

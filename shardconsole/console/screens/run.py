@@ -327,7 +327,9 @@ class RunScreen(Screen[None]):
             self.resume_run()
 
     def action_leave(self) -> None:
-        """Quit the console; the run goes on in its own session and can be attached to again."""
+        """Quit the console; the run goes on in its own session and can be attached to again (said in
+        its stream, as every front end that leaves a live run says it)."""
+        self.session.detach("the console quit, leaving the run going")
         self.app.exit(result=self.session.run_dir, return_code=0)
 
     def action_new_run(self) -> None:

@@ -10,6 +10,7 @@ SIGTERM to the front end that started the run stop it (130).
 
 from __future__ import annotations
 
+import errno
 import shutil
 import sys
 import time
@@ -212,6 +213,11 @@ def follow(session: RunSession, out: TextIO = sys.stdout, err: TextIO = sys.stde
     except (BrokenPipeError, Detach) as e:
         why = "its output pipe closed" if isinstance(e, BrokenPipeError) else str(e)
         return _detach(session, err, why)
+    except OSError as e:
+        if e.errno != errno.EIO:
+            raise
+        # A write to a terminal already gone, before its SIGHUP arrived: the same closed terminal.
+        return _detach(session, err, "the terminal closed (EIO)")
     finally:
         session.close()
 

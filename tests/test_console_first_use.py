@@ -44,3 +44,51 @@ async def test_attach_to_a_finished_run_writes_nothing_and_says_how_long_it_took
         note = str(screen.note)
         assert f"finished: 12 steps in {duration(_run_span(run))};" in note, note
     assert _files(run) == before
+
+
+# --- item 3: the data preview from every field of the data tab -------------------------------------
+
+def _footer_keys(app) -> list[str]:
+    from textual.widgets._footer import FooterKey
+    return [k.description for k in app.screen.query(FooterKey)]
+
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)])
+@pytest.mark.parametrize("key,text", [("path", "typed.jsonl"), ("seq_len", "48"), ("source", None)])
+async def test_ctrl_d_previews_from_every_data_field(tmp_path, monkeypatch, size, key, text):
+    """The footer names ^d Preview wherever the focus is on the data tab, and ctrl+d previews the values
+    as just typed (a text field's own ctrl+d, delete-right, swallowed the key)."""
+    from textual.widgets import Input
+    from shardconsole.console import tryout
+    from shardconsole.console.screens.dialogs import ReportScreen
+    from rich.text import Text
+    from tests.test_console import show_table
+    asked = []
+    monkeypatch.setattr(tryout, "preview", lambda cfg, records=3: (asked.append(cfg), ("Data preview", Text("ok")))[1])
+    data = tmp_path / "typed.jsonl"
+    data.write_text('{"text": "hello there"}\n' * 4)
+    monkeypatch.chdir(tmp_path)
+    app = make_app(tmp_path, overrides=["data.source=auto", f"data.path={tmp_path / 'first.jsonl'}"])
+    (tmp_path / "first.jsonl").write_text('{"text": "first"}\n' * 4)
+    async with app.run_test(size=size) as pilot:
+        setup = app.setup_screen
+        await wait_for(pilot, lambda: setup.machine.detected)
+        await show_table(pilot, setup, "data")
+        field = setup.query_one(f"#field-data-{key}")
+        control = field.query_one(".setting--control")
+        control.focus()
+        await wait_for(pilot, lambda: app.focused is control, what="the focus in the field")
+        if text is not None:
+            assert isinstance(control, Input)
+            control.value = ""
+            await pilot.press(*text)
+            await wait_for(pilot, lambda: field.text == text)
+        await pilot.pause()
+        assert "Preview" in _footer_keys(app), _footer_keys(app)
+        await pilot.press("ctrl+d")
+        await wait_for(pilot, lambda: isinstance(app.screen, ReportScreen), what="the preview")
+    assert len(asked) == 1
+    if key == "path":
+        assert asked[0].data.path == "typed.jsonl"
+    elif key == "seq_len":
+        assert asked[0].data.seq_len == 48

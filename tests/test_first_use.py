@@ -119,3 +119,58 @@ def test_a_closed_terminal_detaches_and_says_so_in_the_stream(tmp_path, front):
         subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
         if run is not None:
             shardconsole("stop", str(run), timeout=90)
+
+
+# --- item 4: chat with an adapter folder (export-model --adapter) ----------------------------------
+
+@pytest.fixture(scope="module")
+def lora_exports(tmp_path_factory):
+    """A 4-step LoRA run of a tiny HF folder, exported merged and as peft's adapter folder."""
+    import json
+    from types import SimpleNamespace
+    from tests.hf_fixtures import CORPUS
+    root = tmp_path_factory.mktemp("lora-chat")
+    model = make_hf_model(root / "model", chat_template=True)
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"{i}: {t}"}) + "\n" for i, t in enumerate(CORPUS[:40])))
+    run = root / "run"
+    sets = [f"model.name={model}", f"data.path={corpus}", "data.seq_len=32", "train.steps=4", "train.method=lora",
+            "lora.rank=4", "train.lr=0.05"]
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run), *[a for s in sets for a in ("--set", s)],
+                       timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    merged, adapter = root / "merged", root / "adapter"
+    for out, extra in ((merged, []), (adapter, ["--adapter"])):
+        res = shardconsole("export-model", str(run), "-o", str(out), *extra, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+    return SimpleNamespace(model=model, run=run, merged=merged, adapter=adapter)
+
+
+def test_chat_loads_an_adapter_folder_onto_its_base(lora_exports):
+    """README: chat takes an exported folder; an --adapter export is one. Its answer is the merged export's."""
+    ask = ("--prompt", "what is two plus two?", "--max-new-tokens", "12", "--device", "cpu")
+    merged = shardconsole("chat", str(lora_exports.merged), *ask)
+    adapter = shardconsole("chat", str(lora_exports.adapter), *ask)
+    assert merged.returncode == 0, merged.stderr
+    assert adapter.returncode == 0, adapter.stderr
+    assert adapter.stdout == merged.stdout and adapter.stdout.strip(), (adapter.stdout, merged.stdout)
+    # --base: the folder the adapters go onto answers beside them
+    both = shardconsole("chat", str(lora_exports.adapter), *ask, "--base")
+    assert both.returncode == 0, both.stderr
+    assert [ln.split("> ")[0] for ln in both.stdout.splitlines()] == ["model", "base"], both.stdout
+
+
+def test_chat_on_an_adapter_whose_base_is_gone_says_what_to_do(lora_exports, tmp_path):
+    import json
+    import shutil
+    adapter = tmp_path / "adapter"
+    shutil.copytree(lora_exports.adapter, adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "gone")
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    (adapter / "README.md").unlink()
+    out = shardconsole("chat", str(adapter), "--prompt", "hi", "--device", "cpu")
+    assert out.returncode == 2, out.stderr
+    line = out.stderr.strip()
+    assert len(line.splitlines()) == 1 and "Traceback" not in line, line
+    assert "LoRA adapter folder" in line and str(tmp_path / "gone") in line and "export-model" in line, line

@@ -174,3 +174,26 @@ def test_chat_on_an_adapter_whose_base_is_gone_says_what_to_do(lora_exports, tmp
     line = out.stderr.strip()
     assert len(line.splitlines()) == 1 and "Traceback" not in line, line
     assert "LoRA adapter folder" in line and str(tmp_path / "gone") in line and "export-model" in line, line
+
+
+# --- item 5: tune --dry-run without a GPU -----------------------------------------------------------
+
+def test_tune_dry_run_without_a_gpu_lists_the_options_for_the_presets_gpu():
+    """A dry run measures nothing: on a machine without a GPU it plans for the preset's card
+    (memory.gpu_memory_limit) or the one --gpu-memory names, ranked, the settings as given among them."""
+    out = shardconsole("tune", "--preset", "3090-offload", "--dry-run", timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "1 GPU(s) of 24.0 GiB (the preset's memory.gpu_memory_limit; no GPU on this machine)" in lines[0], lines[0]
+    fit = int(lines[1].split()[0])
+    ranked = [float(ln.split()[0]) for ln in lines[2:] if ln.startswith("  ")]
+    assert fit > 1 and len(ranked) > 1 and ranked == sorted(ranked, reverse=True), out.stdout
+    assert any("[baseline] full_shard+offload" in ln for ln in lines), out.stdout
+    small = shardconsole("tune", "--preset", "3090-offload", "--dry-run", "--gpu-memory", "12GiB", timeout=120)
+    assert small.returncode == 0, small.stderr
+    assert "1 GPU(s) of 12.0 GiB (--gpu-memory; no GPU on this machine)" in small.stdout
+    assert int(small.stdout.splitlines()[1].split()[0]) < fit
+    # a preset naming no card size: one line asking for it
+    none = shardconsole("tune", "--preset", "h200-fsdp", "--dry-run", timeout=120)
+    assert none.returncode == 2 and "Traceback" not in none.stderr, none.stderr
+    assert "--gpu-memory SIZE" in none.stderr and len(none.stderr.strip().splitlines()) == 1, none.stderr

@@ -92,3 +92,38 @@ async def test_ctrl_d_previews_from_every_data_field(tmp_path, monkeypatch, size
         assert asked[0].data.path == "typed.jsonl"
     elif key == "seq_len":
         assert asked[0].data.seq_len == 48
+
+
+# --- item 6: the stop dialog's words, and the step a save on stop reached ---------------------------
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)])
+@pytest.mark.parametrize("save_on_stop", [True, False])
+async def test_the_stop_dialog_says_what_the_runs_save_on_stop_does(tmp_path, size, save_on_stop):
+    from shardconsole.console.screens.run import RunScreen
+    from shardconsole.runlog.stream import MetricsWriter
+    from shardconsole.settings import config as C
+    from tests.test_console import FakeLauncher, write_run
+    run_dir = tmp_path / "runs" / "live"
+    cfg = C.build({"parallel": {"nproc_per_node": 2, "device": "cpu"},
+                   "train": {"save_on_stop": save_on_stop, "stop_save_timeout_s": 120}})
+    write_run(run_dir, gpus=0, device="cpu", steps=12, total_steps=30, cfg=cfg)
+    # the ranks saved on stop at step 13, between two step lines (log_every 3: the last step line is 12)
+    w = MetricsWriter(run_dir / "metrics.jsonl", "live", 0)
+    w.emit(P.Event(run="live", rank=0, name="phase", detail="saving checkpoint", step=13))
+    w.emit(P.Event(run="live", rank=0, name="checkpoint_saved", detail=str(run_dir / "checkpoints" / "step_00000013"),
+                   step=13))
+    w.close()
+    app = make_app(tmp_path, attach=run_dir, launcher=FakeLauncher(tmp_path / "runs", alive=True))
+    async with app.run_test(size=size) as pilot:
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, RunScreen) and app.screen)
+        await wait_for(pilot, lambda: (s := screen.view.state.last_step) is not None and s.step == 12)
+        await wait_for(pilot, lambda: "step 13/30" in text_of(screen.query_one("#status")), what="step 13 shown")
+        await pilot.press("s")
+        ask = await wait_for(pilot, lambda: type(app.screen).__name__ == "ConfirmScreen" and app.screen)
+        body = text_of(ask.query_one("#body"))
+        if save_on_stop:
+            assert "are lost" not in body and "save a checkpoint at the next step boundary" in body, body
+            assert "120 s" in body and "resume" in body, body
+        else:
+            assert "Steps since the last checkpoint are lost (train.save_on_stop is off)" in body, body
+        await pilot.press("n")

@@ -71,11 +71,19 @@ class RunView:
     # beside what is measured. None: no planner, or no prediction for these settings.
     planned_gpu_bytes: int | None = None
     planned_host_bytes: int | None = None
+    step_now: int | None = None      # the step the ranks last said they had done (step lines, events, saves)
     phase_t: float | None = None     # when the current phase began (the stream's clock)
     building: str = ""               # the op being built, while the phase is "building ops"
 
     def apply(self, msg: P.Message) -> None:
         self.state.apply(msg)
+        if isinstance(msg, P.Step):
+            self.step_now = msg.step
+        elif msg.rank >= 0 and isinstance(msg, (P.Event, P.SaveProgress)) and msg.step is not None:
+            # a rank's events carry the step it has done: a save on stop between two step lines
+            self.step_now = msg.step
+        elif isinstance(msg, P.Hello):
+            self.step_now = None        # a new session (a resume) counts from its own first line
         if isinstance(msg, P.Event) and msg.name == "phase":
             self.phase_t, self.building = msg.t, ""
         elif isinstance(msg, P.Event) and msg.name == OP_BUILD:

@@ -32,7 +32,7 @@ from shardconsole.session.stop import HANG_GRACE_S, Hurry, describe_stop
 from shardconsole.console.messages import MachineSampled, RunEnded, RunHung, RunResumed, RunUpdate, StopFinished
 from shardconsole.console.runview import RunView, log_line
 from shardconsole.console.screens.dialogs import ConfirmScreen, ReportScreen
-from shardconsole.console.screens.run_status import short_stop, status_text, stop_details
+from shardconsole.console.screens.run_status import short_stop, status_text, stop_details, stop_question
 from shardconsole.console.services import Probes, RunOptions, method_line, planned_peaks
 from shardconsole.console.widgets.following_log import FollowingLog
 from shardconsole.console.widgets.run_panels import GpuPanel, HostPanel, LossPanel, ThroughputPanel, duration
@@ -311,11 +311,9 @@ class RunScreen(Screen[None]):
             if yes and self.status == "running":
                 self._begin_stop("the console's s")
 
-        self.app.push_screen(ConfirmScreen(
-            "Stop the run?",
-            f"Every process of run {self.run_id} gets SIGTERM, then SIGKILL after {self.stop_grace_s:.0f} s "
-            "(ranks saving a checkpoint on stop get longer; s again skips that). Steps since the last "
-            "checkpoint are lost.", yes="Stop", no="Keep running"), answer)
+        self.app.push_screen(ConfirmScreen("Stop the run?", stop_question(self.run_id, self.session.settings,
+                                                                          self.stop_grace_s),
+                                           yes="Stop", no="Keep running"), answer)
 
     def _begin_stop(self, who: str, grace_s: float | None = None) -> None:
         self._gpu_before_stop = dict(self.view.state.gpus)

@@ -197,3 +197,34 @@ def test_tune_dry_run_without_a_gpu_lists_the_options_for_the_presets_gpu():
     none = shardconsole("tune", "--preset", "h200-fsdp", "--dry-run", timeout=120)
     assert none.returncode == 2 and "Traceback" not in none.stderr, none.stderr
     assert "--gpu-memory SIZE" in none.stderr and len(none.stderr.strip().splitlines()) == 1, none.stderr
+
+
+# --- item 10: where a value came from; the steps a resumed run had done ----------------------------
+
+def test_data_preview_names_the_set_that_gave_a_bad_path(tmp_path):
+    out = shardconsole("data", "--preview", "--set", f"data.path={tmp_path / 'missing.jsonl'}")
+    assert out.returncode == 2, out.stderr
+    line = out.stderr.strip()
+    assert line.startswith("shardconsole: error: --set data.path: ") and "no such file" in line, line
+    assert "preset:" not in line and len(line.splitlines()) == 1, line
+    # from a preset file: that file is named
+    preset = tmp_path / "mine.toml"
+    preset.write_text(f'[model]\nname = "tiny"\n[data]\nsource = "auto"\npath = "{tmp_path / "gone.jsonl"}"\n')
+    out = shardconsole("data", "--preview", "2", "--preset", str(preset))
+    assert out.returncode == 2 and str(preset) in out.stderr and "gone.jsonl" in out.stderr, out.stderr
+
+
+def test_resume_sums_up_the_earlier_steps_from_the_first_step_trained(tmp_path):
+    """A 6-step run with a step line every 3 trained steps 1-6; its first step line is step 3."""
+    run = tmp_path / "run"
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run), "--set", "train.steps=6",
+                       "--set", "train.log_every=3", "--set", "train.save_final=full")
+    assert res.returncode == 0, res.stderr[-2000:]
+    res = shardconsole("resume", str(run), "--set", "train.steps=9")
+    assert res.returncode == 0, res.stderr[-2000:]
+    first = res.stdout.splitlines()[0]
+    assert first.startswith("earlier in this folder (1 session): steps 1-6, "), res.stdout
+    # a second resume: the resumed session trained 7-9 (its first line, 9, is its last)
+    res = shardconsole("resume", str(run), "--set", "train.steps=12")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.splitlines()[0].startswith("earlier in this folder (2 sessions): steps 1-9, "), res.stdout

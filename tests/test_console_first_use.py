@@ -127,3 +127,33 @@ async def test_the_stop_dialog_says_what_the_runs_save_on_stop_does(tmp_path, si
         else:
             assert "Steps since the last checkpoint are lost (train.save_on_stop is off)" in body, body
         await pilot.press("n")
+
+
+# --- item 7: known-harmless library noise left out of the Logs panel, kept in the rank log ----------
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)])
+async def test_library_noise_is_left_out_of_the_logs_panel_and_kept_in_the_rank_log(tmp_path, size):
+    """What `import peft` prints (torchao's optional kernels a CPU build lacks, torch's _pytree
+    deprecations) is what every LoRA rank's log starts with: real output of the real import here."""
+    import subprocess
+    import sys
+    from textual.widgets import Log
+    from shardconsole.console.screens.run import RunScreen
+    from tests.test_console import FakeLauncher, write_run
+    noise = subprocess.run([sys.executable, "-c", "import peft"], capture_output=True, text=True, timeout=120).stderr
+    assert "_C_mxfp8" in noise and "_pytree" in noise, noise     # the library still says it: the test means something
+    run_dir = tmp_path / "runs" / "lora"
+    write_run(run_dir, gpus=0, device="cpu", steps=3, total_steps=30)
+    log = run_dir / "logs" / "rank0.log"
+    log.write_text(noise + "[rank 0] a line of the run's own\n" + log.read_text())
+    before = log.read_bytes()
+    app = make_app(tmp_path, attach=run_dir, launcher=FakeLauncher(tmp_path / "runs", alive=True))
+    async with app.run_test(size=size) as pilot:
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, RunScreen) and app.screen)
+        logs = screen.query_one("#logs", Log)
+        await wait_for(pilot, lambda: any("a line of the run's own" in ln for ln in logs.lines), what="the log")
+        shown = "\n".join(logs.lines)
+        assert "_C_mxfp8" not in shown and "_C_cutlass" not in shown and "Enum subclass" not in shown, shown
+        assert "[rank 0] step 1 done" in shown
+        assert "library notice(s) left out" in str(logs.border_subtitle)
+    assert log.read_bytes() == before

@@ -6,6 +6,8 @@ RunState (shared with the headless front end) keeps the latest of everything; Ru
 
 from __future__ import annotations
 
+import re
+
 import socket
 from dataclasses import dataclass, field
 
@@ -206,3 +208,19 @@ def log_line(msg: P.Message) -> str | None:
     else:
         return None
     return f"{label:>6}│ {text}"
+
+
+# Known-harmless notices libraries print into every rank's log on import (peft pulls torchao, which
+# names the optional kernels a CPU or older-GPU build lacks; torchao registers enums torch now handles
+# itself). Nothing for the user to act on; at 80x24 the Logs panel showed nothing else. The rank logs
+# keep them: only the panel leaves them out.
+_LIBRARY_NOISE = re.compile(
+    r"Failed to load \S*torchao\S*/_C_\w*\S*\.so"                     # torchao's optional kernels
+    r"|torch/utils/_pytree\.py:\d+\].*deprecated"                       # a _pytree deprecation (glog prefix kept)
+    r"|Enum subclasses is deprecated"                                    # the same, prefix cut
+    r"|_pytree\._register_pytree_node is deprecated")                    # transformers' older pytree call
+
+
+def library_noise(line: str) -> bool:
+    """A Logs panel line that is a known-harmless library notice (left out of the panel only)."""
+    return _LIBRARY_NOISE.search(line) is not None

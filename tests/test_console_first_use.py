@@ -157,3 +157,38 @@ async def test_library_noise_is_left_out_of_the_logs_panel_and_kept_in_the_rank_
         assert "[rank 0] step 1 done" in shown
         assert "library notice(s) left out" in str(logs.border_subtitle)
     assert log.read_bytes() == before
+
+
+# --- item 12: an offload preset on a GPU where the model fits without it ---------------------------
+
+def test_the_launch_says_when_a_presets_offload_is_not_needed():
+    """The planner (real) on a 24 GiB card: 3090-offload's 1b fits without offload, 3090-7b-offload's 7b
+    does not; an offload the user set is not questioned."""
+    from shardconsole.plan.machine import Hardware
+    from shardconsole.session import preflight
+    from shardconsole.settings import resolve as S
+    card = Hardware(gpus=1, gpu_memory_bytes=24 << 30, host_memory_bytes=256 << 30)
+    line = preflight.offload_not_needed(S.resolve("3090-offload", []), 1, hardware=card)
+    assert line is not None and "--set fsdp.cpu_offload=false" in line and "1b" in line, line
+    assert len(line.splitlines()) == 1
+    assert preflight.offload_not_needed(S.resolve("3090-7b-offload", []), 1, hardware=card) is None
+    chosen = S.resolve("3090-offload", S.from_cli(["fsdp.cpu_offload=true"]))
+    assert preflight.offload_not_needed(chosen, 1, hardware=card) is None
+    two = Hardware(gpus=2, gpu_memory_bytes=24 << 30, host_memory_bytes=256 << 30)
+    ds = preflight.offload_not_needed(S.resolve("4090x2-zero3", []), 2, hardware=two)
+    assert ds is not None and "--set deepspeed.offload_optimizer=none" in ds, ds
+
+
+async def test_the_consoles_launch_says_so_in_one_line(tmp_path):
+    from shardconsole.console.screens.run import RunScreen
+    from shardconsole.console.services import load_plan
+    from tests.test_console import FakeLauncher, FakeProbes, gpu_sample
+    probes = FakeProbes(gpus=[gpu_sample(0, 0.5)])
+    app = make_app(tmp_path, preset="3090-offload", probes=probes, launcher=FakeLauncher(tmp_path / "runs"),
+                   planner=load_plan)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.setup_screen.machine.detected)
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: isinstance(app.screen, RunScreen), what="the launch")
+        said = [str(n.message) for n in app._notifications]
+        assert any("offload is not needed here" in m and "--set fsdp.cpu_offload=false" in m for m in said), said

@@ -10,6 +10,7 @@ SIGTERM to the front end that started the run stop it (130).
 
 from __future__ import annotations
 
+import errno
 import shutil
 import sys
 import time
@@ -113,12 +114,12 @@ def progress_bar(state: RunState, width: int) -> str:
 class Printer:
     """Step lines, events, data and eval lines on `out`; a progress bar under them on a terminal."""
 
-    def __init__(self, out: TextIO, session: str = "") -> None:
+    def __init__(self, out: TextIO, session: str = "", log_every: int | None = None) -> None:
         """session: only this run id's lines are printed (a resume: the earlier sessions' lines in the
-        same stream are summed up in one line, not replayed)."""
+        same stream are summed up in one line, not replayed). log_every: the run's train.log_every."""
         self.out = out
         self.session = session
-        self.earlier: EarlierPart | None = EarlierPart()
+        self.earlier: EarlierPart | None = EarlierPart(log_every)
         try:
             self.tty = out.isatty()
         except (ValueError, OSError):
@@ -204,7 +205,8 @@ def follow(session: RunSession, out: TextIO = sys.stdout, err: TextIO = sys.stde
     """Follow a run session to its end (one attached to: its whole history first); return the exit code
     (EXIT_CODES). Never raises for what a run or its stream does: the job is always left in a known state."""
     session.watch(MachineProbes(), logs=False)
-    printer = Printer(out, session=session.run_id if session.started_here else "")
+    printer = Printer(out, session=session.run_id if session.started_here else "",
+                      log_every=session.settings.train.log_every if session.settings is not None else None)
     try:
         try:
             if session.started_here:
@@ -218,6 +220,11 @@ def follow(session: RunSession, out: TextIO = sys.stdout, err: TextIO = sys.stde
     except (BrokenPipeError, Detach) as e:
         why = "its output pipe closed" if isinstance(e, BrokenPipeError) else str(e)
         return _detach(session, err, why)
+    except OSError as e:
+        if e.errno != errno.EIO:
+            raise
+        # A write to a terminal already gone, before its SIGHUP arrived: the same closed terminal.
+        return _detach(session, err, "the terminal closed (EIO)")
     finally:
         session.close()
 

@@ -61,6 +61,9 @@ def load_config(preset: str | None, overrides: list[str], *, here: bool = True,
     r, fitted = preflight.fit_micro_batch(r, gpus)
     if fitted:
         print(f"shardconsole: {fitted}", file=sys.stderr)
+    unneeded = preflight.offload_not_needed(r, gpus)
+    if unneeded:
+        print(f"shardconsole: {unneeded}", file=sys.stderr)
     return r
 
 

@@ -142,6 +142,11 @@ class Recorder:
         """The folder cannot take the file (unwritable, a full disk): worth saying once."""
         return self._gave_up
 
+    @property
+    def writing(self) -> bool:
+        """Whether this recorder holds the run's event file (it took the lock and made its file)."""
+        return self._writer is not None
+
     def _start(self) -> bool:
         now = time.monotonic()
         if self._gave_up or now < self._next_try:

@@ -149,17 +149,32 @@ class EarlierPart:
     """What a resumed session's stream held before it, told in one line instead of replayed: its step
     lines, sessions and how the last one ended."""
 
-    def __init__(self) -> None:
+    def __init__(self, log_every: int | None = None) -> None:
+        """log_every: the run's train.log_every, for a session of one step line (else read from its lines)."""
         self.sessions: list[str] = []
-        self.first_step: int | None = None
         self.last: P.Step | None = None
         self.ended = ""
+        self.log_every = log_every
+        self._lines: dict[str, list[int]] = {}      # each session's first two step lines
+
+    @property
+    def first_step(self) -> int | None:
+        """The first step the earlier sessions trained: a step line comes every log_every steps (and at
+        the last), so a session whose first line is step 5 trained from step 1 (it said "steps 5-40"
+        of a session of steps 1-40); a resumed one from its checkpoint's next step."""
+        firsts = []
+        for lines in self._lines.values():
+            every = lines[1] - lines[0] if len(lines) > 1 else (self.log_every or 1)
+            firsts.append(lines[0] - (lines[0] - 1) % max(1, every))
+        return min(firsts, default=None)
 
     def add(self, msg: P.Message) -> None:
         if msg.run and msg.run not in self.sessions:
             self.sessions.append(msg.run)
         if isinstance(msg, P.Step):
-            self.first_step = msg.step if self.first_step is None else min(self.first_step, msg.step)
+            lines = self._lines.setdefault(msg.run, [])
+            if len(lines) < 2 and msg.step not in lines:
+                lines.append(msg.step)
             self.last = msg
             self.ended = ""
         elif isinstance(msg, P.Event) and msg.name == "phase" and msg.detail == "finished":

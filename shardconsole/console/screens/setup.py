@@ -58,9 +58,11 @@ class SetupScreen(SetupActions, Screen[None]):
         Binding("ctrl+s", "save_preset", "Save preset"),
         Binding("ctrl+o", "attach", "Attach"),
         Binding("ctrl+t", "tune", "Tune"),
-        # ctrl+d previews from any tab; the footer names it on the data tab (setup_actions.check_action)
-        Binding("ctrl+d", "preview('shown')", "Preview"),
-        Binding("ctrl+d", "preview", "Data preview", show=False),
+        # ctrl+d previews from any tab; the footer names it on the data tab (setup_actions.check_action).
+        # priority: a text field (data.path, seq_len) binds ctrl+d to delete-right and would swallow it
+        # (the Delete key still deletes there).
+        Binding("ctrl+d", "preview('shown')", "Preview", priority=True),
+        Binding("ctrl+d", "preview", "Data preview", show=False, priority=True),
         Binding("ctrl+n", "next_tab", "Next tab"),
     ]
 

@@ -85,6 +85,8 @@ def cmd_tune(argv: list[str]) -> int:
     tune.plan()
     fits = [o for o in tune.options if o.estimate.fits]
     print(f"tune {source}: model {tune.base.model.name}, {machine_text(tune)}", file=out)
+    if tune.book.stale_note():
+        print(f"note: {tune.book.stale_note()}", file=out)
     print(f"{len(fits)} option(s) fit; probing up to {tune.limits.max_probes} for {args.budget}, "
           f"{tune.limits.probe_steps} steps each, the settings as given first", file=out, flush=True)
     if args.dry_run:

@@ -17,6 +17,10 @@ from typing import Any, ClassVar
 
 VERSION = 1
 MAX_LINE = 4096
+# The step meter's version (backends/observe/metrics.StepMeter), in every step line and speed-book entry:
+# 2 counts optimizer steps (issue 45). Lines without it (0) came from the meter that counted micro-batches,
+# whose step_s, tokens/s, samples/s and MFU were per micro-batch: off by train.grad_accum.
+METER_VERSION = 2
 
 # Phases a run goes through, reported with Event(name="phase", detail=<phase>).
 PHASES = ("starting", "loading model", "building ops", "training", "evaluating", "saving checkpoint", "finished")
@@ -74,6 +78,7 @@ class Step(Message):
     loss_scale: float | None = None    # None unless fp16
     skipped_steps: int = 0             # fp16 overflow steps skipped so far
     tokens: int = 0                    # tokens seen so far
+    meter: int = 0                     # METER_VERSION of the meter that wrote it; 0: before issue 45
 
 
 @dataclass(frozen=True)

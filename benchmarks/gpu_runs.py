@@ -365,7 +365,7 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                        "train.grad_accum=1", "train.steps=6", "train.log_every=1"]),
             ("3b-offload-mb2-ga2", "3090-offload", ["model.name=3b", "train.micro_batch=2", "train.grad_accum=2",
                                                     "train.steps=4", "train.log_every=1"]),
-            ("1b-selective-mb4", "3090-fsdp", ["memory.checkpoint_policy=selective", "train.micro_batch=4",
+            ("1b-selective-mb3", "3090-fsdp", ["memory.checkpoint_policy=selective", "train.micro_batch=3",
                                                "train.steps=8", "train.log_every=1"]),
             ("readme-3090-7b-lora", "3090-7b-lora", ["train.steps=6", "train.log_every=1"]),
             ("readme-3090-13b-qlora", "3090-13b-qlora", ["train.steps=5", "train.log_every=1"]),

@@ -4,7 +4,7 @@ benchmarks/results (gpu_runs.py's rows, the shardconsole runs, not the bare peer
     python3 benchmarks/speed_calibrate.py            # one line a run, then the share within 15% / 25%
     python3 benchmarks/speed_calibrate.py --json F   # the rows as JSON
 
-Rows written before issue 45's meter fix printed tokens/s x grad_accum: they are divided back here (the
+Rows written before issue 45's meter fix (all but benchmarks/results/issue45) printed tokens/s x grad_accum: they are divided back here (the
 old meter's tokens/s x step_s is the step's tokens whatever grad_accum was, which also recovers the
 micro-batch of a run whose preset has changed since).
 """
@@ -28,6 +28,8 @@ from shardconsole.plan.speed_model import predict  # noqa: E402
 from shardconsole.settings.models import resolve as resolve_model  # noqa: E402
 from shardconsole.settings.resolve import resolve  # noqa: E402
 
+# Results written by the fixed meter (issue 45): their tokens/s are per optimizer step already.
+NEW_METER = ("benchmarks/results/issue45",)
 H200 = Hardware(gpus=1, gpu_memory_bytes=141 * 10**9, host_memory_bytes=125 * 2**30, gpu_name="NVIDIA H200",
                 cpus=16)
 
@@ -52,7 +54,7 @@ def recorded_rows(root: Path = REPO) -> list[dict[str, Any]]:
 
 
 def compare(r: dict[str, Any], meter_fixed: bool = False) -> dict[str, Any] | None:
-    sets = [s for s in (r.get("set") or []) if "=" in s and not s.startswith("data.")]
+    sets = [s for s in (r.get("set") or []) if "=" in s and not s.startswith(("data.path", "data.eval"))]
     try:
         cfg = resolve(r["preset"], sets, lenient=True).cfg
     except Exception:       # a preset renamed since: that row is left out
@@ -76,7 +78,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    rows = [c for c in (compare(r) for r in recorded_rows()) if c]
+    rows = [c for c in (compare(r, r["file"].startswith(NEW_METER)) for r in recorded_rows()) if c]
     for c in rows:
         o = c["offload"]
         seen = (f"  measured gpu {o['gpu_s']:.2f} host {o['host_step_s']:.2f} h2d {o['h2d_s']:.2f}"

@@ -43,17 +43,24 @@ GPU_EFFICIENCY = {"fsdp": 0.72, "fsdp_compiled": 0.86, "deepspeed": 0.62}
 # (eager PyTorch dispatches some 300 kernels a layer, forward and backward): 125M at seq 1024 runs at
 # ~11% of the matmul rate, 0.95B at ~50% (h200_issue7.json, curve-125m-*). Compiled layers launch fewer.
 LAYER_LAUNCH_S = {"fsdp": 0.005, "fsdp_compiled": 0.0025, "deepspeed": 0.007}
-# LoRA's adapters: two small matmuls (and a dropout) beside each of a layer's 7 target linears: 7B and 13B
-# run 0.19 and 0.29 s a micro-batch slower than their FLOPs say (lora_cal.json): ~6 ms a layer.
-LORA_LAYER_S = 0.006
+# LoRA's adapters: two small matmuls (and a dropout) beside each of a layer's 7 target linears: 7B at mb 4
+# x 2048 and mb 2 x 1024 and 13B QLoRA at mb 4 run ~0.1 s a micro-batch slower than their FLOPs and the
+# eager launches say (benchmarks/results/issue45): ~3.5 ms a layer.
+LORA_LAYER_S = 0.0035
+# Selective checkpointing in eager mode intercepts every op of the forward (torch's SAC dispatch mode) to
+# decide what to keep: 1b mb 3 ran 0.069 s a step slower than no checkpointing would (issue45: 26.9k
+# tokens/s), ~4.5 ms a layer. Compiled layers decide at compile time: 1b compiled + selective ran as fast
+# as without checkpointing (h200_issue7.json, fsdp-1b-compile+ac-sac).
+SELECTIVE_EAGER_LAYER_S = 0.0045
 # bf16 masters rounded stochastically or with Kahan compensation on the GPU: a kernel chain a tensor
 # (backends/optim/master_update.py); 125M at seq 1024 runs 0.05 s a step slower (call1_curves.json).
 ROUNDING_S_PER_TENSOR = 0.00045
 # The GPU's optimizer step: bytes a trained parameter over the card's memory bandwidth at this share.
 HBM_SHARE = 0.7
-# torchao's 8/4-bit AdamW costs far more than its bytes (per-block quantisation, one kernel chain a
-# tensor): 3B with adamw8bit steps in ~0.15 s on the H200 (issue35_20261202b, 3b-adamw8bit-mb2/4/6).
-LOWBIT_S_PER_PARAM_H200 = 0.15 / 3.14e9
+# torchao's 8/4-bit AdamW costs more than its bytes (per-block quantisation, one kernel chain a tensor):
+# 3B with adamw8bit steps in ~0.02-0.09 s on the H200 beyond its FLOPs (issue35_20261203 compiled mb 4 and
+# 6, issue45 eager mb 3; with optim.step_in_backward much of it runs under the backward).
+LOWBIT_S_PER_PARAM_H200 = 0.05 / 3.14e9
 # Offload copies on the H200's PCIe 5.0 (benchmarks/results/issue35_*: the offload view's h2d/d2h bytes
 # and seconds): a micro-batch sends 4 bytes a parameter either way; fp32 masters go at 25 GB/s (the fp32
 # shard is sent and cast on the GPU), a bf16/fp16 copy at 48; gradients come back at 49.
@@ -202,6 +209,8 @@ def predict(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, card: Card | Non
         compute_mb *= 4.0          # no bf16 tensor cores: TF32 at best (an assumption, not measured)
     if cfg.adapters:
         compute_mb += s.layers * LORA_LAYER_S
+    if cfg.memory.activation_checkpointing and cfg.memory.checkpoint_policy == "selective" and key != "fsdp_compiled":
+        compute_mb += s.layers * SELECTIVE_EAGER_LAYER_S
     if cfg.train.method == "qlora":
         compute_mb *= 1.03         # NF4 dequantisation beside each frozen matmul (7B: 16.2k vs 16.5k, lora_cal)
     n = spec.n_params

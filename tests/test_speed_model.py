@@ -130,12 +130,13 @@ def test_lora_counts_its_own_flops():
 
 def test_offload_step_is_gpu_plus_host_step_without_overlap():
     """FSDP2 offload with a clip: the host step after the backward. PCIe 4.0 x16 one way 27.2 GB/s (half
-    of PCIe 5.0's 54.4 measured); the host step 30 bytes a parameter over 100 GB/s."""
+    of PCIe 5.0's 54.4 measured); the host step 33 bytes a parameter (30 read and written, +3 calibrated)
+    over 100 GB/s."""
     cfg = _cfg("fsdp.cpu_offload=true", "train.clip_grad_norm=1.0", model="3b")
     spec = resolve("3b")
     n = spec.n_params
     p = SM.predict(cfg, spec, HOST, card=CARDS["rtx4090"], host=FAST_HOST)
-    host = 30 * n / 100e9
+    host = 33 * n / 100e9
     h2d = 4 * n / (27.2e9 * 25.0 / 54.4)          # fp32 masters: the shard goes at 25 of 54.4 GB/s's share
     d2h = 4 * n / (27.2e9 * 49.0 / 54.4)
     assert p.parts["host step"] == pytest.approx(host, rel=1e-9)

@@ -37,8 +37,9 @@ HOST_GBPS_ENV = "SHARDCONSOLE_HOST_GBPS"
 # Hardware FLOPs over (matmul rate x time), by engine and compile, for large matmuls (the launch cost
 # below holds the rest). FSDP2 eager: 0.95B at mb 8 x 2048, 60.5k tokens/s (h200_presets.json,
 # h200-fsdp-nocompile) and 7B LoRA mb 4 (lora_cal.json, 16.5k printed by the old meter with grad_accum 2:
-# 8.26k); compiled: 0.95B, 83.1k (h200-fsdp); ZeRO-3: 0.95B, 48-51k (h200_issue3/7.json, z3-1b).
-GPU_EFFICIENCY = {"fsdp": 0.72, "fsdp_compiled": 0.86, "deepspeed": 0.62}
+# 8.26k); compiled: 0.95B, 81.6-83.1k (h200-fsdp) and 60.1k checkpointed at mb 4 x 2 (issue45); ZeRO-3:
+# 0.95B, 48-51k (h200_issue3/7.json, z3-1b).
+GPU_EFFICIENCY = {"fsdp": 0.72, "fsdp_compiled": 0.88, "deepspeed": 0.62}
 # Seconds of launch and synchronisation a decoder layer costs each micro-batch, beside its FLOPs
 # (eager PyTorch dispatches some 300 kernels a layer, forward and backward): 125M at seq 1024 runs at
 # ~11% of the matmul rate, 0.95B at ~50% (h200_issue7.json, curve-125m-*). Compiled layers launch fewer.
@@ -171,12 +172,14 @@ def _offloaded(cfg: C.RunConfig) -> tuple[bool, bool]:
 
 def _host_step_bytes(cfg: C.RunConfig) -> float:
     """Bytes AdamW reads and writes a parameter on the host: fp32 masters read master, gradient and two
-    moments (16) and write three back (12) and the compute copy (2); bf16 masters 2 + 4 (fp32 gradient)
-    + 8 read, 10 written; stochastic/kahan rounding draw or keep one more word each."""
+    moments (16) and write three back (12) and the compute copy (2): 30, counted as 33 (the fp32 step ran at
+    88-95 GB/s of these 30 bytes on issue 45's H200 host, 119-126 on earlier calls' hosts: 33 bytes at
+    DEFAULT_HOST_GBPS splits them); bf16 masters 2 + 4 (fp32 gradient) + 8 read, 10 written (119 GB/s on
+    both); stochastic/kahan rounding draw or keep one more word each."""
     if cfg.precision.master_dtype == "bf16":
         extra = 4 if cfg.precision.master_rounding != "nearest" else 0
         return 24.0 + extra
-    return 30.0
+    return 33.0
 
 
 def _gpu_optimizer_s(cfg: C.RunConfig, trained: float, card: Card, s: Shapes) -> float:

@@ -69,21 +69,19 @@ def step_line(state: RunState) -> str:
 
 def predicted_line(cfg: C.RunConfig | None, measured: float, hw: "Hardware | None" = None) -> str:
     """The speed model's prediction for this run's settings on this machine against what it measured
-    (the last step line's tokens/s, after the warm-up): `speed: predicted 8.2k tok/s, measured 8.0k (-2%)`.
-    "" where the model says nothing (CPU ranks, a card it does not know) or the settings are gone."""
+    (the last step line's tokens/s, after the warm-up): `speed: predicted 8.2k tok/s (GPU bound, ...),
+    measured 8.0k (-2%)`. "" where the model says nothing (CPU ranks, a card it does not know) or the
+    settings are gone."""
     if cfg is None or measured <= 0:
         return ""
     from shardconsole.plan.machine import detect_hardware
-    from shardconsole.plan.speed_model import predict
+    from shardconsole.plan.speed_model import against_measured, predict
     from shardconsole.settings.models import resolve
     try:
         p = predict(cfg, resolve(cfg.model.name), hw or detect_hardware())
     except (C.ConfigError, ValueError, OSError):
         return ""
-    if p is None:
-        return ""
-    return (f"speed: predicted {fmt_rate(p.tokens_per_s)} tok/s ({p.bound} bound, `shardconsole plan`), measured "
-            f"{fmt_rate(measured)} ({100 * (measured / p.tokens_per_s - 1):+.0f}%)")
+    return f"speed: {against_measured(p, measured)}; `shardconsole plan` shows its parts" if p else ""
 
 
 def data_line(d: P.DataSummary) -> str:

@@ -70,3 +70,18 @@ def test_the_eta_after_a_few_steps_of_a_steady_run_is_within_a_quarter_of_the_re
             break
     real = steps[-1].t - next(s.t for s in steps if s.step == 20)
     assert eta is not None and abs(eta - real) <= 0.25 * real, (eta, real)
+
+
+async def test_the_console_says_predicted_against_measured_when_a_gpu_run_finishes(tmp_path):
+    """A finished run on the fake probes' H200: the run screen's last line has the speed model's word."""
+    from shardconsole.console.screens.run import RunScreen
+    from tests.test_console_snapshots import attached_app
+    from tests.test_console import wait_for, text_of, write_run
+    run_dir = tmp_path / "runs" / "20260101-000000-gpu"
+    write_run(run_dir, gpus=1, steps=5, total_steps=5, finished=True)
+    app = attached_app(run_dir, alive=False)
+    async with app.run_test(size=(200, 40)) as pilot:
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, RunScreen) and app.screen)
+        await wait_for(pilot, lambda: screen.status == "finished")
+        status = text_of(screen.query_one("#status"))
+        assert "finished: 5 steps" in status and "; predicted " in status and "measured 62.1k" in status, status

@@ -260,6 +260,14 @@ def predict(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, card: Card | Non
                            card.name, notes)
 
 
+def against_measured(p: SpeedPrediction, measured: float) -> str:
+    """`predicted 8.2k tok/s (GPU bound), measured 8.0k (-2%)`: what a finished run says."""
+    def rate(x: float) -> str:
+        return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
+    return (f"predicted {rate(p.tokens_per_s)} tok/s ({p.bound} bound), measured {rate(measured)} "
+            f"({100 * (measured / p.tokens_per_s - 1):+.0f}%)")
+
+
 def _start_s(cfg: C.RunConfig, n: int, trained: float, step_on_host: bool, params_on_host: bool) -> float:
     build = BUILD_S_PER_B["deepspeed" if cfg.parallel.backend == "deepspeed" else "fsdp"] * n / 1e9
     pinned = (16.0 * trained if step_on_host else 0.0) + (2.0 * n if params_on_host else 0.0)

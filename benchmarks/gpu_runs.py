@@ -351,6 +351,39 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
             ("7b-lora-sft", "3090-7b-lora", ["data.path=/tmp/sc-dpo-sft.jsonl", "train.micro_batch=8"]),
             ("7b-lora-dpo", "3090-7b-lora", ["data.path=/tmp/sc-dpo-pairs.jsonl", "train.objective=dpo",
                                              "train.micro_batch=4"]))
+    # Issue 45: the speed model (plan/speed_model.py) against runs that are not the presets as shipped, on
+    # one H200 capped at 24 GiB, from an empty speeds file: model size, micro-batch, offload on/off, LoRA and
+    # QLoRA, grad_accum, seq_len, compile, bf16 masters. Run with --plan: each row then carries plan --json's
+    # predicted_tokens_per_s (plan_tokens_per_s) beside the measured (the fixed meter: per optimizer step).
+    # Then the README rows that had grad_accum > 1, as shipped (the old meter printed them x2).
+    # Walls of earlier calls: ~30 s a 1b run, ~50 s 7b LoRA, ~70 s 3b offload; about 9 minutes in all.
+    "issue45": [
+        (name, preset, [*sets, "train.save_final=false", "train.warmup_steps=1"])
+        for name, preset, sets in (
+            ("1b-seq4096-mb2", "3090-fsdp", ["data.seq_len=4096", "train.micro_batch=2", "train.steps=8",
+                                             "train.log_every=1"]),
+            ("125m-noshard-mb16", "ddp-baseline", ["memory.gpu_memory_limit=24GiB", "train.micro_batch=16",
+                                                   "train.steps=24", "train.log_every=3"]),
+            ("1b-ckpt-mb4-ga2-compiled", "h200-fsdp", ["memory.gpu_memory_limit=24GiB", "train.micro_batch=4",
+                                                       "memory.activation_checkpointing=true", "train.grad_accum=2",
+                                                       "train.steps=10", "train.log_every=2"]),
+            ("1b-offload-bf16m-mb4-ga3", "3090-offload", ["precision.master_dtype=bf16", "train.grad_accum=3",
+                                                          "train.steps=5", "train.log_every=1"]),
+            ("1b-offload-mb8-noclip", "3090-offload", ["train.micro_batch=8", "train.clip_grad_norm=0",
+                                                       "train.steps=6", "train.log_every=1"]),
+            ("3b-adamw8bit-eager-mb3", "3090-3b-adamw8bit", ["train.compile=false", "train.micro_batch=3",
+                                                             "train.steps=8", "train.log_every=1"]),
+            ("7b-lora-mb2-seq1024", "3090-7b-lora", ["train.micro_batch=2", "data.seq_len=1024", "train.steps=8",
+                                                     "train.log_every=1"]),
+            ("7b-qlora-mb2-seq4096", "3090-7b-qlora", ["train.micro_batch=2", "data.seq_len=4096",
+                                                       "train.grad_accum=1", "train.steps=6", "train.log_every=1"]),
+            ("3b-offload-mb2-ga2", "3090-offload", ["model.name=3b", "train.micro_batch=2", "train.grad_accum=2",
+                                                    "train.steps=4", "train.log_every=1"]),
+            ("1b-selective-mb3", "3090-fsdp", ["memory.checkpoint_policy=selective", "train.micro_batch=3",
+                                               "train.steps=8", "train.log_every=1"]),
+            ("readme-3090-7b-lora", "3090-7b-lora", ["train.steps=6", "train.log_every=1"]),
+            ("readme-3090-13b-qlora", "3090-13b-qlora", ["train.steps=5", "train.log_every=1"]),
+        )
     ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
@@ -419,6 +452,7 @@ def planned(preset: str, sets: list[str]) -> dict:
     gib = lambda key: doc[key] / 2**30 if doc.get(key) is not None else None
     return {"plan_allocated_gib": gib("gpu_allocated_peak_bytes"), "plan_reserved_gib": gib("gpu_allocator_peak_bytes"),
             "plan_nvml_gib": gib("gpu_peak_bytes"), "plan_phase": doc.get("gpu_peak_phase"),
+            "plan_tokens_per_s": doc.get("predicted_tokens_per_s"), "plan_bound": doc.get("bound"),
             "plan_parts_gib": {k: round(v / 2**30, 3) for k, v in (doc.get("gpu_parts") or {}).items()}}
 
 

@@ -14,17 +14,21 @@ import errno
 import shutil
 import sys
 import time
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from shardconsole.machine import offload_verdict
+from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
-from shardconsole.runlog.runstate import RunState, count, fmt_rate, preference_text, save_line
+from shardconsole.runlog.runstate import RunState, count, fmt_eta, fmt_rate, preference_text, save_line
 from shardconsole.session.outcome import EXIT_CODES
 from shardconsole.session.resume import EarlierPart
 from shardconsole.session.signals import Detach, quiet_stdout
 from shardconsole.session.run import Hang, RunSession
 from shardconsole.session.stop import HANG_GRACE_S, Hurry, describe_stop, interrupts_hurry
 from shardconsole.session.watcher import MachineProbes, Tick
+
+if TYPE_CHECKING:
+    from shardconsole.plan.machine import Hardware
 
 __all__ = ["EXIT_CODES", "follow", "step_line", "progress_bar", "fmt_rate"]
 
@@ -43,6 +47,9 @@ def step_line(state: RunState) -> str:
              f"{fmt_rate(s.tokens_per_s)} tok/s", f"{s.step_s:.3f} s/step"]
     if s.mfu is not None:
         parts.append(f"mfu {100 * s.mfu:.1f}%")
+    eta = state.eta_s()
+    if eta is not None and s.step < s.steps:
+        parts.append(f"eta {fmt_eta(eta)}")
     if s.grad_norm is not None:
         parts.append(f"gnorm {s.grad_norm:.2f}")
     if s.loss_scale is not None:
@@ -61,6 +68,23 @@ def step_line(state: RunState) -> str:
     if state.host is not None:
         parts.append(f"host {state.host.used_bytes / 2**30:.1f}/{state.host.total_bytes / 2**30:.0f}G")
     return " | ".join(parts)
+
+
+def predicted_line(cfg: C.RunConfig | None, measured: float, hw: "Hardware | None" = None) -> str:
+    """The speed model's prediction for this run's settings on this machine against what it measured
+    (the last step line's tokens/s, after the warm-up): `speed: predicted 8.2k tok/s (GPU bound, ...),
+    measured 8.0k (-2%)`. "" where the model says nothing (CPU ranks, a card it does not know) or the
+    settings are gone."""
+    if cfg is None or measured <= 0:
+        return ""
+    from shardconsole.plan.machine import detect_hardware
+    from shardconsole.plan.speed_model import against_measured, predict
+    from shardconsole.settings.models import resolve
+    try:
+        p = predict(cfg, resolve(cfg.model.name), hw or detect_hardware())
+    except (C.ConfigError, ValueError, OSError):
+        return ""
+    return f"speed: {against_measured(p, measured)}; `shardconsole plan` shows its parts" if p else ""
 
 
 def data_line(d: P.DataSummary) -> str:
@@ -105,9 +129,8 @@ def progress_bar(state: RunState, width: int) -> str:
     frac = min(1.0, done / total)
     bar_w = max(10, width - 30)
     filled = int(bar_w * frac)
-    eta = ""
-    if s and s.step_s:
-        eta = f" eta {int((total - done) * s.step_s)}s"
+    left = state.eta_s()
+    eta = f" eta {fmt_eta(left)}" if left is not None else ""
     return f"[{'#' * filled}{'.' * (bar_w - filled)}] {done}/{total}{eta}"[:width]
 
 
@@ -279,6 +302,10 @@ def _follow(session: RunSession, printer: Printer, err: TextIO, grace_s: float) 
     if cause == "ok" and s is not None:
         message = message.replace("; run folder", f", {fmt_rate(s.tokens_per_s)} tok/s; run folder", 1)
     _say(err, message)
+    if cause == "ok" and s is not None:
+        said = predicted_line(session.settings, s.tokens_per_s)
+        if said:
+            _say(err, said)
     last = session.state.offload.get(0)
     if last is not None and last.verdict:
         _say(err, f"offload verdict (mean of steps to {last.step}): {last.verdict}" +

@@ -171,7 +171,7 @@ def test_finished_runs_under_the_runs_root_are_kept_once(tuned, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The ranking: measurements first, the fixed factors only as a cold start
+# The ranking: measurements first, then the speed model, the fixed factors only where it cannot say
 
 def _cfg(*sets: str) -> C.RunConfig:
     return C.build({"model": {"name": "1b"}, "data": {"seq_len": 2048}, "parallel": {"device": "cuda"},
@@ -183,8 +183,11 @@ def test_measured_speeds_reorder_the_cold_start():
     ds_off = _cfg("parallel.backend=deepspeed", "deepspeed.offload_optimizer=cpu", "deepspeed.offload_param=cpu",
                   "memory.activation_checkpointing=true")
     cold = SpeedBook([])
-    assert cold.predict(fsdp_off, H200).unit == "relative"
-    assert cold.predict(fsdp_off, H200).value > cold.predict(ds_off, H200).value      # the factors' order
+    assert (cold.predict(fsdp_off, H200).source, cold.predict(fsdp_off, H200).unit) == ("model", "tokens/s")
+    assert cold.predict(fsdp_off, H200).value > cold.predict(ds_off, H200).value      # the model's order
+    unknown = PL.Hardware(gpus=1, gpu_memory_bytes=24 * GiB, host_memory_bytes=64 * GiB, gpu_name="Some GPU")
+    assert cold.predict(fsdp_off, unknown).unit == "relative"       # a card the model does not know: the factors
+    assert cold.predict(fsdp_off, unknown).value > cold.predict(ds_off, unknown).value
     # This machine measured the opposite (slow PCIe, fast CPU Adam, say): the ranking follows it.
     book = SpeedBook([record_of(fsdp_off, H200, 1000.0, "run"), record_of(ds_off, H200, 3000.0, "tune probe")])
     assert book.predict(fsdp_off, H200).value == 1000.0 and book.predict(fsdp_off, H200).source == "measured"
@@ -194,7 +197,7 @@ def test_measured_speeds_reorder_the_cold_start():
     assert p.source == "scaled" and p.unit == "tokens/s" and p.value > 3000.0      # larger micro-batch, same ratio
     # another machine's measurements do not count here
     other = PL.Hardware(gpus=1, gpu_memory_bytes=24 * GiB, host_memory_bytes=64 * GiB, gpu_name="RTX 3090")
-    assert book.predict(fsdp_off, other).source == "cold start"
+    assert book.predict(fsdp_off, other).source == "model"
     # plan --fit and the hint after a GPU OOM rank with the same book
     cands = PL.settings_that_fit(_cfg(), PL.Hardware(1, 24 * GiB, 125 * GiB, "NVIDIA H200"), resolve("1b"), book=book)
     first_off = next(c for c in cands if "offload" in c.name)

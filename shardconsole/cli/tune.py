@@ -85,6 +85,8 @@ def cmd_tune(argv: list[str]) -> int:
     tune.plan()
     fits = [o for o in tune.options if o.estimate.fits]
     print(f"tune {source}: model {tune.base.model.name}, {machine_text(tune)}", file=out)
+    if tune.book.stale_note():
+        print(f"note: {tune.book.stale_note()}", file=out)
     if args.dry_run:
         print(f"{len(fits)} option(s) fit, ranked by predicted speed (--dry-run: nothing is probed)", file=out)
         shown = tune.options[:20]

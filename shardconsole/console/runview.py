@@ -131,10 +131,8 @@ class RunView:
 
     @property
     def eta_s(self) -> float | None:
-        s = self.state.last_step
-        if s is None or not s.steps or not s.step_s or self.state.finished is not None:
-            return None
-        return max(0.0, (s.steps - s.step) * s.step_s)
+        """From the wall clock of the measured steps, the first compile-bound ones left out (RunState.eta_s)."""
+        return self.state.eta_s()
 
     def ranks_by_gpu(self) -> tuple[dict[int, list[int]], list[int]]:
         """({GPU index: ranks on it}, ranks elsewhere: other hosts or CPU). A rank is on a local GPU when

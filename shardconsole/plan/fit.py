@@ -150,7 +150,7 @@ class Candidate:
     estimate: Estimate
     speed: float                    # predicted tokens/s, or relative (speed_unit) on a cold start
     speed_unit: str = "relative"
-    speed_source: str = "cold start"    # "measured", "scaled" (plan/speeds.py) or "cold start"
+    speed_source: str = "cold start"    # "measured", "scaled", "model" (plan/speeds.py) or "cold start"
 
 
 def settings_that_fit(cfg: C.RunConfig, hardware: Hardware, spec: ModelSpec | None = None,
@@ -176,7 +176,7 @@ def settings_that_fit(cfg: C.RunConfig, hardware: Hardware, spec: ModelSpec | No
                               f"memory.activation_checkpointing={_toml(ckpt)}", f"train.micro_batch={mb}",
                               f"train.grad_accum={c2.train.grad_accum}"]
                 name = f"{strategy}, {'checkpointing' if ckpt else 'no checkpointing'}, micro_batch {mb}"
-                p = book.predict(c2, hardware)
+                p = book.predict(c2, hardware, spec)
                 out.append(Candidate(name, overrides, est, p.value, p.unit, p.source))
     out.sort(key=lambda cand: (-round(cand.speed, 6), cand.estimate.gpu_peak_bytes))
     return out

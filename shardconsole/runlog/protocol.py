@@ -17,6 +17,10 @@ from typing import Any, ClassVar
 
 VERSION = 1
 MAX_LINE = 4096
+# The step meter's version (backends/observe/metrics.StepMeter), in every step line and speed-book entry:
+# 2 counts optimizer steps (issue 45). Lines without it (0) came from the meter that counted micro-batches,
+# whose step_s, tokens/s, samples/s and MFU were per micro-batch: off by train.grad_accum.
+METER_VERSION = 2
 
 # Phases a run goes through, reported with Event(name="phase", detail=<phase>).
 PHASES = ("starting", "loading model", "building ops", "reference pass", "training", "evaluating", "saving checkpoint",
@@ -81,6 +85,7 @@ class Step(Message):
     reward_rejected: float | None = None   # the same for the rejected answers (ORPO: lambda * mean token log-prob)
     reward_margin: float | None = None     # reward_chosen - reward_rejected
     pref_accuracy: float | None = None     # share of pairs whose chosen reward is above the rejected one, 0..1
+    meter: int = 0                     # METER_VERSION of the meter that wrote it; 0: before issue 45
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,7 @@ class Tune:
                 self.book.add(record_of(option.cfg, self.hw, row.result.tokens_per_s, "tune probe",
                                         run=row.result.run_dir,
                                         peaks={"gpu": row.result.gpu_peak_bytes, "host": row.result.host_peak_bytes}))
-                search.rank(self.options, self.book, self.hw)
+                search.rank(self.options, self.book, self.hw, self.spec)
             self.on_change(self)
         if self.stop and not self.note:
             self.note = "stopped"

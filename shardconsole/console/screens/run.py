@@ -33,7 +33,7 @@ from shardconsole.console.messages import MachineSampled, RunEnded, RunHung, Run
 from shardconsole.console.runview import RunView, library_noise, log_line
 from shardconsole.console.screens.dialogs import ConfirmScreen, ReportScreen
 from shardconsole.console.screens.run_status import short_stop, status_text, stop_details, stop_question
-from shardconsole.console.services import Probes, RunOptions, method_line, planned_peaks
+from shardconsole.console.services import Probes, RunOptions, method_line, planned_peaks, predicted_speed
 from shardconsole.console.widgets.following_log import FollowingLog
 from shardconsole.console.widgets.run_panels import GpuPanel, HostPanel, LossPanel, ThroughputPanel, duration
 
@@ -244,8 +244,10 @@ class RunScreen(Screen[None]):
         self.outcome = event.cause
         if event.cause == "ok":
             steps = self.view.state.finished.steps if self.view.state.finished else 0
+            last = self.view.state.last_step
+            speed = predicted_speed(self.session.settings, self.probes, last.tokens_per_s if last else 0.0)
             self.note = Text(f"■ finished: {steps} steps in {duration(self.view.elapsed_s)}; "
-                             f"run folder {self.session.run_dir}", "green")
+                             + (f"{speed}; " if speed else "") + f"run folder {self.session.run_dir}", "green")
             self.status = "finished"
         elif event.cause == "stopped":      # stopped from elsewhere: another front end, `shardconsole stop`
             self.note = Text(f"■ {event.message.splitlines()[0]}", "yellow")

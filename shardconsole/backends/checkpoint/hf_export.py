@@ -22,6 +22,7 @@ import torch
 
 from shardconsole.backends.checkpoint import save_stream
 from shardconsole.backends.rank.common import Rank
+from shardconsole.runlog.checkpoint_files import make_private
 from shardconsole.settings.values import format_size
 
 # What a model folder's tokenizer may consist of (fast and slow tokenizers, chat templates); export-model
@@ -118,17 +119,20 @@ def export(r: Rank, model: torch.nn.Module, step: int) -> Path:
         raise RuntimeError(f"the trained model lacks {', '.join(missing[:3])} of {type(config).__name__}")
     entries = [e for e in entries if e[0] in kept]
     total = sum(_nbytes(s, d) for _, s, d in entries)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    tmp = out.parent / f".{out.name[:200]}.partial-{os.getpid()}"     # room for the suffix in 255 characters
+    private = r.cfg.train.checkpoint_private
     r.phase("saving checkpoint")
     watch = None
     try:
         if r.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            tmp.mkdir(parents=True, mode=0o700 if private else 0o777)
             watch = save_stream.SaveWatch(r, step, "export", tmp, total)
         _write_tensors(r, state, entries, names, tmp)
         if r.rank == 0:
             _write_folder_files(r, config, dtype, tmp, step)
+            if private:
+                make_private(tmp)      # the trained model, readable by its owner alone (train.checkpoint_private)
             if out.exists():
                 out.rmdir()            # refused before launch unless empty
             os.replace(tmp, out)

@@ -108,8 +108,11 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
         raise C.ConfigError(f"{folder.path}: its newest checkpoint is step {newest} and train.steps is "
                             f"{cfg.train.steps}: nothing left to train; add --set train.steps=N with N > {newest}")
     cfg.train.resume = True
+    from shardconsole.session import checkpoint_owner
+    checkpoint_owner.check(cfg, folder.path, str(folder.preset), new_run=False)
     if check is not None:
         check(cfg, str(folder.preset))
+    checkpoint_owner.claim(cfg, folder.path)
     prev = folder.preset.with_name(folder.preset.name + PREV_SUFFIX)
     shutil.copy2(folder.preset, prev)
     C.save(cfg, folder.preset)

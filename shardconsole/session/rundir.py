@@ -227,11 +227,23 @@ def check_port_free(cfg: C.RunConfig, origin: Origin | None = None) -> None:
                                     key="master_port") from None
 
 
+def stream_stopped_cause(run_dir: Path) -> str:
+    """The failure class of a stream that ended without a finished or failed line: run_folder_gone,
+    disk_full (the run folder's disk is full now, or a rank's log says a line was refused for want of
+    space), else crash."""
+    if not Path(run_dir).is_dir():
+        return "run_folder_gone"
+    note = stream_stopped_note(run_dir)
+    return "disk_full" if ("No space left" in note or "quota" in note.lower() or "is full" in note) else "crash"
+
+
 def stream_stopped_note(run_dir: Path) -> str:
     """Why the stream of a run ended without a finished or failed line, when the run folder can say:
     "the stream stopped at step N: No space left on device (logs/rank0.log)", or a full disk seen
     now. '' when nothing explains it (then it was a crash)."""
     folder = RunFolder(run_dir)
+    if not Path(run_dir).is_dir():
+        return f"the run folder {run_dir} is gone (deleted while the run was going)"
     found = []
     for log in sorted(folder.logs.glob("rank*.log")):
         try:
@@ -243,7 +255,8 @@ def stream_stopped_note(run_dir: Path) -> str:
             found.append((int(m.group(1)), m.group(2), log))
             break
     if found:
-        step, why, log = min(found, key=lambda f: f[0])
+        # the rank that had come furthest: a rank that writes no step lines knows the step from its others
+        step, why, log = max(found, key=lambda f: f[0])
         return f"the stream stopped at step {step}: {why} ({log.relative_to(run_dir)})"
     try:
         free = shutil.disk_usage(run_dir).free

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from shardconsole.backends.checkpoint import checkpoints
 from shardconsole.backends.rank import common
-from shardconsole.backends.observe import failures
+from shardconsole.backends.observe import failures, stream_health
 from shardconsole.backends.engine import trainstate
 from shardconsole.backends.rank.common import Rank
 
@@ -44,9 +44,11 @@ class Tail:
             torch.cuda.empty_cache()
         if self.evaluator.due(step):
             self.evaluator.run(self.evaluated, step)
+        stream_health.check(self.r, self.stop)       # a stream that cannot be written asks the run to stop
         if self.stop.agreed():
-            trainstate.stop_with_save(self.r, self.stop,
-                                      lambda what: self.save(step) if what == "checkpoint" else self.save(step, what))
+            with stream_health.verdict(self.r):     # ... and that rank ends with the verdict, after the save
+                trainstate.stop_with_save(self.r, self.stop,
+                                          lambda what: self.save(step) if what == "checkpoint" else self.save(step, what))
         if checkpoints.save_due(self.r, step):
             self.save(step)
         self.stop.start_round()

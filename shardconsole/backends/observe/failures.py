@@ -27,6 +27,8 @@ def classify(exc: BaseException) -> tuple[str, str]:
         if os.environ.get("SLURM_JOB_ID"):      # a Slurm job's script resumes when it is submitted again
             return "stopped", "continue it with `sbatch` of the same script, or `shardconsole resume RUN_DIR --slurm`"
         return "stopped", "continue it with `shardconsole resume RUN_DIR`"
+    if type(exc).__name__ == "StreamFailed":        # stream_health: disk_full or run_folder_gone, with its hint
+        return str(getattr(exc, "cause", "disk_full")), str(getattr(exc, "hint", ""))
     if type(exc).__name__ == "CheckpointError":
         return "config_error", ("move that folder away to resume from the one before it, or set "
                                 "train.resume = false")

@@ -91,9 +91,11 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
         raise C.ConfigError(f"{folder.path}: the run is still going: {running}; stop it first "
                             f"(`shardconsole stop {folder.path}`), or follow it with `shardconsole attach {folder.path}`")
     doc = C.load_toml(folder.preset)
-    before = settings.resolve_doc(doc, folder.path.name, folder.preset, []).cfg.train
+    saved = settings.resolve_doc(doc, folder.path.name, folder.preset, []).cfg
+    before = saved.train
     resolved = settings.resolve_doc(doc, folder.path.name, folder.preset, list(overrides))
     cfg = resolved.cfg
+    _check_same_shapes(saved, resolved)
     if "train.schedule_steps" not in resolved.origins:
         # More steps continue the schedule the run had (a constant tail at the lr it ended on), never a
         # cosine re-stretched over the new length, which sent the lr back up at the first resumed step.
@@ -108,7 +110,8 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
         raise C.ConfigError(f"{folder.path}: its newest checkpoint is step {newest} and train.steps is "
                             f"{cfg.train.steps}: nothing left to train; add --set train.steps=N with N > {newest}")
     cfg.train.resume = True
-    from shardconsole.session import checkpoint_owner
+    from shardconsole.session import checkpoint_owner, rundir
+    rundir.check_resume_writable(cfg, folder.path, str(folder.preset))
     checkpoint_owner.check(cfg, folder.path, str(folder.preset), new_run=False)
     if check is not None:
         check(cfg, str(folder.preset))
@@ -117,6 +120,26 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
     shutil.copy2(folder.preset, prev)
     C.save(cfg, folder.preset)
     return cfg
+
+
+# What the checkpoint's tensors were made with: a resume that changes one of them fails after the launch
+# with DCP's "Size mismatch ... move that folder away" (or a missing key), which names no setting.
+SHAPE_KEYS = (("model", "name"), ("parallel", "backend"), ("train", "method"), ("lora", "rank"),
+              ("lora", "target_modules"), ("lora", "modules_to_save"))
+
+
+def _check_same_shapes(saved: C.RunConfig, resolved) -> None:
+    """Refuse, before the launch, an override of a setting the checkpoint's tensors depend on, naming it
+    and the value the checkpoint was saved with."""
+    method = saved.train.method
+    for table, key in SHAPE_KEYS:
+        if table == "lora" and method == "full":
+            continue        # no adapters in a full fine-tune's checkpoint
+        old, new = getattr(getattr(saved, table), key), getattr(getattr(resolved.cfg, table), key)
+        if old != new:
+            raise resolved.error(table, key, f"the checkpoints were saved with {table}.{key} = {old!r}; a resume "
+                                             f"loads their tensors as they are: keep {old!r}, or start a new run "
+                                             f"with {new!r}")
 
 
 class EarlierPart:

@@ -30,6 +30,10 @@ from shardconsole.runlog.runfolder import PRESET_FILE, RunFolder
 # The line MetricsWriter prints into a rank's log when the stream refuses a line (stream.py).
 DROP_NOTE = re.compile(r"^shardconsole: metrics stream: .*?after step (\d+): (.+?); later lines", re.M)
 _LOW_SPACE = 64 << 10
+# A run folder's name is its run id: torchrun names a folder of its own <id>_<8 characters>, and a resumed
+# session's id adds "-resume-<time>-<pid>" (about 40): a 255-byte name failed with torchelastic's
+# ENAMETOOLONG traceback after the launch.
+MAX_NAME_BYTES = 180
 
 
 Origin = Callable[[str, str], str]     # settings.Resolved.origin: where a key's value came from
@@ -49,6 +53,10 @@ def create_run_dir(cfg: C.RunConfig, run_dir: Path, *, explicit: bool = True) ->
     folder with the same settings. Not explicit (a default runs/<time>-<preset> name): a taken name
     gets the next suffix, -2, -3, ..."""
     where = f"--run-dir {run_dir}" if explicit else str(run_dir)
+    if len(run_dir.name.encode()) > MAX_NAME_BYTES:
+        raise RunDirError(f"{where}: the folder's name is {len(run_dir.name.encode())} bytes; at most "
+                          f"{MAX_NAME_BYTES} (the run id is the name, and torchrun's files and a resumed session's "
+                          f"id add to it within the file system's 255)")
     cfg = anchor_paths(cfg)
     try:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -166,6 +174,16 @@ def check_writable(cfg: C.RunConfig, run_dir: Path, origin: Origin | None = None
     ckpt = RunFolder(run_dir).checkpoints(cfg.train.checkpoint_dir)
     _probe(ckpt, lambda why: C.ConfigError(f"{ckpt}: {why}", source=_source(origin, "train", "checkpoint_dir"),
                                            table="train", key="checkpoint_dir"))
+
+
+def check_resume_writable(cfg: C.RunConfig, run_dir: Path, source: str) -> None:
+    """`resume`: the run folder and the checkpoint folder it saves into still writable (a folder made
+    read-only since, a mount remounted ro): found before the launch, not at the first save after hours
+    of training."""
+    _probe(Path(run_dir), lambda why: RunDirError(f"run folder {run_dir}: {why}"))
+    ckpt = RunFolder(run_dir).checkpoints(cfg.train.checkpoint_dir)
+    _probe(ckpt, lambda why: C.ConfigError(f"{ckpt}: {why}; the resumed run could not save there",
+                                           source=source, table="train", key="checkpoint_dir"))
 
 
 def _check_export_dir(cfg: C.RunConfig, origin: Origin | None) -> None:

@@ -255,6 +255,24 @@ def _who(report: StopReport) -> str:
     return (", ".join(parts[:-1]) + " and " + parts[-1]) if len(parts) > 1 else parts[0]
 
 
+def not_yours(pids, uid: int | None = None) -> str:
+    """'' when this user may signal every live process of `pids` (its own, or root); else who owns them:
+    a stop of another user's run signalled nothing and reported "still alive after SIGKILL"."""
+    import psutil
+    uid = os.geteuid() if uid is None else uid
+    if uid == 0:
+        return ""
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            owner = proc.uids().real
+            if owner != uid:
+                return f"pid {pid} runs as user {proc.username()}"
+        except (psutil.Error, ValueError):
+            continue
+    return ""
+
+
 class StopRefused(Exception):
     """Not a run this shell can stop (not a run folder, started on another host): one line."""
 
@@ -296,6 +314,9 @@ def stop_folder(run_dir: Path, err: TextIO) -> int:
             cause, message = classify(watcher.state, watcher.exit_code if job.rc_known else None, folder.path)
             print(f"nothing to stop: the run has already ended ({cause}): {message.splitlines()[0]}", file=err)
             return 0
+        others = not_yours([job.pid, *watcher.rank_pids])
+        if others:
+            raise StopRefused(f"{folder.path}: not your run: {others}; only that user (or root) can stop it")
         print(f"stopping {folder.path}: SIGTERM to every rank ... (Ctrl-C: SIGKILL now)", file=err, flush=True)
         hurry = Hurry()
         with interrupts_hurry(hurry):

@@ -33,7 +33,7 @@ class MetricsWriter:
         self.run, self.rank = run, rank
         self.dropped = 0
         self.last_error = ""          # why the last line was dropped ("No space left on device")
-        self.last_step = 0            # the last step line written whole
+        self.last_step = 0            # the step of the last line written whole
         self._torn = False            # a short write left half a line: the next line ends it first
         self._fd: int | None = None
         if self.path is not None:
@@ -51,8 +51,9 @@ class MetricsWriter:
                 self._torn = True
                 os.write(self._fd, data[n:])
             self._torn = False
-            if msg.kind == "step":
-                self.last_step = getattr(msg, "step", self.last_step)
+            step = getattr(msg, "step", None)       # any line's step: rank 1 writes no step lines
+            if isinstance(step, int) and step > self.last_step:
+                self.last_step = step
         except (OSError, ValueError) as e:
             self.dropped += 1
             first = not self.last_error

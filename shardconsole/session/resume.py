@@ -100,9 +100,11 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
         raise C.ConfigError(f"{folder.path}: the run is still going: {running}; stop it first "
                             f"(`shardconsole stop {folder.path}`), or follow it with `shardconsole attach {folder.path}`")
     doc = C.load_toml(folder.preset)
-    before = settings.resolve_doc(doc, folder.path.name, folder.preset, []).cfg.train
+    saved = settings.resolve_doc(doc, folder.path.name, folder.preset, []).cfg
+    before = saved.train
     resolved = settings.resolve_doc(doc, folder.path.name, folder.preset, list(overrides))
     cfg = resolved.cfg
+    _check_same_shapes(saved, resolved)
     if "train.schedule_steps" not in resolved.origins:
         # More steps continue the schedule the run had (a constant tail at the lr it ended on), never a
         # cosine re-stretched over the new length, which sent the lr back up at the first resumed step.
@@ -126,8 +128,12 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
                             f"{cfg.train.steps}: nothing left to train; add --set train.steps=N with N > {newest}")
     _check_export_dir(cfg, resolved.origin("train", "export_dir"))
     cfg.train.resume = True
+    from shardconsole.session import checkpoint_owner, rundir
+    rundir.check_resume_writable(cfg, folder.path, str(folder.preset))
+    checkpoint_owner.check(cfg, folder.path, str(folder.preset), new_run=False)
     if check is not None:
         check(cfg, str(folder.preset))
+    checkpoint_owner.claim(cfg, folder.path)
     prev = folder.preset.with_name(folder.preset.name + PREV_SUFFIX)
     shutil.copy2(folder.preset, prev)
     C.save(cfg, folder.preset)
@@ -143,6 +149,26 @@ def _check_export_dir(cfg: C.RunConfig, source: str) -> None:
         raise C.ConfigError(f"{path} already holds files (the earlier session's export?) and the export never "
                             f"overwrites: add --set train.export_dir=NEW_FOLDER, or --set train.export_dir= for none",
                             source=source, table="train", key="export_dir")
+
+
+# What the checkpoint's tensors were made with: a resume that changes one of them fails after the launch
+# with DCP's "Size mismatch ... move that folder away" (or a missing key), which names no setting.
+SHAPE_KEYS = (("model", "name"), ("parallel", "backend"), ("train", "method"), ("lora", "rank"),
+              ("lora", "target_modules"), ("lora", "modules_to_save"))
+
+
+def _check_same_shapes(saved: C.RunConfig, resolved) -> None:
+    """Refuse, before the launch, an override of a setting the checkpoint's tensors depend on, naming it
+    and the value the checkpoint was saved with."""
+    method = saved.train.method
+    for table, key in SHAPE_KEYS:
+        if table == "lora" and method == "full":
+            continue        # no adapters in a full fine-tune's checkpoint
+        old, new = getattr(getattr(saved, table), key), getattr(getattr(resolved.cfg, table), key)
+        if old != new:
+            raise resolved.error(table, key, f"the checkpoints were saved with {table}.{key} = {old!r}; a resume "
+                                             f"loads their tensors as they are: keep {old!r}, or start a new run "
+                                             f"with {new!r}")
 
 
 class EarlierPart:

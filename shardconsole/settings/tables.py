@@ -88,6 +88,10 @@ class TrainSettings:
     stop_save_timeout_s: float = _f(300.0, "seconds a save on stop may take before the ranks end without it",
                                     min=1.0)
     checkpoint_dir: str = _f("", "where checkpoints go (empty: <run dir>/checkpoints)")
+    # A checkpoint or an export is the trained model: by default no other local user may read it, whatever
+    # the umask (0644 on most systems). false leaves the modes to the umask, for a group that shares models.
+    checkpoint_private: bool = _f(True, "checkpoints, train.export_dir and export-model's folders readable by "
+                                        "their owner alone (0700 folders, 0600 files); false: the umask decides")
     export_dir: str = _f("", "write the trained model as a Hugging Face folder here after the last step "
                          "(empty: no export); no checkpoint is needed for it")
     export_adapter: bool = _f(False, "a LoRA run's train.export_dir holds peft's adapter folder instead of the "

@@ -22,7 +22,7 @@ from shardconsole.backends.checkpoint import checkpoints
 from shardconsole.backends.engine import trainstate
 from shardconsole.backends.checkpoint.checkpoints import SaveKind
 from shardconsole.backends.engine.contract import Engine
-from shardconsole.backends.observe import failures, metrics
+from shardconsole.backends.observe import failures, metrics, stream_health
 from shardconsole.backends.rank import common
 from shardconsole.backends.rank.common import Rank
 
@@ -75,8 +75,10 @@ class Tail:
         if every and self.r.is_cuda and step % every == 0:
             torch.cuda.empty_cache()
         self.engine.evaluate(step)
+        stream_health.check(self.r, self.stop)       # a stream that cannot be written asks the run to stop
         if self.stop.agreed():
-            trainstate.stop_with_save(self.r, self.stop, lambda kind: self.engine.save(step, kind))
+            with stream_health.verdict(self.r):     # ... and that rank ends with the verdict, after the save
+                trainstate.stop_with_save(self.r, self.stop, lambda kind: self.engine.save(step, kind))
         if checkpoints.save_due(self.r, step):
             self.engine.save(step, SaveKind.CHECKPOINT)
         self.stop.start_round()

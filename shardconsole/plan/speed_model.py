@@ -88,6 +88,8 @@ DS_OFFLOAD_SLOWDOWN = 2.0
 # Startup before the first step: launcher, imports, the process group (~20 s on the H200 machine), the
 # model build (s a billion parameters; ZeRO-3's zero.Init builds slower), the compile of the layers.
 START_S = 20.0
+# Between nodes: a 100 Gb/s network (assumed; `shardconsole doctor` measures the all-reduce of a machine).
+NODE_LINK_GBPS = 12.5
 BUILD_S_PER_B = {"fsdp": 2.0, "deepspeed": 8.0}
 PIN_S_PER_GB = 0.15       # pinning the offloaded host states (cudaHostRegister of the arena)
 COMPILE_S = 45.0
@@ -235,12 +237,14 @@ def predict(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, card: Card | Non
             host_s *= DS_OFFLOAD_SLOWDOWN
     gpu = k * (compute_mb + exposed) + (0.0 if step_on_host else _gpu_optimizer_s(cfg, trained / ranks, card, s))
     comm = 0.0
-    if ranks > 1 and cfg.parallel.backend == "fsdp" and cfg.fsdp.sharding != "no_shard" or \
-            ranks > 1 and cfg.parallel.backend == "deepspeed":
-        # all-gather forward and backward (compute dtype) and reduce-scatter (fp32) of every parameter a
-        # micro-batch, each rank sending (ranks-1)/ranks of it; NVLink (~300 GB/s usable) or the host link.
-        link = 300.0 if card.nvlink else card.pcie_gbps * 0.8
-        comm = k * (2 * 2 + 4) * n * (ranks - 1) / ranks / (link * GB)
+    if ranks > 1:
+        # Sharded (FSDP2 but no_shard, ZeRO-3): the all-gathers of forward and backward (compute dtype) and
+        # the reduce-scatter (fp32) of every parameter a micro-batch; replicated: the gradients' all-reduce
+        # (twice 4 bytes). Each rank sends (ranks-1)/ranks of it over NVLink (~300 GB/s usable), the PCIe
+        # link, or between nodes the network (NODE_LINK_GBPS): assumed rates, not measured here.
+        sharded = (cfg.fsdp.sharding != "no_shard") if cfg.parallel.backend == "fsdp" else cfg.deepspeed.stage == 3
+        link = NODE_LINK_GBPS if cfg.parallel.nnodes > 1 else (300.0 if card.nvlink else card.pcie_gbps * 0.8)
+        comm = k * (2 * 2 + 4 if sharded else 8) * n * (ranks - 1) / ranks / (link * GB)
     parts = {"gpu": gpu, "h2d": k * h2d, "d2h": k * d2h, "host step": host_s, "communication": comm}
     overlap = (cfg.parallel.backend == "fsdp" and step_on_host and cfg.fsdp.offload_overlap
                and cfg.train.clip_grad_norm <= 0 and cfg.precision.dtype != "fp16")

@@ -385,6 +385,28 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
             ("readme-3090-13b-qlora", "3090-13b-qlora", ["train.steps=5", "train.log_every=1"]),
         )
     ],
+    # Issue 45, out of sample: settings neither the speed model's constants nor the issue45 rows were fitted on
+    # (run after the refit of 2026-12-04), small models so that ten fit one short call, from an empty speeds file.
+    "issue45-oos": [
+        (name, preset, [*sets, "train.save_final=false", "train.warmup_steps=1", "train.log_every=1"])
+        for name, preset, sets in (
+            ("oos-1b-ckpt-mb2", "3090-fsdp", ["train.micro_batch=2", "train.steps=8"]),
+            ("oos-1b-eager-nockpt-mb2", "h200-fsdp", ["train.compile=false", "memory.activation_checkpointing=false",
+                                                      "train.micro_batch=2", "train.steps=8"]),
+            ("oos-125m-seq2048-mb8", "ddp-baseline", ["data.seq_len=2048", "memory.gpu_memory_limit=24GiB",
+                                                      "train.steps=16"]),
+            ("oos-1b-offload-mb2", "3090-offload", ["train.micro_batch=2", "train.steps=5"]),
+            ("oos-1b-lora-mb4", "3090-fsdp", ["train.method=lora", "train.steps=8"]),
+            ("oos-3b-ckpt-mb2", "h200-fsdp", ["model.name=3b", "train.compile=false",
+                                              "memory.activation_checkpointing=true", "train.micro_batch=2",
+                                              "train.steps=6"]),
+            ("oos-1b-bf16m-mb6", "3090-fsdp", ["precision.master_dtype=bf16", "train.micro_batch=6", "train.steps=8"]),
+            ("oos-125m-ga4-mb4", "ddp-baseline", ["train.grad_accum=4", "train.micro_batch=4", "train.steps=12"]),
+            ("oos-1b-seq1024-mb8-compiled", "h200-fsdp", ["data.seq_len=1024", "train.steps=10"]),
+            ("oos-1b-offload-bf16m-mb6", "3090-offload", ["precision.master_dtype=bf16", "train.micro_batch=6",
+                                                          "train.steps=5"]),
+        )
+    ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
     ],

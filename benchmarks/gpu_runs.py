@@ -352,7 +352,7 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
             ("7b-lora-dpo", "3090-7b-lora", ["data.path=/tmp/sc-dpo-pairs.jsonl", "train.objective=dpo",
                                              "train.micro_batch=4"]))
     ],
-    # Issue 45: the speed model (plan/speed_model.py) against runs that are not the presets as shipped, on
+    # Issue 45: the speed model (plan/speed/model.py) against runs that are not the presets as shipped, on
     # one H200 capped at 24 GiB, from an empty speeds file: model size, micro-batch, offload on/off, LoRA and
     # QLoRA, grad_accum, seq_len, compile, bf16 masters. Run with --plan: each row then carries plan --json's
     # predicted_tokens_per_s (plan_tokens_per_s) beside the measured (the fixed meter: per optimizer step).

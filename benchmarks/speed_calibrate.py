@@ -1,4 +1,4 @@
-"""Predicted (plan/speed_model.py) against measured tokens/s for every run recorded in benchmarks/data and
+"""Predicted (plan/speed/model.py) against measured tokens/s for every run recorded in benchmarks/data and
 benchmarks/results (gpu_runs.py's rows, the shardconsole runs, not the bare peers), on the H200 they ran on.
 
     python3 benchmarks/speed_calibrate.py            # one line a run, then the share within 15% / 25%
@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 from shardconsole.plan.estimator import replace_cfg  # noqa: E402
 from shardconsole.plan.machine import Hardware  # noqa: E402
-from shardconsole.plan.speed_model import predict  # noqa: E402
+from shardconsole.plan.speed.model import predict  # noqa: E402
 from shardconsole.settings.models import resolve as resolve_model  # noqa: E402
 from shardconsole.settings.resolve import resolve  # noqa: E402
 

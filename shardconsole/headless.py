@@ -78,7 +78,7 @@ def predicted_line(cfg: C.RunConfig | None, measured: float, hw: "Hardware | Non
     if cfg is None or measured <= 0:
         return ""
     from shardconsole.plan.machine import detect_hardware
-    from shardconsole.plan.speed_model import against_measured, predict
+    from shardconsole.plan.speed.model import against_measured, predict
     from shardconsole.settings.models import resolve
     try:
         p = predict(cfg, resolve(cfg.model.name), hw or detect_hardware())

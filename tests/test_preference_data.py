@@ -200,7 +200,7 @@ def test_planner_counts_two_rows_a_pair_and_says_what_the_reference_costs(tmp_pa
     from shardconsole.plan.activation_memory import activations
     from shardconsole.plan.search import NUMERICS
     from shardconsole.plan.shapes import Shapes
-    from shardconsole.plan.speeds import signature
+    from shardconsole.plan.speed.book import signature
     from shardconsole.settings.models import resolve
     data = write_jsonl(tmp_path / "p.jsonl", PAIRS)
     base = [f"data.path={data}", "train.micro_batch=2", "parallel.device=cuda", "model.name=1b"]

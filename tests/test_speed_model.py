@@ -8,10 +8,10 @@ import json
 import pytest
 
 from shardconsole.cli import main as cli
-from shardconsole.plan import speed_model as SM
-from shardconsole.plan.cards import CARDS, card_named, card_of
+from shardconsole.plan.speed import model as SM
+from shardconsole.plan.speed.cards import CARDS, card_named, card_of
 from shardconsole.plan.machine import Hardware
-from shardconsole.plan.speeds import SpeedBook, harvest, record_of
+from shardconsole.plan.speed.book import SpeedBook, harvest, record_of
 from shardconsole.runlog import protocol as P
 from shardconsole.settings import config as C
 from shardconsole.settings.models import resolve

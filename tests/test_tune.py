@@ -1,5 +1,5 @@
 """`shardconsole tune` (issue 16): real 2-rank CPU probes, a failing probe reported and skipped, the
-winner written as a preset that then runs; the ranking by measured speeds (plan/speeds.py), the same
+winner written as a preset that then runs; the ranking by measured speeds (plan/speed/book.py), the same
 ranking in `plan --fit` and the hint after a GPU OOM; bad input as one line."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from shardconsole.settings import config as C
 from shardconsole import plan as PL
 from shardconsole.settings.models import resolve
 from shardconsole.plan import search
-from shardconsole.plan.speeds import SpeedBook, record_of, signature, speeds_file
+from shardconsole.plan.speed.book import SpeedBook, record_of, signature, speeds_file
 from shardconsole.cli import tune as tune_cli
 from shardconsole.tune.report import HEADER_MARK, write_preset
 
@@ -159,7 +159,7 @@ def test_finished_runs_under_the_runs_root_are_kept_once(tuned, tmp_path):
     """A finished run's speed joins the book the next time tune or plan looks (harvest), once."""
     import shutil
 
-    from shardconsole.plan.speeds import harvest
+    from shardconsole.plan.speed.book import harvest
     root = tmp_path / "runs"
     shutil.copytree(tuned["tune"].root / "probe-02", root / "20261201-000000-tiny")
     book = SpeedBook([], tmp_path / "speeds.jsonl")

@@ -12,7 +12,7 @@ import pytest
 from shardconsole import plan as PL
 from shardconsole.cli import tune as tune_cli
 from shardconsole.plan import search
-from shardconsole.plan.speeds import SpeedBook, cold_score
+from shardconsole.plan.speed.book import SpeedBook, cold_score
 from shardconsole.settings import models
 from shardconsole.settings import resolve as settings
 from shardconsole.tune.engine import Tune

@@ -6,8 +6,8 @@
                       [--model NAME|DIR] [--preset NAME] [--seq-len 2048] [--json]
 
 Hardware is what NVML and psutil find on this machine, unless given; --card NAME plans that card (its
-memory and speed, plan/cards.py) with this host. The speed (tokens/s, the step and its bound part, the time to
-train.steps) is plan/speed_model.py's prediction. Exit codes: 0 the plan was made
+memory and speed, plan/speed/cards.py) with this host. The speed (tokens/s, the step and its bound part, the time to
+train.steps) is plan/speed/model.py's prediction. Exit codes: 0 the plan was made
 (it fits, or cannot tell), 3 its verdict is "does not fit" (the plan is printed all the same), 2 bad
 input: one line on stderr (ConfigError, handled by cli.main). No torch import: answers in well under a second.
 """
@@ -22,8 +22,8 @@ from shardconsole.settings import config as C
 from shardconsole import plan as PL
 from shardconsole.settings import resolve as settings
 from shardconsole.settings.models import human_count
-from shardconsole.plan import speed_model
-from shardconsole.plan.cards import CARDS, Card, card_named
+from shardconsole.plan.speed import model as speed_model
+from shardconsole.plan.speed.cards import CARDS, Card, card_named
 from shardconsole.plan.machine import Hardware, hardware_from_args
 from shardconsole.session import preflight
 
@@ -203,7 +203,7 @@ def cmd_plan(argv: list[str]) -> int:
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
-    from shardconsole.plan.speeds import SpeedBook
+    from shardconsole.plan.speed.book import SpeedBook
     card = _card_arg(args.card)
     overrides = settings.from_cli(args.overrides)
     if args.model:

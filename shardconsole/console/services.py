@@ -229,7 +229,7 @@ def predicted_speed(cfg: C.RunConfig | None, probes: "Probes", measured: float) 
     if plan is None or cfg is None or measured <= 0:
         return ""
     try:
-        from shardconsole.plan.speed_model import against_measured, predict
+        from shardconsole.plan.speed.model import against_measured, predict
         from shardconsole.settings.models import resolve
         hw = plan_hardware(plan, probes.gpus(), probes.host())
         p = predict(cfg, resolve(cfg.model.name), hw) if hw is not None else None

@@ -1,6 +1,6 @@
 """The settings `shardconsole tune` may try: every combination of the levers that change memory and
 speed and keep what is trained the same (the global batch, the model, the data), that the planner
-says fits, ranked by the predicted speed (plan/speeds.py). Pure: no torch, no launches.
+says fits, ranked by the predicted speed (plan/speed/book.py). Pure: no torch, no launches.
 
 The levers: the engine and its sharding or ZeRO stage, offload (none / optimizer / parameters and
 optimizer), activation checkpointing and its policy, the micro-batch with gradient accumulation
@@ -24,7 +24,7 @@ from shardconsole.settings.models import ModelSpec
 from shardconsole.plan.estimator import Estimate, estimate, replace_cfg
 from shardconsole.plan.fit import EXTRA_STRATEGIES, STRATEGIES, _toml
 from shardconsole.plan.machine import Hardware
-from shardconsole.plan.speeds import Prediction, SpeedBook, signature
+from shardconsole.plan.speed.book import Prediction, SpeedBook, signature
 
 ALL_STRATEGIES = {**STRATEGIES, **EXTRA_STRATEGIES}
 OFFLOADING = {"full_shard+offload", "ZeRO-3+offload", "ZeRO-3+optimizer offload", "ZeRO-2+optimizer offload"}

@@ -107,7 +107,7 @@ def fitting_settings(run_dir: Path, top: int = 2, settings: C.RunConfig | None =
         return ""
     lines = [f"\n  the planner's fastest settings that fit ({C.format_size(hw.gpu_memory_bytes)} a GPU):"]
     for cand in found:
-        # ranked as `tune` ranks (plan/speeds.py): the speeds measured on this machine first
+        # ranked as `tune` ranks (plan/speed/book.py): the speeds measured on this machine first
         speed = f" ({cand.speed:,.0f} tokens/s {cand.speed_source})" if cand.speed_unit == "tokens/s" else ""
         lines.append(f"    {cand.name}{speed}: " + " ".join(f"--set {o}" for o in cand.overrides))
     return "\n".join(lines) if found else ""

@@ -3,7 +3,7 @@ fit (plan/search.py), probe the settings as given first (the baseline every figu
 then the best predicted, re-ranking after each probe with what it measured, until the budget or the
 probe count ends; then pick the fastest probe that stayed under the caps.
 
-Every probe's speed is kept in the speed book (plan/speeds.py), so the next tune, `plan --fit` and the
+Every probe's speed is kept in the speed book (plan/speed/book.py), so the next tune, `plan --fit` and the
 hint after a GPU OOM rank with it. Front ends watch through `on_change` (called from this thread)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelSpec
 from shardconsole.plan import search
 from shardconsole.plan.machine import Hardware
-from shardconsole.plan.speeds import SpeedBook, record_of
+from shardconsole.plan.speed.book import SpeedBook, record_of
 from shardconsole.tune.probe import ProbeResult, probe_config, run_probe
 
 

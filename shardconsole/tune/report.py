@@ -10,7 +10,7 @@ from pathlib import Path
 from shardconsole.settings import config as C
 from shardconsole.settings import preset_store
 from shardconsole.plan import search
-from shardconsole.plan.speeds import machine_key
+from shardconsole.plan.speed.book import machine_key
 from shardconsole.tune.engine import Row, Tune
 
 HEADER_MARK = "# shardconsole tune"

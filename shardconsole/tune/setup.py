@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from shardconsole.plan.machine import Hardware, hardware_from_args, size_arg
-from shardconsole.plan.speeds import SpeedBook, harvest
+from shardconsole.plan.speed.book import SpeedBook, harvest
 from shardconsole.settings import config as C
 from shardconsole.settings import resolve as settings
 from shardconsole.tune.engine import Limits, Tune

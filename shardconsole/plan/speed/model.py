@@ -3,7 +3,7 @@ measured or published, and the step as its critical path (issue 45). Pure: no to
 
   GPU        the step's FLOPs (ModelSpec.flops_per_token's model FLOPs, plus what the hardware computes
              again: the recomputed forward under full activation checkpointing and the chunked loss's
-             logits in backward) at the card's matmul rate (plan/cards.py) times an efficiency calibrated
+             logits in backward) at the card's matmul rate (plan/speed/cards.py) times an efficiency calibrated
              per engine and compile on the H200 (GPU_EFFICIENCY), plus a launch cost per decoder layer and
              micro-batch (what makes small models slow), plus the optimizer step where it runs on the GPU
              (bytes over the card's memory bandwidth);
@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardconsole.plan.cards import CARDS, GB, Card, card_of
+from shardconsole.plan.speed.cards import CARDS, GB, Card, card_of
 from shardconsole.plan.lora import trainable_params
 from shardconsole.plan.machine import Hardware
 from shardconsole.plan.shapes import Shapes

@@ -6,11 +6,11 @@ PCIe, CPU and RAM move them (offload most of all). So every measurement is kept,
 the user data folder (platformdirs: ~/.local/share/shardconsole/speeds.jsonl on Linux, or
 $SHARDCONSOLE_SPEEDS_FILE), and a prediction for settings on a machine is, in this order:
   measured    the median tokens/s measured with the same settings (signature()) on this machine;
-  scaled      the speed model's tokens/s (plan/speed_model.py) times the median ratio measured/predicted
+  scaled      the speed model's tokens/s (plan/speed/model.py) times the median ratio measured/predicted
               of this machine's measurements of the same model and sequence length, of the same strategy
               when there are some (how much faster or slower this machine runs it than the model says);
   model       the speed model alone, in tokens/s, where nothing like it was measured;
-  cold start  where the model cannot say (CPU ranks, a GPU not in plan/cards.py): the fixed factors
+  cold start  where the model cannot say (CPU ranks, a GPU not in plan/speed/cards.py): the fixed factors
               (relative units, 1.0 = FSDP2 on the H200 at 0.95B x 16k tokens a step), scaled as above by
               the ratios measured/cold-start.
 A list is ranked in one unit: tokens/s on a GPU the model knows or one this machine measured, else relative.
@@ -244,9 +244,9 @@ def _spec(name: str) -> ModelSpec:
 
 
 def model_speed(cfg: C.RunConfig, hw: Hardware, spec: ModelSpec | None = None) -> float:
-    """The speed model's tokens/s for cfg on hw (plan/speed_model.py); 0.0 where it cannot say (CPU ranks,
+    """The speed model's tokens/s for cfg on hw (plan/speed/model.py); 0.0 where it cannot say (CPU ranks,
     a GPU it does not know, a model folder that cannot be read)."""
-    from shardconsole.plan.speed_model import predict
+    from shardconsole.plan.speed.model import predict
     try:
         p = predict(cfg, spec or _spec(cfg.model.name), hw)
     except (C.ConfigError, ValueError, OSError, KeyError, TypeError):

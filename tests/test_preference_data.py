@@ -304,3 +304,19 @@ def test_orpo_needs_no_reference_and_its_loss_is_the_nll_minus_the_odds_term(tmp
     nll2, ratio, _, _ = O.orpo_losses(sums[:2], sums[2:], counts[:2], counts[2:], 0.5)
     assert float(nll2) == pytest.approx(nll, abs=1e-5)
     assert float(loss) == pytest.approx(nll - float(ratio.mean()), abs=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "saved"])
+def test_bad_records_of_parquet_and_saved_folders_are_named_before_launch(tmp_path, kind):
+    import datasets
+    recs = PAIRS[:5] + [{"prompt": "p", "chosen": "fine", "rejected": ""}] + PAIRS[5:]
+    ds = datasets.Dataset.from_list(recs)
+    path = tmp_path / ("p.parquet" if kind == "parquet" else "saved")
+    ds.to_parquet(str(path)) if kind == "parquet" else ds.save_to_disk(str(path))
+    with pytest.raises(C.ConfigError) as e:
+        check_data(dpo_cfg(path))
+    assert f"{path}: record 6: field 'rejected': empty answer" in str(e.value)
+    good = tmp_path / ("good.parquet" if kind == "parquet" else "good")
+    datasets.Dataset.from_list(PAIRS).to_parquet(str(good)) if kind == "parquet" else \
+        datasets.Dataset.from_list(PAIRS).save_to_disk(str(good))
+    check_data(dpo_cfg(good))

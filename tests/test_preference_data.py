@@ -320,3 +320,13 @@ def test_bad_records_of_parquet_and_saved_folders_are_named_before_launch(tmp_pa
     datasets.Dataset.from_list(PAIRS).to_parquet(str(good)) if kind == "parquet" else \
         datasets.Dataset.from_list(PAIRS).save_to_disk(str(good))
     check_data(dpo_cfg(good))
+
+
+def test_compare_shows_the_held_out_preference_accuracy_of_preference_runs(tmp_path):
+    from shardconsole.history import compare
+    from shardconsole.history.index import RunSummary
+    runs = [RunSummary(path=tmp_path / "sft", status="finished", eval_loss=2.0),
+            RunSummary(path=tmp_path / "dpo", status="finished", eval_loss=0.5, eval_pref_accuracy=0.875)]
+    line = next(x for x in compare.compare_text(runs) if "eval pref accuracy" in x)
+    assert line.split()[-2:] == ["-", "87.5%"]
+    assert not any("eval pref accuracy" in x for x in compare.compare_text(runs[:1]))

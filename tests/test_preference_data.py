@@ -222,3 +222,111 @@ def test_planner_counts_two_rows_a_pair_and_says_what_the_reference_costs(tmp_pa
     assert signature(dpo)["objective"] == "dpo" and "objective" not in signature(sft)
     assert rows4.tokens_per_step == dpo.tokens_per_step
     assert not any(k.startswith("train.objective") for k in NUMERICS)    # never a lever --vary could name
+
+
+# --- the objective in one process: the reference pass, its cache, the loss, the eval --------------------
+
+def _rank(tmp_path, cfg, spec, events):
+    """What the objective reads of a backends.rank.common.Rank, for one process without a process group."""
+    from types import SimpleNamespace
+    return SimpleNamespace(cfg=cfg, spec=spec, device=torch.device("cpu"), rank=0, world=1, data_entry=None,
+                           data_built=False, log=lambda line: None, phase=lambda name: None,
+                           event=lambda name, detail: events.append((name, detail)))
+
+
+def test_full_dpo_reference_pass_is_cached_and_read_back(tmp_path, monkeypatch):
+    from hf_fixtures import make_hf_model
+    from transformers import AutoModelForCausalLM
+    from shardconsole.backends.data import preference as D
+    from shardconsole.backends.model import modeling
+    from shardconsole.backends.objective import preference as O
+    from shardconsole.settings.models import resolve
+    monkeypatch.setenv("SHARDCONSOLE_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = make_hf_model(tmp_path / "model", chat_template=True)
+    data = write_jsonl(tmp_path / "p.jsonl", PAIRS)
+    cfg = settings.resolve("tiny-cpu", [f"model.name={model_dir}", f"data.path={data}", "train.objective=dpo",
+                                        "data.seq_len=32", "data.eval_fraction=0.25", "train.micro_batch=3"]).cfg
+    spec = resolve(str(model_dir))
+    model = modeling.CausalLMLoss(AutoModelForCausalLM.from_pretrained(model_dir)).train()
+    events: list = []
+    obj = O.make(_rank(tmp_path, cfg, spec, events))
+    obj.prepare(model)
+    assert "computed with the starting weights" in events[-1][1]
+    entry = D._entry(obj.r)
+    # the table is the starting model's summed answer log-probs, pair by pair, for both splits
+    for split_name, split in (("train", entry.train), ("eval", entry.eval)):
+        batch = D.to_batch(split, list(range(split.n)), cfg.data.seq_len)
+        with torch.no_grad():
+            sums, _ = model(batch.inputs, batch.labels, reduction="row")
+        assert torch.allclose(obj.table.tables[split_name].float(),
+                              torch.stack([sums[:split.n], sums[split.n:]], 1), atol=1e-5)
+    # a second run reads it back (the info line says so) instead of a pass
+    events.clear()
+    again = O.make(_rank(tmp_path, cfg, spec, events))
+    again.prepare(model)
+    assert "read from the cache" in events[-1][1]
+    # at the starting weights every reward is 0: the loss is log 2, the margin 0, no pair ordered right
+    batch = D.PairSource(entry.train, cfg.data.seq_len, cfg.train.seed, 0, 1, "x").batch(3)
+    loss = again.micro_loss(model, batch)
+    assert float(loss) == pytest.approx(np.log(2), abs=1e-5)
+    loss.backward()                    # it trains: gradients reach the weights
+    assert model.lm.lm_head.weight.grad is not None
+    f = again.figures()
+    assert f["reward_margin"] == pytest.approx(0, abs=1e-5) and f["pref_accuracy"] == 0 and again.figures() == {}
+    # eval: every held-out pair once, the padding (an empty pair) weighted out
+    ev = again.evaluate(model, D.EvalPairs(entry.eval, cfg.data.seq_len, 0, 1), 2, torch.device("cpu"))
+    assert ev["pairs"] == entry.eval.n == 3 and ev["loss"] == pytest.approx(np.log(2), abs=1e-5)
+
+
+def test_orpo_needs_no_reference_and_its_loss_is_the_nll_minus_the_odds_term(tmp_path, monkeypatch):
+    from hf_fixtures import make_hf_model
+    from transformers import AutoModelForCausalLM
+    from shardconsole.backends.data import preference as D
+    from shardconsole.backends.model import modeling
+    from shardconsole.backends.objective import preference as O
+    from shardconsole.settings.models import resolve
+    monkeypatch.setenv("SHARDCONSOLE_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = make_hf_model(tmp_path / "model")
+    data = write_jsonl(tmp_path / "p.jsonl", PAIRS)
+    cfg = settings.resolve("tiny-cpu", [f"model.name={model_dir}", f"data.path={data}", "train.objective=orpo",
+                                        "data.seq_len=32", "preference.orpo_lambda=0.5"]).cfg
+    model = modeling.CausalLMLoss(AutoModelForCausalLM.from_pretrained(model_dir))
+    events: list = []
+    obj = O.make(_rank(tmp_path, cfg, resolve(str(model_dir)), events))
+    obj.prepare(model)
+    assert events == [] and obj.table is None
+    entry = D._entry(obj.r)
+    batch = D.to_batch(entry.train, [0, 1], cfg.data.seq_len)
+    loss = obj.micro_loss(model, batch)
+    with torch.no_grad():
+        sums, counts = model(batch.inputs, batch.labels, reduction="row")
+        nll = float(model(batch.inputs[:2], batch.labels[:2]))        # the chosen rows' mean token loss
+    nll2, ratio, _, _ = O.orpo_losses(sums[:2], sums[2:], counts[:2], counts[2:], 0.5)
+    assert float(nll2) == pytest.approx(nll, abs=1e-5)
+    assert float(loss) == pytest.approx(nll - float(ratio.mean()), abs=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "saved"])
+def test_bad_records_of_parquet_and_saved_folders_are_named_before_launch(tmp_path, kind):
+    import datasets
+    recs = PAIRS[:5] + [{"prompt": "p", "chosen": "fine", "rejected": ""}] + PAIRS[5:]
+    ds = datasets.Dataset.from_list(recs)
+    path = tmp_path / ("p.parquet" if kind == "parquet" else "saved")
+    ds.to_parquet(str(path)) if kind == "parquet" else ds.save_to_disk(str(path))
+    with pytest.raises(C.ConfigError) as e:
+        check_data(dpo_cfg(path))
+    assert f"{path}: record 6: field 'rejected': empty answer" in str(e.value)
+    good = tmp_path / ("good.parquet" if kind == "parquet" else "good")
+    datasets.Dataset.from_list(PAIRS).to_parquet(str(good)) if kind == "parquet" else \
+        datasets.Dataset.from_list(PAIRS).save_to_disk(str(good))
+    check_data(dpo_cfg(good))
+
+
+def test_compare_shows_the_held_out_preference_accuracy_of_preference_runs(tmp_path):
+    from shardconsole.history import compare
+    from shardconsole.history.index import RunSummary
+    runs = [RunSummary(path=tmp_path / "sft", status="finished", eval_loss=2.0),
+            RunSummary(path=tmp_path / "dpo", status="finished", eval_loss=0.5, eval_pref_accuracy=0.875)]
+    line = next(x for x in compare.compare_text(runs) if "eval pref accuracy" in x)
+    assert line.split()[-2:] == ["-", "87.5%"]
+    assert not any("eval pref accuracy" in x for x in compare.compare_text(runs[:1]))

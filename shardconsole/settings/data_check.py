@@ -158,6 +158,12 @@ def check_data(cfg: C.RunConfig, source: str = "preset") -> Scan | None:
 def _scan(value: str, key: str, d: C.DataSettings, source: str, pairs: bool = False) -> Scan | None:
     """pairs: preference records (train.objective dpo / orpo; settings/pair_records.py), one rule for all."""
     path, kind = locate(value, key, source)
+    if pairs and kind in ("parquet", "saved"):
+        try:
+            pair_records.scan_columnar(path, kind)
+        except ScanError as e:
+            raise C.ConfigError(f"{source}: [data] {key}: {e}") from None
+        return None
     if kind not in ("json", "csv", "text"):
         return None
     if pairs and kind == "text":

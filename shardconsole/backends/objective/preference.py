@@ -144,7 +144,8 @@ class Preference:
             raise RuntimeError("full DPO: Objective.prepare(model) must run before the first step")
         return self.table.lookup(batch.pairs, split)
 
-    def losses(self, model: Forward, batch: Batch, split: str = "train"):
+    def losses(self, model: Forward, batch: Batch,
+               split: str = "train") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss to backward, per pair loss, chosen reward, rejected reward)."""
         B = batch.inputs.shape[0] // 2
         ref = self.reference(model, batch, split) if self.name == "dpo" else None

@@ -10,20 +10,25 @@ SIGTERM to the front end that started the run stop it (130).
 
 from __future__ import annotations
 
+import errno
 import shutil
 import sys
 import time
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from shardconsole.machine import offload_verdict
+from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
-from shardconsole.runlog.runstate import RunState, count, fmt_rate, save_line
+from shardconsole.runlog.runstate import RunState, count, fmt_eta, fmt_rate, preference_text, save_line
 from shardconsole.session.outcome import EXIT_CODES
 from shardconsole.session.resume import EarlierPart
 from shardconsole.session.signals import Detach, quiet_stdout
 from shardconsole.session.run import Hang, RunSession
 from shardconsole.session.stop import HANG_GRACE_S, Hurry, describe_stop, interrupts_hurry
 from shardconsole.session.watcher import MachineProbes, Tick
+
+if TYPE_CHECKING:
+    from shardconsole.plan.machine import Hardware
 
 __all__ = ["EXIT_CODES", "follow", "step_line", "progress_bar", "fmt_rate"]
 
@@ -42,10 +47,15 @@ def step_line(state: RunState) -> str:
              f"{fmt_rate(s.tokens_per_s)} tok/s", f"{s.step_s:.3f} s/step"]
     if s.mfu is not None:
         parts.append(f"mfu {100 * s.mfu:.1f}%")
+    eta = state.eta_s()
+    if eta is not None and s.step < s.steps:
+        parts.append(f"eta {fmt_eta(eta)}")
     if s.grad_norm is not None:
         parts.append(f"gnorm {s.grad_norm:.2f}")
     if s.loss_scale is not None:
         parts.append(f"scale {s.loss_scale:g}" + (f" skipped {s.skipped_steps}" if s.skipped_steps else ""))
+    if preference_text(s):
+        parts.insert(2, preference_text(s))
     mem = []
     for rank in sorted(state.memory):
         m = state.memory[rank]
@@ -60,13 +70,31 @@ def step_line(state: RunState) -> str:
     return " | ".join(parts)
 
 
+def predicted_line(cfg: C.RunConfig | None, measured: float, hw: "Hardware | None" = None) -> str:
+    """The speed model's prediction for this run's settings on this machine against what it measured
+    (the last step line's tokens/s, after the warm-up): `speed: predicted 8.2k tok/s (GPU bound, ...),
+    measured 8.0k (-2%)`. "" where the model says nothing (CPU ranks, a card it does not know) or the
+    settings are gone."""
+    if cfg is None or measured <= 0:
+        return ""
+    from shardconsole.plan.machine import detect_hardware
+    from shardconsole.plan.speed.model import against_measured, predict
+    from shardconsole.settings.models import resolve
+    try:
+        p = predict(cfg, resolve(cfg.model.name), hw or detect_hardware())
+    except (C.ConfigError, ValueError, OSError):
+        return ""
+    return f"speed: {against_measured(p, measured)}; `shardconsole plan` shows its parts" if p else ""
+
+
 def data_line(d: P.DataSummary) -> str:
     """What the ranks train on, once at start (issue 15)."""
     if d.format == "synthetic":
         return "data: synthetic random tokens (no data set, no tokenizer)" + (f"; {d.note}" if d.note else "")
     text = (f"data: {d.source} ({d.format}), tokenizer {d.tokenizer or 'n/a'}"
             + (f", template {d.template}" if d.template else "")
-            + f": {count(d.records, 'record')}, {count(d.tokens, 'token')}, {count(d.samples, 'packed sample')}, "
+            + f": {count(d.records, 'record')}, {count(d.tokens, 'token')}, "
+            f"{count(d.samples, 'pair' if d.format == 'preference' else 'packed sample')}, "
             f"{100 * d.loss_share:.0f}% of tokens under loss, {d.epochs:.2f} epochs")
     if d.eval_records or d.eval_samples:
         text += f"; eval {count(d.eval_records, 'record')}, {count(d.eval_samples, 'sample')}"
@@ -74,6 +102,9 @@ def data_line(d: P.DataSummary) -> str:
 
 
 def eval_line(e: P.Eval) -> str:
+    if preference_text(e):
+        return f"eval step {e.step}: loss {_num(e.loss, '.4f')} {preference_text(e)} over {count(e.pairs, 'pair')} " \
+               f"({e.seconds:.1f} s)"
     return f"eval step {e.step}: loss {_num(e.loss, '.4f')} over {e.tokens} tokens ({e.seconds:.1f} s)"
 
 
@@ -98,21 +129,20 @@ def progress_bar(state: RunState, width: int) -> str:
     frac = min(1.0, done / total)
     bar_w = max(10, width - 30)
     filled = int(bar_w * frac)
-    eta = ""
-    if s and s.step_s:
-        eta = f" eta {int((total - done) * s.step_s)}s"
+    left = state.eta_s()
+    eta = f" eta {fmt_eta(left)}" if left is not None else ""
     return f"[{'#' * filled}{'.' * (bar_w - filled)}] {done}/{total}{eta}"[:width]
 
 
 class Printer:
     """Step lines, events, data and eval lines on `out`; a progress bar under them on a terminal."""
 
-    def __init__(self, out: TextIO, session: str = "") -> None:
+    def __init__(self, out: TextIO, session: str = "", log_every: int | None = None) -> None:
         """session: only this run id's lines are printed (a resume: the earlier sessions' lines in the
-        same stream are summed up in one line, not replayed)."""
+        same stream are summed up in one line, not replayed). log_every: the run's train.log_every."""
         self.out = out
         self.session = session
-        self.earlier: EarlierPart | None = EarlierPart()
+        self.earlier: EarlierPart | None = EarlierPart(log_every)
         try:
             self.tty = out.isatty()
         except (ValueError, OSError):
@@ -198,7 +228,8 @@ def follow(session: RunSession, out: TextIO = sys.stdout, err: TextIO = sys.stde
     """Follow a run session to its end (one attached to: its whole history first); return the exit code
     (EXIT_CODES). Never raises for what a run or its stream does: the job is always left in a known state."""
     session.watch(MachineProbes(), logs=False)
-    printer = Printer(out, session=session.run_id if session.started_here else "")
+    printer = Printer(out, session=session.run_id if session.started_here else "",
+                      log_every=session.settings.train.log_every if session.settings is not None else None)
     try:
         try:
             if session.started_here:
@@ -212,6 +243,11 @@ def follow(session: RunSession, out: TextIO = sys.stdout, err: TextIO = sys.stde
     except (BrokenPipeError, Detach) as e:
         why = "its output pipe closed" if isinstance(e, BrokenPipeError) else str(e)
         return _detach(session, err, why)
+    except OSError as e:
+        if e.errno != errno.EIO:
+            raise
+        # A write to a terminal already gone, before its SIGHUP arrived: the same closed terminal.
+        return _detach(session, err, "the terminal closed (EIO)")
     finally:
         session.close()
 
@@ -266,6 +302,10 @@ def _follow(session: RunSession, printer: Printer, err: TextIO, grace_s: float) 
     if cause == "ok" and s is not None:
         message = message.replace("; run folder", f", {fmt_rate(s.tokens_per_s)} tok/s; run folder", 1)
     _say(err, message)
+    if cause == "ok" and s is not None:
+        said = predicted_line(session.settings, s.tokens_per_s)
+        if said:
+            _say(err, said)
     last = session.state.offload.get(0)
     if last is not None and last.verdict:
         _say(err, f"offload verdict (mean of steps to {last.step}): {last.verdict}" +

@@ -51,7 +51,7 @@ def _runs_root(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _speeds_file(tmp_path_factory, monkeypatch):
-    """Measured speeds (plan/speeds.py) go to a temporary file, never the user's data folder."""
+    """Measured speeds (plan/speed/book.py) go to a temporary file, never the user's data folder."""
     f = tmp_path_factory.mktemp("speeds") / "speeds.jsonl"
     monkeypatch.setenv("SHARDCONSOLE_SPEEDS_FILE", str(f))
     return f

@@ -79,7 +79,7 @@ def test_tune_holds_the_optimizer_unless_named():
     """optim.name is a numerics key (plan/search.NUMERICS): searched only under `tune --vary optim.name`."""
     from shardconsole import plan as PL
     from shardconsole.plan import search
-    from shardconsole.plan.speeds import SpeedBook
+    from shardconsole.plan.speed.book import SpeedBook
     card = PL.Hardware(gpus=1, gpu_memory_bytes=24 * 2**30, host_memory_bytes=125 * 2**30, gpu_name="NVIDIA H200")
     base = settings.resolve("3090-fsdp", ["precision.master_dtype=bf16"]).cfg
     spec = models.resolve(base.model.name)
@@ -114,7 +114,7 @@ def test_planner_holds_one_layers_gradients_when_stepping_in_backward():
 def test_tune_holds_the_step_in_backward_unless_named():
     from shardconsole import plan as PL
     from shardconsole.plan import search
-    from shardconsole.plan.speeds import SpeedBook
+    from shardconsole.plan.speed.book import SpeedBook
     card = PL.Hardware(gpus=1, gpu_memory_bytes=24 * 2**30, host_memory_bytes=125 * 2**30, gpu_name="NVIDIA H200")
     base = settings.resolve("3090-fsdp", ["precision.master_dtype=bf16", "train.clip_grad_norm=0"]).cfg
     spec = models.resolve(base.model.name)

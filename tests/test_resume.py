@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from shardconsole.settings import config as C
+from shardconsole.runlog.checkpoint_files import MANIFEST, file_checksum
 from shardconsole.runlog.runfolder import RunFolder
 from tests.conftest import assert_nothing_left, messages, of_kind, shardconsole, wait_for_steps
 
@@ -134,10 +135,15 @@ def test_fsdp_checkpoint_that_would_run_code_is_refused_naming_its_folder(fsdp_r
     payload = pickle.dumps(Evil())
     size = meta.stat().st_size
     meta.write_bytes(payload + b"\0" * (size - len(payload)))    # the manifest's size still matches
+    # and its checksum too (whoever can write the file can write the manifest): the loader itself refuses
+    manifest = json.loads((newest / MANIFEST).read_text())
+    manifest["checksums"][".metadata"] = file_checksum(meta)
+    (newest / MANIFEST).write_text(json.dumps(manifest))
     res = resume(run, "train.steps=9")
     assert res.returncode == 2, _explain(res, run)
     failed = [f for f in of_kind(messages(run), "failed") if f.cause == "config_error"]
     assert failed and str(newest) in failed[-1].message and "posix.system" in failed[-1].message, failed
+    assert "weights_only" not in failed[-1].message
     assert not marker.exists()
 
 

@@ -273,7 +273,7 @@ class _LiveLauncher:
 
 def test_a_stream_stopped_by_a_full_disk_is_not_a_hang_and_the_end_says_why(small_tmpfs):
     """The ranks of a run whose disk filled up may train on without a step line reaching the stream: the
-    hang watch must not kill them, and the outcome names the full disk, not a crash without a report."""
+    hang watch must not kill them, and the outcome names the full disk (disk_full), not a crash without a report."""
     test_full_disk_is_told_in_the_rank_log_and_explained(small_tmpfs)
     run_dir = small_tmpfs / "run"
     w = Watcher(_LiveLauncher(), run_dir, "run", hang_timeout_s=0.001)
@@ -284,5 +284,5 @@ def test_a_stream_stopped_by_a_full_disk_is_not_a_hang_and_the_end_says_why(smal
     notes += w.poll().notes
     assert any("No space left on device" in n and "not judged hung" in n for n in notes), notes
     cause, message = classify(w.state, 0, run_dir)
-    assert cause == "crash" and "No space left on device" in message and "exit code 0" in message, message
+    assert cause == "disk_full" and "No space left on device" in message and "exit code 0" in message, message
     w.close()

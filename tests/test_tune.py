@@ -1,5 +1,5 @@
 """`shardconsole tune` (issue 16): real 2-rank CPU probes, a failing probe reported and skipped, the
-winner written as a preset that then runs; the ranking by measured speeds (plan/speeds.py), the same
+winner written as a preset that then runs; the ranking by measured speeds (plan/speed/book.py), the same
 ranking in `plan --fit` and the hint after a GPU OOM; bad input as one line."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from shardconsole.settings import config as C
 from shardconsole import plan as PL
 from shardconsole.settings.models import resolve
 from shardconsole.plan import search
-from shardconsole.plan.speeds import SpeedBook, record_of, signature, speeds_file
+from shardconsole.plan.speed.book import SpeedBook, record_of, signature, speeds_file
 from shardconsole.cli import tune as tune_cli
 from shardconsole.tune.report import HEADER_MARK, write_preset
 
@@ -159,7 +159,7 @@ def test_finished_runs_under_the_runs_root_are_kept_once(tuned, tmp_path):
     """A finished run's speed joins the book the next time tune or plan looks (harvest), once."""
     import shutil
 
-    from shardconsole.plan.speeds import harvest
+    from shardconsole.plan.speed.book import harvest
     root = tmp_path / "runs"
     shutil.copytree(tuned["tune"].root / "probe-02", root / "20261201-000000-tiny")
     book = SpeedBook([], tmp_path / "speeds.jsonl")
@@ -171,7 +171,7 @@ def test_finished_runs_under_the_runs_root_are_kept_once(tuned, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The ranking: measurements first, the fixed factors only as a cold start
+# The ranking: measurements first, then the speed model, the fixed factors only where it cannot say
 
 def _cfg(*sets: str) -> C.RunConfig:
     return C.build({"model": {"name": "1b"}, "data": {"seq_len": 2048}, "parallel": {"device": "cuda"},
@@ -183,8 +183,11 @@ def test_measured_speeds_reorder_the_cold_start():
     ds_off = _cfg("parallel.backend=deepspeed", "deepspeed.offload_optimizer=cpu", "deepspeed.offload_param=cpu",
                   "memory.activation_checkpointing=true")
     cold = SpeedBook([])
-    assert cold.predict(fsdp_off, H200).unit == "relative"
-    assert cold.predict(fsdp_off, H200).value > cold.predict(ds_off, H200).value      # the factors' order
+    assert (cold.predict(fsdp_off, H200).source, cold.predict(fsdp_off, H200).unit) == ("model", "tokens/s")
+    assert cold.predict(fsdp_off, H200).value > cold.predict(ds_off, H200).value      # the model's order
+    unknown = PL.Hardware(gpus=1, gpu_memory_bytes=24 * GiB, host_memory_bytes=64 * GiB, gpu_name="Some GPU")
+    assert cold.predict(fsdp_off, unknown).unit == "relative"       # a card the model does not know: the factors
+    assert cold.predict(fsdp_off, unknown).value > cold.predict(ds_off, unknown).value
     # This machine measured the opposite (slow PCIe, fast CPU Adam, say): the ranking follows it.
     book = SpeedBook([record_of(fsdp_off, H200, 1000.0, "run"), record_of(ds_off, H200, 3000.0, "tune probe")])
     assert book.predict(fsdp_off, H200).value == 1000.0 and book.predict(fsdp_off, H200).source == "measured"
@@ -194,7 +197,7 @@ def test_measured_speeds_reorder_the_cold_start():
     assert p.source == "scaled" and p.unit == "tokens/s" and p.value > 3000.0      # larger micro-batch, same ratio
     # another machine's measurements do not count here
     other = PL.Hardware(gpus=1, gpu_memory_bytes=24 * GiB, host_memory_bytes=64 * GiB, gpu_name="RTX 3090")
-    assert book.predict(fsdp_off, other).source == "cold start"
+    assert book.predict(fsdp_off, other).source == "model"
     # plan --fit and the hint after a GPU OOM rank with the same book
     cands = PL.settings_that_fit(_cfg(), PL.Hardware(1, 24 * GiB, 125 * GiB, "NVIDIA H200"), resolve("1b"), book=book)
     first_off = next(c for c in cands if "offload" in c.name)

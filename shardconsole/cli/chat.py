@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import Iterator, TextIO
 
 from shardconsole.cli.errors import UsageError, run_folder
+from shardconsole.settings import config as C
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="shardconsole chat", description=__doc__.split("\n\n")[0])
-    ap.add_argument("target", metavar="EXPORT_DIR|RUN", help="an exported model folder, or a run folder or id")
+    ap.add_argument("target", metavar="EXPORT_DIR|RUN",
+                    help="an exported model folder (export-model's, --adapter's too), or a run folder or id")
     ap.add_argument("--step", type=int, default=None, help="RUN: the checkpoint of this step (default: newest)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -43,8 +45,9 @@ def _parser() -> argparse.ArgumentParser:
 @contextlib.contextmanager
 def model_folder(target: str, step: int | None) -> Iterator[Path]:
     """The folder to load: the export itself, or a run's checkpoint exported through export-model."""
+    from shardconsole.tryout.chat import is_model_folder
     path = Path(target).expanduser()
-    if (path / "config.json").is_file():
+    if is_model_folder(path):
         if step is not None:
             raise UsageError(f"--step: {path} is an exported model folder, not a run")
         yield path
@@ -70,8 +73,15 @@ def base_of(target: str, choice: str | None):
         return None
     if choice:
         return B.of_folder(Path(choice).expanduser())
+    from shardconsole.tryout.chat import adapter_base, is_model_folder
     path = Path(target).expanduser()
-    return B.of_export(path) if (path / "config.json").is_file() else B.of_run(run_folder(target))
+    if not is_model_folder(path):
+        return B.of_run(run_folder(target))
+    try:
+        on = adapter_base(path)
+    except C.ConfigError as e:
+        return B.Base(None, str(e))
+    return B.Base(on) if on is not None else B.of_export(path)
 
 
 def converse(models, sampling, lines: TextIO, out: TextIO, system: str | None) -> int:
@@ -104,6 +114,12 @@ def converse(models, sampling, lines: TextIO, out: TextIO, system: str | None) -
         history.append({"role": "assistant", "content": answers[0]})
 
 
+# What an answer without a word says (the console's chat says the same, console/chat_state.py): the model's
+# first token ended its turn (a small base, or a fine-tune whose data taught it to stop).
+EMPTY_ANSWER = ("(nothing: the model ended its turn at once, without a word; try --temperature 0.7, "
+                "another message, or more training)")
+
+
 def _answer(model, history, sampling, out: TextIO) -> str:
     parts: list[str] = []
     stop = threading.Event()
@@ -115,6 +131,9 @@ def _answer(model, history, sampling, out: TextIO) -> str:
     except KeyboardInterrupt:       # Ctrl-C ends this generation, not the chat
         stop.set()
         out.write(" [stopped]")
+    else:
+        if not "".join(parts).strip():      # an empty line reads as a chat that failed or hangs
+            out.write(EMPTY_ANSWER)
     out.write("\n")
     out.flush()
     return "".join(parts)
@@ -126,7 +145,8 @@ def _serve(args) -> int:
     from shardconsole.tryout import chat_wire as W
     from shardconsole.tryout.chat_serve import serve
     say = lambda msg: (sys.stdout.write(W.encode(msg)), sys.stdout.flush())    # noqa: E731
-    exported = not (Path(args.target).expanduser() / "config.json").is_file()
+    from shardconsole.tryout.chat import is_model_folder
+    exported = not is_model_folder(Path(args.target).expanduser())
     try:
         base = base_of(args.target, args.base if args.base is not None else "")
         name = Path(args.target).name
@@ -153,7 +173,9 @@ def cmd_chat(argv: list[str]) -> int:
     base = base_of(args.target, args.base)
     if base is not None and base.folder is None:
         raise UsageError(f"--base: {base.why}")
+    from shardconsole.tryout.chat import adapter_base
     with model_folder(args.target, args.step) as folder:
+        adapter_base(folder)        # an adapter folder whose base is gone: one line, before anything loads
         print(f"loading {folder} ...", file=sys.stderr)
         models = [("model", ChatModel(folder, args.device))]
         if base is not None:

@@ -21,7 +21,8 @@ _LOSS_ON, _LOSS_OFF = "\x1b[1;32m", "\x1b[0m"
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="shardconsole data", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preview", type=int, default=3, metavar="N", help="records to show (default 3)")
+    ap.add_argument("--preview", type=int, nargs="?", const=3, default=3, metavar="N",
+                    help="records to show (default 3)")
     ap.add_argument("--random", action="store_true", help="a random N records instead of the first N "
                                                           "(reads the whole file)")
     ap.add_argument("--seed", type=int, default=0, help="--random: the sample's seed")
@@ -42,9 +43,12 @@ def format_preview(pv, color: bool) -> str:
              f"under loss: {'green' if color else 'between ⟦ and ⟧'}; ↵ is a line break", ""]
     for v in pv.records:
         share = f"{100 * v.loss_tokens / v.tokens:.0f}%" if v.tokens else "-"
-        lines.append(f"── record {v.index + 1} ({v.where}): {v.tokens} tokens, {v.loss_tokens} under loss ({share})")
+        what = f"record {v.index + 1}" + (f" {v.row}" if v.row else "")
+        lines.append(f"── {what} ({v.where}): {v.tokens} tokens, {v.loss_tokens} under loss ({share})")
         lines.append("".join(f"{on}{_visible(p.text)}{off}" if p.loss else _visible(p.text) for p in v.pieces))
         lines.append("")
+    if pv.format == "preference":      # pairs are rows of their own: no window packs them
+        return "\n".join(lines + [f"note: {n}" for n in pv.notes])
     joined = " + ".join(f"record {i + 1} [{take} of its tokens]" for i, _, take in pv.window)
     lines.append(f"the first window ({pv.seq_len + 1} tokens: data.seq_len + 1): {joined}"
                  + ("" if sum(t for *_, t in pv.window) >= pv.seq_len + 1 else
@@ -62,6 +66,9 @@ def cmd_data(argv: list[str]) -> int:
     resolved = settings.resolve(args.preset or DEFAULT_PRESET, settings.from_cli(args.overrides))
     from shardconsole.session import preflight
     spec = preflight.check_model(resolved, weights=False)
+    # the launch's own data checks first: a bad path is blamed on where its value came from (--set
+    # data.path, the preset file), as the launch says it, not on "preset"
+    preflight.check_data(resolved)
     from shardconsole.tryout.preview import preview
     pv = preview(resolved.cfg, spec, args.preview, rnd=args.random, seed=args.seed)
     if args.json:

@@ -21,7 +21,8 @@ import shutil
 from pathlib import Path
 
 from shardconsole.settings import config as C
-from shardconsole.export_model.checkpoint import ExportError, pick_checkpoint, read_model_state
+from shardconsole.export_model.checkpoint import ExportError, check_finite, pick_checkpoint, read_model_state
+from shardconsole.runlog.checkpoint_files import make_private
 from shardconsole.settings.models import ModelError, human_count, resolve
 from shardconsole.runlog.runfolder import RunFolder
 
@@ -111,6 +112,7 @@ def cmd_export_model(argv: list[str]) -> int:
 
     from shardconsole.export_model import hf_folder
     state = read_model_state(ckpt)
+    check_finite(state, ckpt)
     stored = {v.dtype for v in state.values() if v.is_floating_point()}
     dtype_name = args.dtype or ("bf16" if stored == {torch.bfloat16} else "fp32")
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
@@ -120,7 +122,8 @@ def cmd_export_model(argv: list[str]) -> int:
         model = hf_folder.build_model(hf_folder.hf_config(spec), state, dtype, ckpt.path)
     n_params = adapters.trained_count(model) if args.adapter else sum(p.numel() for p in model.parameters())
 
-    tmp = out.parent / f".{out.name}{PARTIAL}{os.getpid()}"
+    # The name cut so that a 250-character OUT still leaves room for the hidden folder's prefix and suffix.
+    tmp = out.parent / f".{out.name[:200]}{PARTIAL}{os.getpid()}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         _sweep_partials(out.parent)
@@ -134,6 +137,8 @@ def cmd_export_model(argv: list[str]) -> int:
             n_params=n_params, dtype_name=dtype_name, shards=shards, tokenizer=tokenizer,
             ev=hf_folder.last_eval(run, ckpt.step), prompt_format=hf_folder.add_prompt_format(run, tmp),
             load=adapters.load_lines(out.name, str(spec.path)) if args.adapter else None))
+        if cfg.train.checkpoint_private:
+            make_private(tmp)           # the trained model, readable by its owner alone (as the checkpoints)
         if out.exists():
             out.rmdir()                 # checked empty above; a rename cannot replace a folder with files
         os.replace(tmp, out)

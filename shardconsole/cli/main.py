@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         quiet_stdout()
         return 141
     except Detach:
-        return 129
+        # attach before it follows: the run goes on without it, as after any detach (EXIT_CODES "detached")
+        return 8 if argv[:1] == ["attach"] else 129
 
 
 def _dispatch(argv: list[str]) -> int:

@@ -1,11 +1,13 @@
 """`shardconsole plan`: will a run fit, before it is launched.
 
-    shardconsole plan --preset NAME [--set table.key=value ...] [--json]
+    shardconsole plan --preset NAME [--set table.key=value ...] [--json] [--card NAME]
                       [--gpus N] [--gpu-memory 24GiB] [--host-memory 64GiB]
     shardconsole plan --fit [--gpus N] [--gpu-memory 24GiB] [--host-memory 128GiB]
                       [--model NAME|DIR] [--preset NAME] [--seq-len 2048] [--json]
 
-Hardware is what NVML and psutil find on this machine, unless given. Exit codes: 0 the plan was made
+Hardware is what NVML and psutil find on this machine, unless given; --card NAME plans that card (its
+memory and speed, plan/speed/cards.py) with this host. The speed (tokens/s, the step and its bound part, the time to
+train.steps) is plan/speed/model.py's prediction. Exit codes: 0 the plan was made
 (it fits, or cannot tell), 3 its verdict is "does not fit" (the plan is printed all the same), 2 bad
 input: one line on stderr (ConfigError, handled by cli.main). No torch import: answers in well under a second.
 """
@@ -20,7 +22,9 @@ from shardconsole.settings import config as C
 from shardconsole import plan as PL
 from shardconsole.settings import resolve as settings
 from shardconsole.settings.models import human_count
-from shardconsole.plan.machine import hardware_from_args
+from shardconsole.plan.speed import model as speed_model
+from shardconsole.plan.speed.cards import CARDS, Card, card_named
+from shardconsole.plan.machine import Hardware, hardware_from_args
 from shardconsole.session import preflight
 
 EXIT_DOES_NOT_FIT = 3
@@ -39,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpus", type=int, default=None, help="GPUs per node (default: found by NVML)")
     ap.add_argument("--gpu-memory", default=None, metavar="SIZE", help="memory of one GPU, e.g. 24GiB")
     ap.add_argument("--host-memory", default=None, metavar="SIZE", help="host RAM of one node, e.g. 64GiB")
+    ap.add_argument("--card", default=None, metavar="NAME",
+                    help=f"plan this card with this host: its memory and its speed ({', '.join(CARDS)})")
     ap.add_argument("--fit", action="store_true",
                     help="for each strategy the largest catalog model that trains; with --model, the settings "
                          "that fit that model, fastest first")
@@ -125,8 +131,50 @@ def format_estimate(est: PL.Estimate, cfg: C.RunConfig, name: str, hw: PL.Hardwa
     return "\n".join(lines)
 
 
+def fmt_duration(seconds: float) -> str:
+    """3h05m, 12m30s, 45s."""
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def speed_lines(p: speed_model.SpeedPrediction | None, cfg: C.RunConfig) -> list[str]:
+    """The prediction in words: tokens/s, the step and its bound part, the time to train.steps."""
+    if p is None:
+        return ["speed: no prediction (CPU ranks, or a GPU the speed model does not know: --card NAME names one)"]
+    parts = ", ".join(f"{k} {v:.3g} s" for k, v in p.parts.items() if v > 0)
+    card = CARDS[p.card].title if p.card in CARDS else p.card
+    lines = [f"speed (predicted, {card}, this host): {p.tokens_per_s:,.0f} tokens/s; a step {p.step_s:.3g} s, "
+             f"{p.bound} bound ({parts})",
+             f"  {cfg.train.steps} steps: {fmt_duration(p.seconds)} (start, model build"
+             + (", compile" if cfg.train.compile else "") + f" ~{fmt_duration(p.start_s)}, then "
+             f"{fmt_duration(p.seconds - p.start_s)} of steps)"]
+    lines += [f"  note: {n}" for n in p.notes]
+    return lines
+
+
+def _with_card(hw: Hardware, card: Card | None, gpu_memory_given: bool) -> Hardware:
+    """hw with card's GPU (its memory unless --gpu-memory was given; one GPU where none was found)."""
+    if card is None:
+        return hw
+    return Hardware(gpus=hw.gpus or 1, gpu_memory_bytes=hw.gpu_memory_bytes if gpu_memory_given else card.memory_bytes,
+                    host_memory_bytes=hw.host_memory_bytes, gpu_name=card.title, source=f"{hw.source}, --card {card.name}",
+                    cpus=hw.cpus)
+
+
+def _card_arg(text: str | None) -> Card | None:
+    if text is None:
+        return None
+    try:
+        return card_named(text)
+    except ValueError as e:
+        raise C.ConfigError(f"--card: {e}") from None
+
+
 def cmd_plan(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    card = _card_arg(args.card)
     if args.fit:
         return _cmd_fit(args)
     if args.model or args.seq_len:
@@ -137,21 +185,26 @@ def cmd_plan(argv: list[str]) -> int:
     resolved = load(name, settings.from_cli(args.overrides))
     cfg = resolved.cfg
     spec = preflight.check_model(resolved, weights=False)
-    hw = hardware_from_args(args.gpus, args.gpu_memory, args.host_memory)
+    hw = _with_card(hardware_from_args(args.gpus, args.gpu_memory, args.host_memory), card, args.gpu_memory is not None)
     est = PL.estimate(cfg, spec, hw)
+    speed = speed_model.predict(cfg, spec, hw, card=card)
     if args.json:
         out = est.to_dict()
         out["hardware"] = _hw_dict(hw)
         out["preset"] = name
         out["settings"] = describe(cfg)
+        out.update(speed.to_dict() if speed else {"predicted_tokens_per_s": None, "predicted_seconds": None})
         print(json.dumps(out))
     else:
         print(format_estimate(est, cfg, name, hw))
+        print("\n".join(["", *speed_lines(speed, cfg)]))
     # A script can ask "does it fit" of the exit code (README, "Exit codes"); "cannot tell" is not "no".
     return EXIT_DOES_NOT_FIT if est.verdict.startswith("does not fit") else 0
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
+    from shardconsole.plan.speed.book import SpeedBook
+    card = _card_arg(args.card)
     overrides = settings.from_cli(args.overrides)
     if args.model:
         overrides.append(settings.Override("model", "name", args.model, "--model"))
@@ -162,7 +215,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         C.validate(cfg, "--seq-len")
     elif args.preset is None:
         cfg = PL.replace_cfg(cfg, ("data", "seq_len", 2048))
-    hw = hardware_from_args(args.gpus, args.gpu_memory, args.host_memory)
+    hw = _with_card(hardware_from_args(args.gpus, args.gpu_memory, args.host_memory), card, args.gpu_memory is not None)
     if not hw.gpus or not hw.gpu_memory_bytes:
         raise C.ConfigError("--fit: no GPU found on this machine; give --gpu-memory SIZE (and --gpus N)")
     if not hw.host_memory_bytes:
@@ -171,7 +224,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     off = any(o.split("=", 1)[0].strip() == "memory.activation_checkpointing" for o in args.overrides) \
         and not cfg.memory.activation_checkpointing
     rows = PL.fit_table(hw, seq_len=cfg.data.seq_len, base=cfg, checkpointing=not off)
-    cands = PL.settings_that_fit(cfg, hw, preflight.check_model(resolved, weights=False)) if args.model else None
+    book = SpeedBook.load()
+    cands = PL.settings_that_fit(cfg, hw, preflight.check_model(resolved, weights=False), book=book) if args.model else None
     if args.json:
         out: dict[str, Any] = {"hardware": _hw_dict(hw), "fit_table": [r.to_dict() for r in rows]}
         if cands is not None:
@@ -199,8 +253,11 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     if cands is not None:
         print(f"\nsettings that fit {cfg.model.name} (seq_len {cfg.data.seq_len}, {cfg.precision.dtype}), fastest first")
         unit = cands[0].speed_unit if cands else "relative"
+        if book.stale_note():
+            print(f"  note: {book.stale_note()}")
         print("  speed: tokens/s measured on this machine (probes of `shardconsole tune`, finished runs), scaled "
-              "where only similar settings were measured" if unit == "tokens/s" else
+              "where only similar settings were measured, else predicted by the speed model (m)"
+              if unit == "tokens/s" else
               "  speed: relative tokens/s from the fixed factors (1.00 = FSDP2 on an H200, no checkpointing); "
               "`shardconsole tune` measures this machine")
         if not cands:
@@ -208,6 +265,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         for c in cands[:15]:
             e = c.estimate
             speed = f"{c.speed:7.0f}" if c.speed_unit == "tokens/s" else f"{c.speed:7.2f}"
+            speed += "m" if c.speed_source == "model" else " "
             print(f"  {speed}  {c.name:<52} GPU {C.format_size(e.gpu_peak_bytes):>10}  "
                   f"host {C.format_size(e.host_peak_bytes):>10}")
         if len(cands) > 15:

@@ -61,6 +61,9 @@ def load_config(preset: str | None, overrides: list[str], *, here: bool = True,
     r, fitted = preflight.fit_micro_batch(r, gpus)
     if fitted:
         print(f"shardconsole: {fitted}", file=sys.stderr)
+    unneeded = preflight.offload_not_needed(r, gpus)
+    if unneeded:
+        print(f"shardconsole: {unneeded}", file=sys.stderr)
     return r
 
 
@@ -136,8 +139,11 @@ def _prepare_run_dir(cfg: C.RunConfig, run_dir: Path, explicit: bool = True) -> 
     """Create the run folder with the resolved preset, atomically (session/rundir.py); returns it (a
     default name taken in the same second gets a suffix). A run that starts here makes its folder in
     session/run.RunSession.start."""
-    from shardconsole.session import rundir
-    return rundir.create_run_dir(cfg, run_dir, explicit=explicit)
+    from shardconsole.session import checkpoint_owner, rundir
+    checkpoint_owner.check(cfg, run_dir, "settings", new_run=True)
+    run_dir = rundir.create_run_dir(cfg, run_dir, explicit=explicit)
+    checkpoint_owner.claim(cfg, run_dir)
+    return run_dir
 
 
 def _open_console(resolved: settings.Resolved, root: Path | None = None) -> int:

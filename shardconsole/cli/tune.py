@@ -74,7 +74,7 @@ def setup(args: argparse.Namespace) -> tuple[Tune, str, str]:
     name = output_name(args.output, resolved.preset)
     tune = make_tune(resolved, budget_s=budget, max_probes=args.max_probes, probe_steps=args.probe_steps,
                      gpu_memory=args.gpu_memory, host_memory=args.host_memory, runs_root_dir=args.runs_root, name=name,
-                     vary=args.vary)
+                     vary=args.vary, dry_run=args.dry_run)
     return tune, resolved.preset, name
 
 
@@ -85,10 +85,13 @@ def cmd_tune(argv: list[str]) -> int:
     tune.plan()
     fits = [o for o in tune.options if o.estimate.fits]
     print(f"tune {source}: model {tune.base.model.name}, {machine_text(tune)}", file=out)
-    print(f"{len(fits)} option(s) fit; probing up to {tune.limits.max_probes} for {args.budget}, "
-          f"{tune.limits.probe_steps} steps each, the settings as given first", file=out, flush=True)
+    if tune.book.stale_note():
+        print(f"note: {tune.book.stale_note()}", file=out)
     if args.dry_run:
-        for o in tune.options[:20]:
+        print(f"{len(fits)} option(s) fit, ranked by predicted speed (--dry-run: nothing is probed)", file=out)
+        shown = tune.options[:20]
+        shown += [o for o in tune.options[20:] if o.baseline]     # the settings as given, wherever they rank
+        for o in shown:
             p = o.prediction
             print(f"  {p.value:10.2f} {p.unit:<8} ({p.source})  {'[baseline] ' if o.baseline else ''}{o.name}"
                   f"{'' if o.estimate.fits else '  (does not fit: ' + o.estimate.verdict + ')'}", file=out)
@@ -96,6 +99,8 @@ def cmd_tune(argv: list[str]) -> int:
         if note:
             print(note, file=out)
         return 0
+    print(f"{len(fits)} option(s) fit; probing up to {tune.limits.max_probes} for {args.budget}, "
+          f"{tune.limits.probe_steps} steps each, the settings as given first", file=out, flush=True)
     shown = [0]
 
     def on_change(t: Tune) -> None:

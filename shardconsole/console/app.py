@@ -7,7 +7,11 @@ or an attached one, and "new run" goes back down to the setup.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -45,6 +49,29 @@ class ShardConsoleApp(App[Path | None]):
         self.push_screen(self.setup_screen)
         if self.attach_dir is not None:
             self.setup_screen._attach_to(self.attach_dir)
+        self._catch_sighup()
+
+    def _catch_sighup(self) -> None:
+        """A closed terminal (SIGHUP: tmux kill-session, a closed window) detaches from a live run: the
+        run goes on, a `detached` event in its stream says so, exit 8, as the headless front end."""
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._hang_up)
+        except (RuntimeError, ValueError, NotImplementedError):   # not the main thread (some tests)
+            pass
+
+    def _hang_up(self) -> None:
+        from shardconsole.console.screens.run import RunScreen
+        from shardconsole.session.outcome import EXIT_CODES
+        run_screen = next((s for s in reversed(self.screen_stack) if isinstance(s, RunScreen)), None)
+        if run_screen is None or not run_screen.live:
+            self.exit(None, return_code=EXIT_CODES["detached"])
+            return
+        run_screen.session.detach("the terminal closed (SIGHUP)")
+        self.exit(run_screen.session.run_dir, return_code=EXIT_CODES["detached"])
+        # Nothing can be shown any more; should restoring a terminal that is gone block, leave anyway.
+        leave = threading.Timer(10.0, os._exit, args=(EXIT_CODES["detached"],))
+        leave.daemon = True     # a console that exits in time is not held up by it
+        leave.start()
 
     def action_runs(self) -> None:
         """ctrl+l: every run kept (history/), their status, a compare view; enter attaches to one."""
@@ -77,6 +104,9 @@ def run_console(resolved: settings.Resolved | None = None, attach: Path | None =
     app = ShardConsoleApp(TorchrunLauncher(runs_root), MachineProbes(), resolved=resolved, attach=attach)
     left = app.run()
     if left is not None:
-        print(f"The run goes on in its own session. Attach again with: shardconsole attach {left}",
-              file=sys.stderr)
+        try:        # the terminal may be gone (SIGHUP)
+            print(f"The run goes on in its own session. Attach again with: shardconsole attach {left}",
+                  file=sys.stderr)
+        except (OSError, ValueError):
+            pass
     return app.return_code or 0

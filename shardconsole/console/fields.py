@@ -69,10 +69,11 @@ def table_specs(table: str) -> list[FieldSpec]:
     return [spec_for(table, f.name) for f in fields(C.TABLES[table]) if f"{table}.{f.name}" not in PICKED]
 
 
-def visible_tables(backend: str, method: str = "full") -> list[str]:
+def visible_tables(backend: str, method: str = "full", objective: str = "sft") -> list[str]:
     """The tables whose settings the chosen backend and train.method read, in TOML order ([lora] only
-    when adapters train)."""
-    return [t for t in C.TABLES if BACKEND_TABLE.get(t, backend) == backend and (t != "lora" or method != "full")]
+    when adapters train, [preference] only under a preference objective)."""
+    return [t for t in C.TABLES if BACKEND_TABLE.get(t, backend) == backend and (t != "lora" or method != "full")
+            and (t != "preference" or objective != "sft")]
 
 
 def value_of(cfg: C.RunConfig, spec: FieldSpec) -> Any:

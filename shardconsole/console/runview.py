@@ -6,11 +6,13 @@ RunState (shared with the headless front end) keeps the latest of everything; Ru
 
 from __future__ import annotations
 
+import re
+
 import socket
 from dataclasses import dataclass, field
 
 from shardconsole.runlog import protocol as P
-from shardconsole.runlog.runstate import RunState, count, save_line
+from shardconsole.runlog.runstate import RunState, count, preference_text, save_line
 
 
 
@@ -60,8 +62,10 @@ class RunView:
     tokens_per_s: Trace = field(default_factory=Trace)
     host_used_gib: Trace = field(default_factory=Trace)
     gpu_used_gib: Trace = field(default_factory=Trace)     # the fullest card: the one that runs out first
-    t0: float | None = None
+    t0: float | None = None          # the first and newest line of any writer (front ends' samples too)
     t_last: float | None = None
+    run_t0: float | None = None      # the ranks' own first and last lines: how long the run took
+    run_t_last: float | None = None
     bad_lines: int = 0
     min_loss: float | None = None
     local_host: str = field(default_factory=socket.gethostname)
@@ -69,11 +73,19 @@ class RunView:
     # beside what is measured. None: no planner, or no prediction for these settings.
     planned_gpu_bytes: int | None = None
     planned_host_bytes: int | None = None
+    step_now: int | None = None      # the step the ranks last said they had done (step lines, events, saves)
     phase_t: float | None = None     # when the current phase began (the stream's clock)
     building: str = ""               # the op being built, while the phase is "building ops"
 
     def apply(self, msg: P.Message) -> None:
         self.state.apply(msg)
+        if isinstance(msg, P.Step):
+            self.step_now = msg.step
+        elif msg.rank >= 0 and isinstance(msg, (P.Event, P.SaveProgress)) and msg.step is not None:
+            # a rank's events carry the step it has done: a save on stop between two step lines
+            self.step_now = msg.step
+        elif isinstance(msg, P.Hello):
+            self.step_now = None        # a new session (a resume) counts from its own first line
         if isinstance(msg, P.Event) and msg.name == "phase":
             self.phase_t, self.building = msg.t, ""
         elif isinstance(msg, P.Event) and msg.name == OP_BUILD:
@@ -82,6 +94,11 @@ class RunView:
             self.t0 = msg.t
         if self.t_last is None or msg.t > self.t_last:
             self.t_last = msg.t
+        if msg.rank >= 0:      # a rank's line, not a front end's sample or note
+            if self.run_t0 is None or msg.t < self.run_t0:
+                self.run_t0 = msg.t
+            if self.run_t_last is None or msg.t > self.run_t_last:
+                self.run_t_last = msg.t
         if isinstance(msg, P.Step):
             if msg.loss is not None and msg.loss == msg.loss:   # NaN is reported, not plotted
                 self.loss.append(msg.step, msg.loss)
@@ -100,8 +117,13 @@ class RunView:
     # --- derived -----------------------------------------------------------------------------------
     @property
     def elapsed_s(self) -> float:
-        """From the first line to the last, so that a replayed run shows the time it took."""
-        return (self.t_last - self.t0) if self.t0 is not None and self.t_last is not None else 0.0
+        """From the ranks' first line to their last once the run is over, so that a replayed run shows the
+        time it took (never up to a sample a later front end appended); while it goes on, to the newest
+        line of any writer (the front end's samples, once a second, keep the clock moving)."""
+        start = self.run_t0 if self.run_t0 is not None else self.t0
+        over = self.state.finished is not None or bool(self.state.failed)
+        end = self.run_t_last if over and self.run_t_last is not None else self.t_last
+        return max(0.0, end - start) if start is not None and end is not None else 0.0
 
     def phase_elapsed_s(self, now: float) -> float | None:
         """How long the current phase has lasted, by the wall clock (a build sends nothing while it runs)."""
@@ -109,10 +131,8 @@ class RunView:
 
     @property
     def eta_s(self) -> float | None:
-        s = self.state.last_step
-        if s is None or not s.steps or not s.step_s or self.state.finished is not None:
-            return None
-        return max(0.0, (s.steps - s.step) * s.step_s)
+        """From the wall clock of the measured steps, the first compile-bound ones left out (RunState.eta_s)."""
+        return self.state.eta_s()
 
     def ranks_by_gpu(self) -> tuple[dict[int, list[int]], list[int]]:
         """({GPU index: ranks on it}, ranks elsewhere: other hosts or CPU). A rank is on a local GPU when
@@ -173,8 +193,9 @@ def log_line(msg: P.Message) -> str | None:
                f"{count(msg.samples, 'sample')}, {100 * msg.loss_share:.0f}% under loss" + \
                (f"; {msg.note}" if msg.note else "")
     elif isinstance(msg, P.Eval):
-        text = f"eval at step {msg.step}: loss {'n/a' if msg.loss is None else f'{msg.loss:.4f}'} " \
-               f"({msg.tokens} tokens, {msg.seconds:.1f} s)"
+        text = f"eval at step {msg.step}: loss {'n/a' if msg.loss is None else f'{msg.loss:.4f}'} " + (
+            f"{preference_text(msg)} ({count(msg.pairs, 'pair')}, {msg.seconds:.1f} s)" if preference_text(msg)
+            else f"({msg.tokens} tokens, {msg.seconds:.1f} s)")
     elif isinstance(msg, P.Failed) and msg.cause == "stopped":    # a stop is not a failure
         text = f"stopped: {msg.message}".splitlines()[0]
     elif isinstance(msg, P.Failed):
@@ -186,3 +207,19 @@ def log_line(msg: P.Message) -> str | None:
     else:
         return None
     return f"{label:>6}│ {text}"
+
+
+# Known-harmless notices libraries print into every rank's log on import (peft pulls torchao, which
+# names the optional kernels a CPU or older-GPU build lacks; torchao registers enums torch now handles
+# itself). Nothing for the user to act on; at 80x24 the Logs panel showed nothing else. The rank logs
+# keep them: only the panel leaves them out.
+_LIBRARY_NOISE = re.compile(
+    r"Failed to load \S*torchao\S*/_C_\w*\S*\.so"                     # torchao's optional kernels
+    r"|torch/utils/_pytree\.py:\d+\].*deprecated"                       # a _pytree deprecation (glog prefix kept)
+    r"|Enum subclasses is deprecated"                                    # the same, prefix cut
+    r"|_pytree\._register_pytree_node is deprecated")                    # transformers' older pytree call
+
+
+def library_noise(line: str) -> bool:
+    """A Logs panel line that is a known-harmless library notice (left out of the panel only)."""
+    return _LIBRARY_NOISE.search(line) is not None

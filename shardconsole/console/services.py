@@ -222,6 +222,22 @@ def method_line(cfg: C.RunConfig | None) -> str:
         return ""
 
 
+def predicted_speed(cfg: C.RunConfig | None, probes: "Probes", measured: float) -> str:
+    """The speed model's tokens/s for a run's settings on this machine against the measured ("predicted
+    8.2k tok/s (GPU bound), measured 8.0k (-2%)"); "" when it cannot say. Never raises: a courtesy."""
+    plan = load_plan()
+    if plan is None or cfg is None or measured <= 0:
+        return ""
+    try:
+        from shardconsole.plan.speed.model import against_measured, predict
+        from shardconsole.settings.models import resolve
+        hw = plan_hardware(plan, probes.gpus(), probes.host())
+        p = predict(cfg, resolve(cfg.model.name), hw) if hw is not None else None
+        return against_measured(p, measured) if p is not None else ""
+    except Exception:
+        return ""
+
+
 def planned_peaks(cfg: C.RunConfig | None, probes: "Probes") -> tuple[int | None, int | None]:
     """(GPU peak of the largest rank, host peak) the planner predicts for a run's settings (its
     session's) on this machine; (None, None) when it cannot say. Never raises: a prediction is a courtesy."""

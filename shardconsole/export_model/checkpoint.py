@@ -12,7 +12,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardconsole.runlog.checkpoint_files import why_incomplete
+from shardconsole.runlog.checkpoint_files import checksums, safe_reason, why_corrupt, why_incomplete
 from shardconsole.settings.models import ModelError
 
 # The ranks train CausalLMLoss(lm): every checkpoint key is the Hugging Face model's own key under "lm.".
@@ -56,16 +56,37 @@ def pick_checkpoint(root: Path, step: int | None, backend: str) -> Checkpoint:
         raise ExportError(f"--step {step}: no checkpoint of that step in {root} (steps there: {steps})")
     if step is not None:
         path = dict(folders)[step]
-        why = why_incomplete(path, backend)
+        why = _why_unusable(path, backend)
         if why:
             raise ExportError(f"--step {step}: {path} is not a complete checkpoint: {why}")
         return Checkpoint(step, path, kind)
     for n, path in folders:
-        why = why_incomplete(path, backend)
+        why = _why_unusable(path, backend)
         if why is None:
             return Checkpoint(n, path, kind)
         print(f"shardconsole: skipping {path}: {why}; trying the one before", file=sys.stderr)
     raise ExportError(f"{root}: no complete checkpoint to export (every step folder there is incomplete)")
+
+
+def _why_unusable(path: Path, backend: str) -> str | None:
+    """why_incomplete, then every file against its checksum (a block changed in place loads as NaN
+    weights otherwise); a checkpoint saved before checksums is exported unverified, said so."""
+    why = why_incomplete(path, backend) or why_corrupt(path)
+    if why is None and checksums(path) is None:
+        print(f"shardconsole: {path} has no checksums (saved before shardconsole wrote them): exported unverified",
+              file=sys.stderr)
+    return why
+
+
+def check_finite(state: dict, ckpt: Checkpoint) -> None:
+    """Refuse weights that hold NaN or inf: a model folder that loads and answers garbage is worse than
+    no folder. (A checkpoint damaged after its save fails its checksum first; this is a run that
+    diverged before it saved.)"""
+    import torch
+    for name, t in state.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ExportError(f"{ckpt.path}: the weight {name} holds NaN or inf (the run had diverged by step "
+                              f"{ckpt.step}); export an earlier checkpoint with --step N")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -111,7 +132,10 @@ def _first_cause(e: BaseException) -> str:
     if isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))
         e = first[0] if isinstance(first, tuple) else first
-    lines = str(e).strip().splitlines()
+    text = str(e).strip()
+    if "weights_only" in text or "Weights only load failed" in text:
+        return safe_reason(f"{type(e).__name__}: {text}")     # never torch's advice to load it unsafely
+    lines = text.splitlines()
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 

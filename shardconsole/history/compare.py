@@ -106,7 +106,11 @@ def compare_text(runs: list[RunSummary], width: int = 100) -> list[str]:
         else ["  none: the same settings"]
     out += ["", "Figures:"]
     figs = [figures(r) for r in runs]
-    out += ["  " + line for line in table(["", *ids], [[name, *(f[name] for f in figs)] for name in figs[0]])]
+    rows = [[name, *(f[name] for f in figs)] for name in figs[0]]
+    if any(r.eval_pref_accuracy is not None for r in runs):     # preference runs (issue 47)
+        rows.append(["eval pref accuracy", *("-" if r.eval_pref_accuracy is None else f"{100 * r.eval_pref_accuracy:.1f}%"
+                                             for r in runs)])
+    out += ["  " + line for line in table(["", *ids], rows)]
     for r in runs:
         if r.status != "finished" and r.detail:
             out.append(f"  {r.run_id}: {r.detail}")

@@ -46,6 +46,7 @@ class RunSummary:
     peak_host_bytes: int | None = None    # the ranks' resident memory together, at its highest
     last_loss: float | None = None
     eval_loss: float | None = None
+    eval_pref_accuracy: float | None = None   # a DPO / ORPO run's held-out preference accuracy, last eval
     loss: list[tuple[int, float]] = field(default_factory=list)
     eval: list[tuple[int, float]] = field(default_factory=list)
     throughput: list[tuple[int, float]] = field(default_factory=list)
@@ -231,6 +232,7 @@ class _Fold:
             _replace_from(s.eval, msg.step)
             s.eval.append((msg.step, msg.loss))
             s.eval_loss = msg.loss
+            s.eval_pref_accuracy = msg.pref_accuracy
         elif isinstance(msg, P.Memory):
             peak = msg.peak_reserved_bytes or msg.reserved_bytes
             if peak is not None:
@@ -245,6 +247,7 @@ class _Fold:
     def into(self, s: RunSummary) -> None:
         a = self.acc
         s.step, s.steps, s.last_loss, s.eval_loss, s.bad_lines = a.step, a.steps, a.last_loss, a.eval_loss, a.bad_lines
+        s.eval_pref_accuracy = a.eval_pref_accuracy
         s.loss, s.eval, s.throughput = list(a.loss), list(a.eval), list(a.throughput)
         # The first step line carries compile and warm-up: it is not the run's speed.
         steady = self.rates[1:] or self.rates

@@ -46,6 +46,10 @@ works; to monkeypatch a name that the planner itself looks up, patch the module 
                         total with keep_checkpoints, what a save adds to host RAM
   fit.py                STRATEGIES, EXTRA_STRATEGIES, speed_score, fit_table (FitRow),
                         settings_that_fit (Candidate), _strategy_cfg, _spec_of, _toml
+  speed/model.py        how fast: a step's parts (GPU FLOPs, PCIe, the host step) from measured and
+                        published rates, the critical path, tokens/s and the time to train.steps (predict)
+  speed/cards.py        the cards `plan --card` knows: published bf16 rate, memory, PCIe generation
+  speed/book.py         the speed book: what this machine measured, ranking with the speed model
 
 Nothing here imports torch (tests/test_plan.py::test_planner_imports_no_torch).
 """

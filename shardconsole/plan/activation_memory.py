@@ -76,7 +76,8 @@ class Activations:
 
 def activations(cfg: C.RunConfig, s: Shapes) -> Activations:
     c = DTYPE_BYTES[cfg.precision.dtype]
-    mb, seq = cfg.train.micro_batch, cfg.data.seq_len
+    # A preference objective's sample is a pair: its chosen and rejected rows go through the model together
+    mb, seq = cfg.train.micro_batch * cfg.rows_per_sample, cfg.data.seq_len
     tokens = mb * seq
     eager = cfg.model.attn_implementation == "eager"
     # Compiled layers under DeepSpeed (stage3_layer_gather) saved less than under FSDP2: 42.9 GiB reserved

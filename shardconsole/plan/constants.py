@@ -91,7 +91,7 @@ MASTER_STATE_BYTES = {"fp32": 16, "nearest": 8, "stochastic": 8, "kahan": 10}
 # block per tensor. The gradients are still pinned a block per tensor by torch (pow2_ceil).
 HOST_ARENA_ALIGN = 4096
 
-# The cold start of "how fast" (plan/speeds.py: measurements on the user's machine replace it),
+# The cold start of "how fast" (plan/speed/book.py: measurements on the user's machine replace it),
 # relative to FSDP2 without offload or checkpointing, from docs/MEASURED.md's bare loops on the H200 (0.95B,
 # seq 2048, micro-batch 8 unless said):
 SPEED_FACTOR = {

@@ -127,6 +127,7 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, start_step: int
                      f"cache the kernel can drop, so they are not counted here")
     if gpu_budget is not None and g.required <= gpu_budget < g.allocator_peak:
         notes.append(_allocator_at_budget(g, r, gpu_budget))
+    notes += preference_notes(cfg)
     a = activations(cfg, s)
     alt = {("activations without checkpointing" if cfg.memory.activation_checkpointing
             else "activations with checkpointing"): a.alternative_saved}
@@ -143,6 +144,24 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, start_step: int
                    trainable_params=trainable_params(cfg, s) if cfg.adapters else s.n_params)
     est.verdict = _verdict(est, reasons, cfg)
     return est
+
+
+def preference_notes(cfg: C.RunConfig) -> list[str]:
+    """What a preference objective adds (backends/objective/preference.py), beside the activations of two rows
+    a pair that the memory above counts already."""
+    objective = cfg.train.objective
+    if objective == "sft":
+        return []
+    out = [f"{objective}: a sample is a pair, its chosen and rejected rows of data.seq_len tokens together "
+           f"(micro_batch {cfg.train.micro_batch} = {cfg.train.micro_batch * 2} sequences a forward)"]
+    if objective == "dpo" and cfg.adapters:
+        out.append("dpo with adapters: the reference is the base with the adapters off, one more forward without "
+                   "grad a micro-batch (about a third more compute a step, no more memory than the forward)")
+    elif objective == "dpo":
+        out.append("dpo, full fine-tuning: before step 1 a reference pass, one forward without grad over every pair "
+                   "(about a third of what an epoch of steps computes), cached beside the token cache at 16 bytes a "
+                   "pair and read back by later runs and resumes on the same model and data")
+    return out
 
 
 def _rank_model(cfg: C.RunConfig, s: Shapes) -> _Rank:

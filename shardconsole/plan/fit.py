@@ -85,7 +85,7 @@ def speed_score(cfg: C.RunConfig) -> float:
     score = SPEED_FACTOR[key]
     if cfg.memory.activation_checkpointing:
         score *= SPEED_FACTOR["checkpointing"]
-    tokens = cfg.train.micro_batch * cfg.data.seq_len
+    tokens = cfg.train.micro_batch * cfg.rows_per_sample * cfg.data.seq_len
     ref = 16384
     score *= (tokens / (tokens + 2048)) / (ref / (ref + 2048))
     return score
@@ -150,16 +150,16 @@ class Candidate:
     estimate: Estimate
     speed: float                    # predicted tokens/s, or relative (speed_unit) on a cold start
     speed_unit: str = "relative"
-    speed_source: str = "cold start"    # "measured", "scaled" (plan/speeds.py) or "cold start"
+    speed_source: str = "cold start"    # "measured", "scaled", "model" (plan/speed/book.py) or "cold start"
 
 
 def settings_that_fit(cfg: C.RunConfig, hardware: Hardware, spec: ModelSpec | None = None,
                       micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32), book: Any = None) -> list[Candidate]:
     """Every strategy x checkpointing x micro-batch for cfg's model, sequence length and dtype that
     fits on `hardware`, fastest first (ties: less GPU memory first). Ranked like `tune` ranks: by the
-    speeds measured on this machine (plan/speeds.py SpeedBook, loaded from the user data folder unless
+    speeds measured on this machine (plan/speed/book.py SpeedBook, loaded from the user data folder unless
     given), the fixed factors only where nothing was measured."""
-    from shardconsole.plan.speeds import SpeedBook
+    from shardconsole.plan.speed.book import SpeedBook
     book = book if book is not None else SpeedBook.load()
     spec = spec or resolve(cfg.model.name)
     out = []
@@ -176,7 +176,7 @@ def settings_that_fit(cfg: C.RunConfig, hardware: Hardware, spec: ModelSpec | No
                               f"memory.activation_checkpointing={_toml(ckpt)}", f"train.micro_batch={mb}",
                               f"train.grad_accum={c2.train.grad_accum}"]
                 name = f"{strategy}, {'checkpointing' if ckpt else 'no checkpointing'}, micro_batch {mb}"
-                p = book.predict(c2, hardware)
+                p = book.predict(c2, hardware, spec)
                 out.append(Candidate(name, overrides, est, p.value, p.unit, p.source))
     out.sort(key=lambda cand: (-round(cand.speed, 6), cand.estimate.gpu_peak_bytes))
     return out

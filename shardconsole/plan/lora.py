@@ -87,7 +87,7 @@ def adapter_activations(cfg: C.RunConfig, s: Shapes) -> tuple[int, int]:
     Transient (QLoRA): at 8192 tokens bitsandbytes dequantises the weight to bf16 and calls F.linear
     (backends/cuda/ops.py; backward: dequantize_4bit then matmul), and peft clones each base output."""
     c = DTYPE_BYTES[cfg.precision.dtype]
-    tokens = cfg.train.micro_batch * cfg.data.seq_len
+    tokens = cfg.train.micro_batch * cfg.rows_per_sample * cfg.data.seq_len
     layer, _ = _targets(cfg, s)
     r, ckpt = cfg.lora.rank, cfg.memory.activation_checkpointing
     per_layer = tokens * sum(c * r + (c + 1) * i * (cfg.lora.dropout > 0) for i, _ in layer)

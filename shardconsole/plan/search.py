@@ -1,6 +1,6 @@
 """The settings `shardconsole tune` may try: every combination of the levers that change memory and
 speed and keep what is trained the same (the global batch, the model, the data), that the planner
-says fits, ranked by the predicted speed (plan/speeds.py). Pure: no torch, no launches.
+says fits, ranked by the predicted speed (plan/speed/book.py). Pure: no torch, no launches.
 
 The levers: the engine and its sharding or ZeRO stage, offload (none / optimizer / parameters and
 optimizer), activation checkpointing and its policy, the micro-batch with gradient accumulation
@@ -24,7 +24,7 @@ from shardconsole.settings.models import ModelSpec
 from shardconsole.plan.estimator import Estimate, estimate, replace_cfg
 from shardconsole.plan.fit import EXTRA_STRATEGIES, STRATEGIES, _toml
 from shardconsole.plan.machine import Hardware
-from shardconsole.plan.speeds import Prediction, SpeedBook, signature
+from shardconsole.plan.speed.book import Prediction, SpeedBook, signature
 
 ALL_STRATEGIES = {**STRATEGIES, **EXTRA_STRATEGIES}
 OFFLOADING = {"full_shard+offload", "ZeRO-3+offload", "ZeRO-3+optimizer offload", "ZeRO-2+optimizer offload"}
@@ -215,10 +215,10 @@ def options(base: C.RunConfig, spec: ModelSpec, hw: Hardware, book: SpeedBook, *
         if not est.fits and key != base_key:
             continue
         out.append(Option(describe(cfg, base), _effective(cfg, base, changes + [("parallel", "launcher", None)]), cfg, est,
-                          book.predict(cfg, hw), baseline=key == base_key))
+                          book.predict(cfg, hw, spec), baseline=key == base_key))
     if base_key not in seen:
-        out.append(Option(describe(base), [], base, estimate(base, spec, hw), book.predict(base, hw), baseline=True))
-    rank(out, book, hw)
+        out.append(Option(describe(base), [], base, estimate(base, spec, hw), book.predict(base, hw, spec), baseline=True))
+    rank(out, book, hw, spec)
     return out
 
 
@@ -235,10 +235,10 @@ def _fill_launcher(cfg: C.RunConfig, base: C.RunConfig) -> C.RunConfig:
     return cfg
 
 
-def rank(opts: list[Option], book: SpeedBook, hw: Hardware) -> None:
+def rank(opts: list[Option], book: SpeedBook, hw: Hardware, spec: ModelSpec | None = None) -> None:
     """Predict again with what the book holds now (a probe just measured one: its strategy's ratio
     moves the others), and sort fastest first; ties: less memory first. The options share the model,
     sequence and machine, so their predictions share one unit (SpeedBook.predict)."""
     for o in opts:
-        o.prediction = book.predict(o.cfg, hw)
+        o.prediction = book.predict(o.cfg, hw, spec)
     opts.sort(key=lambda o: (-o.prediction.value, o.estimate.gpu_peak_bytes or o.estimate.host_peak_bytes))

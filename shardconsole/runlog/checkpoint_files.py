@@ -3,16 +3,23 @@ export-model (export_model/checkpoint.py) and the console's step chooser judge a
 test, so a folder the ranks would skip on resume is never offered to export or chat either.
 
 A save writes step_<N>.partial/ and renames it once rank 0 wrote the manifest (MANIFEST: the step, the
-data position, the world size and every file with its size); a folder truncated later is told from a
-complete one by the sizes the manifest lists.
+data position, the world size and every file with its size and its xxh3-128 checksum); a folder truncated
+later is told from a complete one by the sizes the manifest lists (why_incomplete: cheap, no read), and a
+file changed in place (same size, other bytes: torch.load checks no CRC, and a flipped block loads as NaN
+weights) by its checksum (why_corrupt: reads every byte, so only resume and export call it, on the one
+folder they are about to load). Checkpoints written before checksums existed still load, said unverified.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Iterable
 
 MANIFEST = "shardconsole.json"
+CHECKSUM = "xxh3_128"           # the manifest's "checksums" hold "<CHECKSUM>:<hex>" per file
+_CHUNK = 8 << 20
 
 
 def why_incomplete(path: Path, backend: str) -> str | None:
@@ -42,9 +49,112 @@ def why_incomplete(path: Path, backend: str) -> str | None:
     return "no DeepSpeed 'latest' file (empty, cut short, or written by an FSDP run)"
 
 
+def safe_reason(text: str) -> str:
+    """A load error's text without torch's advice to load the file with weights_only=False: what it
+    refused (the global it names) is kept, the way around the refusal is not."""
+    if "weights_only" not in text and "Weights only load failed" not in text:
+        return text
+    import re
+    found = re.search(r"GLOBAL ([\w.]+)|(Unsupported operand \d+)", text)
+    what = (f"global {found.group(1)}" if found and found.group(1) else found.group(2) if found
+            else "it is not plain tensors and containers")
+    head = re.split(r"Weights only load failed|[^.;:]*weights_only", text)[0]
+    return f"{head}a pickle that would build more than tensors was refused ({what}); do not load this file"
+
+
+def make_private(folder: Path) -> None:
+    """The folder and everything in it readable by its owner alone (0700 folders, 0600 files): a
+    checkpoint is the trained model (train.checkpoint_private)."""
+    for p in [folder, *folder.rglob("*")]:
+        try:
+            os.chmod(p, 0o700 if p.is_dir() else 0o600)
+        except OSError:
+            pass
+
+
 def listed_bytes(path: Path) -> int | None:
     """The checkpoint's size as its manifest lists it (no walk of the folder); None without one."""
     try:
         return sum(int(size) for size in json.loads((path / MANIFEST).read_text())["files"].values())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def checksums(path: Path) -> dict[str, str] | None:
+    """The manifest's {file: "xxh3_128:<hex>"}; None for a checkpoint saved before checksums existed."""
+    try:
+        sums = json.loads((path / MANIFEST).read_text()).get("checksums")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return dict(sums) if isinstance(sums, dict) and sums else None
+
+
+def file_checksum(f: Path) -> str:
+    """A file's checksum as the manifest writes it, read in 8 MiB pieces (the page cache does the rest)."""
+    import xxhash       # a C extension: loaded by the few commands that verify, not by every importer
+    h = xxhash.xxh3_128()
+    with open(f, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            h.update(chunk)
+    return f"{CHECKSUM}:{h.hexdigest()}"
+
+
+def why_corrupt(path: Path, names: Iterable[str] | None = None) -> str | None:
+    """None when every listed file (or those of `names`) has the checksum its manifest recorded, else
+    one line naming the first file that does not. A checkpoint without checksums is not judged here
+    (checksums(path) is None: the caller says it loads unverified)."""
+    sums = checksums(path)
+    if sums is None:
+        return None
+    for name in sorted(sums if names is None else names):
+        want = sums.get(name)
+        if want is None:
+            continue
+        try:
+            got = file_checksum(path / name)
+        except OSError as e:
+            return f"{name} cannot be read to verify its checksum ({e.strerror or e})"
+        if got != want:
+            return f"{name} does not match its checksum (its bytes changed after the save: {got} != {want})"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Whose checkpoint folder: a train.checkpoint_dir outside the run folder can be named by several runs,
+# and two runs in one folder prune each other's saves and resume each other's steps. The folder names
+# its run in OWNER (the run folder's resolved path); a run that continued another's checkpoints (a new
+# run with train.resume = true) took it over and lists the earlier owners in "inherited".
+
+OWNER = ".shardconsole-run.json"
+
+
+def shared_folder(checkpoints: Path, run_dir: Path) -> bool:
+    """A checkpoint folder outside the run folder (train.checkpoint_dir): one another run could name.
+    The run folder's own checkpoints/ belongs to the folder, wherever it was copied or moved."""
+    try:
+        return not checkpoints.resolve().is_relative_to(run_dir.resolve())
+    except OSError:
+        return True
+
+
+def read_owner(checkpoints: Path) -> dict | None:
+    try:
+        owner = json.loads((checkpoints / OWNER).read_text())
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) and isinstance(owner.get("run_dir"), str) else None
+
+
+def loadable_runs(checkpoints: Path) -> set[str]:
+    """The run folders whose checkpoints the owner may load: its own and those it took over."""
+    owner = read_owner(checkpoints) or {}
+    return {str(p) for p in [owner.get("run_dir"), *(owner.get("inherited") or [])] if p}
+
+
+def write_owner(checkpoints: Path, run_dir: Path, inherited: Iterable[str] = ()) -> None:
+    """Name `run_dir` the folder's run (atomically: a reader sees the old file or the new one)."""
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    tmp = checkpoints / f"{OWNER}.{os.getpid()}"
+    tmp.write_text(json.dumps({"run": run_dir.resolve().name, "run_dir": str(run_dir.resolve()),
+                               "inherited": sorted(set(inherited))}))
+    os.replace(tmp, checkpoints / OWNER)

@@ -17,13 +17,18 @@ from typing import Any, ClassVar
 
 VERSION = 1
 MAX_LINE = 4096
+# The step meter's version (backends/observe/metrics.StepMeter), in every step line and speed-book entry:
+# 2 counts optimizer steps (issue 45). Lines without it (0) came from the meter that counted micro-batches,
+# whose step_s, tokens/s, samples/s and MFU were per micro-batch: off by train.grad_accum.
+METER_VERSION = 2
 
 # Phases a run goes through, reported with Event(name="phase", detail=<phase>).
-PHASES = ("starting", "loading model", "building ops", "training", "evaluating", "saving checkpoint", "finished")
+PHASES = ("starting", "loading model", "building ops", "reference pass", "training", "evaluating", "saving checkpoint",
+          "finished")
 
 # Failure classes, also used for exit codes (see session/outcome.EXIT_CODES).
 FAILURE_CAUSES = ("gpu_oom", "host_oom", "nccl_timeout", "hang", "nan_loss", "loss_scale_floor",
-                  "config_error", "crash", "stopped", "disk_full")
+                  "config_error", "crash", "stopped", "disk_full", "run_folder_gone")
 
 
 class DecodeError(ValueError):
@@ -74,6 +79,13 @@ class Step(Message):
     loss_scale: float | None = None    # None unless fp16
     skipped_steps: int = 0             # fp16 overflow steps skipped so far
     tokens: int = 0                    # tokens seen so far
+    # Preference training (train.objective dpo / orpo; backends/objective/preference.py), over the pairs
+    # since the last step line, all ranks; None under SFT. loss is then the preference loss.
+    reward_chosen: float | None = None     # beta * (policy - reference) log-prob of the chosen answers, mean
+    reward_rejected: float | None = None   # the same for the rejected answers (ORPO: lambda * mean token log-prob)
+    reward_margin: float | None = None     # reward_chosen - reward_rejected
+    pref_accuracy: float | None = None     # share of pairs whose chosen reward is above the rejected one, 0..1
+    meter: int = 0                     # METER_VERSION of the meter that wrote it; 0: before issue 45
 
 
 @dataclass(frozen=True)
@@ -128,6 +140,12 @@ class Eval(Message):
     loss: float | None = None        # mean token loss over every token under loss in the eval set
     tokens: int = 0                  # tokens under loss that the mean covers
     seconds: float = 0.0
+    # Preference training: loss is the mean preference loss over the held-out pairs, these as in Step
+    pairs: int = 0
+    reward_chosen: float | None = None
+    reward_rejected: float | None = None
+    reward_margin: float | None = None
+    pref_accuracy: float | None = None
 
 
 @dataclass(frozen=True)

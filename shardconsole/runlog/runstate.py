@@ -17,6 +17,23 @@ def fmt_rate(x: float) -> str:
     return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
 
 
+def preference_text(m: P.Step | P.Eval) -> str:
+    """A preference run's figures as both front ends print them: `acc 87.5% margin +0.750 (chosen +0.250,
+    rejected -0.500)`; "" for a message without them (SFT)."""
+    if m.pref_accuracy is None or m.reward_margin is None:
+        return ""
+    return (f"acc {100 * m.pref_accuracy:.1f}% margin {m.reward_margin:+.3f} (chosen {m.reward_chosen or 0:+.3f}, "
+            f"rejected {m.reward_rejected or 0:+.3f})")
+
+
+def fmt_eta(seconds: float) -> str:
+    """A time left as both front ends print it: 45s, 12m30s, 3h05m."""
+    s = max(0, int(round(seconds)))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
 def save_line(sp: P.SaveProgress) -> str:
     """A save as both front ends print it: `saving step 60: 12.3 / 84.0 GB, 9 s`, and once it is done
     `saved step 60: 84.0 GB in 52 s (1.6 GB/s) to DIR`. Rank 0 sends them: the bytes in the save's folder
@@ -50,6 +67,8 @@ class RunState:
     evals: list[P.Eval] = field(default_factory=list)
     offload: dict[int, P.OffloadTiming] = field(default_factory=dict)    # the offload view, by rank
     save: P.SaveProgress | None = None   # the latest save's progress (rank 0's)
+    # (step, wall time) of this session's step lines: the ETA's clock (eta_s)
+    step_marks: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def saving(self) -> P.SaveProgress | None:
@@ -62,6 +81,8 @@ class RunState:
             self.world = msg.world
         elif isinstance(msg, P.Step):
             self.prev_step, self.last_step = self.last_step, msg
+            if not self.step_marks or msg.step > self.step_marks[-1][0]:
+                self.step_marks.append((msg.step, msg.t))
         elif isinstance(msg, P.Memory):
             self.memory[msg.rank] = msg
         elif isinstance(msg, P.GpuSample):
@@ -93,12 +114,31 @@ class RunState:
         self.finished = None
         self.save = None
         self.phase = "starting"
+        self.step_marks.clear()         # a resumed session's first steps compile and warm up again
 
     def gpu_of(self, rank: int) -> P.GpuSample | None:
         """The NVML sample of the card this rank computes on, matched by UUID (never by index)."""
         hello = self.hellos.get(rank)
         key = P.gpu_uuid_key(hello.gpu_uuid) if hello is not None else ""
         return next((g for g in self.gpus.values() if key and P.gpu_uuid_key(g.uuid) == key), None)
+
+    def seconds_per_step(self) -> float | None:
+        """The wall time of one step, measured between this session's step lines, leaving out what came
+        before the first line (start, build, the compile of the first steps) and, from 4 lines on, the first
+        interval too (the allocator's and the optimizer's warm-up). Evals and saves between lines count:
+        they recur until the end. None before 2 lines."""
+        marks = self.step_marks[1:] if len(self.step_marks) >= 4 else self.step_marks
+        if len(marks) < 2 or marks[-1][0] <= marks[0][0]:
+            return None
+        return max(0.0, marks[-1][1] - marks[0][1]) / (marks[-1][0] - marks[0][0])
+
+    def eta_s(self) -> float | None:
+        """Seconds to train.steps at the measured rate (seconds_per_step); None until it is measured, and
+        once the run has finished."""
+        s, rate = self.last_step, self.seconds_per_step()
+        if s is None or not s.steps or rate is None or self.finished is not None:
+            return None
+        return max(0, s.steps - s.step) * rate
 
     @property
     def rank_pids(self) -> list[int]:

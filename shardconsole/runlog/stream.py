@@ -33,7 +33,7 @@ class MetricsWriter:
         self.run, self.rank = run, rank
         self.dropped = 0
         self.last_error = ""          # why the last line was dropped ("No space left on device")
-        self.last_step = 0            # the last step line written whole
+        self.last_step = 0            # the step of the last line written whole
         self._torn = False            # a short write left half a line: the next line ends it first
         self._fd: int | None = None
         if self.path is not None:
@@ -51,8 +51,9 @@ class MetricsWriter:
                 self._torn = True
                 os.write(self._fd, data[n:])
             self._torn = False
-            if msg.kind == "step":
-                self.last_step = getattr(msg, "step", self.last_step)
+            step = getattr(msg, "step", None)       # any line's step: rank 1 writes no step lines
+            if isinstance(step, int) and step > self.last_step:
+                self.last_step = step
         except (OSError, ValueError) as e:
             self.dropped += 1
             first = not self.last_error
@@ -151,6 +152,11 @@ class MetricsReader:
         return next((r.lost for r in self._readers if r.lost), "")
 
     @property
+    def caught_up(self) -> bool:
+        """Whether the last poll read every file to its end (an attach's history is read 8 MiB a poll)."""
+        return all(r.caught_up for r in self._readers)
+
+    @property
     def offset(self) -> int:
         """How far into metrics.jsonl the lines have been read (attach's replay compares its size)."""
         return self._main.offset
@@ -186,6 +192,7 @@ class FileReader:
         self._partial = b""
         self._skipping = False      # inside an over-long line: dropped up to its newline, counted once
         self._named_at = float("-inf")
+        self.caught_up = False      # the last poll read the file to its end
 
     def poll(self, max_bytes: int = 8 << 20) -> list[Message]:
         if self._fd is None:
@@ -194,6 +201,7 @@ class FileReader:
             except OSError as e:    # not there yet; or another user's 0600 file
                 if not isinstance(e, FileNotFoundError):
                     self.last_error = f"{self.path}: {e.strerror}"
+                self.caught_up = True       # nothing to read yet: the front end's samples may go first
                 return []
         try:
             chunk = os.pread(self._fd, max_bytes, self._pos)
@@ -201,6 +209,7 @@ class FileReader:
             self.last_error = f"{self.path}: {e.strerror}"
             return []
         self._pos += len(chunk)
+        self.caught_up = len(chunk) < max_bytes
         # Looked at when caught up, and at least once a second: a slow front end on a loaded machine may
         # find new lines at every poll until the run ends and would otherwise never notice the name go.
         if not chunk or time.monotonic() - self._named_at >= NAME_EVERY_S:

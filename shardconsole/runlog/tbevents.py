@@ -43,8 +43,10 @@ def scalars(msg: P.Message) -> list[tuple[str, float]]:
                 ("time/step_s", msg.step_s), ("throughput/mfu_pct", None if msg.mfu is None else 100 * msg.mfu)]
         if msg.loss_scale is not None:          # fp16 only: an fp32/bf16 run has no scaler to plot
             out += [("fp16/loss_scale", msg.loss_scale), ("fp16/skipped_steps", msg.skipped_steps)]
+        out += _preference("train", msg)
     elif isinstance(msg, P.Eval):
         out.append(("loss/eval", msg.loss))
+        out += _preference("eval", msg)
     elif isinstance(msg, P.Memory):
         r = f"memory/rank{msg.rank}"
         out += [(f"{r}_reserved_GiB", _gib(msg.reserved_bytes)), (f"{r}_peak_reserved_GiB", _gib(msg.peak_reserved_bytes)),
@@ -66,6 +68,13 @@ def scalars(msg: P.Message) -> list[tuple[str, float]]:
         out += [("host/ram_used_GiB", _gib(msg.used_bytes)), ("host/ranks_rss_GiB", _gib(msg.ranks_rss_bytes)),
                 ("host/pinned_GiB", _gib(msg.pinned_bytes))]
     return [(tag, float(v)) for tag, v in out if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def _preference(split: str, msg: P.Step | P.Eval) -> list[tuple[str, float | None]]:
+    """A DPO / ORPO run's figures (None under SFT: no tag), in TRL's names under our split prefix."""
+    return [(f"rewards/{split}_chosen", msg.reward_chosen), (f"rewards/{split}_rejected", msg.reward_rejected),
+            (f"rewards/{split}_margin", msg.reward_margin),
+            (f"rewards/{split}_accuracy_pct", None if msg.pref_accuracy is None else 100 * msg.pref_accuracy)]
 
 
 def _gib(n: int | None) -> float | None:
@@ -132,6 +141,11 @@ class Recorder:
     def gave_up(self) -> bool:
         """The folder cannot take the file (unwritable, a full disk): worth saying once."""
         return self._gave_up
+
+    @property
+    def writing(self) -> bool:
+        """Whether this recorder holds the run's event file (it took the lock and made its file)."""
+        return self._writer is not None
 
     def _start(self) -> bool:
         now = time.monotonic()

@@ -21,7 +21,7 @@ from shardconsole.runlog import protocol as P
 from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.runlog.runstate import RunState
 from shardconsole.session.network import who_hosts
-from shardconsole.session.rundir import stream_stopped_note
+from shardconsole.session.rundir import stream_stopped_cause, stream_stopped_note
 
 # Exit codes of `shardconsole --headless` and `attach`, by how the run (or the watching) ended.
 # README.md's exit-code table lists the same.
@@ -37,6 +37,7 @@ EXIT_CODES = {
     "nan_loss": 6,
     "loss_scale_floor": 7,
     "disk_full": 9,      # ENOSPC / EDQUOT where the run writes (its folder, a checkpoint, an export)
+    "run_folder_gone": 10,   # the run folder deleted while the run went on: the ranks stopped (stream_health)
     "detached": 8,       # the front end went away (closed pipe, closed terminal, Ctrl-C while attaching); the run goes on
     "stopped": 130,
 }
@@ -106,7 +107,7 @@ def fitting_settings(run_dir: Path, top: int = 2, settings: C.RunConfig | None =
         return ""
     lines = [f"\n  the planner's fastest settings that fit ({C.format_size(hw.gpu_memory_bytes)} a GPU):"]
     for cand in found:
-        # ranked as `tune` ranks (plan/speeds.py): the speeds measured on this machine first
+        # ranked as `tune` ranks (plan/speed/book.py): the speeds measured on this machine first
         speed = f" ({cand.speed:,.0f} tokens/s {cand.speed_source})" if cand.speed_unit == "tokens/s" else ""
         lines.append(f"    {cand.name}{speed}: " + " ".join(f"--set {o}" for o in cand.overrides))
     return "\n".join(lines) if found else ""
@@ -272,7 +273,7 @@ def explain_exit(state: RunState, rc: int | None, run_dir: Path,
     if lost:
         # The ranks could not write their lines (a full disk): what they did after that is unknown here.
         code = f"launcher exit code {rc}" if rc is not None else "the launcher gone"
-        return "crash", (f"run ended ({code}) but {lost}: no report of its end could be "
+        return stream_stopped_cause(run_dir), (f"run ended ({code}) but {lost}: no report of its end could be "
                          f"written; check the last checkpoint in {folder.path} before trusting it")
     never_met = _rendezvous_failed(state, run_dir, settings)
     if never_met:

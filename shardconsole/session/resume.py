@@ -100,9 +100,11 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
         raise C.ConfigError(f"{folder.path}: the run is still going: {running}; stop it first "
                             f"(`shardconsole stop {folder.path}`), or follow it with `shardconsole attach {folder.path}`")
     doc = C.load_toml(folder.preset)
-    before = settings.resolve_doc(doc, folder.path.name, folder.preset, []).cfg.train
+    saved = settings.resolve_doc(doc, folder.path.name, folder.preset, []).cfg
+    before = saved.train
     resolved = settings.resolve_doc(doc, folder.path.name, folder.preset, list(overrides))
     cfg = resolved.cfg
+    _check_same_shapes(saved, resolved)
     if "train.schedule_steps" not in resolved.origins:
         # More steps continue the schedule the run had (a constant tail at the lr it ended on), never a
         # cosine re-stretched over the new length, which sent the lr back up at the first resumed step.
@@ -126,8 +128,12 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
                             f"{cfg.train.steps}: nothing left to train; add --set train.steps=N with N > {newest}")
     _check_export_dir(cfg, resolved.origin("train", "export_dir"))
     cfg.train.resume = True
+    from shardconsole.session import checkpoint_owner, rundir
+    rundir.check_resume_writable(cfg, folder.path, str(folder.preset))
+    checkpoint_owner.check(cfg, folder.path, str(folder.preset), new_run=False)
     if check is not None:
         check(cfg, str(folder.preset))
+    checkpoint_owner.claim(cfg, folder.path)
     prev = folder.preset.with_name(folder.preset.name + PREV_SUFFIX)
     shutil.copy2(folder.preset, prev)
     C.save(cfg, folder.preset)
@@ -145,21 +151,56 @@ def _check_export_dir(cfg: C.RunConfig, source: str) -> None:
                             source=source, table="train", key="export_dir")
 
 
+# What the checkpoint's tensors were made with: a resume that changes one of them fails after the launch
+# with DCP's "Size mismatch ... move that folder away" (or a missing key), which names no setting.
+SHAPE_KEYS = (("model", "name"), ("parallel", "backend"), ("train", "method"), ("lora", "rank"),
+              ("lora", "target_modules"), ("lora", "modules_to_save"))
+
+
+def _check_same_shapes(saved: C.RunConfig, resolved) -> None:
+    """Refuse, before the launch, an override of a setting the checkpoint's tensors depend on, naming it
+    and the value the checkpoint was saved with."""
+    method = saved.train.method
+    for table, key in SHAPE_KEYS:
+        if table == "lora" and method == "full":
+            continue        # no adapters in a full fine-tune's checkpoint
+        old, new = getattr(getattr(saved, table), key), getattr(getattr(resolved.cfg, table), key)
+        if old != new:
+            raise resolved.error(table, key, f"the checkpoints were saved with {table}.{key} = {old!r}; a resume "
+                                             f"loads their tensors as they are: keep {old!r}, or start a new run "
+                                             f"with {new!r}")
+
+
 class EarlierPart:
     """What a resumed session's stream held before it, told in one line instead of replayed: its step
     lines, sessions and how the last one ended."""
 
-    def __init__(self) -> None:
+    def __init__(self, log_every: int | None = None) -> None:
+        """log_every: the run's train.log_every, for a session of one step line (else read from its lines)."""
         self.sessions: list[str] = []
-        self.first_step: int | None = None
         self.last: P.Step | None = None
         self.ended = ""
+        self.log_every = log_every
+        self._lines: dict[str, list[int]] = {}      # each session's first two step lines
+
+    @property
+    def first_step(self) -> int | None:
+        """The first step the earlier sessions trained: a step line comes every log_every steps (and at
+        the last), so a session whose first line is step 5 trained from step 1 (it said "steps 5-40"
+        of a session of steps 1-40); a resumed one from its checkpoint's next step."""
+        firsts = []
+        for lines in self._lines.values():
+            every = lines[1] - lines[0] if len(lines) > 1 else (self.log_every or 1)
+            firsts.append(lines[0] - (lines[0] - 1) % max(1, every))
+        return min(firsts, default=None)
 
     def add(self, msg: P.Message) -> None:
         if msg.run and msg.run not in self.sessions:
             self.sessions.append(msg.run)
         if isinstance(msg, P.Step):
-            self.first_step = msg.step if self.first_step is None else min(self.first_step, msg.step)
+            lines = self._lines.setdefault(msg.run, [])
+            if len(lines) < 2 and msg.step not in lines:
+                lines.append(msg.step)
             self.last = msg
             self.ended = ""
         elif isinstance(msg, P.Event) and msg.name == "phase" and msg.detail == "finished":

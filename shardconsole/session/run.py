@@ -23,7 +23,7 @@ from shardconsole.launch.job import Job, StopReport, open_run
 from shardconsole.launch.owner import owning
 from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.runlog.runstate import RunState
-from shardconsole.session import rundir
+from shardconsole.session import checkpoint_owner, rundir
 from shardconsole.session.hang import SAVE_STALL_S, hang_message, where_ranks_are
 from shardconsole.session.outcome import DEFAULT_STOP_SAVE_TIMEOUT_S, classify
 from shardconsole.session.stop import Hurry, stop_run
@@ -82,7 +82,9 @@ class RunSession:
         cfg = resolved.cfg
         rundir.check_port_free(cfg, resolved.origin)
         rundir.check_writable(cfg, run_dir, resolved.origin)
+        checkpoint_owner.check(cfg, run_dir, resolved.origin("train", "checkpoint_dir"), new_run=True)
         run_dir = rundir.create_run_dir(cfg, run_dir, explicit=explicit)
+        checkpoint_owner.claim(cfg, run_dir)       # a train.checkpoint_dir outside it names this run now
         RunFolder(run_dir).write_origin(resolved.preset)      # the preset's name for `runs` and `compare`
         return cls.launch(rundir.anchor_paths(cfg), run_dir, run_dir.resolve().name)
 

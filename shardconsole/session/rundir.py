@@ -30,6 +30,10 @@ from shardconsole.runlog.runfolder import PRESET_FILE, RunFolder
 # The line MetricsWriter prints into a rank's log when the stream refuses a line (stream.py).
 DROP_NOTE = re.compile(r"^shardconsole: metrics stream: .*?after step (\d+): (.+?); later lines", re.M)
 _LOW_SPACE = 64 << 10
+# A run folder's name is its run id: torchrun names a folder of its own <id>_<8 characters>, and a resumed
+# session's id adds "-resume-<time>-<pid>" (about 40): a 255-byte name failed with torchelastic's
+# ENAMETOOLONG traceback after the launch.
+MAX_NAME_BYTES = 180
 
 
 Origin = Callable[[str, str], str]     # settings.Resolved.origin: where a key's value came from
@@ -49,6 +53,10 @@ def create_run_dir(cfg: C.RunConfig, run_dir: Path, *, explicit: bool = True) ->
     folder with the same settings. Not explicit (a default runs/<time>-<preset> name): a taken name
     gets the next suffix, -2, -3, ..."""
     where = f"--run-dir {run_dir}" if explicit else str(run_dir)
+    if len(run_dir.name.encode()) > MAX_NAME_BYTES:
+        raise RunDirError(f"{where}: the folder's name is {len(run_dir.name.encode())} bytes; at most "
+                          f"{MAX_NAME_BYTES} (the run id is the name, and torchrun's files and a resumed session's "
+                          f"id add to it within the file system's 255)")
     cfg = anchor_paths(cfg)
     try:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -168,6 +176,16 @@ def check_writable(cfg: C.RunConfig, run_dir: Path, origin: Origin | None = None
                                            table="train", key="checkpoint_dir"))
 
 
+def check_resume_writable(cfg: C.RunConfig, run_dir: Path, source: str) -> None:
+    """`resume`: the run folder and the checkpoint folder it saves into still writable (a folder made
+    read-only since, a mount remounted ro): found before the launch, not at the first save after hours
+    of training."""
+    _probe(Path(run_dir), lambda why: RunDirError(f"run folder {run_dir}: {why}"))
+    ckpt = RunFolder(run_dir).checkpoints(cfg.train.checkpoint_dir)
+    _probe(ckpt, lambda why: C.ConfigError(f"{ckpt}: {why}; the resumed run could not save there",
+                                           source=source, table="train", key="checkpoint_dir"))
+
+
 def _check_export_dir(cfg: C.RunConfig, origin: Origin | None) -> None:
     """train.export_dir is written at the end of the run: a folder that already holds files would be
     refused then, after the whole training, so it is refused now (as export-model's -o)."""
@@ -227,11 +245,23 @@ def check_port_free(cfg: C.RunConfig, origin: Origin | None = None) -> None:
                                     key="master_port") from None
 
 
+def stream_stopped_cause(run_dir: Path) -> str:
+    """The failure class of a stream that ended without a finished or failed line: run_folder_gone,
+    disk_full (the run folder's disk is full now, or a rank's log says a line was refused for want of
+    space), else crash."""
+    if not Path(run_dir).is_dir():
+        return "run_folder_gone"
+    note = stream_stopped_note(run_dir)
+    return "disk_full" if ("No space left" in note or "quota" in note.lower() or "is full" in note) else "crash"
+
+
 def stream_stopped_note(run_dir: Path) -> str:
     """Why the stream of a run ended without a finished or failed line, when the run folder can say:
     "the stream stopped at step N: No space left on device (logs/rank0.log)", or a full disk seen
     now. '' when nothing explains it (then it was a crash)."""
     folder = RunFolder(run_dir)
+    if not Path(run_dir).is_dir():
+        return f"the run folder {run_dir} is gone (deleted while the run was going)"
     found = []
     for log in sorted(folder.logs.glob("rank*.log")):
         try:
@@ -243,7 +273,8 @@ def stream_stopped_note(run_dir: Path) -> str:
             found.append((int(m.group(1)), m.group(2), log))
             break
     if found:
-        step, why, log = min(found, key=lambda f: f[0])
+        # the rank that had come furthest: a rank that writes no step lines knows the step from its others
+        step, why, log = max(found, key=lambda f: f[0])
         return f"the stream stopped at step {step}: {why} ({log.relative_to(run_dir)})"
     try:
         free = shutil.disk_usage(run_dir).free

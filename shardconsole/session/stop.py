@@ -58,9 +58,59 @@ def announce(run_dir, run_id: str, who: str) -> None:
 @dataclass
 class StopOutcome(StopReport):
     """A StopReport that knows which signalled pid was the launcher and which were ranks, so the report
-    names them ("the launcher and 2 ranks") instead of a bare count that matches nothing on screen."""
+    names them ("the launcher and 2 ranks") instead of a bare count that matches nothing on screen; and,
+    when it had to kill before a save, what that cost (`lost`: "7 step(s) lost since step_00000008")."""
     launcher_pid: int = 0
     rank_pids: tuple[int, ...] = ()
+    lost: str = ""
+
+
+class _Seen:
+    """What the stream says that a stop needs: the step time, the last save's time, the last step reached
+    and the last checkpoint saved, and whether a rank announced its save on stop."""
+
+    def __init__(self, asked_at: float) -> None:
+        self.asked_at = asked_at
+        self.step_s = 0.0
+        self.save_s = 0.0
+        self.step = 0
+        self.saved: tuple[int, str] | None = None      # (step, folder) of the newest checkpoint_saved
+        self.saving = False
+        self.saved_on_stop = False
+
+    def add(self, msgs: list) -> None:
+        for m in msgs:
+            if isinstance(m, P.Step):
+                self.step = max(self.step, m.step)
+                self.step_s = m.step_s or self.step_s
+            elif isinstance(m, P.SaveProgress) and m.done:
+                self.save_s = max(self.save_s, m.elapsed_s)
+            elif isinstance(m, P.Event) and m.name == "checkpoint_saved":
+                self.saved = (m.step or 0, m.detail)
+                self.saved_on_stop = self.saved_on_stop or (self.saving and m.t >= self.asked_at - 1.0)
+            elif isinstance(m, P.Event) and m.name == STOP_SAVE and m.t >= self.asked_at - 1.0:
+                self.saving = True
+
+    def grace(self, grace_s: float, save_timeout_s: float) -> float:
+        """A rank acts on SIGTERM at its next step boundary, then saves: the grace covers a step and a
+        save as this run measured them (with a margin), capped by train.stop_save_timeout_s. A grace of
+        HANG_GRACE_S or less is a hang's: its ranks are not stepping, waiting a step's time is waste."""
+        if grace_s <= HANG_GRACE_S:
+            return grace_s
+        need = STEP_MARGIN * self.step_s + self.save_s + 2.0
+        return max(grace_s, min(need, save_timeout_s))
+
+    def lost(self) -> str:
+        """After a kill that no save on stop preceded: the steps trained since the last checkpoint."""
+        if self.saved_on_stop or self.step == 0:
+            return ""
+        if self.saved is None:
+            return f"{self.step} step(s) lost: no checkpoint was saved (train.checkpoint_every, train.save_on_stop)"
+        n = self.step - self.saved[0]
+        return f"{n} step(s) lost since the checkpoint of step {self.saved[0]} ({self.saved[1]})" if n > 0 else ""
+
+
+STEP_MARGIN = 1.5           # a step's time varies (data, a log step's sync): a stop waits half as long again
 
 
 # The grace of a stop for a hang (headless and the console): a hang is declared after train.hang_timeout_s
@@ -84,6 +134,9 @@ def stop_run(job: Job, rank_pids, *, who: str, grace_s: float = 10.0, save_timeo
     if save_timeout_s is None:
         save_timeout_s = stop_save_timeout(run_dir)
     stream = MetricsReader(RunFolder(run_dir).metrics)     # for the ranks' stop_save event
+    seen = _Seen(asked_at)
+    seen.add(stream.poll())
+    grace_s = seen.grace(grace_s, save_timeout_s)
     t0 = time.monotonic()
     rank_pids = tuple(p for p in rank_pids if p > 0)
     state, why = job.launcher_state()
@@ -98,8 +151,8 @@ def stop_run(job: Job, rank_pids, *, who: str, grace_s: float = 10.0, save_timeo
         job.reap()
         if not _live(targets):
             break
-        if not saving and any(isinstance(m, P.Event) and m.name == STOP_SAVE and m.t >= asked_at - 1.0
-                              for m in stream.poll()):
+        seen.add(stream.poll())
+        if not saving and seen.saving:
             saving = True
             deadline = max(deadline, t0 + save_timeout_s)
         if hurry.is_set() or time.monotonic() >= deadline:
@@ -113,7 +166,10 @@ def stop_run(job: Job, rank_pids, *, who: str, grace_s: float = 10.0, save_timeo
             break
         time.sleep(0.05)
     job.reap()
+    seen.add(stream.poll())
     stream.close()
+    if report.killed:
+        report.lost = seen.lost()
     report.left = _live(set(targets) | set(job.processes(rank_pids)))
     report.seconds = time.monotonic() - t0
     if check_gpus:
@@ -175,6 +231,8 @@ def describe_stop(report: StopReport) -> str:
 def _describe(report: StopReport, how: str) -> str:
     if report.clean:
         line = f"stopped: {_who(report)} ended by {how} in {report.seconds:.1f}s; none left"
+        lost = getattr(report, "lost", "")
+        line += f"; {lost}" if lost else ""
         return line + (f"\n{report.gpu_note}" if report.gpu_note else "")
     return f"stop incomplete: process(es) {report.left} still alive after SIGKILL"
 
@@ -195,6 +253,24 @@ def _who(report: StopReport) -> str:
     if others > 0:
         parts.append(f"{others} other process(es) of the run (the ranks' children)")
     return (", ".join(parts[:-1]) + " and " + parts[-1]) if len(parts) > 1 else parts[0]
+
+
+def not_yours(pids, uid: int | None = None) -> str:
+    """'' when this user may signal every live process of `pids` (its own, or root); else who owns them:
+    a stop of another user's run signalled nothing and reported "still alive after SIGKILL"."""
+    import psutil
+    uid = os.geteuid() if uid is None else uid
+    if uid == 0:
+        return ""
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            owner = proc.uids().real
+            if owner != uid:
+                return f"pid {pid} runs as user {proc.username()}"
+        except (psutil.Error, ValueError):
+            continue
+    return ""
 
 
 class StopRefused(Exception):
@@ -238,6 +314,9 @@ def stop_folder(run_dir: Path, err: TextIO) -> int:
             cause, message = classify(watcher.state, watcher.exit_code if job.rc_known else None, folder.path)
             print(f"nothing to stop: the run has already ended ({cause}): {message.splitlines()[0]}", file=err)
             return 0
+        others = not_yours([job.pid, *watcher.rank_pids])
+        if others:
+            raise StopRefused(f"{folder.path}: not your run: {others}; only that user (or root) can stop it")
         print(f"stopping {folder.path}: SIGTERM to every rank ... (Ctrl-C: SIGKILL now)", file=err, flush=True)
         hurry = Hurry()
         with interrupts_hurry(hurry):

@@ -29,7 +29,7 @@ from shardconsole.session.network import RendezvousWatch
 from shardconsole.session.outcome import DETACHED
 from shardconsole.session.rundir import stream_stopped_note
 from shardconsole.runlog.stream import MetricsReader, SampleAppender
-from shardconsole.runlog.tbevents import Recorder
+from shardconsole.runlog.tbevents import Recorder, event_files
 
 HOST = PI.this_host()
 
@@ -170,7 +170,11 @@ class Watcher:
             except Exception:   # psutil refusing a pid from a hand-edited job.json: treat as gone
                 self.exit_code = 0
         tick.messages = self._read()
-        if self.probes is not None and not self.ended and now - self._last_sample >= self.sample_every_s:
+        if not self.ended:
+            self._check_end(tick)
+            if self.ended:
+                self.reader.check_names()
+        if self.probes is not None and self._sampling() and now - self._last_sample >= self.sample_every_s:
             self._last_sample = now
             tick.messages += self._take_samples()
         if self.logs is not None:
@@ -182,10 +186,6 @@ class Watcher:
                 self._rdzv = None          # the ranks have met
             elif line := self._rdzv.look(now):
                 tick.notes.append(line)
-        if not self.ended:
-            self._check_end(tick)
-            if self.ended:
-                self.reader.check_names()
         if self.reader.lost and not self._said_lost:
             self._said_lost = True
             tick.notes.append(self.reader.lost)
@@ -195,6 +195,12 @@ class Watcher:
         return tick
 
     def _record(self, tick: Tick) -> None:
+        if not self.recorder.writing and self.over() and event_files(self.folder.path):
+            # Over before this front end began writing (an attach to a finished run): its event file
+            # stays as the run left it; `runs --tensorboard` rebuilds one on request.
+            self.recorder.close()
+            self.recorder = None
+            return
         self.recorder.poll()
         why = self.recorder.why_not
         if why and not self._said_recorder and self.recorder.gave_up:
@@ -240,6 +246,18 @@ class Watcher:
             out.append(msg)
         return out
 
+    def over(self) -> bool:
+        """Whether the run is over as far as the stream and the processes say: ended, or its session's
+        finished or failed line read. A front end writes nothing more into the stream of a run that is
+        over (an attach to a finished run leaves its metrics.jsonl byte for byte as it was)."""
+        return self.ended or self.state.finished is not None or bool(self.state.failed)
+
+    def _sampling(self) -> bool:
+        """Whether to sample the machine into the stream now: while the run goes on, and, attached,
+        once the history has been read (an attach reads 8 MiB a look: the end of a long finished run
+        may still be unread)."""
+        return not self.over() and self.reader.caught_up
+
     def _take_samples(self) -> list[P.Message]:
         """Append a sample of each GPU and of the host to the stream; returned only when the run folder is
         not writable (someone else's run), since otherwise the reader brings them back next time."""
@@ -270,7 +288,10 @@ class Watcher:
         return self.watch.stalled_for(time.monotonic())
 
     def note(self, name: str, detail: str) -> None:
-        """An event line of the front end's (rank -1) in the run's stream; nothing when it is read-only."""
+        """An event line of the front end's (rank -1) in the run's stream; nothing when it is read-only,
+        nor once the run is over (its stream is the record of the run, not of who looked at it since)."""
+        if self.over():
+            return
         self.samples.append([P.Event(run=self.run_id, rank=-1, name=name, detail=detail)])
 
     def detach(self, why: str) -> None:
@@ -278,7 +299,7 @@ class Watcher:
 
     def close(self) -> None:
         if self.recorder is not None:
-            while self.recorder.poll():     # the last lines, when the run ended between two looks
+            while self.recorder.writing and self.recorder.poll():   # the last lines, when the run ended between two looks
                 pass
             self.recorder.close()
         self.samples.close()

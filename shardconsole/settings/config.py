@@ -31,7 +31,8 @@ from shardconsole.settings.values import (ConfigError, _coerce, _parse_override_
                                         familiar_name, format_size, names_key, override_source, parse_size)
 from shardconsole.settings.tables import (TABLES, TOP_LEVEL_KEYS, DataSettings, DeepspeedSettings,  # noqa: F401
                                         FsdpSettings, LoraSettings, MemorySettings, ModelSettings, ParallelSettings,
-                                        PrecisionSettings, RunConfig, TrainSettings, _f)
+                                        PrecisionSettings, PreferenceSettings, RunConfig,
+                                        TrainSettings, _f)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from shardconsole.settings import config as C
+from shardconsole.settings import pair_records
 from shardconsole.settings.data_scan import Scan, ScanError, scan
 from shardconsole.settings.paths import PathError, kind_of, shown
 
@@ -146,19 +147,30 @@ def check_data(cfg: C.RunConfig, source: str = "preset") -> Scan | None:
         return None
     if not uses_records(cfg):
         return None
-    found = _scan(d.path, "path", d, source)
+    pairs = getattr(cfg.train, "objective", "sft") != "sft"
+    found = _scan(d.path, "path", d, source, pairs)
     if d.eval_path:
-        _scan(d.eval_path, "eval_path", d, source)
+        _scan(d.eval_path, "eval_path", d, source, pairs)
     _check_tokenizer_choice(cfg, source)
     return found
 
 
-def _scan(value: str, key: str, d: C.DataSettings, source: str) -> Scan | None:
+def _scan(value: str, key: str, d: C.DataSettings, source: str, pairs: bool = False) -> Scan | None:
+    """pairs: preference records (train.objective dpo / orpo; settings/pair_records.py), one rule for all."""
     path, kind = locate(value, key, source)
+    if pairs and kind in ("parquet", "saved"):
+        try:
+            pair_records.scan_columnar(path, kind)
+        except ScanError as e:
+            raise C.ConfigError(f"{source}: [data] {key}: {e}") from None
+        return None
     if kind not in ("json", "csv", "text"):
         return None
+    if pairs and kind == "text":
+        raise C.ConfigError(f"{source}: [data] {key}: {shown(path)}: a .txt file holds no preference pairs; "
+                            f"train.objective needs records with prompt, chosen and rejected (.jsonl, .parquet, ...)")
     try:
-        return scan(path, kind, d.text_key, d.text_split)
+        return scan(path, kind, d.text_key, d.text_split, check=pair_records.check if pairs else None)
     except ScanError as e:
         raise C.ConfigError(f"{source}: [data] {key}: {e}") from None
     except OSError as e:

@@ -15,7 +15,7 @@ import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 FORMATS = ("text", "chat", "prompt_completion", "alpaca")
 ROLES = ("system", "user", "assistant", "tool")
@@ -46,6 +46,8 @@ class Scan:
     formats: dict[str, str] = field(default_factory=dict)    # format -> where its first record is
     complete: bool = True          # False: only the first SCAN_BYTES were read
     split: str = ""                # a .txt file: how it became records, in words
+    # Another record rule in place of the SFT formats' (settings/pair_records.check for preference records)
+    check: Callable[[dict[str, Any], str], None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def format(self) -> str:
@@ -134,12 +136,13 @@ def check_record(rec: dict[str, Any], fmt: str, text_key: str, where: str) -> No
 
 
 def scan(path: Path, kind: str, text_key: str, text_split: str = "blank_line",
-         budget_bytes: int | None = SCAN_BYTES) -> Scan:
+         budget_bytes: int | None = SCAN_BYTES, check: Callable[[dict[str, Any], str], None] | None = None) -> Scan:
     """Read the file's records (up to budget_bytes; None: all) and check each. ScanError names the first
-    problem by file and line; a file of no records is one."""
+    problem by file and line; a file of no records is one. `check`: the rule each record must pass
+    instead of the SFT formats' (preference records)."""
     with path.open("rb") as raw:
         lines = _decoded_lines(raw, path, budget_bytes)
-        out = Scan()
+        out = Scan(check=check)
         if kind == "text":
             _scan_text(lines, out, text_split)
         elif kind == "csv":
@@ -262,6 +265,11 @@ def _json_line(line: str, where: str, out: Scan, text_key: str) -> None:
 def _record(rec: Any, where: str, out: Scan, text_key: str) -> None:
     if not isinstance(rec, dict):
         raise ScanError(f"{where}: not a JSON object")
+    if out.check is not None:
+        out.check(rec, where)
+        out.formats.setdefault("preference", where)
+        out.records += 1
+        return
     fmt = format_of([k for k, v in rec.items() if v is not None], text_key)
     if fmt is None:
         raise ScanError(no_format(rec, text_key, where))
@@ -283,7 +291,7 @@ def _scan_csv(lines: _Lines, path: Path, out: Scan, text_key: str) -> None:
         return
     except csv.Error as e:
         raise ScanError(f"{path}:1: not CSV ({e})") from None
-    fmt = format_of(header, text_key)
+    fmt = "preference" if out.check is not None else format_of(header, text_key)
     if fmt is None:
         raise ScanError(no_format(header, text_key, f"{path}:1 (the header)"))
     out.formats[fmt] = f"{path}:1"
@@ -296,7 +304,7 @@ def _scan_csv(lines: _Lines, path: Path, out: Scan, text_key: str) -> None:
                 raise ScanError(f"{where}: {len(row)} fields, the header has {len(header)}")
             rec = {k: (v if v != "" or k in (text_key, "prompt", "completion", "output") else None)
                    for k, v in zip(header, row)}
-            check_record(rec, fmt, text_key, where)
+            (out.check or (lambda rec, where: check_record(rec, fmt, text_key, where)))(rec, where)
             out.records += 1
     except csv.Error as e:
         raise ScanError(f"{path}:{lines.number}: not CSV ({e})") from None

@@ -50,6 +50,7 @@ def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = 
         raise err("data", "eval_path" if cfg.data.eval_path else "eval_fraction",
                   "needs training records too: set data.path")
     _check_method(cfg, err)
+    _check_preference(cfg, err)
     _check_optim(cfg, err)
     _check_step_in_backward(cfg, err)
     if cfg.train.compile and p.device == "cpu":
@@ -159,6 +160,26 @@ def _check_method(cfg: RunConfig, err) -> None:
     if cfg.precision.dtype != "bf16":
         raise err("train", "method", f"\"qlora\" computes in bf16 (bnb_4bit_compute_dtype); precision.dtype "
                   f"is {cfg.precision.dtype!r}")
+
+
+def _check_preference(cfg: RunConfig, err) -> None:
+    """train.objective dpo / orpo and [preference] (backends/objective/preference.py): pairs of records, and
+    the keys each loss reads; a key the chosen loss would ignore is refused, not silently dropped."""
+    t, pref = cfg.train, getattr(cfg, "preference", None)
+    if pref is None:
+        return
+    objective = getattr(t, "objective", "sft")
+    if objective == "sft":
+        return
+    d = cfg.data
+    if d.source in ("synthetic", "tokens") or not d.path:
+        raise err("train", "objective", f"\"{objective}\" trains on pairs of answers: set data.path to records with "
+                  "prompt, chosen and rejected (strings or message lists); synthetic tokens and token files have none")
+    if pref.label_smoothing and (objective == "orpo" or pref.loss == "ipo"):
+        what = "ORPO" if objective == "orpo" else "the ipo loss"
+        # TRL's IPO and ORPO ignore it (trl 1.16, trainer/dpo_trainer.py, experimental/orpo): refused, not ignored
+        raise err("preference", "label_smoothing", f"is for sigmoid DPO (conservative DPO); {what} has no label "
+                  "smoothing: set it to 0")
 
 
 def _check_optim(cfg: RunConfig, err) -> None:

@@ -88,6 +88,10 @@ class TrainSettings:
     stop_save_timeout_s: float = _f(300.0, "seconds a save on stop may take before the ranks end without it",
                                     min=1.0)
     checkpoint_dir: str = _f("", "where checkpoints go (empty: <run dir>/checkpoints)")
+    # A checkpoint or an export is the trained model: by default no other local user may read it, whatever
+    # the umask (0644 on most systems). false leaves the modes to the umask, for a group that shares models.
+    checkpoint_private: bool = _f(True, "checkpoints, train.export_dir and export-model's folders readable by "
+                                        "their owner alone (0700 folders, 0600 files); false: the umask decides")
     export_dir: str = _f("", "write the trained model as a Hugging Face folder here after the last step "
                          "(empty: no export); no checkpoint is needed for it")
     export_adapter: bool = _f(False, "a LoRA run's train.export_dir holds peft's adapter folder instead of the "
@@ -105,6 +109,11 @@ class TrainSettings:
     hang_timeout_s: float = _f(
         0.0, "seconds without a step line before the run counts as hung (0: 20x the step time, at least 120 s)",
         min=0.0)
+    # Preference training (issue 47; backends/objective/preference.py): a sample is a pair, a chosen row and
+    # a rejected row (train.micro_batch counts pairs), settings in [preference].
+    objective: Literal["sft", "dpo", "orpo"] = _f(
+        "sft", "what the loss is: next-token prediction (sft), DPO on chosen/rejected pairs against the starting "
+        "model (dpo), or ORPO's odds-ratio loss without a reference (orpo); settings in [preference]")
 
 
 @dataclass
@@ -274,6 +283,20 @@ class LoraSettings:
         return [n.strip() for n in self.modules_to_save.split(",") if n.strip()]
 
 
+@dataclass
+class PreferenceSettings:
+    """train.objective = "dpo" or "orpo": the loss over a chosen and a rejected completion, in TRL's names."""
+    beta: float = _f(0.1, "DPO: how far the model may move from the reference (higher: less); for \"ipo\" the "
+                     "regularisation tau", min=1e-6)
+    loss: Literal["sigmoid", "ipo"] = _f(
+        "sigmoid", "the DPO loss: sigmoid (the DPO paper's) or ipo (squared, on per-token mean log-ratios)")
+    label_smoothing: float = _f(
+        0.0, "sigmoid DPO: the share of pairs assumed mislabelled (conservative DPO); 0 is plain DPO",
+        min=0.0, max=0.49)
+    orpo_lambda: float = _f(0.1, "ORPO: the weight of the odds-ratio term beside the chosen answer's NLL "
+                            "(TRL's beta)", min=0.0)
+
+
 TABLES: dict[str, type] = {
     "model": ModelSettings,
     "data": DataSettings,
@@ -285,6 +308,7 @@ TABLES: dict[str, type] = {
     "memory": MemorySettings,
     "lora": LoraSettings,
     "optim": OptimSettings,
+    "preference": PreferenceSettings,
 }
 TOP_LEVEL_KEYS = ("description",)
 
@@ -302,6 +326,7 @@ class RunConfig:
     memory: MemorySettings = field(default_factory=MemorySettings)
     lora: LoraSettings = field(default_factory=LoraSettings)
     optim: OptimSettings = field(default_factory=OptimSettings)
+    preference: PreferenceSettings = field(default_factory=PreferenceSettings)
 
     # --- derived values, so that every consumer agrees -------------------------------------------
     @property
@@ -331,10 +356,15 @@ class RunConfig:
         return self.train.method != "full"
 
     @property
+    def rows_per_sample(self) -> int:
+        """Sequences one sample is: 1, or a pair's chosen and rejected rows under a preference objective."""
+        return 1 if self.train.objective == "sft" else 2
+
+    @property
     def tokens_per_step(self) -> int:
-        """Global tokens consumed by one optimizer step."""
+        """Global tokens one optimizer step computes (a pair's two sequences both count)."""
         t = self.train
-        return t.micro_batch * t.grad_accum * self.data.seq_len * self.world_size
+        return t.micro_batch * t.grad_accum * self.data.seq_len * self.world_size * self.rows_per_sample
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict for TOML: None values (not set) are left out, since TOML has no null."""

@@ -18,6 +18,37 @@ from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelError, resolve
 
 GiB = 1 << 30
+ADAPTER_CONFIG = "adapter_config.json"      # peft's adapter folder (export-model --adapter)
+
+
+def is_model_folder(folder: Path) -> bool:
+    """A folder chat loads as it is: a model export (config.json) or an adapter folder (peft's)."""
+    return (folder / "config.json").is_file() or (folder / ADAPTER_CONFIG).is_file()
+
+
+def adapter_base(folder: Path) -> Path | None:
+    """The base model folder an adapter folder goes onto (None: `folder` is no adapter folder): the one
+    peft recorded, else the run's model.name from the README both exports write. ConfigError, one
+    line saying what to do, when that base is not there any more."""
+    import json
+    config = Path(folder) / ADAPTER_CONFIG
+    if not config.is_file():
+        return None
+    try:
+        recorded = json.loads(config.read_text()).get("base_model_name_or_path") or ""
+    except (OSError, ValueError) as e:
+        raise C.ConfigError(f"chat: {config}: not readable as peft's adapter config ({e})") from None
+    from shardconsole.tryout.base import of_export, of_folder
+    base = of_folder(Path(recorded).expanduser()) if recorded else of_export(Path(folder))
+    if base.folder is None and recorded:
+        from_readme = of_export(Path(folder))
+        base = from_readme if from_readme.folder is not None else base
+    if base.folder is None:
+        raise C.ConfigError(
+            f"chat: {folder} is a LoRA adapter folder; its base model {recorded or '(not named)'} cannot be "
+            f"loaded ({base.why}): put the base folder back there, or export the merged model "
+            f"(`shardconsole export-model RUN -o DIR`, without --adapter) and chat with that")
+    return base.folder
 
 
 @dataclass(frozen=True)
@@ -72,7 +103,9 @@ class ChatModel:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         self.folder = Path(folder)
-        need = weights_bytes(self.folder)
+        self.base = adapter_base(self.folder)      # an adapter folder: the base it goes onto
+        weights = self.base or self.folder
+        need = weights_bytes(weights)
         self.device = device or pick_device(need)
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
         tok_folder = Path(tokenizer_from or folder)
@@ -83,7 +116,11 @@ class ChatModel:
         if not getattr(self.tok, "chat_template", None):
             raise C.ConfigError(f"chat: {tok_folder}: the tokenizer has no chat template; export the run again "
                                 f"with this version (export-model writes the template the run trained with)")
-        self.model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=dtype, local_files_only=True)
+        self.model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype, local_files_only=True)
+        if self.base is not None:
+            # the adapters merged into the base, as `export-model` without --adapter would write it
+            from peft import PeftModel
+            self.model = PeftModel.from_pretrained(self.model, self.folder).merge_and_unload()
         self.model.to(self.device).eval()
 
     def prompt_ids(self, messages: list[dict[str, str]]):

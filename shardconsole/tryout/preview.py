@@ -41,6 +41,7 @@ class RecordView:
     loss_tokens: int
     ids: list[int] = field(repr=False, default_factory=list)
     flags: list[int] = field(repr=False, default_factory=list)    # corpus.LOSS / DOC_START bits
+    row: str = ""        # a preference pair's row: "chosen" or "rejected" (the prompt, then the answer)
 
 
 @dataclass
@@ -126,6 +127,8 @@ def preview(cfg: C.RunConfig, spec: ModelSpec, n: int = 3, *, rnd: bool = False,
         picked = _pick(_stream(path, kind, d.text_key, d.text_split), n, rnd, seed)
         if not picked:
             raise C.ConfigError(f"[data] path: {path}: no records")
+        if getattr(cfg.train, "objective", "sft") != "sft":
+            return _pairs(path, picked, enc, where, d.seq_len)
         fmt = corpus.detect_format(list(picked[0][1].keys()), d.text_key, str(path))
         renderer = corpus.Renderer(fmt, d.text_key, enc.tokenizer)
         views = []
@@ -136,6 +139,27 @@ def preview(cfg: C.RunConfig, spec: ModelSpec, n: int = 3, *, rnd: bool = False,
         raise C.ConfigError(str(e)) from None
     return Preview(str(path), fmt, enc.name, renderer.template_name or "-", views, d.seq_len,
                    _first_window(views, d.seq_len + 1), _notes(views, d.seq_len, rnd))
+
+
+def _pairs(path: Path, picked: list[tuple[int, dict[str, Any]]], enc: corpus.Encoder, where,
+           seq_len: int) -> Preview:
+    """Preference records (train.objective dpo / orpo) as the ranks make them rows (backends/data/
+    preference.py): per pair a chosen and a rejected row, the same prompt tokens, loss on the answer."""
+    from shardconsole.backends.data import preference as pairs
+    renderer = pairs.PairRenderer(enc.tokenizer)
+    views, notes = [], []
+    for i, t in pairs.tokenize_pairs(iter(picked), renderer, enc, where):
+        fitted, cut = pairs.fit(t, seq_len)
+        if cut:
+            notes.append(f"record {i + 1}: longer than data.seq_len + 1 = {seq_len + 1} tokens a row: the answers "
+                         f"keep their start, the prompt its last {len(fitted.prompt)} of {len(t.prompt)} tokens")
+        for row, answer in (("chosen", fitted.chosen), ("rejected", fitted.rejected)):
+            ids = np.asarray(fitted.prompt + answer, dtype=np.int64)
+            flags = np.asarray([0] * len(fitted.prompt) + [corpus.LOSS] * len(answer), dtype=np.uint8)
+            views.append(RecordView(i, where(i), _pieces(enc, ids, flags), len(ids), len(answer), ids.tolist(),
+                                    flags.tolist(), row=row))
+    notes.append("each pair trains as two rows of data.seq_len tokens, padded at the end (never packed, never split)")
+    return Preview(str(path), "preference", enc.name, renderer.template_name or "-", views, seq_len, [], notes)
 
 
 def _first_window(views: list[RecordView], size: int) -> list[tuple[int, int, int]]:

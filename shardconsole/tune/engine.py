@@ -3,7 +3,7 @@ fit (plan/search.py), probe the settings as given first (the baseline every figu
 then the best predicted, re-ranking after each probe with what it measured, until the budget or the
 probe count ends; then pick the fastest probe that stayed under the caps.
 
-Every probe's speed is kept in the speed book (plan/speeds.py), so the next tune, `plan --fit` and the
+Every probe's speed is kept in the speed book (plan/speed/book.py), so the next tune, `plan --fit` and the
 hint after a GPU OOM rank with it. Front ends watch through `on_change` (called from this thread)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelSpec
 from shardconsole.plan import search
 from shardconsole.plan.machine import Hardware
-from shardconsole.plan.speeds import SpeedBook, record_of
+from shardconsole.plan.speed.book import SpeedBook, record_of
 from shardconsole.tune.probe import ProbeResult, probe_config, run_probe
 
 
@@ -112,7 +112,7 @@ class Tune:
                 self.book.add(record_of(option.cfg, self.hw, row.result.tokens_per_s, "tune probe",
                                         run=row.result.run_dir,
                                         peaks={"gpu": row.result.gpu_peak_bytes, "host": row.result.host_peak_bytes}))
-                search.rank(self.options, self.book, self.hw)
+                search.rank(self.options, self.book, self.hw, self.spec)
             self.on_change(self)
         if self.stop and not self.note:
             self.note = "stopped"

@@ -13,7 +13,7 @@ from typing import Callable
 
 from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
-from shardconsole.plan.speeds import steady_tokens_per_s
+from shardconsole.plan.speed.book import steady_tokens_per_s
 
 POLL_S = 0.2
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from shardconsole.settings import config as C
 from shardconsole.settings import preset_store
 from shardconsole.plan import search
-from shardconsole.plan.speeds import machine_key
+from shardconsole.plan.speed.book import machine_key
 from shardconsole.tune.engine import Row, Tune
 
 HEADER_MARK = "# shardconsole tune"
@@ -131,6 +131,9 @@ def format_table(rows: list[tuple[str, ...]]) -> str:
 def machine_text(tune: Tune) -> str:
     hw = tune.hw
     where = machine_key(hw, tune.base.parallel.device)
+    if hw.source.startswith("planned"):     # a dry run without a GPU: the preset's cards, not this machine's
+        return (f"{hw.gpus} GPU(s) of {C.format_size(hw.gpu_memory_bytes)} ({hw.source.removeprefix('planned: ')}), host "
+                f"{C.format_size(hw.host_memory_bytes)} ({platform.node() or 'this machine'})")
     return f"{where}, host {C.format_size(hw.host_memory_bytes)} ({platform.node() or 'this machine'})"
 
 

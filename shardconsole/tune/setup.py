@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from shardconsole.plan.machine import hardware_from_args, size_arg
-from shardconsole.plan.speeds import SpeedBook, harvest
+from shardconsole.plan.machine import Hardware, hardware_from_args, size_arg
+from shardconsole.plan.speed.book import SpeedBook, harvest
 from shardconsole.settings import config as C
 from shardconsole.settings import resolve as settings
 from shardconsole.tune.engine import Limits, Tune
@@ -54,12 +55,25 @@ def check_vary(keys: list[str], fixed: set[str]) -> set[str]:
     return out
 
 
+def planned_gpus(cfg: C.RunConfig, hw: Hardware, preset: str, given: str = "") -> Hardware:
+    """The GPUs a dry run plans for on a machine without one: the preset's count (parallel.nproc_per_node)
+    of its card size (memory.gpu_memory_limit, which --gpu-memory sets: given), with this host's RAM."""
+    size = cfg.gpu_memory_limit_bytes
+    if not size:
+        raise C.ConfigError(f"--dry-run: no GPU on this machine, and preset {preset!r} names no GPU size "
+                            f"(memory.gpu_memory_limit): give the card's with --gpu-memory SIZE, e.g. 24GiB")
+    return replace(hw, gpus=cfg.parallel.nproc_per_node, gpu_memory_bytes=size, gpu_name="",
+                   source=f"planned: {given or 'the preset' + chr(39) + 's memory.gpu_memory_limit'}; "
+                          f"no GPU on this machine")
+
+
 def make_tune(resolved: settings.Resolved, *, budget_s: float, max_probes: int, probe_steps: int,
               gpu_memory: str | None = None, host_memory: str | None = None, runs_root_dir: str | None = None,
-              name: str = "tuned", hardware=None, vary: list[str] = ()) -> Tune:
+              name: str = "tuned", hardware=None, vary: list[str] = (), dry_run: bool = False) -> Tune:
     """A tune of resolved settings (the CLI's and the console's): the cap, the machine, the speed book with
     the finished runs under the runs root harvested, the probes' folder. Keys the user set are kept, and
-    the numerics (plan/search.NUMERICS) but those named in vary."""
+    the numerics (plan/search.NUMERICS) but those named in vary. dry_run: nothing will be measured, so a
+    machine without a GPU plans for the preset's (planned_gpus)."""
     from shardconsole.launch.command import runs_root
     from shardconsole.plan.estimator import replace_cfg
     from shardconsole.session import preflight
@@ -76,8 +90,11 @@ def make_tune(resolved: settings.Resolved, *, budget_s: float, max_probes: int, 
     spec = preflight.check_model(resolved, weights=False)
     hw = hardware or hardware_from_args(None, None, host_memory)
     if cfg.parallel.device != "cpu" and not hw.gpus:
-        raise C.ConfigError(f"no GPU found on this machine and preset {resolved.preset!r} trains on GPUs: tune "
-                            f"measures real runs, so it runs where the training will (or use a CPU preset)")
+        if not dry_run:
+            raise C.ConfigError(f"no GPU found on this machine and preset {resolved.preset!r} trains on GPUs: tune "
+                                f"measures real runs, so it runs where the training will (or use a CPU preset; "
+                                f"--dry-run lists the options for the preset's GPU without one)")
+        hw = planned_gpus(cfg, hw, resolved.preset, "--gpu-memory" if cap is not None else "")
     fixed = {o.path for o in resolved.overrides}
     varied = check_vary(list(vary), fixed)
     root = runs_root(runs_root_dir) / f"{time.strftime('%Y%m%d-%H%M%S')}-tune-{name}"

@@ -24,18 +24,22 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from shardconsole.backends.checkpoint import save_stream
+from shardconsole.backends.checkpoint import checksums, save_stream
 from shardconsole.backends.rank.common import Rank
 from shardconsole.backends.rank.errors import CheckpointError  # noqa: F401  (raised here; re-exported)
 # The completeness test lives beside the run folder's layout (no torch): export and the console use it too.
 from shardconsole.runlog.checkpoint_files import MANIFEST, why_incomplete  # noqa: F401  (re-exported)
+from shardconsole.runlog.checkpoint_files import (checksums as checksums_of, loadable_runs, read_owner, shared_folder,
+                                                  make_private, safe_reason, why_corrupt,
+                                                  write_owner)
 from shardconsole.settings.values import format_size
 
 RANK_STATE_DIR = "rank_state"
 PREFIX, PARTIAL = "step_", ".partial"
 
 
-# CheckpointError (a checkpoint that cannot be used; the message names its folder) lives in rank/errors.py.
+# CheckpointError (a checkpoint that cannot be used; the message names its folder, and never passes on torch's
+# advice to load with weights_only=False) lives in rank/errors.py.
 
 
 class SaveKind(enum.Enum):
@@ -73,9 +77,12 @@ def _step_folders(folder: Path) -> list[tuple[int, Path]]:
 
 
 def newest_complete(r: Rank) -> Found | None:
-    """The newest complete checkpoint; each newer folder that is not complete is skipped with a warning."""
+    """The newest complete checkpoint of this run whose files have their checksums; each newer folder
+    that is not is skipped with a warning naming it (and the file at fault). Every rank calls it."""
     backend = r.cfg.parallel.backend
-    for step, path in _step_folders(r.checkpoint_dir()):
+    folder = r.checkpoint_dir()
+    ours = _loadable_runs(r, folder)
+    for step, path in _step_folders(folder):
         why = why_incomplete(path, backend)
         if why is None:
             try:
@@ -84,13 +91,43 @@ def newest_complete(r: Rank) -> Found | None:
                 meta = {}
             if meta.get("what") == "model":
                 why = "it holds the weights alone (train.save_final = \"model\"; export-model reads it)"
-                r.event("warning", f"skipping checkpoint {path}: {why}; trying the previous one")
-                continue
+            elif ours is not None and meta.get("run_dir") and meta["run_dir"] not in ours:
+                why = f"another run wrote it ({meta['run_dir']}), not this one"
+            else:
+                why = _verify(r, path)
+        if why is None:
             from shardconsole.backends.data import batches as data_mod
             data_mod.check_resume(r, meta.get("data"), path)     # the data it was trained on, or a refusal
             return Found(step, path, meta)
         r.event("warning", f"skipping checkpoint {path}: {why}; trying the previous one")
     return None
+
+
+def _loadable_runs(r: Rank, folder: Path) -> set[str] | None:
+    """The runs whose checkpoints this run may load from a shared train.checkpoint_dir (None: the run
+    folder's own checkpoints/, all of them). A folder another run holds is refused (the front end refuses
+    it before launch; this is the race of two launches)."""
+    if not shared_folder(folder, r.run_dir):
+        return None
+    here = str(r.run_dir.resolve())
+    owner = read_owner(folder)
+    if owner is not None and owner["run_dir"] != here:
+        raise CheckpointError(f"{folder}: train.checkpoint_dir belongs to run {owner['run_dir']}, not this one "
+                              f"({here}): one checkpoint folder per run")
+    return loadable_runs(folder) | {here}
+
+
+def _verify(r: Rank, path: Path) -> str | None:
+    """The files' checksums, each rank reading a share of them; the first failure any rank found, the
+    same answer on every rank. A checkpoint saved before checksums loads unverified, said once."""
+    sums = checksums_of(path)
+    if sums is None:
+        r.event("warning", f"{path} has no checksums (saved before shardconsole wrote them): loaded unverified")
+        return None
+    mine = sorted(sums)[r.rank::r.world]
+    found: list[str | None] = [None] * r.world
+    dist.all_gather_object(found, why_corrupt(path, mine))
+    return next((w for w in found if w), None)
 
 
 def _what(path: Path) -> str:
@@ -119,11 +156,30 @@ def remove_partials(r: Rank) -> None:
 def prepare_checkpoint(r: Rank, step: int) -> Path:
     tmp = partial_path(r, step)
     if r.rank == 0:
+        _claim(r)
         remove_partials(r)
-        tmp.mkdir(parents=True)
+        # 0700 from its creation (umask can only narrow it): no other local user reads a shard while it
+        # is written; train.checkpoint_private = false leaves the umask's mode.
+        tmp.mkdir(parents=True, mode=0o700 if r.cfg.train.checkpoint_private else 0o777)
     dist.barrier()
     r.faults.on_save(step)
     return tmp
+
+
+def _claim(r: Rank) -> None:
+    """Rank 0 before a save into a shared train.checkpoint_dir: the folder names this run (the front end
+    wrote it before launch; a run started from --print-command's line writes it here), or the save is
+    refused: another run's pruning and removal of partial saves would reach this run's."""
+    folder = r.checkpoint_dir()
+    if not shared_folder(folder, r.run_dir):
+        return
+    here = str(r.run_dir.resolve())
+    owner = read_owner(folder)
+    if owner is None:
+        write_owner(folder, r.run_dir)
+    elif owner["run_dir"] != here:
+        raise CheckpointError(f"{folder}: train.checkpoint_dir belongs to run {owner['run_dir']}, not this one "
+                              f"({here}): not saving into another run's checkpoint folder")
 
 
 def write_rank_state(tmp: Path, rank: int, state: dict) -> None:
@@ -146,14 +202,22 @@ def finish_checkpoint(r: Rank, step: int, meta: dict) -> Path:
     """After every rank wrote its part: the manifest, the rename (rank 0), the pruning, then everyone
     goes on."""
     dist.barrier()
-    final = checkpoint_path(r, step)
+    final, tmp = checkpoint_path(r, step), partial_path(r, step)
+    # Rank 0's listing (the folder is on a file system every rank writes to, as the manifest needs),
+    # the same names on every rank for the checksums' split.
+    listed = [sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file()) if r.rank == 0 else None]
+    dist.broadcast_object_list(listed, src=0)
+    names: list[str] = listed[0] or []
+    sums = checksums.collect(tmp, names, r.rank, r.world)
     if r.rank == 0:
-        tmp = partial_path(r, step)
-        files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+        files = {name: (tmp / name).stat().st_size for name in names}
         from shardconsole.backends.data import batches as data_mod
         manifest = {**meta, "step": step, "world": r.world, "backend": r.cfg.parallel.backend,
-                    "data": data_mod.identity(r), "files": files}
+                    "data": data_mod.identity(r), "files": files, "checksums": sums,
+                    "run_dir": str(r.run_dir.resolve())}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if r.cfg.train.checkpoint_private:
+            make_private(tmp)
         _fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)

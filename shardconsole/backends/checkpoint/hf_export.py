@@ -24,6 +24,7 @@ import torch
 
 from shardconsole.backends.checkpoint import save_stream
 from shardconsole.backends.rank.common import Rank
+from shardconsole.runlog.checkpoint_files import make_private
 from shardconsole.settings.values import format_size
 
 # What a model folder's tokenizer may consist of (fast and slow tokenizers, chat templates); export-model
@@ -149,16 +150,19 @@ def export(r: Rank, src: FullTensors, step: int) -> Path:
 def written_to(r: Rank, out: Path, step: int, total: int, write: Callable[[Path], None]) -> None:
     """Every rank: `write(tmp)` fills a hidden folder beside `out` (rank 0 made it), renamed to `out` when
     complete; a failure leaves no folder, and a full disk is named as one."""
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    tmp = out.parent / f".{out.name[:200]}.partial-{os.getpid()}"     # room for the suffix in 255 characters
+    private = r.cfg.train.checkpoint_private
     r.phase("saving checkpoint")
     watch = None
     try:
         if r.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            tmp.mkdir(parents=True, mode=0o700 if private else 0o777)
             watch = save_stream.SaveWatch(r, step, "export", tmp, total)
         write(tmp)
         if r.rank == 0:
+            if private:
+                make_private(tmp)      # the trained model, readable by its owner alone (train.checkpoint_private)
             if out.exists():
                 out.rmdir()            # refused before launch unless empty
             os.replace(tmp, out)

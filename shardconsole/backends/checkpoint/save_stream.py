@@ -10,6 +10,7 @@ So the rank's whole state is copied into host memory before the file is closed: 
 offload run at its final save. `StreamingWriter` writes the same file (torch.save records at offsets,
 the same .metadata), copying at most one tensor at a time and dropping it once written: the host peak
 of a save is the training peak plus the largest single tensor. Resume and export read it as before.
+Every byte of the file passes through its checksum on the way (checksums.HashingFile), for the manifest.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _write_item
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from shardconsole.backends.checkpoint.checksums import HashingFile
 from shardconsole.runlog import protocol as P
 from shardconsole.backends.rank.errors import DiskFullError, SaveOOMError  # noqa: F401  (raised here; re-exported)
 
@@ -46,7 +48,9 @@ class StreamingWriter(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
         results: list[WriteResult] = []
-        with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
+        path = self.fs.concat_path(self.path, name)
+        with self.fs.create_stream(path, "wb") as raw:
+            stream = HashingFile(raw, Path(path))
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
                     data = planner.resolve_data(item)
@@ -57,6 +61,7 @@ class StreamingWriter(FileSystemWriter):
                 del data                  # the copy, if one was made, goes before the next is made
             stream.flush()
             os.fsync(stream.fileno())
+            stream.done()
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut

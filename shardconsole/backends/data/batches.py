@@ -42,13 +42,16 @@ class Batch:
     inputs: torch.Tensor                 # [B, S] token ids
     labels: torch.Tensor                 # [B, S] next-token ids, IGNORE where not under loss
     positions: torch.Tensor | None       # [B, S] position ids restarting per document, or None (0..S-1)
+    # Preference pairs (data/preference.py): the rows are B/2 chosen then B/2 rejected, and `pairs` [B/2]
+    # holds each pair's index in its split (-1: an empty pair padding an eval batch); None for SFT.
+    pairs: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "Batch":
         def move(t):
             if t is None:
                 return None
             return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
-        return Batch(move(self.inputs), move(self.labels), move(self.positions))
+        return Batch(move(self.inputs), move(self.labels), move(self.positions), move(self.pairs))
 
 
 def _positions(flags: np.ndarray) -> np.ndarray:

@@ -16,7 +16,7 @@ import torch
 
 from shardconsole.backends.checkpoint.checkpoints import SaveKind  # noqa: F401  (part of the contract)
 from shardconsole.backends.engine.trainstate import Data
-from shardconsole.backends.objective.base import Objective
+from shardconsole.backends.objective.base import Forward, Objective
 from shardconsole.backends.observe.metrics import StepMeter
 
 
@@ -34,6 +34,11 @@ class Engine(Protocol):
     @property
     def module(self) -> torch.nn.Module:
         """The trained module (for the FLOPs a token): FSDP2's root, DeepSpeed's engine.module."""
+        ...
+
+    @property
+    def forward(self) -> Forward:
+        """What a forward calls, inside the engine's hooks: FSDP2's root module, DeepSpeed's engine."""
         ...
 
     def start(self) -> None:

@@ -21,7 +21,7 @@ from shardconsole.backends.checkpoint.hf_export import FullTensors
 from shardconsole.backends.engine import deepspeed as ds, ds_checkpoint, trainstate
 from shardconsole.backends.engine.contract import LineFigures
 from shardconsole.backends.model import adapters, modeling
-from shardconsole.backends.objective.base import Objective
+from shardconsole.backends.objective.base import Forward, Objective
 from shardconsole.backends.observe import metrics, step_timing
 from shardconsole.backends.observe.metrics import StepMeter
 from shardconsole.backends.rank.common import Rank
@@ -64,12 +64,17 @@ class DeepSpeedEngine:
             self.engine.compile()
             r.event("info", "train.compile with deepspeed.stage3_layer_gather = false: engine.compile() "
                             "(DeepSpeed's torch.compile integration, slower than compiling each layer)")
-        self.evaluator = trainstate.Evaluator(r)
+        self.evaluator = trainstate.Evaluator(r, self.objective)
 
     @property
     def module(self) -> torch.nn.Module:
         module: torch.nn.Module = self.engine.module
         return module
+
+    @property
+    def forward(self) -> Forward:
+        forward: Forward = self.engine
+        return forward
 
     def load(self) -> int:
         return ds_checkpoint.resume(self.r, self.engine, self.data)

@@ -15,7 +15,7 @@ from shardconsole.backends.checkpoint.checkpoints import SaveKind
 from shardconsole.backends.engine import fsdp, fsdp_step, trainstate
 from shardconsole.backends.engine.contract import LineFigures
 from shardconsole.backends.model import adapters
-from shardconsole.backends.objective.base import Objective
+from shardconsole.backends.objective.base import Forward, Objective
 from shardconsole.backends.observe import metrics, step_timing
 from shardconsole.backends.observe.metrics import StepMeter
 from shardconsole.backends.offload import overlap as offload_overlap
@@ -43,10 +43,14 @@ class FsdpEngine:
         if self.built.arena is not None:
             self.built.arena.place_states(self.optim)    # Adam's states in the host arena before the first step
         self.scaling = fsdp_step.LossScaling(r)
-        self.evaluator = trainstate.Evaluator(r)
+        self.evaluator = trainstate.Evaluator(r, self.objective)
 
     @property
     def module(self) -> torch.nn.Module:
+        return self.model
+
+    @property
+    def forward(self) -> Forward:
         return self.model
 
     def ready(self) -> None:

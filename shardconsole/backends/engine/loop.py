@@ -22,7 +22,7 @@ from shardconsole.backends.checkpoint import checkpoints
 from shardconsole.backends.engine import trainstate
 from shardconsole.backends.checkpoint.checkpoints import SaveKind
 from shardconsole.backends.engine.contract import Engine
-from shardconsole.backends.observe import failures, metrics
+from shardconsole.backends.observe import failures, metrics, stream_health
 from shardconsole.backends.rank import common
 from shardconsole.backends.rank.common import Rank
 
@@ -41,9 +41,10 @@ def run(r: Rank, engine: Engine) -> None:
         stop = trainstate.StopRequest(r)
         data = trainstate.Data(r)       # before the load: a resume moves it to the checkpoint's position
         engine.build(data)
+        # Before the load: full DPO's reference log-probs are the starting weights' (cached after a first pass).
+        engine.objective.prepare(engine.forward)
         start_step = engine.load() if t.resume else 0
         engine.ready()
-        engine.objective.prepare(engine.module)
         meter = metrics.StepMeter(r, engine.module)
         tail = Tail(r, stop, engine)
         r.phase("training")
@@ -54,7 +55,8 @@ def run(r: Rank, engine: Engine) -> None:
             engine.step(step, lr, meter)
             if meter.due(step):
                 figures = engine.figures()
-                mean = meter.report(step, lr, figures.grad_norm, figures.loss_scale, figures.skipped)
+                mean = meter.report(step, lr, figures.grad_norm, figures.loss_scale, figures.skipped,
+                                    figures=engine.objective.figures())
                 metrics.check_loss(r, mean, step)
                 engine.after_line(step, figures)
             tail.after_step(step)
@@ -73,8 +75,10 @@ class Tail:
         if every and self.r.is_cuda and step % every == 0:
             torch.cuda.empty_cache()
         self.engine.evaluate(step)
+        stream_health.check(self.r, self.stop)       # a stream that cannot be written asks the run to stop
         if self.stop.agreed():
-            trainstate.stop_with_save(self.r, self.stop, lambda kind: self.engine.save(step, kind))
+            with stream_health.verdict(self.r):     # ... and that rank ends with the verdict, after the save
+                trainstate.stop_with_save(self.r, self.stop, lambda kind: self.engine.save(step, kind))
         if checkpoints.save_due(self.r, step):
             self.engine.save(step, SaveKind.CHECKPOINT)
         self.stop.start_round()

@@ -4,12 +4,13 @@ when chosen: an FSDP2 run never imports DeepSpeed."""
 from __future__ import annotations
 
 from shardconsole.backends.engine.contract import Engine
-from shardconsole.backends.objective.base import NextToken, Objective
+from shardconsole.backends.objective import preference
+from shardconsole.backends.objective.base import Objective
 from shardconsole.backends.rank.common import Rank
 
 
 def objective(r: Rank) -> Objective:
-    return NextToken()
+    return preference.make(r)
 
 
 def engine(r: Rank) -> Engine:

@@ -26,6 +26,9 @@ import torch.distributed as dist
 
 from shardconsole.backends.data import batches as data_mod
 from shardconsole.backends.rank.errors import Stopped  # noqa: F401  (raised here; re-exported)
+from shardconsole.backends.data import preference as pair_data
+from shardconsole.backends.objective.base import Objective
+from shardconsole.backends.objective.preference import Preference
 from shardconsole.runlog.runfolder import read_stop_request
 from shardconsole.backends.checkpoint.checkpoints import SaveKind
 from shardconsole.backends.rank.common import Rank
@@ -74,7 +77,8 @@ class Data:
         t = r.cfg.train
         self.micro_batch = t.micro_batch
         self.samples_per_step = t.micro_batch * t.grad_accum * r.world
-        self.source = data_mod.make_source(r)
+        # A preference objective's sample is a pair (two rows), served by data/preference.py
+        self.source = (pair_data if _pairs(r) else data_mod).make_source(r)
         self.samples = 0
 
     def seek(self, samples: int) -> None:
@@ -92,10 +96,10 @@ class Data:
 class Evaluator:
     """Held-out loss every train.eval_every steps and after the last step, when there is eval data."""
 
-    def __init__(self, r) -> None:
-        self.r = r
+    def __init__(self, r, objective: Objective) -> None:
+        self.r, self.objective = r, objective
         self.every = int(getattr(r.cfg.train, "eval_every", 0) or 0)
-        self.source = data_mod.make_eval_source(r)
+        self.source = (pair_data if _pairs(r) else data_mod).make_eval_source(r)
 
     def due(self, step: int) -> bool:
         if self.source is None:
@@ -108,11 +112,31 @@ class Evaluator:
         r = self.r
         r.phase("evaluating")      # a long eval is not a hang: the hang watch counts only "training"
         t0 = time.perf_counter()
+        if isinstance(self.objective, Preference):
+            self._run_pairs(self.objective, model, step, t0)
+            return
         loss, tokens = evaluation.evaluate(model, self.source, r.cfg.train.micro_batch, r.device)
         if r.rank == 0:
             r.emit(P.Eval(run=r.run_id, rank=0, step=step, loss=None if loss is None else float(loss), tokens=int(tokens),
                           seconds=time.perf_counter() - t0))
         r.phase("training")
+
+
+    def _run_pairs(self, objective: Preference, model, step: int, t0: float) -> None:
+        """The preference loss and figures over the held-out pairs."""
+        from shardconsole.runlog import protocol as P
+        r = self.r
+        f = objective.evaluate(model, self.source, r.cfg.train.micro_batch, r.device)
+        if r.rank == 0 and f:
+            r.emit(P.Eval(run=r.run_id, rank=0, step=step, loss=f["loss"], pairs=f["pairs"],
+                          reward_chosen=f["reward_chosen"], reward_rejected=f["reward_rejected"],
+                          reward_margin=f["reward_margin"], pref_accuracy=f["pref_accuracy"],
+                          seconds=time.perf_counter() - t0))
+        r.phase("training")
+
+
+def _pairs(r) -> bool:
+    return getattr(r.cfg.train, "objective", "sft") != "sft"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -14,7 +14,9 @@ drawing its own shard; the fully trained copies start as the originals.
 
 from __future__ import annotations
 
+import contextlib
 import re
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -136,3 +138,20 @@ def count_line(model: nn.Module) -> str:
         else:
             total += n
     return f"{human_count(trained)} of {human_count(total)} trainable, {100 * trained / max(total, 1):.2f}%"
+
+
+@contextlib.contextmanager
+def disabled(model: nn.Module) -> Iterator[None]:
+    """The base model without its adapters, for the forwards inside: the reference of LoRA DPO
+    (backends/objective/preference.py). Sets peft's own switch (`_disable_adapters`, which each LoRA layer
+    and saved-module wrapper reads in forward) on every such module under `model`: FSDP2's root module and
+    DeepSpeed's engine both hold the peft modules as submodules, so this works under either engine and
+    changes no parameter, no requires_grad (peft's enable_adapters(False) would freeze the adapters)."""
+    switched = [m for m in model.modules() if getattr(m, "_disable_adapters", None) is False]
+    for m in switched:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m in switched:
+            m._disable_adapters = False

@@ -122,11 +122,37 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     return total / count.clamp(min=1)
 
 
+def chunked_row_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                      chunk_tokens: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of labels [B, S]: (sum of the log-probabilities of its labels that are not -100 [B] fp32,
+    their count [B]), what a preference loss reads (backends/objective/preference.py: DPO sums a
+    completion's log-probs, ORPO averages them per token). The same chunking as chunked_cross_entropy:
+    one chunk's fp32 logits at a time, recomputed in backward."""
+    B, S = labels.shape
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    rows = torch.arange(B, device=y.device).repeat_interleave(S)
+    counts = (labels != -100).sum(dim=1)
+
+    def part(hc: torch.Tensor, w: torch.Tensor, yc: torch.Tensor, rc: torch.Tensor) -> torch.Tensor:
+        nll = F.cross_entropy((hc @ w.t()).float(), yc, ignore_index=-100, reduction="none")
+        return nll.new_zeros(B).index_add(0, rc, nll)
+
+    if y.numel() <= chunk_tokens:
+        return -part(h, weight, y, rows), counts
+    total = hidden.new_zeros(B, dtype=torch.float32)
+    for i in range(0, y.numel(), chunk_tokens):
+        total = total + torch.utils.checkpoint.checkpoint(
+            part, h[i:i + chunk_tokens], weight, y[i:i + chunk_tokens], rows[i:i + chunk_tokens], use_reentrant=False)
+    return -total, counts
+
+
 class CausalLMLoss(nn.Module):
     """The trained module: a causal LM whose forward returns the next-token loss.
 
     model(inputs, labels[, positions]) is the mean over labels != -100; with reduction="sum" it is
-    (loss sum, token count), which evaluation and token-weighted accumulation add up across batches.
+    (loss sum, token count), which evaluation and token-weighted accumulation add up across batches;
+    with reduction="row" (per-row log-prob sum [B], label count [B]) for the preference losses.
     positions (None: 0..S-1) restart per packed document; transformers then masks attention
     block-diagonally (data.cross_document_attention = false).
 
@@ -141,6 +167,8 @@ class CausalLMLoss(nn.Module):
                 reduction: str = "mean"):
         # No KV cache: with one, transformers ignores the restarted positions and masks causally only.
         hidden = self.lm.model(input_ids=input_ids, position_ids=positions, use_cache=False).last_hidden_state
+        if reduction == "row":
+            return chunked_row_logps(hidden, self.lm.lm_head.weight, labels)
         return chunked_cross_entropy(hidden, self.lm.lm_head.weight, labels, reduction=reduction)
 
 

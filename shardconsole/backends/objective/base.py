@@ -7,13 +7,19 @@ model(inputs, labels, positions, **kwargs), it runs modeling.CausalLMLoss.forwar
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from shardconsole.backends.data.batches import Batch
 
-Forward = Callable[..., Any]
+class Forward(Protocol):
+    """FSDP2's root module or DeepSpeed's engine: called for a forward, switched between train and eval."""
+    training: bool
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def train(self, mode: bool = True) -> Any: ...
 
 
 class Objective(Protocol):

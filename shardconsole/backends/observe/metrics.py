@@ -55,8 +55,9 @@ class StepMeter:
         return step % self.r.cfg.train.log_every == 0 or step == self.r.cfg.train.steps
 
     def report(self, step: int, lr: float, grad_norm: torch.Tensor | float | None,
-               loss_scale: float | None = None, skipped: int = 0) -> float:
-        """Emit the step line (rank 0) and a memory line (every rank). Returns the mean loss."""
+               loss_scale: float | None = None, skipped: int = 0, figures: dict[str, float] | None = None) -> float:
+        """Emit the step line (rank 0) and a memory line (every rank). Returns the mean loss. `figures`: the
+        objective's (Objective.figures(), called on every rank: a collective), Step fields by name."""
         r = self.r
         if r.is_cuda:
             torch.cuda.synchronize(r.device)   # host-device sync: only on log steps
@@ -73,7 +74,8 @@ class StepMeter:
             r.emit(P.Step(run=r.run_id, rank=0, step=step, steps=r.cfg.train.steps, loss=mean_loss, lr=lr,
                           grad_norm=gn, tokens_per_s=tps,
                           samples_per_s=self.samples_per_step / dt if dt > 0 else 0.0, step_s=dt, mfu=mfu,
-                          loss_scale=loss_scale, skipped_steps=skipped, tokens=step * self.tokens_per_step))
+                          loss_scale=loss_scale, skipped_steps=skipped, tokens=step * self.tokens_per_step,
+                          meter=P.METER_VERSION, **(figures or {})))
         self.loss_sum.zero_()
         self.n = self.steps = 0
         self.t_last = time.perf_counter()

@@ -4,6 +4,8 @@ names, whichever room raises them (a stop in engine/, a checkpoint in checkpoint
 
 from __future__ import annotations
 
+from shardconsole.runlog.checkpoint_files import safe_reason
+
 
 class RankFailure(Exception):
     """Base of the failures below: `cause` names the class (runlog/protocol.py's CAUSES), `hint` the fix."""
@@ -18,9 +20,13 @@ class Stopped(RankFailure):
 
 
 class CheckpointError(RankFailure, RuntimeError):
-    """A checkpoint that cannot be used; the message names its folder."""
+    """A checkpoint that cannot be used; the message names its folder. torch's refusal of a pickle advises
+    loading it with weights_only=False, which runs whatever the file says: never passed on (safe_reason)."""
     cause = "config_error"
     hint = "move that folder away to resume from the one before it, or set train.resume = false"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(safe_reason(message))
 
 
 class DiskFullError(RankFailure, OSError):
@@ -53,3 +59,11 @@ class LossScaleFloorError(RankFailure, RuntimeError):
 class DataError(RankFailure, ValueError):
     """Data the rank cannot read or use; the message names the file and the setting."""
     cause = "config_error"
+
+
+class StreamFailed(RankFailure):
+    """The rank could not write the run's stream: cause "disk_full" or "run_folder_gone" (observe/stream_health)."""
+
+    def __init__(self, cause: str, message: str, hint: str) -> None:
+        super().__init__(message)
+        self.cause, self.hint = cause, hint

@@ -30,10 +30,10 @@ from shardconsole.session.run import RunSession
 from shardconsole.session.stop import HANG_GRACE_S, Hurry, describe_stop
 
 from shardconsole.console.messages import MachineSampled, RunEnded, RunHung, RunResumed, RunUpdate, StopFinished
-from shardconsole.console.runview import RunView, log_line
+from shardconsole.console.runview import RunView, library_noise, log_line
 from shardconsole.console.screens.dialogs import ConfirmScreen, ReportScreen
-from shardconsole.console.screens.run_status import short_stop, status_text, stop_details
-from shardconsole.console.services import Probes, RunOptions, method_line, planned_peaks
+from shardconsole.console.screens.run_status import short_stop, status_text, stop_details, stop_question
+from shardconsole.console.services import Probes, RunOptions, method_line, planned_peaks, predicted_speed
 from shardconsole.console.widgets.following_log import FollowingLog
 from shardconsole.console.widgets.run_panels import GpuPanel, HostPanel, LossPanel, ThroughputPanel, duration
 
@@ -75,6 +75,7 @@ class RunScreen(Screen[None]):
         self._hurry = Hurry()
         self._exit_after_stop = False
         self._sigterm_before = None
+        self._noise = 0              # library notices left out of the Logs panel (runview.library_noise)
 
     # --- layout ------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -215,8 +216,13 @@ class RunScreen(Screen[None]):
                 said.append(f"{'r0':>6}│ torch.compile (train.compile): the first steps compile the model "
                             f"and take longer; the steps after them show the real speed")
         self.view.bad_lines = event.bad_lines
-        if said or event.log_lines:
-            self.query_one("#logs", FollowingLog).add(said + event.log_lines)
+        log_lines = [line for line in event.log_lines if not library_noise(line)]
+        logs = self.query_one("#logs", FollowingLog)
+        if len(log_lines) < len(event.log_lines):
+            self._noise += len(event.log_lines) - len(log_lines)
+            logs.border_subtitle = f"{self._noise} library notice(s) left out: in the rank logs"
+        if said or log_lines:
+            logs.add(said + log_lines)
         for note in event.notes:
             self.notify(note, title="The run's stream", severity="warning", timeout=15)
         self._draw()
@@ -238,8 +244,10 @@ class RunScreen(Screen[None]):
         self.outcome = event.cause
         if event.cause == "ok":
             steps = self.view.state.finished.steps if self.view.state.finished else 0
+            last = self.view.state.last_step
+            speed = predicted_speed(self.session.settings, self.probes, last.tokens_per_s if last else 0.0)
             self.note = Text(f"■ finished: {steps} steps in {duration(self.view.elapsed_s)}; "
-                             f"run folder {self.session.run_dir}", "green")
+                             + (f"{speed}; " if speed else "") + f"run folder {self.session.run_dir}", "green")
             self.status = "finished"
         elif event.cause == "stopped":      # stopped from elsewhere: another front end, `shardconsole stop`
             self.note = Text(f"■ {event.message.splitlines()[0]}", "yellow")
@@ -311,11 +319,9 @@ class RunScreen(Screen[None]):
             if yes and self.status == "running":
                 self._begin_stop("the console's s")
 
-        self.app.push_screen(ConfirmScreen(
-            "Stop the run?",
-            f"Every process of run {self.run_id} gets SIGTERM, then SIGKILL after {self.stop_grace_s:.0f} s "
-            "(ranks saving a checkpoint on stop get longer; s again skips that). Steps since the last "
-            "checkpoint are lost.", yes="Stop", no="Keep running"), answer)
+        self.app.push_screen(ConfirmScreen("Stop the run?", stop_question(self.run_id, self.session.settings,
+                                                                          self.stop_grace_s),
+                                           yes="Stop", no="Keep running"), answer)
 
     def _begin_stop(self, who: str, grace_s: float | None = None) -> None:
         self._gpu_before_stop = dict(self.view.state.gpus)
@@ -327,7 +333,9 @@ class RunScreen(Screen[None]):
             self.resume_run()
 
     def action_leave(self) -> None:
-        """Quit the console; the run goes on in its own session and can be attached to again."""
+        """Quit the console; the run goes on in its own session and can be attached to again (said in
+        its stream, as every front end that leaves a live run says it)."""
+        self.session.detach("the console quit, leaving the run going")
         self.app.exit(result=self.session.run_dir, return_code=0)
 
     def action_new_run(self) -> None:

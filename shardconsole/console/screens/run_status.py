@@ -11,6 +11,7 @@ import time
 from rich.text import Text
 
 from shardconsole.launch.job import StopReport
+from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
 from shardconsole.runlog.runstate import save_line
 
@@ -19,6 +20,20 @@ from shardconsole.console.widgets.run_panels import duration, gib
 
 _PHASE_OF = {"stopping": "stopping", "stopped": "stopped", "finished": "finished", "failed": "failed"}
 _COLOR_OF = {"stopped": "yellow", "finished": "green", "failed": "red", "stopping": "yellow"}
+
+
+def stop_question(run_id: str, settings: C.RunConfig | None, grace_s: float) -> str:
+    """What the stop dialog says will happen, by the run's own train.save_on_stop (the default saves the
+    steps since the last checkpoint first: saying they are lost would send a user to wait instead)."""
+    text = f"Every process of run {run_id} gets SIGTERM, then SIGKILL after {grace_s:.0f} s. "
+    if settings is None:
+        return text + "The run's settings could not be read: whether it saves first is not known here."
+    t = settings.train
+    if t.save_on_stop:
+        return text + (f"First the ranks save a checkpoint at the next step boundary (train.save_on_stop; up to "
+                       f"{t.stop_save_timeout_s:.0f} s, s again skips it), so no finished step is lost and "
+                       f"`shardconsole resume` goes on from there.")
+    return text + ("Steps since the last checkpoint are lost (train.save_on_stop is off).")
 
 
 def status_text(view: RunView, status: str, live: bool, note: Text, wide: bool) -> Text:
@@ -35,10 +50,11 @@ def status_text(view: RunView, status: str, live: bool, note: Text, wide: bool) 
         # counts them as progress); in the step bar's place, which reads 100% by then
         text.append(f"  {save_line(state.saving)}", "bold")
     elif s is not None and s.steps:
-        frac = min(1.0, s.step / s.steps)
+        step = max(s.step, view.step_now or 0)     # a save on stop at step 93 after the step line of 90
+        frac = min(1.0, step / s.steps)
         width = 20 if wide else 8
         filled = int(frac * width)
-        text.append(f"  step {s.step}/{s.steps} ")
+        text.append(f"  step {step}/{s.steps} ")
         text.append("━" * filled, color)
         text.append("━" * (width - filled), "bright_black")
         text.append(f" {100 * frac:.0f}%")

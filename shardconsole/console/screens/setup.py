@@ -58,9 +58,11 @@ class SetupScreen(SetupActions, Screen[None]):
         Binding("ctrl+s", "save_preset", "Save preset"),
         Binding("ctrl+o", "attach", "Attach"),
         Binding("ctrl+t", "tune", "Tune"),
-        # ctrl+d previews from any tab; the footer names it on the data tab (setup_actions.check_action)
-        Binding("ctrl+d", "preview('shown')", "Preview"),
-        Binding("ctrl+d", "preview", "Data preview", show=False),
+        # ctrl+d previews from any tab; the footer names it on the data tab (setup_actions.check_action).
+        # priority: a text field (data.path, seq_len) binds ctrl+d to delete-right and would swallow it
+        # (the Delete key still deletes there).
+        Binding("ctrl+d", "preview('shown')", "Preview", priority=True),
+        Binding("ctrl+d", "preview", "Data preview", show=False, priority=True),
         Binding("ctrl+n", "next_tab", "Next tab"),
     ]
 
@@ -324,7 +326,7 @@ class SetupScreen(SetupActions, Screen[None]):
             setting.hint = F.hint(spec, value)
         tabs = self.query_one(TabbedContent)
         diff = cfg.diff(self.base)
-        visible = F.visible_tables(cfg.parallel.backend, cfg.train.method)
+        visible = F.visible_tables(cfg.parallel.backend, cfg.train.method, cfg.train.objective)
         for table in C.TABLES:
             pane = f"tab-{table}"
             tab = tabs.get_tab(pane)
@@ -364,7 +366,8 @@ class SetupScreen(SetupActions, Screen[None]):
     async def action_next_tab(self) -> None:
         """The next table, with the focus in its first field (the pick tab: in the model list)."""
         tabs = self.query_one(TabbedContent)
-        panes = ["tab-pick"] + [f"tab-{t}" for t in F.visible_tables(self.cfg.parallel.backend, self.cfg.train.method)]
+        panes = ["tab-pick"] + [f"tab-{t}" for t in F.visible_tables(self.cfg.parallel.backend, self.cfg.train.method,
+                                                              self.cfg.train.objective)]
         current = tabs.active if tabs.active in panes else panes[0]
         pane = panes[(panes.index(current) + 1) % len(panes)]
         tabs.active = pane

@@ -58,6 +58,10 @@ class SetupActions:
                                                          hardware=self.machine.plan_hardware, planner=self.plan)
             if fitted:
                 self.notify(fitted, severity="warning", timeout=10)
+            unneeded = preflight.offload_not_needed(resolved, self.machine.gpu_count,
+                                                    hardware=self.machine.plan_hardware, planner=self.plan)
+            if unneeded:
+                self.notify(unneeded, title="Offload", timeout=12)
         # The free disk for the checkpoints and the export, as --headless checks it (refused there
         # unless --force): here a question.
         planned = self.planned or self.launcher.plan(resolved.cfg, self.preset_name)

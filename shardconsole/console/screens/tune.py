@@ -96,7 +96,8 @@ class TuneScreen(Screen[None]):
         self.running = True
         self.query_one("#start", Button).disabled = True
         self.query_one("#stop", Button).disabled = False
-        self._say(f"planning on {machine_text(self.tune)} ...")
+        stale = self.tune.book.stale_note()      # speeds of the old step meter: ignored, said once
+        self._say(f"planning on {machine_text(self.tune)} ..." + (f"\nnote: {stale}" if stale else ""))
         self.run_worker(self._work, thread=True, exclusive=True, name="tune")
 
     def _work(self) -> None:

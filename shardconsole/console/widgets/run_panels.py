@@ -12,7 +12,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Static
 
 from shardconsole.machine import offload_verdict
-from shardconsole.runlog.runstate import fmt_rate
+from shardconsole.runlog.runstate import fmt_rate, preference_text
 from shardconsole.console.runview import GIB, SYNTHETIC, RunView, count
 from shardconsole.console.widgets.line_plot import LinePlot, PlotSeries
 
@@ -289,11 +289,13 @@ class LossPanel(Panel):
             items = [Text(f"loss {loss}", "bold")]
             if view.min_loss is not None and (s.loss is None or view.min_loss < s.loss):
                 items[0].append(f" (min {view.min_loss:.4f})", "not bold")
+            if preference_text(s):          # a DPO / ORPO run: the loss is the preference loss
+                items.append(Text(preference_text(s)))
             evals = view.state.evals
             if evals:
                 e = evals[-1]
-                items.append(Text(f"eval {'n/a' if e.loss is None else f'{e.loss:.4f}'} at step {e.step}",
-                                  EVAL_COLOR))
+                items.append(Text(f"eval {'n/a' if e.loss is None else f'{e.loss:.4f}'} at step {e.step}"
+                                  + (f", {preference_text(e)}" if preference_text(e) else ""), EVAL_COLOR))
             scale = "n/a (not fp16)" if s.loss_scale is None else f"{s.loss_scale:g}"
             items += [Text(f"loss scale {scale}"), Text(f"{s.skipped_steps} skipped",
                                                         "yellow" if s.skipped_steps else "")]

@@ -1,0 +1,278 @@
+"""How fast a run will be, before it is launched: a step's time from its parts, each from a rate that was
+measured or published, and the step as its critical path (issue 45). Pure: no torch, no probes.
+
+  GPU        the step's FLOPs (ModelSpec.flops_per_token's model FLOPs, plus what the hardware computes
+             again: the recomputed forward under full activation checkpointing and the chunked loss's
+             logits in backward) at the card's matmul rate (plan/speed/cards.py) times an efficiency calibrated
+             per engine and compile on the H200 (GPU_EFFICIENCY), plus a launch cost per decoder layer and
+             micro-batch (what makes small models slow), plus the optimizer step where it runs on the GPU
+             (bytes over the card's memory bandwidth);
+  PCIe       offload: the bytes each micro-batch moves (parameters to the GPU, gradients back) at the
+             link's one-direction rate times the share the copies reached on the H200 (PCIE_SHARE_*);
+  host step  offload: the bytes AdamW touches a parameter at the host's memory bandwidth (HostRates);
+  ranks      several: the gathers and reductions over NVLink or PCIe, hidden under the compute when shorter.
+
+The overlap rules are the offload view's (machine/offload_verdict.py, backends/offload/overlap.py): the
+copies run beside the compute but the compute waits on a part of them (EXPOSED_*); the host step runs
+after the backward, or under it with fsdp.offload_overlap (no clip, not fp16), where it slows the copies
+(OVERLAP_DRAG). Each constant names the runs it was calibrated on (benchmarks/speed_calibrate.py prints
+predicted against measured for every recorded H200 run).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardconsole.plan.speed.cards import CARDS, GB, Card, card_of
+from shardconsole.plan.lora import trainable_params
+from shardconsole.plan.machine import Hardware
+from shardconsole.plan.shapes import Shapes
+from shardconsole.settings import config as C
+from shardconsole.settings.models import ModelSpec
+
+HOST_GBPS_ENV = "SHARDCONSOLE_HOST_GBPS"
+
+# Hardware FLOPs over (matmul rate x time), by engine and compile, for large matmuls (the launch cost
+# below holds the rest). FSDP2 eager: 0.95B at mb 8 x 2048, 60.5k tokens/s (h200_presets.json,
+# h200-fsdp-nocompile) and 7B LoRA mb 4 (lora_cal.json, 16.5k printed by the old meter with grad_accum 2:
+# 8.26k); compiled: 0.95B, 81.6-83.1k (h200-fsdp) and 60.1k checkpointed at mb 4 x 2 (issue45); ZeRO-3:
+# 0.95B, 48-51k (h200_issue3/7.json, z3-1b).
+GPU_EFFICIENCY = {"fsdp": 0.72, "fsdp_compiled": 0.88, "deepspeed": 0.62}
+# Seconds of launch and synchronisation a decoder layer costs each micro-batch, beside its FLOPs
+# (eager PyTorch dispatches some 300 kernels a layer, forward and backward): 125M at seq 1024 runs at
+# ~11% of the matmul rate, 0.95B at ~50% (h200_issue7.json, curve-125m-*). Compiled layers launch fewer.
+LAYER_LAUNCH_S = {"fsdp": 0.005, "fsdp_compiled": 0.0025, "deepspeed": 0.007}
+# LoRA's adapters: two small matmuls (and a dropout) beside each of a layer's 7 target linears: 7B at mb 4
+# x 2048 and mb 2 x 1024 and 13B QLoRA at mb 4 run ~0.1 s a micro-batch slower than their FLOPs and the
+# eager launches say (benchmarks/results/issue45): ~3.5 ms a layer.
+LORA_LAYER_S = 0.0035
+# Selective checkpointing in eager mode intercepts every op of the forward (torch's SAC dispatch mode) to
+# decide what to keep: 1b mb 3 ran 0.069 s a step slower than no checkpointing would (issue45: 26.9k
+# tokens/s), ~4.5 ms a layer. Compiled layers decide at compile time: 1b compiled + selective ran as fast
+# as without checkpointing (h200_issue7.json, fsdp-1b-compile+ac-sac).
+SELECTIVE_EAGER_LAYER_S = 0.0045
+# bf16 masters rounded stochastically or with Kahan compensation on the GPU: a kernel chain a tensor
+# (backends/optim/master_update.py); 125M at seq 1024 runs 0.05 s a step slower (call1_curves.json).
+ROUNDING_S_PER_TENSOR = 0.00045
+# The GPU's optimizer step: bytes a trained parameter over the card's memory bandwidth at this share.
+HBM_SHARE = 0.7
+# torchao's 8/4-bit AdamW costs more than its bytes (per-block quantisation, one kernel chain a tensor):
+# 3B with adamw8bit steps in ~0.02-0.09 s on the H200 beyond its FLOPs (issue35_20261203 compiled mb 4 and
+# 6, issue45 eager mb 3; with optim.step_in_backward much of it runs under the backward).
+LOWBIT_S_PER_PARAM_H200 = 0.05 / 3.14e9
+# Offload copies on the H200's PCIe 5.0 (benchmarks/results/issue35_*: the offload view's h2d/d2h bytes
+# and seconds): a micro-batch sends 4 bytes a parameter either way; fp32 masters go at 25 GB/s (the fp32
+# shard is sent and cast on the GPU), a bf16/fp16 copy at 48; gradients come back at 49.
+PCIE_SHARE_FP32_H2D = 25.0 / 54.4
+PCIE_SHARE_LOW_H2D = 48.0 / 54.4
+PCIE_SHARE_D2H = 49.0 / 54.4
+# The share of the H2D time the compute waits for (GPU span less the compute predicted): fp32 masters
+# (the shard is sent, then cast on the GPU before the layer can run) 0.85: 3B mb 2 and 4, 0.43 s of
+# 0.48, 7B mb 12 ~0.9 s of 1.04; a bf16 copy 0.4: 13B mb 8, ~0.4 s of 1.1 (issue35_20261203, session6).
+EXPOSED_FP32 = 0.85
+EXPOSED_LOW = 0.4
+# The host step under the backward (fsdp.offload_overlap): the step is the longer of the GPU's span and
+# the host step plus this share of the shorter (the host step's threads slow the copies and the launches):
+# 3B mb 4 1.45 s with a 0.88 s host step, 7B mb 12 3.70 s with 1.6 s, 13B mb 8 4.2-4.8 s with 2.9 s
+# (0.4 and 0.6 fit these runs worse: benchmarks/speed_calibrate.py).
+OVERLAP_DRAG = 0.5
+# Host memory bandwidth a step reaches, the H200 test host (16 cores): AdamW's bytes over its host step
+# (3B fp32 masters 0.79 s, 7B 1.60 s, 13B bf16 masters 2.9 s): ~118 GB/s.
+DEFAULT_HOST_GBPS = 118.0
+DEFAULT_HOST_CORES = 16
+# DeepSpeed's C++ CPUAdam against the same bytes (3B under 24 GiB, ZeRO-3 offload against FSDP2's:
+# session4/rds.json, h200_issue7.json): its step and its copies run slower in this package's runs.
+DS_OFFLOAD_SLOWDOWN = 2.0
+# Startup before the first step: launcher, imports, the process group (~20 s on the H200 machine), the
+# model build (s a billion parameters; ZeRO-3's zero.Init builds slower), the compile of the layers.
+START_S = 20.0
+# Between nodes: a 100 Gb/s network (assumed; `shardconsole doctor` measures the all-reduce of a machine).
+NODE_LINK_GBPS = 12.5
+BUILD_S_PER_B = {"fsdp": 2.0, "deepspeed": 8.0}
+PIN_S_PER_GB = 0.15       # pinning the offloaded host states (cudaHostRegister of the arena)
+COMPILE_S = 45.0
+
+
+@dataclass(frozen=True)
+class HostRates:
+    gbps: float                 # memory bandwidth a step reaches
+    cores: int
+    source: str                 # "SHARDCONSOLE_HOST_GBPS", "assumed (the H200 test host's)"
+
+
+def host_rates(hw: Hardware) -> HostRates:
+    """This host's rates: $SHARDCONSOLE_HOST_GBPS when set, else the H200 test host's, scaled down by
+    cores where this host has fewer (a host step of torch's foreach AdamW uses every core)."""
+    text = os.environ.get(HOST_GBPS_ENV, "")
+    try:
+        if text and float(text) > 0:
+            return HostRates(float(text), hw.cpus, HOST_GBPS_ENV)
+    except ValueError:
+        pass
+    cores = hw.cpus or DEFAULT_HOST_CORES
+    share = min(1.0, cores / DEFAULT_HOST_CORES)
+    return HostRates(DEFAULT_HOST_GBPS * share, cores, "assumed: the H200 test host's, by cores")
+
+
+@dataclass
+class SpeedPrediction:
+    tokens_per_s: float
+    step_s: float
+    bound: str                          # "GPU", "PCIe", "host step", "communication"
+    parts: dict[str, float]             # seconds an optimizer step: gpu, h2d, d2h, host step, comm
+    start_s: float                      # before the first step: start, build, pin, compile
+    seconds: float                      # start + train.steps steps
+    card: str
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"predicted_tokens_per_s": round(self.tokens_per_s, 1), "predicted_seconds": round(self.seconds, 1),
+                "predicted_step_s": round(self.step_s, 4), "bound": self.bound, "card": self.card,
+                "parts_s": {k: round(v, 4) for k, v in self.parts.items()}, "start_s": round(self.start_s, 1)}
+
+
+def engine_key(cfg: C.RunConfig) -> str:
+    if cfg.parallel.backend == "deepspeed":
+        return "deepspeed"
+    return "fsdp_compiled" if cfg.train.compile else "fsdp"
+
+
+def hardware_flops_per_token(cfg: C.RunConfig, spec: ModelSpec) -> float:
+    """What the GPU computes a token: the model FLOPs of ModelSpec.flops_per_token (6N + 12 L h s, or
+    LoRA's 4 a frozen and 6 a trained parameter), the forward again under full checkpointing (the
+    decoder layers' 2 a parameter and attention's 4 L h s; selective checkpointing recomputes no matmul),
+    and the chunked loss's logits again in backward (2 V h)."""
+    s = Shapes.of(spec)
+    seq = cfg.data.seq_len
+    if cfg.adapters:
+        trained = trainable_params(cfg, s)
+        flops = spec.flops_per_token(seq, trained=trained)
+    else:
+        flops = spec.flops_per_token(seq)
+    head = s.vocab * s.hidden
+    if cfg.memory.activation_checkpointing and cfg.memory.checkpoint_policy != "selective":
+        layer_params = spec.n_params - head * (1 if s.tied else 2)
+        flops += 2.0 * layer_params + 4.0 * s.layers * s.hidden * seq
+    return flops + 2.0 * head
+
+
+def _card_for(hw: Hardware, card: Card | None) -> Card | None:
+    if card is not None:
+        return card
+    return card_of(hw.gpu_name) if hw.gpu_name else None
+
+
+def _offloaded(cfg: C.RunConfig) -> tuple[bool, bool]:
+    """(parameters on the host, optimizer step on the host)."""
+    if cfg.parallel.backend == "fsdp":
+        return cfg.fsdp.cpu_offload, cfg.fsdp.cpu_offload
+    d = cfg.deepspeed
+    return (d.offload_param != "none" and d.stage == 3), d.offload_optimizer != "none"
+
+
+def _host_step_bytes(cfg: C.RunConfig) -> float:
+    """Bytes AdamW reads and writes a parameter on the host: fp32 masters read master, gradient and two
+    moments (16) and write three back (12) and the compute copy (2): 30, counted as 33 (the fp32 step ran at
+    88-95 GB/s of these 30 bytes on issue 45's H200 host, 119-126 on earlier calls' hosts: 33 bytes at
+    DEFAULT_HOST_GBPS splits them); bf16 masters 2 + 4 (fp32 gradient) + 8 read, 10 written (119 GB/s on
+    both); stochastic/kahan rounding draw or keep one more word each."""
+    if cfg.precision.master_dtype == "bf16":
+        extra = 4 if cfg.precision.master_rounding != "nearest" else 0
+        return 24.0 + extra
+    return 33.0
+
+
+def _gpu_optimizer_s(cfg: C.RunConfig, trained: float, card: Card, s: Shapes) -> float:
+    if cfg.optim.name in ("adamw8bit", "adamw4bit"):
+        return trained * LOWBIT_S_PER_PARAM_H200 * CARDS["h200"].hbm_gbps / card.hbm_gbps
+    p = cfg.precision
+    per_param = 16.0 if p.master_dtype == "bf16" else 28.0
+    rounding = 0.0
+    if p.master_dtype == "bf16" and p.master_rounding != "nearest" and not cfg.adapters:
+        rounding = (9 * s.layers + 3) * ROUNDING_S_PER_TENSOR
+    return trained * per_param / (card.hbm_gbps * GB * HBM_SHARE) + rounding
+
+
+def predict(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, card: Card | None = None,
+            host: HostRates | None = None) -> SpeedPrediction | None:
+    """The predicted speed of cfg on hw's GPUs (or `card`, with this host); None on CPU ranks or on a GPU
+    whose rate is not known (plan says so and names --card)."""
+    card = _card_for(hw, card)
+    if card is None or cfg.parallel.device == "cpu":
+        return None
+    host = host or host_rates(hw)
+    s = Shapes.of(spec)
+    key = engine_key(cfg)
+    ranks = max(1, cfg.parallel.nproc_per_node * cfg.parallel.nnodes)
+    tokens_mb = cfg.train.micro_batch * cfg.data.seq_len
+    k = cfg.train.grad_accum
+    flops = hardware_flops_per_token(cfg, spec) * tokens_mb
+    compute_mb = flops / (card.matmul_tflops * 1e12 * GPU_EFFICIENCY[key]) + s.layers * LAYER_LAUNCH_S[key]
+    if cfg.precision.dtype == "fp32":
+        compute_mb *= 4.0          # no bf16 tensor cores: TF32 at best (an assumption, not measured)
+    if cfg.adapters:
+        compute_mb += s.layers * LORA_LAYER_S
+    if cfg.memory.activation_checkpointing and cfg.memory.checkpoint_policy == "selective" and key != "fsdp_compiled":
+        compute_mb += s.layers * SELECTIVE_EAGER_LAYER_S
+    if cfg.train.method == "qlora":
+        compute_mb *= 1.03         # NF4 dequantisation beside each frozen matmul (7B: 16.2k vs 16.5k, lora_cal)
+    n = spec.n_params
+    trained = trainable_params(cfg, s) if cfg.adapters else n
+    params_on_host, step_on_host = _offloaded(cfg)
+    notes: list[str] = []
+    h2d = d2h = host_s = 0.0
+    exposed = 0.0
+    if params_on_host:
+        low = (cfg.precision.master_dtype == "bf16" or cfg.fsdp.offload_compute_copy
+               or cfg.parallel.backend == "deepspeed")
+        h2d = 4.0 * n / ranks / (card.pcie_gbps * GB * (PCIE_SHARE_LOW_H2D if low else PCIE_SHARE_FP32_H2D))
+        exposed = h2d * (EXPOSED_LOW if low else EXPOSED_FP32)
+    if step_on_host:
+        reduce = cfg.precision.reduce_dtype or ("fp32" if cfg.parallel.backend == "fsdp" else cfg.precision.dtype)
+        d2h = (4.0 if reduce == "fp32" else 2.0) * trained / ranks / (card.pcie_gbps * GB * PCIE_SHARE_D2H)
+        host_s = _host_step_bytes(cfg) * trained / ranks / (host.gbps * GB)
+        if cfg.parallel.backend == "deepspeed":
+            host_s *= DS_OFFLOAD_SLOWDOWN
+    gpu = k * (compute_mb + exposed) + (0.0 if step_on_host else _gpu_optimizer_s(cfg, trained / ranks, card, s))
+    comm = 0.0
+    if ranks > 1:
+        # Sharded (FSDP2 but no_shard, ZeRO-3): the all-gathers of forward and backward (compute dtype) and
+        # the reduce-scatter (fp32) of every parameter a micro-batch; replicated: the gradients' all-reduce
+        # (twice 4 bytes). Each rank sends (ranks-1)/ranks of it over NVLink (~300 GB/s usable), the PCIe
+        # link, or between nodes the network (NODE_LINK_GBPS): assumed rates, not measured here.
+        sharded = (cfg.fsdp.sharding != "no_shard") if cfg.parallel.backend == "fsdp" else cfg.deepspeed.stage == 3
+        link = NODE_LINK_GBPS if cfg.parallel.nnodes > 1 else (300.0 if card.nvlink else card.pcie_gbps * 0.8)
+        comm = k * (2 * 2 + 4 if sharded else 8) * n * (ranks - 1) / ranks / (link * GB)
+    parts = {"gpu": gpu, "h2d": k * h2d, "d2h": k * d2h, "host step": host_s, "communication": comm}
+    overlap = (cfg.parallel.backend == "fsdp" and step_on_host and cfg.fsdp.offload_overlap
+               and cfg.train.clip_grad_norm <= 0 and cfg.precision.dtype != "fp16")
+    if overlap:
+        step = max(gpu, host_s) + OVERLAP_DRAG * min(gpu, host_s)
+    else:
+        step = gpu + host_s
+    step = max(step, comm + host_s)
+    bound = max(("GPU", gpu), ("host step", host_s), ("communication", comm), key=lambda x: x[1])[0]
+    if bound == "GPU" and exposed > compute_mb:
+        bound = "PCIe"
+    tokens_per_s = tokens_mb * k * ranks / step
+    start = _start_s(cfg, n, trained, step_on_host, params_on_host)
+    if host.source != HOST_GBPS_ENV and step_on_host:
+        notes.append(f"host step at {host.gbps:.0f} GB/s ({host.source}; ${HOST_GBPS_ENV} sets this host's)")
+    return SpeedPrediction(tokens_per_s, step, bound, parts, start, start + cfg.train.steps * step,
+                           card.name, notes)
+
+
+def against_measured(p: SpeedPrediction, measured: float) -> str:
+    """`predicted 8.2k tok/s (GPU bound), measured 8.0k (-2%)`: what a finished run says."""
+    def rate(x: float) -> str:
+        return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
+    return (f"predicted {rate(p.tokens_per_s)} tok/s ({p.bound} bound), measured {rate(measured)} "
+            f"({100 * (measured / p.tokens_per_s - 1):+.0f}%)")
+
+
+def _start_s(cfg: C.RunConfig, n: int, trained: float, step_on_host: bool, params_on_host: bool) -> float:
+    build = BUILD_S_PER_B["deepspeed" if cfg.parallel.backend == "deepspeed" else "fsdp"] * n / 1e9
+    pinned = (16.0 * trained if step_on_host else 0.0) + (2.0 * n if params_on_host else 0.0)
+    return START_S + build + PIN_S_PER_GB * pinned / GB + (COMPILE_S if cfg.train.compile else 0.0)

@@ -1,0 +1,121 @@
+"""The smaller cases of issue 46's adversarial pass (item 5), each with real processes: a resume whose
+checkpoint folder turned read-only, a resume that changes what the checkpoint's tensors were made with,
+a 255-character run folder name, a stop of another user's run, SIGHUP to attach in its first moments."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardconsole.runlog.runfolder import RunFolder
+from shardconsole.session.stop import not_yours
+from tests.conftest import messages, of_kind, shardconsole
+
+
+def run(run_dir: Path, *sets: str) -> subprocess.CompletedProcess:
+    return shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run_dir),
+                        *[a for s in sets for a in ("--set", s)], timeout=600)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "--lazy", str(mnt)], check=True)
+
+
+def one_line(res: subprocess.CompletedProcess) -> str:
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stdout[-2000:] + res.stderr[-2000:]
+    return lines[-1]
+
+
+@pytest.mark.slow
+def test_resume_into_a_checkpoint_folder_made_read_only_is_refused_before_launch(tmp_path, tmpfs):
+    run_dir, ckpt = tmp_path / "run", tmpfs / "ckpt"
+    res = run(run_dir, "train.steps=2", f"train.checkpoint_dir={ckpt}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+    preset = RunFolder(run_dir).preset.read_text()
+    res = shardconsole("resume", str(run_dir), "--set", "train.steps=4", timeout=120)
+    line = one_line(res)
+    assert "checkpoint_dir" in line and "Read-only file system" in line, line
+    assert RunFolder(run_dir).preset.read_text() == preset          # nothing written, nothing launched
+    assert max(m.step for m in of_kind(messages(run_dir), "step")) == 2
+
+
+@pytest.mark.slow
+def test_a_resume_that_changes_what_the_tensors_were_made_with_names_the_setting(tmp_path):
+    run_dir = tmp_path / "run"
+    res = run(run_dir, "train.steps=2")
+    assert res.returncode == 0, res.stderr[-2000:]
+    for override, key in (("train.method=lora", "train"), ("parallel.backend=deepspeed", "parallel")):
+        line = one_line(shardconsole("resume", str(run_dir), "--set", "train.steps=4", "--set", override, timeout=120))
+        table_key = override.split("=")[0]
+        assert f"--set {table_key}" in line and "checkpoints were saved with" in line, line
+    assert max(m.step for m in of_kind(messages(run_dir), "step")) == 2
+
+
+def test_a_run_folder_name_too_long_for_the_launcher_is_refused_in_one_line(tmp_path):
+    for mode in ("--headless", "--print-command"):
+        res = shardconsole("--preset", "tiny-cpu", mode, "--run-dir", str(tmp_path / ("r" * 255)), timeout=120)
+        line = one_line(res)
+        assert "255" in line and "at most 180" in line, line
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_stop_of_another_users_run_says_not_your_run():
+    """A process of uid 65534 (setpriv): a user who is not its owner is told whose it is, instead of
+    signals that fail and a report of processes "still alive after SIGKILL"."""
+    proc = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "60"])
+    try:
+        deadline = time.monotonic() + 30
+        import psutil
+        while psutil.Process(proc.pid).uids().real != 65534:          # setpriv has exec'd sleep
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        said = not_yours([proc.pid], uid=1000)
+        assert f"pid {proc.pid} runs as user" in said, said
+        assert not_yours([proc.pid], uid=65534) == "" and not_yours([proc.pid], uid=0) == ""
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.slow
+def test_sighup_to_attach_in_its_first_moments_is_a_detach(tmp_path):
+    """SIGHUP before attach follows (its imports, its replay) exits 8, the run going on; it was 129."""
+    run_dir = tmp_path / "run"
+    runner = subprocess.Popen([sys.executable, "-m", "shardconsole", "--preset", "tiny-cpu", "--headless",
+                               "--run-dir", str(run_dir), "--set", "train.steps=100000"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").is_file() or not of_kind(messages(run_dir), "step"):
+            assert runner.poll() is None and time.monotonic() < deadline, "the run never stepped"
+            time.sleep(0.1)
+        for delay in (0.15, 0.3, 0.6):
+            attach = subprocess.Popen([sys.executable, "-m", "shardconsole", "attach", str(run_dir), "--headless"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            time.sleep(delay)
+            attach.send_signal(signal.SIGHUP)
+            _, err = attach.communicate(timeout=60)
+            assert attach.returncode == 8, (delay, attach.returncode, err[-2000:])
+        assert runner.poll() is None          # the run went on
+    finally:
+        runner.send_signal(signal.SIGINT)
+        try:
+            runner.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            runner.kill()
+            runner.wait()

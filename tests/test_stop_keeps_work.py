@@ -1,0 +1,60 @@
+"""A stop keeps the work or says what it cost (issue 46 item 4): its grace covers a step and a save as the
+run measured them (a 125m run on CPU, 7-11 s a step, was SIGKILLed at 10.6 s with 15 steps gone and the
+end line said only "stopped"); when it must kill, the end line counts the steps lost since the last
+checkpoint."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shardconsole.runlog import protocol as P
+from shardconsole.session.stop import HANG_GRACE_S, _Seen, describe_stop, stop_run
+from tests.conftest import messages, of_kind
+
+
+def _step(step: int, step_s: float) -> P.Step:
+    return P.Step(run="r", rank=0, step=step, steps=100, loss=1.0, step_s=step_s)
+
+
+def test_the_grace_covers_a_measured_step_and_save_capped_by_the_save_timeout():
+    seen = _Seen(asked_at=time.time())
+    seen.add([_step(1, 11.0), _step(2, 11.0),
+              P.SaveProgress(run="r", rank=0, step=2, what="checkpoint", written_bytes=1, total_bytes=1,
+                             elapsed_s=4.0, path="x", done=True)])
+    assert seen.grace(10.0, 300.0) == pytest.approx(1.5 * 11.0 + 4.0 + 2.0)
+    assert seen.grace(10.0, 20.0) == 20.0                  # train.stop_save_timeout_s caps it
+    assert seen.grace(HANG_GRACE_S, 300.0) == HANG_GRACE_S  # a hang's ranks are not stepping
+    fast = _Seen(asked_at=time.time())
+    fast.add([_step(1, 0.1)])
+    assert fast.grace(10.0, 300.0) == 10.0                 # never shorter than asked
+
+
+@pytest.mark.slow
+def test_a_stop_that_must_kill_says_how_many_steps_were_lost_since_which_checkpoint(tmp_path):
+    """Rank 1 hangs at step 5 (checkpoints every 3 steps): the stop cannot save and kills; its end line
+    names the step-3 checkpoint and the one step trained since."""
+    from shardconsole.launch.job import Job
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "shardconsole", "--preset", "tiny-cpu", "--headless",
+                             "--run-dir", str(run_dir), "--set", "train.steps=50", "--set", "train.log_every=1",
+                             "--set", "train.checkpoint_every=3"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "SHARDCONSOLE_FAULT": "sleep@rank=1,step=5"})
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").is_file() or not any(
+                m.step == 4 for m in of_kind(messages(run_dir), "step")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never reached step 4"
+            time.sleep(0.1)
+        hellos = [m.pid for m in of_kind(messages(run_dir), "hello")]
+        report = stop_run(Job.from_run_dir(run_dir), hellos, who="test", grace_s=HANG_GRACE_S + 1, check_gpus=False)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert report.killed and report.clean
+    line = describe_stop(report)
+    assert "1 step(s) lost since the checkpoint of step 3" in line and "step_00000003" in line, line

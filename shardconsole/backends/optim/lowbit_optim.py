@@ -20,6 +20,13 @@ def make(cfg, params) -> torch.optim.Optimizer:
     """torchao's AdamW8bit or AdamW4bit over params, with train's lr, betas and weight decay."""
     from torchao.optim import AdamW4bit, AdamW8bit     # optional dependency: shardconsole[lowbit]
     register_view_dtype()
+    # Inductor's on-disk caches (FX graph, AOT autograd) hand one of these steps the other's compiled graph
+    # on FSDP2's DTensor states: an adamw8bit run, then an adamw4bit one of the same model (or the reverse)
+    # crashed at step 1, "wrong number of dimensions1 for op: input". Compiled fresh each run instead.
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    inductor_config.fx_graph_cache = False
+    functorch_config.enable_autograd_cache = False
     cls = {"adamw8bit": AdamW8bit, "adamw4bit": AdamW4bit}[cfg.optim.name]
     t = cfg.train
     return cls(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,

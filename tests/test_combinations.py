@@ -263,3 +263,15 @@ def test_a_resume_onto_the_earlier_export_folder_is_refused_before_launch(matrix
     res = shardconsole("resume", str(run), "--set", "train.steps=3", timeout=RUN_TIMEOUT, env=matrix.env)
     assert_refused_before_launch_of_resume(res, run, hellos, "")
     assert "[train] export_dir" in res.stderr and "train.export_dir=NEW_FOLDER" in res.stderr, res.stderr
+
+
+@pytest.mark.slow
+def test_one_low_bit_optimizer_after_the_other_on_a_shared_compile_cache(matrix, tmp_path):
+    """torchao's 8-bit and 4-bit steps of FSDP2's DTensor states shared Inductor's on-disk cache entries:
+    the second run (either order) crashed at step 1, "wrong number of dimensions1 for op: input"."""
+    env = {**matrix.env, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    for name in ("adamw8bit", "adamw4bit"):
+        sets = [*BASE, *matrix.paths, "train.steps=2", "train.save_final=none", f"optim.name={name}"]
+        res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(tmp_path / name),
+                           *[a for s in sets for a in ("--set", s)], timeout=RUN_TIMEOUT, env=env)
+        assert res.returncode == 0, f"{name}: {res.stdout[-2000:]}\n{res.stderr[-2000:]}"

@@ -253,3 +253,12 @@ def test_export_adapter_of_a_full_run_is_refused_before_torch_loads(fsdp_tiny_ru
                           "--adapter"], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["no", "torch", "2"], (out.stdout, out.stderr)
     assert "--adapter:" in out.stderr and "trained every weight" in out.stderr, out.stderr
+
+
+def test_tiny_cpus_synthetic_data_says_its_loss_goes_to_zero(fsdp_tiny_run):
+    """tiny-cpu trains on synthetic tokens, a pattern it memorises: its loss falls towards 0, and the data
+    line says so rather than 'random tokens' (a user took a loss of 0.0000 for a bug)."""
+    out = fsdp_tiny_run.res.stdout
+    data = [ln for ln in out.splitlines() if ln.startswith("data: ")]
+    assert len(data) == 1 and "random tokens" not in data[0], data
+    assert "the loss falls towards 0" in data[0] and "nothing real is learned" in data[0], data

@@ -216,21 +216,3 @@ async def test_the_runs_table_shows_every_figure_at_120_columns_for_a_run_of_a_m
         assert sum(widths[:labels.index("eval loss") + 1]) <= table.region.width, list(zip(labels, widths))
         assert table.get_row_at(0)[labels.index("model")] == "model"
         assert str(fsdp_chat_run.model) in text_of(app.screen.query_one("#detail"))
-
-
-# --- item 9 (part): the setup at 80x24 gives the pickers and forms the rows -------------------------
-
-async def test_at_80x24_backend_and_method_are_in_view_and_a_form_outgrows_the_summary(tmp_path):
-    from tests.test_console import show_table
-    app = make_app(tmp_path)
-    async with app.run_test(size=(80, 24)) as pilot:
-        setup = app.setup_screen
-        await wait_for(pilot, lambda: setup.machine.detected)
-        await pilot.pause()
-        summary = setup.query_one("#summary").region
-        for name in ("#backend", "#method"):
-            region = setup.query_one(name).region
-            assert region.height >= 2 and region.bottom <= summary.y, (name, region, summary)
-        await show_table(pilot, setup, "train")
-        form = setup.query_one("#form-train").region
-        assert form.height > summary.height, (form, summary)

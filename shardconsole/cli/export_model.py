@@ -21,7 +21,8 @@ import shutil
 from pathlib import Path
 
 from shardconsole.settings import config as C
-from shardconsole.export_model.checkpoint import ExportError, check_finite, pick_checkpoint, read_model_state
+from shardconsole.export_model.checkpoint import (ExportError, check_exportable, check_finite, pick_checkpoint,
+                                                  read_model_state)
 from shardconsole.runlog.checkpoint_files import make_private
 from shardconsole.settings.models import ModelError, human_count, resolve
 from shardconsole.runlog.runfolder import RunFolder
@@ -104,13 +105,12 @@ def cmd_export_model(argv: list[str]) -> int:
     except ModelError as e:
         raise ExportError(f"{run.preset}: [model] name: {e} (the export takes the model's config and "
                           f"tokenizer from it)") from None
-    from shardconsole.export_model import adapters
-    adapters.check_exportable(cfg, spec, args.adapter, run.preset)
+    check_exportable(cfg, spec, args.adapter, run.preset)     # before torch's import: refusals in well under a second
     ckpt = pick_checkpoint(run.checkpoints(cfg.train.checkpoint_dir), args.step, cfg.parallel.backend)
 
     import torch
 
-    from shardconsole.export_model import hf_folder
+    from shardconsole.export_model import adapters, hf_folder
     state = read_model_state(ckpt)
     check_finite(state, ckpt)
     stored = {v.dtype for v in state.values() if v.is_floating_point()}

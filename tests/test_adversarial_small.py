@@ -119,3 +119,18 @@ def test_sighup_to_attach_in_its_first_moments_is_a_detach(tmp_path):
         except subprocess.TimeoutExpired:
             runner.kill()
             runner.wait()
+
+
+@pytest.mark.slow
+def test_attach_of_a_copied_finished_folder_says_finished(tmp_path):
+    """The copy's name is not the run id its lines carry: they are still its run's (it said "killed or
+    crashed", exit 1)."""
+    import shutil
+    run_dir = tmp_path / "run"
+    res = run(run_dir, "train.steps=2")
+    assert res.returncode == 0, res.stderr[-2000:]
+    copy = tmp_path / "copy-of-the-run"
+    shutil.copytree(run_dir, copy, symlinks=True)
+    res = shardconsole("attach", str(copy), "--headless", timeout=120)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "finished: 2 steps" in res.stdout + res.stderr and "crashed" not in res.stdout + res.stderr

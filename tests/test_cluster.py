@@ -84,6 +84,7 @@ def test_two_node_slurm_job_stops_from_the_first_node_and_a_resubmit_resumes(tmp
     stop = shardconsole("stop", str(run_dir), timeout=120)        # from "the first node": a plain shell here
     assert stop.returncode == 0, stop.stderr
     out, err = job.communicate(timeout=60)                         # both agents ended: srun, then the job
+    assert job.returncode == 0, err[-2000:]                        # a stop that saved: COMPLETED, not FAILED
     msgs = messages(run_dir)
     hellos = of_kind(msgs, "hello")
     assert sorted(h.rank for h in hellos) == [0, 1] and pids_alive(h.pid for h in hellos) == []
@@ -108,6 +109,7 @@ def test_two_node_slurm_job_stops_from_the_first_node_and_a_resubmit_resumes(tmp
                             if m.run.startswith(f"{run_dir.name}-resume-")}) >= 2, 120, "two resumed steps", every_s=0.5)
     os.killpg(job.pid, signal.SIGTERM)
     out, err = job.communicate(timeout=60)
+    assert job.returncode != 0                                     # no time to save: the job failed
     msgs = messages(run_dir)
     session = of_kind(msgs, "hello")[-1].run
     cancelled = [m for m in of_kind(msgs, "failed") if m.run == session]

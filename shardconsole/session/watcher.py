@@ -202,6 +202,23 @@ class Watcher:
             self._said_recorder = True
             tick.notes.append(f"no TensorBoard events for this run: {why}")
 
+    def _check_stopped_launcher(self, tick: Tick) -> None:
+        """The ranks said how the run ended and are gone, but the launcher does not exit: it is stopped
+        (SIGSTOP, a debugger). The run is over; waiting for the launcher hung the front end until SIGCONT."""
+        if self.state.finished is None and not self.state.failed:
+            return
+        try:
+            import psutil
+            stopped = psutil.Process(int(self.job.pid)).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+        except (psutil.Error, AttributeError, TypeError, ValueError):
+            return
+        if not stopped or self.live_ranks():
+            return
+        self.ended = True
+        self.exit_code = 0 if self.state.finished is not None and not self.state.failed else 1
+        tick.notes.append(f"the launcher (pid {self.job.pid}) is stopped (SIGSTOP): the run ended without it; "
+                          f"`kill -CONT {self.job.pid}` lets it exit")
+
     def _check_end(self, tick: Tick) -> None:
         if self.external:
             # Started elsewhere: only its stream can say it ended.
@@ -210,6 +227,7 @@ class Watcher:
                 self.exit_code = 0 if self.state.finished is not None and not self.state.failed else 1
             return
         if self.exit_code is None:
+            self._check_stopped_launcher(tick)
             return
         live = self.live_ranks()
         if not live:

@@ -76,12 +76,15 @@ class Combo:
         s["train.method"] = pick("train.method")
         s["train.save_final"] = pick("train.save_final")
         s["precision.master_dtype"] = pick("precision.master_dtype")
-        s["precision.master_rounding"] = pick("precision.master_rounding")
+        if s["precision.master_dtype"] == "bf16":     # it rounds bf16 masters only (a note, nothing else, on fp32)
+            s["precision.master_rounding"] = pick("precision.master_rounding")
         # bf16 masters need bf16 compute (a rule of their own): drawn otherwise, most bf16-master points
         # would test that one refusal instead of the masters.
         s["precision.dtype"] = "bf16" if s["precision.master_dtype"] == "bf16" else pick("precision.dtype")
         s["optim.name"] = pick("optim.name")
         s["memory.activation_checkpointing"] = pick("memory.activation_checkpointing")
+        if s["memory.activation_checkpointing"]:
+            s["memory.checkpoint_policy"] = pick("memory.checkpoint_policy")
         s["train.grad_accum"] = rng.choice((1, 2))
         s["train.steps"] = rng.choice(STEPS)
         s["train.checkpoint_every"] = rng.choice((0, EVERY))
@@ -117,7 +120,7 @@ class Combo:
                  "precision.dtype": "dtype=", "optim.name": "", "train.grad_accum": "accum=",
                  "train.steps": "steps=", "train.checkpoint_every": "every=",
                  "deepspeed.offload_optimizer": "offopt=", "deepspeed.offload_param": "offparam=",
-                 "fsdp.cpu_offload": "offload=", "memory.activation_checkpointing": "ac=",
+                 "fsdp.cpu_offload": "offload=", "memory.activation_checkpointing": "ac=", "memory.checkpoint_policy": "",
                  "train.export_adapter": "adapter=", "train.export_dtype": "export_dtype="}
         parts = [f"{short.get(k, k + '=')}{_text(v)}" for k, v in self.sets_]
         return "-".join(parts + (["export"] if self.export else []) + (["resume"] if self.resume else []))
@@ -131,12 +134,14 @@ class Combo:
 
 
 def predicted_refusal(combo: Combo, base: list[str]) -> str | None:
-    """The one line the settings' resolve refuses this point with (what the CLI says before launch), or
-    None when resolve accepts it. Cheap: no process, no torch."""
+    """The one line the settings' resolve (and the preflight's nvme check) refuses this point with (what the
+    CLI says before launch), or None when they accept it. Cheap: no process, no torch."""
+    from shardconsole.session import preflight
     from shardconsole.settings import config as C
     from shardconsole.settings import resolve as settings
     try:
-        settings.resolve("tiny-cpu", settings.from_cli([*base, *combo.sets()]))
+        # and the one check of this machine a point can fail without its model and data (nvme: libaio)
+        preflight.check_nvme_offload(settings.resolve("tiny-cpu", settings.from_cli([*base, *combo.sets()])))
     except C.ConfigError as e:
         return str(e)
     return None

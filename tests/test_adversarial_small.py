@@ -119,3 +119,46 @@ def test_sighup_to_attach_in_its_first_moments_is_a_detach(tmp_path):
         except subprocess.TimeoutExpired:
             runner.kill()
             runner.wait()
+
+
+@pytest.mark.slow
+def test_attach_of_a_copied_finished_folder_says_finished(tmp_path):
+    """The copy's name is not the run id its lines carry: they are still its run's (it said "killed or
+    crashed", exit 1)."""
+    import shutil
+    run_dir = tmp_path / "run"
+    res = run(run_dir, "train.steps=2")
+    assert res.returncode == 0, res.stderr[-2000:]
+    copy = tmp_path / "copy-of-the-run"
+    shutil.copytree(run_dir, copy, symlinks=True)
+    res = shardconsole("attach", str(copy), "--headless", timeout=120)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "finished: 2 steps" in res.stdout + res.stderr and "crashed" not in res.stdout + res.stderr
+
+
+@pytest.mark.slow
+def test_a_stopped_launcher_does_not_hang_the_front_end_after_the_run_ended(tmp_path):
+    """SIGSTOP to torchrun: the ranks finish without it; the front end ends with them, saying so (it
+    waited for the launcher until SIGCONT)."""
+    import json
+    run_dir = tmp_path / "run"
+    front = subprocess.Popen([sys.executable, "-m", "shardconsole", "--preset", "tiny-cpu", "--headless",
+                              "--run-dir", str(run_dir), "--set", "train.steps=40", "--set", "train.log_every=1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = 0
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").is_file() or not of_kind(messages(run_dir), "step"):
+            assert front.poll() is None and time.monotonic() < deadline, "the run never stepped"
+            time.sleep(0.1)
+        launcher = json.loads((run_dir / "job.json").read_text())["pid"]
+        os.kill(launcher, signal.SIGSTOP)
+        out, _ = front.communicate(timeout=180)
+    finally:
+        if launcher:
+            os.kill(launcher, signal.SIGCONT)
+        if front.poll() is None:
+            front.kill()
+            front.wait()
+    assert front.returncode == 0, out[-3000:]
+    assert "finished: 40 steps" in out and f"launcher (pid {launcher}) is stopped" in out, out[-3000:]

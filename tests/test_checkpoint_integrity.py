@@ -208,3 +208,23 @@ def test_a_refused_pickle_never_suggests_weights_only_false(tmp_path):
     assert "weights_only` set to `False`" in str(caught.value)          # torch's text, as of torch 2.6+
     for line in (str(CheckpointError(f"{f}: cannot be read: {caught.value}")), _first_cause(caught.value)):
         assert "weights_only" not in line and "posix.system" in line and "\n" not in line, line
+
+
+@pytest.mark.slow
+def test_deepspeed_checkpoints_are_checksummed_and_export_falls_back(tmp_path):
+    """DeepSpeed writes its files itself (engine.save_checkpoint): they are hashed after their write, at
+    the manifest. A block overwritten in the newest one's optimizer states is caught at export."""
+    run_dir = tmp_path / "run"
+    res = run(run_dir, *COMMON, "train.steps=4", "parallel.backend=deepspeed", "deepspeed.stage=2")
+    assert res.returncode == 0, explain(res, run_dir)
+    newest = RunFolder(run_dir).checkpoints() / "step_00000004"
+    manifest = json.loads((newest / MANIFEST).read_text())
+    assert set(manifest["checksums"]) == set(manifest["files"])
+    assert any(name.endswith("optim_states.pt") for name in manifest["checksums"])
+    target = max(newest.rglob("*optim_states.pt"), key=lambda f: f.stat().st_size)
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 4096] = b"\xff" * 4096
+    target.write_bytes(bytes(data))
+    res = shardconsole("export-model", str(run_dir), "-o", str(tmp_path / "model"), timeout=300)
+    assert res.returncode == 0, explain(res)
+    assert target.name in res.stderr and "checksum" in res.stderr and "from step 2" in res.stdout, res.stderr

@@ -84,6 +84,7 @@ def test_two_node_slurm_job_stops_from_the_first_node_and_a_resubmit_resumes(tmp
     stop = shardconsole("stop", str(run_dir), timeout=120)        # from "the first node": a plain shell here
     assert stop.returncode == 0, stop.stderr
     out, err = job.communicate(timeout=60)                         # both agents ended: srun, then the job
+    assert job.returncode == 0, err[-2000:]                        # a stop that saved: COMPLETED, not FAILED
     msgs = messages(run_dir)
     hellos = of_kind(msgs, "hello")
     assert sorted(h.rank for h in hellos) == [0, 1] and pids_alive(h.pid for h in hellos) == []
@@ -108,6 +109,7 @@ def test_two_node_slurm_job_stops_from_the_first_node_and_a_resubmit_resumes(tmp
                             if m.run.startswith(f"{run_dir.name}-resume-")}) >= 2, 120, "two resumed steps", every_s=0.5)
     os.killpg(job.pid, signal.SIGTERM)
     out, err = job.communicate(timeout=60)
+    assert job.returncode != 0                                     # no time to save: the job failed
     msgs = messages(run_dir)
     session = of_kind(msgs, "hello")[-1].run
     cancelled = [m for m in of_kind(msgs, "failed") if m.run == session]
@@ -223,7 +225,7 @@ def test_a_rank_that_vanished_is_named_with_its_host_and_last_step(tmp_path):
     """A node killed outright writes no end line; its peer's 'Connection reset by peer' is the echo."""
     from shardconsole.runlog import protocol as P
     from shardconsole.runlog.runstate import RunState
-    from shardconsole.session.outcome import explain_exit
+    from shardconsole.session.outcome import EXIT_CODES, explain_exit
     state = RunState()
     for msg in [P.Hello(run="r", rank=0, world=2, host="node0"), P.Hello(run="r", rank=1, world=2, host="node1"),
                 P.Step(run="r", rank=0, step=36),
@@ -231,13 +233,17 @@ def test_a_rank_that_vanished_is_named_with_its_host_and_last_step(tmp_path):
                          message="[../gloo/transport/tcp/pair.cc:534] Connection reset by peer")]:
         state.apply(msg)
     cause, message = explain_exit(state, 1, tmp_path)
-    assert cause == "crash"
-    assert message.startswith("run failed (crash): rank(s) 1 on node1 (last step seen 36) gone, with no end line; "
+    assert cause == "node_lost" and EXIT_CODES[cause] == 11       # its own class (it was "crash")
+    assert message.startswith("run failed (node_lost): rank(s) 1 on node1 (last step seen 36) gone, with no end line; "
                               "rank 0's DistBackendError"), message
     # or the launcher (srun --kill-on-bad-exit, torchrun) ended the survivor first: a stop nobody asked for
     state.failed[:] = [P.Failed(run="r", rank=0, cause="stopped", message="stopped at step 36: a stop signal")]
     cause, message = explain_exit(state, 1, tmp_path)
-    assert cause == "crash" and message.startswith("run failed (crash): rank(s) 1 on node1 (last step seen 36) gone")
+    assert cause == "node_lost" and message.startswith("run failed (node_lost): rank(s) 1 on node1 (last step seen 36) gone")
+    # a rank gone on a node whose other rank reported is a crash of that rank, not a lost node
+    state.hellos[1] = P.Hello(run="r", rank=1, world=2, host="node0")
+    cause, message = explain_exit(state, 1, tmp_path)
+    assert cause == "crash" and message.startswith("run failed (crash): rank(s) 1 on node0"), message
 
 
 def test_a_gloo_timeout_names_no_nccl_setting(tmp_path):

@@ -192,3 +192,27 @@ async def test_the_consoles_launch_says_so_in_one_line(tmp_path):
         await wait_for(pilot, lambda: isinstance(app.screen, RunScreen), what="the launch")
         said = [str(n.message) for n in app._notifications]
         assert any("offload is not needed here" in m and "--set fsdp.cpu_offload=false" in m for m in said), said
+
+
+# --- item 9 (part): the runs table keeps its figures on a 120-column screen --------------------------
+
+async def test_the_runs_table_shows_every_figure_at_120_columns_for_a_run_of_a_model_folder(fsdp_chat_run, tmp_path):
+    """A run of a local model folder: the table named the folder's whole path, and peak host and the
+    losses went off the right edge. It names the folder; the detail line under it, the path."""
+    from textual.widgets import DataTable
+    from shardconsole.console.services import TorchrunLauncher
+    root = tmp_path / "runs"
+    root.mkdir()
+    shutil.copytree(fsdp_chat_run.run, root / "20261204-181512-my-chat-lora")
+    app = make_app(tmp_path, launcher=TorchrunLauncher(root))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("ctrl+l")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "RunsScreen")
+        table = app.screen.query_one("#runs-table", DataTable)
+        await wait_for(pilot, lambda: table.row_count == 1, what="the run listed")
+        await pilot.pause()
+        labels = [str(c.label) for c in table.ordered_columns]
+        widths = [c.get_render_width(table) for c in table.ordered_columns]
+        assert sum(widths[:labels.index("eval loss") + 1]) <= table.region.width, list(zip(labels, widths))
+        assert table.get_row_at(0)[labels.index("model")] == "model"
+        assert str(fsdp_chat_run.model) in text_of(app.screen.query_one("#detail"))

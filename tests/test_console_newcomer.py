@@ -77,7 +77,10 @@ async def test_the_runs_screen_lists_the_runs_root_and_dot_runs_with_status_in_8
 def test_the_data_line_counts_what_there_is():
     from shardconsole.console.runview import log_line
     synthetic = P.DataSummary(rank=0, format="synthetic", source="synthetic")
-    assert log_line(synthetic).endswith("│ data: synthetic random tokens (no data set, no tokenizer)")
+    assert log_line(synthetic).endswith("│ data: synthetic tokens (no data set, no tokenizer): each sequence follows "
+                                        "one fixed random order of the vocabulary, a pattern the model memorises, "
+                                        "so the loss falls towards 0; that shows the training works, nothing real "
+                                        "is learned")
     one = P.DataSummary(rank=0, format="text", source="a.txt", records=1, tokens=2048, samples=8, loss_share=1.0)
     assert log_line(one).endswith("│ data: text from a.txt, 1 record, 8 samples, 100% under loss")
 
@@ -111,7 +114,8 @@ async def test_gpu_vitals_fit_one_line_and_each_chart_plots_one_quantity(tmp_pat
         if size[0] >= 120:
             assert all(line.endswith("GB/s") for line in vitals), drawn    # all of it, on one line
         assert [line.strip() for line in drawn if "throttled" in line] == ["throttled: sw_power_cap"]
-        assert "data synthetic random tokens (no data set, no tokenizer)" in text_of(screen.query_one("#loss-text"))
+        assert "data synthetic tokens (no data set): a fixed pattern, learned to a loss near 0" in \
+            text_of(screen.query_one("#loss-text"))
         host = screen.query_one("#memory-plot")
         assert [s.label for s in host.series] == ["host"] and host.fmt(42.0) == "42.0 GiB"
         gpu = screen.query_one("#gpu-plot")

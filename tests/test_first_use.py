@@ -228,3 +228,37 @@ def test_resume_sums_up_the_earlier_steps_from_the_first_step_trained(tmp_path):
     res = shardconsole("resume", str(run), "--set", "train.steps=12")
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.splitlines()[0].startswith("earlier in this folder (2 sessions): steps 1-9, "), res.stdout
+
+
+# --- item 11: a Hub id without network, export-model --adapter of a full run ------------------------
+
+def test_a_hub_model_id_says_to_download_it_first():
+    out = shardconsole("--preset", "tiny-cpu", "--headless", "--set", "model.name=meta-llama/Llama-3.1-8B")
+    assert out.returncode == 2, out.stderr
+    line = out.stderr.strip()
+    assert len(line.splitlines()) == 1 and line.startswith("shardconsole: error: --set model.name: "), line
+    assert "hf download meta-llama/Llama-3.1-8B --local-dir DIR" in line and 'model.name = "DIR"' in line, line
+    # a path that is not there is still just that
+    out = shardconsole("--preset", "tiny-cpu", "--headless", "--set", "model.name=./no/such/folder")
+    assert out.returncode == 2 and "no such folder" in out.stderr and "hf download" not in out.stderr
+
+
+def test_export_adapter_of_a_full_run_is_refused_before_torch_loads(fsdp_tiny_run, tmp_path):
+    """The refusal comes from the settings alone: nothing of torch is imported for it (it took 9 s)."""
+    import subprocess
+    import sys
+    code = ("import sys; from shardconsole.cli.main import main; rc = main(sys.argv[1:]); "
+            "print('torch loaded' if 'torch' in sys.modules else 'no torch', rc)")
+    out = subprocess.run([sys.executable, "-c", code, "export-model", str(fsdp_tiny_run.run), "-o", str(tmp_path / "x"),
+                          "--adapter"], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["no", "torch", "2"], (out.stdout, out.stderr)
+    assert "--adapter:" in out.stderr and "trained every weight" in out.stderr, out.stderr
+
+
+def test_tiny_cpus_synthetic_data_says_its_loss_goes_to_zero(fsdp_tiny_run):
+    """tiny-cpu trains on synthetic tokens, a pattern it memorises: its loss falls towards 0, and the data
+    line says so rather than 'random tokens' (a user took a loss of 0.0000 for a bug)."""
+    out = fsdp_tiny_run.res.stdout
+    data = [ln for ln in out.splitlines() if ln.startswith("data: ")]
+    assert len(data) == 1 and "random tokens" not in data[0], data
+    assert "the loss falls towards 0" in data[0] and "nothing real is learned" in data[0], data

@@ -21,7 +21,8 @@ import shutil
 from pathlib import Path
 
 from shardconsole.settings import config as C
-from shardconsole.export_model.checkpoint import ExportError, check_finite, pick_checkpoint, read_model_state
+from shardconsole.export_model.checkpoint import (ExportError, check_exportable, check_finite, pick_checkpoint,
+                                                  read_model_state)
 from shardconsole.runlog.checkpoint_files import make_private
 from shardconsole.settings.models import ModelError, human_count, resolve
 from shardconsole.runlog.runfolder import RunFolder
@@ -81,6 +82,23 @@ def _disk_full(e: BaseException) -> bool:
             or "StorageFull" in text)
 
 
+def _write_failure(e: Exception, out: Path, tmp: Path, need: int) -> ExportError | None:
+    """The one line a failed write of the export folder is told as, or None for a failure of another kind."""
+    if _disk_full(e):
+        shutil.rmtree(tmp, ignore_errors=True)        # first, so the free space is what is there
+        free = shutil.disk_usage(out.parent).free if out.parent.exists() else 0
+        return ExportError(f"-o {out}: writing failed: disk full (no space left on device): the export needs "
+                           f"{C.format_size(need)}, {C.format_size(free)} free on {out.parent}; nothing was "
+                           f"left behind")
+    if isinstance(e, OSError):
+        return ExportError(f"-o {out}: writing failed: {e}")
+    # safetensors' writer raises its own SafetensorError for an OSError underneath
+    if type(e).__name__ != "SafetensorError":
+        return None
+    why = (str(e).splitlines() or ["SafetensorError"])[0][:200]
+    return ExportError(f"-o {out}: writing failed: {why}; nothing was left behind")
+
+
 def cmd_export_model(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     from shardconsole.history.index import find_run
@@ -104,13 +122,12 @@ def cmd_export_model(argv: list[str]) -> int:
     except ModelError as e:
         raise ExportError(f"{run.preset}: [model] name: {e} (the export takes the model's config and "
                           f"tokenizer from it)") from None
-    from shardconsole.export_model import adapters
-    adapters.check_exportable(cfg, spec, args.adapter, run.preset)
+    check_exportable(cfg, spec, args.adapter, run.preset)     # before torch's import: refusals in well under a second
     ckpt = pick_checkpoint(run.checkpoints(cfg.train.checkpoint_dir), args.step, cfg.parallel.backend)
 
     import torch
 
-    from shardconsole.export_model import hf_folder
+    from shardconsole.export_model import adapters, hf_folder
     state = read_model_state(ckpt)
     check_finite(state, ckpt)
     stored = {v.dtype for v in state.values() if v.is_floating_point()}
@@ -143,20 +160,10 @@ def cmd_export_model(argv: list[str]) -> int:
             out.rmdir()                 # checked empty above; a rename cannot replace a folder with files
         os.replace(tmp, out)
     except Exception as e:     # a full disk, a read-only parent: nothing half-written is left behind
-        if _disk_full(e):
-            need = n_params * (2 if dtype_name == "bf16" else 4)
-            shutil.rmtree(tmp, ignore_errors=True)        # first, so the free space is what is there
-            free = shutil.disk_usage(out.parent).free if out.parent.exists() else 0
-            raise ExportError(f"-o {out}: writing failed: disk full (no space left on device): the export needs "
-                              f"{C.format_size(need)}, {C.format_size(free)} free on {out.parent}; nothing was "
-                              f"left behind") from None
-        if isinstance(e, OSError):
-            raise ExportError(f"-o {out}: writing failed: {e}") from None
-        # safetensors' writer raises its own SafetensorError for an OSError underneath
-        if type(e).__name__ != "SafetensorError":
+        named = _write_failure(e, out, tmp, n_params * (2 if dtype_name == "bf16" else 4))
+        if named is None:
             raise
-        why = (str(e).splitlines() or ["SafetensorError"])[0][:200]
-        raise ExportError(f"-o {out}: writing failed: {why}; nothing was left behind") from None
+        raise named from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

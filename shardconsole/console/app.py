@@ -64,7 +64,7 @@ class ShardConsoleApp(App[Path | None]):
         from shardconsole.session.outcome import EXIT_CODES
         run_screen = next((s for s in reversed(self.screen_stack) if isinstance(s, RunScreen)), None)
         if run_screen is None or not run_screen.live:
-            self.exit(None, return_code=EXIT_CODES["detached"])
+            self.exit(None, return_code=129)       # no run to leave going: as cli.main's SIGHUP
             return
         run_screen.session.detach("the terminal closed (SIGHUP)")
         self.exit(run_screen.session.run_dir, return_code=EXIT_CODES["detached"])

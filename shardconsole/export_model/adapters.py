@@ -15,23 +15,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardconsole.export_model.checkpoint import ExportError
+from shardconsole.export_model.checkpoint import ExportError, check_exportable  # noqa: F401  (its home: no torch)
 from shardconsole.backends.checkpoint.hf_export import copy_tokenizer
 from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelSpec
 
 PEFT_PREFIX = "base_model.model."
-
-
-def check_exportable(cfg: C.RunConfig, spec: ModelSpec, adapter_only: bool, source: Path) -> None:
-    """The refusals known from the settings alone, before anything is read."""
-    if adapter_only and not cfg.adapters:
-        raise ExportError(f"--adapter: {source} trained every weight (train.method = \"full\"); there is no "
-                          f"adapter to export: leave --adapter out for the full model")
-    if cfg.adapters and (spec.path is None or not spec.has_weights):
-        raise ExportError(f"{source}: a {cfg.train.method} run on the catalog model {spec.name!r}, whose frozen base "
-                          f"was a random init that the checkpoint does not hold; export needs a model folder "
-                          f"with weights as model.name")
 
 
 def _quiet() -> None:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardconsole.runlog.checkpoint_files import checksums, safe_reason, why_corrupt, why_incomplete
-from shardconsole.settings.models import ModelError
+from shardconsole.settings import config as C
+from shardconsole.settings.models import ModelError, ModelSpec
 
 # The ranks train CausalLMLoss(lm): every checkpoint key is the Hugging Face model's own key under "lm.".
 PREFIX = "lm."
@@ -215,3 +216,15 @@ def _stage0_masters(meta: dict, folder: Path, half: str) -> dict:
                           f"do not map onto the model's parameters; export from a checkpoint of deepspeed.stage "
                           f"1-3 or FSDP2")
     return dict(zip(names, masters))
+
+
+def check_exportable(cfg: C.RunConfig, spec: ModelSpec, adapter_only: bool, source: Path) -> None:
+    """The refusals known from the settings alone, before anything is read or imported (torch and peft
+    take seconds to import: `--adapter` of a full run was refused after 9 s)."""
+    if adapter_only and not cfg.adapters:
+        raise ExportError(f"--adapter: {source} trained every weight (train.method = \"full\"); there is no "
+                          f"adapter to export: leave --adapter out for the full model")
+    if cfg.adapters and (spec.path is None or not spec.has_weights):
+        raise ExportError(f"{source}: a {cfg.train.method} run on the catalog model {spec.name!r}, whose frozen base "
+                          f"was a random init that the checkpoint does not hold; export needs a model folder "
+                          f"with weights as model.name")

@@ -160,6 +160,8 @@ def slurm_script(cfg: C.RunConfig, run_dir: str | Path, run_id: str, python: str
               "srun_pid=$!",
               'while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid" || true; done',
               'rc=0; wait "$srun_pid" || rc=$?',     # srun's own status, which bash keeps
+              "# a stop asked of the run (USR1, `shardconsole stop`) after which every rank saved: COMPLETED, exit 0",
+              f'if [ "$rc" -ne 0 ] && {_sh_join(session)} saved "$run_dir" "$session"; then rc=0; fi',
               'exit "$rc"']
     return "\n".join(lines) + "\n"
 

@@ -184,6 +184,25 @@ def stops_through_folder(run_dir: Path) -> bool:
         return False
 
 
+def saved_stop(run_dir: Path, session: str) -> bool:
+    """Whether `session` ended as a stop someone asked for (a stop_requested line) after which every rank
+    saved: the batch script then exits 0, so that sacct, job e-mails and `afterok` dependencies see a
+    COMPLETED job (torchrun's exit of 1 or 143 made it FAILED)."""
+    s, asked = _Session(), False
+    reader = MetricsReader(RunFolder(Path(run_dir)).metrics)
+    try:
+        while msgs := reader.poll():
+            for msg in msgs:
+                if msg.run != session:
+                    continue
+                s.apply(msg)
+                asked = asked or (isinstance(msg, P.Event) and msg.name == STOP_REQUESTED)
+    finally:
+        reader.close()
+    return asked and s.ended and all(isinstance(e, P.Failed) and e.cause == "stopped" and "saved it" in e.message
+                                     for e in s.ends.values())
+
+
 def main(argv: list[str]) -> int:
     if len(argv) in (3, 4) and argv[0] == "start":
         try:
@@ -195,8 +214,10 @@ def main(argv: list[str]) -> int:
     if len(argv) == 4 and argv[0] == "stop":
         request_stop(Path(argv[1]), argv[2], argv[3])
         return 0
-    print("usage: python -m shardconsole.session.cluster start RUN_DIR JOB_ID | stop RUN_DIR SESSION WHO",
-          file=sys.stderr)
+    if len(argv) == 3 and argv[0] == "saved":
+        return 0 if saved_stop(Path(argv[1]), argv[2]) else 1
+    print("usage: python -m shardconsole.session.cluster start RUN_DIR JOB_ID | stop RUN_DIR SESSION WHO | "
+          "saved RUN_DIR SESSION", file=sys.stderr)
     return 2
 
 

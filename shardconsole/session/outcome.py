@@ -37,7 +37,8 @@ EXIT_CODES = {
     "nan_loss": 6,
     "loss_scale_floor": 7,
     "disk_full": 9,      # ENOSPC / EDQUOT where the run writes (its folder, a checkpoint, an export)
-    "run_folder_gone": 10,   # the run folder deleted while the run went on: the ranks stopped (stream_health)
+    "run_folder_gone": 10,
+    "node_lost": 11,     # every rank of a node vanished without an end line (killed, rebooted, cut off)   # the run folder deleted while the run went on: the ranks stopped (stream_health)
     "detached": 8,       # the front end went away (closed pipe, closed terminal, Ctrl-C while attaching); the run goes on
     "stopped": 130,
 }
@@ -248,7 +249,7 @@ def explain_exit(state: RunState, rc: int | None, run_dir: Path,
     vanished = _gone_ranks(state, f)
     if vanished:
         # A node (or a rank) that vanished writes nothing; its peers' broken connections are the echo.
-        cause = "crash" if f.cause == "stopped" else f.cause
+        cause = "node_lost" if _a_node_lost(state) else "crash" if f.cause == "stopped" else f.cause
         return cause, (f"run failed ({cause}): {vanished} gone, with no end line; rank {f.rank}'s "
                          f"{f.exc_type + ': ' if f.exc_type else ''}{f.message.splitlines()[0] if f.message else ''} "
                          f"follows from it\n  try: look at that node (dmesg; the Slurm job's state); a resubmit or "
@@ -332,6 +333,14 @@ def _gone_ranks(state: RunState, f: P.Failed | None) -> str:
     step = state.last_step.step if state.last_step is not None else 0
     return "; ".join(f"rank(s) {', '.join(map(str, ranks))} on {host}" for host, ranks in by_host.items()) + \
         f" (last step seen {step})"
+
+
+def _a_node_lost(state: RunState) -> bool:
+    """Every rank of some host vanished without an end line while ranks of another host reported: a node
+    lost (killed, rebooted, cut off), its own failure class rather than a crash of the code."""
+    reported = {state.hellos[f.rank].host for f in state.failed if f.rank in state.hellos}
+    hosts = {h.host for h in state.hellos.values()}
+    return len(hosts) > 1 and bool(reported) and bool(hosts - reported)
 
 
 def classify(state: RunState, rc: int | None, run_dir: Path,

@@ -130,6 +130,7 @@ class Watcher:
         self.foreign_lines = 0
         self.session = run_id          # the run id whose finished/failed lines end the run
         self._resumed_prefix = f"{self.folder.run_id}-resume-"
+        self._first_id = self.folder.run_id       # the first session's run id (another after a copy or rename)
         self._sessions: set[str] = set()
         self._own = getattr(job, "proc", None) is not None      # our child: poll() is one waitpid
         # A node we launched of a run of several nodes: a rendezvous nobody hosts is named while it waits.
@@ -207,6 +208,23 @@ class Watcher:
             self._said_recorder = True
             tick.notes.append(f"no TensorBoard events for this run: {why}")
 
+    def _check_stopped_launcher(self, tick: Tick) -> None:
+        """The ranks said how the run ended and are gone, but the launcher does not exit: it is stopped
+        (SIGSTOP, a debugger). The run is over; waiting for the launcher hung the front end until SIGCONT."""
+        if self.state.finished is None and not self.state.failed:
+            return
+        try:
+            import psutil
+            stopped = psutil.Process(int(self.job.pid)).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+        except (psutil.Error, AttributeError, TypeError, ValueError):
+            return
+        if not stopped or self.live_ranks():
+            return
+        self.ended = True
+        self.exit_code = 0 if self.state.finished is not None and not self.state.failed else 1
+        tick.notes.append(f"the launcher (pid {self.job.pid}) is stopped (SIGSTOP): the run ended without it; "
+                          f"`kill -CONT {self.job.pid}` lets it exit")
+
     def _check_end(self, tick: Tick) -> None:
         if self.external:
             # Started elsewhere: only its stream can say it ended.
@@ -215,6 +233,7 @@ class Watcher:
                 self.exit_code = 0 if self.state.finished is not None and not self.state.failed else 1
             return
         if self.exit_code is None:
+            self._check_stopped_launcher(tick)
             return
         live = self.live_ranks()
         if not live:
@@ -228,12 +247,18 @@ class Watcher:
     def _read(self) -> list[P.Message]:
         out = []
         for msg in self.reader.poll():
+            if isinstance(msg, P.Hello) and not self._sessions and self.run_id == self.folder.run_id and not (
+                    msg.run == self.session or msg.run.startswith(self._resumed_prefix)):
+                # The folder's first session ran under another name: the folder was copied or renamed
+                # since (a copied finished run was reported "killed or crashed"). Its lines are this run's.
+                self.session = self._first_id = msg.run.split("-resume-")[0]
+                self._resumed_prefix = f"{self.session}-resume-"
             if isinstance(msg, P.Hello) and msg.run not in self._sessions and (
                     msg.run == self.session or msg.run.startswith(self._resumed_prefix)):
                 # A session's first hello: what came before (an earlier session's end, a stop asked of
                 # it) is history. `shardconsole resume` appends sessions under run ids of their own.
                 self._sessions.add(msg.run)
-                if msg.run != self.folder.run_id:       # not the first session: forget the earlier ones' end
+                if msg.run != self._first_id:           # not the first session: forget the earlier ones' end
                     self.state.new_session()
                 self.session = msg.run
             if isinstance(msg, (P.Finished, P.Failed)) and msg.run and msg.run != self.session:

@@ -159,6 +159,10 @@ def human_count(n: int) -> str:
     return str(n)
 
 
+# A Hugging Face Hub model id: one organisation and one name, no path of this machine's.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
 def resolve(name: str) -> ModelSpec:
     """A catalog name or a local model directory (it needs config.json; weights are optional here)."""
     if name in CATALOG:
@@ -170,6 +174,12 @@ def resolve(name: str) -> ModelSpec:
     except PathError as e:
         raise ModelError(f"model {e}") from None
     if found == "missing":
+        if _HUB_ID.match(name):
+            # a Hub id (org/name): the runs never reach the network, so the folder comes first
+            raise ModelError(f"model {name!r}: not a catalog size ({', '.join(CATALOG)}) nor a local folder; a "
+                             f"Hugging Face Hub model must be downloaded first, on a machine with network: "
+                             f"hf download {name} --local-dir DIR (a gated model needs `hf auth login` and its "
+                             f"licence accepted), then model.name = \"DIR\" (runs never reach the network)")
         raise ModelError(f"model {shown(name)!r}: not a catalog size ({', '.join(CATALOG)}) and no such folder")
     if found != "folder":
         got = "a file" if found == "file" else found

@@ -30,8 +30,10 @@ from shardconsole.tryout.base import no_tokenizer
 HERE = Path(__file__).parent
 # What tells runs apart first: at 80 columns the table scrolls sideways from the preset on, and the
 # status and steps stay in view next to the id.
-COLUMNS = ("", "id", "status", "steps", "preset", "backend", "model", "tokens/s", "MFU", "peak GPU", "peak host",
-           "last loss", "eval loss")
+# The figures first, what the run was after them: a long run id ate the 120 columns before peak host and
+# the losses (they went off the right edge); the detail line under the table names preset and model too.
+COLUMNS = ("", "id", "status", "steps", "tokens/s", "MFU", "peak GPU", "peak host", "last loss", "eval loss",
+           "preset", "backend", "model")
 STATUS_STYLE = {"running": "green", "finished": "cyan", "stopped": "yellow", "failed": "red", "unknown": "dim",
                 "prepared": "dim"}
 CHATTABLE = ("finished", "stopped")     # a live run's checkpoints are still being written
@@ -44,6 +46,12 @@ def _short(path: Path) -> str:
         return str(Path(path).resolve().relative_to(Path.cwd().resolve())) or "."
     except ValueError:
         return str(path)
+
+
+def _name(value: str) -> str:
+    """A model folder or preset file as the table shows it: its name (the detail line under the table
+    shows the whole path). A full path pushed the figures after it off a 120-column screen."""
+    return Path(value).name.removesuffix(".toml") if "/" in value else value
 
 
 def chat_steps(r: RunSummary) -> tuple[list[SavedStep], str]:
@@ -127,9 +135,9 @@ class RunsScreen(Screen[Path | None]):
         for r in runs:
             f = CMP.figures(r)
             status = Text(f["status"], STATUS_STYLE.get(r.status, ""))
-            table.add_row("✓" if r.path in self.marked else " ", r.run_id, status, f["steps"], f["preset"],
-                          f["backend"], f["model"], f["tokens/s"], f["MFU"], f["peak GPU"], f["peak host"],
-                          f["last loss"], f["eval loss"], key=str(r.path))
+            table.add_row("✓" if r.path in self.marked else " ", r.run_id, status, f["steps"], f["tokens/s"],
+                          f["MFU"], f["peak GPU"], f["peak host"], f["last loss"], f["eval loss"], _name(f["preset"]),
+                          f["backend"], _name(f["model"]), key=str(r.path))
         if not runs:
             self.query_one("#detail", Static).update(f"No runs in {self.runs_root or 'the runs root'} yet")
         else:
@@ -146,6 +154,7 @@ class RunsScreen(Screen[Path | None]):
             return
         r = self.runs[row]
         lines = [_short(r.path), r.detail or r.status_text]
+        lines[0] += f" · {r.preset or '-'} · {r.backend or '-'} · model {r.model or '-'}"
         if r.description:
             lines.append(r.description)
         self.query_one("#detail", Static).update("\n".join(lines))

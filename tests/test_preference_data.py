@@ -229,8 +229,10 @@ def test_planner_counts_two_rows_a_pair_and_says_what_the_reference_costs(tmp_pa
 def _rank(tmp_path, cfg, spec, events):
     """What the objective reads of a backends.rank.common.Rank, for one process without a process group."""
     from types import SimpleNamespace
-    return SimpleNamespace(cfg=cfg, spec=spec, device=torch.device("cpu"), rank=0, world=1, data_entry=None,
-                           data_built=False, log=lambda line: None, phase=lambda name: None,
+
+    from shardconsole.backends.rank.common import DataState
+    return SimpleNamespace(cfg=cfg, spec=spec, device=torch.device("cpu"), rank=0, world=1, data_state=DataState(),
+                           log=lambda line: None, phase=lambda name: None,
                            event=lambda name, detail: events.append((name, detail)))
 
 

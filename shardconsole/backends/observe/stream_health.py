@@ -3,7 +3,7 @@
 The stream is the run's only voice: a rank whose metrics.jsonl refuses its lines (a full disk, a quota)
 or whose run folder was deleted trained on blind, for hours, and ended "finished" with nothing a front
 end could show, resume or export. At every step boundary (Tail.after_step) `check` looks: a line
-dropped by the writer, the stream file unlinked, the run folder gone, or its disk with less free than a
+dropped by the writer, the run folder gone (with the stream file in it), or its disk with less free than a
 few lines (a run that logs every 50 steps writes nothing for 49 of them). A rank that finds one says it
 where it can (its stderr, the launcher's log, the checkpoint folder) and asks the run to stop, as a stop
 signal would: every rank agrees at the next boundary and saves first (train.save_on_stop; a save that
@@ -52,8 +52,11 @@ def _problem(r: Rank) -> tuple[str, str] | None:
         # ENOSPC / EDQUOT, or another refusal of the stream's file (an I/O error): the run is as blind
         return "disk_full", f"{w.path} refused a line after step {w.last_step}: {w.last_error}"
     try:
-        if w._fd is not None and os.fstat(w._fd).st_nlink == 0:
-            return "run_folder_gone", f"{w.path} was deleted" + ("" if r.run_dir.is_dir() else " with its run folder")
+        # The stream file alone deleted, its folder still there: the ranks write on through their open file
+        # and a front end reads on through its own (issue 22: a healthy run is not stopped for it); with
+        # the folder gone nothing resumable or exportable can come of the run, so it stops.
+        if w._fd is not None and os.fstat(w._fd).st_nlink == 0 and not r.run_dir.is_dir():
+            return "run_folder_gone", f"{w.path} was deleted with its run folder"
     except OSError:
         pass
     now = time.monotonic()

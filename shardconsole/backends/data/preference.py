@@ -18,7 +18,6 @@ resumes exactly on any rank count.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
@@ -149,17 +148,8 @@ def open_entry(d, seed: int, model_path: str | None, has_tokenizer: bool, vocab:
     """The pairs' cache entry: built by the first rank to take its lock, memory-mapped by all."""
     model_path = tokenizer_dir(d, model_path, has_tokenizer)
     has_tokenizer = model_path is not None
-    root = token_cache.cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    key = cache_key(d, seed, model_path, vocab)
-    folder = root / key
-    built = False
-    if not (folder / META).is_file():
-        with open(root / f"{key}.lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)      # held by the building rank; the others wait here
-            if not (folder / META).is_file():
-                _build(folder, d, seed, model_path, has_tokenizer, vocab, log)
-                built = True
+    folder, built = token_cache.built_once(cache_key(d, seed, model_path, vocab),
+                                           lambda f: _build(f, d, seed, model_path, has_tokenizer, vocab, log), log)
     meta = json.loads((folder / META).read_text())
     dtype = np.dtype(meta["dtype"])
 

@@ -135,17 +135,11 @@ class Entry:
     built_here: bool
 
 
-def open_entry(d, seed: int, model_path: str | None, has_tokenizer: bool, vocab: int,
-               log: Callable[[str], None]) -> Entry:
-    """The cache entry for these settings: built by the first rank to ask, memory-mapped by all."""
-    if model_path is not None and not has_tokenizer and not d.tokenizer:
-        raise DataError(f"[model] name: {model_path}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); name one "
-                        f"with data.tokenizer = \"FOLDER\", or data.tokenizer = \"bytes\" for UTF-8 bytes")
-    model_path = tokenizer_dir(d, model_path, has_tokenizer)      # from here on: the tokenizer's folder
-    has_tokenizer = model_path is not None
+def built_once(key: str, build: Callable[[Path], None], log: Callable[[str], None]) -> tuple[Path, bool]:
+    """The cache folder of `key` (it holds META once complete), built by the first rank to take its lock
+    while the others wait on it; (folder, whether this rank built it). The token and the pair caches share it."""
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    key = cache_key(d, seed, model_path, vocab)
     folder = root / key
     built = False
     if not (folder / META).is_file():
@@ -155,8 +149,21 @@ def open_entry(d, seed: int, model_path: str | None, has_tokenizer: bool, vocab:
             if time.monotonic() - t0 > 1:
                 log(f"data: waited {time.monotonic() - t0:.1f} s for another rank to tokenize")
             if not (folder / META).is_file():
-                _build(folder, d, seed, model_path, has_tokenizer, vocab, log)
+                build(folder)
                 built = True
+    return folder, built
+
+
+def open_entry(d, seed: int, model_path: str | None, has_tokenizer: bool, vocab: int,
+               log: Callable[[str], None]) -> Entry:
+    """The cache entry for these settings: built by the first rank to ask, memory-mapped by all."""
+    if model_path is not None and not has_tokenizer and not d.tokenizer:
+        raise DataError(f"[model] name: {model_path}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); name one "
+                        f"with data.tokenizer = \"FOLDER\", or data.tokenizer = \"bytes\" for UTF-8 bytes")
+    model_path = tokenizer_dir(d, model_path, has_tokenizer)      # from here on: the tokenizer's folder
+    has_tokenizer = model_path is not None
+    folder, built = built_once(cache_key(d, seed, model_path, vocab),
+                               lambda f: _build(f, d, seed, model_path, has_tokenizer, vocab, log), log)
     meta = json.loads((folder / META).read_text())
     dtype = np.dtype(meta["dtype"])
 

@@ -408,6 +408,34 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                           "train.steps=5"]),
         )
     ],
+    # Issue 45, out of sample again after the refit of 2026-12-04 evening (launch-bound eager micro-batches,
+    # a per-step cost, LoRA's adapters by tokens): none of these settings was measured before.
+    "issue45-oos2": [
+        (name, preset, [*sets, "train.save_final=false", "train.warmup_steps=1", "train.log_every=1"])
+        for name, preset, sets in (
+            ("oos2-1b-compiled-ckpt-mb6", "h200-fsdp", ["memory.activation_checkpointing=true",
+                                                        "train.micro_batch=6", "train.steps=8"]),
+            ("oos2-3b-eager-mb2-ga2", "h200-fsdp", ["model.name=3b", "train.compile=false", "train.micro_batch=2",
+                                                    "train.grad_accum=2", "train.steps=6"]),
+            ("oos2-1b-zero3-mb4", "h200-fsdp", ["parallel.backend=deepspeed", "deepspeed.stage=3",
+                                                "train.compile=false", "train.micro_batch=4", "train.steps=8"]),
+            ("oos2-1b-qlora-mb8", "3090-7b-qlora", ["model.name=1b", "train.micro_batch=8", "train.grad_accum=1",
+                                                    "train.steps=8"]),
+            ("oos2-3b-offload-bf16m-mb6", "3090-offload", ["model.name=3b", "precision.master_dtype=bf16",
+                                                           "train.micro_batch=6", "train.steps=4"]),
+            ("oos2-125m-seq512-mb8-ga2", "ddp-baseline", ["data.seq_len=512", "train.grad_accum=2",
+                                                          "train.steps=12"]),
+            ("oos2-3b-adamw8bit-eager-mb5", "3090-3b-adamw8bit", ["train.compile=false", "train.micro_batch=5",
+                                                                  "train.steps=6"]),
+            ("oos2-1b-selective-compiled-mb4", "h200-fsdp", ["memory.activation_checkpointing=true",
+                                                             "memory.checkpoint_policy=selective",
+                                                             "train.micro_batch=4", "train.steps=8"]),
+            ("oos2-7b-lora-seq1024-mb4", "3090-7b-lora", ["data.seq_len=1024", "train.micro_batch=4",
+                                                          "train.grad_accum=1", "train.steps=6"]),
+            ("oos2-1b-zero2-mb4", "h200-fsdp", ["parallel.backend=deepspeed", "deepspeed.stage=2",
+                                                "train.compile=false", "train.micro_batch=4", "train.steps=8"]),
+        )
+    ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
     ],

@@ -5,6 +5,8 @@ offload's host step run under the backward. Planner only (an empty speed book: c
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 import pytest
@@ -67,7 +69,10 @@ def test_a_3b_offload_user_is_told_of_adamw8bit_without_offload():
 
 def test_a_7b_offload_user_is_told_what_the_clip_costs():
     note = numerics_note(_planned("3090-7b-offload", CLIPPED))
-    assert note.startswith("no gradient clip would give ~") and "tokens/s, 1.2x the fastest" in note, note
+    # compiled layers hide the host step under the backward (~1.9 s under a ~3.1 s GPU part on the H200),
+    # where the clip makes it follow: the speed model's ratio lies between the two extremes
+    m = re.search(r"tokens/s, (\d+\.\d)x the fastest", note)
+    assert note.startswith("no gradient clip would give ~") and m and 1.1 < float(m.group(1)) < 1.7, note
     assert note.endswith("--vary train.clip_grad_norm probes it") and '"Offload view"' in note
     # named, it is an option, so the note has nothing left to say of it
     assert "no gradient clip" not in numerics_note(_planned("3090-7b-offload", CLIPPED,

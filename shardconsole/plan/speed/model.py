@@ -5,8 +5,9 @@ measured or published, and the step as its critical path (issue 45). Pure: no to
              again: the recomputed forward under full activation checkpointing and the chunked loss's
              logits in backward) at the card's matmul rate (plan/speed/cards.py) times an efficiency calibrated
              per engine and compile on the H200 (GPU_EFFICIENCY), plus a launch cost per decoder layer and
-             micro-batch (what makes small models slow), plus the optimizer step where it runs on the GPU
-             (bytes over the card's memory bandwidth);
+             micro-batch, or the launches themselves where eager FSDP2's CPU cannot keep up (what makes small
+             models and micro-batches slow), plus a cost a layer each optimizer step and the optimizer
+             step where it runs on the GPU (bytes over the card's memory bandwidth);
   PCIe       offload: the bytes each micro-batch moves (parameters to the GPU, gradients back) at the
              link's one-direction rate times the share the copies reached on the H200 (PCIE_SHARE_*);
   host step  offload: the bytes AdamW touches a parameter at the host's memory bandwidth (HostRates);
@@ -34,20 +35,36 @@ from shardconsole.settings.models import ModelSpec
 
 HOST_GBPS_ENV = "SHARDCONSOLE_HOST_GBPS"
 
-# Hardware FLOPs over (matmul rate x time), by engine and compile, for large matmuls (the launch cost
-# below holds the rest). FSDP2 eager: 0.95B at mb 8 x 2048, 60.5k tokens/s (h200_presets.json,
-# h200-fsdp-nocompile) and 7B LoRA mb 4 (lora_cal.json, 16.5k printed by the old meter with grad_accum 2:
-# 8.26k); compiled: 0.95B, 81.6-83.1k (h200-fsdp) and 60.1k checkpointed at mb 4 x 2 (issue45); ZeRO-3:
-# 0.95B, 48-51k (h200_issue3/7.json, z3-1b).
-GPU_EFFICIENCY = {"fsdp": 0.72, "fsdp_compiled": 0.88, "deepspeed": 0.62}
-# Seconds of launch and synchronisation a decoder layer costs each micro-batch, beside its FLOPs
-# (eager PyTorch dispatches some 300 kernels a layer, forward and backward): 125M at seq 1024 runs at
-# ~11% of the matmul rate, 0.95B at ~50% (h200_issue7.json, curve-125m-*). Compiled layers launch fewer.
-LAYER_LAUNCH_S = {"fsdp": 0.005, "fsdp_compiled": 0.0025, "deepspeed": 0.007}
-# LoRA's adapters: two small matmuls (and a dropout) beside each of a layer's 7 target linears: 7B at mb 4
-# x 2048 and mb 2 x 1024 and 13B QLoRA at mb 4 run ~0.1 s a micro-batch slower than their FLOPs and the
-# eager launches say (benchmarks/results/issue45): ~3.5 ms a layer.
-LORA_LAYER_S = 0.0035
+# Hardware FLOPs over (matmul rate x time), by engine and compile, for large matmuls (the launch costs
+# below hold the rest). FSDP2 eager: 0.95B at mb 8 x 2048, 60.5k tokens/s (h200_presets.json,
+# h200-fsdp-nocompile) and 7B LoRA mb 4 (lora_cal.json); compiled: 0.95B, 81.6-83.1k (h200-fsdp) and 60.1k
+# checkpointed at mb 4 x 2 (issue45); ZeRO-3: 0.95B, 48-51k (h200_issue3/7.json, z3-1b).
+GPU_EFFICIENCY = {"fsdp": 0.74, "fsdp_compiled": 0.88, "deepspeed": 0.62}
+# Eager FSDP2 is bound by the CPU that launches its kernels when a micro-batch is small: a decoder layer's
+# ~300 kernels of forward and backward take DISPATCH_LAYER_S to launch whatever their size, twice that with
+# full activation checkpointing (the forward again, and the checkpoint's own hooks), so a micro-batch takes
+# the longer of its GPU work and its launches. 0.95B at mb 2 steps in 0.21 s checkpointed, as at mb 4 (0.20 s),
+# and 0.16 s without (issue45 oos_20261204); 125M steps 4 micro-batches in 0.21 s and 1 in 0.10.
+# Fitted (least squares on log step time) over 14 eager runs of 125M-3B, mb 2-16, grad_accum 1 and 4.
+DISPATCH_LAYER_S = {"fsdp": 0.0036, "fsdp_compiled": 0.0, "deepspeed": 0.0}
+DISPATCH_CHECKPOINTED = 2.0
+# What an optimizer step costs a decoder layer beside the optimizer's bytes, once a step whatever grad_accum
+# is: clipping's norms, the foreach optimizer's and zero_grad's launches, FSDP2's per-step bookkeeping.
+# The same fit: 4.4 ms a layer (125M: 0.06 s of its 0.10 s step at mb 8).
+STEP_LAYER_S = {"fsdp": 0.0044, "fsdp_compiled": 0.0, "deepspeed": 0.0}
+# Seconds of launch and synchronisation a decoder layer adds to each micro-batch beside its FLOPs, where
+# the launches overlap the GPU's work less (compiled layers launch fewer kernels; ZeRO-3's hooks fetch
+# each layer): 125M at seq 1024 runs at ~11% of the matmul rate, 0.95B at ~50% (h200_issue7.json).
+LAYER_LAUNCH_S = {"fsdp": 0.0, "fsdp_compiled": 0.0025, "deepspeed": 0.007}
+# LoRA's adapters: two small matmuls (and a dropout) beside each of a layer's 7 target linears, memory-bound:
+# GPU time a token and unit of width a layer (7B at mb 4 x 2048 ran 0.23 s a micro-batch beyond its FLOPs,
+# 13B QLoRA ~0.35: readme-3090-* in benchmarks/results/issue45) and more launches a layer (1B LoRA at mb 4
+# and 7B at mb 2 x 1024 are bound by them: ~10 ms a layer checkpointed).
+LORA_S_PER_TOKEN_WIDTH = 2.1e-10
+LORA_LAYER_LAUNCH_S = 0.003
+# Offloaded parameters (eager): each layer's launches add to its GPU work rather than hide under it
+# (1B offloaded at mb 2-8 and grad_accum 3, 3B at grad_accum 2: issue45, oos_20261204).
+OFFLOAD_LAYER_LAUNCH_S = {"fsdp": 0.005, "fsdp_compiled": 0.0025, "deepspeed": 0.007}
 # Selective checkpointing in eager mode intercepts every op of the forward (torch's SAC dispatch mode) to
 # decide what to keep: 1b mb 3 ran 0.069 s a step slower than no checkpointing would (issue45: 26.9k
 # tokens/s), ~4.5 ms a layer. Compiled layers decide at compile time: 1b compiled + selective ran as fast
@@ -75,9 +92,11 @@ EXPOSED_FP32 = 0.85
 EXPOSED_LOW = 0.4
 # The host step under the backward (fsdp.offload_overlap): the step is the longer of the GPU's span and
 # the host step plus this share of the shorter (the host step's threads slow the copies and the launches):
-# 3B mb 4 1.45 s with a 0.88 s host step, 7B mb 12 3.70 s with 1.6 s, 13B mb 8 4.2-4.8 s with 2.9 s
-# (0.4 and 0.6 fit these runs worse: benchmarks/speed_calibrate.py).
-OVERLAP_DRAG = 0.5
+# eager, 3B mb 4 1.45 s with a 0.88 s host step, 7B mb 12 3.70 s with 1.6 s, 13B mb 8 4.2-4.8 s with 2.9 s
+# (0.4 and 0.6 fit these runs worse: benchmarks/speed_calibrate.py); compiled layers launch a few kernels a
+# layer, so the host step's threads barely slow them: 7B mb 12 3.12-3.15 s with a 1.9 s host step beside a
+# 3.04 s GPU part, 13B stochastic 3.9 s with 2.9 s (callD, 7b_fp32_compiled.json).
+OVERLAP_DRAG = {"fsdp": 0.5, "fsdp_compiled": 0.15, "deepspeed": 0.5}
 # Host memory bandwidth a step reaches, the H200 test host (16 cores): AdamW's bytes over its host step
 # (3B fp32 masters 0.79 s, 7B 1.60 s, 13B bf16 masters 2.9 s): ~118 GB/s.
 DEFAULT_HOST_GBPS = 118.0
@@ -195,6 +214,33 @@ def _gpu_optimizer_s(cfg: C.RunConfig, trained: float, card: Card, s: Shapes) ->
     return trained * per_param / (card.hbm_gbps * GB * HBM_SHARE) + rounding
 
 
+def _micro_batch_s(cfg: C.RunConfig, spec: ModelSpec, card: Card, params_on_host: bool) -> float:
+    """A micro-batch's forward and backward on the GPU: its FLOPs at the calibrated efficiency, LoRA's
+    adapters, and the kernels' launches: overlapped with the GPU's work (the longer of the two) unless the
+    parameters come from the host, where each layer's gather waits on its copy and the launch queue
+    drains (OFFLOAD_LAYER_LAUNCH_S adds)."""
+    s = Shapes.of(spec)
+    key = engine_key(cfg)
+    tokens_mb = cfg.train.micro_batch * cfg.data.seq_len
+    gpu_mb = hardware_flops_per_token(cfg, spec) * tokens_mb / (card.matmul_tflops * 1e12 * GPU_EFFICIENCY[key])
+    if cfg.precision.dtype == "fp32":
+        gpu_mb *= 4.0              # no bf16 tensor cores: TF32 at best (an assumption, not measured)
+    full_ckpt = cfg.memory.activation_checkpointing and cfg.memory.checkpoint_policy != "selective"
+    launches = DISPATCH_LAYER_S[key] * (DISPATCH_CHECKPOINTED if full_ckpt else 1.0)
+    if cfg.adapters:
+        gpu_mb += s.layers * tokens_mb * s.hidden * LORA_S_PER_TOKEN_WIDTH * CARDS["h200"].hbm_gbps / card.hbm_gbps
+        launches += LORA_LAYER_LAUNCH_S
+    if params_on_host:
+        mb = gpu_mb + s.layers * OFFLOAD_LAYER_LAUNCH_S[key]
+    else:
+        mb = max(gpu_mb, s.layers * launches) + s.layers * LAYER_LAUNCH_S[key]
+    if cfg.memory.activation_checkpointing and cfg.memory.checkpoint_policy == "selective" and key != "fsdp_compiled":
+        mb += s.layers * SELECTIVE_EAGER_LAYER_S
+    if cfg.train.method == "qlora":
+        mb *= 1.03                 # NF4 dequantisation beside each frozen matmul (7B: 16.2k vs 16.5k, lora_cal)
+    return mb
+
+
 def predict(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, card: Card | None = None,
             host: HostRates | None = None) -> SpeedPrediction | None:
     """The predicted speed of cfg on hw's GPUs (or `card`, with this host); None on CPU ranks or on a GPU
@@ -208,19 +254,10 @@ def predict(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, card: Card | Non
     ranks = max(1, cfg.parallel.nproc_per_node * cfg.parallel.nnodes)
     tokens_mb = cfg.train.micro_batch * cfg.data.seq_len
     k = cfg.train.grad_accum
-    flops = hardware_flops_per_token(cfg, spec) * tokens_mb
-    compute_mb = flops / (card.matmul_tflops * 1e12 * GPU_EFFICIENCY[key]) + s.layers * LAYER_LAUNCH_S[key]
-    if cfg.precision.dtype == "fp32":
-        compute_mb *= 4.0          # no bf16 tensor cores: TF32 at best (an assumption, not measured)
-    if cfg.adapters:
-        compute_mb += s.layers * LORA_LAYER_S
-    if cfg.memory.activation_checkpointing and cfg.memory.checkpoint_policy == "selective" and key != "fsdp_compiled":
-        compute_mb += s.layers * SELECTIVE_EAGER_LAYER_S
-    if cfg.train.method == "qlora":
-        compute_mb *= 1.03         # NF4 dequantisation beside each frozen matmul (7B: 16.2k vs 16.5k, lora_cal)
+    params_on_host, step_on_host = _offloaded(cfg)
+    compute_mb = _micro_batch_s(cfg, spec, card, params_on_host)
     n = spec.n_params
     trained = trainable_params(cfg, s) if cfg.adapters else n
-    params_on_host, step_on_host = _offloaded(cfg)
     notes: list[str] = []
     h2d = d2h = host_s = 0.0
     exposed = 0.0
@@ -235,7 +272,8 @@ def predict(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, card: Card | Non
         host_s = _host_step_bytes(cfg) * trained / ranks / (host.gbps * GB)
         if cfg.parallel.backend == "deepspeed":
             host_s *= DS_OFFLOAD_SLOWDOWN
-    gpu = k * (compute_mb + exposed) + (0.0 if step_on_host else _gpu_optimizer_s(cfg, trained / ranks, card, s))
+    gpu = k * (compute_mb + exposed) + (0.0 if params_on_host else s.layers * STEP_LAYER_S[key])
+    gpu += 0.0 if step_on_host else _gpu_optimizer_s(cfg, trained / ranks, card, s)
     comm = 0.0
     if ranks > 1:
         # Sharded (FSDP2 but no_shard, ZeRO-3): the all-gathers of forward and backward (compute dtype) and
@@ -249,7 +287,7 @@ def predict(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, card: Card | Non
     overlap = (cfg.parallel.backend == "fsdp" and step_on_host and cfg.fsdp.offload_overlap
                and cfg.train.clip_grad_norm <= 0 and cfg.precision.dtype != "fp16")
     if overlap:
-        step = max(gpu, host_s) + OVERLAP_DRAG * min(gpu, host_s)
+        step = max(gpu, host_s) + OVERLAP_DRAG[key] * min(gpu, host_s)
     else:
         step = gpu + host_s
     step = max(step, comm + host_s)

@@ -436,6 +436,32 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                 "train.compile=false", "train.micro_batch=4", "train.steps=8"]),
         )
     ],
+    # Issue 45, out of sample a third time, after the DeepSpeed refit on issue45-oos2's ZeRO rows.
+    "issue45-oos3": [
+        (name, preset, [*sets, "train.save_final=false", "train.warmup_steps=1", "train.log_every=1"])
+        for name, preset, sets in (
+            ("oos3-1b-ckpt-mb3-ga2", "3090-fsdp", ["train.micro_batch=3", "train.grad_accum=2", "train.steps=6"]),
+            ("oos3-1b-zero3-ckpt-mb6", "h200-fsdp", ["parallel.backend=deepspeed", "deepspeed.stage=3",
+                                                     "train.compile=false", "memory.activation_checkpointing=true",
+                                                     "train.micro_batch=6", "train.steps=8"]),
+            ("oos3-3b-compiled-mb3", "h200-fsdp", ["model.name=3b", "train.micro_batch=3", "train.steps=6"]),
+            ("oos3-1b-lora-seq1024-mb8", "3090-7b-lora", ["model.name=1b", "data.seq_len=1024", "train.micro_batch=8",
+                                                          "train.grad_accum=1", "train.steps=8"]),
+            ("oos3-1b-offload-noclip-mb4", "3090-offload", ["train.clip_grad_norm=0", "train.micro_batch=4",
+                                                            "train.steps=5"]),
+            ("oos3-3b-qlora-mb4", "3090-13b-qlora", ["model.name=3b", "train.micro_batch=4", "train.grad_accum=1",
+                                                     "train.steps=6"]),
+            ("oos3-125m-mb12", "ddp-baseline", ["train.micro_batch=12", "train.steps=12"]),
+            ("oos3-1b-stochastic-eager-mb4", "h200-fsdp", ["train.compile=false", "precision.master_dtype=bf16",
+                                                           "precision.master_rounding=stochastic",
+                                                           "train.micro_batch=4", "train.steps=8"]),
+            ("oos3-3b-zero2-ckpt-mb2", "h200-fsdp", ["model.name=3b", "parallel.backend=deepspeed", "deepspeed.stage=2",
+                                                     "train.compile=false", "memory.activation_checkpointing=true",
+                                                     "train.micro_batch=2", "train.steps=6"]),
+            ("oos3-1b-seq4096-compiled-ckpt-mb2", "h200-fsdp", ["data.seq_len=4096", "memory.activation_checkpointing=true",
+                                                                "train.micro_batch=2", "train.steps=8"]),
+        )
+    ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
     ],

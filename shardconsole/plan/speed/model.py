@@ -38,24 +38,25 @@ HOST_GBPS_ENV = "SHARDCONSOLE_HOST_GBPS"
 # Hardware FLOPs over (matmul rate x time), by engine and compile, for large matmuls (the launch costs
 # below hold the rest). FSDP2 eager: 0.95B at mb 8 x 2048, 60.5k tokens/s (h200_presets.json,
 # h200-fsdp-nocompile) and 7B LoRA mb 4 (lora_cal.json); compiled: 0.95B, 81.6-83.1k (h200-fsdp) and 60.1k
-# checkpointed at mb 4 x 2 (issue45); ZeRO-3: 0.95B, 48-51k (h200_issue3/7.json, z3-1b).
-GPU_EFFICIENCY = {"fsdp": 0.74, "fsdp_compiled": 0.88, "deepspeed": 0.62}
+# checkpointed at mb 4 x 2 (issue45); ZeRO-3: 0.95B, 48-51k at mb 8 (h200_issue3/7.json, z3-1b), 49.6k at mb 4 (oos2_20261204).
+GPU_EFFICIENCY = {"fsdp": 0.74, "fsdp_compiled": 0.88, "deepspeed": 0.58}
 # Eager FSDP2 is bound by the CPU that launches its kernels when a micro-batch is small: a decoder layer's
 # ~300 kernels of forward and backward take DISPATCH_LAYER_S to launch whatever their size, twice that with
 # full activation checkpointing (the forward again, and the checkpoint's own hooks), so a micro-batch takes
 # the longer of its GPU work and its launches. 0.95B at mb 2 steps in 0.21 s checkpointed, as at mb 4 (0.20 s),
 # and 0.16 s without (issue45 oos_20261204); 125M steps 4 micro-batches in 0.21 s and 1 in 0.10.
 # Fitted (least squares on log step time) over 14 eager runs of 125M-3B, mb 2-16, grad_accum 1 and 4.
-DISPATCH_LAYER_S = {"fsdp": 0.0036, "fsdp_compiled": 0.0, "deepspeed": 0.0}
+DISPATCH_LAYER_S = {"fsdp": 0.0036, "fsdp_compiled": 0.0, "deepspeed": 0.0036}
 DISPATCH_CHECKPOINTED = 2.0
 # What an optimizer step costs a decoder layer beside the optimizer's bytes, once a step whatever grad_accum
 # is: clipping's norms, the foreach optimizer's and zero_grad's launches, FSDP2's per-step bookkeeping.
-# The same fit: 4.4 ms a layer (125M: 0.06 s of its 0.10 s step at mb 8).
-STEP_LAYER_S = {"fsdp": 0.0044, "fsdp_compiled": 0.0, "deepspeed": 0.0}
-# Seconds of launch and synchronisation a decoder layer adds to each micro-batch beside its FLOPs, where
-# the launches overlap the GPU's work less (compiled layers launch fewer kernels; ZeRO-3's hooks fetch
-# each layer): 125M at seq 1024 runs at ~11% of the matmul rate, 0.95B at ~50% (h200_issue7.json).
-LAYER_LAUNCH_S = {"fsdp": 0.0, "fsdp_compiled": 0.0025, "deepspeed": 0.007}
+# The same fit: 4.4 ms a layer (125M: 0.06 s of its 0.10 s step at mb 8). DeepSpeed (eager too): ZeRO-2 and
+# ZeRO-3 1b at mb 4 stepped in 0.165-0.179 s (oos2_20261204) and ZeRO-3 at mb 8 in 0.28-0.34 s (h200_issue7):
+# efficiency 0.58 and 4 ms a layer fit both; the additive launch cost fitted on ZeRO-3 at mb 8 before (7 ms a layer) overcounted mb 4 by 40%.
+STEP_LAYER_S = {"fsdp": 0.0044, "fsdp_compiled": 0.0, "deepspeed": 0.004}
+# Seconds of launch and synchronisation a compiled decoder layer adds to each micro-batch beside its FLOPs
+# (its few kernels overlap the GPU's work less): 0.95B compiled at mb 4-8 (h200_issue7.json, issue45).
+LAYER_LAUNCH_S = {"fsdp": 0.0, "fsdp_compiled": 0.0025, "deepspeed": 0.0}
 # LoRA's adapters: two small matmuls (and a dropout) beside each of a layer's 7 target linears, memory-bound:
 # GPU time a token and unit of width a layer (7B at mb 4 x 2048 ran 0.23 s a micro-batch beyond its FLOPs,
 # 13B QLoRA ~0.35: readme-3090-* in benchmarks/results/issue45) and more launches a layer (1B LoRA at mb 4

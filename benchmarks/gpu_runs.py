@@ -342,7 +342,7 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
     # 4): full fine-tuning on the 7B offload recipe and LoRA on the 7B LoRA recipe. tokens/s counts both rows
     # of a pair; full DPO's reference pass (before step 1) is its own figure (reference_s).
     "issue47": [
-        (name, preset, ["data.seq_len=1024", "train.steps=10", "train.log_every=1", "train.warmup_steps=1",
+        (name, preset, ["data.seq_len=1024", "train.steps=6", "train.log_every=1", "train.warmup_steps=1",
                         "train.save_final=false", "train.grad_accum=1", *extra])
         for name, preset, extra in (
             ("7b-offload-sft", "3090-7b-offload", ["data.path=/tmp/sc-dpo-sft.jsonl", "train.micro_batch=12"]),

@@ -68,7 +68,7 @@ def test_a_3b_offload_user_is_told_of_adamw8bit_without_offload():
 def test_a_7b_offload_user_is_told_what_the_clip_costs():
     note = numerics_note(_planned("3090-7b-offload", CLIPPED))
     assert note.startswith("no gradient clip would give ~") and "tokens/s, 1.2x the fastest" in note, note
-    assert note.endswith("--vary train.clip_grad_norm probes it") and '"Offload view"' in note
+    assert note.endswith("--vary train.clip_grad_norm probes it") and 'docs/OFFLOAD.md, "The host step under the backward"' in note
     # named, it is an option, so the note has nothing left to say of it
     assert "no gradient clip" not in numerics_note(_planned("3090-7b-offload", CLIPPED,
                                                             frozenset({"train.clip_grad_norm"})))

@@ -31,6 +31,13 @@ def test_the_settings_markdown_refuses_a_preset():
 
 
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+ANCHORED = re.compile(r"\]\(([^)#\s]*)#([^)\s]+)\)")
+
+
+def _anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces to dashes."""
+    heads = re.findall(r"^#{1,6} (.+)$", re.sub(r"^```.*?^```", "", text, flags=re.M | re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
 
 
 def test_readme_links_every_page_of_docs_and_every_link_resolves():
@@ -45,6 +52,10 @@ def test_readme_links_every_page_of_docs_and_every_link_resolves():
                 continue
             if not (doc.parent / target).exists():
                 broken.append(f"{doc.relative_to(REPO)} -> {target}")
+        for target, anchor in ANCHORED.findall(doc.read_text()):
+            page = doc.parent / target if target else doc
+            if page.suffix == ".md" and page.exists() and anchor not in _anchors(page.read_text()):
+                broken.append(f"{doc.relative_to(REPO)} -> {target}#{anchor}")
     assert not broken, broken
 
 

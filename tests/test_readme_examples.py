@@ -83,6 +83,14 @@ NOT_AS_WRITTEN: dict[str, tuple[str, list[str]]] = {
     "shardconsole chat runs/my-chat --base": (
         "interactive: the same chat with its input at an end at once (Ctrl-D), both models loaded",
         ["shardconsole chat runs/my-chat --base < /dev/null"]),
+    "shardconsole plan --preset h200-fsdp --gpus 2 --gpu-memory 24GiB --host-memory 64GiB": (
+        "does not fit, as its comment says: the same command, its exit code checked to be plan's 3",
+        ["shardconsole plan --preset h200-fsdp --gpus 2 --gpu-memory 24GiB --host-memory 64GiB; test $? -eq 3"]),
+    **{f"python3 benchmarks/plan_calibrate.py --subset {subset} --out $OUT/plan_{out}.json": (
+        "the GPU machine's calibration (minutes of real runs): from the repository root, its matrix with the "
+        "planner's predictions (--dry-run)",
+        [f"cd {REPO} && python3 benchmarks/plan_calibrate.py --subset {subset} --dry-run"])
+       for subset, out in (("fsdp", "fsdp"), ("deepspeed", "ds"), ("edge", "edge"))},
     "shardconsole --preset 4090x2-zero3 --set parallel.nnodes=4 --slurm > job.sbatch && sbatch job.sbatch": (
         "needs a Slurm cluster: the script is written as written and checked by bash's parser",
         ["shardconsole --preset 4090x2-zero3 --set parallel.nnodes=4 --slurm > job.sbatch && bash -n job.sbatch"]),

@@ -1,10 +1,13 @@
-"""Every shell example of README.md, run as a user types it: in a fresh folder per README section, with
-the real `shardconsole` on PATH, real 2-rank CPU runs, a real Hugging Face model folder and chats file.
+"""Every shell example of README.md and docs/*.md, run as a user types it: in a fresh folder per section
+(docs/FINETUNE.md continues in the folder of README's fine-tune, as its text says), with the real
+`shardconsole` on PATH, real 2-rank CPU runs, a real Hugging Face model folder and chats file. A command
+that appears in several pages runs once.
 
 An example that cannot run here is listed in NOT_AS_WRITTEN with the reason (a GPU, several nodes,
 Slurm, the network, an interactive terminal, the suite's time) and what runs instead: its settings
-resolved and its command printed, or the same command with fewer steps. A README example that is
-neither runnable nor listed fails the first test, so a new example cannot go untested.
+resolved and its command printed, or the same command with fewer steps. An example (an indented block
+of README.md or docs/*.md) that is neither runnable nor listed fails the first test, so a new example
+cannot go untested.
 
 Placeholders are filled as a user fills them, with the runs made so far (the Set-up example's, then the
 Fine-tune section's): `<id>` (each one another run) and `<run folder>` by a run's folder, `[...]` options
@@ -28,18 +31,22 @@ from conftest import REPO
 from hf_fixtures import make_hf_model
 
 README = REPO / "README.md"
+PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
+# A page whose examples continue another page's folder (its text says so): page name -> (page, section).
+CONTINUES = {"FINETUNE.md": ("README.md", "Fine-tune your model on your data")}
+
+# README's test command: CI's (.ci/run) steps, one line (test_the_readme_test_command_is_what_ci_runs).
+TEST_COMMAND = ("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e '.[test]' && "
+                "DS_ACCELERATOR=cpu pytest -q -p no:cacheprovider")
 
 # README example -> (why it does not run as written here, the commands the test runs instead).
 NOT_AS_WRITTEN: dict[str, tuple[str, list[str]]] = {
-    "shardconsole --preset 3090-offload --headless": (
-        "needs a GPU: a 1b model with offload, hours on CPU ranks; settings resolved and command printed",
-        ["shardconsole --preset 3090-offload --print-command"]),
     "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e . && "
     "shardconsole --preset tiny-cpu --headless": (
         "installs packages from the network into a new venv; its last command runs here as written",
         ["shardconsole --preset tiny-cpu --headless"]),
-    "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e '.[test]' && "
-    "pytest -q": ("installs packages from the network, then runs this very suite", []),
+    TEST_COMMAND: ("installs packages from the network, then runs this very suite (.ci/run, checked against it "
+                   "below)", []),
     "shardconsole": (
         "opens the interactive console (tests/test_console*.py drive it with Textual's pilot); the preset it "
         "opens, resolved and its command printed", ["shardconsole --print-command"]),
@@ -76,6 +83,14 @@ NOT_AS_WRITTEN: dict[str, tuple[str, list[str]]] = {
     "shardconsole chat runs/my-chat --base": (
         "interactive: the same chat with its input at an end at once (Ctrl-D), both models loaded",
         ["shardconsole chat runs/my-chat --base < /dev/null"]),
+    "shardconsole plan --preset h200-fsdp --gpus 2 --gpu-memory 24GiB --host-memory 64GiB": (
+        "does not fit, as its comment says: the same command, its exit code checked to be plan's 3",
+        ["shardconsole plan --preset h200-fsdp --gpus 2 --gpu-memory 24GiB --host-memory 64GiB; test $? -eq 3"]),
+    **{f"python3 benchmarks/plan_calibrate.py --subset {subset} --out $OUT/plan_{out}.json": (
+        "the GPU machine's calibration (minutes of real runs): from the repository root, its matrix with the "
+        "planner's predictions (--dry-run)",
+        [f"cd {REPO} && python3 benchmarks/plan_calibrate.py --subset {subset} --dry-run"])
+       for subset, out in (("fsdp", "fsdp"), ("deepspeed", "ds"), ("edge", "edge"))},
     "shardconsole --preset 4090x2-zero3 --set parallel.nnodes=4 --slurm > job.sbatch && sbatch job.sbatch": (
         "needs a Slurm cluster: the script is written as written and checked by bash's parser",
         ["shardconsole --preset 4090x2-zero3 --set parallel.nnodes=4 --slurm > job.sbatch && bash -n job.sbatch"]),
@@ -128,9 +143,20 @@ def _slug(section: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", section.lower()).strip("-") or "top"
 
 
+def all_examples() -> list[tuple[str, str]]:
+    """(folder, command) for every example of README.md, then docs/*.md in name order. The folder names
+    the page and section whose examples share it (a user's working folder for that part)."""
+    out = []
+    for page in PAGES:
+        for section, cmd in readme_examples(page.read_text()):
+            where = CONTINUES.get(page.name, (page.name, section))
+            out.append((_slug(" ".join(where).replace(".md", "")), cmd))
+    return out
+
+
 @pytest.fixture(scope="module")
 def walkthrough(tmp_path_factory):
-    """Runs every example in README order; returns [(section, example, command run, result)]."""
+    """Runs every example of README and docs/ in order; returns [(folder, example, command run, result)]."""
     base = tmp_path_factory.mktemp("readme")
     env = {**os.environ,
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -138,31 +164,35 @@ def walkthrough(tmp_path_factory):
            "SHARDCONSOLE_CACHE_DIR": str(base / "token-cache"),
            "SHARDCONSOLE_RUNS_ROOT": str(base / "runs-root"),
            "DS_ACCELERATOR": "cpu", "COLUMNS": "120"}
-    # What the Fine-tune section names: a model folder and a .jsonl of chats, made as a user has them.
-    for section in ("Fine-tune your model on your data", "LoRA and QLoRA"):
-        ft = base / _slug(section)
-        make_hf_model(ft / "path" / "to" / "model", chat_template=True)
-        with open(ft / "chats.jsonl", "w") as fh:
+    examples = all_examples()
+    # What the fine-tune examples name: a model folder and a .jsonl of chats, made as a user has them.
+    for folder in {f for f, cmd in examples if "path/to/model" in cmd or "chats.jsonl" in cmd}:
+        make_hf_model(base / folder / "path" / "to" / "model", chat_template=True)
+        with open(base / folder / "chats.jsonl", "w") as fh:
             for i in range(40):
                 fh.write(json.dumps({"messages": [{"role": "user", "content": f"what is {i} plus {i}?"},
                                                   {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]})
                          + "\n")
     done: list = []
     runs: list[Path] = []
+    ran: dict[str, subprocess.CompletedProcess] = {}    # a command several pages show runs once
     timings: list[tuple[float, str]] = []      # seconds a command, kept beside the folders for a reader
-    examples = readme_examples(README.read_text())
     ordered = ([e for e in examples if not PLACEHOLDER.search(e[1])]
                + [e for e in examples if PLACEHOLDER.search(e[1])])
-    for section, example in ordered:
-        cwd = base / _slug(section)
+    for folder, example in ordered:
+        cwd = base / folder
         cwd.mkdir(exist_ok=True)
         commands = NOT_AS_WRITTEN[example][1] if example in NOT_AS_WRITTEN else [example]
         for cmd in commands:
-            cmd = fill(cmd, runs)
+            if cmd in ran and not PLACEHOLDER.search(cmd):
+                done.append((folder, example, cmd, ran[cmd]))
+                continue
+            filled = fill(cmd, runs)
             t0 = time.monotonic()
-            res = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-            done.append((section, example, cmd, res))
-            timings.append((round(time.monotonic() - t0, 1), cmd))
+            res = subprocess.run(["bash", "-c", filled], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+            ran[cmd] = res
+            done.append((folder, example, filled, res))
+            timings.append((round(time.monotonic() - t0, 1), filled))
             m = re.search(r"^finished: .* run folder (\S+)$", res.stdout + res.stderr, re.M)
             if m and (cwd / m.group(1)).resolve() not in runs:
                 runs.append((cwd / m.group(1)).resolve())
@@ -172,9 +202,9 @@ def walkthrough(tmp_path_factory):
 
 def test_every_readme_example_runs_as_written_or_is_listed_with_its_reason(walkthrough):
     done, _ = walkthrough
-    examples = readme_examples(README.read_text())
-    assert len(examples) >= 20
-    assert set(NOT_AS_WRITTEN) <= {e for _, e in examples}, "a listed example is no longer in README.md"
+    examples = all_examples()
+    assert len(readme_examples(README.read_text())) >= 8 and len(examples) >= 40
+    assert set(NOT_AS_WRITTEN) <= {e for _, e in examples}, "a listed example is no longer in README.md or docs/"
     failed = [f"{cmd!r} (README: {example!r}) exited {res.returncode}: {res.stderr.strip()[-600:]}"
               for _, example, cmd, res in done if res.returncode != 0]
     assert not failed, "\n".join(failed)
@@ -198,7 +228,7 @@ def test_printed_commands_name_absolute_paths(walkthrough):
 
 def test_slurm_example_sets_the_rendezvous_from_the_jobs_first_node(walkthrough):
     done, base = walkthrough
-    script = (base / _slug("More commands") / "job.sbatch").read_text()
+    script = (base / _slug("CLUSTERS Start a run on several nodes") / "job.sbatch").read_text()
     assert "#SBATCH --nodes=4" in script
     assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
     assert '--rdzv-endpoint="$head_node:' in script
@@ -208,7 +238,7 @@ def test_slurm_example_sets_the_rendezvous_from_the_jobs_first_node(walkthrough)
 
 def test_fine_tuned_model_loads_and_the_console_preset_is_the_plan_preset(walkthrough):
     done, base = walkthrough
-    assert (base / _slug("Fine-tune your model on your data") / "my-model" / "config.json").is_file()
+    assert (base / _slug("README Fine-tune your model on your data") / "my-model" / "config.json").is_file()
     res = _result(done, "resume runs/my-chat")
     assert re.search(r"^finished: 40 steps", res.stdout + res.stderr, re.M)
     # the two runs side by side (README's `compare <id> <id>`): the fine-tune's own settings differ
@@ -219,3 +249,17 @@ def test_fine_tuned_model_loads_and_the_console_preset_is_the_plan_preset(walkth
     assert "--nproc-per-node=2" in printed
     plan = subprocess.run([sys.executable, "-m", "shardconsole", "plan"], capture_output=True, text=True, timeout=120)
     assert plan.returncode == 0 and plan.stdout.startswith("plan: tiny-cpu:"), plan.stderr
+
+
+def test_the_readme_test_command_is_what_ci_runs():
+    """README's test command and .ci/run do the same steps: the same torch pin, the same install, the same
+    pytest with the same environment (CI adds only a pip upgrade), so "what CI runs" stays true."""
+    ci = [ln.strip() for ln in (REPO / ".ci" / "run").read_text().splitlines()]
+    steps = [ln for ln in ci if ln.startswith(("python3 -m venv", ". .venv", "pip install", "export ", "pytest"))]
+    assert TEST_COMMAND in [cmd for _, cmd in readme_examples(README.read_text())]
+    readme_steps = TEST_COMMAND.split(" && ")
+    want = [re.sub(r"^pip install -q ", "pip install ", s) for s in steps]      # CI's installs are quiet
+    assert want == ["python3 -m venv .venv", ". .venv/bin/activate", "pip install torch==2.13.0",
+                    "pip install -e '.[test]'", "export DS_ACCELERATOR=cpu", "pytest -q -p no:cacheprovider"], ci
+    assert readme_steps[:4] == want[:4]
+    assert readme_steps[4] == "DS_ACCELERATOR=cpu " + want[5]

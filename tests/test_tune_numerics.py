@@ -73,7 +73,7 @@ def test_a_7b_offload_user_is_told_what_the_clip_costs():
     # where the clip makes it follow: the speed model's ratio lies between the two extremes
     m = re.search(r"tokens/s, (\d+\.\d)x the fastest", note)
     assert note.startswith("no gradient clip would give ~") and m and 1.1 < float(m.group(1)) < 1.7, note
-    assert note.endswith("--vary train.clip_grad_norm probes it") and '"Offload view"' in note
+    assert note.endswith("--vary train.clip_grad_norm probes it") and 'docs/OFFLOAD.md, "The host step under the backward"' in note
     # named, it is an option, so the note has nothing left to say of it
     assert "no gradient clip" not in numerics_note(_planned("3090-7b-offload", CLIPPED,
                                                             frozenset({"train.clip_grad_norm"})))

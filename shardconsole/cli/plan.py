@@ -198,7 +198,7 @@ def cmd_plan(argv: list[str]) -> int:
     else:
         print(format_estimate(est, cfg, name, hw))
         print("\n".join(["", *speed_lines(speed, cfg)]))
-    # A script can ask "does it fit" of the exit code (README, "Exit codes"); "cannot tell" is not "no".
+    # A script can ask "does it fit" of the exit code (docs/EXIT_CODES.md); "cannot tell" is not "no".
     return EXIT_DOES_NOT_FIT if est.verdict.startswith("does not fit") else 0
 
 

@@ -121,6 +121,37 @@ def render(selection: list[tuple[str, list[str]]], width: int | None = None,
     return "\n".join(lines)
 
 
+def _cell(text: str) -> str:
+    """Text inside a Markdown table cell: a pipe would end the cell, a newline the row."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(selection: list[tuple[str, list[str]]]) -> str:
+    """docs/SETTINGS.md: the same listing as a Markdown reference, one table per settings table. The
+    committed file is this output (tests/test_docs.py), so the reference cannot drift from what
+    `--set` and preset files accept."""
+    lines = ["# Settings reference", "",
+             "Every key a preset's `[table]` or `--set table.key=value` takes, with its default, what it "
+             "allows and what it does.",
+             "Written by `shardconsole settings --markdown > docs/SETTINGS.md` from the settings tables "
+             "(shardconsole/settings/tables.py); do not edit it by hand. "
+             "Precedence: `--set` (or a console field) > the preset file > these defaults.", ""]
+    lines.append("Tables: " + ", ".join(f"[{t}](#{t})" for t, _ in selection) + ".")
+    lines.append("")
+    for table, keys in selection:
+        lines += [f"## {table}", ""]
+        doc = (C.TABLES[table].__doc__ or "").strip()
+        if doc and not doc.startswith(C.TABLES[table].__name__ + "("):     # a dataclass's own signature is no help
+            lines += [" ".join(doc.split()), ""]
+        lines += ["| key | default | allowed | what it does |", "|---|---|---|---|"]
+        for key in keys:
+            d = describe(table, key)
+            lines.append(f"| `{table}.{key}` | `{_cell(_toml(d['default']))}` | {_cell(_allowed(d))} | "
+                         f"{_cell(d['help'])} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def cmd_settings(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="shardconsole settings",
@@ -129,6 +160,9 @@ def cmd_settings(argv: list[str]) -> int:
     ap.add_argument("what", nargs="?", default=None, metavar="TABLE[.KEY]",
                     help=f"one table ({', '.join(C.TABLES)}) or one setting (train.lr); default: all")
     ap.add_argument("--json", action="store_true", help="as JSON: {table: {key: {type, default, allowed, ...}}}")
+    ap.add_argument("--markdown", action="store_true",
+                    help="as the Markdown reference docs/SETTINGS.md holds (shardconsole settings --markdown "
+                         "> docs/SETTINGS.md)")
     ap.add_argument("--preset", default=None, help="also show each key's value in this preset (name or .toml file)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
                     help="with --preset: an override on top, as a run takes it; repeatable")
@@ -138,6 +172,12 @@ def cmd_settings(argv: list[str]) -> int:
     if args.preset or args.overrides:
         from shardconsole.settings import resolve as settings
         cfg = settings.resolve(args.preset or settings.DEFAULT_PRESET, settings.from_cli(args.overrides)).cfg
+    if args.markdown:
+        if cfg is not None:
+            raise C.ConfigError("settings: --markdown writes the defaults' reference; --preset and --set "
+                                "show a preset's values (without --markdown)")
+        sys.stdout.write(render_markdown(selection))
+        return 0
     if args.json:
         doc = {table: {key: {k: v for k, v in describe(table, key).items() if k != "key"} for key in keys}
                for table, keys in selection}

@@ -57,7 +57,7 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
         # backends/offload_overlap.why_not: the clip factor is the global norm's, known after the backward
         notes.append(f"the host optimizer step runs after the backward: train.clip_grad_norm = "
                      f"{cfg.train.clip_grad_norm:g} needs every gradient first; 0 lets it run under the backward "
-                     f"(on the H200: 1.2x at 3b, 1.46x at 7B; README, \"Offload view\")")
+                     f"(on the H200: 1.2x at 3b, 1.46x at 7B; docs/OFFLOAD.md)")
     return _Rank(_gpu_moments(cfg, s, z), _host(cfg, s, z), notes, side, side_live)
 
 

@@ -24,7 +24,7 @@ from shardconsole.session.network import who_hosts
 from shardconsole.session.rundir import stream_stopped_cause, stream_stopped_note
 
 # Exit codes of `shardconsole --headless` and `attach`, by how the run (or the watching) ended.
-# README.md's exit-code table lists the same.
+# docs/EXIT_CODES.md lists the same.
 EXIT_CODES = {
     "ok": 0,
     "crash": 1,

@@ -160,7 +160,7 @@ class PrecisionSettings:
     # How an fp32 update lands in bf16 masters (backends/optim/master_update.py). stochastic: rounded up or down
     # with the probability of its distance, so small updates survive on average (8 bytes a parameter);
     # kahan: a bf16 buffer keeps what rounding dropped (10 bytes); nearest: torch's AdamW as is.
-    # Default nearest, from the measurement (README, "master_rounding"): stochastic and kahan reach
+    # Default nearest, from the measurement (docs/MEASURED.md, "master_rounding"): stochastic and kahan reach
     # fp32-master quality (+0.87% and -0.07% final loss against +6.0%) but their host step is
     # compute-bound, 4.5x torch's fused bf16 AdamW on the CI machine (13B stochastic offloaded: 1,626
     # tokens/s on the H200 under 24 GiB). Opt-in where quality matters more than step time.

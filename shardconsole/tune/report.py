@@ -115,11 +115,13 @@ def numerics_note(tune: Tune) -> str:
         gain = f"would give ~{_rate(best.prediction.value)} tokens/s, {ratio:.1f}x {than}"
     else:
         gain = f"would be ~{ratio:.1f}x as fast as {than}"
-    section = ("Without offload: low-bit AdamW and the step in backward" if "optim.name" in changed else
-               "bf16 masters: the trade-off" if "precision.master_dtype" in changed else
-               "Offload view" if "train.clip_grad_norm" in changed else "Tune")
+    # The page of docs/ and its section that say what the change costs in quality or why it helps.
+    page, section = (("MEASURED.md", "Without offload: low-bit AdamW and the step in backward") if "optim.name" in changed
+                     else ("MEASURED.md", "bf16 masters: the trade-off") if "precision.master_dtype" in changed
+                     else ("OFFLOAD.md", "The host step under the backward") if "train.clip_grad_norm" in changed
+                     else ("TUNE.md", "Tune"))
     return (f"{words} {gain} ({best.name}; {best.prediction.source}, not probed); it changes the update: "
-            f"see README, \"{section}\"; " + " ".join(f"--vary {k}" for k in changed) + " probes it")
+            f"see docs/{page}, \"{section}\"; " + " ".join(f"--vary {k}" for k in changed) + " probes it")
 
 
 def format_table(rows: list[tuple[str, ...]]) -> str:

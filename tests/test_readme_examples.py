@@ -173,6 +173,14 @@ def walkthrough(tmp_path_factory):
                 fh.write(json.dumps({"messages": [{"role": "user", "content": f"what is {i} plus {i}?"},
                                                   {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]})
                          + "\n")
+    # ... and preference pairs, the chosen answer right, the rejected one wrong.
+    for folder in {f for f, cmd in examples if "pairs.jsonl" in cmd}:
+        if not (base / folder / "path" / "to" / "model").exists():
+            make_hf_model(base / folder / "path" / "to" / "model", chat_template=True)
+        with open(base / folder / "pairs.jsonl", "w") as fh:
+            for i in range(40):
+                fh.write(json.dumps({"prompt": f"what is {i} plus {i}?", "chosen": f" {2 * i}.",
+                                     "rejected": f" {2 * i + 1}."}) + "\n")
     done: list = []
     runs: list[Path] = []
     ran: dict[str, subprocess.CompletedProcess] = {}    # a command several pages show runs once

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from shardconsole.console.screens.runs import COLUMNS
-from tests.test_console import make_app, wait_for
+from tests.test_console import make_app, real_planner, show_table, wait_for
 
 SIZES = [(80, 24), (120, 40)]
 ID = "20261204-181512-tiny-cpu"
@@ -80,3 +80,34 @@ async def test_the_runs_table_after_an_attach_keeps_ids_and_status_readable(fsdp
         at = [r.run_id for r in app.screen.runs].index(LONG_ID)
         table.move_cursor(row=at)
         await wait_for(pilot, lambda: LONG_ID in str(app.screen.query_one("#detail").render()), what="its folder")
+
+
+@pytest.mark.parametrize("size", SIZES, ids=["80x24", "120x40"])
+async def test_the_pick_tab_shows_backend_and_method_and_the_summary_its_verdict(tmp_path, size):
+    """80x24: the summary took 12 of the 20 rows (the Pick tab had 7: Backend and Method below its edge,
+    a form 6 rows). Backend and Method are in view above the summary, a form has more rows than the
+    summary, and the problem line and the estimate with its verdict ("fits") are drawn whole."""
+    app = make_app(tmp_path, preset="3090-offload", planner=real_planner)
+    async with app.run_test(size=size) as pilot:
+        setup = app.setup_screen
+        await wait_for(pilot, lambda: setup.machine.detected)
+        await pilot.pause()
+        summary = setup.query_one("#summary").region
+        column = setup.query_one("#model-picker")
+        assert column.scroll_y == 0
+        buttons = list(setup.query("#backend RadioButton")) + list(setup.query("#method RadioButton"))
+        assert len(buttons) == 5
+        for button in buttons:              # each one whole on the screen, above the summary
+            assert column.region.contains_region(button.region) and button.region.bottom <= summary.y, \
+                (button.id, button.region, column.region, summary)
+            assert str(button.label)[:8] in drawn(button)[0], (button.id, drawn(button))
+        for wid in ("#problems", "#estimate"):
+            text = " ".join(line.strip() for line in drawn(setup.query_one(wid)))
+            assert "…" not in text, (wid, text)
+        estimate = " ".join(line.strip() for line in drawn(setup.query_one("#estimate")))
+        assert "fits: host" in estimate and estimate.endswith("usable"), estimate
+        assert "no GPU here" in " ".join(drawn(setup.query_one("#problems"))) and "tiny)" in " ".join(
+            drawn(setup.query_one("#problems")))
+        await show_table(pilot, setup, "train")
+        form = setup.query_one("#form-train").region
+        assert form.height > summary.height, (form, summary)

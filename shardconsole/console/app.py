@@ -29,6 +29,7 @@ class ShardConsoleApp(App[Path | None]):
     TITLE = "shardconsole"
     ENABLE_COMMAND_PALETTE = False
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall")]      # 24 rows: the setup's summary gives way
     # In every footer: the setup screen's six bindings and these two fit in 80 columns.
     BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True), Binding("ctrl+l", "runs", "Runs")]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
@@ -36,8 +37,14 @@ COLUMNS = ("", "id", "status", "steps", "tokens/s", "MFU", "peak GPU", "peak hos
            "preset", "backend", "model")
 STATUS_STYLE = {"running": "green", "finished": "cyan", "stopped": "yellow", "failed": "red", "unknown": "dim",
                 "prepared": "dim"}
+FIXED = 3       # the mark, the id and the status stay put while the table scrolls sideways (80 columns)
+ID_WIDTH = 30   # a longer run id ends in "…" (the detail line has its folder): 120 columns hold the figures
 CHATTABLE = ("finished", "stopped")     # a live run's checkpoints are still being written
 COLORS = ("#5fd7d7", "#ffaf5f", "#af87ff", "#87d75f", "#ff5f87", "#d7d75f")
+
+
+def _plain(cell: str | Text) -> str:
+    return cell.plain if isinstance(cell, Text) else cell
 
 
 def _short(path: Path) -> str:
@@ -100,7 +107,7 @@ class RunsScreen(Screen[Path | None]):
         with Vertical(id="runs-body"):
             where = " and ".join(_short(r) for r in roots(self._root()))
             yield Label(f"Runs in {where} (newest first): space marks, c compares, enter attaches", id="title")
-            table = DataTable(id="runs-table", cursor_type="row", zebra_stripes=True)
+            table = DataTable(id="runs-table", cursor_type="row", zebra_stripes=True, fixed_columns=FIXED)
             table.add_columns(*COLUMNS)
             yield table
             yield Static("reading the runs…", id="detail", markup=False)
@@ -131,18 +138,28 @@ class RunsScreen(Screen[Path | None]):
     def _show(self, runs: list[RunSummary]) -> None:
         self.runs = runs
         table = self.query_one("#runs-table", DataTable)
-        table.clear()
-        for r in runs:
-            f = CMP.figures(r)
-            status = Text(f["status"], STATUS_STYLE.get(r.status, ""))
-            table.add_row("✓" if r.path in self.marked else " ", r.run_id, status, f["steps"], f["tokens/s"],
-                          f["MFU"], f["peak GPU"], f["peak host"], f["last loss"], f["eval loss"], _name(f["preset"]),
-                          f["backend"], _name(f["model"]), key=str(r.path))
+        rows = [self._row(r) for r in runs]
+        # Widths set with the rows: an auto width is measured only when the table next idles, and a
+        # screen drawn before that (once, after ctrl+l from an attach) squeezed every column to its
+        # label ("20" for the id, "runnin").
+        table.clear(columns=True)
+        for i, label in enumerate(COLUMNS):
+            table.add_column(label, key=label or "mark",
+                             width=max([cell_len(label), *(cell_len(_plain(row[i])) for row in rows)]))
+        for r, row in zip(runs, rows):
+            table.add_row(*row, key=str(r.path))
         if not runs:
             self.query_one("#detail", Static).update(f"No runs in {self.runs_root or 'the runs root'} yet")
         else:
             table.focus()
             self._describe(0)
+
+    def _row(self, r: RunSummary) -> list[str | Text]:
+        f = CMP.figures(r)
+        run_id = Text(r.run_id if len(r.run_id) <= ID_WIDTH else r.run_id[:ID_WIDTH - 1] + "…")
+        return ["✓" if r.path in self.marked else " ", run_id, Text(f["status"], STATUS_STYLE.get(r.status, "")),
+                f["steps"], f["tokens/s"], f["MFU"], f["peak GPU"], f["peak host"], f["last loss"], f["eval loss"],
+                _name(f["preset"]), f["backend"], _name(f["model"])]
 
     def _current(self) -> RunSummary | None:
         table = self.query_one("#runs-table", DataTable)

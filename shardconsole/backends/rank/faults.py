@@ -9,6 +9,8 @@ Set SHARDCONSOLE_FAULT to one or more `kind@key=value,...` separated by ';', e.g
     SHARDCONSOLE_FAULT="overflow@step=2"           a gradient becomes inf from step 2 (fp16 skips)
     SHARDCONSOLE_FAULT="raise@rank=1,step=2"       a plain exception
     SHARDCONSOLE_FAULT="slow_save@step=4"          sleep 60 s inside checkpoint saves from step 4 on
+    SHARDCONSOLE_FAULT="pace@rank=0,ms=200"        each step takes 200 ms more on rank 0 (the others wait
+                                                   for it): a steady pace that a loaded machine barely moves
 Without the variable nothing is installed: the rank loops hold no fault code. With it, the loops call
 `install` (hooks on the module a loop calls: the step's faults and the loss) or `install_fsdp` (also
 FSDP2's unscale and clip: the gradient fault); the load and save faults are an attribute test each,
@@ -31,6 +33,7 @@ class Fault:
     kind: str
     rank: int | None = None
     step: int = 1
+    ms: int = 0
 
     def here(self, rank: int, step: int | None = None) -> bool:
         return (self.rank is None or self.rank == rank) and (step is None or step >= self.step)
@@ -44,7 +47,7 @@ def parse(text: str) -> list[Fault]:
         for item in filter(None, args.split(",")):
             k, _, v = item.partition("=")
             kw[k.strip()] = int(v)
-        faults.append(Fault(kind.strip(), kw.get("rank"), kw.get("step", 1)))
+        faults.append(Fault(kind.strip(), kw.get("rank"), kw.get("step", 1), kw.get("ms", 0)))
     return faults
 
 
@@ -73,6 +76,9 @@ class Injector:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected fault)")
         if self._hit("raise", step):
             raise ValueError(f"injected failure at step {step}")
+        for f in self.faults:
+            if f.kind == "pace" and f.here(self.rank, step):
+                time.sleep(f.ms / 1000)
 
     def on_loss(self, loss: torch.Tensor, step: int) -> torch.Tensor:
         if self.active and self._hit("nan", step):

@@ -162,3 +162,20 @@ def test_a_stopped_launcher_does_not_hang_the_front_end_after_the_run_ended(tmp_
             front.wait()
     assert front.returncode == 0, out[-3000:]
     assert "finished: 40 steps" in out and f"launcher (pid {launcher}) is stopped" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_run_folder_on_a_full_disk_is_refused_before_launch_and_resume(tmp_path, tmpfs):
+    """The ranks stop a run whose stream's disk has under 64 KiB free (stream_health): a launch or a resume
+    into such a run folder is refused before any rank starts, as an unwritable one is (it launched, trained
+    a step and stopped with disk_full)."""
+    run_dir, ckpt = tmpfs / "run", tmp_path / "ckpt"
+    res = run(run_dir, "train.steps=2", f"train.checkpoint_dir={ckpt}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    subprocess.run(["dd", "if=/dev/zero", f"of={tmpfs / 'fill'}", "bs=64k"], capture_output=True)   # to ENOSPC
+    stream = (run_dir / "metrics.jsonl").read_text()
+    line = one_line(shardconsole("resume", str(run_dir), "--set", "train.steps=4", timeout=120))
+    assert f"run folder {run_dir}" in line and "KiB free, under the 64 KiB the stream needs" in line, line
+    line = one_line(run(tmpfs / "new", "train.steps=2", f"train.checkpoint_dir={tmp_path / 'ckpt2'}"))
+    assert f"run folder {tmpfs / 'new'}" in line and "KiB free" in line, line
+    assert (run_dir / "metrics.jsonl").read_text() == stream and not (tmpfs / "new").exists()

@@ -46,6 +46,22 @@ def test_an_edit_that_keeps_size_and_mtime_gets_new_tokens(tmp_path, monkeypatch
     assert ord("c") in ids and ord("b") not in ids
 
 
+def test_a_checkpoint_of_before_the_bytes_hash_still_compares_its_content(tmp_path, monkeypatch):
+    """Checkpoints written before a file's hash was its bytes alone hashed its name too (and carry no
+    "hashed"): a resume on the same file compares it that way, so it is not refused as changed content."""
+    from shardconsole.backends.data import batches
+    monkeypatch.setenv("SHARDCONSOLE_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "d.jsonl"
+    f.write_text(records(5))
+    now = {"path": str(f), "sha256": token_cache.content_hash(f), "hashed": batches.HASHED}
+    assert now["sha256"] == hashlib.sha256(f.read_bytes()).hexdigest()
+    old = {"path": str(f), "sha256": token_cache.named_content_hash(f)}
+    assert old["sha256"] != now["sha256"] and batches._same_content(old, now)
+    assert not batches._same_content({**old, "hashed": batches.HASHED}, now)
+    f.write_text(records(6))
+    assert not batches._same_content(old, {**now, "sha256": token_cache.content_hash(f)})
+
+
 @pytest.mark.slow
 def test_a_resume_on_changed_data_refuses_in_one_line(tmp_path):
     """A run on 40 records checkpoints; a byte-identical copy elsewhere resumes it; 400 records are appended;

@@ -41,10 +41,10 @@ def train_tokenizer(vocab_size: int = 384):
 
 
 def make_hf_model(folder: Path, *, chat_template: bool = False, vocab_size: int = 384, seed: int = 0,
-                  tie_word_embeddings: bool = False, dtype: str = "float32") -> Path:
+                  tie_word_embeddings: bool = False, dtype: str = "float32", positions: int = 1024) -> Path:
     """A Llama-architecture model folder (config.json, generation_config.json, model.safetensors,
     tokenizer files) that models.resolve and transformers' Auto classes both accept. `dtype`: the
-    weights' dtype in the file (torch's name: "float32", "bfloat16")."""
+    weights' dtype in the file (torch's name: "float32", "bfloat16"); `positions`: max_position_embeddings."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     folder = Path(folder)
@@ -54,7 +54,7 @@ def make_hf_model(folder: Path, *, chat_template: bool = False, vocab_size: int 
         tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(folder)
     config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                         intermediate_size=176, vocab_size=len(tok), max_position_embeddings=1024,
+                         intermediate_size=176, vocab_size=len(tok), max_position_embeddings=positions,
                          tie_word_embeddings=tie_word_embeddings, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id, bos_token_id=None)
     torch.manual_seed(seed)

@@ -93,6 +93,41 @@ def test_a_stop_of_another_users_run_says_not_your_run():
 
 
 @pytest.mark.slow
+def test_shardconsole_stop_by_another_user_says_not_your_run():
+    """`shardconsole stop` run as uid 65534 on root's running run: one line naming the owner, exit 2, and
+    the run goes on (it reported processes "still alive after SIGKILL")."""
+    import shutil
+    import tempfile
+    shared = Path(tempfile.mkdtemp(prefix="shardconsole-shared-", dir="/tmp"))   # pytest's tmp is root's alone
+    shared.chmod(0o755)
+    run_dir = shared / "run"
+    runner = subprocess.Popen([sys.executable, "-m", "shardconsole", "--preset", "tiny-cpu", "--headless",
+                               "--run-dir", str(run_dir), "--set", "train.steps=100000"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").is_file() or not of_kind(messages(run_dir), "step"):
+            assert runner.poll() is None and time.monotonic() < deadline, "the run never stepped"
+            time.sleep(0.1)
+        res = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
+                              "shardconsole", "stop", str(run_dir)], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "HOME": str(shared)}, cwd=shared)
+        line = one_line(res)
+        assert "not your run" in line and "runs as user root" in line, line
+        assert runner.poll() is None          # nothing was signalled
+        assert shardconsole("stop", str(run_dir), timeout=120).returncode == 0
+    finally:
+        if runner.poll() is None:
+            runner.send_signal(signal.SIGINT)
+        try:
+            runner.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            runner.kill()
+            runner.wait()
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+@pytest.mark.slow
 def test_sighup_to_attach_in_its_first_moments_is_a_detach(tmp_path):
     """SIGHUP before attach follows (its imports, its replay) exits 8, the run going on; it was 129."""
     run_dir = tmp_path / "run"
@@ -162,3 +197,20 @@ def test_a_stopped_launcher_does_not_hang_the_front_end_after_the_run_ended(tmp_
             front.wait()
     assert front.returncode == 0, out[-3000:]
     assert "finished: 40 steps" in out and f"launcher (pid {launcher}) is stopped" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_run_folder_on_a_full_disk_is_refused_before_launch_and_resume(tmp_path, tmpfs):
+    """The ranks stop a run whose stream's disk has under 64 KiB free (stream_health): a launch or a resume
+    into such a run folder is refused before any rank starts, as an unwritable one is (it launched, trained
+    a step and stopped with disk_full)."""
+    run_dir, ckpt = tmpfs / "run", tmp_path / "ckpt"
+    res = run(run_dir, "train.steps=2", f"train.checkpoint_dir={ckpt}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    subprocess.run(["dd", "if=/dev/zero", f"of={tmpfs / 'fill'}", "bs=64k"], capture_output=True)   # to ENOSPC
+    stream = (run_dir / "metrics.jsonl").read_text()
+    line = one_line(shardconsole("resume", str(run_dir), "--set", "train.steps=4", timeout=120))
+    assert f"run folder {run_dir}" in line and "KiB free, under the 64 KiB the stream needs" in line, line
+    line = one_line(run(tmpfs / "new", "train.steps=2", f"train.checkpoint_dir={tmp_path / 'ckpt2'}"))
+    assert f"run folder {tmpfs / 'new'}" in line and "KiB free" in line, line
+    assert (run_dir / "metrics.jsonl").read_text() == stream and not (tmpfs / "new").exists()

@@ -5,6 +5,7 @@ file that kept its size and mtime."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -45,10 +46,27 @@ def test_an_edit_that_keeps_size_and_mtime_gets_new_tokens(tmp_path, monkeypatch
     assert ord("c") in ids and ord("b") not in ids
 
 
+def test_a_checkpoint_of_before_the_bytes_hash_still_compares_its_content(tmp_path, monkeypatch):
+    """Checkpoints written before a file's hash was its bytes alone hashed its name too (and carry no
+    "hashed"): a resume on the same file compares it that way, so it is not refused as changed content."""
+    from shardconsole.backends.data import batches
+    monkeypatch.setenv("SHARDCONSOLE_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "d.jsonl"
+    f.write_text(records(5))
+    now = {"path": str(f), "sha256": token_cache.content_hash(f), "hashed": batches.HASHED}
+    assert now["sha256"] == hashlib.sha256(f.read_bytes()).hexdigest()
+    old = {"path": str(f), "sha256": token_cache.named_content_hash(f)}
+    assert old["sha256"] != now["sha256"] and batches._same_content(old, now)
+    assert not batches._same_content({**old, "hashed": batches.HASHED}, now)
+    f.write_text(records(6))
+    assert not batches._same_content(old, {**now, "sha256": token_cache.content_hash(f)})
+
+
 @pytest.mark.slow
 def test_a_resume_on_changed_data_refuses_in_one_line(tmp_path):
-    """A run on 40 records checkpoints; 400 records are appended; the resume refuses naming what changed
-    and data.allow_changed; with it the run goes on from an epoch start of the new data."""
+    """A run on 40 records checkpoints; a byte-identical copy elsewhere resumes it; 400 records are appended;
+    the resume refuses naming what changed and data.allow_changed; with it the run goes on from an epoch
+    start of the new data."""
     data = tmp_path / "d.jsonl"
     data.write_text(records(40))
     run = tmp_path / "run"
@@ -60,13 +78,26 @@ def test_a_resume_on_changed_data_refuses_in_one_line(tmp_path):
     manifest = json.loads((ckpt / "shardconsole.json").read_text())
     assert manifest["data"]["records"] == 40 and len(manifest["data"]["sha256"]) == 64
     assert manifest["data"]["cache_key"]
+    # The same bytes under another name and folder (the original gone) are the same data: the resume
+    # goes on, with one note (the manifest's sha256 is the file's own, as sha256sum says).
+    assert manifest["data"]["sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
+    moved = tmp_path / "elsewhere" / "copy-of-d.jsonl"
+    moved.parent.mkdir()
+    shutil.copyfile(data, moved)
+    data.unlink()
+    res = shardconsole("resume", str(run), "--set", "train.steps=3", "--set", f"data.path={moved}", env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    notes = [m.detail for m in of_kind(messages(run), "event") if "the same content as" in m.detail]
+    assert notes == [f"data: {moved}: the same content as {data}, which {ckpt.name} trained on"], notes
+    assert max(m.step for m in of_kind(messages(run), "step")) == 3
+    ckpt, data = sorted((run / "checkpoints").glob("step_*"))[-1], moved
     with data.open("a") as fh:
         fh.write(records(400, 40))
     res = shardconsole("resume", str(run), "--set", "train.steps=4", env=env)
     assert res.returncode == 2, res.stderr[-2000:]
     lines = [ln for ln in res.stderr.splitlines() if "data.allow_changed" in ln]
     assert len(lines) == 1 and "400 record(s) added" in lines[0] and str(data) in lines[0], res.stderr[-2000:]
-    assert max(m.step for m in of_kind(messages(run), "step")) == 2       # nothing trained on the new data
+    assert max(m.step for m in of_kind(messages(run), "step")) == 3       # nothing trained on the new data
     res = shardconsole("resume", str(run), "--set", "train.steps=4", "--set", "data.allow_changed=true", env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     msgs = messages(run)

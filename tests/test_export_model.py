@@ -212,6 +212,15 @@ def test_step_picks_an_earlier_checkpoint(fsdp, tmp_path):
     assert f"{evals[2]:.4f} at step 2" in (out / "README.md").read_text()   # not step 4's: other weights
 
 
+def test_an_export_named_with_250_characters_is_written(fsdp, tmp_path):
+    """-o with a 250-character name (NAME_MAX is 255): the hidden folder it is written in first took the whole
+    name with a prefix and a suffix and failed on its own name (issue 46 item 7)."""
+    out = tmp_path / ("e" * 250)
+    res = _export(fsdp.run, out, "--step", "2")
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert (out / "config.json").is_file() and sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+
+
 def test_an_incomplete_newest_checkpoint_is_skipped(fsdp, tmp_path):
     """A newest step folder cut short (a full disk, a copy stopped midway) is not exported by default:
     the one before is, with a line saying why; asked for by --step it is refused in one line."""

@@ -270,3 +270,20 @@ def test_qloras_random_base_is_made_a_layer_at_a_time_and_equals_the_lora_runs_b
     assert sorted(base) == sorted(k for k in drawn if "rotary" not in k)
     for k, v in base.items():
         assert v.dtype == torch.bfloat16 and torch.equal(drawn[k], v), k
+
+
+@pytest.mark.slow
+def test_a_lora_resume_with_another_rank_or_method_names_the_setting_before_launch(fsdp, folder):
+    """The checkpoint's adapters were made with lora.rank = 4 by train.method = lora: a resume that changes
+    either is refused before any rank starts, naming the setting (it failed after launch with DCP's "Size
+    mismatch ... move that folder away")."""
+    preset = (fsdp.run / "preset.toml").read_text()
+    lines = len((fsdp.run / "metrics.jsonl").read_text().splitlines())
+    for override, said in (("lora.rank=8", "lora.rank = 4"), ("train.method=full", "train.method = 'lora'")):
+        adapter = str(override.startswith("lora")).lower()     # a full run exports no adapter: refused apart
+        res = shardconsole("resume", str(fsdp.run), *_sets("train.steps=8", override, "train.export_dir=",
+                                                           f"train.export_adapter={adapter}"), timeout=120, env=folder.env)
+        line = _one_line_error(res)
+        assert f"--set {override.split('=')[0]}" in line and f"saved with {said}" in line, line
+    assert (fsdp.run / "preset.toml").read_text() == preset           # nothing written, no rank started
+    assert len((fsdp.run / "metrics.jsonl").read_text().splitlines()) == lines

@@ -121,6 +121,24 @@ def test_source_resumes_exactly_by_seek_on_any_rank_count():
     assert after == order[6:8]
 
 
+def test_the_pair_cache_opens_an_empty_split(tmp_path, monkeypatch):
+    """An entry whose eval split holds no tokens (a cache edited by hand, or cut short): np.memmap refuses an
+    empty file, so the reader maps nothing and gives a split of no pairs, as the token cache's reader does."""
+    import json as _json
+    from shardconsole.backends.data import preference as D
+    monkeypatch.setenv("SHARDCONSOLE_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = dpo_cfg(write_jsonl(tmp_path / "p.jsonl", PAIRS), "data.eval_fraction=0.25", "data.seq_len=32")
+    first = D.open_entry(cfg.data, 1, None, False, 512, lambda _: None)
+    assert first.eval is not None and first.eval.n == 3
+    meta = _json.loads((first.folder / "meta.json").read_text())
+    meta["splits"]["eval"] = {**meta["splits"]["eval"], "records": 0, "tokens": 0}
+    (first.folder / "meta.json").write_text(_json.dumps(meta))
+    for part in ("ids", "index"):
+        (first.folder / f"eval.{part}").write_bytes(b"")
+    again = D.open_entry(cfg.data, 1, None, False, 512, lambda _: None)
+    assert again.eval is not None and again.eval.n == 0 and len(again.eval.ids) == 0 and again.train.n == 9
+
+
 def test_lora_reference_is_the_base_with_adapters_off():
     from transformers import LlamaConfig, LlamaForCausalLM
     from shardconsole.backends.model import adapters, modeling

@@ -58,3 +58,35 @@ def test_a_stop_that_must_kill_says_how_many_steps_were_lost_since_which_checkpo
     assert report.killed and report.clean
     line = describe_stop(report)
     assert "1 step(s) lost since the checkpoint of step 3" in line and "step_00000003" in line, line
+
+
+@pytest.mark.slow
+def test_runs_shows_the_step_a_stop_saved_at_not_the_last_step_line(tmp_path):
+    """Step lines every 1000 steps, a checkpoint every 4: a stop saves at a step no step line named (the
+    Slurm pass: `runs` said 230 where the run stopped and saved at 236)."""
+    import json
+    from tests.conftest import shardconsole, wait_until
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "shardconsole", "--preset", "tiny-cpu", "--headless",
+                             "--run-dir", str(run_dir), "--set", "train.steps=100000", "--set", "train.log_every=1000",
+                             "--set", "train.checkpoint_every=4", "--set", "train.keep_checkpoints=1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: (run_dir / "metrics.jsonl").is_file() and any(
+            m.name == "checkpoint_saved" for m in of_kind(messages(run_dir), "event")), 300, "a checkpoint")
+        res = shardconsole("stop", str(run_dir), timeout=120)
+        assert res.returncode == 0, res.stderr[-2000:]
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    msgs = messages(run_dir)
+    stopped = [m for m in of_kind(msgs, "failed") if m.cause == "stopped"]
+    assert stopped and "saved it" in stopped[0].message, stopped
+    saved = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
+    assert saved == stopped[0].step and not of_kind(msgs, "step")       # no step line ever said it
+    rows = [json.loads(line) for line in shardconsole("runs", "--json", "--runs-root", str(tmp_path)).stdout.splitlines()]
+    assert [(r["status"], r["step"], r["steps"]) for r in rows] == [("stopped", saved, 100000)], rows
+    table = shardconsole("runs", "--runs-root", str(tmp_path)).stdout
+    assert f"{saved}/100000" in table, table

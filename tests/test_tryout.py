@@ -165,3 +165,40 @@ async def test_ctrl_d_in_the_console_shows_the_preview(model, tmp_path):
         assert " Answer: blue.<|endoftext|>" in styled and "Question: name colour 0." not in styled
         await pilot.press("escape")
         await wait_for(pilot, lambda: not isinstance(app.screen, ReportScreen))
+
+
+def test_a_prompt_longer_than_the_models_positions_is_refused_and_an_answer_cut_where_they_end(tmp_path):
+    """A 256-position model: a 1 MB message is refused in one line and the chat goes on (it ran 147 s and
+    printed garbage); a short message asking 4000 new tokens is answered up to the last position, said."""
+    short = make_hf_model(tmp_path / "short", chat_template=True, positions=256)
+    proc = subprocess.Popen([sys.executable, "-m", "shardconsole", "chat", str(short), "--max-new-tokens", "4000",
+                             "--device", "cpu"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate("the quick brown fox " * 52_429 + "\nhello\n", timeout=180)
+    assert proc.returncode == 0, err[-2000:]
+    refusals = [ln for ln in err.splitlines() if "max_position_embeddings" in ln]
+    assert len(refusals) == 1 and "reads at most 256" in refusals[0] and "Traceback" not in err, err[-2000:]
+    lines = out.splitlines()      # the refused message answers nothing; the next one up to position 256
+    assert lines[0] == "you> model> " and lines[1].endswith(" [cut: the model's 256 positions end here]"), out
+    assert lines[1] != "you> model>  [cut: the model's 256 positions end here]"      # it answered something
+
+
+def test_a_model_without_a_chat_template_is_said_to_continue_text_and_raw_does(tmp_path):
+    """A run on plain text exports no chat template: chat says that (it said "export the run again"),
+    and --raw gives the message to the model as text to continue, as transformers' generate does."""
+    plain = make_hf_model(tmp_path / "plain", chat_template=False, seed=3)
+    out = shardconsole("chat", str(plain), "--prompt", "hi", "--device", "cpu")
+    line = out.stderr.strip().splitlines()[-1]      # after "loading FOLDER ..."
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "has no chat template" in line and "--raw" in line and "export" not in line, line
+    out = shardconsole("chat", str(plain), "--raw", "--prompt", "The quick brown", "--max-new-tokens", "12",
+                       "--device", "cpu")
+    assert out.returncode == 0, out.stderr
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(plain)
+    lm = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    ids = tok("The quick brown", return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        want = lm.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.stdout == tok.decode(want[0, ids.shape[1]:], skip_special_tokens=True) + "\n"

@@ -1,5 +1,5 @@
 """`shardconsole chat EXPORT_DIR | RUN [--step N] [--temperature T] [--top-p P] [--max-new-tokens N]
-[--system TEXT] [--prompt TEXT] [--base [FOLDER]]`: talk to a trained model in the terminal.
+[--system TEXT] [--prompt TEXT] [--base [FOLDER]] [--raw]`: talk to a trained model in the terminal.
 
 EXPORT_DIR is a folder export-model wrote; RUN a run folder or id, whose newest checkpoint (or --step N)
 is exported on the way, through export-model itself, into a temporary folder. A multi-turn
@@ -7,7 +7,9 @@ conversation with the chat template the run trained with; tokens are printed as 
 Ctrl-C stops a generation and returns to the prompt; Ctrl-C at the prompt or end of input (Ctrl-D)
 ends the chat. `/reset` starts the conversation again. --prompt TEXT: one answer, then exit.
 Temperature 0 (the default) is greedy decoding. --base: the run's base model (the folder it started
-from, or FOLDER) answers each message too, with the same prompt, after the trained model.
+from, or FOLDER) answers each message too, with the same prompt, after the trained model. --raw: no chat
+template, each message is text for the model to continue (a run on plain text exports no template). A
+prompt longer than the model's positions is refused in one line; an answer ends where they end, said.
 --serve: the console's chat process (tryout/chat_serve.py), JSON lines on stdin and stdout.
 """
 
@@ -38,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: the GPU if the weights fit")
     ap.add_argument("--base", nargs="?", const="", default=None, metavar="FOLDER",
                     help="the base model answers too (default: the folder the run started from)")
+    ap.add_argument("--raw", action="store_true",
+                    help="no chat template: each message is plain text for the model to continue (a run on plain text)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     return ap
 
@@ -108,9 +112,15 @@ def converse(models, sampling, lines: TextIO, out: TextIO, system: str | None) -
             continue
         history.append({"role": "user", "content": text})
         answers = []
-        for label, model in models:
-            out.write(f"{label}> ")
-            answers.append(_answer(model, history, sampling, out))
+        try:
+            for label, model in models:
+                out.write(f"{label}> ")
+                answers.append(_answer(model, history, sampling, out))
+        except C.ConfigError as e:      # a prompt longer than the model reads: said, the chat goes on without it
+            out.write("\n")
+            print(f"shardconsole: {e}", file=sys.stderr)
+            history.pop()
+            continue
         history.append({"role": "assistant", "content": answers[0]})
 
 
@@ -134,6 +144,8 @@ def _answer(model, history, sampling, out: TextIO) -> str:
     else:
         if not "".join(parts).strip():      # an empty line reads as a chat that failed or hangs
             out.write(EMPTY_ANSWER)
+        elif model.cut:
+            out.write(f" [cut: the model's {model.positions:,} positions end here]")
     out.write("\n")
     out.flush()
     return "".join(parts)
@@ -177,10 +189,10 @@ def cmd_chat(argv: list[str]) -> int:
     with model_folder(args.target, args.step) as folder:
         adapter_base(folder)        # an adapter folder whose base is gone: one line, before anything loads
         print(f"loading {folder} ...", file=sys.stderr)
-        models = [("model", ChatModel(folder, args.device))]
+        models = [("model", ChatModel(folder, args.device, raw=args.raw))]
         if base is not None:
             print(f"loading the base {base.folder} ...", file=sys.stderr)
-            models.append(("base", ChatModel(base.folder, args.device, tokenizer_from=folder)))
+            models.append(("base", ChatModel(base.folder, args.device, tokenizer_from=folder, raw=args.raw)))
         print(f"chat with {args.target} on {models[0][1].device} (Ctrl-C stops an answer, Ctrl-D ends; /reset)",
               file=sys.stderr)
         if args.prompt is not None:

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-VERSION = 1
+VERSION = 2       # 2: a stopped run's step is the step it stopped and saved at
 FIELDS = ("status", "cause", "detail", "step", "steps", "tokens_per_s", "mfu", "peak_gpu_bytes", "peak_host_bytes",
           "last_loss", "eval_loss", "loss", "eval", "throughput", "bad_lines")
 KEPT = ("finished", "stopped", "failed")

@@ -153,6 +153,8 @@ def summarize(path: Path, tail_bytes: int | None = None) -> RunSummary:
         if cached is not None and cache.apply(s, cached):
             return s
     state, session = _fold(folder, s, tail_bytes)
+    if s.step and not s.steps and s.settings is not None:
+        s.steps = s.settings.train.steps        # stopped before its first step line: the step of its save
     _status(folder, s, state, session)
     if tail_bytes is None and s.status in cache.KEPT:
         cache.store(folder.metrics, s)
@@ -228,6 +230,10 @@ class _Fold:
                 self.rates.append(msg.tokens_per_s)
             if msg.mfu is not None:
                 self.mfus.append(msg.mfu)
+        elif _saved_or_stopped_at(msg) > s.step:
+            # A stop saves at the step it reached, which is rarely a log step (the Slurm pass: the last step
+            # line said 230, the run stopped and saved at 236): the run is where its save or its stop says.
+            s.step = _saved_or_stopped_at(msg)
         elif isinstance(msg, P.Eval) and msg.loss is not None:
             _replace_from(s.eval, msg.step)
             s.eval.append((msg.step, msg.loss))
@@ -255,6 +261,15 @@ class _Fold:
         s.mfu = statistics.median(self.mfus[1:] or self.mfus) if self.mfus else None
         s.peak_gpu_bytes = self.gpu_peak if self.gpu_peak is not None else self.nvml_peak
         s.peak_host_bytes = self.host_peak
+
+
+def _saved_or_stopped_at(msg: P.Message) -> int:
+    """The step a checkpoint_saved event or a stop's end line was written at (0 for any other line)."""
+    if isinstance(msg, P.Event) and msg.name == "checkpoint_saved":
+        return msg.step or 0
+    if isinstance(msg, P.Failed) and msg.cause == "stopped":
+        return msg.step or 0
+    return 0
 
 
 def _inode(path: Path) -> tuple[int, int] | None:

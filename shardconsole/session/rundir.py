@@ -29,7 +29,7 @@ from shardconsole.runlog.runfolder import PRESET_FILE, RunFolder
 
 # The line MetricsWriter prints into a rank's log when the stream refuses a line (stream.py).
 DROP_NOTE = re.compile(r"^shardconsole: metrics stream: .*?after step (\d+): (.+?); later lines", re.M)
-_LOW_SPACE = 64 << 10
+_LOW_SPACE = 64 << 10      # the ranks' own floor (backends/observe/stream_health.LOW_SPACE): under it they stop
 # A run folder's name is its run id: torchrun names a folder of its own <id>_<8 characters>, and a resumed
 # session's id adds "-resume-<time>-<pid>" (about 40): a 255-byte name failed with torchelastic's
 # ENAMETOOLONG traceback after the launch.
@@ -167,7 +167,7 @@ def check_writable(cfg: C.RunConfig, run_dir: Path, origin: Origin | None = None
     """Refuse, before a launch, a run folder or a checkpoint folder this process cannot write (a
     read-only mount, a folder of another user, a path through a file). Probes by creating and removing
     a file: permission bits alone do not say it (root, read-only mounts, ACLs)."""
-    _probe(run_dir, lambda why: RunDirError(f"run folder {run_dir}: {why}"))
+    _probe(run_dir, lambda why: RunDirError(f"run folder {run_dir}: {why}"), min_free=_LOW_SPACE)
     _check_export_dir(cfg, origin)
     if not _saves_checkpoints(cfg):
         return
@@ -180,7 +180,7 @@ def check_resume_writable(cfg: C.RunConfig, run_dir: Path, source: str) -> None:
     """`resume`: the run folder and the checkpoint folder it saves into still writable (a folder made
     read-only since, a mount remounted ro): found before the launch, not at the first save after hours
     of training."""
-    _probe(Path(run_dir), lambda why: RunDirError(f"run folder {run_dir}: {why}"))
+    _probe(Path(run_dir), lambda why: RunDirError(f"run folder {run_dir}: {why}"), min_free=_LOW_SPACE)
     ckpt = RunFolder(run_dir).checkpoints(cfg.train.checkpoint_dir)
     _probe(ckpt, lambda why: C.ConfigError(f"{ckpt}: {why}; the resumed run could not save there",
                                            source=source, table="train", key="checkpoint_dir"))
@@ -207,7 +207,10 @@ def _saves_checkpoints(cfg: C.RunConfig) -> bool:
                 or getattr(t, "save_on_stop", False) or getattr(t, "resume", False))
 
 
-def _probe(path: Path, error) -> None:
+def _probe(path: Path, error, min_free: int = 0) -> None:
+    """`path` (or the folder that would hold it) takes a new file; min_free: and its disk has that many
+    bytes free (the run folder: the ranks stop a run whose stream's disk has under _LOW_SPACE, so a launch
+    there would stop at its first step boundary)."""
     path = path.expanduser()
     target = path
     while not target.exists():
@@ -223,6 +226,14 @@ def _probe(path: Path, error) -> None:
     except OSError as e:
         what = "cannot be created" if target != path else "is not writable"
         raise error(f"{what} ({target.resolve()}: {e.strerror})") from None
+    try:
+        free = shutil.disk_usage(target).free
+    except OSError:
+        return
+    if free < min_free:
+        raise error(f"its disk ({target.resolve()}) has {free >> 10} KiB free, under the {min_free >> 10} KiB the "
+                    f"stream needs: the ranks would stop at their first step; free space there, or pick a folder "
+                    f"on another disk")
 
 
 def check_port_free(cfg: C.RunConfig, origin: Origin | None = None) -> None:

@@ -97,9 +97,11 @@ def pick_device(need_bytes: int) -> str:
 class ChatModel:
     """One model folder, loaded once; `reply` streams the assistant's next turn."""
 
-    def __init__(self, folder: Path, device: str | None = None, tokenizer_from: Path | None = None) -> None:
+    def __init__(self, folder: Path, device: str | None = None, tokenizer_from: Path | None = None,
+                 raw: bool = False) -> None:
         """tokenizer_from: the folder whose tokenizer and chat template format the prompts (default: folder).
-        The base model beside a fine-tune takes the fine-tune's, so both see the very same prompt."""
+        The base model beside a fine-tune takes the fine-tune's, so both see the very same prompt.
+        raw: no chat template; each message is plain text for the model to continue."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         self.folder = Path(folder)
@@ -113,10 +115,17 @@ class ChatModel:
             self.tok = AutoTokenizer.from_pretrained(tok_folder, local_files_only=True)
         except Exception as e:
             raise C.ConfigError(f"chat: {tok_folder}: no tokenizer loads from it ({str(e)[:120]})") from None
-        if not getattr(self.tok, "chat_template", None):
-            raise C.ConfigError(f"chat: {tok_folder}: the tokenizer has no chat template; export the run again "
-                                f"with this version (export-model writes the template the run trained with)")
+        self.raw = raw
+        if not raw and not getattr(self.tok, "chat_template", None):
+            # export-model writes the template a run rendered its chats with: a run on plain text has none.
+            raise C.ConfigError(f"chat: {tok_folder}: the tokenizer has no chat template (a model trained on plain "
+                                f"text, not on chats, has no turns to format): it continues text; "
+                                f"`shardconsole chat {self.folder} --raw` gives it what you type to continue")
         self.model = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype, local_files_only=True)
+        # The positions the model was made for: a longer prompt is refused (a 1 MB prompt on a 256-position
+        # model ran 147 s and printed garbage), an answer is cut where they end (`cut` says so).
+        self.positions: int | None = getattr(self.model.config, "max_position_embeddings", None)
+        self.cut = False
         if self.base is not None:
             # the adapters merged into the base, as `export-model` without --adapter would write it
             from peft import PeftModel
@@ -124,9 +133,20 @@ class ChatModel:
         self.model.to(self.device).eval()
 
     def prompt_ids(self, messages: list[dict[str, str]]):
-        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                           return_dict=True)["input_ids"]
+        if self.raw:        # the last message alone, as plain text to continue
+            ids = self.tok(messages[-1]["content"] if messages else "", return_tensors="pt")["input_ids"]
+        else:
+            ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True)["input_ids"]
+        if self.positions and ids.shape[-1] >= self.positions:
+            raise C.ConfigError(f"chat: the prompt is {ids.shape[-1]:,} tokens and {self.folder} reads at most "
+                                f"{self.positions:,} (max_position_embeddings in its config.json): send a shorter "
+                                f"message" + ("" if self.raw else ", or start the conversation again"))
         return ids.to(self.device)
+
+    def answer_tokens(self, prompt_tokens: int, asked: int) -> int:
+        """The new tokens an answer may have: those asked, or fewer, the positions left after the prompt."""
+        return min(asked, self.positions - prompt_tokens) if self.positions else asked
 
     def reply(self, messages: list[dict[str, str]], sampling: Sampling,
               stop: threading.Event | None = None) -> Iterator[str]:
@@ -134,16 +154,21 @@ class ChatModel:
         the caller's to read afterwards (set: the answer was cut); a caller that leaves early ends the
         generation through an event of its own."""
         from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
-        stop = stop or threading.Event()
+        halt: threading.Event = stop or threading.Event()
         left = threading.Event()
+        length = [0]        # the prompt and the answer so far, in tokens
 
         class _Stop(StoppingCriteria):
             def __call__(self, input_ids, scores, **kwargs) -> bool:
-                return stop.is_set() or left.is_set()
+                length[0] = input_ids.shape[-1]
+                return halt.is_set() or left.is_set()
 
         streamer = TextIteratorStreamer(self.tok, skip_prompt=True, skip_special_tokens=True)
         greedy = sampling.temperature == 0
-        kwargs = dict(input_ids=self.prompt_ids(messages), max_new_tokens=sampling.max_new_tokens,
+        ids = self.prompt_ids(messages)
+        self.cut = False
+        most = self.answer_tokens(ids.shape[-1], sampling.max_new_tokens)
+        kwargs = dict(input_ids=ids, max_new_tokens=most,
                       do_sample=not greedy, streamer=streamer, stopping_criteria=StoppingCriteriaList([_Stop()]),
                       pad_token_id=self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id)
         if not greedy:
@@ -170,3 +195,5 @@ class ChatModel:
             thread.join()
         if failed:
             raise failed[0]
+        # Ended at the model's last position, short of the tokens asked for: the caller says so.
+        self.cut = most < sampling.max_new_tokens and length[0] >= ids.shape[-1] + most

@@ -320,8 +320,22 @@ def identity(r) -> dict | None:
     if entry is None:
         return None
     m = entry.meta
-    return {"path": r.cfg.data.path, "sha256": m.get("data_sha256"), "records": m.get("records"),
+    return {"path": r.cfg.data.path, "sha256": m.get("data_sha256"), "hashed": HASHED, "records": m.get("records"),
             "cache_key": entry.folder.name}
+
+
+# How a checkpoint's data sha256 was taken: "bytes", a file's bytes alone (token_cache._hash_path). A
+# checkpoint without it hashed the file's name too (token_cache.named_content_hash).
+HASHED = "bytes"
+
+
+def _same_content(saved: dict, now: dict) -> bool:
+    if saved["sha256"] == now["sha256"]:
+        return True
+    if saved.get("hashed") == HASHED:
+        return False
+    # A checkpoint of before HASHED: its hash named the file; read it once that way (only on a mismatch).
+    return saved["sha256"] == token_cache.named_content_hash(Path(now["path"]).expanduser())
 
 
 def check_resume(r, saved: dict | None, checkpoint: Path) -> None:
@@ -331,9 +345,15 @@ def check_resume(r, saved: dict | None, checkpoint: Path) -> None:
     now = identity(r)
     if not saved or now is None or not saved.get("sha256"):
         return      # synthetic tokens, a token file, or a checkpoint from before data identity
-    if saved["sha256"] == now["sha256"] and saved.get("cache_key") == now["cache_key"]:
+    same = _same_content(saved, now)
+    # An older checkpoint's cache key hashed the file's name with its content: only its content compares.
+    if same and (saved.get("cache_key") == now["cache_key"] or saved.get("hashed") != HASHED):
+        if saved.get("path") and Path(saved["path"]).expanduser().resolve() != Path(now["path"]).expanduser().resolve():
+            if r.rank == 0:
+                r.event("info", f"data: {now['path']}: the same content as {saved['path']}, which "
+                                f"{checkpoint.name} trained on")
         return
-    if saved["sha256"] != now["sha256"]:
+    if not same:
         was, has = saved.get("records"), now["records"]
         what = (f"{has - was} record(s) added" if has > was else f"cut from {was} to {has} records" if has < was
                 else f"as many records ({has}), other content")

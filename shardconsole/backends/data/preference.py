@@ -157,8 +157,10 @@ def open_entry(d, seed: int, model_path: str | None, has_tokenizer: bool, vocab:
         info = meta["splits"].get(name)
         if info is None:
             return None
-        ids = np.memmap(folder / f"{name}.ids", dtype=dtype, mode="r", shape=(info["tokens"],))
         index = np.fromfile(folder / f"{name}.index", dtype=np.int64).reshape(-1, 4)
+        if not info["tokens"]:      # np.memmap refuses an empty file; an empty split has no tokens to map
+            return PairSplit(np.zeros(0, dtype), index)
+        ids = np.memmap(folder / f"{name}.ids", dtype=dtype, mode="r", shape=(info["tokens"],))
         return PairSplit(ids, index)
     train = split("train")
     if train is None:       # written by every build: a cache entry edited by hand

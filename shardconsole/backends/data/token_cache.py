@@ -78,22 +78,39 @@ def content_hash(path: Path) -> str:
     return digest
 
 
+def _hash_path(h, path: Path) -> None:
+    """A folder: its files' names (relative to it) and contents. A file: its bytes alone, so that the
+    sha256 a checkpoint records is `sha256sum`'s, and a byte-identical copy under another name or folder
+    is the same data (with its name hashed in, a resume on such a copy was refused as "content changed")."""
+    if path.is_dir():
+        _hash_files(h, sorted(p for p in path.rglob("*") if p.is_file()), path)
+        return
+    with path.open("rb") as fh:
+        while block := fh.read(1 << 20):
+            h.update(block)
+
+
 def _xxh3(path: Path) -> str:
     import xxhash      # a dependency of datasets, and of ours: the fast full-content check
     h = xxhash.xxh3_128()
-    if path.is_dir():
-        _hash_files(h, sorted(p for p in path.rglob("*") if p.is_file()), path)
-    else:
-        _hash_files(h, [path], path.parent)
+    _hash_path(h, path)
     return h.hexdigest()
 
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
+    _hash_path(h, path)
+    return h.hexdigest()
+
+
+def named_content_hash(path: Path) -> str:
+    """The hash checkpoints recorded before data.HASHED (a file's name hashed with its bytes): read only
+    to resume a checkpoint of then, once."""
+    path = Path(path).resolve()
     if path.is_dir():
-        _hash_files(h, sorted(p for p in path.rglob("*") if p.is_file()), path)
-    else:
-        _hash_files(h, [path], path.parent)
+        return _sha256(path)
+    h = hashlib.sha256()
+    _hash_files(h, [path], path.parent)
     return h.hexdigest()
 
 

@@ -36,6 +36,7 @@ import torch
 from shardconsole.machine import offload_verdict
 from shardconsole.runlog import protocol as P
 from shardconsole.backends.rank.common import Rank
+from shardconsole.backends.observe import pinned
 
 MAX_PENDING = 4   # steps whose events have not completed yet; older ones are dropped, not waited for
 
@@ -186,7 +187,7 @@ class StepTiming:
             run=self.r.run_id, rank=self.r.rank, step=step, steps=n,
             clock="cuda_events" if self.cuda else "wall_clock", step_s=self.sums["wall"] / n, gpu_s=gpu,
             host_step_s=host, h2d_s=h2d, d2h_s=d2h, h2d_bytes=self.bytes["h2d"] // n,
-            d2h_bytes=self.bytes["d2h"] // n, pinned_bytes=_pinned_bytes(self.r, self.arena), verdict=verdict, hint=hint,
+            d2h_bytes=self.bytes["d2h"] // n, pinned_bytes=pinned.pinned_bytes(self.r, self.arena), verdict=verdict, hint=hint,
             view_s=self.view_cost / n, overlap=self.overlap,
             host_hidden_s=self.sums["hidden"] / n if self.overlapped_steps else None))
         self._reset_sums()
@@ -259,43 +260,6 @@ def _span(a, b) -> float:
 def _done(s: _Step) -> bool:
     events = [e for pair in (s.compute, *s.h2d, *s.d2h) for e in pair if e is not None]
     return all(e.query() for e in events)
-
-
-def _pinned_bytes(r: Rank, shard_arena: Any) -> int | None:
-    """This rank's page-locked host memory. CUDA pins through its driver (cudaHostAlloc for torch's
-    pinned cache, cudaHostRegister for the host arena), which Linux does not count in VmLck: on the
-    H200 VmLck read 0 while the arena held 37.6 GiB pinned. So: the arena's region when it is pinned,
-    plus torch's pinned-memory allocator (FSDP2's host gradients, DeepSpeed's pinned buffers), plus
-    VmLck for anything mlock'd. CPU ranks pin nothing: VmLck alone."""
-    total = _locked_bytes()
-    if not r.is_cuda:
-        return total
-    total = total or 0
-    arena = getattr(shard_arena, "arena", None)
-    if arena is not None and arena.pinned:
-        total += arena.nbytes
-    try:
-        stats = torch.cuda.host_memory_stats()
-    except (AttributeError, RuntimeError):     # a torch without the host allocator's stats
-        return total
-    # the blocks the allocator owns (handed out and cached), rounded as CUDA pinned them; the key's
-    # spelling differs between torch releases
-    for key in ("allocated_bytes.current", "allocated_bytes.all.current", "reserved_bytes.current"):
-        if key in stats:
-            return total + int(stats[key])
-    return total
-
-
-def _locked_bytes() -> int | None:
-    """This rank's page-locked host memory (VmLck: CUDA's pinned buffers on Linux)."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmLck:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 # ---------------------------------------------------------------------------------------------------

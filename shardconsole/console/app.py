@@ -56,8 +56,19 @@ class ShardConsoleApp(App[Path | None]):
         run goes on, a `detached` event in its stream says so, exit 8, as the headless front end."""
         try:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._hang_up)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self._interrupt)
         except (RuntimeError, ValueError, NotImplementedError):   # not the main thread (some tests)
             pass
+
+    def _interrupt(self) -> None:
+        """SIGINT (`kill -INT`; a Ctrl-C typed in the console is a key, ctrl+c): what ctrl+c does on the
+        run screen (stop what this console started, leave what it attached to); without a run, quit."""
+        from shardconsole.console.screens.run import RunScreen
+        run_screen = next((s for s in reversed(self.screen_stack) if isinstance(s, RunScreen)), None)
+        if run_screen is None or not run_screen.live:
+            self.exit(None, return_code=130)
+        else:
+            run_screen.action_interrupt()
 
     def _hang_up(self) -> None:
         from shardconsole.console.screens.run import RunScreen
@@ -105,8 +116,8 @@ def run_console(resolved: settings.Resolved | None = None, attach: Path | None =
     left = app.run()
     if left is not None:
         try:        # the terminal may be gone (SIGHUP)
-            print(f"The run goes on in its own session. Attach again with: shardconsole attach {left}",
-                  file=sys.stderr)
+            print(f"The run goes on in its own session. Attach again with: shardconsole attach {left}; "
+                  f"stop it with `s` there or: shardconsole stop {left}", file=sys.stderr)
         except (OSError, ValueError):
             pass
     return app.return_code or 0

@@ -39,7 +39,7 @@ EXIT_CODES = {
     "disk_full": 9,      # ENOSPC / EDQUOT where the run writes (its folder, a checkpoint, an export)
     "run_folder_gone": 10,
     "node_lost": 11,     # every rank of a node vanished without an end line (killed, rebooted, cut off)   # the run folder deleted while the run went on: the ranks stopped (stream_health)
-    "detached": 8,       # the front end went away (closed pipe, closed terminal, Ctrl-C while attaching); the run goes on
+    "detached": 8,       # the front end went away (closed pipe, closed terminal, Ctrl-C in attach); the run goes on
     "stopped": 130,
 }
 

@@ -1,5 +1,5 @@
-"""The one stop path: Ctrl-C and SIGTERM to the headless front end, the console's `s`, the hang stop
-and `shardconsole stop RUN_DIR` all come here.
+"""The one stop path: Ctrl-C and SIGTERM to the headless front end that started the run (in attach they
+detach), the console's `s`, the hang stop and `shardconsole stop RUN_DIR` all come here.
 
 A stop first writes who asked into the stream (so every front end on the run reports "stopped", not a
 crash), then SIGTERMs every process of the run, the ranks by their own pids too (a launcher killed

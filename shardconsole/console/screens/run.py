@@ -53,6 +53,9 @@ class RunScreen(Screen[None]):
         Binding("r", "resume", "Resume"),
         Binding("n", "new_run", "New run"),
         Binding("q", "app.quit", "Quit", show=False),   # ctrl+q (shown) does the same
+        # The one answer to Ctrl-C (issue 50): the console that started the run asks to stop it, as `s`;
+        # attached, it leaves (the run goes on). Priority: over the app's "press ctrl+q" hint.
+        Binding("ctrl+c", "interrupt", "Stop or leave", show=False, priority=True),
     ]
 
     status: reactive[str] = reactive("running")
@@ -94,14 +97,19 @@ class RunScreen(Screen[None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.sub_title = (("attached · " if self.attached else "") + f"run {self.run_id}"
-                          + method_line(self.session.settings))
+        self.sub_title = self._subtitle("attached · " if self.attached else "")
         self.view.planned_gpu_bytes, self.view.planned_host_bytes = planned_peaks(self.session.settings, self.probes)
         self._draw_status()
         self.set_interval(1.0, self._tick_clock)
         self.follow()
         if not self.attached:
             self._catch_sigterm()
+
+    def _subtitle(self, how: str) -> str:
+        """The header's line: the run, and what Ctrl-C does to it here (stops what this console started,
+        leaves what it attached to)."""
+        ctrl_c = "ctrl+c stops it" if self.session.started_here else "ctrl+c leaves it running"
+        return f"{how}{ctrl_c} · run {self.run_id}{method_line(self.session.settings)}"   # first: a long id is cut
 
     def _catch_sigterm(self) -> None:
         """SIGTERM to the console that started this run stops the run, then quits (the terminal restored)."""
@@ -278,7 +286,7 @@ class RunScreen(Screen[None]):
         self.outcome, self.note, self._hurry = "", Text(), Hurry()
         self.query_one("#logs", Log).clear()
         self.status = "running"
-        self.sub_title = f"resumed · run {self.run_id}" + method_line(self.session.settings)
+        self.sub_title = self._subtitle("resumed · ")
         self.follow()
 
     @on(StopFinished)
@@ -331,6 +339,17 @@ class RunScreen(Screen[None]):
     def action_resume(self) -> None:
         if not self.live:
             self.resume_run()
+
+    def action_interrupt(self) -> None:
+        """ctrl+c (or SIGINT to the console): a run this console started is stopped after the question
+        `s` asks; a run it attached to is left running, exit 8, and the console says how to stop it."""
+        if not self.live:
+            self.app.action_help_quit()
+        elif self.session.started_here:
+            self.action_stop()
+        else:
+            self.session.detach("Ctrl-C in the console (attach)")
+            self.app.exit(result=self.session.run_dir, return_code=EXIT_CODES["detached"])
 
     def action_leave(self) -> None:
         """Quit the console; the run goes on in its own session and can be attached to again (said in

@@ -265,7 +265,9 @@ def test_full_disk_is_told_in_the_rank_log_and_explained(small_tmpfs):
 class _LiveLauncher:
     """A launcher that has not ended (what the watcher is told while the ranks train on)."""
     external = False
-    proc = None
+    rc_known = False
+    pid = 0
+    run_dir = None
 
     def poll(self):
         return None

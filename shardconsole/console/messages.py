@@ -39,11 +39,20 @@ class MachineSampled(Message):
 
 
 @dataclass
+class RunPlanned(Message):
+    """The planner's peaks for the run's settings on this machine (worked out in the follower's thread:
+    it asks NVML), drawn as the panels' planned lines; None where it cannot say."""
+    gpu_bytes: int | None = None
+    host_bytes: int | None = None
+
+
+@dataclass
 class RunEnded(Message):
     """The run ended (its launcher and every rank of this host), classified by session/outcome.py."""
     exit_code: int | None = None
     cause: str = "ok"
     message: str = ""
+    speed: str = ""           # a finished run: the speed model's tokens/s against the measured ("" none)
 
 
 @dataclass

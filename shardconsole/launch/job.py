@@ -16,6 +16,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from shardconsole.settings import config as C
 from shardconsole.launch import process_identity as PI
@@ -56,6 +57,27 @@ class JobFacts:
 
 
 _live, _tree, _group_pids = PI.live, PI.tree, PI.group_pids     # tests/conftest.py reads _group_pids
+
+
+class RunJob(Protocol):
+    """What a run session (session/run.py) and its watcher ask of a run's processes: Job (started by
+    this machine, ours to signal) and ExternalJob (started elsewhere: only its stream says it ended)."""
+
+    run_dir: Path
+    pid: int           # the launcher's (0 when none is known here)
+
+    @property
+    def external(self) -> bool:
+        """Started on other machines: nothing here to poll or signal; the stream says when it ends."""
+
+    @property
+    def rc_known(self) -> bool:
+        """Whether poll()'s code is the launcher's exit code (only its parent learns it)."""
+
+    def poll(self) -> int | None:
+        """An exit code once the run is over, None while it runs."""
+
+    def alive(self) -> bool: ...
 
 
 class Job:
@@ -251,7 +273,7 @@ def node_agents(run_dir: Path) -> str:
     return ", ".join(words)
 
 
-def open_run(run_dir: Path) -> Job | ExternalJob:
+def open_run(run_dir: Path) -> Job | ExternalJob:     # both are RunJobs; stop_run needs a Job
     """The run in a folder, for attach: the job this machine started (job.json, or this host's agent
     file on a run of several nodes), or one started elsewhere that only its stream describes (no job
     file, or agent files of other hosts only). ValueError with a one-line reason otherwise."""

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shardconsole.launch import process_identity as PI
+from shardconsole.launch.job import RunJob
 from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
 from shardconsole.session.hang import SAVE_STALL_S, Watch
@@ -107,7 +108,7 @@ def _samples_file(folder: RunFolder, parallel: C.ParallelSettings | None) -> Pat
 
 
 class Watcher:
-    def __init__(self, job: Any, run_dir: Path, run_id: str, probes: Probes | None = None, *,
+    def __init__(self, job: RunJob, run_dir: Path, run_id: str, probes: Probes | None = None, *,
                  sample_every_s: float = 1.0, look_every_s: float = 1.0, logs: bool = True,
                  hang_timeout_s: float = 0.0, record: bool | None = None, save_stall_s: float = SAVE_STALL_S,
                  settings: C.RunConfig | None = None) -> None:
@@ -132,7 +133,7 @@ class Watcher:
         self._resumed_prefix = f"{self.folder.run_id}-resume-"
         self._first_id = self.folder.run_id       # the first session's run id (another after a copy or rename)
         self._sessions: set[str] = set()
-        self._own = getattr(job, "proc", None) is not None      # our child: poll() is one waitpid
+        self._own = job.rc_known and not job.external      # our child: poll() is one waitpid
         # A node we launched of a run of several nodes: a rendezvous nobody hosts is named while it waits.
         self._rdzv = RendezvousWatch(parallel.rdzv_endpoint, parallel.nnodes, time.monotonic(),
                                      parallel.rdzv_connect_timeout_s) if (
@@ -148,7 +149,7 @@ class Watcher:
 
     @property
     def external(self) -> bool:
-        return bool(getattr(self.job, "external", False))
+        return self.job.external
 
     @property
     def rank_pids(self) -> list[int]:
@@ -191,20 +192,20 @@ class Watcher:
             self._said_lost = True
             tick.notes.append(self.reader.lost)
         if self.recorder is not None:
-            self._record(tick)
+            self._record(self.recorder, tick)
         tick.ended, tick.exit_code, tick.bad_lines = self.ended, self.exit_code, self.reader.bad_lines
         return tick
 
-    def _record(self, tick: Tick) -> None:
-        if not self.recorder.writing and self.over() and event_files(self.folder.path):
+    def _record(self, recorder: Recorder, tick: Tick) -> None:
+        if not recorder.writing and self.over() and event_files(self.folder.path):
             # Over before this front end began writing (an attach to a finished run): its event file
             # stays as the run left it; `runs --tensorboard` rebuilds one on request.
-            self.recorder.close()
+            recorder.close()
             self.recorder = None
             return
-        self.recorder.poll()
-        why = self.recorder.why_not
-        if why and not self._said_recorder and self.recorder.gave_up:
+        recorder.poll()
+        why = recorder.why_not
+        if why and not self._said_recorder and recorder.gave_up:
             self._said_recorder = True
             tick.notes.append(f"no TensorBoard events for this run: {why}")
 
@@ -286,6 +287,8 @@ class Watcher:
     def _take_samples(self) -> list[P.Message]:
         """Append a sample of each GPU and of the host to the stream; returned only when the run folder is
         not writable (someone else's run), since otherwise the reader brings them back next time."""
+        if self.probes is None:
+            return []
         try:
             taken = [*self.probes.gpus(self.run_id), self.probes.host(self.rank_pids, self.run_id)]
         except Exception:   # a probe must never take the watcher down

@@ -145,6 +145,7 @@ class Watcher:
         self._notes: list[str] = []
         self._stream_stopped = ""
         self.recorder = Recorder(self.folder.path) if (probes is not None if record is None else record) else None
+        self._unrecorded: list[P.Message] = []    # what the reader read since the recorder last followed it
         self._said_recorder = False
 
     @property
@@ -203,7 +204,8 @@ class Watcher:
             recorder.close()
             self.recorder = None
             return
-        recorder.poll()
+        recorder.follow(self.reader, self._unrecorded)
+        self._unrecorded = []
         why = recorder.why_not
         if why and not self._said_recorder and recorder.gave_up:
             self._said_recorder = True
@@ -246,8 +248,13 @@ class Watcher:
                               f"watching them by pid; a stop reaches them")
 
     def _read(self) -> list[P.Message]:
+        """The stream's new lines, folded into the state (the front end's one reader: the recorder is
+        given the same lines, unfiltered)."""
         out = []
-        for msg in self.reader.poll():
+        read = self.reader.poll()
+        if self.recorder is not None:
+            self._unrecorded += read
+        for msg in read:
             if isinstance(msg, P.Hello) and not self._sessions and self.run_id == self.folder.run_id and not (
                     msg.run == self.session or msg.run.startswith(self._resumed_prefix)):
                 # The folder's first session ran under another name: the folder was copied or renamed
@@ -327,8 +334,11 @@ class Watcher:
 
     def close(self) -> None:
         if self.recorder is not None:
-            while self.recorder.writing and self.recorder.poll():   # the last lines, when the run ended between two looks
-                pass
+            if self.recorder.writing:     # the last lines, when the run ended between two looks
+                more, self._unrecorded = self._unrecorded + self.reader.poll(), []
+                while more and self.recorder.writing:
+                    self.recorder.follow(self.reader, more)
+                    more = self.reader.poll()
             self.recorder.close()
         self.samples.close()
         self.reader.close()

@@ -72,6 +72,7 @@ class RunScreen(Screen[None]):
         super().__init__()
         self.session = session
         self._resume = resume
+        self._how = ""               # "attached · ", "resumed · ": the header's first word
         self.probes = probes
         self.run_id = session.run_id
         self.attached = attached
@@ -107,18 +108,19 @@ class RunScreen(Screen[None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.sub_title = self._subtitle("attached · " if self.attached else "")
+        self._how = "attached · " if self.attached else ""
+        self.sub_title = self._subtitle()
         self._draw_status()
         self.set_interval(1.0, self._tick_clock)
         self.follow()
         if not self.attached:
             self._catch_sigterm()
 
-    def _subtitle(self, how: str) -> str:
+    def _subtitle(self, method: str = "") -> str:
         """The header's line: the run, and what Ctrl-C does to it here (stops what this console started,
-        leaves what it attached to)."""
+        leaves what it attached to); method: LoRA's trainable count, once the follower worked it out."""
         ctrl_c = "ctrl+c stops it" if self.session.started_here else "ctrl+c leaves it running"
-        return f"{how}{ctrl_c} · run {self.run_id}{method_line(self.session.settings)}"   # first: a long id is cut
+        return f"{self._how}{ctrl_c} · run {self.run_id}{method}"   # ctrl+c first: a long id is cut
 
     def _catch_sigterm(self) -> None:
         """SIGTERM to the console that started this run stops the run, then quits (the terminal restored)."""
@@ -179,7 +181,7 @@ class RunScreen(Screen[None]):
         worker = get_current_worker()
         session, stopping = self.session, self._stopping     # this session's: a resume gives the next worker its own
         # The planner's peaks and NVML's first answer: here, never on the UI thread (NVML may take seconds).
-        self.post_message(RunPlanned(*planned_peaks(session.settings, self.probes)))
+        self.post_message(RunPlanned(*planned_peaks(session.settings, self.probes), method_line(session.settings)))
         session.watch(self.probes if self.sample else None, look_every_s=POLL_S)
         unavailable = self.probes.gpu_unavailable()
         self.post_message(MachineSampled([], gpu_unavailable=unavailable))
@@ -281,6 +283,8 @@ class RunScreen(Screen[None]):
     @on(RunPlanned)
     def _run_planned(self, event: RunPlanned) -> None:
         self.view.planned_gpu_bytes, self.view.planned_host_bytes = event.gpu_bytes, event.host_bytes
+        if event.method:          # a model folder's config read: in the worker, said in the header now
+            self.sub_title = self._subtitle(event.method)
         if self.view.state.hellos:        # else the first lines draw them
             self._draw()
 
@@ -305,7 +309,8 @@ class RunScreen(Screen[None]):
         self.outcome, self.note, self._hurry, self._stopping = "", Text(), Hurry(), threading.Event()
         self.query_one("#logs", Log).clear()
         self.status = "running"
-        self.sub_title = self._subtitle("resumed · ")
+        self._how = "resumed · "
+        self.sub_title = self._subtitle()
         self.follow()
 
     @on(StopFinished)

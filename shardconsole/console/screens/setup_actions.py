@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from textual import work
 from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import OptionList, TabbedContent
@@ -19,7 +20,7 @@ from shardconsole.session import preflight
 
 from shardconsole.console.screens.dialogs import AttachScreen, ConfirmScreen, ReportScreen, SavePresetScreen, SaveRequest
 from shardconsole.console.screens.setup_summary import preset_options
-from shardconsole.console.services import Launcher, Machine, OpenRun, PlannedRun, Planner, Probes
+from shardconsole.console.services import Launcher, Machine, OpenRun, PlannedRun, Planner, Probes, RunListing
 
 
 class SetupActions(Screen[None]):
@@ -209,5 +210,13 @@ class SetupActions(Screen[None]):
         self.app.push_screen(TuneScreen(self.resolved, self.preset_name, self.machine.plan_hardware))
 
     def action_attach(self) -> None:
-        """The attach dialog; the folder chosen goes to the app's attach (given to this screen)."""
-        self.app.push_screen(AttachScreen(self.launcher.recent_runs(), self.launcher.runs_root), self.attach)
+        """The attach dialog over the newest runs, listed in a worker (each run's stream tail is read:
+        no file reads on the UI thread); the folder chosen goes to the app's attach (given to this screen)."""
+        self.list_runs_to_attach()
+
+    @work(thread=True, exclusive=True, group="attach-list")
+    def list_runs_to_attach(self) -> None:
+        self.app.call_from_thread(self._show_attach, self.launcher.recent_runs())
+
+    def _show_attach(self, runs: list[RunListing]) -> None:
+        self.app.push_screen(AttachScreen(runs, self.launcher.runs_root), self.attach)

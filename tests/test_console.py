@@ -54,6 +54,9 @@ class FakeJob:
     def poll(self) -> int | None:
         return None if self._alive else 0
 
+    def heard(self, hellos) -> None:
+        pass
+
     def alive(self) -> bool:
         return self._alive
 

@@ -5,9 +5,13 @@ written line by line (a torn line among them), TensorBoard's own reader for the 
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
+from shardconsole.launch.job import Job
 from shardconsole.runlog import protocol as P
 from shardconsole.runlog.tbevents import event_files
 from shardconsole.session.watcher import Watcher
@@ -25,6 +29,9 @@ class _Running:
 
     def alive(self) -> bool:
         return True
+
+    def heard(self, hellos: list[P.Hello]) -> None:
+        pass
 
 
 def _step(i: int) -> P.Step:
@@ -76,3 +83,46 @@ def test_the_recorder_follows_the_watchers_reader_and_holds_every_step(tmp_path)
     acc.Reload()
     assert [(e.step, round(e.value, 4)) for e in acc.Scalars("loss/train")] == [(i, round(10.0 / i, 4))
                                                                                 for i in range(1, 8)]
+
+
+_OPENS: list[str] = []
+
+
+def _count_opens(event: str, args: tuple) -> None:
+    if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        _OPENS.append(os.fsdecode(args[0]))
+
+
+sys.addaudithook(_count_opens)      # audit hooks stay for the process: it only appends the paths opened
+
+
+def test_an_attached_job_reads_no_stream_of_its_own(tmp_path):
+    """A run started by this machine, attached to after its launcher went (job.json names a process that
+    has ended; ranks may be orphans): what a stop and the watcher ask of the job (its ranks, alive) opens
+    metrics.jsonl no more: the job's hello lines come from the watcher's reader."""
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "preset.toml").write_text('[model]\nname = "tiny"\n')
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(gone.stdout)
+    (run / "job.json").write_text(json.dumps({"pid": pid, "pgid": pid, "argv": ["python"]}))
+    metrics = run / "metrics.jsonl"
+    metrics.write_text(P.encode(P.Hello(run="r", rank=0, t=1000.0, pid=pid, host="elsewhere")) + "\n"
+                       + "".join(P.encode(_step(i)) + "\n" for i in range(1, 4)))
+    job = Job.from_run_dir(run)
+    w = Watcher(job, run, "r", None, logs=False, record=False, look_every_s=0.0)
+    try:
+        w.poll()
+        _OPENS.clear()
+        with open(metrics, "a") as fh:        # (this open is before the count below)
+            fh.write(P.encode(_step(4)) + "\n")
+        _OPENS.clear()
+        tick = w.poll()
+        job.rank_pids()
+        job.alive()
+        job.processes()
+        opened = [p for p in _OPENS if Path(p).name == "metrics.jsonl"]
+    finally:
+        w.close()
+    assert [m.step for m in tick.messages if isinstance(m, P.Step)] == [4]
+    assert opened == []

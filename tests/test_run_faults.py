@@ -272,6 +272,9 @@ class _LiveLauncher:
     def poll(self):
         return None
 
+    def heard(self, hellos):
+        pass
+
 
 def test_a_stream_stopped_by_a_full_disk_is_not_a_hang_and_the_end_says_why(small_tmpfs):
     """The ranks of a run whose disk filled up may train on without a step line reaching the stream: the

@@ -146,6 +146,7 @@ class Watcher:
         self._stream_stopped = ""
         self.recorder = Recorder(self.folder.path) if (probes is not None if record is None else record) else None
         self._unrecorded: list[P.Message] = []    # what the reader read since the recorder last followed it
+        job.heard([])         # the job's hello lines come from this watcher's reader: it reads no stream itself
         self._said_recorder = False
 
     @property
@@ -254,6 +255,7 @@ class Watcher:
         read = self.reader.poll()
         if self.recorder is not None:
             self._unrecorded += read
+        self.job.heard([m for m in read if isinstance(m, P.Hello)])
         for msg in read:
             if isinstance(msg, P.Hello) and not self._sessions and self.run_id == self.folder.run_id and not (
                     msg.run == self.session or msg.run.startswith(self._resumed_prefix)):

@@ -262,6 +262,7 @@ def follow(session: RunSession, out: TextIO = sys.stdout, err: TextIO = sys.stde
 def _replay(session: RunSession, printer: Printer) -> None:
     """The history of an attached run: every line the stream held when the attach began, however many
     polls that takes (a poll reads at most 8 MiB). Until its end, Ctrl-C detaches (follow)."""
+    assert session.watcher is not None, "watch() first"
     reader = session.watcher.reader
     try:
         end = session.folder.metrics.stat().st_size
@@ -297,6 +298,7 @@ def _follow(session: RunSession, printer: Printer, err: TextIO, grace_s: float) 
               announce="stopping: SIGTERM to every rank ... (Ctrl-C again: SIGKILL now)")
         return EXIT_CODES["stopped"]
     printer.clear_bar()
+    assert session.watcher is not None, "watch() first"
     reader = session.watcher.reader
     if reader.bad_lines:
         _say(err, f"warning: {reader.bad_lines} unreadable metrics line(s) skipped ({reader.last_error})")

@@ -5,7 +5,9 @@ the machine, its outcome names how the run ended, its stop ends it. What is prin
 
 Its own death never takes the run with it: a closed stdout pipe (`| head`) or a closed terminal
 (SIGHUP) detaches (exit code 8, an event line in the stream says so, `attach` resumes); Ctrl-C and
-SIGTERM to the front end that started the run stop it (130).
+SIGTERM to the front end that started the run stop it (130), as its first line says. Ctrl-C and SIGTERM
+to `attach` detach (8) and say how to stop the run (`shardconsole stop`): a follower is never the way
+a run ends by accident.
 """
 
 from __future__ import annotations
@@ -239,6 +241,8 @@ def follow(session: RunSession, out: TextIO = sys.stdout, err: TextIO = sys.stde
                 _say(err, f"run {session.run_id}: {session.run_dir}  (Ctrl-C stops it; a closed terminal or pipe "
                           f"leaves it running: `shardconsole attach {session.run_dir}`)")
             else:
+                _say(err, f"attached to {session.run_dir}  (Ctrl-C detaches: the run goes on; "
+                          f"`shardconsole stop {session.run_dir}` stops it)")
                 _replay(session, printer)
         except KeyboardInterrupt:
             return _detach(session, err, "Ctrl-C during the history replay")
@@ -258,6 +262,7 @@ def follow(session: RunSession, out: TextIO = sys.stdout, err: TextIO = sys.stde
 def _replay(session: RunSession, printer: Printer) -> None:
     """The history of an attached run: every line the stream held when the attach began, however many
     polls that takes (a poll reads at most 8 MiB). Until its end, Ctrl-C detaches (follow)."""
+    assert session.watcher is not None, "watch() first"
     reader = session.watcher.reader
     try:
         end = session.folder.metrics.stat().st_size
@@ -272,7 +277,6 @@ def _replay(session: RunSession, printer: Printer) -> None:
 
 
 def _follow(session: RunSession, printer: Printer, err: TextIO, grace_s: float) -> int:
-    run_dir = session.run_dir
     try:
         while True:
             tick = session.tick()
@@ -288,15 +292,13 @@ def _follow(session: RunSession, printer: Printer, err: TextIO, grace_s: float) 
             time.sleep(POLL_S)
     except KeyboardInterrupt:
         printer.clear_bar()
-        if session.external:
-            _say(err, f"detached from {run_dir}: the run goes on where it was started (a Slurm job stops "
-                      f"with scancel)")
-            session.detach("Ctrl-C")
-            return EXIT_CODES["detached"]
-        _stop(session, grace_s, "Ctrl-C in the front end" if session.started_here else "Ctrl-C in attach",
-              printer, err, announce="stopping: SIGTERM to every rank ... (Ctrl-C again: SIGKILL now)")
+        if not session.started_here:        # attach: Ctrl-C leaves, it never stops (issue 50)
+            return _detach(session, err, "Ctrl-C in attach")
+        _stop(session, grace_s, "Ctrl-C in the front end", printer, err,
+              announce="stopping: SIGTERM to every rank ... (Ctrl-C again: SIGKILL now)")
         return EXIT_CODES["stopped"]
     printer.clear_bar()
+    assert session.watcher is not None, "watch() first"
     reader = session.watcher.reader
     if reader.bad_lines:
         _say(err, f"warning: {reader.bad_lines} unreadable metrics line(s) skipped ({reader.last_error})")
@@ -343,9 +345,11 @@ def _stop(session: RunSession, grace_s: float, who: str, printer: Printer, err: 
 
 
 def _detach(session: RunSession, err: TextIO, why: str) -> int:
-    """The front end goes; the run does not. Said in the stream and, where it can still be read, on stderr."""
+    """The front end goes; the run does not. Said in the stream and, where it can still be read, on stderr:
+    with how to follow it again and how to stop it (a run started elsewhere stops where it was started)."""
     session.detach(why)
     quiet_stdout()
-    _say(err, f"detached ({why}): the run goes on; `shardconsole attach {session.run_dir}` follows it, "
-              f"`shardconsole stop {session.run_dir}` stops it")
+    stop = (f"stop it where it was started (a Slurm job: scancel), or `shardconsole stop {session.run_dir}`"
+            if session.external else f"`shardconsole stop {session.run_dir}` stops it")
+    _say(err, f"detached ({why}): the run goes on; `shardconsole attach {session.run_dir}` follows it, {stop}")
     return EXIT_CODES["detached"]

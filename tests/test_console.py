@@ -48,9 +48,14 @@ class FakeJob:
         self.on_stop = on_stop
         self.stops = 0
         self.external = False
+        self.rc_known = True      # poll() answers for the fake launcher
+        self.pid = 0
 
     def poll(self) -> int | None:
         return None if self._alive else 0
+
+    def heard(self, hellos) -> None:
+        pass
 
     def alive(self) -> bool:
         return self._alive
@@ -72,6 +77,8 @@ def fake_session(job: FakeJob, run_id: str = "", *, started_here: bool = False) 
 
 
 class FakeLauncher:
+    resume = None       # a launcher that cannot resume: the run screen offers no resume (test_console_run's can)
+
     def __init__(self, runs_root: Path, *, run_name: str = "20260101-000000-tiny-cpu",
                  write: Callable[[Path], None] | None = None, alive: bool = True,
                  on_stop: Callable[[], None] | None = None) -> None:

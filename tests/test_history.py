@@ -291,10 +291,11 @@ WRITER_LOSES_ITS_FOLDER = """
 import shutil, sys
 from pathlib import Path
 from shardconsole.runlog import protocol as P
+from shardconsole.runlog.stream import MetricsReader
 from shardconsole.runlog.tbevents import Recorder
 run = Path(sys.argv[1])
 rec = Recorder(run)
-rec.poll()
+rec.follow(MetricsReader(run / "metrics.jsonl"), [])
 assert rec.path is not None, rec.why_not
 shutil.rmtree(run)          # the folder goes under the writer (as a full disk would fail its file)
 rec.write([P.Step(run="r", rank=0, t=2.0, step=1, steps=2, loss=1.0)])

@@ -265,10 +265,15 @@ def test_full_disk_is_told_in_the_rank_log_and_explained(small_tmpfs):
 class _LiveLauncher:
     """A launcher that has not ended (what the watcher is told while the ranks train on)."""
     external = False
-    proc = None
+    rc_known = False
+    pid = 0
+    run_dir = None
 
     def poll(self):
         return None
+
+    def heard(self, hellos):
+        pass
 
 
 def test_a_stream_stopped_by_a_full_disk_is_not_a_hang_and_the_end_says_why(small_tmpfs):

@@ -1,4 +1,5 @@
-"""`shardconsole attach RUN [--headless]`: follow a run started earlier (the run goes on without you)."""
+"""`shardconsole attach RUN [--headless]`: follow a run started earlier (the run goes on without you:
+Ctrl-C detaches; `s` in the console or `shardconsole stop RUN` stops it)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,7 @@ def cmd_attach(argv: list[str]) -> int:
     agents = node_agents(run_dir)
     if args.headless and (job.external or agents):
         where = f"node agents: {agents}" if agents else "started elsewhere"
-        print(f"following {run_dir} ({where}; Ctrl-C {'detaches' if job.external else 'stops this node'})",
-              file=sys.stderr)
+        print(f"following {run_dir} ({where})", file=sys.stderr)
     if args.headless:
         from shardconsole import headless
         return headless.follow(RunSession(job, run_dir))

@@ -14,14 +14,15 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 from textual.app import App
 from textual.binding import Binding
 
 from shardconsole.settings import resolve as settings
 from shardconsole.console.screens.setup import SetupScreen
-from shardconsole.console.services import Launcher, MachineProbes, Probes, RunOptions, TorchrunLauncher, load_plan
+from shardconsole.console.services import (AttachError, Launcher, MachineProbes, Planner, Probes, RunOptions,
+                                           TorchrunLauncher, load_plan)
+from shardconsole.session.run import RunSession
 
 class ShardConsoleApp(App[Path | None]):
     """Returns the run folder when the user left a run going (so the caller can say how to attach)."""
@@ -35,30 +36,62 @@ class ShardConsoleApp(App[Path | None]):
 
     def __init__(self, launcher: Launcher, probes: Probes, *, preset: str = settings.DEFAULT_PRESET,
                  overrides: list[str] | None = None, resolved: settings.Resolved | None = None,
-                 attach: Path | None = None, planner: Callable[[], ModuleType | None] = load_plan,
+                 attach: Path | None = None, planner: Callable[[], Planner | None] = load_plan,
                  run_options: RunOptions = RunOptions()) -> None:
-        """planner: returns the memory planner module (shardconsole.plan) or None; tests pass a fixed one.
+        """planner: returns the memory planner (shardconsole.plan) or None; tests pass a fixed one.
         resolved: the command line's settings, resolved once by the CLI (else preset and overrides)."""
         super().__init__()
         self.launcher = launcher
         self.probes = probes
+        self.run_options = run_options
         self.attach_dir = attach
         self.setup_screen = SetupScreen(launcher, probes, preset=preset, overrides=overrides, resolved=resolved,
-                                        planner=planner, run_options=run_options)
+                                        planner=planner, attach=self.attach, open_run=self.open_run)
 
     def on_mount(self) -> None:
         self.push_screen(self.setup_screen)
         if self.attach_dir is not None:
-            self.setup_screen._attach_to(self.attach_dir)
+            self.attach(self.attach_dir)
         self._catch_sighup()
+
+    def attach(self, run_dir: Path | None) -> None:
+        """Follow a run folder on a run screen (the command line's, the attach dialog's, the runs list's);
+        a folder that is not a run's is said in one line."""
+        if run_dir is None:
+            return
+        try:
+            session = self.launcher.attach(run_dir)
+        except AttachError as e:
+            self.notify(str(e), title="Cannot attach", severity="error", timeout=10)
+            return
+        self.open_run(session, attached=True)
+
+    def open_run(self, session: RunSession, *, attached: bool, closed: Callable[[], None] | None = None) -> None:
+        """A run screen over the setup screen, given what it calls: the probes, the launcher's resume."""
+        # Imported here: the run screen and its panels are not needed for the first paint.
+        from shardconsole.console.screens.run import RunScreen
+        screen = RunScreen(session, self.probes, attached=attached, options=self.run_options,
+                           resume=self.launcher.resume)
+        self.push_screen(screen, (lambda _: closed()) if closed is not None else None)
 
     def _catch_sighup(self) -> None:
         """A closed terminal (SIGHUP: tmux kill-session, a closed window) detaches from a live run: the
         run goes on, a `detached` event in its stream says so, exit 8, as the headless front end."""
         try:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._hang_up)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGINT, self._interrupt)
         except (RuntimeError, ValueError, NotImplementedError):   # not the main thread (some tests)
             pass
+
+    def _interrupt(self) -> None:
+        """SIGINT (`kill -INT`; a Ctrl-C typed in the console is a key, ctrl+c): what ctrl+c does on the
+        run screen (stop what this console started, leave what it attached to); without a run, quit."""
+        from shardconsole.console.screens.run import RunScreen
+        run_screen = next((s for s in reversed(self.screen_stack) if isinstance(s, RunScreen)), None)
+        if run_screen is None or not run_screen.live:
+            self.exit(None, return_code=130)
+        else:
+            run_screen.action_interrupt()
 
     def _hang_up(self) -> None:
         from shardconsole.console.screens.run import RunScreen
@@ -79,14 +112,9 @@ class ShardConsoleApp(App[Path | None]):
         from shardconsole.console.screens.runs import RunsScreen
         if isinstance(self.screen, RunsScreen):
             return
-        root = getattr(self.launcher, "runs_root", None)
+        self.push_screen(RunsScreen(Path(self.launcher.runs_root)), self.attach)
 
-        def attach(run_dir: Path | None) -> None:
-            if run_dir is not None:
-                self.setup_screen._attach_to(run_dir)
-        self.push_screen(RunsScreen(Path(root) if root is not None else None), attach)
-
-    def action_quit(self) -> None:
+    async def action_quit(self) -> None:
         """ctrl+q anywhere: a live run is left running (never stopped by quitting), with its folder."""
         from shardconsole.console.screens.run import RunScreen
         run_screen = next((s for s in reversed(self.screen_stack) if isinstance(s, RunScreen)), None)
@@ -106,8 +134,8 @@ def run_console(resolved: settings.Resolved | None = None, attach: Path | None =
     left = app.run()
     if left is not None:
         try:        # the terminal may be gone (SIGHUP)
-            print(f"The run goes on in its own session. Attach again with: shardconsole attach {left}",
-                  file=sys.stderr)
+            print(f"The run goes on in its own session. Attach again with: shardconsole attach {left}; "
+                  f"stop it with `s` there or: shardconsole stop {left}", file=sys.stderr)
         except (OSError, ValueError):
             pass
     return app.return_code or 0

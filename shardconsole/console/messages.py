@@ -39,11 +39,21 @@ class MachineSampled(Message):
 
 
 @dataclass
+class RunPlanned(Message):
+    """The planner's peaks for the run's settings on this machine (worked out in the follower's thread:
+    it asks NVML), drawn as the panels' planned lines; None where it cannot say."""
+    gpu_bytes: int | None = None
+    host_bytes: int | None = None
+    method: str = ""          # " · lora: 40.0M of 6.74B trainable, 0.59%" (services.method_line), "" for full
+
+
+@dataclass
 class RunEnded(Message):
     """The run ended (its launcher and every rank of this host), classified by session/outcome.py."""
     exit_code: int | None = None
     cause: str = "ok"
     message: str = ""
+    speed: str = ""           # a finished run: the speed model's tokens/s against the measured ("" none)
 
 
 @dataclass

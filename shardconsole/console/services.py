@@ -7,9 +7,9 @@ session/run.RunSession's (as `--headless` does), the probes are session/watcher'
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Protocol
 
 from shardconsole.settings import config as C
@@ -17,6 +17,7 @@ from shardconsole.settings import resolve as settings
 from shardconsole.launch.job import build_argv, new_run_dir
 from shardconsole.launch.command import runs_root as default_runs_root
 from shardconsole.runlog.protocol import GpuSample, HostSample
+from shardconsole.session.planner import Planner, load_planner as load_plan
 from shardconsole.session.run import RunSession
 from shardconsole.session.watcher import MachineProbes, Probes  # noqa: F401  (the console's probes)
 
@@ -55,8 +56,17 @@ class Launcher(Protocol):
     def plan(self, cfg: C.RunConfig, preset_name: str) -> PlannedRun: ...
     def start(self, resolved: settings.Resolved, planned: PlannedRun) -> RunSession: ...
     def attach(self, run_dir: Path) -> RunSession: ...
-    def resume(self, run_dir: Path) -> RunSession: ...
     def recent_runs(self, limit: int = 30) -> list[RunListing]: ...
+
+    @property
+    def resume(self) -> "Callable[[Path], RunSession] | None":
+        """Continues an ended run in its folder; None for a launcher that cannot (the run screen then
+        offers no resume)."""
+
+
+class OpenRun(Protocol):
+    """The app's: show a run session on a run screen; closed() when that screen goes."""
+    def __call__(self, session: RunSession, *, attached: bool, closed: Callable[[], None] | None = None) -> None: ...
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -120,29 +130,20 @@ class Machine:
         return len(self.gpus) if self.detected else None
 
 
-def load_plan() -> ModuleType | None:
-    try:
-        from shardconsole import plan
-    except ImportError:
-        return None
-    return plan
-
-
-def plan_hardware(plan: ModuleType | None, gpus: list[GpuSample], host: HostSample | None) -> Any:
+def plan_hardware(plan: Planner | None, gpus: list[GpuSample], host: HostSample | None) -> Any:
     """plan's description of this machine, built from the injected probes' samples (so tests with fake
     GPUs get estimates for those GPUs); None without a planner."""
-    hardware = getattr(plan, "Hardware", None)
-    if hardware is None:
+    if plan is None:
         return None
     try:
-        return hardware(gpus=len(gpus), gpu_memory_bytes=min((g.total_bytes for g in gpus), default=0),
+        return plan.Hardware(gpus=len(gpus), gpu_memory_bytes=min((g.total_bytes for g in gpus), default=0),
                         host_memory_bytes=host.total_bytes if host else 0,
                         gpu_name=gpus[0].name if gpus else "", source="detected")
     except Exception:   # a planner whose Hardware changed shape must not stop the console
         return None
 
 
-def run_estimate(plan: ModuleType | None, cfg: C.RunConfig, machine: Machine) -> Any:
+def run_estimate(plan: Planner | None, cfg: C.RunConfig, machine: Machine) -> Any:
     """plan.estimate(cfg, spec, hardware) for these settings; None without a planner or hardware.
     Raises what the planner raises (the caller shows it)."""
     if plan is None or machine.plan_hardware is None:
@@ -165,7 +166,7 @@ def describe_machine(machine: Machine) -> str:
     return f"This machine: {gpus} · {host}"
 
 
-def describe_estimate(plan: ModuleType | None, cfg: C.RunConfig, machine: Machine,
+def describe_estimate(plan: Planner | None, cfg: C.RunConfig, machine: Machine,
                       run_dir: Path | None = None) -> tuple[str, bool | None]:
     """(the estimate line, fits) from the planner; a placeholder while shardconsole.plan does not exist.
     run_dir: the folder the launch would make; where the saves cannot fit its disk, the line says so

@@ -16,9 +16,11 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from shardconsole.settings import config as C
 from shardconsole.launch import process_identity as PI
+from shardconsole.runlog import protocol as P
 from shardconsole.launch.owner import FolderInUse, owning  # noqa: F401  (FolderInUse: for the front ends)
 from shardconsole.launch.command import (WORKER_MODULE, _launch_env, build_argv, child_env,  # noqa: F401
                                          format_argv, new_run_dir, run_id_of, slurm_script)
@@ -58,6 +60,31 @@ class JobFacts:
 _live, _tree, _group_pids = PI.live, PI.tree, PI.group_pids     # tests/conftest.py reads _group_pids
 
 
+class RunJob(Protocol):
+    """What a run session (session/run.py) and its watcher ask of a run's processes: Job (started by
+    this machine, ours to signal) and ExternalJob (started elsewhere: only its stream says it ended)."""
+
+    run_dir: Path
+    pid: int           # the launcher's (0 when none is known here)
+
+    @property
+    def external(self) -> bool:
+        """Started on other machines: nothing here to poll or signal; the stream says when it ends."""
+
+    @property
+    def rc_known(self) -> bool:
+        """Whether poll()'s code is the launcher's exit code (only its parent learns it)."""
+
+    def poll(self) -> int | None:
+        """An exit code once the run is over, None while it runs."""
+
+    def alive(self) -> bool: ...
+
+    def heard(self, hellos: list[P.Hello]) -> None:
+        """The hello lines the front end's one reader of the stream read (session/watcher.py), so the
+        job reads none itself; called first with none, before the job is asked anything."""
+
+
 class Job:
     """A started run: the launcher process, its process group, and the ranks the stream announced.
 
@@ -76,6 +103,7 @@ class Job:
         self.run_id = str(self.info.get("run_id") or run_id_of(run_dir))
         self._pos, self._partial = 0, b""          # how far the stream has been read for hello lines
         self._hello_hosts: dict[int, str] = {}
+        self._told = False            # a watcher hands the hello lines over (heard): no reading of our own
 
     @classmethod
     def start(cls, cfg: C.RunConfig, run_dir: Path, run_id: str, env: dict[str, str] | None = None) -> "Job":
@@ -128,8 +156,10 @@ class Job:
     def _read_hellos(self) -> None:
         """The hello lines appended since the last call, of every session of the folder (a rank
         orphaned by an earlier session's killed launcher trains the same folder). Only those lines are
-        decoded: a long run's stream is mostly step lines, and alive() is asked several times a second."""
-        from shardconsole.runlog import protocol as P
+        decoded: a long run's stream is mostly step lines, and alive() is asked several times a second.
+        Not when a watcher tells them (heard): a front end reads its run's stream once."""
+        if self._told:
+            return
         try:
             with open(self.run_dir / METRICS_FILE, "rb") as fh:
                 fh.seek(self._pos)
@@ -160,6 +190,12 @@ class Job:
         named = (set(self._hello_hosts) | {int(p) for p in extra}) - found
         found |= {p for p in PI.live(named) if PI.is_rank_of(p, self._hello_hosts.get(p), self.run_dir, None)}
         return sorted(found)
+
+    def heard(self, hellos: list[P.Hello]) -> None:
+        self._told = True
+        for msg in hellos:
+            if msg.pid > 0:
+                self._hello_hosts[msg.pid] = msg.host
 
     def facts(self, extra: tuple[int, ...] = ()) -> JobFacts:
         state, why = self.launcher_state()
@@ -233,6 +269,9 @@ class ExternalJob:
     def alive(self) -> bool:
         return self.poll() is None
 
+    def heard(self, hellos: list[P.Hello]) -> None:
+        """Nothing to signal here: the hello lines change nothing."""
+
 
 def node_agents(run_dir: Path) -> str:
     """Every node's agent of a run of several nodes (its newest session's), for attach, stop and runs:
@@ -251,7 +290,7 @@ def node_agents(run_dir: Path) -> str:
     return ", ".join(words)
 
 
-def open_run(run_dir: Path) -> Job | ExternalJob:
+def open_run(run_dir: Path) -> Job | ExternalJob:     # both are RunJobs; stop_run needs a Job
     """The run in a folder, for attach: the job this machine started (job.json, or this host's agent
     file on a run of several nodes), or one started elsewhere that only its stream describes (no job
     file, or agent files of other hosts only). ValueError with a one-line reason otherwise."""

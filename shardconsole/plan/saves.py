@@ -162,7 +162,7 @@ def _deepspeed_sizes(cfg: C.RunConfig, s: Shapes) -> tuple[int, int, int]:
     return model + optim + fixed, model + optim + fixed, largest
 
 
-def _export_bytes(cfg: C.RunConfig, s: Shapes, spec_path: Path | None) -> int:
+def _export_bytes(cfg: C.RunConfig, s: Shapes, spec_path: str | Path | None) -> int:
     """model.safetensors at the export dtype, config and tokenizer files."""
     b = DTYPE_BYTES[export_dtype_of(cfg)] * s.n_params + len(s.all_params()) * SAFETENSORS_TENSOR_BYTES
     tok = 0
@@ -210,7 +210,7 @@ def _ds_flat_groups(s: Shapes, world: int) -> list[int]:
     return _ds_sub_groups(s, world)
 
 
-def saves(cfg: C.RunConfig, s: Shapes, spec_path: Path | None = None, *, start_step: int = 0,
+def saves(cfg: C.RunConfig, s: Shapes, spec_path: str | Path | None = None, *, start_step: int = 0,
           existing: list[int] = ()) -> Saves:
     """The run's saves: sizes, schedule, the checkpoint folder's peak, the host RAM a save adds."""
     if getattr(cfg, "adapters", False):

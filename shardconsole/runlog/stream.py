@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from shardconsole.runlog.protocol import MAX_LINE, DecodeError, Message, decode, encode
@@ -161,9 +162,14 @@ class MetricsReader:
         """How far into metrics.jsonl the lines have been read (attach's replay compares its size)."""
         return self._main.offset
 
+    def positions(self) -> dict[Path, int]:
+        """How far each file has been read (a partial last line included): a reader that begins later
+        reads the same bytes up to here with read_until, then takes what this one reads next."""
+        return {r.path: r.offset for r in self._readers}
+
     @property
     def _pos(self) -> int:
-        """Bytes read of every file: grows when anything was read (history's and tbevents' progress)."""
+        """Bytes read of every file: grows when anything was read (history's progress)."""
         return sum(r._pos for r in self._readers)
 
     @_pos.setter
@@ -172,6 +178,26 @@ class MetricsReader:
 
     def close(self) -> None:
         for r in self._readers:
+            r.close()
+
+
+def read_until(positions: dict[Path, int], max_bytes: int = 8 << 20) -> Iterator[list[Message]]:
+    """The lines of each file up to its position (MetricsReader.positions), in batches merged by time as
+    MetricsReader.poll merges them; a line cut at a position is left to the reader that is there."""
+    readers = {FileReader(path): end for path, end in positions.items()}
+    try:
+        while True:
+            batches, moved = [], False
+            for r, end in readers.items():
+                if r.offset < end:
+                    before = r.offset
+                    batches.append(r.poll(min(max_bytes, end - r.offset)))
+                    moved = moved or r.offset > before
+            if not moved:       # every file read to its position (or shorter now: nothing more to read)
+                return
+            yield list(heapq.merge(*batches, key=lambda m: m.t))
+    finally:
+        for r in readers:
             r.close()
 
 

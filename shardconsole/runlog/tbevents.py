@@ -23,9 +23,11 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from shardconsole.runlog import protocol as P
 from shardconsole.runlog.runfolder import RunFolder
+from shardconsole.runlog.stream import MetricsReader, read_until
 
 EVENTS_MARK = "tfevents"                    # TensorBoard reads files whose name holds this
 SUFFIX = ".shardconsole"                    # ours: only these are replaced on a rebuild
@@ -116,10 +118,11 @@ def _quiet_writer_thread(thread_cls: type) -> None:
 # The writer of one run
 
 class Recorder:
-    """Writes a run's event file from its metrics.jsonl, read by a reader of its own, so that it can
-    start at any time with the whole history: when the front end that held the run's lock goes, the next
-    poll of another front end's recorder takes the lock and writes a complete file. Never raises: a run
-    folder it cannot write (someone else's) is left alone and `why_not` says why."""
+    """Writes a run's event file from its metrics.jsonl as the front end's one reader of it reads it
+    (follow): the watcher's, whose lines also feed the panels. It can start at any time with the whole
+    history: when the front end that held the run's lock goes, the next follow of another front end's
+    recorder takes the lock, reads the history once up to where that reader is, and writes a complete
+    file. Never raises: a run folder it cannot write (someone else's) is left alone and `why_not` says why."""
 
     RETRY_S = 2.0       # how often a recorder without the lock asks for it again
 
@@ -128,8 +131,7 @@ class Recorder:
         self.path: Path | None = None
         self.why_not = ""
         self._writer = None
-        self._pb = None
-        self._reader = None
+        self._pb: Any = None
         self._lock_fd: int | None = None
         self._gave_up = False
         self._next_try = 0.0
@@ -183,8 +185,6 @@ class Recorder:
                                            filename_suffix=SUFFIX)
         except Exception as e:       # whatever the file raised, handed back by the writer's thread
             return self._give_up(f"cannot write TensorBoard events in {self.folder.path}: {_why(e)}")
-        from shardconsole.runlog.stream import MetricsReader
-        self._reader = MetricsReader(self.folder.metrics)
         made = [p for p in event_files(self.folder.path) if p not in stale]
         self.path, self.why_not = (made[0] if len(made) == 1 else None), ""
         # Written by a front end that has gone (its lock is free): this file gets the whole stream again.
@@ -200,13 +200,17 @@ class Recorder:
         self.close()
         return False
 
-    def poll(self) -> bool:
-        """Write what the stream holds that is not written yet; False once nothing more was read."""
-        if self._writer is None and not self._start():
-            return False
-        before = self._reader._pos
-        self.write(self._reader.poll())
-        return self._reader is not None and self._reader._pos != before
+    def follow(self, source: MetricsReader, messages: list[P.Message]) -> None:
+        """What `source`, the front end's reader of the stream, read last (messages): written. Until this
+        recorder holds the run's file they are not its to write; once it takes the lock, the history up
+        to where `source` is (this poll's lines included) is read once and written first."""
+        if self._writer is not None:
+            self.write(messages)
+            return
+        if not self._start():
+            return
+        for batch in read_until(source.positions()):
+            self.write(batch)
 
     def write(self, messages: Iterable[P.Message]) -> None:
         if self._writer is None:
@@ -260,9 +264,6 @@ class Recorder:
                 writer.close()
             except Exception:        # its thread already failed: said by write(); nothing more to keep
                 pass
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
         self._release()
 
     def _release(self) -> None:
@@ -287,9 +288,16 @@ def rebuild(run_dir: Path) -> Recorder:
     """A run's event file written again from its whole metrics.jsonl; the recorder says where (`path`)
     or why not (`why_not`)."""
     rec = Recorder(run_dir)
+    reader = MetricsReader(rec.folder.metrics)
     try:
-        while rec.poll():
-            pass
+        rec.follow(reader, [])              # the lock and the file; nothing read yet
+        while rec.writing:
+            before = reader.positions()
+            messages = reader.poll()
+            if reader.positions() == before:
+                break
+            rec.follow(reader, messages)
     finally:
         rec.close()
+        reader.close()
     return rec

@@ -80,6 +80,9 @@ class _Session:
     """The newest session of a run folder, folded from its stream: each rank's host and its end line."""
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
         self.run = ""
         self.hosts: dict[int, str] = {}
         self.world = 0
@@ -89,7 +92,7 @@ class _Session:
     def apply(self, msg: P.Message) -> None:
         if isinstance(msg, P.Hello):
             if msg.run != self.run:
-                self.__init__()
+                self._reset()
                 self.run = msg.run
             self.hosts[msg.rank], self.world = msg.host, msg.world
         elif msg.run != self.run:

@@ -99,7 +99,7 @@ def main_thread_stack(log_text: str) -> list[str]:
     blocks = []
     for i, start in enumerate(starts):
         end = starts[i + 1] if i + 1 < len(starts) else len(log_text)
-        frames = []
+        frames: list[str] = []
         for line in log_text[start:end].splitlines()[1:]:
             m = _FRAME.match(line)
             if not m:
@@ -181,8 +181,9 @@ def hang_message(state: RunState, stacks: dict[int, list[str]], stalled_s: float
     if unknown:
         lines.append(f"rank(s) {', '.join(map(str, unknown))} gave no stack (stuck in native code or gone)")
     gpus = " ".join((h.gpu_name or "") for h in state.hellos.values()).lower()
-    if getattr(stacks, "collectives", ""):
-        lines.append(stacks.collectives)
+    collectives = getattr(stacks, "collectives", "")    # the flight recorder's reading, where it answered
+    if collectives:
+        lines.append(collectives)
     if not stuck and any(k in gpus for k in ("geforce", "rtx", "titan")):
         lines.append("consumer GPUs without P2P often hang in NCCL: `shardconsole doctor` tests P2P "
                      "(a launch then sets NCCL_P2P_DISABLE=1 itself when it is broken)")

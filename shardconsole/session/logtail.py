@@ -105,10 +105,9 @@ class LogTail:
         try:
             with open(path, "rb") as fh:
                 size = fh.seek(0, 2)
-                pos = self._pos.get(path)
-                first = pos is None
-                if first:
-                    pos = max(0, size - LOG_TAIL_BYTES)
+                known = self._pos.get(path)
+                first = known is None
+                pos = max(0, size - LOG_TAIL_BYTES) if known is None else known
                 if size < pos:          # truncated or replaced: start over
                     pos = 0
                 fh.seek(pos)

@@ -25,7 +25,7 @@ GLOO_VAR, NCCL_VAR = "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"
 
 def _addresses_of(name: str) -> set[str]:
     try:
-        return {info[4][0] for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)}
+        return {str(info[4][0]) for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)}
     except (OSError, UnicodeError):
         return set()
 

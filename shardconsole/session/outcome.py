@@ -39,7 +39,7 @@ EXIT_CODES = {
     "disk_full": 9,      # ENOSPC / EDQUOT where the run writes (its folder, a checkpoint, an export)
     "run_folder_gone": 10,
     "node_lost": 11,     # every rank of a node vanished without an end line (killed, rebooted, cut off)   # the run folder deleted while the run went on: the ranks stopped (stream_health)
-    "detached": 8,       # the front end went away (closed pipe, closed terminal, Ctrl-C while attaching); the run goes on
+    "detached": 8,       # the front end went away (closed pipe, closed terminal, Ctrl-C in attach); the run goes on
     "stopped": 130,
 }
 
@@ -247,7 +247,7 @@ def explain_exit(state: RunState, rc: int | None, run_dir: Path,
     if killed:
         return _died_of_signal(state, run_dir, *killed)
     vanished = _gone_ranks(state, f)
-    if vanished:
+    if vanished and f is not None:      # (_gone_ranks says "" without a failure)
         # A node (or a rank) that vanished writes nothing; its peers' broken connections are the echo.
         cause = "node_lost" if _a_node_lost(state) else "crash" if f.cause == "stopped" else f.cause
         return cause, (f"run failed ({cause}): {vanished} gone, with no end line; rank {f.rank}'s "

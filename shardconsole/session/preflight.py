@@ -14,12 +14,20 @@ import os
 import shutil
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelError, ModelSpec, resolve as resolve_model
 from shardconsole.settings.resolve import Resolved
+from shardconsole.session.planner import Planner
+
+
+def _the_planner(given: Planner | None) -> Planner:
+    """The planner a check was given (the console's, a test's), else shardconsole.plan."""
+    if given is not None:
+        return given
+    from shardconsole import plan
+    return plan
 
 
 def check_gpus(r: Resolved, gpu_count: int) -> list[str]:
@@ -123,11 +131,10 @@ def _check_data_file(r: Resolved) -> None:
         raise r.error("data", "path", f"{data}: not UTF-8 text (byte {e.start})") from None
 
 
-def _host_estimate(r: Resolved, spec: ModelSpec | None, hardware: Any, planner: ModuleType | None) -> Any:
+def _host_estimate(r: Resolved, spec: ModelSpec | None, hardware: Any, planner: Planner | None) -> Any:
     """The planner's estimate of the run on this machine; None when it cannot say."""
     try:
-        if planner is None:
-            from shardconsole import plan as planner
+        planner = _the_planner(planner)
         spec = spec or resolve_model(r.cfg.model.name)
         return planner.estimate(r.cfg, spec, hardware if hardware is not None else planner.detect_hardware())
     except Exception:
@@ -142,7 +149,7 @@ def _over(est: Any) -> tuple[int, int] | None:
 
 
 def host_overrun(r: Resolved, spec: ModelSpec | None = None, hardware: Any = None,
-                 planner: ModuleType | None = None) -> tuple[int, int] | None:
+                 planner: Planner | None = None) -> tuple[int, int] | None:
     """(planned host peak, usable host RAM) when the planner puts the run over this machine's RAM; None
     when it fits or the planner cannot say (a check that cannot run must not block a launch). The
     console passes its own planner and the hardware its probes saw; --headless detects them."""
@@ -177,7 +184,7 @@ def _gpu_full(est: Any) -> bool:
 
 
 def fit_micro_batch(r: Resolved, gpu_count: int | None, spec: ModelSpec | None = None, hardware: Any = None,
-                    planner: ModuleType | None = None) -> tuple[Resolved, str | None]:
+                    planner: Planner | None = None) -> tuple[Resolved, str | None]:
     """(the settings to launch, the line that says what changed). A micro-batch nobody chose (the
     preset's or the default, not `--set` or a console field) that the planner puts at this GPU's whole
     budget is lowered to the largest that leaves the allocator room: a preset is tuned for its model
@@ -188,8 +195,7 @@ def fit_micro_batch(r: Resolved, gpu_count: int | None, spec: ModelSpec | None =
     if not gpu_count or r.cfg.parallel.device == "cpu" or "train.micro_batch" in r.origins:
         return r, None
     try:
-        if planner is None:
-            from shardconsole import plan as planner
+        planner = _the_planner(planner)
         # the model and the machine once: every micro-batch tried is planned on the same two
         spec = spec or resolve_model(r.cfg.model.name)
         hw = hardware if hardware is not None else planner.detect_hardware()
@@ -250,13 +256,12 @@ def checkpoint_dir_of(cfg: C.RunConfig, run_dir: Path) -> Path:
 
 
 def disk_shortfall(cfg: C.RunConfig, run_dir: Path, spec: ModelSpec | None = None,
-                   planner: ModuleType | None = None) -> DiskShort | None:
+                   planner: Planner | None = None) -> DiskShort | None:
     """The run's saves (the planner's sizes, the checkpoints already in the folder of a resumed run)
     against the free space of checkpoint_dir's and export_dir's file systems; None when they fit or
     cannot be told (a check that cannot run must not block a launch)."""
     try:
-        if planner is None:
-            from shardconsole import plan as planner
+        planner = _the_planner(planner)
         from shardconsole.plan.shapes import Shapes
         spec = spec or resolve_model(cfg.model.name)
         ckpt = checkpoint_dir_of(cfg, run_dir)
@@ -284,7 +289,7 @@ def disk_shortfall(cfg: C.RunConfig, run_dir: Path, spec: ModelSpec | None = Non
     return None
 
 
-def _short_checkpoints(cfg: C.RunConfig, sv: Any, planner: ModuleType, ckpt: Path, need: int, free: int,
+def _short_checkpoints(cfg: C.RunConfig, sv: Any, planner: Planner, ckpt: Path, need: int, free: int,
                        export_bytes: int, start: int, existing: list[int]) -> DiskShort:
     """The line for a checkpoint folder too small: both figures, then the settings that would fit."""
     fs = C.format_size
@@ -330,7 +335,7 @@ def _offload_keys(cfg: C.RunConfig) -> list[tuple[str, str, object]]:
 
 
 def offload_not_needed(r: Resolved, gpu_count: int | None, spec: ModelSpec | None = None, hardware: Any = None,
-                       planner: ModuleType | None = None) -> str | None:
+                       planner: Planner | None = None) -> str | None:
     """One line when a preset's offload is not needed on this GPU: the planner fits the model without
     it (GPU and host), and the settings that do it. Offload trades speed for GPU memory (the article's
     24 GB recipe on a card where the model fits ran 4.6x slower than without it, tune on the H200 capped
@@ -341,8 +346,7 @@ def offload_not_needed(r: Resolved, gpu_count: int | None, spec: ModelSpec | Non
             f"{t}.{k}" in r.origins for t, k, _ in keys):
         return None
     try:
-        if planner is None:
-            from shardconsole import plan as planner
+        planner = _the_planner(planner)
         spec = spec or resolve_model(r.cfg.model.name)
         hw = hardware if hardware is not None else planner.detect_hardware()
         cfg = planner.replace_cfg(r.cfg, *keys)

@@ -17,9 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from shardconsole.launch.job import Job, StopReport, open_run
+from shardconsole.launch.job import Job, RunJob, StopReport, open_run
 from shardconsole.launch.owner import owning
 from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.runlog.runstate import RunState
@@ -53,11 +51,11 @@ def folder_settings(folder: RunFolder) -> C.RunConfig | None:
 
 
 class RunSession:
-    """A run and the one watcher that follows it. `job` is a launch.Job (started here, or attached to
-    through job.json), a launch.ExternalJob (started elsewhere: only its stream says when it ended), or a
-    stand-in with poll()/alive() and its own stop_with (tests)."""
+    """A run and the one watcher that follows it. `job` is a launch.RunJob: a Job (started here, or
+    attached to through job.json), an ExternalJob (started elsewhere: only its stream says when it
+    ended), or a stand-in with its own stop_with (tests)."""
 
-    def __init__(self, job: Any, run_dir: Path, run_id: str = "", *, settings: C.RunConfig | None = None,
+    def __init__(self, job: RunJob, run_dir: Path, run_id: str = "", *, settings: C.RunConfig | None = None,
                  started_here: bool = False, stop_with: StopWith = stop_run) -> None:
         """run_id: the session's own id (a resume's); the folder's name otherwise. settings: what the
         caller just wrote to preset.toml (not read again); else the folder's, read here, once."""
@@ -126,12 +124,12 @@ class RunSession:
     @property
     def external(self) -> bool:
         """Started on other machines: no process here to stop; its end read from the stream."""
-        return bool(getattr(self.job, "external", False))
+        return self.job.external
 
     @property
     def rc_known(self) -> bool:
         """Whether the launcher's exit code is known here (not when attached: we are not its parent)."""
-        return bool(getattr(self.job, "rc_known", True))
+        return self.job.rc_known
 
     @property
     def state(self) -> RunState:

@@ -1,6 +1,6 @@
 """How a CLI front end meets signals and closed outputs: SIGTERM is Ctrl-C (the front end that started a
-run stops it), SIGHUP (a closed terminal) detaches, a closed stdout is a quiet exit. The run itself is in
-a session of its own and gets none of these: only the stop path signals it.
+run stops it, attach detaches), SIGHUP (a closed terminal) detaches, a closed stdout is a quiet exit. The
+run itself is in a session of its own and gets none of these: only the stop path signals it.
 """
 
 from __future__ import annotations

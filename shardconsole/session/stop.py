@@ -1,5 +1,5 @@
-"""The one stop path: Ctrl-C and SIGTERM to the headless front end, the console's `s`, the hang stop
-and `shardconsole stop RUN_DIR` all come here.
+"""The one stop path: Ctrl-C and SIGTERM to the headless front end that started the run (in attach they
+detach), the console's `s`, the hang stop and `shardconsole stop RUN_DIR` all come here.
 
 A stop first writes who asked into the stream (so every front end on the run reports "stopped", not a
 crash), then SIGTERMs every process of the run, the ranks by their own pids too (a launcher killed
@@ -280,7 +280,7 @@ class StopRefused(Exception):
 def stop_folder(run_dir: Path, err: TextIO) -> int:
     """`shardconsole stop RUN_DIR`: the same stop as Ctrl-C in the front end that started the run, from
     any shell of this host. 0 once every process of the run has ended (or it had already ended)."""
-    from shardconsole.launch.job import open_run
+    from shardconsole.launch.job import ExternalJob, open_run
     from shardconsole.session.outcome import classify
     from shardconsole.session.watcher import HOST, Watcher
     folder = RunFolder(Path(run_dir))
@@ -289,7 +289,7 @@ def stop_folder(run_dir: Path, err: TextIO) -> int:
     except ValueError as e:
         raise StopRefused(str(e)) from None
     from shardconsole.session import cluster
-    if job.external or cluster.stops_through_folder(folder.path):
+    if isinstance(job, ExternalJob) or cluster.stops_through_folder(folder.path):
         # Several nodes, or started by --print-command / --slurm: a signal reaches this host only; the
         # request file in the shared folder reaches every node's ranks.
         return cluster.stop_through_folder(folder.path, err, who=f"`shardconsole stop` (pid {os.getpid()})")

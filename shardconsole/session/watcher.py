@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shardconsole.launch import process_identity as PI
+from shardconsole.launch.job import RunJob
 from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
 from shardconsole.session.hang import SAVE_STALL_S, Watch
@@ -107,7 +108,7 @@ def _samples_file(folder: RunFolder, parallel: C.ParallelSettings | None) -> Pat
 
 
 class Watcher:
-    def __init__(self, job: Any, run_dir: Path, run_id: str, probes: Probes | None = None, *,
+    def __init__(self, job: RunJob, run_dir: Path, run_id: str, probes: Probes | None = None, *,
                  sample_every_s: float = 1.0, look_every_s: float = 1.0, logs: bool = True,
                  hang_timeout_s: float = 0.0, record: bool | None = None, save_stall_s: float = SAVE_STALL_S,
                  settings: C.RunConfig | None = None) -> None:
@@ -132,7 +133,7 @@ class Watcher:
         self._resumed_prefix = f"{self.folder.run_id}-resume-"
         self._first_id = self.folder.run_id       # the first session's run id (another after a copy or rename)
         self._sessions: set[str] = set()
-        self._own = getattr(job, "proc", None) is not None      # our child: poll() is one waitpid
+        self._own = job.rc_known and not job.external      # our child: poll() is one waitpid
         # A node we launched of a run of several nodes: a rendezvous nobody hosts is named while it waits.
         self._rdzv = RendezvousWatch(parallel.rdzv_endpoint, parallel.nnodes, time.monotonic(),
                                      parallel.rdzv_connect_timeout_s) if (
@@ -144,11 +145,13 @@ class Watcher:
         self._notes: list[str] = []
         self._stream_stopped = ""
         self.recorder = Recorder(self.folder.path) if (probes is not None if record is None else record) else None
+        self._unrecorded: list[P.Message] = []    # what the reader read since the recorder last followed it
+        job.heard([])         # the job's hello lines come from this watcher's reader: it reads no stream itself
         self._said_recorder = False
 
     @property
     def external(self) -> bool:
-        return bool(getattr(self.job, "external", False))
+        return self.job.external
 
     @property
     def rank_pids(self) -> list[int]:
@@ -191,20 +194,21 @@ class Watcher:
             self._said_lost = True
             tick.notes.append(self.reader.lost)
         if self.recorder is not None:
-            self._record(tick)
+            self._record(self.recorder, tick)
         tick.ended, tick.exit_code, tick.bad_lines = self.ended, self.exit_code, self.reader.bad_lines
         return tick
 
-    def _record(self, tick: Tick) -> None:
-        if not self.recorder.writing and self.over() and event_files(self.folder.path):
+    def _record(self, recorder: Recorder, tick: Tick) -> None:
+        if not recorder.writing and self.over() and event_files(self.folder.path):
             # Over before this front end began writing (an attach to a finished run): its event file
             # stays as the run left it; `runs --tensorboard` rebuilds one on request.
-            self.recorder.close()
+            recorder.close()
             self.recorder = None
             return
-        self.recorder.poll()
-        why = self.recorder.why_not
-        if why and not self._said_recorder and self.recorder.gave_up:
+        recorder.follow(self.reader, self._unrecorded)
+        self._unrecorded = []
+        why = recorder.why_not
+        if why and not self._said_recorder and recorder.gave_up:
             self._said_recorder = True
             tick.notes.append(f"no TensorBoard events for this run: {why}")
 
@@ -245,8 +249,14 @@ class Watcher:
                               f"watching them by pid; a stop reaches them")
 
     def _read(self) -> list[P.Message]:
+        """The stream's new lines, folded into the state (the front end's one reader: the recorder is
+        given the same lines, unfiltered)."""
         out = []
-        for msg in self.reader.poll():
+        read = self.reader.poll()
+        if self.recorder is not None:
+            self._unrecorded += read
+        self.job.heard([m for m in read if isinstance(m, P.Hello)])
+        for msg in read:
             if isinstance(msg, P.Hello) and not self._sessions and self.run_id == self.folder.run_id and not (
                     msg.run == self.session or msg.run.startswith(self._resumed_prefix)):
                 # The folder's first session ran under another name: the folder was copied or renamed
@@ -286,6 +296,8 @@ class Watcher:
     def _take_samples(self) -> list[P.Message]:
         """Append a sample of each GPU and of the host to the stream; returned only when the run folder is
         not writable (someone else's run), since otherwise the reader brings them back next time."""
+        if self.probes is None:
+            return []
         try:
             taken = [*self.probes.gpus(self.run_id), self.probes.host(self.rank_pids, self.run_id)]
         except Exception:   # a probe must never take the watcher down
@@ -324,8 +336,11 @@ class Watcher:
 
     def close(self) -> None:
         if self.recorder is not None:
-            while self.recorder.writing and self.recorder.poll():   # the last lines, when the run ended between two looks
-                pass
+            if self.recorder.writing:     # the last lines, when the run ended between two looks
+                more, self._unrecorded = self._unrecorded + self.reader.poll(), []
+                while more and self.recorder.writing:
+                    self.recorder.follow(self.reader, more)
+                    more = self.reader.poll()
             self.recorder.close()
         self.samples.close()
         self.reader.close()

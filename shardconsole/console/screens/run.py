@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from rich.text import Text
 from textual import on, work
@@ -29,7 +33,8 @@ from shardconsole.session.outcome import EXIT_CODES
 from shardconsole.session.run import RunSession
 from shardconsole.session.stop import HANG_GRACE_S, Hurry, describe_stop
 
-from shardconsole.console.messages import MachineSampled, RunEnded, RunHung, RunResumed, RunUpdate, StopFinished
+from shardconsole.console.messages import (MachineSampled, RunEnded, RunHung, RunPlanned, RunResumed, RunUpdate,
+                                          StopFinished)
 from shardconsole.console.runview import RunView, library_noise, log_line
 from shardconsole.console.screens.dialogs import ConfirmScreen, ReportScreen
 from shardconsole.console.screens.run_status import short_stop, status_text, stop_details, stop_question
@@ -53,15 +58,21 @@ class RunScreen(Screen[None]):
         Binding("r", "resume", "Resume"),
         Binding("n", "new_run", "New run"),
         Binding("q", "app.quit", "Quit", show=False),   # ctrl+q (shown) does the same
+        # The one answer to Ctrl-C (issue 50): the console that started the run asks to stop it, as `s`;
+        # attached, it leaves (the run goes on). Priority: over the app's "press ctrl+q" hint.
+        Binding("ctrl+c", "interrupt", "Stop or leave", show=False, priority=True),
     ]
 
     status: reactive[str] = reactive("running")
     """running | stopping | stopped | finished | failed"""
 
     def __init__(self, session: RunSession, probes: Probes, *, attached: bool = False,
-                 options: RunOptions = RunOptions()) -> None:
+                 options: RunOptions = RunOptions(), resume: Callable[[Path], RunSession] | None = None) -> None:
+        """resume: continues an ended run in its folder (the launcher's); None: no resume offered."""
         super().__init__()
         self.session = session
+        self._resume = resume
+        self._how = ""               # "attached · ", "resumed · ": the header's first word
         self.probes = probes
         self.run_id = session.run_id
         self.attached = attached
@@ -73,8 +84,11 @@ class RunScreen(Screen[None]):
         self.note: Text = Text()     # the line under the status: how the run ended
         self._gpu_before_stop: dict[int, P.GpuSample] = {}
         self._hurry = Hurry()
+        # Set by the UI thread when a stop begins: the follower asks no hang diagnosis of a run being stopped
+        # (it reads this, never the screen's reactive status, from its thread).
+        self._stopping = threading.Event()
         self._exit_after_stop = False
-        self._sigterm_before = None
+        self._sigterm_before: Callable[[int, FrameType | None], Any] | int | None = None
         self._noise = 0              # library notices left out of the Logs panel (runview.library_noise)
 
     # --- layout ------------------------------------------------------------------------------------
@@ -94,14 +108,19 @@ class RunScreen(Screen[None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.sub_title = (("attached · " if self.attached else "") + f"run {self.run_id}"
-                          + method_line(self.session.settings))
-        self.view.planned_gpu_bytes, self.view.planned_host_bytes = planned_peaks(self.session.settings, self.probes)
+        self._how = "attached · " if self.attached else ""
+        self.sub_title = self._subtitle()
         self._draw_status()
         self.set_interval(1.0, self._tick_clock)
         self.follow()
         if not self.attached:
             self._catch_sigterm()
+
+    def _subtitle(self, method: str = "") -> str:
+        """The header's line: the run, and what Ctrl-C does to it here (stops what this console started,
+        leaves what it attached to); method: LoRA's trainable count, once the follower worked it out."""
+        ctrl_c = "ctrl+c stops it" if self.session.started_here else "ctrl+c leaves it running"
+        return f"{self._how}{ctrl_c} · run {self.run_id}{method}"   # ctrl+c first: a long id is cut
 
     def _catch_sigterm(self) -> None:
         """SIGTERM to the console that started this run stops the run, then quits (the terminal restored)."""
@@ -149,8 +168,7 @@ class RunScreen(Screen[None]):
         if action == "new_run":
             return not self.live
         if action == "resume":
-            return not self.live and not self.session.external \
-                and hasattr(self.app, "launcher") and hasattr(self.app.launcher, "resume")
+            return not self.live and not self.session.external and self._resume is not None
         return True
 
     def watch_status(self) -> None:
@@ -161,7 +179,9 @@ class RunScreen(Screen[None]):
     @work(thread=True, exclusive=True, group="follow")
     def follow(self) -> None:
         worker = get_current_worker()
-        session = self.session
+        session, stopping = self.session, self._stopping     # this session's: a resume gives the next worker its own
+        # The planner's peaks and NVML's first answer: here, never on the UI thread (NVML may take seconds).
+        self.post_message(RunPlanned(*planned_peaks(session.settings, self.probes), method_line(session.settings)))
         session.watch(self.probes if self.sample else None, look_every_s=POLL_S)
         unavailable = self.probes.gpu_unavailable()
         self.post_message(MachineSampled([], gpu_unavailable=unavailable))
@@ -176,9 +196,12 @@ class RunScreen(Screen[None]):
                     self.post_message(MachineSampled(samples, gpu_unavailable=unavailable))
                 if tick.ended:
                     cause, message = session.outcome()
-                    self.post_message(RunEnded(tick.exit_code, cause, message))
+                    last = session.state.last_step
+                    speed = predicted_speed(session.settings, self.probes, last.tokens_per_s) \
+                        if cause == "ok" and last is not None else ""
+                    self.post_message(RunEnded(tick.exit_code, cause, message, speed))
                     return
-                hang = session.hang() if self.status == "running" else None
+                hang = None if stopping.is_set() else session.hang()
                 if hang is not None:
                     self.post_message(RunHung(hang.message, hang.stoppable))
                 time.sleep(POLL_S)
@@ -193,9 +216,9 @@ class RunScreen(Screen[None]):
         self.post_message(StopFinished(report, gpus, unavailable))
 
     @work(thread=True, exclusive=True, group="resume")
-    def resume_run(self) -> None:
+    def resume_run(self, resume: Callable[[Path], RunSession], run_dir: Path) -> None:
         try:
-            session = self.app.launcher.resume(self.session.run_dir)
+            session = resume(run_dir)
         except (C.ConfigError, OSError, ValueError) as e:
             self.app.call_from_thread(self.notify, str(e), title="Cannot resume", severity="error", timeout=10)
             return
@@ -244,8 +267,7 @@ class RunScreen(Screen[None]):
         self.outcome = event.cause
         if event.cause == "ok":
             steps = self.view.state.finished.steps if self.view.state.finished else 0
-            last = self.view.state.last_step
-            speed = predicted_speed(self.session.settings, self.probes, last.tokens_per_s if last else 0.0)
+            speed = event.speed
             self.note = Text(f"■ finished: {steps} steps in {duration(self.view.elapsed_s)}; "
                              + (f"{speed}; " if speed else "") + f"run folder {self.session.run_dir}", "green")
             self.status = "finished"
@@ -258,8 +280,18 @@ class RunScreen(Screen[None]):
             self.app.push_screen(ReportScreen(f"The run failed: {event.cause}", event.message, error=True))
         self._draw_status()
 
+    @on(RunPlanned)
+    def _run_planned(self, event: RunPlanned) -> None:
+        self.view.planned_gpu_bytes, self.view.planned_host_bytes = event.gpu_bytes, event.host_bytes
+        if event.method:          # a model folder's config read: in the worker, said in the header now
+            self.sub_title = self._subtitle(event.method)
+        if self.view.state.hellos:        # else the first lines draw them
+            self._draw()
+
     @on(RunHung)
     def _run_hung(self, event: RunHung) -> None:
+        if self.status != "running":      # asked while a stop began: that stop goes on
+            return
         if not event.stoppable:
             self.note = Text(f"✖ run hung: {event.message}; it was not started here, so it is not stopped here",
                              "red")
@@ -274,11 +306,11 @@ class RunScreen(Screen[None]):
         """The same screen follows the new session: the whole stream again, the old curves included."""
         self.session, self.run_id = event.session, event.session.run_id
         self.view = RunView(self.run_id)
-        self.view.planned_gpu_bytes, self.view.planned_host_bytes = planned_peaks(self.session.settings, self.probes)
-        self.outcome, self.note, self._hurry = "", Text(), Hurry()
+        self.outcome, self.note, self._hurry, self._stopping = "", Text(), Hurry(), threading.Event()
         self.query_one("#logs", Log).clear()
         self.status = "running"
-        self.sub_title = f"resumed · run {self.run_id}" + method_line(self.session.settings)
+        self._how = "resumed · "
+        self.sub_title = self._subtitle()
         self.follow()
 
     @on(StopFinished)
@@ -325,12 +357,24 @@ class RunScreen(Screen[None]):
 
     def _begin_stop(self, who: str, grace_s: float | None = None) -> None:
         self._gpu_before_stop = dict(self.view.state.gpus)
+        self._stopping.set()
         self.status = "stopping"
         self.stop_run(who, grace_s)
 
     def action_resume(self) -> None:
+        if not self.live and self._resume is not None:
+            self.resume_run(self._resume, self.session.run_dir)
+
+    def action_interrupt(self) -> None:
+        """ctrl+c (or SIGINT to the console): a run this console started is stopped after the question
+        `s` asks; a run it attached to is left running, exit 8, and the console says how to stop it."""
         if not self.live:
-            self.resume_run()
+            self.app.action_help_quit()
+        elif self.session.started_here:
+            self.action_stop()
+        else:
+            self.session.detach("Ctrl-C in the console (attach)")
+            self.app.exit(result=self.session.run_dir, return_code=EXIT_CODES["detached"])
 
     def action_leave(self) -> None:
         """Quit the console; the run goes on in its own session and can be attached to again (said in

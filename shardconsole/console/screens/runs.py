@@ -107,7 +107,8 @@ class RunsScreen(Screen[Path | None]):
         with Vertical(id="runs-body"):
             where = " and ".join(_short(r) for r in roots(self._root()))
             yield Label(f"Runs in {where} (newest first): space marks, c compares, enter attaches", id="title")
-            table = DataTable(id="runs-table", cursor_type="row", zebra_stripes=True, fixed_columns=FIXED)
+            table: DataTable[str] = DataTable(id="runs-table", cursor_type="row", zebra_stripes=True,
+                                              fixed_columns=FIXED)
             table.add_columns(*COLUMNS)
             yield table
             yield Static("reading the runs…", id="detail", markup=False)

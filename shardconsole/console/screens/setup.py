@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 from textual import on, work
 from textual.app import ComposeResult
@@ -20,7 +19,6 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.events import DescendantFocus
 from textual.reactive import reactive
-from textual.screen import Screen
 from textual.widgets import (Footer, Header, Input, Label, OptionList, RadioButton, RadioSet, Static, TabbedContent,
                              TabPane)
 
@@ -35,7 +33,8 @@ from shardconsole.console.screens.setup_actions import SetupActions
 from shardconsole.console.screens.setup_summary import (changes_text, command_text, estimate_text, field_help,
                                                         machine_text, model_info, model_options, preset_options,
                                                         problems_text)
-from shardconsole.console.services import Launcher, Machine, PlannedRun, Probes, RunOptions, load_plan, plan_hardware
+from shardconsole.console.services import (Launcher, Machine, OpenRun, PlannedRun, Planner, Probes, load_plan,
+                                           plan_hardware)
 from shardconsole.console.widgets.setting_field import SettingField
 
 HERE = Path(__file__).parent
@@ -51,7 +50,7 @@ class PickInput(Input):
     BINDINGS = [Binding("up", "app.focus_previous", show=False), Binding("down", "app.focus_next", show=False)]
 
 
-class SetupScreen(SetupActions, Screen[None]):
+class SetupScreen(SetupActions):
     CSS_PATH = HERE / "setup.tcss"
     BINDINGS = [
         Binding("ctrl+r", "launch", "Launch"),
@@ -66,21 +65,22 @@ class SetupScreen(SetupActions, Screen[None]):
         Binding("ctrl+n", "next_tab", "Next tab"),
     ]
 
-    cfg: reactive[C.RunConfig] = reactive(C.RunConfig, always_update=True, init=False)
-    """The settings in force: resolved.cfg, the preset with the accepted overrides (set by _derive)."""
 
     def __init__(self, launcher: Launcher, probes: Probes, *, preset: str = settings.DEFAULT_PRESET,
                  overrides: list[str] | None = None, resolved: settings.Resolved | None = None,
-                 planner: Callable[[], ModuleType | None] = load_plan, run_options: RunOptions = RunOptions()) -> None:
+                 planner: Callable[[], Planner | None] = load_plan,
+                 attach: Callable[[Path | None], None], open_run: OpenRun) -> None:
         """resolved: the command line's settings, already resolved (`shardconsole --preset ... --set ...`);
-        otherwise preset and overrides are resolved here."""
+        otherwise preset and overrides are resolved here. attach, open_run: the app's (the run screen
+        for a folder the attach dialog chose; for a session this screen launched)."""
         super().__init__()
         self.launcher = launcher
         self.probes = probes
         self.planner = planner
-        self.run_options = run_options
+        self.attach = attach
+        self.open_run = open_run
         self.machine = Machine()
-        self.plan: ModuleType | None = None
+        self.plan: Planner | None = None
         self.overrides: dict[str, settings.Override] = {}   # "table.key" -> the last override of it
         self.resolved = settings.Resolved(C.RunConfig(), "defaults", None)
         self.model_error = ""                      # a model folder typed but not (yet) usable

@@ -6,8 +6,12 @@ edits the settings, this one acts on what it resolved.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+from textual import work
+from textual.reactive import reactive
+from textual.screen import Screen
 from textual.widgets import OptionList, TabbedContent
 
 from shardconsole.settings import config as C
@@ -16,15 +20,41 @@ from shardconsole.session import preflight
 
 from shardconsole.console.screens.dialogs import AttachScreen, ConfirmScreen, ReportScreen, SavePresetScreen, SaveRequest
 from shardconsole.console.screens.setup_summary import preset_options
-from shardconsole.session.run import RunSession
-
-from shardconsole.console.services import AttachError
+from shardconsole.console.services import Launcher, Machine, OpenRun, PlannedRun, Planner, Probes, RunListing
 
 
-class SetupActions:
-    """Launch, save and attach; mixed into SetupScreen, whose state it reads (resolved, machine, plan,
-    launcher, preset_name, preset_path) and whose methods it calls (_problems, _go_to, _load, _refresh,
-    _show_picks)."""
+class SetupActions(Screen[None]):
+    """Launch, save and attach: SetupScreen's base, whose state it reads (declared here, set by
+    SetupScreen) and whose methods it calls (declared here, written in setup.py)."""
+
+    cfg: reactive[C.RunConfig] = reactive(C.RunConfig, always_update=True, init=False)
+    """The settings in force: resolved.cfg, the preset with the accepted overrides (SetupScreen._derive)."""
+
+    launcher: Launcher
+    probes: Probes
+    machine: Machine
+    plan: Planner | None
+    resolved: settings.Resolved
+    planned: PlannedRun | None
+    preset_name: str
+    preset_path: Path | None
+    attach: Callable[[Path | None], None]       # the app's: a run screen for a folder
+    open_run: OpenRun                            # the app's: a run screen for a session started here
+
+    def _problems(self, data: bool = True) -> list[tuple[str, str]]:
+        raise NotImplementedError
+
+    async def _go_to(self, path: str) -> None:
+        raise NotImplementedError
+
+    def _load(self, preset: str | None, overrides: list[settings.Override]) -> None:
+        raise NotImplementedError
+
+    def _refresh(self) -> None:
+        raise NotImplementedError
+
+    def _show_picks(self) -> None:
+        raise NotImplementedError
 
     async def _refuse_if_invalid(self, doing: str) -> bool:
         """With a problem left: say it, take the user to its field, and return True."""
@@ -108,10 +138,7 @@ class SetupActions:
         except C.ConfigError as e:     # the launcher's checks (port, writable folders, the folder's claim)
             self.notify(str(e), title="Launch refused", severity="error", timeout=10)
             return
-        self._open_run(session, attached=False)
-
-    def _run_screen_closed(self, _: None = None) -> None:
-        self._refresh()    # a new run folder name for the next launch
+        self.open_run(session, attached=False, closed=self._refresh)   # then a new folder name for the next
 
     async def action_save_preset(self) -> None:
         if await self._refuse_if_invalid("saving"):
@@ -183,20 +210,13 @@ class SetupActions:
         self.app.push_screen(TuneScreen(self.resolved, self.preset_name, self.machine.plan_hardware))
 
     def action_attach(self) -> None:
-        self.app.push_screen(AttachScreen(self.launcher.recent_runs(), self.launcher.runs_root), self._attach_to)
+        """The attach dialog over the newest runs, listed in a worker (each run's stream tail is read:
+        no file reads on the UI thread); the folder chosen goes to the app's attach (given to this screen)."""
+        self.list_runs_to_attach()
 
-    def _attach_to(self, run_dir: Path | None) -> None:
-        if run_dir is None:
-            return
-        try:
-            session = self.launcher.attach(run_dir)
-        except AttachError as e:
-            self.notify(str(e), title="Cannot attach", severity="error", timeout=10)
-            return
-        self._open_run(session, attached=True)
+    @work(thread=True, exclusive=True, group="attach-list")
+    def list_runs_to_attach(self) -> None:
+        self.app.call_from_thread(self._show_attach, self.launcher.recent_runs())
 
-    def _open_run(self, session: RunSession, *, attached: bool) -> None:
-        # Imported here: the run screen and its panels are not needed for the first paint.
-        from shardconsole.console.screens.run import RunScreen
-        self.app.push_screen(RunScreen(session, self.probes, attached=attached,
-                                       options=self.run_options), self._run_screen_closed)
+    def _show_attach(self, runs: list[RunListing]) -> None:
+        self.app.push_screen(AttachScreen(runs, self.launcher.runs_root), self.attach)

@@ -8,7 +8,6 @@ words are made here, setup_actions.py acts on the result).
 from __future__ import annotations
 
 from pathlib import Path
-from types import ModuleType
 
 from rich.text import Text
 from textual.widgets.option_list import Option
@@ -19,7 +18,7 @@ from shardconsole.settings import preset_store
 from shardconsole.settings.models import CATALOG, ModelError, human_count, resolve
 
 from shardconsole.console import fields as F
-from shardconsole.console.services import Machine, PlannedRun, describe_estimate, describe_machine
+from shardconsole.console.services import Machine, PlannedRun, Planner, describe_estimate, describe_machine
 
 KINDS = {"select": "choose with enter", "switch": "space toggles", "number": "a number",
          "size": "a size such as 24GiB or 512MiB", "text": "text"}
@@ -97,7 +96,7 @@ def command_text(planned: PlannedRun) -> Text:
     return cmd
 
 
-def estimate_text(plan: ModuleType | None, cfg: C.RunConfig, machine: Machine, planned: PlannedRun,
+def estimate_text(plan: Planner | None, cfg: C.RunConfig, machine: Machine, planned: PlannedRun,
                   valid: bool) -> Text:
     estimate, fits = (describe_estimate(plan, cfg, machine, planned.run_dir) if valid else
                       ("Memory estimate: once the settings are valid", None))

@@ -5,7 +5,9 @@ through the normal stop path; the winner is written as a user preset named in th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from textual import on
 from textual.app import ComposeResult
@@ -19,6 +21,8 @@ from shardconsole.settings import resolve as settings
 from shardconsole.tune.setup import make_tune, output_name, parse_duration
 from shardconsole.tune.engine import Tune
 from shardconsole.tune.report import COLUMNS, machine_text, numerics_note, table, write_preset
+
+T = TypeVar("T")
 
 HERE = Path(__file__).parent
 
@@ -64,7 +68,7 @@ class TuneScreen(Screen[None]):
     def _say(self, text: str) -> None:
         self.query_one("#status", Static).update(text)
 
-    def _field(self, fid: str, check) -> object | None:
+    def _field(self, fid: str, check: Callable[[str], T]) -> T | None:
         widget = self.query_one(f"#{fid}", Input)
         try:
             value = check(widget.value)
@@ -83,7 +87,7 @@ class TuneScreen(Screen[None]):
         probes = self._field("probes", lambda v: _positive_int("probes", v))
         steps = self._field("steps", lambda v: _positive_int("steps", v))
         name = self._field("name", lambda v: output_name(v.strip(), self.preset_name))
-        if None in (budget, probes, steps, name):
+        if budget is None or probes is None or steps is None or name is None:
             return
         try:
             self.tune = make_tune(self.resolved, budget_s=budget, max_probes=probes, probe_steps=steps, name=name,
@@ -106,7 +110,7 @@ class TuneScreen(Screen[None]):
         try:
             winner = tune.run()
             path = write_preset(tune, winner, self.out_name, self.resolved.preset) if winner else None
-            msg = (f"winner: {winner.option.name}, {winner.result.tokens_per_s:,.0f} tokens/s; saved as preset "
+            msg = (f"winner: {winner.option.name}, {winner.result.tokens_per_s if winner.result else 0.0:,.0f} tokens/s; saved as preset "
                    f"{self.out_name} ({path})" if winner else
                    "no probe finished under the caps: nothing saved (the rows say why)")
             # planned, not probed: a winner that changed the numerics would be another training

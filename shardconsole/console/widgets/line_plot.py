@@ -11,6 +11,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 # Bit of each dot in a braille cell, by [row][column] (Unicode's braille patterns, U+2800).
+END_OF_ROW = "end of row"     # a colour no cell has: the last run of a row ends there
 _DOTS = ((0x01, 0x08), (0x02, 0x10), (0x04, 0x20), (0x40, 0x80))
 
 
@@ -101,7 +102,7 @@ class LinePlot(Widget):
             # One span per run of a colour: a plot redraws several times a second.
             line, run_color, start = cells[row], colors[row][0], 0
             for col in range(1, cols + 1):
-                color = colors[row][col] if col < cols else object()
+                color = colors[row][col] if col < cols else END_OF_ROW
                 if color != run_color:
                     chunk = "".join(chr(0x2800 + bits) for bits in line[start:col])
                     text.append(chunk, styles.get(run_color) if run_color else None)

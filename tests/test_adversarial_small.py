@@ -128,6 +128,16 @@ def test_shardconsole_stop_by_another_user_says_not_your_run():
 
 
 @pytest.mark.slow
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process pid has a handler for sig (the SigCgt mask of /proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:")), 0)
+    return bool(mask >> (int(sig) - 1) & 1)
+
+
 def test_sighup_to_attach_in_its_first_moments_is_a_detach(tmp_path):
     """SIGHUP before attach follows (its imports, its replay) exits 8, the run going on; it was 129."""
     run_dir = tmp_path / "run"
@@ -139,9 +149,17 @@ def test_sighup_to_attach_in_its_first_moments_is_a_detach(tmp_path):
         while not (run_dir / "metrics.jsonl").is_file() or not of_kind(messages(run_dir), "step"):
             assert runner.poll() is None and time.monotonic() < deadline, "the run never stepped"
             time.sleep(0.1)
-        for delay in (0.15, 0.3, 0.6):
+        for delay in (0.0, 0.15, 0.45):
             attach = subprocess.Popen([sys.executable, "-m", "shardconsole", "attach", str(run_dir), "--headless"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            # From the moment its first line of Python has run (the handler is in cli/__init__.py): before
+            # that the interpreter itself is starting, which no program catches, and on a loaded machine
+            # that start-up alone can outlast a fixed delay.
+            caught_by = time.monotonic() + 60
+            while not _catches(attach.pid, signal.SIGHUP):
+                assert attach.poll() is None, attach.communicate()[1][-2000:]
+                assert time.monotonic() < caught_by, "attach never set a SIGHUP handler"
+                time.sleep(0.005)
             time.sleep(delay)
             attach.send_signal(signal.SIGHUP)
             _, err = attach.communicate(timeout=60)

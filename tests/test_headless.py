@@ -86,6 +86,25 @@ def test_watcher_of_a_read_only_run_folder_shows_samples_without_writing(tmp_pat
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 1     # nothing appended
 
 
+def test_a_closed_terminal_during_the_machine_sample_is_a_detach_not_a_probe_failure(tmp_path):
+    """SIGHUP raises Detach wherever attach's main thread is, also inside the watcher's guard that keeps a
+    failing probe from taking it down: the detach must go through it (it was swallowed there, and attach
+    then followed a live run forever; seen under the full suite's load as a 60 s timeout)."""
+    import pytest
+    from shardconsole.session.signals import Detach
+    run = tmp_path / "run"
+    w = MetricsWriter(run / "metrics.jsonl", "run", 0)
+    w.emit(P.Step(run="run", rank=0, step=1, steps=2, loss=3.0, lr=1e-4, tokens_per_s=1.0, step_s=1.0))
+    w.close()
+
+    class HungUpDuringTheSample(MachineProbes):
+        def host(self, *a, **k):
+            raise Detach("the terminal closed (SIGHUP)")
+    watcher = Watcher(ExternalJob(run), run, "run", HungUpDuringTheSample(), logs=False)
+    with pytest.raises(Detach):
+        watcher.poll()
+
+
 def _run_folder(tmp_path, run_id="run"):
     run = tmp_path / run_id
     run.mkdir()

@@ -13,8 +13,11 @@ import threading
 from collections.abc import Iterator
 
 
-class Detach(Exception):
-    """The front end goes away (its terminal closed): the run goes on without it."""
+class Detach(BaseException):
+    """The front end goes away (its terminal closed): the run goes on without it. A BaseException, like
+    KeyboardInterrupt: raised by the SIGHUP handler wherever the main thread is, it must not be taken for
+    a failure by the `except Exception` guards it may land in (a probe's, in the watcher's tick), which
+    swallowed it and left attach following a live run forever."""
 
 
 def _interrupt(*_) -> None:

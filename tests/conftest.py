@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import json
 import os
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -184,6 +186,29 @@ def assert_nothing_left(run_dir: Path, msgs) -> None:
     pgid = json.loads((run_dir / "job.json").read_text())["pgid"]
     assert _group_pids(pgid) == []
     assert pids_alive(h.pid for h in of_kind(msgs, "hello")) == []
+
+
+@contextlib.contextmanager
+def live_tiny_run(run_dir: Path, *sets: str, timeout: float = 300,
+                  stderr: int = subprocess.DEVNULL) -> Iterator[subprocess.Popen]:
+    """A tiny-cpu run started by the headless front end, training (train.steps=100000) until the test is
+    done with it: yields the front end once the first step line is in; after, Ctrl-C to it (a stop) unless
+    it has ended, SIGKILL if that takes over 120 s."""
+    front = subprocess.Popen([sys.executable, "-m", "shardconsole", "--preset", "tiny-cpu", "--headless",
+                              "--run-dir", str(run_dir), "--set", "train.steps=100000",
+                              *[a for s in sets for a in ("--set", s)]],
+                             stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+    try:
+        wait_for_steps(run_dir, 1, timeout, front)
+        yield front
+    finally:
+        if front.poll() is None:
+            front.send_signal(signal.SIGINT)
+        try:
+            front.wait(120)
+        except subprocess.TimeoutExpired:
+            front.kill()
+            front.wait()
 
 
 def wait_for_steps(run_dir: Path, n: int, timeout: float, proc: subprocess.Popen | None = None) -> None:

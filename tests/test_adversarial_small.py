@@ -15,7 +15,7 @@ import pytest
 
 from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.session.stop import not_yours
-from tests.conftest import messages, of_kind, shardconsole
+from tests.conftest import live_tiny_run, messages, of_kind, shardconsole
 
 
 def run(run_dir: Path, *sets: str) -> subprocess.CompletedProcess:
@@ -101,33 +101,19 @@ def test_shardconsole_stop_by_another_user_says_not_your_run():
     shared = Path(tempfile.mkdtemp(prefix="shardconsole-shared-", dir="/tmp"))   # pytest's tmp is root's alone
     shared.chmod(0o755)
     run_dir = shared / "run"
-    runner = subprocess.Popen([sys.executable, "-m", "shardconsole", "--preset", "tiny-cpu", "--headless",
-                               "--run-dir", str(run_dir), "--set", "train.steps=100000"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 300
-        while not (run_dir / "metrics.jsonl").is_file() or not of_kind(messages(run_dir), "step"):
-            assert runner.poll() is None and time.monotonic() < deadline, "the run never stepped"
-            time.sleep(0.1)
-        res = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
-                              "shardconsole", "stop", str(run_dir)], capture_output=True, text=True, timeout=120,
-                             env={**os.environ, "HOME": str(shared)}, cwd=shared)
-        line = one_line(res)
-        assert "not your run" in line and "runs as user root" in line, line
-        assert runner.poll() is None          # nothing was signalled
-        assert shardconsole("stop", str(run_dir), timeout=120).returncode == 0
+        with live_tiny_run(run_dir) as runner:
+            res = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                                  "-m", "shardconsole", "stop", str(run_dir)], capture_output=True, text=True,
+                                 timeout=120, env={**os.environ, "HOME": str(shared)}, cwd=shared)
+            line = one_line(res)
+            assert "not your run" in line and "runs as user root" in line, line
+            assert runner.poll() is None          # nothing was signalled
+            assert shardconsole("stop", str(run_dir), timeout=120).returncode == 0
     finally:
-        if runner.poll() is None:
-            runner.send_signal(signal.SIGINT)
-        try:
-            runner.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            runner.kill()
-            runner.wait()
         shutil.rmtree(shared, ignore_errors=True)
 
 
-@pytest.mark.slow
 def _catches(pid: int, sig: int) -> bool:
     """Whether process pid has a handler for sig (the SigCgt mask of /proc/PID/status)."""
     try:
@@ -138,17 +124,11 @@ def _catches(pid: int, sig: int) -> bool:
     return bool(mask >> (int(sig) - 1) & 1)
 
 
+@pytest.mark.slow
 def test_sighup_to_attach_in_its_first_moments_is_a_detach(tmp_path):
     """SIGHUP before attach follows (its imports, its replay) exits 8, the run going on; it was 129."""
     run_dir = tmp_path / "run"
-    runner = subprocess.Popen([sys.executable, "-m", "shardconsole", "--preset", "tiny-cpu", "--headless",
-                               "--run-dir", str(run_dir), "--set", "train.steps=100000"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 300
-        while not (run_dir / "metrics.jsonl").is_file() or not of_kind(messages(run_dir), "step"):
-            assert runner.poll() is None and time.monotonic() < deadline, "the run never stepped"
-            time.sleep(0.1)
+    with live_tiny_run(run_dir) as runner:
         for delay in (0.0, 0.15, 0.45):
             attach = subprocess.Popen([sys.executable, "-m", "shardconsole", "attach", str(run_dir), "--headless"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -165,13 +145,6 @@ def test_sighup_to_attach_in_its_first_moments_is_a_detach(tmp_path):
             _, err = attach.communicate(timeout=60)
             assert attach.returncode == 8, (delay, attach.returncode, err[-2000:])
         assert runner.poll() is None          # the run went on
-    finally:
-        runner.send_signal(signal.SIGINT)
-        try:
-            runner.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            runner.kill()
-            runner.wait()
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_nothing_left, messages, of_kind, shardconsole, wait_for_steps
+from tests.conftest import assert_nothing_left, live_tiny_run, messages, of_kind, shardconsole, wait_for_steps
 from tests.test_console import NO_GPU, FakeProbes, make_app, wait_for, write_run
 from tests.test_runs import _read_until, _steps_in
 
@@ -24,21 +24,9 @@ from tests.test_runs import _read_until, _steps_in
 def live_run(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen]]:
     """A run started by the headless front end, training for as long as the test wants."""
     run_dir = tmp_path / "run"
-    front = subprocess.Popen([sys.executable, "-m", "shardconsole", "--preset", "tiny-cpu", "--headless",
-                              "--run-dir", str(run_dir), "--set", "train.steps=100000", "--set", "train.log_every=1",
-                              "--set", "train.save_on_stop=false"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_steps(run_dir, 1, 180, front)
+    with live_tiny_run(run_dir, "train.log_every=1", "train.save_on_stop=false", timeout=180,
+                       stderr=subprocess.PIPE) as front:
         yield run_dir, front
-    finally:
-        if front.poll() is None:
-            front.send_signal(signal.SIGINT)
-            try:
-                front.wait(60)
-            except subprocess.TimeoutExpired:
-                front.kill()
-                front.wait()
 
 
 def _goes_on_then_stop_ends_it(run_dir: Path, front: subprocess.Popen) -> None:

@@ -462,6 +462,19 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                                 "train.micro_batch=2", "train.steps=8"]),
         )
     ],
+    # Issue 48, first call: precision.fp8 on the 1b throughput preset (40 steps of the sample text, the same
+    # seed and held-out records: the held-out loss against bf16's), and on the 7B offload recipe with fp32
+    # masters beside the same preset without it.
+    "issue48-fp8": [
+        (f"1b-{fp8}", "h200-fsdp", ["data.path=/tmp/sc-lora-text.jsonl", "data.eval_fraction=0.02", "train.steps=40",
+                                    "train.log_every=5", "train.save_final=false", f"precision.fp8={fp8}"])
+        for fp8 in ("none", "tensorwise", "rowwise")
+    ] + [
+        (f"7b-fp32-{fp8}", "3090-7b-offload", ["precision.master_dtype=fp32", "train.log_every=1", "train.warmup_steps=1",
+                                              "train.save_final=false", "train.steps=5", f"precision.fp8={fp8}",
+                                              "data.path=/tmp/sc-lora-text.jsonl", "data.eval_fraction=0.02"])
+        for fp8 in ("none", "tensorwise")
+    ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
     ],

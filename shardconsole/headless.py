@@ -49,6 +49,8 @@ def step_line(state: RunState) -> str:
              f"{fmt_rate(s.tokens_per_s)} tok/s", f"{s.step_s:.3f} s/step"]
     if s.mfu is not None:
         parts.append(f"mfu {100 * s.mfu:.1f}%")
+    if s.fp8:
+        parts.append(f"fp8 {s.fp8}")
     eta = state.eta_s()
     if eta is not None and s.step < s.steps:
         parts.append(f"eta {fmt_eta(eta)}")

@@ -82,6 +82,10 @@ class Combo:
         # would test that one refusal instead of the masters.
         s["precision.dtype"] = "bf16" if s["precision.master_dtype"] == "bf16" else pick("precision.dtype")
         s["optim.name"] = pick("optim.name")
+        # FP8 linears need a GPU of SM 8.9+: on this CPU box every such point is a refusal (one line, before
+        # launch); rare, so that they do not crowd out the other refusals (tests/test_fp8.py runs them emulated)
+        if rng.random() < 0.15:
+            s["precision.fp8"] = rng.choice([v for v in allowed("precision.fp8") if v != "none"])
         s["memory.activation_checkpointing"] = pick("memory.activation_checkpointing")
         if s["memory.activation_checkpointing"]:
             s["memory.checkpoint_policy"] = pick("memory.checkpoint_policy")
@@ -121,7 +125,7 @@ class Combo:
                  "train.steps": "steps=", "train.checkpoint_every": "every=",
                  "deepspeed.offload_optimizer": "offopt=", "deepspeed.offload_param": "offparam=",
                  "fsdp.cpu_offload": "offload=", "memory.activation_checkpointing": "ac=", "memory.checkpoint_policy": "",
-                 "train.export_adapter": "adapter=", "train.export_dtype": "export_dtype="}
+                 "train.export_adapter": "adapter=", "train.export_dtype": "export_dtype=", "precision.fp8": "fp8="}
         parts = [f"{short.get(k, k + '=')}{_text(v)}" for k, v in self.sets_]
         return "-".join(parts + (["export"] if self.export else []) + (["resume"] if self.resume else []))
 

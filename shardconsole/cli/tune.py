@@ -45,8 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--probe-steps", type=int, default=6, help="optimizer steps of each probe (the first is not timed)")
     ap.add_argument("--vary", action="append", default=[], metavar="KEY",
                     help="search a numerics key too (precision.dtype, precision.master_dtype, "
-                         "precision.master_rounding, optim.name, optim.step_in_backward, train.clip_grad_norm: "
-                         "0 lets an FSDP2 offload's host step run under the backward): it changes the update, "
+                         "precision.master_rounding, precision.fp8, optim.name, optim.step_in_backward, "
+                         "train.clip_grad_norm: 0 lets an FSDP2 offload's host step run under the backward): it "
+                         "changes the update, "
                          "so it is kept as given unless named; repeatable")
     ap.add_argument("-o", "--output", default=None, metavar="NAME", help="the preset to write (default: P-tuned)")
     ap.add_argument("--runs-root", default=None, metavar="DIR", help="where the probes' run folders go")

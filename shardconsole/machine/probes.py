@@ -84,6 +84,7 @@ class Card:
     pcie_gen_max: int | None = None
     pcie_width: int | None = None
     pcie_width_max: int | None = None
+    capability: tuple[int, int] | None = None   # CUDA compute capability (FP8 tensor cores from 8.9)
 
 
 class GpuProbe:
@@ -109,7 +110,8 @@ class GpuProbe:
                     pcie_gen=self._try(nvml.nvmlDeviceGetCurrPcieLinkGeneration, None, h),
                     pcie_gen_max=self._try(nvml.nvmlDeviceGetMaxPcieLinkGeneration, None, h),
                     pcie_width=self._try(nvml.nvmlDeviceGetCurrPcieLinkWidth, None, h),
-                    pcie_width_max=self._try(nvml.nvmlDeviceGetMaxPcieLinkWidth, None, h)))
+                    pcie_width_max=self._try(nvml.nvmlDeviceGetMaxPcieLinkWidth, None, h),
+                    capability=self._try(lambda h=h: tuple(nvml.nvmlDeviceGetCudaComputeCapability(h)), None)))
             if not self._handles:
                 self.unavailable = "NVML found no GPU"
         except ImportError:
@@ -169,6 +171,11 @@ def gpu_count() -> int | None:
     """GPUs this machine has per NVML (0 when there is no driver). Used to validate nproc_per_node."""
     probe = GpuProbe()
     return probe.count
+
+
+def gpu_cards() -> list[Card]:
+    """The GPUs this machine shows the ranks (CUDA_VISIBLE_DEVICES applied), per NVML; [] without one."""
+    return GpuProbe().cards
 
 
 def host_sample(rank_pids: Iterable[int] = (), run: str = "") -> HostSample:

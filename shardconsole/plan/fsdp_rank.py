@@ -127,15 +127,16 @@ def _gpu_moments(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> dict[str, dict[str, 
     clip_copy = {} if (folded or z.offload) else {
         f"clip and unscale copy of the gradients ({z.mtag})": m * sum(z.shard_numels)}
     head = {"head gradient (unsharded)": z.head_grad}
+    fp8 = _float8_casts(cfg, s)
     return {
         "end of forward": {**st, **root, "gathered layers": z.held + z.last_fwd, "activations": a.saved_all,
-                           "loss chunk": a.loss_forward, **acc, **ws},
+                           "loss chunk": a.loss_forward, **acc, **ws, **fp8},
         "loss backward": {**st, **root, "gathered layers": z.held, **head,
                           "activations": a.saved_all, "loss chunk": a.loss_backward, **acc, **ws},
         "last layer backward": {**st, **root, "gathered layers + prefetch":
                                 z.held + (0 if z.held else (1 + z.bwd_n) * z.layer_full), **head,
                                 "activations": a.saved_all - a.final + a.recompute,
-                                "layer backward": a.layer_backward + unsharded_grad, **acc, **ws},
+                                "layer backward": a.layer_backward + unsharded_grad, **acc, **ws, **fp8},
         # the other layers' gradients are in the reduce-scatter pool by now, or, without sync, in fp32
         # accumulators on this stream
         "first layer backward": {**st, **root, "gathered layers": z.layer_full, **head,
@@ -145,10 +146,21 @@ def _gpu_moments(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> dict[str, dict[str, 
                                  # sync) they outweigh the sharded gradients counted in the pool
                                  "accumulated gradients (no sync)": acc_c * s.root + max(
                                      0, (L - 1) * (acc_c * s.per_layer - m * z.layer_shard)) if z.accum else 0,
-                                 **ws},
+                                 **ws, **fp8},
         "end of backward": {**st, **root, "root gradients (unsharded)": c * s.root, **ws},
         "optimizer step": {**st, **ws, **clip_copy},
     }
+
+
+def _float8_casts(cfg: C.RunConfig, s: Shapes) -> dict[str, int]:
+    """precision.fp8 (backends/model/float8.py): while a layer computes, torchao holds float8 casts of its
+    weights (one for the forward, a transposed one for the input gradient: a byte a weight each) and of
+    the widest input of its linears (a byte a value). Its autograd saves the bf16 input and weight as a
+    bf16 layer does, so the saved activations do not change."""
+    if cfg.precision.fp8 == "none":
+        return {}
+    tokens = cfg.train.micro_batch * cfg.rows_per_sample * cfg.data.seq_len
+    return {"float8 casts (one layer)": 2 * s.per_layer + tokens * s.intermediate}
 
 
 def _side_pools(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> tuple[dict[str, int], dict[str, int]]:

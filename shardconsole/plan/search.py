@@ -38,6 +38,8 @@ NUMERICS: dict[str, tuple[Any, ...]] = {
     "optim.name": ("adamw", "adamw8bit", "adamw4bit"),
     # each parameter stepped in backward (issue 35): no gradient buffer, but no clip (rules refuse one)
     "optim.step_in_backward": (False, True),
+    # torchao's float8 linears (issue 48): faster matmuls on FP8 tensor cores, another rounding
+    "precision.fp8": ("none", "tensorwise", "rowwise"),
     # no clip by the global norm: the FSDP2 offload's host step can then run under the backward
     # (fsdp.offload_overlap); the values are the base's and 0 (_numerics_levers)
     "train.clip_grad_norm": (0.0,),
@@ -79,6 +81,8 @@ def describe(cfg: C.RunConfig, base: C.RunConfig | None = None) -> str:
         parts.append("compiled")
     if cfg.optim.step_in_backward:
         parts.append("step in backward")
+    if cfg.precision.fp8 != "none":
+        parts.append(f"fp8 {cfg.precision.fp8}")
     if base is not None and cfg.precision.dtype != base.precision.dtype:
         parts.append(f"{cfg.precision.dtype} compute")
     if cfg.precision.master_dtype == "bf16":
@@ -98,7 +102,8 @@ def _numerics_levers(base: C.RunConfig, vary: set[str]) -> dict[str, list[list[t
         if path not in vary:
             continue
         table, key = path.split(".")
-        values = [v for v in NUMERICS[path] if not (v == "fp16" and base.parallel.device == "cpu")]
+        values = [v for v in NUMERICS[path] if not (v in ("fp16", "tensorwise", "rowwise")
+                                                     and base.parallel.device == "cpu")]
         if path == "train.clip_grad_norm":
             values = sorted({base.train.clip_grad_norm, *values}, reverse=True)
         out[path] = [[(table, key, v)] for v in values]
@@ -117,6 +122,8 @@ def numerics_words(cfg: C.RunConfig, base: C.RunConfig) -> list[str]:
         out.append(f"{p.master_rounding} rounding")
     if cfg.optim.name != base.optim.name:
         out.append(f"{cfg.optim.name} optimizer")
+    if p.fp8 != b.fp8:
+        out.append("bf16 linears" if p.fp8 == "none" else f"fp8 {p.fp8} linears")
     if cfg.optim.step_in_backward != base.optim.step_in_backward:
         out.append("step in backward" if cfg.optim.step_in_backward else "step after backward")
     if cfg.train.clip_grad_norm != base.train.clip_grad_norm:

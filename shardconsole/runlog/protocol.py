@@ -86,6 +86,9 @@ class Step(Message):
     reward_margin: float | None = None     # reward_chosen - reward_rejected
     pref_accuracy: float | None = None     # share of pairs whose chosen reward is above the rejected one, 0..1
     meter: int = 0                     # METER_VERSION of the meter that wrote it; 0: before issue 45
+    # precision.fp8's recipe when the decoder linears multiply in float8 ("tensorwise", "rowwise"), else "".
+    # mfu stays a share of the GPU's bf16 peak, so that runs with and without FP8 compare.
+    fp8: str = ""
 
 
 @dataclass(frozen=True)

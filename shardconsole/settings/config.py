@@ -28,7 +28,8 @@ import tomli_w
 
 from shardconsole.settings.rules import validate  # noqa: F401  (config.validate, as before)
 from shardconsole.settings.values import (ConfigError, _coerce, _parse_override_value,  # noqa: F401
-                                        familiar_name, format_size, names_key, override_source, parse_size)
+                                        familiar_name, format_size, fp8_emulated, names_key, override_source,
+                                        parse_size)
 from shardconsole.settings.tables import (TABLES, TOP_LEVEL_KEYS, DataSettings, DeepspeedSettings,  # noqa: F401
                                         FsdpSettings, LoraSettings, MemorySettings, ModelSettings, ParallelSettings,
                                         PrecisionSettings, PreferenceSettings, RunConfig,

@@ -7,7 +7,7 @@ import importlib.util
 import re
 from typing import TYPE_CHECKING
 
-from shardconsole.settings.values import ConfigError, parse_size
+from shardconsole.settings.values import ConfigError, fp8_emulated, parse_size
 
 if TYPE_CHECKING:  # pragma: no cover
     from shardconsole.settings.tables import RunConfig
@@ -63,11 +63,37 @@ def _check_precision(cfg: RunConfig, err) -> None:
         raise err("precision", "master_dtype", f"\"bf16\" needs dtype = \"bf16\" (dtype is {prec.dtype!r})")
     if prec.master_dtype == "bf16" and p.backend == "deepspeed" and d.stage == 0:
         raise err("precision", "master_dtype", "\"bf16\" needs ZeRO stage 1, 2 or 3 with DeepSpeed (stage is 0)")
+    _check_fp8(cfg, err)
     if prec.dtype != "fp16":
         for key in prec.FP16_KEYS:
             if getattr(prec, key) is not None:
                 raise err("precision", key, f"is an fp16 loss-scale setting but dtype is {prec.dtype!r}; "
                           "remove it or set precision.dtype = \"fp16\"")
+
+
+def _check_fp8(cfg: RunConfig, err) -> None:
+    """precision.fp8: torchao's float8 linears under FSDP2, full fine-tuning in bf16, on a GPU. The GPU's
+    generation is checked by session/preflight.check_fp8 (this machine) and by the ranks (theirs)."""
+    prec = cfg.precision
+    if prec.fp8 == "none":
+        return
+    what = f"\"{prec.fp8}\" (float8 linears)"
+    if cfg.parallel.device == "cpu" and not fp8_emulated():
+        raise err("precision", "fp8", f"{what} needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+: "
+                  "RTX 4090, L40S, H100) and parallel.device is \"cpu\": set fp8 = \"none\"")
+    if cfg.parallel.backend != "fsdp":
+        raise err("precision", "fp8", f"{what} runs under FSDP2 only (torchao swaps the modules FSDP2 shards): "
+                  "set parallel.backend = \"fsdp\" or fp8 = \"none\"")
+    if cfg.train.method != "full":
+        raise err("precision", "fp8", f"{what} is for full fine-tuning; a {cfg.train.method} base is frozen "
+                  f"({'4-bit' if cfg.train.method == 'qlora' else 'bf16'}) and its adapters are too small to gain: "
+                  "set train.method = \"full\" or fp8 = \"none\"")
+    if prec.dtype != "bf16":
+        raise err("precision", "fp8", f"{what} computes beside bf16 and precision.dtype is \"{prec.dtype}\": "
+                  "set dtype = \"bf16\"")
+    if importlib.util.find_spec("torchao") is None:
+        raise err("precision", "fp8", f"{what} needs torchao, which is not installed: "
+                  "pip install 'shardconsole[lowbit]' (or torchao)")
 
 
 def _check_fsdp(cfg: RunConfig, err) -> None:

@@ -168,6 +168,14 @@ class PrecisionSettings:
         "nearest", "master_dtype = bf16: how updates are rounded into the bf16 weights (nearest: torch's "
         "fused AdamW, small updates are lost; stochastic: unbiased, same 8 bytes a parameter; kahan: +2 bytes "
         "a parameter for a compensation buffer; both within 1% of fp32 masters' loss, slower host step)")
+    # torchao's float8 training (backends/model/float8.py): the decoder layers' linears multiply in FP8 on
+    # cards that have FP8 tensor cores (SM 8.9+: RTX 4090/5090, L40S, H100/H200), twice bf16's rate there;
+    # the head and embeddings stay bf16. tensorwise: one scale a tensor (fastest: 1.43x on 7B layers,
+    # benchmarks/results/issue48); rowwise: a scale a row (more accurate with outliers, 1.17x).
+    fp8: Literal["none", "tensorwise", "rowwise"] = _f(
+        "none", "FP8 matrix multiplies in the decoder layers' linears (torchao float8 training; FSDP2, full "
+        "fine-tuning, bf16, a GPU of compute capability 8.9 or newer): tensorwise (fastest) or rowwise (a scale "
+        "per row: closer to bf16 when activations have outliers)")
     # fp16 dynamic loss scaling, with DeepSpeed's names and meanings. None = not set (default applies);
     # setting any of them with a dtype other than fp16 is an error.
     initial_scale_power: int | None = _f(None, "fp16: start the loss scale at 2**this (default 16)", min=0, max=64)

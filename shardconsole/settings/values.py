@@ -17,6 +17,16 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+# precision.fp8 through torchao's emulation (the float8 casts and scales, the matmuls in high precision):
+# on any device, so the FP8 path trains, checkpoints and resumes in CI's CPU runs; slower than bf16.
+FP8_EMULATE_ENV = "SHARDCONSOLE_FP8_EMULATE"
+
+
+def fp8_emulated(environ: Any = None) -> bool:
+    import os
+    return (os.environ if environ is None else environ).get(FP8_EMULATE_ENV, "") == "1"
+
+
 class ConfigError(ValueError):
     """Bad input in a preset or an override. str() is the one line shown to the user.
 

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from shardconsole.backends.model import adapters, modeling, qlora
+from shardconsole.backends.model import adapters, float8, modeling, qlora
 from shardconsole.backends.checkpoint import checkpoints
 from shardconsole.backends.rank import common
 from shardconsole.backends.engine import trainstate
@@ -46,8 +46,9 @@ def reduce_dtype(cfg) -> torch.dtype | None:
     return DTYPES[cfg.precision.reduce_dtype or "fp32"]
 
 
-def shard_model(r: common.Rank, model: modeling.CausalLMLoss, ignored: set | None = None) -> None:
-    """`ignored`: parameters each rank keeps whole (QLoRA's 4-bit base)."""
+def shard_model(r: common.Rank, model: modeling.CausalLMLoss, ignored: set | None = None) -> bool:
+    """`ignored`: parameters each rank keeps whole (QLoRA's 4-bit base). Returns whether the decoder layers
+    all-gather their weights in float8 (precision.fp8; the engine then precomputes their scales a step)."""
     cfg = r.cfg
     kwargs: dict = {"mesh": make_mesh(r), "reshard_after_forward": cfg.reshard_after_forward}
     if ignored:
@@ -61,6 +62,15 @@ def shard_model(r: common.Rank, model: modeling.CausalLMLoss, ignored: set | Non
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=cfg.fsdp.pin_memory and r.is_cuda
                                                     and not cfg.fsdp.host_arena)
     layers = modeling.decoder_layers(model.lm)
+    fp8, fp8_gather = cfg.precision.fp8, False
+    if fp8 != "none":      # before compiling and sharding: the layers compile and shard their Float8Linears
+        emulate = r.knobs.fp8_emulate
+        float8.check_device(r.device, emulate)
+        fp8_gather = float8.gathers_fp8(fp8, r.world, cfg.fsdp.cpu_offload)
+        n = float8.convert_layers(layers, fp8, all_gather=fp8_gather, emulate=emulate)
+        r.log(f"fp8: {n} linears in {len(layers)} decoder layers multiply in float8 ({fp8} scales; "
+              f"all-gather in {'float8' if fp8_gather else 'bf16'}); the embeddings and the head stay bf16"
+              + ("; emulated (SHARDCONSOLE_FP8_EMULATE=1): float8's casts, the matmuls in bf16" if emulate else ""))
     for i, layer in enumerate(layers):
         if cfg.compiles_layers:
             layer.compile()   # per layer, before sharding: docs/MEASURED.md's fastest bare loop
@@ -76,6 +86,7 @@ def shard_model(r: common.Rank, model: modeling.CausalLMLoss, ignored: set | Non
                 layer.set_modules_to_forward_prefetch(list(layers[i + 1:i + 1 + fwd]))
             if bwd and i > 0:
                 layer.set_modules_to_backward_prefetch(list(reversed(layers[max(0, i - bwd):i])))
+    return fp8_gather
 
 
 @dataclass
@@ -84,6 +95,7 @@ class Built:
     model: modeling.CausalLMLoss
     arena: pinned_arena.ShardArena | None = None
     compute_copy: offload.ComputeCopy | None = None
+    fp8_gather: bool = False      # float8 all-gather: scales precomputed after each optimizer step
 
 
 def build(r: common.Rank) -> Built:
@@ -112,7 +124,7 @@ def build(r: common.Rank) -> Built:
         adapters.cast_frozen_(model, DTYPES[r.cfg.precision.dtype])
     if r.cfg.memory.activation_checkpointing:
         modeling.apply_checkpointing(model.lm, r.cfg.memory.checkpoint_policy, compiled=r.cfg.compiles_layers)
-    shard_model(r, model)
+    fp8_gather = shard_model(r, model)
     init_device = "cpu" if r.cfg.fsdp.cpu_offload else r.device
     model.to_empty(device=init_device)
     modeling.reset_buffers_(model, hf_cfg, r.device)
@@ -145,7 +157,7 @@ def build(r: common.Rank) -> Built:
         r.log(f"offload: all-gathers read a {r.cfg.precision.dtype} host copy of {len(copy.params)} shards "
               f"({copy.nbytes / 2**20:,.1f} MiB)")
     model.train()
-    return Built(model, arena, copy)
+    return Built(model, arena, copy, fp8_gather)
 
 
 def uses_compute_copy(cfg) -> bool:

@@ -14,7 +14,7 @@ from shardconsole.backends.checkpoint import checkpoints, hf_export, lora_export
 from shardconsole.backends.checkpoint.checkpoints import SaveKind
 from shardconsole.backends.engine import fsdp, fsdp_step, trainstate
 from shardconsole.backends.engine.contract import LineFigures
-from shardconsole.backends.model import adapters
+from shardconsole.backends.model import adapters, float8
 from shardconsole.backends.objective.base import Forward, Objective
 from shardconsole.backends.observe import metrics, step_timing
 from shardconsole.backends.observe.metrics import StepMeter
@@ -101,6 +101,8 @@ class FsdpEngine:
                 else:
                     self.in_backward.check_stepped()
                 self._refresh_compute_copy()     # (the overlap refreshes each unit's copy after its step)
+            if self.built is not None and self.built.fp8_gather:
+                float8.precompute_scales(model)      # the next all-gather's float8 scales, one all-reduce
         optim.zero_grad(set_to_none=True)
         phases.mark("copy+zero")
         timing.end()

@@ -180,11 +180,12 @@ def enable_checkpointing(lm: nn.Module) -> None:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-# Kept by the selective policy: the matmul and attention outputs, the costly part to recompute.
+# Kept by the selective policy: the matmul and attention outputs, the costly part to recompute (_scaled_mm:
+# precision.fp8's float8 matmuls).
 def _selective_policy(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
     aten = torch.ops.aten
-    saved = (aten.mm.default, aten._scaled_dot_product_flash_attention.default,
+    saved = (aten.mm.default, aten._scaled_mm.default, aten._scaled_dot_product_flash_attention.default,
              aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default)
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -75,7 +75,8 @@ class StepMeter:
                           grad_norm=gn, tokens_per_s=tps,
                           samples_per_s=self.samples_per_step / dt if dt > 0 else 0.0, step_s=dt, mfu=mfu,
                           loss_scale=loss_scale, skipped_steps=skipped, tokens=step * self.tokens_per_step,
-                          meter=P.METER_VERSION, **(figures or {})))
+                          meter=P.METER_VERSION, fp8="" if r.cfg.precision.fp8 == "none" else r.cfg.precision.fp8,
+                          **(figures or {})))
         self.loss_sum.zero_()
         self.n = self.steps = 0
         self.t_last = time.perf_counter()

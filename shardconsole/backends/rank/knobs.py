@@ -69,6 +69,7 @@ class Knobs:
     overlap_spin: bool = False         # SHARDCONSOLE_OVERLAP_SPIN=1: the main thread polls the host step
     overlap_switch_s: float = 0.0      # SHARDCONSOLE_OVERLAP_SWITCH_S: the interpreter's GIL switch interval
     overlap_nice: int = HOST_NICE      # SHARDCONSOLE_OVERLAP_NICE=N: the host step's nice value (0: the rank's)
+    fp8_emulate: bool = False          # SHARDCONSOLE_FP8_EMULATE=1: precision.fp8 emulated (model/float8.py)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Knobs":
@@ -87,4 +88,5 @@ class Knobs:
             overlap_pin=e.get("SHARDCONSOLE_OVERLAP_PIN", "") == "1",
             overlap_spin=e.get("SHARDCONSOLE_OVERLAP_SPIN", "") == "1",
             overlap_switch_s=_float(e, "SHARDCONSOLE_OVERLAP_SWITCH_S", 0.0) or 0.0,
-            overlap_nice=_int(e, "SHARDCONSOLE_OVERLAP_NICE", HOST_NICE))
+            overlap_nice=_int(e, "SHARDCONSOLE_OVERLAP_NICE", HOST_NICE),
+            fp8_emulate=e.get("SHARDCONSOLE_FP8_EMULATE", "") == "1")     # settings.values.FP8_EMULATE_ENV

@@ -267,7 +267,8 @@ class ThroughputPanel(Panel):
             mfu = "n/a" if s.mfu is None else f"{100 * s.mfu:.1f}%"
             gn = "n/a" if s.grad_norm is None else f"{s.grad_norm:.2f}"
             text = pack([Text(f"{fmt_rate(s.tokens_per_s)} tok/s", "bold"), Text(f"{s.step_s:.3f} s/step"),
-                         Text(f"{s.samples_per_s:.1f} samples/s"), Text(f"MFU {mfu}"), Text(f"grad norm {gn}"),
+                         Text(f"{s.samples_per_s:.1f} samples/s"),
+                         Text(f"MFU {mfu}" + (f" (fp8 {s.fp8}, of bf16 peak)" if s.fp8 else "")), Text(f"grad norm {gn}"),
                          Text(f"lr {s.lr:.2e}"), Text(f"{fmt_rate(s.tokens)} tokens")], _width(self))
         self.query_one("#throughput-text", Static).update(text)
         self.query_one("#tokens-plot", LinePlot).series = (

@@ -80,6 +80,8 @@ def signature(cfg: C.RunConfig) -> dict[str, Any]:
            "ranks": cfg.parallel.nproc_per_node * cfg.parallel.nnodes, "micro_batch": cfg.train.micro_batch,
            "checkpointing": m.checkpoint_policy if m.activation_checkpointing else "none",
            "compile": bool(cfg.train.compile)}
+    if cfg.precision.fp8 != "none":      # float8 linears: another speed (added only when on: older entries match)
+        sig["fp8"] = cfg.precision.fp8
     if cfg.train.objective != "sft":     # a pair's two rows, and LoRA DPO's reference forward: not SFT's speed
         sig["objective"] = cfg.train.objective
     if cfg.parallel.backend == "fsdp":

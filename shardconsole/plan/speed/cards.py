@@ -30,6 +30,7 @@ class Card:
     hbm_gbps: float             # datasheet memory bandwidth (the GPU's optimizer step reads and writes it)
     nvlink: bool = False        # several of them talk over NVLink (SXM), not PCIe
     match: tuple[str, ...] = ()   # substrings of the CUDA/NVML device name (lower case) that are this card
+    fp8: bool = False           # FP8 tensor cores (compute capability 8.9+): precision.fp8 runs on it
 
     @property
     def matmul_tflops(self) -> float:
@@ -46,13 +47,13 @@ GiB = 2**30
 # H200 and L40S datasheets.
 CARDS: dict[str, Card] = {c.name: c for c in (
     Card("rtx3090", "RTX 3090", 71.0, 24 * GiB, 4, 936.0, match=("3090",)),
-    Card("rtx4090", "RTX 4090", 165.2, 24 * GiB, 4, 1008.0, match=("4090",)),
-    Card("rtx5090", "RTX 5090", 209.5, 32 * GiB, 5, 1792.0, match=("5090",)),
+    Card("rtx4090", "RTX 4090", 165.2, 24 * GiB, 4, 1008.0, match=("4090",), fp8=True),
+    Card("rtx5090", "RTX 5090", 209.5, 32 * GiB, 5, 1792.0, match=("5090",), fp8=True),
     Card("a100-40g", "A100 40GB", 312.0, 40 * GiB, 4, 1555.0, nvlink=True, match=("a100-sxm4-40", "a100-pcie-40")),
     Card("a100-80g", "A100 80GB", 312.0, 80 * GiB, 4, 2039.0, nvlink=True, match=("a100",)),
-    Card("h100", "H100 SXM", 989.0, 80 * GiB, 5, 3350.0, nvlink=True, match=("h100",)),
-    Card("h200", "H200", 989.0, 141 * GB, 5, 4800.0, nvlink=True, match=("h200", "gh200")),
-    Card("l40s", "L40S", 362.0, 48 * GB, 4, 864.0, match=("l40s",)),
+    Card("h100", "H100 SXM", 989.0, 80 * GiB, 5, 3350.0, nvlink=True, match=("h100",), fp8=True),
+    Card("h200", "H200", 989.0, 141 * GB, 5, 4800.0, nvlink=True, match=("h200", "gh200"), fp8=True),
+    Card("l40s", "L40S", 362.0, 48 * GB, 4, 864.0, match=("l40s",), fp8=True),
 )}
 
 

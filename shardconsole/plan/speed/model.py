@@ -122,6 +122,11 @@ class HostRates:
     source: str                 # "SHARDCONSOLE_HOST_GBPS", "assumed (the H200 test host's)"
 
 
+# precision.fp8: a compiled 7B-shaped decoder layer's forward + backward in float8 against bf16 (torchao,
+# mb 6 x 2048, H200: 100.3 ms bf16, 70.0 tensorwise, 85.4 rowwise; benchmarks/results/issue48/fp8_probe_*).
+FP8_LAYER_SPEEDUP = {"tensorwise": 1.43, "rowwise": 1.17}
+
+
 def host_rates(hw: Hardware) -> HostRates:
     """This host's rates: $SHARDCONSOLE_HOST_GBPS when set, else the H200 test host's, scaled down by
     cores where this host has fewer (a host step of torch's foreach AdamW uses every core)."""
@@ -226,6 +231,11 @@ def _micro_batch_s(cfg: C.RunConfig, spec: ModelSpec, card: Card, params_on_host
     gpu_mb = hardware_flops_per_token(cfg, spec) * tokens_mb / (card.matmul_tflops * 1e12 * GPU_EFFICIENCY[key])
     if cfg.precision.dtype == "fp32":
         gpu_mb *= 4.0              # no bf16 tensor cores: TF32 at best (an assumption, not measured)
+    if cfg.precision.fp8 != "none" and card.fp8:
+        # (a card without FP8 tensor cores refuses it at launch: predicted as bf16)
+        # the decoder layers' share (the head's 6 + 2 FLOPs a weight stay bf16) runs FP8_LAYER_SPEEDUP faster
+        head = 8.0 * s.vocab * s.hidden / hardware_flops_per_token(cfg, spec)
+        gpu_mb *= head + (1.0 - head) / FP8_LAYER_SPEEDUP[cfg.precision.fp8]
     full_ckpt = cfg.memory.activation_checkpointing and cfg.memory.checkpoint_policy != "selective"
     launches = DISPATCH_LAYER_S[key] * (DISPATCH_CHECKPOINTED if full_ckpt else 1.0)
     if cfg.adapters:

@@ -1,0 +1,201 @@
+"""precision.fp8 (issue 48): torchao's float8 linears in the FSDP2 decoder layers.
+
+On this CPU box the real thing is refused before launch in one line (no FP8 tensor cores here), and the
+settings refuse what cannot run anywhere (DeepSpeed, LoRA/QLoRA, a dtype other than bf16) naming the key.
+The path itself trains for real through torchao's emulation (SHARDCONSOLE_FP8_EMULATE=1: the same float8
+casts and scales, the matmuls in high precision): 2 ranks, every linear of every decoder layer converted,
+the losses beside the same run without it, a checkpoint resumed and an export that transformers loads.
+The GPU numbers (speed, held-out loss against bf16) are benchmarks/gpu_runs.py --matrix issue48-fp8's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from pathlib import Path
+
+import pytest
+
+from shardconsole.settings import config as C
+from shardconsole.settings import resolve as settings
+from shardconsole.settings.values import FP8_EMULATE_ENV
+from tests.combinations import allowed
+from tests.conftest import messages, of_kind, shardconsole
+
+EMULATE = {FP8_EMULATE_ENV: "1"}
+
+
+def one_line(res) -> str:
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    return lines[0]
+
+
+# -- refused before launch ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_on_this_cpu_machine_is_one_line_before_any_rank(recipe, tmp_path, monkeypatch):
+    monkeypatch.delenv(FP8_EMULATE_ENV, raising=False)
+    run = tmp_path / "run"
+    # the catalog's GPU preset (device auto): this machine has no GPU at all
+    line = one_line(shardconsole("--preset", "h200-fsdp", "--headless", "--run-dir", str(run),
+                                 "--set", f"precision.fp8={recipe}", timeout=120))
+    assert line.startswith("shardconsole: error: --set precision.fp8:") and "CUDA GPU" in line and "8.9" in line
+    assert not run.exists()
+    # from a preset file, on CPU ranks: the file is named
+    preset = tmp_path / "mine.toml"
+    preset.write_text(f'[parallel]\ndevice = "cpu"\n[precision]\ndtype = "bf16"\nfp8 = "{recipe}"\n')
+    line = one_line(shardconsole("--preset", str(preset), "--headless", "--run-dir", str(run), timeout=120))
+    assert str(preset) in line and "fp8" in line and 'parallel.device is "cpu"' in line
+    assert not run.exists()
+
+
+def test_the_settings_accept_fp8_only_where_it_can_run():
+    """Every backend x method x dtype x recipe the tables allow: accepted exactly for FSDP2, full weights,
+    bf16 compute (the GPU is preflight's), otherwise one error naming precision.fp8 and what to set."""
+    seen = 0
+    for backend, method, dtype, recipe in itertools.product(
+            allowed("parallel.backend"), allowed("train.method"), allowed("precision.dtype"), allowed("precision.fp8")):
+        sets = [f"parallel.backend={backend}", f"train.method={method}", f"precision.dtype={dtype}",
+                f"precision.fp8={recipe}", "parallel.device=cuda"]
+        if method == "qlora":
+            sets.append("model.name=1b")
+        try:
+            settings.resolve("h200-fsdp", settings.from_cli(sets))
+            ok = True
+        except C.ConfigError as e:
+            ok, err = False, e
+        runs = recipe == "none" or (backend == "fsdp" and method == "full" and dtype == "bf16")
+        if recipe == "none":
+            continue     # other rules (fp16 with bf16 masters, ...) are not this test's
+        seen += 1
+        assert ok == runs, (sets, None if ok else str(err))
+        if not ok:
+            assert err.path == "precision.fp8" and "--set precision.fp8" in str(err), str(err)
+            assert "set " in err.reason, err.reason          # says what would run
+    assert seen == 2 * 2 * 3 * 3
+
+
+def test_preflight_refuses_a_gpu_without_fp8_tensor_cores():
+    from shardconsole.machine.probes import Card
+    from shardconsole.session import preflight
+    r = settings.resolve("h200-fsdp", settings.from_cli(["precision.fp8=tensorwise"]))
+    ampere = Card(index=0, uuid="GPU-a", name="NVIDIA GeForce RTX 3090", bus_id="", capability=(8, 6))
+    with pytest.raises(C.ConfigError) as e:
+        preflight.check_fp8(r, 1, [ampere])
+    assert "RTX 3090" in str(e.value) and "8.6" in str(e.value) and e.value.path == "precision.fp8"
+    for ok in ((8, 9), (9, 0), (12, 0)):
+        preflight.check_fp8(r, 1, [Card(index=0, uuid="GPU-b", name="new", bus_id="", capability=ok)])
+    with pytest.raises(C.ConfigError, match="has none"):
+        preflight.check_fp8(r, 0, [])
+
+
+# -- the path itself, emulated, on 2 CPU ranks -----------------------------------------------------------
+
+# a constant rate: the 3-step session resumed to 6 follows the 6-step run's schedule
+BASE = ["precision.dtype=bf16", "train.log_every=1", "train.seed=7", "train.schedule=constant", "train.warmup_steps=0"]
+
+
+def _run(tmp: Path, name: str, *sets: str, env: dict | None = None):
+    run = tmp / name
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run),
+                       *[a for s in [*BASE, *sets] for a in ("--set", s)], timeout=600, env={**EMULATE, **(env or {})})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    recipe = next((s.split("=")[1] for s in sets if s.startswith("precision.fp8=")), "none")
+    # the headless step line says so (the console's throughput panel shows the same Step field)
+    assert (f"| fp8 {recipe} |" in res.stdout) == (recipe != "none"), res.stdout[-2000:]
+    return run, {m.step: m for m in of_kind(messages(run), "step")}
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory):
+    """The same run without fp8, 6 steps, exported: what each fp8 run is held against."""
+    tmp = tmp_path_factory.mktemp("fp8")
+    run, steps = _run(tmp, "bf16", "train.steps=6", f"train.export_dir={tmp / 'export'}")
+    return tmp / "export", steps
+
+
+# A seeded sample of what fp8 meets in the settings (offload, checkpointing and its policy, accumulation),
+# one run each; every draw differs from the plain run in at least one of them.
+def _draws() -> list[tuple[str, ...]]:
+    rng = random.Random(48)
+    out = []
+    for recipe in ("tensorwise", "rowwise"):
+        draw = (f"precision.fp8={recipe}", f"fsdp.cpu_offload={str(rng.random() < 0.5).lower()}",
+                f"memory.activation_checkpointing={'true' if recipe == 'rowwise' else 'false'}",
+                f"memory.checkpoint_policy={rng.choice(allowed('memory.checkpoint_policy'))}")
+        out.append(draw)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draw", _draws(), ids=lambda d: "-".join(s.split("=")[1] for s in d))
+def test_fp8_trains_like_bf16_and_its_checkpoint_resumes_and_exports(draw, bf16_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+    base_export, base = bf16_run
+    export = tmp_path / "export"
+    run, steps = _run(tmp_path, "fp8", *draw, "train.checkpoint_every=3", "train.steps=3")
+    recipe = draw[0].split("=")[1]
+    log = (run / "logs" / "rank0.log").read_text()
+    # every linear of both decoder layers (q, k, v, o, gate, up, down), the head left out
+    assert f"fp8: 14 linears in 2 decoder layers multiply in float8 ({recipe} scales" in log
+    assert all(m.fp8 == recipe for m in steps.values())
+    # the same start, text and seed: float8's rounding moves the loss, not much
+    for step in (1, 2, 3):
+        assert steps[step].loss == pytest.approx(base[step].loss, rel=0.01), (step, steps[step].loss, base[step].loss)
+    # resumed to step 6 from its step-3 checkpoint (and exported), still in float8, still beside bf16
+    res = shardconsole("resume", str(run), "--set", "train.steps=6", "--set", f"train.export_dir={export}",
+                       timeout=600, env=EMULATE)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    later = {m.step: m for m in of_kind(messages(run), "step")}
+    assert sorted(later) == [1, 2, 3, 4, 5, 6] and later[6].fp8 == recipe
+    assert later[6].loss == pytest.approx(base[6].loss, rel=0.02)
+    assert later[6].loss < later[1].loss
+    # the export is a plain Hugging Face model: the keys of the bf16 run's, no float8 left in it
+    lm = AutoModelForCausalLM.from_pretrained(export)
+    ref = AutoModelForCausalLM.from_pretrained(base_export)
+    assert sorted(lm.state_dict()) == sorted(ref.state_dict())
+    assert {type(m).__name__ for m in lm.modules()} == {type(m).__name__ for m in ref.modules()}
+
+
+
+# -- what the planner, the speed model and tune make of it -----------------------------------------------
+
+def _plan(preset: str, *sets: str):
+    from shardconsole import plan as PL
+    from shardconsole.plan.speed import model as speed
+    from shardconsole.plan.speed.cards import CARDS
+    from shardconsole.settings import models
+    cfg = settings.resolve(preset, settings.from_cli(list(sets))).cfg
+    hw = PL.Hardware(gpus=1, gpu_memory_bytes=141 * 10**9, host_memory_bytes=125 * 2**30, gpu_name="NVIDIA H200")
+    spec = models.resolve(cfg.model.name)
+    e = PL.estimate(cfg, spec, hw)
+    return e, {name: speed.predict(cfg, spec, hw, card=CARDS[name]) for name in ("h200", "rtx4090", "rtx3090")}
+
+
+def test_the_planner_counts_the_float8_casts_and_the_speed_model_the_faster_layers():
+    none, fast_none = _plan("3090-7b-offload")
+    tw, fast_tw = _plan("3090-7b-offload", "precision.fp8=tensorwise")
+    rw, fast_rw = _plan("3090-7b-offload", "precision.fp8=rowwise")
+    # a layer's weights in float8 twice and the widest input once, beside everything bf16 had
+    assert tw.gpu_peak_bytes > none.gpu_peak_bytes and "float8 casts (one layer)" in tw.gpu_parts
+    assert "float8 casts (one layer)" not in none.gpu_parts
+    # faster where the card has FP8 tensor cores, tensorwise more than rowwise; a 3090 has none
+    for card in ("h200", "rtx4090"):
+        assert fast_tw[card].tokens_per_s > fast_rw[card].tokens_per_s > fast_none[card].tokens_per_s, card
+    assert fast_tw["rtx3090"].tokens_per_s == fast_none["rtx3090"].tokens_per_s
+
+
+def test_tune_varies_fp8_only_when_named_and_never_on_cpu_ranks():
+    from shardconsole.plan import search
+    assert search.NUMERICS["precision.fp8"] == tuple(allowed("precision.fp8"))
+    base = settings.resolve("h200-fsdp", []).cfg
+    assert search._numerics_levers(base, set()) == {}
+    levers = search._numerics_levers(base, {"precision.fp8"})["precision.fp8"]
+    assert [lv[0][2] for lv in levers] == ["none", "tensorwise", "rowwise"]
+    cpu = settings.resolve("tiny-cpu", []).cfg
+    assert [lv[0][2] for lv in search._numerics_levers(cpu, {"precision.fp8"})["precision.fp8"]] == ["none"]
+    fp8 = C.build({}, "x", ["precision.fp8=rowwise"])
+    assert search.numerics_words(fp8, C.RunConfig()) == ["fp8 rowwise linears"]
+    assert "fp8 rowwise" in search.describe(fp8)

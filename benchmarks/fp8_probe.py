@@ -5,9 +5,11 @@ compiled one by one, bf16 weights, a micro-batch of the preset's tokens; and the
 
     python3 benchmarks/fp8_probe.py --layers 4 --mb 6 --seq 2048 --out $OUT/fp8_probe.json
 
-Prints ms a forward+backward of the layers per variant (median of --iters after --warmup), the FP8/bf16
-ratio, and for the loss: ms and peak memory of torch's cross-entropy on whole logits against liger's fused
-linear cross-entropy, and their loss and gradient differences.
+Prints ms a forward+backward of the layers per variant (median of --iters after --warmup): bf16, torchao
+float8 tensorwise and rowwise (compiled), and bf16 eager beside liger-kernel's RMSNorm / SwiGLU / RoPE
+(eager and compiled: whether liger's fused kernels beat what inductor fuses); and for the loss: ms and
+peak memory of torch's cross-entropy on whole logits against liger's fused linear cross-entropy, and
+their loss and gradient differences.
 """
 
 from __future__ import annotations
@@ -44,15 +46,20 @@ def _time(fn, warmup: int, iters: int) -> float:
 
 def layers_ms(variant: str, args: argparse.Namespace) -> float:
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    if variant.startswith("liger"):
+        # liger's RMSNorm, SwiGLU MLP and RoPE patched into transformers' Llama (process-wide: run last)
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
     torch.manual_seed(0)
     layers, cfg = _layers(args.layers, 4096, 11008, 32)
     layers = layers.cuda().to(torch.bfloat16)
-    if variant != "bf16":
+    if variant in ("tensorwise", "rowwise"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         fcfg = Float8LinearConfig.from_recipe_name(variant)
         for layer in layers:
             convert_to_float8_training(layer, config=fcfg)
-    compiled = [torch.compile(layer) for layer in layers]
+    compiled = list(layers) if variant.endswith("-eager") else [torch.compile(layer) for layer in layers]
     rope = LlamaRotaryEmbedding(cfg).cuda()
     x0 = torch.randn(args.mb, args.seq, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     pos = torch.arange(args.seq, device="cuda").unsqueeze(0)
@@ -125,7 +132,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     res: dict = {"args": vars(args), "gpu": torch.cuda.get_device_name(), "layers_ms": {}}
-    for variant in ("bf16", "tensorwise", "rowwise"):
+    # liger's kernels last: its patch of transformers' Llama classes cannot be undone in the process
+    for variant in ("bf16", "tensorwise", "rowwise", "bf16-eager", "liger-eager", "liger"):
         try:
             res["layers_ms"][variant] = round(layers_ms(variant, args), 2)
         except Exception as e:      # a recipe this torch/torchao cannot run: say so, go on

@@ -79,7 +79,7 @@ def test_the_settings_accept_fp8_only_where_it_can_run():
 
 def test_preflight_refuses_a_gpu_without_fp8_tensor_cores():
     from shardconsole.machine.probes import Card
-    from shardconsole.session import preflight
+    from shardconsole.session import gpu_checks as preflight
     r = settings.resolve("h200-fsdp", settings.from_cli(["precision.fp8=tensorwise"]))
     ampere = Card(index=0, uuid="GPU-a", name="NVIDIA GeForce RTX 3090", bus_id="", capability=(8, 6))
     with pytest.raises(C.ConfigError) as e:

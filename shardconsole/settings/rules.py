@@ -73,7 +73,7 @@ def _check_precision(cfg: RunConfig, err) -> None:
 
 def _check_fp8(cfg: RunConfig, err) -> None:
     """precision.fp8: torchao's float8 linears under FSDP2, full fine-tuning in bf16, on a GPU. The GPU's
-    generation is checked by session/preflight.check_fp8 (this machine) and by the ranks (theirs)."""
+    generation is checked by session/gpu_checks.check_fp8 (this machine) and by the ranks (theirs)."""
     prec = cfg.precision
     if prec.fp8 == "none":
         return

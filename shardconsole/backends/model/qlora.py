@@ -9,7 +9,7 @@ DeepSpeed runs it at stages 0-2 only (settings/rules.py refuses stage 3).
 
 bitsandbytes is imported here only, by a qlora run: the optional extra shardconsole[qlora]. The
 front end refuses the method before launch on a machine without CUDA or the package
-(session/preflight.check_qlora). Not run on a GPU in this repository's tests (CPU only).
+(session/gpu_checks.check_qlora). Not run on a GPU in this repository's tests (CPU only).
 """
 
 from __future__ import annotations

@@ -52,8 +52,9 @@ def test_fp8_on_this_cpu_machine_is_one_line_before_any_rank(recipe, tmp_path, m
 
 
 def test_the_settings_accept_fp8_only_where_it_can_run():
-    """Every backend x method x dtype x recipe the tables allow: accepted exactly for FSDP2, full weights,
-    bf16 compute (the GPU is preflight's), otherwise one error naming precision.fp8 and what to set."""
+    """Every backend x method x dtype x recipe the tables allow: accepted exactly for full weights in bf16
+    compute, on either engine (the GPU is preflight's), otherwise one error naming precision.fp8 and what to
+    set."""
     seen = 0
     for backend, method, dtype, recipe in itertools.product(
             allowed("parallel.backend"), allowed("train.method"), allowed("precision.dtype"), allowed("precision.fp8")):
@@ -66,7 +67,7 @@ def test_the_settings_accept_fp8_only_where_it_can_run():
             ok = True
         except C.ConfigError as e:
             ok, err = False, e
-        runs = recipe == "none" or (backend == "fsdp" and method == "full" and dtype == "bf16")
+        runs = recipe == "none" or (method == "full" and dtype == "bf16")
         if recipe == "none":
             continue     # other rules (fp16 with bf16 masters, ...) are not this test's
         seen += 1
@@ -108,32 +109,28 @@ def _run(tmp: Path, name: str, *sets: str, env: dict | None = None):
     return run, {m.step: m for m in of_kind(messages(run), "step")}
 
 
-@pytest.fixture(scope="module")
-def bf16_run(tmp_path_factory):
-    """The same run without fp8, 6 steps, exported: what each fp8 run is held against."""
-    tmp = tmp_path_factory.mktemp("fp8")
-    run, steps = _run(tmp, "bf16", "train.steps=6", f"train.export_dir={tmp / 'export'}")
-    return tmp / "export", steps
-
-
-# A seeded sample of what fp8 meets in the settings (offload, checkpointing and its policy, accumulation),
-# one run each; every draw differs from the plain run in at least one of them.
+# A seeded sample of what fp8 meets in the settings (both engines, offload or ZeRO stage, checkpointing and
+# its policy, accumulation), each beside its bf16 twin.
 def _draws() -> list[tuple[str, ...]]:
     rng = random.Random(48)
     out = []
-    for recipe in ("tensorwise", "rowwise"):
-        draw = (f"precision.fp8={recipe}", f"fsdp.cpu_offload={str(rng.random() < 0.5).lower()}",
-                f"memory.activation_checkpointing={'true' if recipe == 'rowwise' else 'false'}",
-                f"memory.checkpoint_policy={rng.choice(allowed('memory.checkpoint_policy'))}")
-        out.append(draw)
+    for recipe, engine in (("tensorwise", "fsdp"), ("rowwise", "fsdp"), (rng.choice(("tensorwise", "rowwise")), "deepspeed")):
+        where = ((f"fsdp.cpu_offload={str(rng.random() < 0.5).lower()}",) if engine == "fsdp" else
+                 ("parallel.backend=deepspeed", f"deepspeed.stage={rng.choice((2, 3))}"))
+        out.append((f"precision.fp8={recipe}", *where,
+                    f"memory.activation_checkpointing={'true' if recipe == 'rowwise' else 'false'}",
+                    f"memory.checkpoint_policy={rng.choice(allowed('memory.checkpoint_policy'))}",
+                    f"train.grad_accum={rng.choice((1, 2))}"))
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("draw", _draws(), ids=lambda d: "-".join(s.split("=")[1] for s in d))
-def test_fp8_trains_like_bf16_and_its_checkpoint_resumes_and_exports(draw, bf16_run, tmp_path):
+def test_fp8_trains_like_bf16_and_its_checkpoint_resumes_and_exports(draw, tmp_path):
     from transformers import AutoModelForCausalLM
-    base_export, base = bf16_run
+    # the same settings without fp8, 6 steps, exported: what the fp8 run is held against
+    twin = [s for s in draw if not s.startswith("precision.fp8=")]
+    _, base = _run(tmp_path, "bf16", *twin, "train.steps=6", f"train.export_dir={tmp_path / 'bf16-export'}")
     export = tmp_path / "export"
     run, steps = _run(tmp_path, "fp8", *draw, "train.checkpoint_every=3", "train.steps=3")
     recipe = draw[0].split("=")[1]
@@ -154,7 +151,7 @@ def test_fp8_trains_like_bf16_and_its_checkpoint_resumes_and_exports(draw, bf16_
     assert later[6].loss < later[1].loss
     # the export is a plain Hugging Face model: the keys of the bf16 run's, no float8 left in it
     lm = AutoModelForCausalLM.from_pretrained(export)
-    ref = AutoModelForCausalLM.from_pretrained(base_export)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16-export")
     assert sorted(lm.state_dict()) == sorted(ref.state_dict())
     assert {type(m).__name__ for m in lm.modules()} == {type(m).__name__ for m in ref.modules()}
 

@@ -121,3 +121,14 @@ def activations(cfg: C.RunConfig, s: Shapes) -> Activations:
         layer_backward=layer_bwd, loss_forward=loss_fwd, loss_backward=loss_bwd,
         alternative_saved=s.layers * (per_layer if ckpt else ckpt_layer),
     )
+
+
+def float8_casts(cfg: C.RunConfig, s: Shapes) -> dict[str, int]:
+    """precision.fp8 (backends/model/float8.py): while a layer computes, torchao holds float8 casts of its
+    weights (one for the forward, a transposed one for the input gradient: a byte a weight each) and of
+    the widest input of its linears (a byte a value). Its autograd saves the bf16 input and weight as a
+    bf16 layer does, so the saved activations do not change."""
+    if cfg.precision.fp8 == "none":
+        return {}
+    tokens = cfg.train.micro_batch * cfg.rows_per_sample * cfg.data.seq_len
+    return {"float8 casts (one layer)": 2 * s.per_layer + tokens * s.intermediate}

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from shardconsole.settings import config as C
-from shardconsole.plan.activation_memory import activations
+from shardconsole.plan.activation_memory import activations, float8_casts
 from shardconsole.plan.constants import (CUBLAS_WORKSPACE_BYTES, DS_BUILD_BASE_RSS, DS_SUB_GROUP_SIZE, DTYPE_BYTES,
                                          NVME_PARAM_BUFFER_NUMEL, RANK_BASE_RSS, GiB)
 from shardconsole.plan.rank import _Rank
@@ -231,13 +231,14 @@ def _gpu_phases(cfg: C.RunConfig, s: Shapes, k: _Ctx, h: _Held) -> dict[str, dic
     early = comm if stage == 3 else {}     # ZeRO-1/2 allocate their buckets at the first gradient
     gath = {"gathered parameters + prefetch": h.gathered} if h.gathered else {}
     acts_all = a.saved_all
+    fp8 = float8_casts(cfg, s)
     return {
-        "end of forward": {**gpu, **gath, **early, "activations": acts_all, "loss chunk": a.loss_forward, **ws},
+        "end of forward": {**gpu, **gath, **early, "activations": acts_all, "loss chunk": a.loss_forward, **ws, **fp8},
         "loss backward": {**gpu, **gath, **early, "head gradient (unsharded)": head_grad, "activations": acts_all,
                           "loss chunk": a.loss_backward, **ws},
         "last layer backward": {**gpu, **gath, **comm, "head gradient (unsharded)": head_grad,
                                 "activations": acts_all - a.final + a.recompute, "layer backward": a.layer_backward,
-                                **ws},
+                                **ws, **fp8},
         "optimizer step": {**gpu, **early, "optimizer temporaries": h.opt_tmp, **ws},
         "model build": {"parameters while built and moved": h.build_gpu},
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardconsole.settings import config as C
-from shardconsole.plan.activation_memory import Activations, activations
+from shardconsole.plan.activation_memory import Activations, activations, float8_casts
 from shardconsole.plan.constants import (CUBLAS_WORKSPACE_BYTES, DTYPE_BYTES, FSDP_FP16_OFFLOAD_HOST_PER_PARAM,
                                          RANK_BASE_RSS)
 from shardconsole.plan.rank import _Rank
@@ -127,7 +127,7 @@ def _gpu_moments(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> dict[str, dict[str, 
     clip_copy = {} if (folded or z.offload) else {
         f"clip and unscale copy of the gradients ({z.mtag})": m * sum(z.shard_numels)}
     head = {"head gradient (unsharded)": z.head_grad}
-    fp8 = _float8_casts(cfg, s)
+    fp8 = float8_casts(cfg, s)
     return {
         "end of forward": {**st, **root, "gathered layers": z.held + z.last_fwd, "activations": a.saved_all,
                            "loss chunk": a.loss_forward, **acc, **ws, **fp8},
@@ -150,17 +150,6 @@ def _gpu_moments(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> dict[str, dict[str, 
         "end of backward": {**st, **root, "root gradients (unsharded)": c * s.root, **ws},
         "optimizer step": {**st, **ws, **clip_copy},
     }
-
-
-def _float8_casts(cfg: C.RunConfig, s: Shapes) -> dict[str, int]:
-    """precision.fp8 (backends/model/float8.py): while a layer computes, torchao holds float8 casts of its
-    weights (one for the forward, a transposed one for the input gradient: a byte a weight each) and of
-    the widest input of its linears (a byte a value). Its autograd saves the bf16 input and weight as a
-    bf16 layer does, so the saved activations do not change."""
-    if cfg.precision.fp8 == "none":
-        return {}
-    tokens = cfg.train.micro_batch * cfg.rows_per_sample * cfg.data.seq_len
-    return {"float8 casts (one layer)": 2 * s.per_layer + tokens * s.intermediate}
 
 
 def _side_pools(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> tuple[dict[str, int], dict[str, int]]:

@@ -81,9 +81,6 @@ def _check_fp8(cfg: RunConfig, err) -> None:
     if cfg.parallel.device == "cpu" and not fp8_emulated():
         raise err("precision", "fp8", f"{what} needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+: "
                   "RTX 4090, L40S, H100) and parallel.device is \"cpu\": set fp8 = \"none\"")
-    if cfg.parallel.backend != "fsdp":
-        raise err("precision", "fp8", f"{what} runs under FSDP2 only (torchao swaps the modules FSDP2 shards): "
-                  "set parallel.backend = \"fsdp\" or fp8 = \"none\"")
     if cfg.train.method != "full":
         raise err("precision", "fp8", f"{what} is for full fine-tuning; a {cfg.train.method} base is frozen "
                   f"({'4-bit' if cfg.train.method == 'qlora' else 'bf16'}) and its adapters are too small to gain: "

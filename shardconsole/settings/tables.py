@@ -173,9 +173,9 @@ class PrecisionSettings:
     # the head and embeddings stay bf16. tensorwise: one scale a tensor (fastest: 1.43x on 7B layers,
     # benchmarks/results/issue48); rowwise: a scale a row (more accurate with outliers, 1.17x).
     fp8: Literal["none", "tensorwise", "rowwise"] = _f(
-        "none", "FP8 matrix multiplies in the decoder layers' linears (torchao float8 training; FSDP2, full "
-        "fine-tuning, bf16, a GPU of compute capability 8.9 or newer): tensorwise (fastest) or rowwise (a scale "
-        "per row: closer to bf16 when activations have outliers)")
+        "none", "FP8 matrix multiplies in the decoder layers' linears (torchao float8 training; full "
+        "fine-tuning in bf16 on a GPU of compute capability 8.9 or newer, either engine): tensorwise (fastest) or "
+        "rowwise (a scale per row: closer to bf16 when activations have outliers)")
     # fp16 dynamic loss scaling, with DeepSpeed's names and meanings. None = not set (default applies);
     # setting any of them with a dtype other than fp16 is an error.
     initial_scale_power: int | None = _f(None, "fp16: start the loss scale at 2**this (default 16)", min=0, max=64)

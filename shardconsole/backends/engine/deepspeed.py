@@ -20,7 +20,7 @@ import torch
 # "TypeError: Signature mismatch between ... new_tensor ... and ... tensor_pynew" (docs/MEASURED.md).
 import torch._dynamo  # noqa: F401
 
-from shardconsole.backends.model import adapters, modeling, qlora
+from shardconsole.backends.model import adapters, float8, modeling, qlora
 from shardconsole.backends.rank import common
 from shardconsole.backends.rank.jit_cache import clear_stale_lock, extension_dir
 from shardconsole.settings.models import ModelError
@@ -318,6 +318,10 @@ def build(r: common.Rank, ds_cfg: dict) -> modeling.CausalLMLoss:
             # tensor a (0) must match"); an embedding output that asks for a gradient fires it (transformers'
             # own remedy for frozen bases, as with peft and activation checkpointing).
             lm.enable_input_require_grads()
+    if cfg.precision.fp8 != "none":
+        # Float8Linear keeps each nn.Linear's parameter (ZeRO-3's partition included): converted in place
+        # before deepspeed.initialize hooks the modules. DeepSpeed gathers bf16 (no float8 all-gather).
+        float8.convert_for_rank(r, modeling.decoder_layers(lm), all_gather=False)
     per_layer = cfg.compiles_layers
     if cfg.deepspeed.stage == 3 and cfg.deepspeed.stage3_layer_gather:
         # Hooks on the decoder layer only, none on its Linears and norms: ZeRO-3 fetches the whole layer

@@ -64,13 +64,8 @@ def shard_model(r: common.Rank, model: modeling.CausalLMLoss, ignored: set | Non
     layers = modeling.decoder_layers(model.lm)
     fp8, fp8_gather = cfg.precision.fp8, False
     if fp8 != "none":      # before compiling and sharding: the layers compile and shard their Float8Linears
-        emulate = r.knobs.fp8_emulate
-        float8.check_device(r.device, emulate)
         fp8_gather = float8.gathers_fp8(fp8, r.world, cfg.fsdp.cpu_offload)
-        n = float8.convert_layers(layers, fp8, all_gather=fp8_gather, emulate=emulate)
-        r.log(f"fp8: {n} linears in {len(layers)} decoder layers multiply in float8 ({fp8} scales; "
-              f"all-gather in {'float8' if fp8_gather else 'bf16'}); the embeddings and the head stay bf16"
-              + ("; emulated (SHARDCONSOLE_FP8_EMULATE=1): float8's casts, the matmuls in bf16" if emulate else ""))
+        float8.convert_for_rank(r, layers, all_gather=fp8_gather)
     for i, layer in enumerate(layers):
         if cfg.compiles_layers:
             layer.compile()   # per layer, before sharding: docs/MEASURED.md's fastest bare loop

@@ -1,4 +1,4 @@
-"""precision.fp8: torchao's float8 training on the decoder layers' linear layers (FSDP2).
+"""precision.fp8: torchao's float8 training on the decoder layers' linear layers (FSDP2 and DeepSpeed).
 
 Each nn.Linear of a decoder layer becomes torchao's Float8Linear before the layer is compiled and sharded:
 its forward casts the input and the weight to float8_e4m3 with a dynamic scale (one a tensor for
@@ -7,7 +7,9 @@ tensor cores; backward does the same for both gradients. Parameters keep their n
 checkpoints, resume and export are those of a bf16 run. The embeddings, the final norm and the output head
 stay bf16 (the head's vocab-wide matmul feeds the loss, where float8's error would land on every token).
 
-FP8 all-gather (tensorwise, several ranks, no offload): FSDP2 gathers the weights already cast to float8,
+Float8Linear keeps each nn.Linear's parameter object, so DeepSpeed's partitions (ZeRO-3's included) and
+hooks work on it as on a Linear; DeepSpeed gathers in bf16. FSDP2's FP8 all-gather (tensorwise, several
+ranks, no offload): FSDP2 gathers the weights already cast to float8,
 half the bytes of bf16; torchao then needs the scales of the next step's weights computed once after each
 optimizer step (precompute_scales). With one rank there is nothing to gather, and with CPU offload the
 all-gather input lives on the host (a cast there would run on the CPU), so both keep the bf16 gather.
@@ -20,6 +22,7 @@ import dataclasses
 import torch
 import torch.nn as nn
 
+from shardconsole.backends.rank.common import Rank
 from shardconsole.backends.rank.errors import RankFailure
 
 MIN_CAPABILITY = (8, 9)     # Ada (RTX 4090, L40S), Hopper, Blackwell: the first with FP8 tensor cores
@@ -66,6 +69,16 @@ def convert_layers(layers: nn.ModuleList, recipe: str, *, all_gather: bool, emul
     for layer in layers:
         convert_to_float8_training(layer, module_filter_fn=_fits, config=config)
     return sum(isinstance(m, Float8Linear) for layer in layers for m in layer.modules())
+
+
+def convert_for_rank(r: Rank, layers: nn.ModuleList, *, all_gather: bool) -> None:
+    """convert_layers for a rank's engine (r.cfg.precision.fp8), after checking its GPU, and say so."""
+    recipe, emulate = r.cfg.precision.fp8, r.knobs.fp8_emulate
+    check_device(r.device, emulate)
+    n = convert_layers(layers, recipe, all_gather=all_gather, emulate=emulate)
+    r.log(f"fp8: {n} linears in {len(layers)} decoder layers multiply in float8 ({recipe} scales; "
+          f"all-gather in {'float8' if all_gather else 'bf16'}); the embeddings and the head stay bf16"
+          + ("; emulated (SHARDCONSOLE_FP8_EMULATE=1): float8's casts, the matmuls in bf16" if emulate else ""))
 
 
 def precompute_scales(model: nn.Module) -> None:

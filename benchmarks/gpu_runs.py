@@ -475,6 +475,40 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                               "data.path=/tmp/sc-lora-text.jsonl", "data.eval_fraction=0.02"])
         for fp8 in ("none", "tensorwise")
     ],
+    # Issue 48's targets, each row beside the same preset without the change and its bare peer (run them a
+    # target at a time with --only: one device call each; benchmarks/issue48_gpu.sh). 7B fp32 masters under
+    # 24 GiB >= 10,000 tokens/s, 13B stochastic >= 5,500, 3b adamw8bit >= 24,000, 1b FSDP2 >= 72% MFU, 1b
+    # ZeRO-3 >= 60% (MFU of the bf16 peak, fp8 or not).
+    "issue48-targets": [
+        *[(f"7b-fp32-{tag}", "3090-7b-offload", ["precision.master_dtype=fp32", "train.log_every=1", "train.warmup_steps=1",
+                                                "train.save_final=false", "train.steps=5", *sets])
+          for tag, sets in (("preset", []), ("fp8", ["precision.fp8=tensorwise"]))],
+        ("bare-7b-fsdp2-offload-mb12", "bare:fsdp2", ["--model", "7b", "--offload", "all", "--checkpointing",
+                                                      "--gpu-memory-limit", "24", "--steps", "4", "--warmup", "2",
+                                                      "--micro-batch", "12"]),
+        *[(f"13b-stoch-{tag}", "3090-7b-offload", ["model.name=13b", "precision.master_rounding=stochastic",
+                                                  "train.log_every=1", "train.warmup_steps=1", "train.save_final=false",
+                                                  "train.steps=4", *sets])
+          for tag, sets in (("preset", []), ("fp8", ["precision.fp8=tensorwise"]))],
+        ("bare-13b-fsdp2-offload-mb9", "bare:fsdp2", ["--model", "13b", "--offload", "all", "--checkpointing",
+                                                      "--gpu-memory-limit", "24", "--steps", "3", "--warmup", "1",
+                                                      "--micro-batch", "9", "--master-dtype", "bf16"]),
+        *[(f"3b-adamw8bit-{tag}", "3090-3b-adamw8bit", ["train.steps=10", "train.warmup_steps=1",
+                                                        "train.save_final=false", *sets])
+          for tag, sets in (("preset", []), ("fp8", ["precision.fp8=tensorwise"]))],
+        ("bare-3b-torchtune-adamw8bit-bwd-mb4", "bare:fsdp2",
+         ["--model", "3b", "--micro-batch", "4", "--steps", "10", "--warmup", "4", "--master-dtype", "bf16",
+          "--optim", "adamw8bit", "--step-in-backward", "--reduce-dtype", "bf16", "--checkpointing",
+          "--gpu-memory-limit", "24"]),
+        *[(f"1b-fsdp-{tag}", "h200-fsdp", ["train.steps=30", *sets])
+          for tag, sets in (("preset", []), ("fp8", ["precision.fp8=tensorwise"]))],
+        # the bare loop has no compile: MEASURED.md's bare FSDP2 1b compiled per layer was 71.0k (58.6%)
+        ("bare-1b-fsdp2-mb8", "bare:fsdp2", ["--model", "1b", "--micro-batch", "8", "--steps", "30", "--warmup", "10"]),
+        *[(f"1b-zero3-{tag}", "h200-fsdp", [s for s in Z3 if s not in ("train.compile=false", "train.steps=15")]
+                                           + ["train.steps=30", *sets])
+          for tag, sets in (("preset", []), ("fp8", ["precision.fp8=tensorwise"]))],
+        ("bare-1b-zero3-mb8", "bare:deepspeed", ["--model", "1b", "--micro-batch", "8", "--steps", "30", "--warmup", "10"]),
+    ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
     ],

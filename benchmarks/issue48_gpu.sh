@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 48 on the GPU machine, one device call per part (each fits the 600 s a call may run). Run from the
+# repo root after the wheelhouse line (../shared/gpu/wheelhouse.sh; PYTHONPATH set; .whl carried, with
+# liger-kernel's wheel dropped in: `pip download --no-deps --only-binary=:all: liger-kernel==0.8.5 -d .whl`):
+#     bash benchmarks/issue48_gpu.sh probe      # kernels alone: float8 layers, liger's norm/MLP/RoPE, the losses
+#     bash benchmarks/issue48_gpu.sh numerics   # 1b 40 steps bf16 / tensorwise / rowwise: held-out loss; 7B fp8
+#     bash benchmarks/issue48_gpu.sh 7b         # 7B fp32 masters under 24 GiB: preset, + fp8, bare peer
+#     bash benchmarks/issue48_gpu.sh 13b|3b|1b|zero3   # the other targets, the same way
+# Writes $OUT/issue48_<part>.json (gpu_runs.py's rows, or the probes') and .log; README's 24 GB table and
+# docs/MEASURED.md's "FP8 linears and the fused loss" take their figures from these files.
+set -u
+part=${1:?probe, numerics, 7b, 13b, 3b, 1b or zero3}
+OUTD=${OUT:-/tmp/issue48_out}
+mkdir -p "$OUTD"
+export PYTHONUNBUFFERED=1 SHARDCONSOLE_RUNS_ROOT=/tmp/sc-48-runs SHARDCONSOLE_SPEEDS_FILE=/tmp/sc-48-speeds.jsonl
+python3 benchmarks/sample_text.py /tmp/sc-lora-text.jsonl
+case "$part" in
+  probe)
+    python3 benchmarks/fp8_probe.py --layers 4 --mb 6 --seq 2048 --out "$OUTD/issue48_probe.json" 2>&1 | tail -60
+    [ -f benchmarks/fused_loss_gpu.py ] && python3 benchmarks/fused_loss_gpu.py --out "$OUTD/issue48_fused_loss.json" 2>&1 | tail -40
+    ;;
+  numerics)
+    python3 benchmarks/gpu_runs.py --matrix issue48-fp8 --timeout 240 --out "$OUTD/issue48_numerics.json" 2>&1 \
+      | grep -v '^{' | tee "$OUTD/issue48_numerics.log"
+    ;;
+  7b|13b|3b|1b|zero3)
+    case "$part" in
+      7b) only="7b-fp32-preset 7b-fp32-fp8 bare-7b-fsdp2-offload-mb12" ;;
+      13b) only="13b-stoch-preset 13b-stoch-fp8 bare-13b-fsdp2-offload-mb9" ;;
+      3b) only="3b-adamw8bit-preset 3b-adamw8bit-fp8 bare-3b-torchtune-adamw8bit-bwd-mb4" ;;
+      1b) only="1b-fsdp-preset 1b-fsdp-fp8 bare-1b-fsdp2-mb8" ;;
+      zero3) only="1b-zero3-preset 1b-zero3-fp8 bare-1b-zero3-mb8" ;;
+    esac
+    # shellcheck disable=SC2086
+    python3 benchmarks/gpu_runs.py --matrix issue48-targets --only $only --timeout 280 --plan \
+      --out "$OUTD/issue48_$part.json" 2>&1 | grep -v '^{' | tee "$OUTD/issue48_$part.log"
+    ;;
+  *) echo "unknown part $part" >&2; exit 2 ;;
+esac
+rm -rf /tmp/sc-48-runs

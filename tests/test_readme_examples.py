@@ -91,6 +91,9 @@ NOT_AS_WRITTEN: dict[str, tuple[str, list[str]]] = {
         "planner's predictions (--dry-run)",
         [f"cd {REPO} && python3 benchmarks/plan_calibrate.py --subset {subset} --dry-run"])
        for subset, out in (("fsdp", "fsdp"), ("deepspeed", "ds"), ("edge", "edge"))},
+    "shardconsole --preset 3090-7b-offload --set precision.fp8=tensorwise --headless": (
+        "needs a GPU with FP8 tensor cores: here it is refused before launch in one line, exit 2",
+        ["shardconsole --preset 3090-7b-offload --set precision.fp8=tensorwise --headless; test $? -eq 2"]),
     "shardconsole --preset 4090x2-zero3 --set parallel.nnodes=4 --slurm > job.sbatch && sbatch job.sbatch": (
         "needs a Slurm cluster: the script is written as written and checked by bash's parser",
         ["shardconsole --preset 4090x2-zero3 --set parallel.nnodes=4 --slurm > job.sbatch && bash -n job.sbatch"]),

@@ -22,6 +22,7 @@ from shardconsole.backends.checkpoint import checkpoints
 from shardconsole.backends.engine import trainstate
 from shardconsole.backends.checkpoint.checkpoints import SaveKind
 from shardconsole.backends.engine.contract import Engine
+from shardconsole.backends.model import fused_loss
 from shardconsole.backends.observe import failures, metrics, stream_health
 from shardconsole.backends.rank import common
 from shardconsole.backends.rank.common import Rank
@@ -41,6 +42,8 @@ def run(r: Rank, engine: Engine) -> None:
         stop = trainstate.StopRequest(r)
         data = trainstate.Data(r)       # before the load: a resume moves it to the checkpoint's position
         engine.build(data)
+        # which loss the engine built (the rule CausalLMLoss's construction sites read), and whose kernel
+        r.log(f"loss: {fused_loss.describe(r.cfg.memory.loss_on(r.is_cuda), r.device)}")
         # Before the load: full DPO's reference log-probs are the starting weights' (cached after a first pass).
         engine.objective.prepare(engine.forward)
         start_step = engine.load() if t.resume else 0

@@ -40,6 +40,11 @@ def kernel_for(device: torch.device, have_liger: bool | None = None) -> Literal[
     return "liger" if available else "torch"
 
 
+def describe(kind: str, device: torch.device) -> str:
+    """For the rank's log: which loss this rank trains with (memory.loss resolved) and, fused, whose kernel."""
+    return f"fused ({kernel_for(device)})" if kind == "fused" else kind
+
+
 def _chunk(hc: torch.Tensor, w: torch.Tensor, yc: torch.Tensor, gh: torch.Tensor | None,
            gw: torch.Tensor | None) -> torch.Tensor:
     """One chunk: the sum of its losses; its hidden rows' gradient written into `gh` (that chunk's rows

@@ -100,18 +100,21 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                               chunk_tokens: int = 4096, reduction: str = "mean"):
+                               chunk_tokens: int = 4096, reduction: str = "mean", kernel: str | None = None):
     """Next-token loss over the labels that are not -100, as modeling.chunked_cross_entropy (the same
     contract: reduction="mean" is the mean over those labels, 0 with a zero gradient when there are
     none; "sum" is (sum of their losses, their count as a tensor)) but fused: no logits are kept for
     backward and none are recomputed. Peak: one chunk's logits in fp32 and their gradient, the hidden
-    states' gradient and the fp32 weight gradient, both held from forward until backward."""
+    states' gradient and the fp32 weight gradient, both held from forward until backward.
+    kernel: "liger" or "torch" (None: kernel_for the device; the GPU benchmark compares both)."""
     h = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     y = labels.reshape(-1).contiguous()
     count = (y != IGNORE).sum()
-    if kernel_for(h.device) == "liger":
+    if (kernel or kernel_for(h.device)) == "liger":
         liger = _liger()
-        assert liger is not None
+        if liger is None:
+            raise RuntimeError("the fused loss's liger kernel does not import: pip install 'shardconsole[fused]' "
+                               "(liger-kernel; CUDA and Triton)")
         # Its "sum" (its "mean" divides by a zero count when every label is -100): the division is ours,
         # as in the torch path, so both give the same contract. fp32 weight-gradient accumulation, as ours.
         total = liger(h, weight, y, ignore_index=IGNORE, reduction="sum", accum_dtype=torch.float32)

@@ -124,6 +124,35 @@ def test_only_the_gradients_asked_for_are_computed():
         assert (ww.grad if h_grad else hh.grad) is None
 
 
+def _graph_names(t: torch.Tensor) -> set[str]:
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None and fn.name() not in seen:
+            seen.add(fn.name())
+            todo += [nxt for nxt, _ in fn.next_functions]
+    return seen
+
+
+def test_causal_lm_loss_computes_the_loss_it_was_built_with():
+    """CausalLMLoss(lm, loss=...) as the engines build it: "fused" trains through the fused function (and
+    gives the chunked loss's value), "chunked" through the checkpointed chunks; per-row log-probs are chunked."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from shardconsole.backends.model.modeling import CausalLMLoss
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2))
+    ids = torch.randint(0, 64, (2, 12))
+    labels = ids.clone()
+    labels[:, :3] = -100
+    fused, chunked = CausalLMLoss(lm, loss="fused")(ids, labels), CausalLMLoss(lm)(ids, labels)
+    assert "FusedLinearCrossEntropyBackward" in _graph_names(fused)
+    assert "FusedLinearCrossEntropyBackward" not in _graph_names(chunked)
+    _close(fused, chunked, 1e-5)
+    rows, _ = CausalLMLoss(lm, loss="fused")(ids, labels, reduction="row")
+    assert "FusedLinearCrossEntropyBackward" not in _graph_names(rows)
+
+
 def test_the_kernel_is_liger_on_cuda_where_it_imports_and_ours_elsewhere():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert fused_loss.kernel_for(cuda, have_liger=True) == "liger"

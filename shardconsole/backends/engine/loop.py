@@ -42,12 +42,12 @@ def run(r: Rank, engine: Engine) -> None:
         stop = trainstate.StopRequest(r)
         data = trainstate.Data(r)       # before the load: a resume moves it to the checkpoint's position
         engine.build(data)
-        # which loss the engine built (the rule CausalLMLoss's construction sites read), and whose kernel
-        r.log(f"loss: {fused_loss.describe(r.cfg.memory.loss_on(r.is_cuda), r.device)}")
         # Before the load: full DPO's reference log-probs are the starting weights' (cached after a first pass).
         engine.objective.prepare(engine.forward)
         start_step = engine.load() if t.resume else 0
         engine.ready()
+        # the loss the engine built (CausalLMLoss.loss: memory.loss resolved for this device), and whose kernel
+        r.log(f"loss: {fused_loss.describe(getattr(engine.module, 'loss', 'chunked'), r.device)}")
         meter = metrics.StepMeter(r, engine.module)
         tail = Tail(r, stop, engine)
         r.phase("training")

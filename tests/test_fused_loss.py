@@ -234,14 +234,17 @@ def _run(root: Path, name: str, loss: str, *backend: str) -> SimpleNamespace:
     return SimpleNamespace(losses=losses, log=log)
 
 
-@pytest.mark.parametrize("backend", [(), ("parallel.backend=deepspeed", "deepspeed.stage=3")], ids=["fsdp", "zero3"])
-def test_a_fused_run_trains_as_the_chunked_run(tmp_path, backend):
+@pytest.mark.parametrize("backend,rel", [((), 1e-4), (("parallel.backend=deepspeed", "deepspeed.stage=3"), 1e-4),
+                                         (("precision.dtype=bf16",), 1e-3)], ids=["fsdp", "zero3", "fsdp-bf16"])
+def test_a_fused_run_trains_as_the_chunked_run(tmp_path, backend, rel):
+    """fp32: the same numbers to float rounding; bf16 (FSDP2's mixed precision: bf16 hidden states and head,
+    gradients handed back in bf16) within bf16's rounding of the gradients over 6 steps."""
     fused = _run(tmp_path, "fused", "fused", *backend)
     chunked = _run(tmp_path, "chunked", "chunked", *backend)
     # the engine built the loss asked for (the same rule decides the line and the loss)
     assert "loss: fused (torch)" in fused.log and "loss: chunked" in chunked.log
     assert sorted(fused.losses) == sorted(chunked.losses) == list(range(1, 7))
     for step, want in chunked.losses.items():
-        assert abs(fused.losses[step] - want) <= 1e-4 * abs(want), (step, fused.losses, chunked.losses)
+        assert abs(fused.losses[step] - want) <= rel * abs(want), (step, fused.losses, chunked.losses)
     # and it trained: the loss moved (a fused gradient of zero would leave it where it started)
     assert fused.losses[6] < fused.losses[1] - 1e-3, fused.losses

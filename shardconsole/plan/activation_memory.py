@@ -76,7 +76,14 @@ def liger_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
     return min(1 << (per - 1).bit_length(), tokens)
 
 
-def fused_loss_bytes(s: Shapes, c: int, tokens: int, kernel: str) -> tuple[int, int]:
+def head_trained(cfg: C.RunConfig, s: Shapes) -> bool:
+    """Whether the loss's head weight takes a gradient: always in full training; under LoRA/QLoRA only
+    when lora.modules_to_save names it (or, tied, the embedding)."""
+    saved = cfg.lora.saved_list() if cfg.adapters else []
+    return not cfg.adapters or "lm_head" in saved or (s.tied and "embed_tokens" in saved)
+
+
+def fused_loss_bytes(s: Shapes, c: int, tokens: int, kernel: str, head: bool = True) -> tuple[int, int]:
     """(forward peak, backward) of the fused loss beyond the model's own tensors. Both kernels hold from
     forward until backward the hidden states' gradient ([tokens, hidden], c) and the head's gradient,
     summed over the chunks in an fp32 [vocab, hidden] accumulator; backward only scales them, in place,
@@ -88,16 +95,18 @@ def fused_loss_bytes(s: Shapes, c: int, tokens: int, kernel: str) -> tuple[int, 
     (addmm out_dtype) and casts it to c once, at the end of forward, after the chunk buffer is freed.
     torch (ours): a 4096-token chunk's fp32 log-softmax (4) from the matmul's c output cast to fp32 (4,
     freed: 8 at most), the softmax gradient cast to c (the log-softmax buffer is reused: 4 + c), and
-    below fp32 the c [vocab, hidden] product added to the accumulator."""
+    below fp32 the c [vocab, hidden] product added to the accumulator.
+    `head`: the head takes a gradient (head_trained); a frozen head (LoRA) has no accumulator at all."""
     v, h = s.vocab, s.hidden
-    acc, hidden_grad = 4 * v * h, tokens * h * c
+    hidden_grad = tokens * h * c
+    acc, product = (4 * v * h, c * v * h) if head else (0, 0)
     if kernel == "liger":
         chunk = liger_chunk_tokens(tokens, v, h)
-        step = chunk * v * c + (4 * v * h if c == 4 else 0)
-        fwd = acc + hidden_grad + tokens * 4 + max(step, 0 if c == 4 else c * v * h)
+        step = chunk * v * c + (acc if c == 4 else 0)
+        fwd = acc + hidden_grad + tokens * 4 + max(step, 0 if c == 4 else product)
         return fwd, hidden_grad
     chunk = min(LOSS_CHUNK_TOKENS, tokens)
-    fwd = acc + hidden_grad + chunk * v * max(8, 4 + c) + (0 if c == 4 else c * v * h)
+    fwd = acc + hidden_grad + chunk * v * max(8, 4 + c) + (0 if c == 4 else product)
     return fwd, hidden_grad + (0 if c == 4 else acc)
 
 
@@ -150,7 +159,7 @@ def activations(cfg: C.RunConfig, s: Shapes) -> Activations:
         layer_bwd += mb * s.heads * seq * seq * (c + 8)
     fused = loss_kind(cfg)
     if fused != "chunked":
-        loss_fwd, loss_bwd = fused_loss_bytes(s, c, tokens, fused)
+        loss_fwd, loss_bwd = fused_loss_bytes(s, c, tokens, fused, head_trained(cfg, s))
     else:
         chunk = min(LOSS_CHUNK_TOKENS, tokens)
         v = s.vocab

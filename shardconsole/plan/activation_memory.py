@@ -1,5 +1,5 @@
 """Activations: the bytes autograd keeps for backward (per decoder layer, by micro-batch, sequence
-length, dtype, attention kernel, checkpointing and torch.compile), the chunked loss's buffers and
+length, dtype, attention kernel, checkpointing and torch.compile), the loss's buffers (chunked or fused) and
 the transient gradient buffers of one layer's backward."""
 
 from __future__ import annotations
@@ -55,6 +55,61 @@ def eager_attention_bytes_per_sample(s: Shapes, seq: int, c: int) -> int:
     return s.heads * seq * seq * (4 + (c if c != 4 else 0))
 
 
+# ---------------------------------------------------------------------------------------------------
+# The loss (memory.loss, backends/model/fused_loss.py): the chunked one keeps a chunk's logits at a time
+# and recomputes them in backward; the fused one works out its gradients in forward and keeps those.
+
+def loss_kind(cfg: C.RunConfig) -> str:
+    """"chunked", "liger" (the fused loss on CUDA: liger-kernel's, the `fused` extra) or "torch" (the
+    fused loss elsewhere: ours). The preference objectives read per-row log-probs, always chunked."""
+    if cfg.train.objective != "sft" or cfg.memory.loss_on(cfg.parallel.device != "cpu") == "chunked":
+        return "chunked"
+    return "torch" if cfg.parallel.device == "cpu" else "liger"
+
+
+def liger_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
+    """liger's chunk (ops/fused_linear_cross_entropy.py, 0.8.5): about tokens x hidden elements of logits,
+    tokens / ceil(vocab / hidden) rounded up to a power of two: 2048 of 12,288 tokens at 32k x 4096,
+    512 at 128k."""
+    inc = -(-vocab // hidden)
+    per = -(-tokens // inc)
+    return min(1 << (per - 1).bit_length(), tokens)
+
+
+def head_trained(cfg: C.RunConfig, s: Shapes) -> bool:
+    """Whether the loss's head weight takes a gradient: always in full training; under LoRA/QLoRA only
+    when lora.modules_to_save names it (or, tied, the embedding)."""
+    saved = cfg.lora.saved_list() if cfg.adapters else []
+    return not cfg.adapters or "lm_head" in saved or (s.tied and "embed_tokens" in saved)
+
+
+def fused_loss_bytes(s: Shapes, c: int, tokens: int, kernel: str, head: bool = True) -> tuple[int, int]:
+    """(forward peak, backward) of the fused loss beyond the model's own tensors. Both kernels hold from
+    forward until backward the hidden states' gradient ([tokens, hidden], c) and the head's gradient,
+    summed over the chunks in an fp32 [vocab, hidden] accumulator; backward only scales them, in place,
+    and hands the head's over as its gradient (the phases' "head gradient" entry), so what stays beyond
+    it is the hidden one, and (ours, below fp32) the fp32 accumulator it is cast from.
+    liger: one chunk's logits in c (torch.mm into one reused buffer; the Triton kernel writes the softmax
+    gradient over them and keeps fp32 only in registers), the fp32 losses per token; in fp32 its weight
+    update allocates a [vocab, hidden] product per chunk, below fp32 it adds into the fp32 accumulator
+    (addmm out_dtype) and casts it to c once, at the end of forward, after the chunk buffer is freed.
+    torch (ours): a 4096-token chunk's fp32 log-softmax (4) from the matmul's c output cast to fp32 (4,
+    freed: 8 at most), the softmax gradient cast to c (the log-softmax buffer is reused: 4 + c), and
+    below fp32 the c [vocab, hidden] product added to the accumulator.
+    `head`: the head takes a gradient (head_trained); a frozen head (LoRA) has no accumulator at all."""
+    v, h = s.vocab, s.hidden
+    hidden_grad = tokens * h * c
+    acc, product = (4 * v * h, c * v * h) if head else (0, 0)
+    if kernel == "liger":
+        chunk = liger_chunk_tokens(tokens, v, h)
+        step = chunk * v * c + (acc if c == 4 else 0)
+        fwd = acc + hidden_grad + tokens * 4 + max(step, 0 if c == 4 else product)
+        return fwd, hidden_grad
+    chunk = min(LOSS_CHUNK_TOKENS, tokens)
+    fwd = acc + hidden_grad + chunk * v * max(8, 4 + c) + (0 if c == 4 else product)
+    return fwd, hidden_grad + (0 if c == 4 else acc)
+
+
 @dataclass
 class Activations:
     layers: int
@@ -102,20 +157,25 @@ def activations(cfg: C.RunConfig, s: Shapes) -> Activations:
     layer_bwd = tokens * (3 * c * s.intermediate + 2 * c * s.hidden)
     if eager:
         layer_bwd += mb * s.heads * seq * seq * (c + 8)
-    chunk = min(LOSS_CHUNK_TOKENS, tokens)
-    v = s.vocab
-    # Loss forward, per chunk: logits (c) -> .float() (4) -> log_softmax output (4).
-    loss_fwd = chunk * v * (c + 4 + 4)
-    # Loss backward, per chunk: the recomputed log_softmax output (4) + nll_loss's dense gradient (4)
-    # + log_softmax's gradient (4); the gradient of the loss input accumulates over the chunks into
-    # one [tokens, hidden] buffer (two while adding).
-    loss_bwd = chunk * v * 12 + 2 * tokens * s.hidden * c
+    fused = loss_kind(cfg)
+    if fused != "chunked":
+        loss_fwd, loss_bwd = fused_loss_bytes(s, c, tokens, fused, head_trained(cfg, s))
+    else:
+        chunk = min(LOSS_CHUNK_TOKENS, tokens)
+        v = s.vocab
+        # Loss forward, per chunk: logits (c) -> .float() (4) -> log_softmax output (4).
+        loss_fwd = chunk * v * (c + 4 + 4)
+        # Loss backward, per chunk: the recomputed log_softmax output (4) + nll_loss's dense gradient (4)
+        # + log_softmax's gradient (4); the gradient of the loss input accumulates over the chunks into
+        # one [tokens, hidden] buffer (two while adding).
+        loss_bwd = chunk * v * 12 + 2 * tokens * s.hidden * c
     return Activations(
         layers=s.layers, saved_layer=ckpt_layer if ckpt else per_layer, per_layer=per_layer,
         # the layer being recomputed holds its saved tensors again; selective keeps part of them anyway
         recompute=(per_layer if cfg.memory.checkpoint_policy == "full" else max(per_layer - ckpt_layer, 0))
         if ckpt else 0,
-        final=tokens * (4 * s.hidden + 2 * c * s.hidden),
+        # the fused loss saves no input for backward: the final norm's output is not kept
+        final=tokens * (4 * s.hidden + (1 if fused != "chunked" else 2) * c * s.hidden),
         inputs=mb * (seq + 1) * 8,
         mask=mb * seq * seq * c if eager else 0,
         layer_backward=layer_bwd, loss_forward=loss_fwd, loss_backward=loss_bwd,

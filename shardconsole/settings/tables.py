@@ -267,6 +267,20 @@ class MemorySettings:
         "attention outputs and recompute only the cheap element-wise ops (faster, saves less)")
     gpu_memory_limit: str = _f("", "cap each rank's CUDA memory, e.g. 24GiB, to rehearse a smaller card", size=True)
     empty_cache_every: int = _f(0, "call torch.cuda.empty_cache every N steps (0: never)", min=0)
+    # Issue 48: the [tokens, vocab] logits are GiBs at a 32k-128k vocabulary; the fused loss never keeps
+    # them (backends/model/fused_loss.py). auto leaves CPU runs on the chunked loss: memory is not their
+    # limit there and the chunked path is the long-tested one.
+    loss: Literal["auto", "fused", "chunked"] = _f(
+        "auto", "the next-token loss: fused (the output head and cross-entropy in one pass that works out "
+        "the gradients in forward, so no logits are kept or recomputed; liger-kernel's Triton kernel on "
+        "CUDA when installed, else ours), chunked (4096 tokens' logits at a time, recomputed in backward), "
+        "or auto (fused on CUDA, chunked on CPU); DPO and ORPO always use the chunked per-row log-probs")
+
+    def loss_on(self, cuda: bool) -> Literal["fused", "chunked"]:
+        """memory.loss resolved for a rank on CUDA or not (the ranks and the planner read this rule)."""
+        if self.loss == "auto":
+            return "fused" if cuda else "chunked"
+        return self.loss
 
 
 @dataclass

@@ -291,8 +291,8 @@ def build(r: common.Rank, ds_cfg: dict) -> modeling.CausalLMLoss:
         # argument: DeepSpeed 0.19 reads `dtype or fp16 if fp16_supported else bf16` so, on a CPU without
         # fp16, dtype=torch.float32 builds bf16 parameters; only the config path gets fp32 right.
         lm = _build_partitioned(hf_cfg, ds_cfg)
-        model = modeling.CausalLMLoss(lm)
-        # The loss reads lm_head.weight directly (chunked cross-entropy), outside lm_head's forward:
+        model = modeling.CausalLMLoss(lm, loss=cfg.memory.loss_on(r.is_cuda))
+        # The loss reads lm_head.weight directly (chunked or fused cross-entropy), outside lm_head's forward:
         # ZeRO-3 must gather it for the root module's forward and backward.
         deepspeed.zero.register_external_parameter(model, lm.lm_head.weight)
         if pretrained:
@@ -303,7 +303,7 @@ def build(r: common.Rank, ds_cfg: dict) -> modeling.CausalLMLoss:
         # Stages 0-2 keep a full copy of the parameters on every rank by design; every rank draws the
         # same values (and DeepSpeed broadcasts rank 0's at initialize anyway).
         lm = modeling.load_pretrained(r.spec, hf_cfg) if pretrained else modeling.build_causal_lm(hf_cfg)
-        model = modeling.CausalLMLoss(lm)
+        model = modeling.CausalLMLoss(lm, loss=cfg.memory.loss_on(r.is_cuda))
         if not pretrained:
             init_as_partitions_(model, std, cfg.train.seed, r.world)
     if cfg.train.method == "lora":

@@ -110,7 +110,7 @@ def build(r: common.Rank) -> Built:
     if pretrained and r.rank == 0:
         full_sd = modeling.load_pretrained(r.spec, hf_cfg).state_dict()
     with torch.device("meta"):
-        model = modeling.CausalLMLoss(modeling.build_causal_lm(hf_cfg))
+        model = modeling.CausalLMLoss(modeling.build_causal_lm(hf_cfg), loss=r.cfg.memory.loss_on(r.is_cuda))
     if r.cfg.adapters:
         adapters.inject(model.lm, r.cfg)     # on the meta device, before sharding: the adapters shard too
     if r.cfg.precision.master_dtype == "bf16":

@@ -22,6 +22,7 @@ from shardconsole.backends.checkpoint import checkpoints
 from shardconsole.backends.engine import trainstate
 from shardconsole.backends.checkpoint.checkpoints import SaveKind
 from shardconsole.backends.engine.contract import Engine
+from shardconsole.backends.model import fused_loss
 from shardconsole.backends.observe import failures, metrics, stream_health
 from shardconsole.backends.rank import common
 from shardconsole.backends.rank.common import Rank
@@ -45,6 +46,8 @@ def run(r: Rank, engine: Engine) -> None:
         engine.objective.prepare(engine.forward)
         start_step = engine.load() if t.resume else 0
         engine.ready()
+        # the loss the engine built (CausalLMLoss.loss: memory.loss resolved for this device), and whose kernel
+        r.log(f"loss: {fused_loss.describe(getattr(engine.module, 'loss', 'chunked'), r.device)}")
         meter = metrics.StepMeter(r, engine.module)
         tail = Tail(r, stop, engine)
         r.phase("training")

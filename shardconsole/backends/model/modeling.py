@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardconsole.backends.model.fused_loss import fused_linear_cross_entropy
 from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelSpec
 
@@ -157,11 +158,15 @@ class CausalLMLoss(nn.Module):
     block-diagonally (data.cross_document_attention = false).
 
     Wrapping the LM keeps the loss inside the root module's forward, so FSDP2's root hooks (and
-    DeepSpeed's) gather the embedding and output head for it."""
+    DeepSpeed's) gather the embedding and output head for it.
 
-    def __init__(self, lm: nn.Module) -> None:
+    loss: "chunked" (chunked_cross_entropy) or "fused" (fused_loss.py: memory.loss, resolved by the
+    engine for its device); the per-row log-probs are chunked either way."""
+
+    def __init__(self, lm: nn.Module, loss: str = "chunked") -> None:
         super().__init__()
         self.lm = lm
+        self.loss = loss
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
                 reduction: str = "mean"):
@@ -169,7 +174,8 @@ class CausalLMLoss(nn.Module):
         hidden = self.lm.model(input_ids=input_ids, position_ids=positions, use_cache=False).last_hidden_state
         if reduction == "row":
             return chunked_row_logps(hidden, self.lm.lm_head.weight, labels)
-        return chunked_cross_entropy(hidden, self.lm.lm_head.weight, labels, reduction=reduction)
+        ce = fused_linear_cross_entropy if self.loss == "fused" else chunked_cross_entropy
+        return ce(hidden, self.lm.lm_head.weight, labels, reduction=reduction)
 
 
 def enable_checkpointing(lm: nn.Module) -> None:

@@ -112,7 +112,7 @@ def build(r: common.Rank, hf_cfg) -> modeling.CausalLMLoss:
         n = quantise_(lm, r.device)                       # a linear at a time onto the GPU
     else:
         lm, n = random_base(hf_cfg, r.device, r.cfg.train.seed)
-    model = modeling.CausalLMLoss(lm)
+    model = modeling.CausalLMLoss(lm, loss=r.cfg.memory.loss_on(r.is_cuda))
     adapters.inject(lm, r.cfg)
     adapters.init_adapters_(model, r.cfg.train.seed, r.rank)
     for name, p in model.named_parameters():

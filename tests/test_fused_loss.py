@@ -164,7 +164,10 @@ def test_the_kernel_is_liger_on_cuda_where_it_imports_and_ours_elsewhere():
 
 def test_auto_is_fused_on_cuda_and_chunked_on_cpu():
     m = C.RunConfig().memory
-    assert m.loss == "auto" and m.loss_on(True) == "fused" and m.loss_on(False) == "chunked"
+    # chunked by default until a GPU run measures the fused loss (settings/tables.py says why)
+    assert m.loss == "chunked" and m.loss_on(True) == "chunked"
+    m.loss = "auto"
+    assert m.loss_on(True) == "fused" and m.loss_on(False) == "chunked"
     for kind in ("fused", "chunked"):
         m.loss = kind
         assert m.loss_on(True) == kind and m.loss_on(False) == kind

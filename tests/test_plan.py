@@ -21,8 +21,6 @@ H200 = PL.Hardware(gpus=1, gpu_memory_bytes=150_754_820_096, host_memory_bytes=1
 CARD24 = PL.Hardware(gpus=1, gpu_memory_bytes=24 * GiB, host_memory_bytes=128 * GiB)
 # Every stored measurement predates FSDP2's host arena (issue 17, on by default since): planned as run.
 BEFORE_ARENA = ("fsdp.host_arena=false",)
-# ... and before the fused loss (issue 48, memory.loss = auto is fused on CUDA): they ran the chunked one.
-BEFORE_FUSED_LOSS = ("memory.loss=chunked",)
 
 
 def cfg_of(*sets: str, model: str = "1b") -> C.RunConfig:
@@ -372,8 +370,6 @@ def _sets(doc: dict, run: dict) -> list[str]:
     sets = list(run["sets"])
     # runs measured since the arena (issue 17) say so: planned as run, with it
     arena = [] if doc.get("host_arena") else list(BEFORE_ARENA)
-    # first, so that a run's own memory.loss is kept; a file measured since says "loss" in its header
-    sets = ([] if doc.get("loss") else list(BEFORE_FUSED_LOSS)) + sets
     if doc.get("cap_means") == "device":
         return sets + arena
     engine = next((s.split("=", 1)[1] for s in sets if s.startswith("parallel.backend=")),
@@ -518,7 +514,7 @@ def test_plan_json_within_10_percent_of_the_devices_nvml_on_the_earlier_runs(cap
     for run in _doc16()["device_nvml_runs"]:
         argv = ["plan", "--preset", run["preset"], "--json", "--gpus", "1", "--gpu-memory", "143771MiB",
                 "--host-memory", "125GiB"]
-        for s in list(BEFORE_FUSED_LOSS) + list(run["set"]) + list(BEFORE_ARENA):
+        for s in list(run["set"]) + list(BEFORE_ARENA):
             if not s.startswith(("train.steps", "train.log_every", "train.warmup_steps")):
                 argv += ["--set", s]
         assert cli.main(argv) == 0

@@ -168,7 +168,7 @@ def hardware_flops_per_token(cfg: C.RunConfig, spec: ModelSpec) -> float:
     """What the GPU computes a token: the model FLOPs of ModelSpec.flops_per_token (6N + 12 L h s, or
     LoRA's 4 a frozen and 6 a trained parameter), the forward again under full checkpointing (the
     decoder layers' 2 a parameter and attention's 4 L h s; selective checkpointing recomputes no matmul),
-    and the chunked loss's logits again in backward (2 V h)."""
+    and the chunked loss's logits again in backward (2 V h; not memory.loss's fused one)."""
     s = Shapes.of(spec)
     seq = cfg.data.seq_len
     if cfg.adapters:
@@ -180,6 +180,8 @@ def hardware_flops_per_token(cfg: C.RunConfig, spec: ModelSpec) -> float:
     if cfg.memory.activation_checkpointing and cfg.memory.checkpoint_policy != "selective":
         layer_params = spec.n_params - head * (1 if s.tied else 2)
         flops += 2.0 * layer_params + 4.0 * s.layers * s.hidden * seq
+    if cfg.memory.loss_on(cuda=True) == "fused" and cfg.train.objective == "sft":
+        return flops            # the fused loss works out the gradients in forward: no logits recomputed
     return flops + 2.0 * head
 
 

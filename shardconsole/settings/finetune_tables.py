@@ -1,0 +1,45 @@
+"""The fine-tuning tables of the settings: [lora] (train.method lora / qlora) and [preference]
+(train.objective dpo / orpo). Part of tables.py's RunConfig; apart only to keep that module short."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from shardconsole.settings.field_meta import _f
+
+
+@dataclass
+class LoraSettings:
+    """train.method = "lora" or "qlora": peft's LoraConfig, in its own names where they are short."""
+    rank: int = _f(16, "LoRA rank r: the inner size of each adapter's two matrices", min=1, max=4096)
+    alpha: float = _f(32.0, "LoRA alpha: the adapter's output is scaled by alpha / rank", min=0.0)
+    dropout: float = _f(0.0, "dropout on the adapter's input while training", min=0.0, max=0.9)
+    target_modules: str = _f(
+        "all-linear", "the linear layers that get adapters: all-linear (every linear layer but the output "
+        "head) or comma-separated module names, e.g. q_proj,v_proj")
+    modules_to_save: str = _f(
+        "", "comma-separated modules trained fully beside the adapters, e.g. embed_tokens,lm_head "
+        "(new tokens, a new chat template)")
+
+    def target_list(self) -> list[str] | str:
+        """peft's target_modules: the string "all-linear" or the list of names."""
+        names = [n.strip() for n in self.target_modules.split(",") if n.strip()]
+        return "all-linear" if names == ["all-linear"] else names
+
+    def saved_list(self) -> list[str]:
+        return [n.strip() for n in self.modules_to_save.split(",") if n.strip()]
+
+
+@dataclass
+class PreferenceSettings:
+    """train.objective = "dpo" or "orpo": the loss over a chosen and a rejected completion, in TRL's names."""
+    beta: float = _f(0.1, "DPO: how far the model may move from the reference (higher: less); for \"ipo\" the "
+                     "regularisation tau", min=1e-6)
+    loss: Literal["sigmoid", "ipo"] = _f(
+        "sigmoid", "the DPO loss: sigmoid (the DPO paper's) or ipo (squared, on per-token mean log-ratios)")
+    label_smoothing: float = _f(
+        0.0, "sigmoid DPO: the share of pairs assumed mislabelled (conservative DPO); 0 is plain DPO",
+        min=0.0, max=0.49)
+    orpo_lambda: float = _f(0.1, "ORPO: the weight of the odds-ratio term beside the chosen answer's NLL "
+                            "(TRL's beta)", min=0.0)

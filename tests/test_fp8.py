@@ -186,6 +186,8 @@ def test_the_planner_counts_the_float8_casts_and_the_speed_model_the_faster_laye
     for card in ("h200", "rtx4090"):
         assert fast_tw[card].tokens_per_s > fast_rw[card].tokens_per_s > fast_none[card].tokens_per_s, card
     assert fast_tw["rtx3090"].tokens_per_s == fast_none["rtx3090"].tokens_per_s
+    assert any("RTX 3090 has no FP8 tensor cores" in n for n in fast_tw["rtx3090"].notes)
+    assert not any("FP8" in n for n in fast_tw["h200"].notes)
 
 
 def test_tune_varies_fp8_only_when_named_and_never_on_cpu_ranks():

@@ -272,6 +272,9 @@ def predict(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, card: Card | Non
     n = spec.n_params
     trained = trainable_params(cfg, s) if cfg.adapters else n
     notes: list[str] = []
+    if cfg.precision.fp8 != "none" and not card.fp8:
+        notes.append(f"precision.fp8: the {card.title} has no FP8 tensor cores, so a launch on it refuses fp8 "
+                     "(predicted as bf16)")
     h2d = d2h = host_s = 0.0
     exposed = 0.0
     if params_on_host:

@@ -160,7 +160,7 @@ def real_planner() -> Any:
 
 
 def write_run(run_dir: Path, *, gpus: int = 2, ranks_per_gpu: int = 1, steps: int = 12, total_steps: int = 30,
-              device: str = "cuda", cfg: C.RunConfig | None = None, finished: bool = False) -> None:
+              device: str = "cuda", cfg: C.RunConfig | None = None, finished: bool = False, fp8: str = "") -> None:
     """A run folder as the ranks and the headless front end leave it: preset, job, metrics, logs."""
     run_dir.mkdir(parents=True, exist_ok=True)
     run = run_dir.name
@@ -189,7 +189,7 @@ def write_run(run_dir: Path, *, gpus: int = 2, ranks_per_gpu: int = 1, steps: in
                             peak_reserved_bytes=int(21 * GIB) if cuda else None, host_rss_bytes=int(3 * GIB)))
         w.emit(P.Step(run=run, rank=0, t=t, step=s, steps=total_steps, loss=10.4 - 5 * (1 - 0.8 ** s), lr=3e-4,
                       grad_norm=1.2, tokens_per_s=61_500 + 300 * (s % 3), samples_per_s=30.0, step_s=0.27,
-                      mfu=0.508 if device == "cuda" else None, tokens=s * 16_384))
+                      mfu=0.508 if device == "cuda" else None, tokens=s * 16_384, fp8=fp8))
     if finished:
         w.emit(P.Event(run=run, rank=0, t=t, name="phase", detail="finished"))
         w.emit(P.Finished(run=run, rank=0, t=t, steps=steps))
@@ -635,6 +635,21 @@ async def test_nothing_of_the_summary_is_cut_where_there_are_rows_for_it(tmp_pat
 
 # ---------------------------------------------------------------------------------------------------
 # Pilot tests: the run screen, with a fake launcher writing a frozen stream
+
+async def test_the_throughput_panel_says_when_the_linears_run_in_fp8(tmp_path):
+    """precision.fp8: the step's MFU is still a share of the bf16 peak, and the panel says fp8 is on."""
+    from shardconsole.console.screens.run import RunScreen
+    for fp8, want in (("tensorwise", "MFU 50.8% (fp8 tensorwise, of bf16 peak)"), ("", "MFU 50.8%")):
+        launcher = FakeLauncher(tmp_path / f"runs-{fp8}", write=lambda d: write_run(d, gpus=1, steps=4, fp8=fp8))
+        app = make_app(tmp_path, launcher=launcher, probes=FakeProbes(gpus=[gpu_sample(0, 21.5, pids=(5000,))]))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.press("ctrl+r")
+            screen = await wait_for(pilot, lambda: isinstance(app.screen, RunScreen) and app.screen)
+            await wait_for(pilot, lambda: screen.view.state.last_step and screen.view.state.last_step.step == 4)
+            text = await wait_for(pilot, lambda: "MFU" in text_of(screen.query_one("#throughput-text"))
+                                  and text_of(screen.query_one("#throughput-text")))
+            assert want in text and (("fp8" in text) == bool(fp8)), text
+
 
 async def test_launch_watch_and_stop_with_a_fake_launcher(tmp_path):
     from shardconsole.console.screens.run import RunScreen

@@ -202,3 +202,10 @@ def test_tune_varies_fp8_only_when_named_and_never_on_cpu_ranks():
     fp8 = C.build({}, "x", ["precision.fp8=rowwise"])
     assert search.numerics_words(fp8, C.RunConfig()) == ["fp8 rowwise linears"]
     assert "fp8 rowwise" in search.describe(fp8)
+
+
+def test_fp8_without_compiled_layers_is_told_it_may_be_slower():
+    eager = settings.resolve("h200-fsdp", settings.from_cli(["precision.fp8=tensorwise", "train.compile=false"]))
+    assert any("without compiled layers" in n and "train.compile = true" in n for n in eager.notes), eager.notes
+    for sets in (["precision.fp8=tensorwise"], ["train.compile=false"]):
+        assert not any("float8" in n for n in settings.resolve("h200-fsdp", settings.from_cli(sets)).notes)

@@ -134,6 +134,11 @@ def resolve_doc(doc: dict[str, Any] | None, name: str, path: Path | str | None,
             "precision.master_rounding" in out.origins or "master_rounding" in ((doc or {}).get("precision") or {})):
         out.notes.append(f"precision.master_rounding = {out.cfg.precision.master_rounding!r} has no effect: it "
                          "rounds bf16 masters, and master_dtype is 'fp32'")
+    if prec.fp8 != "none" and not out.cfg.compiles_layers and out.cfg.parallel.device != "cpu":
+        # torchao's float8 casts (amax, scale, cast) are separate kernels unless inductor fuses them
+        out.notes.append(f"precision.fp8 = {prec.fp8!r} without compiled layers: torchao's float8 casts run as "
+                         "separate kernels, often slower than bf16; set train.compile = true (DeepSpeed ZeRO-3: "
+                         "and deepspeed.stage3_layer_gather = true)")
     try:
         C.validate(out.cfg, out.source, gpu_count=gpu_count, origins=out.origins,
                    rendezvous_from_launcher=rendezvous_from_launcher)

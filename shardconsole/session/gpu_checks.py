@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shardconsole.settings.resolve import Resolved
-from shardconsole.settings.values import fp8_emulated
+from shardconsole.settings.values import FP8_GPUS, FP8_MIN_CAPABILITY, fp8_emulated
 
 if TYPE_CHECKING:
     from shardconsole.machine.probes import Card
@@ -35,13 +35,12 @@ def check_fp8(r: Resolved, gpu_count: int, cards: "list[Card] | None" = None) ->
         return
     if gpu_count == 0:
         raise r.error("precision", "fp8", f"\"{fp8}\" (float8 linears) needs a CUDA GPU with FP8 tensor cores "
-                      "(compute capability 8.9+: RTX 4090, L40S, H100) and this machine has none: set fp8 = \"none\"")
+                      f"({FP8_GPUS}) and this machine has none: set fp8 = \"none\"")
     if cards is None:
         from shardconsole.machine.probes import gpu_cards
         cards = gpu_cards()
     for c in cards[:r.cfg.parallel.nproc_per_node]:
         cap = c.capability
-        if cap is not None and tuple(cap) < (8, 9):
-            raise r.error("precision", "fp8", f"\"{fp8}\" (float8 linears) needs FP8 tensor cores (compute capability "
-                          f"8.9+: RTX 4090, L40S, H100); GPU {c.index} ({c.name}) is {cap[0]}.{cap[1]}: "
-                          "set fp8 = \"none\"")
+        if cap is not None and tuple(cap) < FP8_MIN_CAPABILITY:
+            raise r.error("precision", "fp8", f"\"{fp8}\" (float8 linears) needs FP8 tensor cores ({FP8_GPUS}); "
+                          f"GPU {c.index} ({c.name}) is {cap[0]}.{cap[1]}: set fp8 = \"none\"")

@@ -7,7 +7,7 @@ import importlib.util
 import re
 from typing import TYPE_CHECKING
 
-from shardconsole.settings.values import ConfigError, fp8_emulated, parse_size
+from shardconsole.settings.values import FP8_GPUS, ConfigError, fp8_emulated, parse_size
 
 if TYPE_CHECKING:  # pragma: no cover
     from shardconsole.settings.tables import RunConfig
@@ -79,8 +79,8 @@ def _check_fp8(cfg: RunConfig, err) -> None:
         return
     what = f"\"{prec.fp8}\" (float8 linears)"
     if cfg.parallel.device == "cpu" and not fp8_emulated():
-        raise err("precision", "fp8", f"{what} needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+: "
-                  "RTX 4090, L40S, H100) and parallel.device is \"cpu\": set fp8 = \"none\"")
+        raise err("precision", "fp8", f"{what} needs a CUDA GPU with FP8 tensor cores ({FP8_GPUS}) and "
+                  "parallel.device is \"cpu\": set fp8 = \"none\"")
     if cfg.train.method != "full":
         raise err("precision", "fp8", f"{what} is for full fine-tuning; a {cfg.train.method} base is frozen "
                   f"({'4-bit' if cfg.train.method == 'qlora' else 'bf16'}) and its adapters are too small to gain: "

@@ -20,6 +20,10 @@ else:  # pragma: no cover
 # precision.fp8 through torchao's emulation (the float8 casts and scales, the matmuls in high precision):
 # on any device, so the FP8 path trains, checkpoints and resumes in CI's CPU runs; slower than bf16.
 FP8_EMULATE_ENV = "SHARDCONSOLE_FP8_EMULATE"
+# The GPUs precision.fp8 runs on, for the checks before launch (settings.rules, session.gpu_checks) and the
+# ranks' own (backends/model/float8.py): Ada, Hopper and Blackwell, the first with FP8 tensor cores.
+FP8_MIN_CAPABILITY = (8, 9)
+FP8_GPUS = "compute capability 8.9+: RTX 4090, L40S, H100"
 
 
 def fp8_emulated(environ: Any = None) -> bool:

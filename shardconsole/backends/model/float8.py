@@ -24,15 +24,15 @@ import torch.nn as nn
 
 from shardconsole.backends.rank.common import Rank
 from shardconsole.backends.rank.errors import RankFailure
+from shardconsole.settings.values import FP8_GPUS, FP8_MIN_CAPABILITY
 
-MIN_CAPABILITY = (8, 9)     # Ada (RTX 4090, L40S), Hopper, Blackwell: the first with FP8 tensor cores
 
 
 class Fp8Unsupported(RankFailure, RuntimeError):
     """precision.fp8 on a GPU without FP8 tensor cores (preflight refuses it on the launching machine; a rank
     on another node checks its own)."""
     cause = "config_error"
-    hint = "set precision.fp8 = \"none\" on this GPU (FP8 needs compute capability 8.9+: RTX 4090, L40S, H100)"
+    hint = f"set precision.fp8 = \"none\" on this GPU (FP8 needs {FP8_GPUS})"
 
 
 def check_device(device: torch.device, emulate: bool = False) -> None:
@@ -42,7 +42,7 @@ def check_device(device: torch.device, emulate: bool = False) -> None:
     if device.type != "cuda":
         raise Fp8Unsupported(f"precision.fp8 needs a CUDA GPU; this rank computes on {device.type}")
     cap = torch.cuda.get_device_capability(device)
-    if cap < MIN_CAPABILITY:
+    if cap < FP8_MIN_CAPABILITY:
         raise Fp8Unsupported(f"precision.fp8 needs FP8 tensor cores; {torch.cuda.get_device_name(device)} "
                              f"is compute capability {cap[0]}.{cap[1]} (8.9+ has them)")
 

@@ -180,9 +180,14 @@ def hardware_flops_per_token(cfg: C.RunConfig, spec: ModelSpec) -> float:
     if cfg.memory.activation_checkpointing and cfg.memory.checkpoint_policy != "selective":
         layer_params = spec.n_params - head * (1 if s.tied else 2)
         flops += 2.0 * layer_params + 4.0 * s.layers * s.hidden * seq
-    if cfg.memory.loss_on(cuda=True) == "fused" and cfg.train.objective == "sft":
+    if _fused_loss(cfg):
         return flops            # the fused loss works out the gradients in forward: no logits recomputed
     return flops + 2.0 * head
+
+
+def _fused_loss(cfg: C.RunConfig) -> bool:
+    """The GPU's next-token loss is memory.loss's fused one (DPO and ORPO read chunked per-row log-probs)."""
+    return cfg.memory.loss_on(cuda=True) == "fused" and cfg.train.objective == "sft"
 
 
 def _card_for(hw: Hardware, card: Card | None) -> Card | None:
@@ -230,13 +235,16 @@ def _micro_batch_s(cfg: C.RunConfig, spec: ModelSpec, card: Card, params_on_host
     s = Shapes.of(spec)
     key = engine_key(cfg)
     tokens_mb = cfg.train.micro_batch * cfg.data.seq_len
-    gpu_mb = hardware_flops_per_token(cfg, spec) * tokens_mb / (card.matmul_tflops * 1e12 * GPU_EFFICIENCY[key])
+    flops = hardware_flops_per_token(cfg, spec)
+    gpu_mb = flops * tokens_mb / (card.matmul_tflops * 1e12 * GPU_EFFICIENCY[key])
     if cfg.precision.dtype == "fp32":
         gpu_mb *= 4.0              # no bf16 tensor cores: TF32 at best (an assumption, not measured)
     if cfg.precision.fp8 != "none" and card.fp8:
         # (a card without FP8 tensor cores refuses it at launch: predicted as bf16)
-        # the decoder layers' share (the head's 6 + 2 FLOPs a weight stay bf16) runs FP8_LAYER_SPEEDUP faster
-        head = 8.0 * s.vocab * s.hidden / hardware_flops_per_token(cfg, spec)
+        # the decoder layers' share runs FP8_LAYER_SPEEDUP faster; the head's 6 FLOPs a weight (and the
+        # chunked loss's recompute, 2 more) stay bf16
+        recompute = 0.0 if _fused_loss(cfg) else 2.0
+        head = (6.0 + recompute) * s.vocab * s.hidden / flops
         gpu_mb *= head + (1.0 - head) / FP8_LAYER_SPEEDUP[cfg.precision.fp8]
     full_ckpt = cfg.memory.activation_checkpointing and cfg.memory.checkpoint_policy != "selective"
     launches = DISPATCH_LAYER_S[key] * (DISPATCH_CHECKPOINTED if full_ckpt else 1.0)

@@ -482,7 +482,8 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
     "issue48-targets": [
         *[(f"7b-fp32-{tag}", "3090-7b-offload", ["precision.master_dtype=fp32", "train.log_every=1", "train.warmup_steps=1",
                                                 "train.save_final=false", "train.steps=5", *sets])
-          for tag, sets in (("preset", []), ("fp8", ["precision.fp8=tensorwise"]))],
+          for tag, sets in (("preset", []), ("fp8", ["precision.fp8=tensorwise"]),
+                            ("fp8-fused", ["precision.fp8=tensorwise", "memory.loss=fused"]))],
         ("bare-7b-fsdp2-offload-mb12", "bare:fsdp2", ["--model", "7b", "--offload", "all", "--checkpointing",
                                                       "--gpu-memory-limit", "24", "--steps", "4", "--warmup", "2",
                                                       "--micro-batch", "12"]),
@@ -501,7 +502,9 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
           "--optim", "adamw8bit", "--step-in-backward", "--reduce-dtype", "bf16", "--checkpointing",
           "--gpu-memory-limit", "24"]),
         *[(f"1b-fsdp-{tag}", "h200-fsdp", ["train.steps=30", *sets])
-          for tag, sets in (("preset", []), ("fp8", ["precision.fp8=tensorwise"]))],
+          for tag, sets in (("preset", []), ("fp8", ["precision.fp8=tensorwise"]),
+                            ("fp8-fused", ["precision.fp8=tensorwise", "memory.loss=fused"]),
+                            ("fused", ["memory.loss=fused"]))],
         # the bare loop has no compile: MEASURED.md's bare FSDP2 1b compiled per layer was 71.0k (58.6%)
         ("bare-1b-fsdp2-mb8", "bare:fsdp2", ["--model", "1b", "--micro-batch", "8", "--steps", "30", "--warmup", "10"]),
         *[(f"1b-zero3-{tag}", "h200-fsdp", [s for s in Z3 if s not in ("train.compile=false", "train.steps=15")]

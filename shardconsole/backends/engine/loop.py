@@ -23,7 +23,7 @@ from shardconsole.backends.engine import trainstate
 from shardconsole.backends.checkpoint.checkpoints import SaveKind
 from shardconsole.backends.engine.contract import Engine
 from shardconsole.backends.model import fused_loss
-from shardconsole.backends.observe import failures, metrics, stream_health
+from shardconsole.backends.observe import failures, metrics, profile, stream_health
 from shardconsole.backends.rank import common
 from shardconsole.backends.rank.common import Rank
 
@@ -50,12 +50,15 @@ def run(r: Rank, engine: Engine) -> None:
         r.log(f"loss: {fused_loss.describe(getattr(engine.module, 'loss', 'chunked'), r.device)}")
         meter = metrics.StepMeter(r, engine.module)
         tail = Tail(r, stop, engine)
+        profiler = profile.StepProfiler(r)      # SHARDCONSOLE_PROFILE=A-B; does nothing without it
         r.phase("training")
         stop.start_round()
         for step in range(start_step + 1, t.steps + 1):
             r.progress.step = step
             lr = t.lr * common.lr_factor(r.cfg, step)
+            profiler.before(step)
             engine.step(step, lr, meter)
+            profiler.after(step)
             if meter.due(step):
                 figures = engine.figures()
                 mean = meter.report(step, lr, figures.grad_norm, figures.loss_scale, figures.skipped,

@@ -49,6 +49,20 @@ def _ints(env: Mapping[str, str], name: str) -> tuple[int, ...]:
         raise KnobError(f"environment variable {name}={raw!r}: expected N or N,M,... thread counts") from None
 
 
+def _span(env: Mapping[str, str], name: str) -> tuple[int, int] | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    first, dash, last = raw.partition("-")
+    try:
+        span = (int(first), int(last if dash else first))
+    except ValueError:
+        span = (0, -1)
+    if not 1 <= span[0] <= span[1]:
+        raise KnobError(f"environment variable {name}={raw!r}: expected steps A-B with 1 <= A <= B (or one step A)")
+    return span
+
+
 @dataclass(frozen=True)
 class Knobs:
     # Set by the launcher (torchrun, the deepspeed launcher, Slurm's script)
@@ -70,6 +84,7 @@ class Knobs:
     overlap_switch_s: float = 0.0      # SHARDCONSOLE_OVERLAP_SWITCH_S: the interpreter's GIL switch interval
     overlap_nice: int = HOST_NICE      # SHARDCONSOLE_OVERLAP_NICE=N: the host step's nice value (0: the rank's)
     fp8_emulate: bool = False          # SHARDCONSOLE_FP8_EMULATE=1: precision.fp8 emulated (model/float8.py)
+    profile_steps: tuple[int, int] | None = None   # SHARDCONSOLE_PROFILE=A-B: torch's profiler (observe/profile.py)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Knobs":
@@ -89,4 +104,5 @@ class Knobs:
             overlap_spin=e.get("SHARDCONSOLE_OVERLAP_SPIN", "") == "1",
             overlap_switch_s=_float(e, "SHARDCONSOLE_OVERLAP_SWITCH_S", 0.0) or 0.0,
             overlap_nice=_int(e, "SHARDCONSOLE_OVERLAP_NICE", HOST_NICE),
-            fp8_emulate=e.get("SHARDCONSOLE_FP8_EMULATE", "") == "1")     # settings.values.FP8_EMULATE_ENV
+            fp8_emulate=e.get("SHARDCONSOLE_FP8_EMULATE", "") == "1",
+            profile_steps=_span(e, "SHARDCONSOLE_PROFILE"))     # settings.values.FP8_EMULATE_ENV

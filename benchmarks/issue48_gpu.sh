@@ -6,6 +6,8 @@
 #     bash benchmarks/issue48_gpu.sh numerics   # 1b 40 steps bf16 / tensorwise / rowwise: held-out loss; 7B fp8
 #     bash benchmarks/issue48_gpu.sh 7b         # 7B fp32 masters under 24 GiB: preset, + fp8, bare peer
 #     bash benchmarks/issue48_gpu.sh 13b|3b|1b|zero3   # the other targets, the same way
+#     bash benchmarks/issue48_gpu.sh rows NAME...  # any rows of the issue48-targets matrix, into issue48_rows.json
+#     bash benchmarks/issue48_gpu.sh profile PRESET [--set K=V ...]  # SHARDCONSOLE_PROFILE over steps 8-10
 # Writes $OUT/issue48_<part>.json (gpu_runs.py's rows, or the probes') and .log; README's 24 GB table and
 # docs/MEASURED.md's "FP8 linears and the fused loss" take their figures from these files.
 set -u
@@ -34,6 +36,19 @@ case "$part" in
     # shellcheck disable=SC2086
     python3 benchmarks/gpu_runs.py --matrix issue48-targets --only $only --timeout 280 --plan \
       --out "$OUTD/issue48_$part.json" 2>&1 | grep -v '^{' | tee "$OUTD/issue48_$part.log"
+    ;;
+  rows)
+    shift
+    python3 benchmarks/gpu_runs.py --matrix issue48-targets --only "$@" --timeout 200 --plan \
+      --out "$OUTD/issue48_rows.json" 2>&1 | grep -v '^{' | tee -a "$OUTD/issue48_rows.log"
+    ;;
+  profile)
+    preset=$2; shift 2
+    tag=$preset$(printf '%s' "$*" | tr -c 'A-Za-z0-9._-' '_')
+    SHARDCONSOLE_PROFILE=8-10 python3 -m shardconsole --preset "$preset" --headless --run-dir "/tmp/sc-48-runs/prof" \
+      --set train.steps=10 --set train.save_final=false --set train.log_every=1 "$@" 2>&1 | tail -3
+    grep -h "profile steps" /tmp/sc-48-runs/prof/logs/rank0.log | tee -a "$OUTD/issue48_profile.log"
+    head -45 /tmp/sc-48-runs/prof/profile/rank0.txt > "$OUTD/profile_${tag:0:60}.txt"
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

@@ -40,7 +40,7 @@ case "$part" in
   rows)
     shift
     python3 benchmarks/gpu_runs.py --matrix issue48-targets --only "$@" --timeout 200 --plan \
-      --out "$OUTD/issue48_rows.json" 2>&1 | grep -v '^{' | tee -a "$OUTD/issue48_rows.log"
+      --out "$OUTD/issue48_rows_$1.json" 2>&1 | grep -v '^{' | tee -a "$OUTD/issue48_rows.log"
     ;;
   profile)
     preset=$2; shift 2

@@ -146,7 +146,10 @@ def where_ranks_are(state: RunState, run_dir: Path, ranks: Iterable[int], wait_s
             sizes.pop(rank)
     time.sleep(wait_s)
     out = Stacks()
-    deadline = time.monotonic() + 2.0     # the recorder's thread looks twice a second
+    # The recorder's thread looks twice a second, but a rank's dump needs its GIL and a core: on a loaded
+    # box (2 cores, the suite beside it) rank 0's came after 3.5 s and the report named no collective.
+    # Every rank that answers ends the wait at once, so the longer bound costs only a rank that never does.
+    deadline = time.monotonic() + 6.0
     dumps = {r: flight_recorder.read(run_dir / LOGS_DIR, r, asked) for r in sizes}
     while any(d is None for d in dumps.values()) and time.monotonic() < deadline:
         time.sleep(0.1)

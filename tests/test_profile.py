@@ -21,7 +21,10 @@ from tests.conftest import shardconsole
     ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
     ("Memcpy HtoD (Pinned -> Device)", "copies"),
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
-    ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0", "other"),
+    ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0", "elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda>", "copies"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>", "elementwise"),
+    ("void at::native::(anonymous namespace)::indexSelectLargeIndex<c10::BFloat16>", "other"),
     ("aten::mm", "matmul"),
     ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "attention"),
     ("FSDP::all_gather (lm.model.layers.0)", "communication"),
@@ -31,9 +34,10 @@ def test_kinds_by_name(name, kind):
 
 
 def test_by_kind_sums_and_orders():
-    kinds = by_kind({"aten::mm": 3.0, "aten::addmm": 1.0, "flash_fwd": 2.0, "triton_poi_fused_silu": 0.5})
-    assert kinds == {"matmul": 4.0, "attention": 2.0, "other": 0.5}
-    assert list(kinds) == ["matmul", "attention", "other"]
+    kinds = by_kind({"aten::mm": 3.0, "aten::addmm": 1.0, "flash_fwd": 2.0, "triton_poi_fused_silu": 0.5,
+                     "indexSelectLargeIndex": 0.25})
+    assert kinds == {"matmul": 4.0, "attention": 2.0, "elementwise": 0.5, "other": 0.25}
+    assert list(kinds) == ["matmul", "attention", "elementwise", "other"]
 
 
 @pytest.mark.parametrize("raw, span", [("", None), ("20-22", (20, 22)), ("7", (7, 7)), (" 3-3 ", (3, 3))])

@@ -21,6 +21,10 @@ H200 = PL.Hardware(gpus=1, gpu_memory_bytes=150_754_820_096, host_memory_bytes=1
 CARD24 = PL.Hardware(gpus=1, gpu_memory_bytes=24 * GiB, host_memory_bytes=128 * GiB)
 # Every stored measurement predates FSDP2's host arena (issue 17, on by default since): planned as run.
 BEFORE_ARENA = ("fsdp.host_arena=false",)
+# Every stored calibration run was measured on the chunked loss (memory.loss's default until 2026-12-05,
+# when the H200 measured the fused one and the default became auto): planned as run, with it. A file
+# measured later says "loss_as_run": true and is planned with its own settings.
+CHUNKED_LOSS = ("memory.loss=chunked",)
 
 
 def cfg_of(*sets: str, model: str = "1b") -> C.RunConfig:
@@ -369,7 +373,7 @@ def _sets(doc: dict, run: dict) -> list[str]:
     from shardconsole.machine.hardware import device_cap_for_allocator
     sets = list(run["sets"])
     # runs measured since the arena (issue 17) say so: planned as run, with it
-    arena = [] if doc.get("host_arena") else list(BEFORE_ARENA)
+    arena = ([] if doc.get("host_arena") else list(BEFORE_ARENA)) + ([] if doc.get("loss_as_run") else list(CHUNKED_LOSS))
     if doc.get("cap_means") == "device":
         return sets + arena
     engine = next((s.split("=", 1)[1] for s in sets if s.startswith("parallel.backend=")),
@@ -514,7 +518,7 @@ def test_plan_json_within_10_percent_of_the_devices_nvml_on_the_earlier_runs(cap
     for run in _doc16()["device_nvml_runs"]:
         argv = ["plan", "--preset", run["preset"], "--json", "--gpus", "1", "--gpu-memory", "143771MiB",
                 "--host-memory", "125GiB"]
-        for s in list(run["set"]) + list(BEFORE_ARENA):
+        for s in list(run["set"]) + list(BEFORE_ARENA) + list(CHUNKED_LOSS):
             if not s.startswith(("train.steps", "train.log_every", "train.warmup_steps")):
                 argv += ["--set", s]
         assert cli.main(argv) == 0

@@ -23,8 +23,10 @@ FAST_HOST = SM.HostRates(100.0, 16, "test")
 
 
 def _cfg(*sets: str, model: str = "1b") -> C.RunConfig:
+    # the chunked loss, whose head the arithmetic by hand counts twice forward (its backward recomputes the
+    # logits); memory.loss's default (auto) is the fused one on a GPU: test_the_fused_loss_drops_the_recompute
     return C.build({"model": {"name": model}, "data": {"seq_len": 2048}, "parallel": {"device": "cuda"},
-                    "train": {"micro_batch": 4, "steps": 100}}, "test", list(sets))
+                    "train": {"micro_batch": 4, "steps": 100}, "memory": {"loss": "chunked"}}, "test", list(sets))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -92,6 +94,17 @@ def _flops_1b(seq: int, recompute: bool) -> float:
     if recompute:
         flops += 2 * (n - 2 * V * h) + 4 * L * h * seq
     return flops
+
+
+def test_the_fused_loss_drops_the_recompute():
+    """The fused loss works out the head's gradients in forward: no logits recomputed in backward, 2 V h a
+    token less than the chunked loss; auto is the fused one on a GPU, and the default."""
+    h, V = 2048, 32000
+    chunked = SM.hardware_flops_per_token(_cfg(), resolve("1b"))
+    for fused in (_cfg("memory.loss=fused"), _cfg("memory.loss=auto")):
+        assert SM.hardware_flops_per_token(fused, resolve("1b")) == chunked - 2 * V * h == _flops_1b(2048, False) - 2 * V * h
+    default = C.build({"model": {"name": "1b"}, "data": {"seq_len": 2048}, "parallel": {"device": "cuda"}}, "t")
+    assert SM.hardware_flops_per_token(default, resolve("1b")) == chunked - 2 * V * h
 
 
 def test_a_gpu_bound_step_is_its_flops_at_the_cards_rate():

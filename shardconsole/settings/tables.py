@@ -264,11 +264,12 @@ class MemorySettings:
     empty_cache_every: int = _f(0, "call torch.cuda.empty_cache every N steps (0: never)", min=0)
     # Issue 48: the [tokens, vocab] logits are GiBs at a 32k-128k vocabulary; the fused loss never keeps
     # them (backends/model/fused_loss.py). auto leaves CPU runs on the chunked loss: memory is not their
-    # limit there and the chunked path is the long-tested one. The default stays chunked until a GPU run
-    # measures the fused one (speed, memory, loss: benchmarks/issue48_gpu.sh probe); the presets, the
-    # planner's calibration and the speed model were all measured on the chunked loss.
+    # limit there and the chunked path is the long-tested one. auto by default since the H200 measured it
+    # (2026-12-05, benchmarks/results/issue48/20261205/): the 1b preset 85.5k tokens/s against 81.7k chunked
+    # in one call, the head + loss at vocab 32k 16.4 ms (liger) / 20.8 ms (ours) against 25.7 ms, 0.83 / 1.56
+    # GiB against 1.80, the same loss to 5e-7.
     loss: Literal["auto", "fused", "chunked"] = _f(
-        "chunked", "the next-token loss: fused (the output head and cross-entropy in one pass that works out "
+        "auto", "the next-token loss: fused (the output head and cross-entropy in one pass that works out "
         "the gradients in forward, so no logits are kept or recomputed; liger-kernel's Triton kernel on "
         "CUDA when installed, else ours), chunked (4096 tokens' logits at a time, recomputed in backward), "
         "or auto (fused on CUDA, chunked on CPU); DPO and ORPO always use the chunked per-row log-probs")

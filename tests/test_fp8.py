@@ -182,10 +182,19 @@ def test_the_planner_counts_the_float8_casts_and_the_speed_model_the_faster_laye
     # a layer's weights in float8 twice and the widest input once, beside everything bf16 had
     assert tw.gpu_peak_bytes > none.gpu_peak_bytes and "float8 casts (one layer)" in tw.gpu_parts
     assert "float8 casts (one layer)" not in none.gpu_parts
-    # faster where the card has FP8 tensor cores, tensorwise more than rowwise; a 3090 has none
+    # checkpointed layers (this recipe) gained next to nothing on the H200: tensorwise a little (+4% was
+    # measured), rowwise nothing; a 3090 has no FP8 tensor cores
     for card in ("h200", "rtx4090"):
-        assert fast_tw[card].tokens_per_s > fast_rw[card].tokens_per_s > fast_none[card].tokens_per_s, card
+        assert fast_none[card].tokens_per_s < fast_tw[card].tokens_per_s <= 1.05 * fast_none[card].tokens_per_s, card
+        assert fast_rw[card].tokens_per_s == fast_none[card].tokens_per_s, card
     assert fast_tw["rtx3090"].tokens_per_s == fast_none["rtx3090"].tokens_per_s
+    # without checkpointing the layers' share runs the probe's 1.43x / 1.17x: the 1b preset, measured 1.13x
+    # whole (text data) and 99.6k fp8 + fused against 104.4k planned
+    _, f_none = _plan("h200-fsdp")
+    _, f_tw = _plan("h200-fsdp", "precision.fp8=tensorwise")
+    _, f_rw = _plan("h200-fsdp", "precision.fp8=rowwise")
+    for card in ("h200", "rtx4090"):
+        assert f_tw[card].tokens_per_s > f_rw[card].tokens_per_s > 1.05 * f_none[card].tokens_per_s, card
     assert any("RTX 3090 has no FP8 tensor cores" in n for n in fast_tw["rtx3090"].notes)
     assert not any("FP8" in n for n in fast_tw["h200"].notes)
 

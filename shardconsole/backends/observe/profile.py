@@ -72,14 +72,16 @@ class StepProfiler:
         self.first, self.last = span if span else (0, -1)
         self.last = min(self.last, r.cfg.train.steps)
         self.prof: torch.profiler.profile | None = None
-        self.t0 = 0.0
+        self.done = False
+        self.t0, self.started = 0.0, 0
 
     def _sync(self) -> None:
         if self.r.is_cuda:
             torch.cuda.synchronize(self.r.device)
 
     def before(self, step: int) -> None:
-        if step != self.first or self.first > self.last:
+        # from the first step in A..B this session trains (a resume past A starts where it resumed)
+        if self.prof is not None or self.done or not self.first <= step <= self.last:
             return
         acts = [torch.profiler.ProfilerActivity.CPU]
         if self.r.is_cuda:
@@ -87,14 +89,14 @@ class StepProfiler:
         self._sync()
         self.prof = torch.profiler.profile(activities=acts)
         self.prof.__enter__()
-        self.t0 = time.perf_counter()
+        self.t0, self.started = time.perf_counter(), step
 
     def after(self, step: int) -> None:
         if self.prof is None or step != self.last:
             return
         self._sync()
         wall = time.perf_counter() - self.t0
-        prof, self.prof = self.prof, None
+        prof, self.prof, self.done = self.prof, None, True
         prof.__exit__(None, None, None)
         self._report(prof, wall)
 
@@ -114,7 +116,7 @@ class StepProfiler:
         table = prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90)
         _write(out / f"rank{self.r.rank}.txt", table)
         prof.export_chrome_trace(str(out / f"rank{self.r.rank}.trace.json"))
-        line = summary_line(self.first, self.last, self.r.rank, self.r.device.type, wall, by_kind(times))
+        line = summary_line(self.started, self.last, self.r.rank, self.r.device.type, wall, by_kind(times))
         self.r.log(f"{line}; the kernels in {out}/rank{self.r.rank}.txt")
 
 

@@ -71,3 +71,18 @@ def test_a_run_profiles_its_steps_and_says_where_the_time_went(tmp_path):
         assert {"matmul", "communication", "attention"} <= set(shares), lines[0]
         assert 97 <= sum(shares.values()) <= 103, lines[0]
     assert not list((run / "profile").glob("*.part"))
+
+
+def test_a_resumed_run_profiles_from_where_it_resumed(tmp_path):
+    """A resume past A (a checkpoint at step 3, resumed to 6, SHARDCONSOLE_PROFILE=2-5) profiles steps 4-5."""
+    run = tmp_path / "run"
+    first = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run), "--set", "train.steps=3",
+                         timeout=300)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert not (run / "profile").exists()
+    res = shardconsole("resume", str(run), "--set", "train.steps=6",
+                       env={"SHARDCONSOLE_PROFILE": "2-5"}, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    log = (run / "logs" / "rank0.log").read_text()
+    assert "profile steps 4-5 (rank 0, cpu)" in log, log[-2000:]
+    assert (run / "profile" / "rank0.txt").exists()

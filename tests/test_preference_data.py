@@ -221,11 +221,13 @@ def test_planner_counts_two_rows_a_pair_and_says_what_the_reference_costs(tmp_pa
     from shardconsole.plan.speed.book import signature
     from shardconsole.settings.models import resolve
     data = write_jsonl(tmp_path / "p.jsonl", PAIRS)
-    base = [f"data.path={data}", "train.micro_batch=2", "parallel.device=cuda", "model.name=1b"]
+    # the chunked loss throughout: DPO always reads chunked per-row log-probs, so SFT of the same rows is
+    # compared on it (memory.loss's default, auto, would give SFT on a GPU the fused loss)
+    base = [f"data.path={data}", "train.micro_batch=2", "parallel.device=cuda", "model.name=1b", "memory.loss=chunked"]
     sft = settings.resolve("tiny-cpu", base).cfg
     dpo = settings.resolve("tiny-cpu", [*base, "train.objective=dpo"]).cfg
     rows4 = settings.resolve("tiny-cpu", [f"data.path={data}", "train.micro_batch=4", "parallel.device=cuda",
-                                          "model.name=1b"]).cfg
+                                          "model.name=1b", "memory.loss=chunked"]).cfg
     s = Shapes.of(resolve("1b"))
     assert activations(dpo, s).saved_all == activations(rows4, s).saved_all > activations(sft, s).saved_all
     hw = PL.Hardware(gpus=1, gpu_memory_bytes=80 * 2**30, host_memory_bytes=256 * 2**30, gpu_name="H100")

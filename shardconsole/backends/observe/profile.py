@@ -13,12 +13,12 @@ that no pattern knows is "other", so an unknown kernel is never counted as the w
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
 
 from shardconsole.backends.rank.common import Rank
+from shardconsole.settings.config import write_atomic
 
 # Lower-case substrings of kernel / operator names, tried in this order (attention before matmul: flash
 # kernels' names hold "gemm"-like words; communication before copies: NCCL's kernels copy too).
@@ -103,7 +103,8 @@ class StepProfiler:
     def _report(self, prof: torch.profiler.profile, wall: float) -> None:
         cuda = self.r.is_cuda
         times: dict[str, float] = {}
-        for ev in prof.key_averages():
+        averages = prof.key_averages()      # one aggregation for the kinds and the table
+        for ev in averages:
             if getattr(ev, "is_user_annotation", False):
                 continue    # a labelled region (Optimizer.step#AdamW.step) whose kernels are counted already
             if cuda and ev.device_type == DeviceType.CUDA:
@@ -111,16 +112,10 @@ class StepProfiler:
             elif not cuda and ev.device_type == DeviceType.CPU:
                 times[ev.key] = times.get(ev.key, 0.0) + ev.self_cpu_time_total / 1e6
         out = self.r.run_dir / "profile"
-        out.mkdir(parents=True, exist_ok=True)
         sort = "self_device_time_total" if cuda else "self_cpu_time_total"
-        table = prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90)
-        _write(out / f"rank{self.r.rank}.txt", table)
+        table = averages.table(sort_by=sort, row_limit=60, max_name_column_width=90)
+        write_atomic(out / f"rank{self.r.rank}.txt", table)     # makes profile/
         prof.export_chrome_trace(str(out / f"rank{self.r.rank}.trace.json"))
         line = summary_line(self.started, self.last, self.r.rank, self.r.device.type, wall, by_kind(times))
         self.r.log(f"{line}; the kernels in {out}/rank{self.r.rank}.txt")
 
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(".part")
-    tmp.write_text(text)
-    tmp.replace(path)

@@ -104,5 +104,5 @@ class Knobs:
             overlap_spin=e.get("SHARDCONSOLE_OVERLAP_SPIN", "") == "1",
             overlap_switch_s=_float(e, "SHARDCONSOLE_OVERLAP_SWITCH_S", 0.0) or 0.0,
             overlap_nice=_int(e, "SHARDCONSOLE_OVERLAP_NICE", HOST_NICE),
-            fp8_emulate=e.get("SHARDCONSOLE_FP8_EMULATE", "") == "1",
-            profile_steps=_span(e, "SHARDCONSOLE_PROFILE"))     # settings.values.FP8_EMULATE_ENV
+            fp8_emulate=e.get("SHARDCONSOLE_FP8_EMULATE", "") == "1",     # settings.values.FP8_EMULATE_ENV
+            profile_steps=_span(e, "SHARDCONSOLE_PROFILE"))

@@ -23,7 +23,7 @@ from shardconsole.backends.engine import trainstate
 from shardconsole.backends.checkpoint.checkpoints import SaveKind
 from shardconsole.backends.engine.contract import Engine
 from shardconsole.backends.model import fused_loss
-from shardconsole.backends.observe import failures, metrics, profile, stream_health
+from shardconsole.backends.observe import compiled, failures, metrics, profile, stream_health
 from shardconsole.backends.rank import common
 from shardconsole.backends.rank.common import Rank
 
@@ -59,6 +59,8 @@ def run(r: Rank, engine: Engine) -> None:
             profiler.before(step)
             engine.step(step, lr, meter)
             profiler.after(step)
+            if step == start_step + 1 and t.compile:
+                compiled.check(r)     # eager behind the settings' back would train on blind
             if meter.due(step):
                 figures = engine.figures()
                 mean = meter.report(step, lr, figures.grad_norm, figures.loss_scale, figures.skipped,

@@ -219,6 +219,14 @@ def apply_checkpointing(lm: nn.Module, policy: str, compiled: bool) -> None:
     if policy == "full" and not compiled:
         enable_checkpointing(lm)
         return
+    if compiled:
+        # transformers >= 5.2x routes each attention's call through the `kernels` package, which sets and
+        # resets a global (its CompileableContextVar) around the forward. Inside a checkpoint, dynamo
+        # refuses any mutation of outside state ("HOP: Unsafe side effect") and runs the whole layer
+        # eager, compile silently lost (a CPU layer: 0 graphs; 1 with this). The mutation is a set and its
+        # reset, nothing the recompute in backward needs replayed: torch's documented switch lets it be.
+        import torch._dynamo
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in decoder_layers(lm):
         checkpoint_forward(layer, selective=policy == "selective")
 

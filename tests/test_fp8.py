@@ -182,10 +182,15 @@ def test_the_planner_counts_the_float8_casts_and_the_speed_model_the_faster_laye
     # a layer's weights in float8 twice and the widest input once, beside everything bf16 had
     assert tw.gpu_peak_bytes > none.gpu_peak_bytes and "float8 casts (one layer)" in tw.gpu_parts
     assert "float8 casts (one layer)" not in none.gpu_parts
-    # checkpointed layers (this recipe) gained next to nothing on the H200: tensorwise a little (+4% was
-    # measured), rowwise nothing; a 3090 has no FP8 tensor cores
+    # checkpointed layers gain with the tokens a micro-batch (H100, 10 steps a run, one call a pair): this
+    # recipe's mb 12 x 2048 went 7,835 -> 9,015 tokens/s (1.15x) with tensorwise; the 3b adamw8bit preset's
+    # mb 4 x 2048 went 18,128 -> 14,511 (0.80x). Predicted within 10% of both; rowwise there was not
+    # measured (as bf16); a 3090 has no FP8 tensor cores
+    _, small_none = _plan("3090-3b-adamw8bit")
+    _, small_tw = _plan("3090-3b-adamw8bit", "precision.fp8=tensorwise")
     for card in ("h200", "rtx4090"):
-        assert fast_none[card].tokens_per_s < fast_tw[card].tokens_per_s <= 1.05 * fast_none[card].tokens_per_s, card
+        assert 1.05 < fast_tw[card].tokens_per_s / fast_none[card].tokens_per_s < 1.25, card
+        assert 0.72 < small_tw[card].tokens_per_s / small_none[card].tokens_per_s < 0.95, card
         assert fast_rw[card].tokens_per_s == fast_none[card].tokens_per_s, card
     assert fast_tw["rtx3090"].tokens_per_s == fast_none["rtx3090"].tokens_per_s
     # without checkpointing the layers' share runs the probe's 1.43x / 1.17x: the 1b preset, measured 1.13x

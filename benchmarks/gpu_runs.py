@@ -475,6 +475,26 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                               "data.path=/tmp/sc-lora-text.jsonl", "data.eval_fraction=0.02"])
         for fp8 in ("none", "tensorwise")
     ],
+    # Issue 48's checks: memory.loss's default (fused on a GPU) beside the chunked loss on the paths the CPU
+    # tests alone covered (DeepSpeed fp16 under a loss scale, LoRA and QLoRA's frozen head): the same loss
+    # curve, the speed and memory; and fp8's held-out loss against bf16's own spread over seeds.
+    "issue48-check": [
+        *[(f"{tag}-{loss}", preset, ["train.steps=12", "train.log_every=1", "train.save_final=false",
+                                     "data.path=/tmp/sc-lora-text.jsonl", f"memory.loss={loss}", *sets])
+          for tag, preset, sets in (("z3-fp16", "4090x2-zero3", ["parallel.nproc_per_node=1"]),
+                                    ("lora-1b", "3090-7b-lora", ["model.name=1b"]),
+                                    ("qlora-1b", "3090-7b-qlora", ["model.name=1b"]))
+          for loss in ("chunked", "auto")],
+        *[(f"1b-{fp8}-seed{seed}", "h200-fsdp", ["data.path=/tmp/sc-lora-text.jsonl", "data.eval_fraction=0.02",
+                                                 "train.steps=40", "train.log_every=5", "train.save_final=false",
+                                                 f"precision.fp8={fp8}", f"train.seed={seed}"])
+          for seed in (1, 2) for fp8 in ("none", "tensorwise")],
+        # the 7B fp32 offload preset +- fp8 over 10 steps (the targets' rows run 5: too few to tell 5%)
+        *[(f"7b-fp32-{fp8}-10", "3090-7b-offload", ["precision.master_dtype=fp32", "train.log_every=1",
+                                                   "train.warmup_steps=1", "train.save_final=false", "train.steps=10",
+                                                   f"precision.fp8={fp8}"])
+          for fp8 in ("none", "tensorwise")],
+    ],
     # Issue 48's targets, each row beside the same preset without the change and its bare peer (run them a
     # target at a time with --only: one device call each; benchmarks/issue48_gpu.sh). 7B fp32 masters under
     # 24 GiB >= 10,000 tokens/s, 13B stochastic >= 5,500, 3b adamw8bit >= 24,000, 1b FSDP2 >= 72% MFU, 1b
@@ -599,7 +619,7 @@ def run_headless(preset: str, sets: list[str], root: Path, name: str, timeout: i
     log = run_dir / "logs" / "rank0.log"
     if log.exists():     # what the rank said about its host memory (the arena's line) and the offload
         out["rank_log"] = [line[:300] for line in log.read_text(errors="replace").splitlines()
-                           if "host arena" in line or "offload:" in line or "lora:" in line][:6]
+                           if any(k in line for k in ("host arena", "offload:", "lora:", "compile"))][:8]
     if rc != 0:
         out["stderr_tail"] = err
     # what the launch changed and said so (a micro-batch fitted to this GPU, say)

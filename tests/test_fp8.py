@@ -193,6 +193,10 @@ def test_the_planner_counts_the_float8_casts_and_the_speed_model_the_faster_laye
         assert 0.72 < small_tw[card].tokens_per_s / small_none[card].tokens_per_s < 0.95, card
         assert fast_rw[card].tokens_per_s == fast_none[card].tokens_per_s, card
     assert fast_tw["rtx3090"].tokens_per_s == fast_none["rtx3090"].tokens_per_s
+    # ... and the plan says so where fp8 loses, naming the size from which it pays
+    slower = [n for n in small_tw["h200"].notes if n.startswith("precision.fp8: at 8,192 tokens")]
+    assert len(slower) == 1 and "slower than bf16" in slower[0] and "it pays from about 15,500" in slower[0], slower
+    assert not any(n.startswith("precision.fp8") for n in fast_tw["h200"].notes)
     # without checkpointing the layers' share runs the probe's 1.43x / 1.17x: the 1b preset, measured 1.13x
     # whole (text data) and 99.6k fp8 + fused against 104.4k planned
     _, f_none = _plan("h200-fsdp")

@@ -139,6 +139,17 @@ FP8_CKPT_SMALL = {"tensorwise": 0.80, "rowwise": 1.0}
 FP8_CKPT_LARGE = {"tensorwise": 1.25, "rowwise": 1.0}
 
 
+def _fully_checkpointed(cfg: C.RunConfig) -> bool:
+    return cfg.memory.activation_checkpointing and cfg.memory.checkpoint_policy != "selective"
+
+
+def _fp8_even_tokens(recipe: str) -> int:
+    """Tokens a micro-batch from which fp8's checkpointed layers break even (the rule's 1.0x point)."""
+    lo, hi = FP8_CKPT_TOKENS
+    small, large = FP8_CKPT_SMALL[recipe], FP8_CKPT_LARGE[recipe]
+    return lo if small >= 1.0 or large <= small else int(round(lo + (hi - lo) * (1.0 - small) / (large - small), -2))
+
+
 def fp8_checkpointed_speedup(recipe: str, tokens_mb: int) -> float:
     """How much faster fully checkpointed decoder layers run in float8 at this many tokens a micro-batch."""
     lo, hi = FP8_CKPT_TOKENS
@@ -258,7 +269,7 @@ def _micro_batch_s(cfg: C.RunConfig, spec: ModelSpec, card: Card, params_on_host
     gpu_mb = flops * tokens_mb / (card.matmul_tflops * 1e12 * GPU_EFFICIENCY[key])
     if cfg.precision.dtype == "fp32":
         gpu_mb *= 4.0              # no bf16 tensor cores: TF32 at best (an assumption, not measured)
-    full_ckpt = cfg.memory.activation_checkpointing and cfg.memory.checkpoint_policy != "selective"
+    full_ckpt = _fully_checkpointed(cfg)
     if cfg.precision.fp8 != "none" and card.fp8:
         # (a card without FP8 tensor cores refuses it at launch: predicted as bf16)
         # the decoder layers' share runs FP8_LAYER_SPEEDUP faster (checkpointed: what runs measured); the
@@ -304,6 +315,13 @@ def predict(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, card: Card | Non
     if cfg.precision.fp8 != "none" and not card.fp8:
         notes.append(f"precision.fp8: the {card.title} has no FP8 tensor cores, so a launch on it refuses fp8 "
                      "(predicted as bf16)")
+    elif cfg.precision.fp8 != "none" and _fully_checkpointed(cfg):
+        fp8_x = fp8_checkpointed_speedup(cfg.precision.fp8, tokens_mb)
+        if fp8_x < 1.0:
+            notes.append(f"precision.fp8: at {tokens_mb:,} tokens a micro-batch under full checkpointing the "
+                         f"float8 layers are predicted {1 / fp8_x:.2f}x slower than bf16 (each casts its weights "
+                         f"three times a micro-batch, more than the matmuls save at this size); it pays from "
+                         f"about {_fp8_even_tokens(cfg.precision.fp8):,} (train.micro_batch x data.seq_len)")
     h2d = d2h = host_s = 0.0
     exposed = 0.0
     if params_on_host:

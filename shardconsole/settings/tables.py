@@ -94,7 +94,8 @@ class TrainSettings:
     export_dtype: Literal["bf16", "fp32"] | None = _f(
         None, "dtype of train.export_dir's weights (default: the master weights' own dtype, as export-model)")
     resume: bool = _f(False, "continue from the newest complete checkpoint in checkpoint_dir")
-    compile: bool = _f(False, "torch.compile each decoder layer (GPU; first steps are slower)")
+    compile: bool = _f(False, "torch.compile each decoder layer (GPU; first steps are slower; after the first "
+                              "the log says what compiled, and warns if a layer fell back to eager)")
     peak_tflops: float = _f(0.0, "peak bf16 TFLOP/s of one GPU for MFU (0: from the GPU table)", min=0.0)
     # LoRA / QLoRA (issue 33): the base is frozen and only the [lora] adapters (and lora.modules_to_save)
     # train, so gradients and Adam's state are those of a few million parameters, not billions.

@@ -495,6 +495,15 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                    f"precision.fp8={fp8}"])
           for fp8 in ("none", "tensorwise")],
     ],
+    # fp8's numerics as it is used: a fine-tune from trained weights (issue48_gpu.sh ft-numerics first trains
+    # and exports the base to /tmp/sc-48-base, holding out the same records), bf16 twice for its own spread.
+    "issue48-ft": [
+        (f"ft-{fp8}-{rep}", "h200-fsdp", ["model.name=/tmp/sc-48-base", "data.tokenizer=bytes",
+                                          "data.path=/tmp/sc-lora-text.jsonl", "data.eval_fraction=0.02", "train.steps=40", "train.lr=2e-5",
+                                          "train.warmup_steps=4", "train.log_every=5", "train.save_final=false",
+                                          f"precision.fp8={fp8}"])
+        for fp8, rep in (("none", "a"), ("tensorwise", "a"), ("none", "b"), ("tensorwise", "b"))
+    ],
     # Issue 48's targets, each row beside the same preset without the change and its bare peer (run them a
     # target at a time with --only: one device call each; benchmarks/issue48_gpu.sh). 7B fp32 masters under
     # 24 GiB >= 10,000 tokens/s, 13B stochastic >= 5,500, 3b adamw8bit >= 24,000, 1b FSDP2 >= 72% MFU, 1b

@@ -4,6 +4,7 @@
 # liger-kernel's wheel dropped in: `pip download --no-deps --only-binary=:all: liger-kernel==0.8.5 -d .whl`):
 #     bash benchmarks/issue48_gpu.sh probe      # kernels alone: float8 layers, liger's norm/MLP/RoPE, the losses
 #     bash benchmarks/issue48_gpu.sh numerics   # 1b 40 steps bf16 / tensorwise / rowwise: held-out loss; 7B fp8
+#     bash benchmarks/issue48_gpu.sh ft-numerics  # 1b trained 200 steps, then fine-tuned 40 in bf16 / fp8, twice
 #     bash benchmarks/issue48_gpu.sh 7b         # 7B fp32 masters under 24 GiB: preset, + fp8, bare peer
 #     bash benchmarks/issue48_gpu.sh 13b|3b|1b|zero3   # the other targets, the same way
 #     bash benchmarks/issue48_gpu.sh rows NAME...  # any rows of the issue48-targets matrix, into issue48_rows.json
@@ -24,6 +25,15 @@ case "$part" in
   numerics)
     python3 benchmarks/gpu_runs.py --matrix issue48-fp8 --timeout 240 --out "$OUTD/issue48_numerics.json" 2>&1 \
       | grep -v '^{' | tee "$OUTD/issue48_numerics.log"
+    ;;
+  ft-numerics)
+    # the base: 200 bf16 steps of the sample text, the same 2% held out (same seed), exported as a HF folder
+    python3 -m shardconsole --preset h200-fsdp --headless --run-dir /tmp/sc-48-runs/base \
+      --set data.path=/tmp/sc-lora-text.jsonl --set data.eval_fraction=0.02 --set train.steps=200 \
+      --set train.log_every=50 --set train.save_final=false --set train.export_dir=/tmp/sc-48-base 2>&1 | tail -2
+    python3 benchmarks/gpu_runs.py --matrix issue48-ft --timeout 150 --out "$OUTD/issue48_ft.json" 2>&1 \
+      | grep -v '^{' | tee "$OUTD/issue48_ft.log"
+    rm -rf /tmp/sc-48-base
     ;;
   7b|13b|3b|1b|zero3)
     case "$part" in

@@ -499,8 +499,9 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
     # and exports the base to /tmp/sc-48-base, holding out the same records), bf16 twice for its own spread.
     "issue48-ft": [
         (f"ft-{fp8}-{rep}", "h200-fsdp", ["model.name=/tmp/sc-48-base", "data.tokenizer=bytes",
-                                          "data.path=/tmp/sc-lora-text.jsonl", "data.eval_fraction=0.02", "train.steps=40", "train.lr=2e-5",
-                                          "train.warmup_steps=4", "train.log_every=5", "train.save_final=false",
+                                          "data.path=/tmp/sc-lora-text.jsonl", "data.eval_fraction=0.02",
+                                          "train.steps=40", "train.lr=2e-5", "train.warmup_steps=4",
+                                          "train.log_every=5", "train.save_final=false",
                                           f"precision.fp8={fp8}"])
         for fp8, rep in (("none", "a"), ("tensorwise", "a"), ("none", "b"), ("tensorwise", "b"))
     ],

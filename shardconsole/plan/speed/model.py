@@ -147,7 +147,9 @@ def _fp8_even_tokens(recipe: str) -> int:
     """Tokens a micro-batch from which fp8's checkpointed layers break even (the rule's 1.0x point)."""
     lo, hi = FP8_CKPT_TOKENS
     small, large = FP8_CKPT_SMALL[recipe], FP8_CKPT_LARGE[recipe]
-    return lo if small >= 1.0 or large <= small else int(round(lo + (hi - lo) * (1.0 - small) / (large - small), -2))
+    if small >= 1.0 or large <= small:
+        return lo
+    return int(round(lo + (hi - lo) * (1.0 - small) / (large - small), -2))
 
 
 def fp8_checkpointed_speedup(recipe: str, tokens_mb: int) -> float:

@@ -5,6 +5,10 @@
 #     bash benchmarks/issue48_gpu.sh probe      # kernels alone: float8 layers, liger's norm/MLP/RoPE, the losses
 #     bash benchmarks/issue48_gpu.sh numerics   # 1b 40 steps bf16 / tensorwise / rowwise: held-out loss; 7B fp8
 #     bash benchmarks/issue48_gpu.sh ft-numerics  # 1b trained 200 steps, then fine-tuned 40 in bf16 / fp8, twice
+#     bash benchmarks/issue48_gpu.sh new-transformers  # the 3b preset on transformers 5.25 + kernels (.whl/tf525:
+#         pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
+#         --platform any -d .whl/tf525 transformers==5.25.0 kernels==0.19.1 huggingface_hub==2.4.0
+#         tokenizers==0.23.3 hf-xet==1.8.0 typer==0.29.2): its compile line must say no graph break
 #     bash benchmarks/issue48_gpu.sh 7b         # 7B fp32 masters under 24 GiB: preset, + fp8, bare peer
 #     bash benchmarks/issue48_gpu.sh 13b|3b|1b|zero3   # the other targets, the same way
 #     bash benchmarks/issue48_gpu.sh rows NAME...  # any rows of the issue48-targets matrix, into issue48_rows.json
@@ -34,6 +38,18 @@ case "$part" in
     python3 benchmarks/gpu_runs.py --matrix issue48-ft --timeout 150 --out "$OUTD/issue48_ft.json" 2>&1 \
       | grep -v '^{' | tee "$OUTD/issue48_ft.log"
     rm -rf /tmp/sc-48-base
+    ;;
+  new-transformers)
+    # what a fresh install gets (the GPU image has transformers 5.17 without `kernels`): compiled checkpointed
+    # layers must compile whole (modeling.apply_checkpointing), beside the image's transformers in one call
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-tf .whl/tf525/*.whl || exit
+    for tf in image new; do
+      pp=$PYTHONPATH; [ "$tf" = new ] && pp=/tmp/site-tf:$PYTHONPATH
+      PYTHONPATH=$pp python3 -c "import transformers; print('transformers', transformers.__version__)"
+      PYTHONPATH=$pp python3 benchmarks/gpu_runs.py --matrix issue48-targets --only 3b-adamw8bit-preset \
+        --timeout 200 --plan --out "$OUTD/issue48_tf_$tf.json" 2>&1 | grep -v '^{' | tee -a "$OUTD/issue48_tf.log"
+      grep -o '"[^"]*compile[^"]*"' "$OUTD/issue48_tf_$tf.json" | tee -a "$OUTD/issue48_tf.log"
+    done
     ;;
   7b|13b|3b|1b|zero3)
     case "$part" in

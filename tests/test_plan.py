@@ -372,10 +372,11 @@ def _sets(doc: dict, run: dict) -> list[str]:
     allocator alone, so its cap becomes the device whose allocator share it was."""
     from shardconsole.machine.hardware import device_cap_for_allocator
     sets = list(run["sets"])
-    # runs measured since the arena (issue 17) say so: planned as run, with it
-    arena = ([] if doc.get("host_arena") else list(BEFORE_ARENA)) + ([] if doc.get("loss_as_run") else list(CHUNKED_LOSS))
+    # runs measured since the arena (issue 17), or on today's loss default, say so: planned as run, with it
+    as_run = (([] if doc.get("host_arena") else list(BEFORE_ARENA))
+              + ([] if doc.get("loss_as_run") else list(CHUNKED_LOSS)))
     if doc.get("cap_means") == "device":
-        return sets + arena
+        return sets + as_run
     engine = next((s.split("=", 1)[1] for s in sets if s.startswith("parallel.backend=")),
                   doc["base_preset"].get("parallel", {}).get("backend", "fsdp"))
     out = []
@@ -383,7 +384,7 @@ def _sets(doc: dict, run: dict) -> list[str]:
         if s.startswith("memory.gpu_memory_limit="):
             s = f"memory.gpu_memory_limit={device_cap_for_allocator(C.parse_size(s.split('=', 1)[1]), engine)}"
         out.append(s)
-    return out + arena
+    return out + as_run
 
 
 def _calibration() -> dict:

@@ -209,7 +209,7 @@ def hardware_flops_per_token(cfg: C.RunConfig, spec: ModelSpec) -> float:
     else:
         flops = spec.flops_per_token(seq)
     head = s.vocab * s.hidden
-    if cfg.memory.activation_checkpointing and cfg.memory.checkpoint_policy != "selective":
+    if _fully_checkpointed(cfg):
         layer_params = spec.n_params - head * (1 if s.tied else 2)
         flops += 2.0 * layer_params + 4.0 * s.layers * s.hidden * seq
     if _fused_loss(cfg):

@@ -500,6 +500,16 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                            "train.warmup_steps=1", "train.save_final=false",
                                                            "train.steps=10", "precision.fp8=tensorwise",
                                                            "train.micro_batch=14"]),
+        # FP8 all-gather on one rank (SHARDCONSOLE_FP8_GATHER_ONE_RANK=1): the weights cast once for forward and
+        # once for backward with a precomputed scale, not three times with their amax in a checkpointed layer;
+        # beside the preset and fp8 without it, on the 3b recipe where fp8 measured slower and on the 1b
+        *[(f"3b-adamw8bit-{tag}-10", "3090-3b-adamw8bit", ["train.steps=10", "train.warmup_steps=1",
+                                                           "train.save_final=false", *sets])
+          for tag, sets in (("preset", []), ("fp8", ["precision.fp8=tensorwise"]),
+                            ("fp8-gather", ["precision.fp8=tensorwise", "env:SHARDCONSOLE_FP8_GATHER_ONE_RANK=1"]))],
+        *[(f"1b-fsdp-{tag}-30", "h200-fsdp", ["train.steps=30", *sets])
+          for tag, sets in (("fp8", ["precision.fp8=tensorwise"]),
+                            ("fp8-gather", ["precision.fp8=tensorwise", "env:SHARDCONSOLE_FP8_GATHER_ONE_RANK=1"]))],
     ],
     # fp8's numerics as it is used: a fine-tune from trained weights (issue48_gpu.sh ft-numerics first trains
     # and exports the base to /tmp/sc-48-base, holding out the same records), bf16 twice for its own spread.
@@ -600,12 +610,15 @@ def summarize_messages(msgs: list, warmup_frac: float = 0.34) -> dict:
     return out
 
 
+ENV_PREFIX = "env:"      # a row's "env:NAME=VALUE" entry sets an environment variable, not a setting
+
+
 def planned(preset: str, sets: list[str]) -> dict:
     """`shardconsole plan --json` for the same preset and --set values, on this machine: the figures the
     measured peaks are read against (GiB; allocated and the allocator's reserved, and NVML's)."""
     argv = [sys.executable, "-m", "shardconsole", "plan", "--preset", preset, "--json"]
     for s in sets:
-        if not s.startswith("--"):
+        if not s.startswith(("--", ENV_PREFIX)):
             argv += ["--set", s]
     res = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
     try:
@@ -622,11 +635,15 @@ def planned(preset: str, sets: list[str]) -> dict:
 def run_headless(preset: str, sets: list[str], root: Path, name: str, timeout: int) -> dict:
     run_dir = root / name
     argv = [sys.executable, "-m", "shardconsole", "--preset", preset, "--headless", "--run-dir", str(run_dir)]
+    env = dict(os.environ)
     for s in sets:
+        if s.startswith(ENV_PREFIX):      # "env:NAME=VALUE": a rank's knob (backends/rank/knobs.py) for this row
+            env.update([s[len(ENV_PREFIX):].split("=", 1)])
+            continue
         argv += [s] if s.startswith("--") else ["--set", s]     # a flag ("--force") as it is
     t0 = time.time()
     try:
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
         rc, err = res.returncode, res.stderr[-1500:]
     except subprocess.TimeoutExpired:
         rc, err = "timeout", ""
@@ -648,10 +665,11 @@ def run_bare(preset: str, sets: list[str], root: Path, name: str, timeout: int) 
     run_dir = root / (name + "-bare")
     run_dir.mkdir(parents=True)
     from shardconsole.settings import preset_store
-    cfg = preset_store.load(preset, [s for s in sets if not s.startswith("--")])
+    cfg = preset_store.load(preset, [s for s in sets if not s.startswith(("--", ENV_PREFIX))])
     C.save(cfg, run_dir / "preset.toml")
     argv = build_argv(cfg, run_dir, run_dir.name)
-    env = {**os.environ, "SHARDCONSOLE_STREAM": "off"}
+    env = {**os.environ, "SHARDCONSOLE_STREAM": "off",
+           **dict(s[len(ENV_PREFIX):].split("=", 1) for s in sets if s.startswith(ENV_PREFIX))}
     t0 = time.time()
     res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     msgs = []

@@ -285,3 +285,38 @@ def test_the_consoles_lenient_resolution_sets_each_bad_override_aside_and_blames
     assert [e.path for e in r.problems] == ["train.steps", "train.lr", "fsdp.cpu_offload"]
     with pytest.raises(C.ConfigError, match=r"^console: \[train\] steps: 0 is below the minimum 1"):
         settings.resolve("tiny-cpu", fields)          # strict (every other front end): the first error
+
+
+def test_cli_presets_on_an_80_column_terminal_wraps_each_description_under_its_column():
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+    main, sub = pty.openpty()
+    fcntl.ioctl(sub, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))     # a real terminal, 80x24
+    proc = subprocess.Popen([sys.executable, "-m", "shardconsole", "presets"], stdout=sub, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "COLUMNS": "", "LINES": ""})
+    os.close(sub)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:        # the pty's other end closed: the command ended
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    assert proc.wait(timeout=60) == 0
+    lines = b"".join(chunks).decode().replace("\r\n", "\n").splitlines()
+    assert lines and all(len(line) <= 80 for line in lines), max(lines, key=len)
+    piped = shardconsole("presets", timeout=60).stdout.splitlines()     # one line a preset, as it was
+    starts = [i for i, line in enumerate(lines) if line[:1].strip()]
+    assert [lines[i].split()[0] for i in starts] == [line.split()[0] for line in piped]
+    for k, i in enumerate(starts):     # the wrapped lines put back together are the piped line's description
+        block = lines[i:starts[k + 1] if k + 1 < len(starts) else len(lines)]
+        assert " ".join(" ".join(block).split()) == " ".join(piped[k].split()), block
+        column = block[0].index("built-in") + len("built-in  ")      # where the descriptions start
+        assert all(line[:column].isspace() and line[column] != " " for line in block[1:]), block

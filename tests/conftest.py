@@ -96,6 +96,32 @@ def shardconsole(*args: str, timeout: float = 180, env: dict | None = None, cwd:
                           timeout=timeout, env=full_env, cwd=cwd)
 
 
+def in_terminal(*args: str, columns: int = 80, rc: int = 0, timeout: float = 120) -> list[str]:
+    """Run the real CLI with its stdout on a real terminal (a pty of `columns` x 24, as a user's window);
+    the lines it showed there, once it exited with `rc`."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    main, sub = pty.openpty()
+    fcntl.ioctl(sub, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "shardconsole", *args], stdout=sub, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "COLUMNS": "", "LINES": ""})
+    os.close(sub)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:        # EIO: the command ended and closed its end of the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(main)
+    assert proc.wait(timeout=timeout) == rc, b"".join(chunks)[-2000:]
+    return b"".join(chunks).decode().replace("\r\n", "\n").split("\n")
+
+
 FINISHED_RUN_TIMEOUT = 900      # a cold machine builds DeepSpeed's ops inside its first DeepSpeed run
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from shardconsole.settings import config as C
 from shardconsole.settings import preset_store, resolve as settings
-from tests.conftest import shardconsole
+from tests.conftest import in_terminal, shardconsole
 
 
 def test_every_builtin_preset_loads_and_round_trips(tmp_path):
@@ -288,29 +288,7 @@ def test_the_consoles_lenient_resolution_sets_each_bad_override_aside_and_blames
 
 
 def test_cli_presets_on_an_80_column_terminal_wraps_each_description_under_its_column():
-    import fcntl
-    import os
-    import pty
-    import struct
-    import subprocess
-    import sys
-    import termios
-    main, sub = pty.openpty()
-    fcntl.ioctl(sub, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))     # a real terminal, 80x24
-    proc = subprocess.Popen([sys.executable, "-m", "shardconsole", "presets"], stdout=sub, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "COLUMNS": "", "LINES": ""})
-    os.close(sub)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(main, 4096)
-        except OSError:        # the pty's other end closed: the command ended
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    assert proc.wait(timeout=60) == 0
-    lines = b"".join(chunks).decode().replace("\r\n", "\n").splitlines()
+    lines = [line for line in in_terminal("presets") if line]
     assert lines and all(len(line) <= 80 for line in lines), max(lines, key=len)
     piped = shardconsole("presets", timeout=60).stdout.splitlines()     # one line a preset, as it was
     starts = [i for i, line in enumerate(lines) if line[:1].strip()]
@@ -320,3 +298,14 @@ def test_cli_presets_on_an_80_column_terminal_wraps_each_description_under_its_c
         assert " ".join(" ".join(block).split()) == " ".join(piped[k].split()), block
         column = block[0].index("built-in") + len("built-in  ")      # where the descriptions start
         assert all(line[:column].isspace() and line[column] != " " for line in block[1:]), block
+
+
+@pytest.mark.parametrize("argv", [("plan", "--preset", "3090-7b-offload", "--card", "rtx3090"),
+                                  ("plan", "--fit", "--card", "rtx3090", "--host-memory", "64GiB"), ("doctor",)])
+def test_reports_on_an_80_column_terminal_wrap_between_words_and_say_the_same_piped(argv):
+    res = shardconsole(*argv, timeout=120)
+    shown = in_terminal(*argv, rc=res.returncode)      # plan exits 3 where it does not fit, on both
+    assert all(len(line) <= 80 for line in shown), max(shown, key=len)
+    piped = res.stdout
+    assert max(len(line) for line in piped.splitlines()) > 80      # piped, a fact stays one line
+    assert " ".join(shown).split() == piped.split()                # the same words, in order

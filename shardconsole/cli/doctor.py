@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from shardconsole.cli.terminal import fit
 from shardconsole.doctor.checks import collect, format_report
 
 
@@ -34,5 +35,5 @@ def cmd_doctor(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        print(format_report(report))
+        print(fit(format_report(report)))
     return 1 if report["problems"] else 0

@@ -26,6 +26,7 @@ from shardconsole.plan.speed import model as speed_model
 from shardconsole.plan.speed.cards import CARDS, Card, card_named
 from shardconsole.plan.machine import Hardware, hardware_from_args
 from shardconsole.session import preflight
+from shardconsole.cli.terminal import fit
 
 EXIT_DOES_NOT_FIT = 3
 
@@ -196,8 +197,8 @@ def cmd_plan(argv: list[str]) -> int:
         out.update(speed.to_dict() if speed else {"predicted_tokens_per_s": None, "predicted_seconds": None})
         print(json.dumps(out))
     else:
-        print(format_estimate(est, cfg, name, hw))
-        print("\n".join(["", *speed_lines(speed, cfg)]))
+        print(fit(format_estimate(est, cfg, name, hw)))
+        print(fit("\n".join(["", *speed_lines(speed, cfg)])))
     # A script can ask "does it fit" of the exit code (docs/EXIT_CODES.md); "cannot tell" is not "no".
     return EXIT_DOES_NOT_FIT if est.verdict.startswith("does not fit") else 0
 
@@ -237,40 +238,41 @@ def _cmd_fit(args: argparse.Namespace) -> int:
                 for c in cands]
         print(json.dumps(out))
         return 0
-    print(f"largest catalog model that trains on {_hw_text(hw)}")
-    print(f"({rows[0].settings if rows else ''}; every GPU one rank)\n")
-    print(f"  {'strategy':<20} {'model':<7} {'params':>7} {'GPU peak':>10} {'host peak':>10}")
+    say = lambda text="": print(fit(text))  # noqa: E731  (the rows and notes fitted to a terminal)
+    say(f"largest catalog model that trains on {_hw_text(hw)}")
+    say(f"({rows[0].settings if rows else ''}; every GPU one rank)\n")
+    say(f"  {'strategy':<20} {'model':<7} {'params':>7} {'GPU peak':>10} {'host peak':>10}")
     for r in rows:
         e = r.estimate
         model = "-" if r.refused else r.model or "none"
-        print(f"  {r.strategy:<20} {model:<7} {human_count(r.n_params) if r.n_params else '-':>7} "
+        say(f"  {r.strategy:<20} {model:<7} {human_count(r.n_params) if r.n_params else '-':>7} "
               f"{C.format_size(e.gpu_peak_bytes) if e else '-':>10} {C.format_size(e.host_peak_bytes) if e else '-':>10}")
-    print("  (GPU peak as NVML would show the device: context and the driver's reserve included; host: the "
+    say("  (GPU peak as NVML would show the device: context and the driver's reserve included; host: the "
           "node's RAM, ranks + launcher)")
     for reason in dict.fromkeys(r.refused for r in rows if r.refused):
         names = ", ".join(r.strategy for r in rows if r.refused == reason)
-        print(f"  {names}: refused with these settings ({reason})")
+        say(f"  {names}: refused with these settings ({reason})")
     if cands is not None:
-        print(f"\nsettings that fit {cfg.model.name} (seq_len {cfg.data.seq_len}, {cfg.precision.dtype}), fastest first")
+        say(f"\nsettings that fit {cfg.model.name} (seq_len {cfg.data.seq_len}, {cfg.precision.dtype}), fastest first")
         unit = cands[0].speed_unit if cands else "relative"
         if book.stale_note():
-            print(f"  note: {book.stale_note()}")
-        print("  speed: tokens/s measured on this machine (probes of `shardconsole tune`, finished runs), scaled "
+            say(f"  note: {book.stale_note()}")
+        say("  speed: tokens/s measured on this machine (probes of `shardconsole tune`, finished runs), scaled "
               "where only similar settings were measured, else predicted by the speed model (m)"
               if unit == "tokens/s" else
               "  speed: relative tokens/s from the fixed factors (1.00 = FSDP2 on an H200, no checkpointing); "
               "`shardconsole tune` measures this machine")
         if not cands:
-            print("  none: no strategy fits this model here; more GPUs, more host RAM or a shorter sequence")
+            say("  none: no strategy fits this model here; more GPUs, more host RAM or a shorter sequence")
         for c in cands[:15]:
             e = c.estimate
             speed = f"{c.speed:7.0f}" if c.speed_unit == "tokens/s" else f"{c.speed:7.2f}"
             speed += "m" if c.speed_source == "model" else " "
-            print(f"  {speed}  {c.name:<52} GPU {C.format_size(e.gpu_peak_bytes):>10}  "
+            say(f"  {speed}  {c.name:<52} GPU {C.format_size(e.gpu_peak_bytes):>10}  "
                   f"host {C.format_size(e.host_peak_bytes):>10}")
         if len(cands) > 15:
-            print(f"  ... {len(cands) - 15} more (--json lists all)")
+            say(f"  ... {len(cands) - 15} more (--json lists all)")
         if cands:
-            print("\nfastest: " + " ".join(f"--set {o}" for o in cands[0].overrides))
+            say("\nfastest: " + " ".join(f"--set {o}" for o in cands[0].overrides))
     return 0
 

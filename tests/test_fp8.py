@@ -162,7 +162,7 @@ def test_fp8_trains_like_bf16_and_its_checkpoint_resumes_and_exports(draw, tmp_p
 
 @pytest.mark.slow
 def test_one_rank_gathers_in_float8_when_the_benchmark_switch_asks(tmp_path):
-    # SHARDCONSOLE_FP8_GATHER_ONE_RANK=1 (benchmarks/issue48_gpu.sh gather-3b): one rank, checkpointed layers,
+    # SHARDCONSOLE_FP8_GATHER_ONE_RANK=1 (benchmarks/issue48_gpu.sh gather): one rank, checkpointed layers,
     # the cast moved into FSDP2's gather with scales precomputed after each step; the same float8 numbers
     one = ["parallel.nproc_per_node=1", "precision.fp8=tensorwise", "fsdp.cpu_offload=false",
            "memory.activation_checkpointing=true", "train.steps=3", "train.save_final=false"]

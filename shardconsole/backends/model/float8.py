@@ -15,7 +15,7 @@ optimizer step (precompute_scales). With one rank there is nothing to gather, an
 all-gather input lives on the host (a cast there would run on the CPU), so both keep the bf16 gather.
 SHARDCONSOLE_FP8_GATHER_ONE_RANK=1 gathers in float8 on one rank too, a benchmark's switch until a GPU
 measures it: there the gather moves the cast out of a checkpointed layer's forward, recompute and backward
-(benchmarks/issue48_gpu.sh gather-3b).
+(benchmarks/issue48_gpu.sh gather).
 """
 
 from __future__ import annotations

@@ -246,9 +246,9 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         e = r.estimate
         model = "-" if r.refused else r.model or "none"
         say(f"  {r.strategy:<20} {model:<7} {human_count(r.n_params) if r.n_params else '-':>7} "
-              f"{C.format_size(e.gpu_peak_bytes) if e else '-':>10} {C.format_size(e.host_peak_bytes) if e else '-':>10}")
+            f"{C.format_size(e.gpu_peak_bytes) if e else '-':>10} {C.format_size(e.host_peak_bytes) if e else '-':>10}")
     say("  (GPU peak as NVML would show the device: context and the driver's reserve included; host: the "
-          "node's RAM, ranks + launcher)")
+        "node's RAM, ranks + launcher)")
     for reason in dict.fromkeys(r.refused for r in rows if r.refused):
         names = ", ".join(r.strategy for r in rows if r.refused == reason)
         say(f"  {names}: refused with these settings ({reason})")
@@ -258,10 +258,10 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         if book.stale_note():
             say(f"  note: {book.stale_note()}")
         say("  speed: tokens/s measured on this machine (probes of `shardconsole tune`, finished runs), scaled "
-              "where only similar settings were measured, else predicted by the speed model (m)"
-              if unit == "tokens/s" else
-              "  speed: relative tokens/s from the fixed factors (1.00 = FSDP2 on an H200, no checkpointing); "
-              "`shardconsole tune` measures this machine")
+            "where only similar settings were measured, else predicted by the speed model (m)"
+            if unit == "tokens/s" else
+            "  speed: relative tokens/s from the fixed factors (1.00 = FSDP2 on an H200, no checkpointing); "
+            "`shardconsole tune` measures this machine")
         if not cands:
             say("  none: no strategy fits this model here; more GPUs, more host RAM or a shorter sequence")
         for c in cands[:15]:
@@ -269,7 +269,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
             speed = f"{c.speed:7.0f}" if c.speed_unit == "tokens/s" else f"{c.speed:7.2f}"
             speed += "m" if c.speed_source == "model" else " "
             say(f"  {speed}  {c.name:<52} GPU {C.format_size(e.gpu_peak_bytes):>10}  "
-                  f"host {C.format_size(e.host_peak_bytes):>10}")
+                f"host {C.format_size(e.host_peak_bytes):>10}")
         if len(cands) > 15:
             say(f"  ... {len(cands) - 15} more (--json lists all)")
         if cands:

@@ -14,9 +14,10 @@ import textwrap
 from typing import TextIO
 
 
-def fit(text: str, stream: TextIO | None = None) -> str:
+def fit(text: str, stream: TextIO | None = None, hang: int | None = None) -> str:
     """`text` with each line wider than the terminal wrapped under its own indent (unchanged unless
-    `stream`, stdout by default, is a terminal)."""
+    `stream`, stdout by default, is a terminal). `hang`: the continuation lines start at this column
+    instead (a table's last column: `shardconsole presets`' descriptions)."""
     out = sys.stdout if stream is None else stream
     if not out.isatty():
         return text
@@ -24,9 +25,10 @@ def fit(text: str, stream: TextIO | None = None) -> str:
     lines = []
     for line in text.split("\n"):      # not splitlines: a trailing blank line stays
         indent = " " * (len(line) - len(line.lstrip(" ")))
-        if len(line) <= width or width - len(indent) < 30:
+        cont = indent + "  " if hang is None else " " * hang
+        if len(line) <= width or width - (len(indent) if hang is None else hang) < 30:
             lines.append(line)
             continue
-        lines.extend(textwrap.wrap(line, width=width, initial_indent=indent, subsequent_indent=indent + "  ",
+        lines.extend(textwrap.wrap(line, width=width, initial_indent=indent, subsequent_indent=cont,
                                    break_on_hyphens=False, break_long_words=False) or [line])
     return "\n".join(lines)

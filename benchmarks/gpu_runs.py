@@ -613,6 +613,11 @@ def summarize_messages(msgs: list, warmup_frac: float = 0.34) -> dict:
 ENV_PREFIX = "env:"      # a row's "env:NAME=VALUE" entry sets an environment variable, not a setting
 
 
+def row_env(sets: list[str]) -> dict[str, str]:
+    """The environment variables a row's "env:NAME=VALUE" entries set (a rank's knobs: backends/rank/knobs.py)."""
+    return dict(s[len(ENV_PREFIX):].split("=", 1) for s in sets if s.startswith(ENV_PREFIX))
+
+
 def planned(preset: str, sets: list[str]) -> dict:
     """`shardconsole plan --json` for the same preset and --set values, on this machine: the figures the
     measured peaks are read against (GiB; allocated and the allocator's reserved, and NVML's)."""
@@ -635,12 +640,10 @@ def planned(preset: str, sets: list[str]) -> dict:
 def run_headless(preset: str, sets: list[str], root: Path, name: str, timeout: int) -> dict:
     run_dir = root / name
     argv = [sys.executable, "-m", "shardconsole", "--preset", preset, "--headless", "--run-dir", str(run_dir)]
-    env = dict(os.environ)
+    env = {**os.environ, **row_env(sets)}
     for s in sets:
-        if s.startswith(ENV_PREFIX):      # "env:NAME=VALUE": a rank's knob (backends/rank/knobs.py) for this row
-            env.update([s[len(ENV_PREFIX):].split("=", 1)])
-            continue
-        argv += [s] if s.startswith("--") else ["--set", s]     # a flag ("--force") as it is
+        if not s.startswith(ENV_PREFIX):
+            argv += [s] if s.startswith("--") else ["--set", s]     # a flag ("--force") as it is
     t0 = time.time()
     try:
         res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
@@ -668,8 +671,7 @@ def run_bare(preset: str, sets: list[str], root: Path, name: str, timeout: int) 
     cfg = preset_store.load(preset, [s for s in sets if not s.startswith(("--", ENV_PREFIX))])
     C.save(cfg, run_dir / "preset.toml")
     argv = build_argv(cfg, run_dir, run_dir.name)
-    env = {**os.environ, "SHARDCONSOLE_STREAM": "off",
-           **dict(s[len(ENV_PREFIX):].split("=", 1) for s in sets if s.startswith(ENV_PREFIX))}
+    env = {**os.environ, "SHARDCONSOLE_STREAM": "off", **row_env(sets)}
     t0 = time.time()
     res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     msgs = []

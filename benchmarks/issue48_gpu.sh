@@ -54,8 +54,9 @@ case "$part" in
     done
     ;;
   gather)
-    python3 benchmarks/gpu_runs.py --matrix issue48-check --only 3b-adamw8bit-preset-10 3b-adamw8bit-fp8-10 \
-      3b-adamw8bit-fp8-gather-10 1b-fsdp-fp8-30 1b-fsdp-fp8-gather-30 --timeout 150 --plan \
+    python3 benchmarks/gpu_runs.py --matrix issue48-check --only 3b-adamw8bit-preset-10 3b-adamw8bit-fp8-gather-10 \
+      3b-adamw8bit-mb8-bf16-10 3b-adamw8bit-mb8-fp8-10 3b-adamw8bit-mb8-fp8-gather-10 1b-fsdp-fp8-30 \
+      1b-fsdp-fp8-gather-30 --timeout 150 --plan \
       --out "$OUTD/issue48_gather.json" 2>&1 | grep -v '^{' | tee "$OUTD/issue48_gather.log"
     ;;
   7b|13b|3b|1b|zero3)

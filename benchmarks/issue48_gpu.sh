@@ -12,6 +12,7 @@
 #     bash benchmarks/issue48_gpu.sh gather     # fp8 with its all-gather in float8 on one rank
 #         (SHARDCONSOLE_FP8_GATHER_ONE_RANK=1) beside fp8 without it, 3b (and its preset) and 1b: about 6 min
 #     bash benchmarks/issue48_gpu.sh 7b         # 7B fp32 masters under 24 GiB: preset, + fp8, bare peer
+#     bash benchmarks/issue48_gpu.sh 7b-mb14    # the same over 10 steps, fp8 at micro-batch 14
 #     bash benchmarks/issue48_gpu.sh 13b|3b|1b|zero3   # the other targets, the same way
 #     bash benchmarks/issue48_gpu.sh rows NAME...  # any rows of the issue48-targets matrix, into issue48_rows.json
 #     bash benchmarks/issue48_gpu.sh profile PRESET [--set K=V ...]  # SHARDCONSOLE_PROFILE over steps 8-10
@@ -58,6 +59,14 @@ case "$part" in
       3b-adamw8bit-mb8-bf16-10 3b-adamw8bit-mb8-fp8-10 3b-adamw8bit-mb8-fp8-gather-10 1b-fsdp-fp8-30 \
       1b-fsdp-fp8-gather-30 --timeout 150 --plan \
       --out "$OUTD/issue48_gather.json" 2>&1 | grep -v '^{' | tee "$OUTD/issue48_gather.log"
+    ;;
+  7b-mb14)
+    # the 7B target's row as it would ship: fp8 at mb 14 (what its smaller activations let fit, planned 22.9 GiB
+    # NVML) beside the unchanged preset, 10 steps each, and the bare peer: about 7 min
+    python3 benchmarks/gpu_runs.py --matrix issue48-check --only 7b-fp32-none-10 7b-fp32-tensorwise-mb14-10 \
+      --timeout 200 --plan --out "$OUTD/issue48_7b_mb14.json" 2>&1 | grep -v '^{' | tee "$OUTD/issue48_7b_mb14.log"
+    python3 benchmarks/gpu_runs.py --matrix issue48-targets --only bare-7b-fsdp2-offload-mb12 \
+      --timeout 170 --out "$OUTD/issue48_7b_bare.json" 2>&1 | grep -v '^{' | tee -a "$OUTD/issue48_7b_mb14.log"
     ;;
   7b|13b|3b|1b|zero3)
     case "$part" in

@@ -500,22 +500,20 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                            "train.warmup_steps=1", "train.save_final=false",
                                                            "train.steps=10", "precision.fp8=tensorwise",
                                                            "train.micro_batch=14"]),
-        # FP8 all-gather on one rank (SHARDCONSOLE_FP8_GATHER_ONE_RANK=1): the weights cast once for forward and
-        # once for backward with a precomputed scale, not three times with their amax in a checkpointed layer;
-        # beside the preset and fp8 without it, on the 3b recipe where fp8 measured slower and on the 1b
+        # fp8's casts are per weight: mb 16 where mb 14's step (2.97 s) took no longer than mb 12's in bf16 (the
+        # H200, 2026-12-05: its last step 11.0k tokens/s by hand, memory not read; planned 23.3 GiB NVML)
+        ("7b-fp32-tensorwise-mb16-10", "3090-7b-offload", ["precision.master_dtype=fp32", "train.log_every=1",
+                                                           "train.warmup_steps=1", "train.save_final=false",
+                                                           "train.steps=10", "precision.fp8=tensorwise",
+                                                           "train.micro_batch=16"]),
         *[(f"3b-adamw8bit-{tag}-10", "3090-3b-adamw8bit", ["train.steps=10", "train.warmup_steps=1",
                                                            "train.save_final=false", *sets])
-          for tag, sets in (("preset", []), ("fp8", ["precision.fp8=tensorwise"]),
-                            ("fp8-gather", ["precision.fp8=tensorwise", "env:SHARDCONSOLE_FP8_GATHER_ONE_RANK=1"]))],
+          for tag, sets in (("preset", []), ("fp8", ["precision.fp8=tensorwise"]))],
         # the memory the fused loss saved (the [tokens, vocab] logits, ~1.5 GiB at mb 6) spent on tokens: the
         # planner puts 3b at mb 8 at 22.8 GiB NVML under the cap (mb 6 measured 20.7k at 22.4 before it)
         *[(f"3b-adamw8bit-mb8-{tag}-10", "3090-3b-adamw8bit", ["train.steps=10", "train.warmup_steps=1",
                                                                "train.save_final=false", "train.micro_batch=8", *sets])
-          for tag, sets in (("bf16", []), ("fp8", ["precision.fp8=tensorwise"]),
-                            ("fp8-gather", ["precision.fp8=tensorwise", "env:SHARDCONSOLE_FP8_GATHER_ONE_RANK=1"]))],
-        *[(f"1b-fsdp-{tag}-30", "h200-fsdp", ["train.steps=30", *sets])
-          for tag, sets in (("fp8", ["precision.fp8=tensorwise"]),
-                            ("fp8-gather", ["precision.fp8=tensorwise", "env:SHARDCONSOLE_FP8_GATHER_ONE_RANK=1"]))],
+          for tag, sets in (("bf16", []), ("fp8", ["precision.fp8=tensorwise"]))],
     ],
     # fp8's numerics as it is used: a fine-tune from trained weights (issue48_gpu.sh ft-numerics first trains
     # and exports the base to /tmp/sc-48-base, holding out the same records), bf16 twice for its own spread.
@@ -549,6 +547,10 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
         *[(f"3b-adamw8bit-{tag}", "3090-3b-adamw8bit", ["train.steps=10", "train.warmup_steps=1",
                                                         "train.save_final=false", *sets])
           for tag, sets in (("preset", []), ("fp8", ["precision.fp8=tensorwise"]))],
+        # the 3b target as shipped: 4090-3b-fp8 (fp8 at mb 8), and the same preset without fp8
+        *[(f"3b-fp8-preset{tag}", "4090-3b-fp8", ["train.steps=10", "train.warmup_steps=1", "train.save_final=false",
+                                                  *sets])
+          for tag, sets in (("", []), ("-bf16", ["precision.fp8=none"]))],
         ("bare-3b-torchtune-adamw8bit-bwd-mb4", "bare:fsdp2",
          ["--model", "3b", "--micro-batch", "4", "--steps", "10", "--warmup", "4", "--master-dtype", "bf16",
           "--optim", "adamw8bit", "--step-in-backward", "--reduce-dtype", "bf16", "--checkpointing",

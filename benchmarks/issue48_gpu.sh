@@ -9,10 +9,8 @@
 #         pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
 #         --platform any -d .whl/tf525 transformers==5.25.0 kernels==0.19.1 huggingface_hub==2.4.0
 #         tokenizers==0.23.3 hf-xet==1.8.0 typer==0.29.2): its compile line must say no graph break
-#     bash benchmarks/issue48_gpu.sh gather     # fp8 with its all-gather in float8 on one rank
-#         (SHARDCONSOLE_FP8_GATHER_ONE_RANK=1) beside fp8 without it, 3b (and its preset) and 1b: about 6 min
 #     bash benchmarks/issue48_gpu.sh 7b         # 7B fp32 masters under 24 GiB: preset, + fp8, bare peer
-#     bash benchmarks/issue48_gpu.sh 7b-mb14    # the same over 10 steps, fp8 at micro-batch 14
+#     bash benchmarks/issue48_gpu.sh 7b-mb14|7b-mb16  # the same over 10 steps, fp8 at micro-batch 14 or 16
 #     bash benchmarks/issue48_gpu.sh 13b|3b|1b|zero3   # the other targets, the same way
 #     bash benchmarks/issue48_gpu.sh rows NAME...  # any rows of the issue48-targets matrix, into issue48_rows.json
 #     bash benchmarks/issue48_gpu.sh profile PRESET [--set K=V ...]  # SHARDCONSOLE_PROFILE over steps 8-10
@@ -54,25 +52,19 @@ case "$part" in
       grep -o '"[^"]*compile[^"]*"' "$OUTD/issue48_tf_$tf.json" | tee -a "$OUTD/issue48_tf.log"
     done
     ;;
-  gather)
-    python3 benchmarks/gpu_runs.py --matrix issue48-check --only 3b-adamw8bit-preset-10 3b-adamw8bit-fp8-gather-10 \
-      3b-adamw8bit-mb8-bf16-10 3b-adamw8bit-mb8-fp8-10 3b-adamw8bit-mb8-fp8-gather-10 1b-fsdp-fp8-30 \
-      1b-fsdp-fp8-gather-30 --timeout 150 --plan \
-      --out "$OUTD/issue48_gather.json" 2>&1 | grep -v '^{' | tee "$OUTD/issue48_gather.log"
-    ;;
-  7b-mb14)
-    # the 7B target's row as it would ship: fp8 at mb 14 (what its smaller activations let fit, planned 22.9 GiB
-    # NVML) beside the unchanged preset, 10 steps each, and the bare peer: about 7 min
-    python3 benchmarks/gpu_runs.py --matrix issue48-check --only 7b-fp32-none-10 7b-fp32-tensorwise-mb14-10 \
-      --timeout 200 --plan --out "$OUTD/issue48_7b_mb14.json" 2>&1 | grep -v '^{' | tee "$OUTD/issue48_7b_mb14.log"
+  7b-mb14|7b-mb16)
+    # the 7B target's row as it would ship: fp8 at mb 14 or 16 (what its smaller activations let fit) beside the
+    # unchanged preset, 10 steps each, and the bare peer: about 7 min
+    python3 benchmarks/gpu_runs.py --matrix issue48-check --only 7b-fp32-none-10 "7b-fp32-tensorwise-${part#7b-}-10" \
+      --timeout 200 --plan --out "$OUTD/issue48_$part.json" 2>&1 | grep -v '^{' | tee "$OUTD/issue48_$part.log"
     python3 benchmarks/gpu_runs.py --matrix issue48-targets --only bare-7b-fsdp2-offload-mb12 \
-      --timeout 170 --out "$OUTD/issue48_7b_bare.json" 2>&1 | grep -v '^{' | tee -a "$OUTD/issue48_7b_mb14.log"
+      --timeout 170 --out "$OUTD/issue48_7b_bare.json" 2>&1 | grep -v '^{' | tee -a "$OUTD/issue48_$part.log"
     ;;
   7b|13b|3b|1b|zero3)
     case "$part" in
       7b) only="7b-fp32-preset 7b-fp32-fp8 bare-7b-fsdp2-offload-mb12" ;;
       13b) only="13b-stoch-preset 13b-stoch-fp8 bare-13b-fsdp2-offload-mb9" ;;
-      3b) only="3b-adamw8bit-preset 3b-adamw8bit-fp8 bare-3b-torchtune-adamw8bit-bwd-mb4" ;;
+      3b) only="3b-adamw8bit-preset 3b-fp8-preset-bf16 3b-fp8-preset bare-3b-torchtune-adamw8bit-bwd-mb4" ;;
       1b) only="1b-fsdp-preset 1b-fsdp-fp8 bare-1b-fsdp2-mb8" ;;
       zero3) only="1b-zero3-preset 1b-zero3-fp8 bare-1b-zero3-mb8" ;;
     esac

@@ -160,22 +160,6 @@ def test_fp8_trains_like_bf16_and_its_checkpoint_resumes_and_exports(draw, tmp_p
     assert {type(m).__name__ for m in lm.modules()} == {type(m).__name__ for m in ref.modules()}
 
 
-@pytest.mark.slow
-def test_one_rank_gathers_in_float8_when_the_benchmark_switch_asks(tmp_path):
-    # SHARDCONSOLE_FP8_GATHER_ONE_RANK=1 (benchmarks/issue48_gpu.sh gather): one rank, checkpointed layers,
-    # the cast moved into FSDP2's gather with scales precomputed after each step; the same float8 numbers
-    one = ["parallel.nproc_per_node=1", "precision.fp8=tensorwise", "fsdp.cpu_offload=false",
-           "memory.activation_checkpointing=true", "train.steps=3", "train.save_final=false"]
-    _, plain = _run(tmp_path, "plain", *one)
-    run, gathered = _run(tmp_path, "gathered", *one, env={"SHARDCONSOLE_FP8_GATHER_ONE_RANK": "1"})
-    log = (run / "logs" / "rank0.log").read_text()
-    assert "multiply in float8 (tensorwise scales; all-gather in float8)" in log
-    assert "all-gather in bf16" in (tmp_path / "plain" / "logs" / "rank0.log").read_text()
-    for step in (1, 2, 3):      # step 1's scales are computed in the gather, steps 2-3's after the step
-        assert gathered[step].loss == pytest.approx(plain[step].loss, rel=1e-3), step
-
-
-
 # -- what the planner, the speed model and tune make of it -----------------------------------------------
 
 def _plan(preset: str, *sets: str):

@@ -64,7 +64,7 @@ def shard_model(r: common.Rank, model: modeling.CausalLMLoss, ignored: set | Non
     layers = modeling.decoder_layers(model.lm)
     fp8, fp8_gather = cfg.precision.fp8, False
     if fp8 != "none":      # before compiling and sharding: the layers compile and shard their Float8Linears
-        fp8_gather = float8.gathers_fp8(fp8, r.world, cfg.fsdp.cpu_offload, one_rank=r.knobs.fp8_gather_one_rank)
+        fp8_gather = float8.gathers_fp8(fp8, r.world, cfg.fsdp.cpu_offload)
         float8.convert_for_rank(r, layers, all_gather=fp8_gather)
     for i, layer in enumerate(layers):
         if cfg.compiles_layers:

@@ -13,9 +13,9 @@ ranks, no offload): FSDP2 gathers the weights already cast to float8,
 half the bytes of bf16; torchao then needs the scales of the next step's weights computed once after each
 optimizer step (precompute_scales). With one rank there is nothing to gather, and with CPU offload the
 all-gather input lives on the host (a cast there would run on the CPU), so both keep the bf16 gather.
-SHARDCONSOLE_FP8_GATHER_ONE_RANK=1 gathers in float8 on one rank too, a benchmark's switch until a GPU
-measures it: there the gather moves the cast out of a checkpointed layer's forward, recompute and backward
-(benchmarks/issue48_gpu.sh gather).
+A float8 gather on one rank, where it would move the casts out of a checkpointed layer's forward,
+recompute and backward, was tried and measured slower than the casts it saves (an H200: 3b at mb 8 -7%,
+1b -10%; docs/MEASURED.md, "The 24 GB rows at larger micro-batches").
 """
 
 from __future__ import annotations
@@ -50,12 +50,9 @@ def check_device(device: torch.device, emulate: bool = False) -> None:
                              f"is compute capability {cap[0]}.{cap[1]} (8.9+ has them)")
 
 
-def gathers_fp8(recipe: str, world: int, offloaded: bool, *, one_rank: bool = False) -> bool:
-    """FP8 all-gather applies: torchao offers it for tensorwise scales only; see the module's docstring.
-    `one_rank` (SHARDCONSOLE_FP8_GATHER_ONE_RANK=1, a benchmark's switch): on one rank too, where the
-    "gather" is a copy but the cast moves into it with a precomputed scale (no amax), once for forward and
-    once for backward, instead of three casts with their amax inside a checkpointed layer."""
-    return recipe == "tensorwise" and (world > 1 or one_rank) and not offloaded
+def gathers_fp8(recipe: str, world: int, offloaded: bool) -> bool:
+    """FP8 all-gather applies: torchao offers it for tensorwise scales only; see the module's docstring."""
+    return recipe == "tensorwise" and world > 1 and not offloaded
 
 
 def _fits(module: nn.Module, _fqn: str) -> bool:

@@ -84,7 +84,6 @@ class Knobs:
     overlap_switch_s: float = 0.0      # SHARDCONSOLE_OVERLAP_SWITCH_S: the interpreter's GIL switch interval
     overlap_nice: int = HOST_NICE      # SHARDCONSOLE_OVERLAP_NICE=N: the host step's nice value (0: the rank's)
     fp8_emulate: bool = False          # SHARDCONSOLE_FP8_EMULATE=1: precision.fp8 emulated (model/float8.py)
-    fp8_gather_one_rank: bool = False  # SHARDCONSOLE_FP8_GATHER_ONE_RANK=1: float8 all-gather on one rank too
     profile_steps: tuple[int, int] | None = None   # SHARDCONSOLE_PROFILE=A-B: torch's profiler (observe/profile.py)
 
     @classmethod
@@ -106,5 +105,4 @@ class Knobs:
             overlap_switch_s=_float(e, "SHARDCONSOLE_OVERLAP_SWITCH_S", 0.0) or 0.0,
             overlap_nice=_int(e, "SHARDCONSOLE_OVERLAP_NICE", HOST_NICE),
             fp8_emulate=e.get("SHARDCONSOLE_FP8_EMULATE", "") == "1",     # settings.values.FP8_EMULATE_ENV
-            fp8_gather_one_rank=e.get("SHARDCONSOLE_FP8_GATHER_ONE_RANK", "") == "1",
             profile_steps=_span(e, "SHARDCONSOLE_PROFILE"))

@@ -196,20 +196,36 @@ def test_the_planner_counts_the_float8_casts_and_the_speed_model_the_faster_laye
     eager_none, _ = _plan("h200-fsdp", "train.compile=false")
     eager_tw, _ = _plan("h200-fsdp", "train.compile=false", "precision.fp8=tensorwise")
     assert eager_tw.gpu_peak_bytes > eager_none.gpu_peak_bytes
-    # checkpointed layers gain with the tokens a micro-batch (H100, 10 steps a run, one call a pair): this
-    # recipe's mb 12 x 2048 went 7,835 -> 9,015 tokens/s (1.15x) with tensorwise; the 3b adamw8bit preset's
-    # mb 4 x 2048 went 18,128 -> 14,511 (0.80x). Predicted within 10% of both; rowwise there was not
-    # measured (as bf16); a 3090 has no FP8 tensor cores
+    # checkpointed layers gain with the tokens a micro-batch (10 steps a run, one call a pair): this recipe
+    # with fp32 masters at mb 12 x 2048 went 7,835 -> 9,015 tokens/s (1.15x, H100) with tensorwise; the 3b
+    # adamw8bit preset's mb 4 x 2048 18,128 -> 14,511 (0.80x, H100) and 16,495 -> 16,631 (1.01x, H200); at
+    # mb 8 21,833 -> 28,321 (1.30x, H200). Predicted within 10% of each (between the two mb 4 figures, which
+    # disagree by 25%); rowwise there was not measured (as bf16); a 3090 has no FP8 tensor cores
+    _, f32_none = _plan("3090-7b-offload", "precision.master_dtype=fp32")
+    _, f32_tw = _plan("3090-7b-offload", "precision.master_dtype=fp32", "precision.fp8=tensorwise")
     _, small_none = _plan("3090-3b-adamw8bit")
     _, small_tw = _plan("3090-3b-adamw8bit", "precision.fp8=tensorwise")
+    _, mb8_none = _plan("3090-3b-adamw8bit", "train.micro_batch=8")
+    _, mb8_tw = _plan("3090-3b-adamw8bit", "train.micro_batch=8", "precision.fp8=tensorwise")
+    ratio = {name: {c: tw_[c].tokens_per_s / none_[c].tokens_per_s for c in ("h200", "rtx4090")}
+             for name, none_, tw_ in (("7b", f32_none, f32_tw), ("3b", small_none, small_tw), ("mb8", mb8_none, mb8_tw))}
+    assert 1.15 * 0.9 < ratio["7b"]["h200"] < 1.15 * 1.1
+    assert 0.80 * 0.9 < ratio["3b"]["h200"] < 1.01 * 0.9
+    assert 1.30 * 0.9 < ratio["mb8"]["h200"] < 1.30 * 1.1
+    # an RTX 4090's step is more its GPU's (its matmuls 6x slower, the host and PCIe the same): the same
+    # order, fp8's gain and loss at least as large
+    assert ratio["3b"]["rtx4090"] < 1.0 < ratio["7b"]["h200"] <= ratio["7b"]["rtx4090"]
+    assert ratio["mb8"]["rtx4090"] > 1.0
     for card in ("h200", "rtx4090"):
-        assert 1.05 < fast_tw[card].tokens_per_s / fast_none[card].tokens_per_s < 1.25, card
-        assert 0.72 < small_tw[card].tokens_per_s / small_none[card].tokens_per_s < 0.95, card
         assert fast_rw[card].tokens_per_s == fast_none[card].tokens_per_s, card
     assert fast_tw["rtx3090"].tokens_per_s == fast_none["rtx3090"].tokens_per_s
-    # ... and the plan says so where fp8 loses, naming the size from which it pays
+    # ... and the plan says so where fp8 loses, naming the size from which it pays (the rule's 1.0x point,
+    # between the 8,192 tokens where it lost and the 16,384 where it won)
     slower = [n for n in small_tw["h200"].notes if n.startswith("precision.fp8: at 8,192 tokens")]
-    assert len(slower) == 1 and "slower than bf16" in slower[0] and "it pays from about 15,500" in slower[0], slower
+    assert len(slower) == 1 and "slower than bf16" in slower[0], slower
+    pays = int(slower[0].split("it pays from about ")[1].split(" ")[0].replace(",", ""))
+    assert 8192 < pays < 16384, slower
+    assert not any(n.startswith("precision.fp8") for n in mb8_tw["h200"].notes)
     assert not any(n.startswith("precision.fp8") for n in fast_tw["h200"].notes)
     # without checkpointing the layers' share runs the probe's 1.43x / 1.17x: the 1b preset, measured 1.13x
     # whole (text data) and 99.6k fp8 + fused against 104.4k planned

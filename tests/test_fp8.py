@@ -51,6 +51,19 @@ def test_fp8_on_this_cpu_machine_is_one_line_before_any_rank(recipe, tmp_path, m
     assert not run.exists()
 
 
+def test_the_fp8_preset_on_a_machine_without_a_gpu_is_planned_with_a_word_and_refused_at_launch(tmp_path):
+    # 4090-3b-fp8 ships with precision.fp8 = tensorwise: plan says before anything runs that it needs FP8
+    # tensor cores, and the launch refuses it in one line naming the preset's file, no run folder made
+    res = shardconsole("plan", "--preset", "4090-3b-fp8", timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert any(line.strip().startswith("note: precision.fp8 runs only on a CUDA GPU with FP8 tensor cores")
+               for line in res.stdout.splitlines()), res.stdout[-2000:]
+    run = tmp_path / "run"
+    line = one_line(shardconsole("--preset", "4090-3b-fp8", "--headless", "--run-dir", str(run), timeout=120))
+    assert "4090-3b-fp8.toml" in line and "fp8" in line and "8.9" in line and 'fp8 = "none"' in line, line
+    assert not run.exists()
+
+
 def test_the_settings_accept_fp8_only_where_it_can_run():
     """Every backend x method x dtype x recipe the tables allow: accepted exactly for full weights in bf16
     compute, on either engine (the GPU is preflight's), otherwise one error naming precision.fp8 and what to

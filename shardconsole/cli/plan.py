@@ -143,7 +143,11 @@ def fmt_duration(seconds: float) -> str:
 def speed_lines(p: speed_model.SpeedPrediction | None, cfg: C.RunConfig) -> list[str]:
     """The prediction in words: tokens/s, the step and its bound part, the time to train.steps."""
     if p is None:
-        return ["speed: no prediction (CPU ranks, or a GPU the speed model does not know: --card NAME names one)"]
+        lines = ["speed: no prediction (CPU ranks, or a GPU the speed model does not know: --card NAME names one)"]
+        if cfg.precision.fp8 != "none":     # (with a known card the speed model's notes say whether it has FP8)
+            lines.append("  note: precision.fp8 runs only on a CUDA GPU with FP8 tensor cores (compute capability "
+                         "8.9+: RTX 4090, L40S, H100); a launch without one refuses it in one line")
+        return lines
     parts = ", ".join(f"{k} {v:.3g} s" for k, v in p.parts.items() if v > 0)
     card = CARDS[p.card].title if p.card in CARDS else p.card
     lines = [f"speed (predicted, {card}, this host): {p.tokens_per_s:,.0f} tokens/s; a step {p.step_s:.3g} s, "

@@ -137,6 +137,11 @@ def _draws() -> list[tuple[str, ...]]:
                     f"memory.activation_checkpointing={'true' if recipe == 'rowwise' else 'false'}",
                     f"memory.checkpoint_policy={rng.choice(allowed('memory.checkpoint_policy'))}",
                     f"train.grad_accum={rng.choice((1, 2))}"))
+    # the shipped fp8 preset's recipe (4090-3b-fp8, less its compile, which CPU ranks refuse): torchao's 8-bit
+    # AdamW on bf16 weights, each parameter stepped in the backward, full checkpointing, no clip
+    out.append(("precision.fp8=tensorwise", "fsdp.cpu_offload=false", "precision.master_dtype=bf16",
+                "optim.name=adamw8bit", "optim.step_in_backward=true", "train.clip_grad_norm=0",
+                "memory.activation_checkpointing=true", "memory.checkpoint_policy=full", "train.grad_accum=1"))
     return out
 
 

@@ -501,7 +501,7 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                            "train.steps=10", "precision.fp8=tensorwise",
                                                            "train.micro_batch=14"]),
         # fp8's casts are per weight: mb 16 where mb 14's step (2.97 s) took no longer than mb 12's in bf16 (the
-        # H200, 2026-12-05: its last step 11.0k tokens/s by hand, memory not read; planned 23.3 GiB NVML)
+        # H200, 2026-12-05: its last step 11.0k tokens/s by hand, memory not read; planned 23.7 GiB NVML)
         ("7b-fp32-tensorwise-mb16-10", "3090-7b-offload", ["precision.master_dtype=fp32", "train.log_every=1",
                                                            "train.warmup_steps=1", "train.save_final=false",
                                                            "train.steps=10", "precision.fp8=tensorwise",

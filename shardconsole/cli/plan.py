@@ -22,6 +22,7 @@ from shardconsole.settings import config as C
 from shardconsole import plan as PL
 from shardconsole.settings import resolve as settings
 from shardconsole.settings.models import human_count
+from shardconsole.settings.values import FP8_GPUS
 from shardconsole.plan.speed import model as speed_model
 from shardconsole.plan.speed.cards import CARDS, Card, card_named
 from shardconsole.plan.machine import Hardware, hardware_from_args
@@ -145,8 +146,8 @@ def speed_lines(p: speed_model.SpeedPrediction | None, cfg: C.RunConfig) -> list
     if p is None:
         lines = ["speed: no prediction (CPU ranks, or a GPU the speed model does not know: --card NAME names one)"]
         if cfg.precision.fp8 != "none":     # (with a known card the speed model's notes say whether it has FP8)
-            lines.append("  note: precision.fp8 runs only on a CUDA GPU with FP8 tensor cores (compute capability "
-                         "8.9+: RTX 4090, L40S, H100); a launch without one refuses it in one line")
+            lines.append(f"  note: precision.fp8 runs only on a CUDA GPU with FP8 tensor cores ({FP8_GPUS}); "
+                         "a launch without one refuses it in one line")
         return lines
     parts = ", ".join(f"{k} {v:.3g} s" for k, v in p.parts.items() if v > 0)
     card = CARDS[p.card].title if p.card in CARDS else p.card

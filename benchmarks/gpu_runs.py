@@ -494,18 +494,14 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                                    "train.warmup_steps=1", "train.save_final=false", "train.steps=10",
                                                    f"precision.fp8={fp8}"])
           for fp8 in ("none", "tensorwise")],
-        # fp8's casts are per weight, its saving per token: a larger micro-batch where the cap allows (the
-        # planner: mb 14 at 22.9 GiB NVML, 1.3 GiB above what mb 12 measured with fp8)
-        ("7b-fp32-tensorwise-mb14-10", "3090-7b-offload", ["precision.master_dtype=fp32", "train.log_every=1",
-                                                           "train.warmup_steps=1", "train.save_final=false",
-                                                           "train.steps=10", "precision.fp8=tensorwise",
-                                                           "train.micro_batch=14"]),
-        # fp8's casts are per weight: mb 16 where mb 14's step (2.97 s) took no longer than mb 12's in bf16 (the
-        # H200, 2026-12-05: its last step 11.0k tokens/s by hand, memory not read; planned 23.7 GiB NVML)
-        ("7b-fp32-tensorwise-mb16-10", "3090-7b-offload", ["precision.master_dtype=fp32", "train.log_every=1",
-                                                           "train.warmup_steps=1", "train.save_final=false",
-                                                           "train.steps=10", "precision.fp8=tensorwise",
-                                                           "train.micro_batch=16"]),
+        # fp8's casts are per weight, its saving per token: a larger micro-batch where the cap allows. The
+        # planner put mb 14 at 22.9 GiB NVML (measured 22.1, 9,647 tokens/s, a step of 2.97 s, no longer than
+        # mb 12's in bf16) and mb 16 at 23.7 (its last step 11.0k tokens/s by hand, memory not read)
+        *[(f"7b-fp32-tensorwise-mb{mb}-10", "3090-7b-offload", ["precision.master_dtype=fp32", "train.log_every=1",
+                                                                "train.warmup_steps=1", "train.save_final=false",
+                                                                "train.steps=10", "precision.fp8=tensorwise",
+                                                                f"train.micro_batch={mb}"])
+          for mb in (14, 16)],
         *[(f"3b-adamw8bit-{tag}-10", "3090-3b-adamw8bit", ["train.steps=10", "train.warmup_steps=1",
                                                            "train.save_final=false", *sets])
           for tag, sets in (("preset", []), ("fp8", ["precision.fp8=tensorwise"]))],
@@ -620,20 +616,12 @@ def summarize_messages(msgs: list, warmup_frac: float = 0.34) -> dict:
     return out
 
 
-ENV_PREFIX = "env:"      # a row's "env:NAME=VALUE" entry sets an environment variable, not a setting
-
-
-def row_env(sets: list[str]) -> dict[str, str]:
-    """The environment variables a row's "env:NAME=VALUE" entries set (a rank's knobs: backends/rank/knobs.py)."""
-    return dict(s[len(ENV_PREFIX):].split("=", 1) for s in sets if s.startswith(ENV_PREFIX))
-
-
 def planned(preset: str, sets: list[str]) -> dict:
     """`shardconsole plan --json` for the same preset and --set values, on this machine: the figures the
     measured peaks are read against (GiB; allocated and the allocator's reserved, and NVML's)."""
     argv = [sys.executable, "-m", "shardconsole", "plan", "--preset", preset, "--json"]
     for s in sets:
-        if not s.startswith(("--", ENV_PREFIX)):
+        if not s.startswith("--"):
             argv += ["--set", s]
     res = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
     try:
@@ -650,13 +638,11 @@ def planned(preset: str, sets: list[str]) -> dict:
 def run_headless(preset: str, sets: list[str], root: Path, name: str, timeout: int) -> dict:
     run_dir = root / name
     argv = [sys.executable, "-m", "shardconsole", "--preset", preset, "--headless", "--run-dir", str(run_dir)]
-    env = {**os.environ, **row_env(sets)}
     for s in sets:
-        if not s.startswith(ENV_PREFIX):
-            argv += [s] if s.startswith("--") else ["--set", s]     # a flag ("--force") as it is
+        argv += [s] if s.startswith("--") else ["--set", s]     # a flag ("--force") as it is
     t0 = time.time()
     try:
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO)
         rc, err = res.returncode, res.stderr[-1500:]
     except subprocess.TimeoutExpired:
         rc, err = "timeout", ""
@@ -678,10 +664,10 @@ def run_bare(preset: str, sets: list[str], root: Path, name: str, timeout: int) 
     run_dir = root / (name + "-bare")
     run_dir.mkdir(parents=True)
     from shardconsole.settings import preset_store
-    cfg = preset_store.load(preset, [s for s in sets if not s.startswith(("--", ENV_PREFIX))])
+    cfg = preset_store.load(preset, [s for s in sets if not s.startswith("--")])
     C.save(cfg, run_dir / "preset.toml")
     argv = build_argv(cfg, run_dir, run_dir.name)
-    env = {**os.environ, "SHARDCONSOLE_STREAM": "off", **row_env(sets)}
+    env = {**os.environ, "SHARDCONSOLE_STREAM": "off"}
     t0 = time.time()
     res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     msgs = []

@@ -33,7 +33,8 @@ def _run_parser() -> argparse.ArgumentParser:
                     help="write the run folder, print the command that starts this node's ranks, and exit")
     ap.add_argument("--slurm", action="store_true",
                     help="write the run folder and print an sbatch script for the run (submit with sbatch)")
-    ap.add_argument("--run-dir", type=Path, default=None, help="run folder (default: <runs root>/<time>-<preset>)")
+    ap.add_argument("--run-dir", type=Path, default=None,
+                    help="run folder (default: <runs root>/<time>-<preset>); in the console, the first launch's")
     ap.add_argument("--runs-root", default=None, metavar="DIR",
                     help="where new run folders go (default: $SHARDCONSOLE_RUNS_ROOT, else the per-user folder "
                          "`shardconsole runs` prints)")
@@ -73,7 +74,7 @@ def cmd_run(argv: list[str]) -> int:
         # Bad input stops here (exit 2); the console checks the machine (NVML) in a worker after its
         # first paint and runs the same preflight before it launches.
         return _open_console(settings.resolve(args.preset or DEFAULT_PRESET, settings.from_cli(args.overrides)),
-                             runs_root(args.runs_root))
+                             runs_root(args.runs_root), args.run_dir)
     if args.headless and (args.print_command or args.slurm):
         raise UsageError("--headless runs the job here; --print-command and --slurm only write it out: pick one")
     # A command or a batch script is for the machines that will run it, not for this one's GPUs.
@@ -146,10 +147,10 @@ def _prepare_run_dir(cfg: C.RunConfig, run_dir: Path, explicit: bool = True) -> 
     return run_dir
 
 
-def _open_console(resolved: settings.Resolved, root: Path | None = None) -> int:
+def _open_console(resolved: settings.Resolved, root: Path | None = None, run_dir: Path | None = None) -> int:
     try:
         from shardconsole.console.app import run_console
     except ImportError as e:
         print(f"shardconsole: the console is not available ({e}); use --headless", file=sys.stderr)
         return 1
-    return run_console(resolved=resolved, runs_root=root)
+    return run_console(resolved=resolved, runs_root=root, run_dir=run_dir)

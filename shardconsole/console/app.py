@@ -127,10 +127,11 @@ class ShardConsoleApp(App[Path | None]):
 
 
 def run_console(resolved: settings.Resolved | None = None, attach: Path | None = None,
-                runs_root: Path | None = None) -> int:
+                runs_root: Path | None = None, run_dir: Path | None = None) -> int:
     """Open the console on settings the CLI resolved (None: the default preset); returns the exit code:
-    0, or the headless code of a watched run that failed. runs_root: `--runs-root` (None: the default)."""
-    app = ShardConsoleApp(TorchrunLauncher(runs_root), MachineProbes(), resolved=resolved, attach=attach)
+    0, or the headless code of a watched run that failed. runs_root: `--runs-root` (None: the default);
+    run_dir: `--run-dir`, the first launch's folder."""
+    app = ShardConsoleApp(TorchrunLauncher(runs_root, run_dir), MachineProbes(), resolved=resolved, attach=attach)
     left = app.run()
     if left is not None:
         try:        # the terminal may be gone (SIGHUP)

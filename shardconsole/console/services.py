@@ -32,6 +32,7 @@ class PlannedRun:
     run_dir: Path
     run_id: str
     argv: list[str]
+    named: bool = False      # the folder the user named (--run-dir): one holding a run is refused, not suffixed
 
 
 @dataclass(frozen=True)
@@ -75,11 +76,16 @@ class OpenRun(Protocol):
 class TorchrunLauncher:
     """Starts runs as `--headless` does: a thin wrapper over session/run.RunSession."""
 
-    def __init__(self, runs_root: str | Path | None = None) -> None:
-        """runs_root: where run folders go (None: launch_command.runs_root(), the same as the CLI's)."""
+    def __init__(self, runs_root: str | Path | None = None, run_dir: Path | None = None) -> None:
+        """runs_root: where run folders go (None: launch_command.runs_root(), the same as the CLI's).
+        run_dir: `--run-dir`, the folder of the first run launched here; later ones go under runs_root."""
         self.runs_root = default_runs_root(runs_root)
+        self.named_run_dir = None if run_dir is None else Path(run_dir).expanduser().absolute()
 
     def plan(self, cfg: C.RunConfig, preset_name: str) -> PlannedRun:
+        if self.named_run_dir is not None:
+            run_dir = self.named_run_dir
+            return PlannedRun(run_dir, run_dir.name, build_argv(cfg, run_dir, run_dir.name), named=True)
         run_dir = new_run_dir(preset_name, self.runs_root)
         return PlannedRun(run_dir, run_dir.name, build_argv(cfg, run_dir, run_dir.name))
 
@@ -88,7 +94,10 @@ class TorchrunLauncher:
         and claimed by session/rundir.create_run_dir (a name taken since it was planned gets the next
         suffix; every relative path in preset.toml made absolute, so resume and export-model work from
         any folder). ConfigError (one line) when a check refuses."""
-        return RunSession.start(resolved, planned.run_dir, explicit=False)
+        session = RunSession.start(resolved, planned.run_dir, explicit=planned.named)
+        if planned.named:
+            self.named_run_dir = None      # it holds this run now: the next launch gets a folder of its own
+        return session
 
     def attach(self, run_dir: Path) -> RunSession:
         try:

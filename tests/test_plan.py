@@ -290,7 +290,8 @@ def test_json_output_shape(capsys):
     assert sum(doc["gpu_parts"].values()) == doc["gpu_peak_bytes"]
     assert sum(doc["host_parts"].values()) == doc["host_peak_bytes"]
     assert doc["hardware"] == {"gpus": 1, "gpu_memory_bytes": 24 * GiB, "host_memory_bytes": 64 * GiB,
-                               "gpu_name": "", "source": "given"}
+                               "gpu_name": "", "source": "given", "host_cores": None, "host_gbps": None,
+                               "host_given": ""}
 
 
 def test_text_output_names_parts_and_verdict(capsys):

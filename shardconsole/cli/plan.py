@@ -1,12 +1,12 @@
 """`shardconsole plan`: will a run fit, before it is launched.
 
     shardconsole plan --preset NAME [--set table.key=value ...] [--json] [--card NAME]
-                      [--gpus N] [--gpu-memory 24GiB] [--host-memory 64GiB]
+                      [--gpus N] [--gpu-memory 24GiB] [--host-memory 64GiB] [--host-cores N] [--host-gbps X]
     shardconsole plan --fit [--gpus N] [--gpu-memory 24GiB] [--host-memory 128GiB]
                       [--model NAME|DIR] [--preset NAME] [--seq-len 2048] [--json]
 
 Hardware is what NVML and psutil find on this machine, unless given; --card NAME plans that card (its
-memory and speed, plan/speed/cards.py) with this host. The speed (tokens/s, the step and its bound part, the time to
+memory and speed, plan/speed/cards.py) with this host, or the host --host-cores / --host-gbps describe. The speed (tokens/s, the step and its bound part, the time to
 train.steps) is plan/speed/model.py's prediction. Exit codes: 0 the plan was made
 (it fits, or cannot tell), 3 its verdict is "does not fit" (the plan is printed all the same), 2 bad
 input: one line on stderr (ConfigError, handled by cli.main). No torch import: answers in well under a second.
@@ -45,6 +45,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpus", type=int, default=None, help="GPUs per node (default: found by NVML)")
     ap.add_argument("--gpu-memory", default=None, metavar="SIZE", help="memory of one GPU, e.g. 24GiB")
     ap.add_argument("--host-memory", default=None, metavar="SIZE", help="host RAM of one node, e.g. 64GiB")
+    ap.add_argument("--host-cores", default=None, metavar="N",
+                    help="plan the host side (the offloaded optimizer step, host copies) for a host of N CPU "
+                         "cores (default: this machine's)")
+    ap.add_argument("--host-gbps", default=None, metavar="X",
+                    help="the host's memory bandwidth a step reaches, GB/s (default: $SHARDCONSOLE_HOST_GBPS, "
+                         "else the H200 test host's 118 scaled by cores)")
     ap.add_argument("--card", default=None, metavar="NAME",
                     help=f"plan this card with this host: its memory and its speed ({', '.join(CARDS)})")
     ap.add_argument("--fit", action="store_true",
@@ -65,12 +71,14 @@ def _hw_text(hw: PL.Hardware) -> str:
     gpu = (f"{hw.gpus} x {hw.gpu_name + ' ' if hw.gpu_name else ''}{C.format_size(hw.gpu_memory_bytes)}"
            if hw.gpus and hw.gpu_memory_bytes else "no GPU known")
     host = C.format_size(hw.host_memory_bytes) if hw.host_memory_bytes else "unknown"
-    return f"{gpu}, host {host} ({hw.source})"
+    cores = f", {hw.cpus} CPU cores" if hw.cpus else ""
+    return f"{gpu}, host {host}{cores} ({hw.source}{', ' + hw.host_given if hw.host_given else ''})"
 
 
 def _hw_dict(hw: PL.Hardware) -> dict[str, Any]:
     return {"gpus": hw.gpus, "gpu_memory_bytes": hw.gpu_memory_bytes, "host_memory_bytes": hw.host_memory_bytes,
-            "gpu_name": hw.gpu_name, "source": hw.source}
+            "gpu_name": hw.gpu_name, "source": hw.source, "host_cores": hw.cpus or None,
+            "host_gbps": hw.host_gbps or None, "host_given": hw.host_given}
 
 
 def describe(cfg: C.RunConfig) -> str:
@@ -141,7 +149,7 @@ def fmt_duration(seconds: float) -> str:
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
-def speed_lines(p: speed_model.SpeedPrediction | None, cfg: C.RunConfig) -> list[str]:
+def speed_lines(p: speed_model.SpeedPrediction | None, cfg: C.RunConfig, host_given: str = "") -> list[str]:
     """The prediction in words: tokens/s, the step and its bound part, the time to train.steps."""
     if p is None:
         lines = ["speed: no prediction (CPU ranks, or a GPU the speed model does not know: --card NAME names one)"]
@@ -151,7 +159,8 @@ def speed_lines(p: speed_model.SpeedPrediction | None, cfg: C.RunConfig) -> list
         return lines
     parts = ", ".join(f"{k} {v:.3g} s" for k, v in p.parts.items() if v > 0)
     card = CARDS[p.card].title if p.card in CARDS else p.card
-    lines = [f"speed (predicted, {card}, this host): {p.tokens_per_s:,.0f} tokens/s; a step {p.step_s:.3g} s, "
+    host = f"the host of {host_given}" if host_given else "this host"
+    lines = [f"speed (predicted, {card}, {host}): {p.tokens_per_s:,.0f} tokens/s; a step {p.step_s:.3g} s, "
              f"{p.bound} bound ({parts})",
              f"  {cfg.train.steps} steps: {fmt_duration(p.seconds)} (start, model build"
              + (", compile" if cfg.train.compile else "") + f" ~{fmt_duration(p.start_s)}, then "
@@ -166,7 +175,7 @@ def _with_card(hw: Hardware, card: Card | None, gpu_memory_given: bool) -> Hardw
         return hw
     return Hardware(gpus=hw.gpus or 1, gpu_memory_bytes=hw.gpu_memory_bytes if gpu_memory_given else card.memory_bytes,
                     host_memory_bytes=hw.host_memory_bytes, gpu_name=card.title, source=f"{hw.source}, --card {card.name}",
-                    cpus=hw.cpus)
+                    cpus=hw.cpus, host_gbps=hw.host_gbps, host_given=hw.host_given)
 
 
 def _card_arg(text: str | None) -> Card | None:
@@ -191,7 +200,8 @@ def cmd_plan(argv: list[str]) -> int:
     resolved = load(name, settings.from_cli(args.overrides))
     cfg = resolved.cfg
     spec = preflight.check_model(resolved, weights=False)
-    hw = _with_card(hardware_from_args(args.gpus, args.gpu_memory, args.host_memory), card, args.gpu_memory is not None)
+    hw = _with_card(hardware_from_args(args.gpus, args.gpu_memory, args.host_memory, args.host_cores, args.host_gbps),
+                    card, args.gpu_memory is not None)
     est = PL.estimate(cfg, spec, hw)
     speed = speed_model.predict(cfg, spec, hw, card=card)
     if args.json:
@@ -203,7 +213,7 @@ def cmd_plan(argv: list[str]) -> int:
         print(json.dumps(out))
     else:
         print(fit(format_estimate(est, cfg, name, hw)))
-        print(fit("\n".join(["", *speed_lines(speed, cfg)])))
+        print(fit("\n".join(["", *speed_lines(speed, cfg, hw.host_given)])))
     # A script can ask "does it fit" of the exit code (docs/EXIT_CODES.md); "cannot tell" is not "no".
     return EXIT_DOES_NOT_FIT if est.verdict.startswith("does not fit") else 0
 
@@ -221,7 +231,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         C.validate(cfg, "--seq-len")
     elif args.preset is None:
         cfg = PL.replace_cfg(cfg, ("data", "seq_len", 2048))
-    hw = _with_card(hardware_from_args(args.gpus, args.gpu_memory, args.host_memory), card, args.gpu_memory is not None)
+    hw = _with_card(hardware_from_args(args.gpus, args.gpu_memory, args.host_memory, args.host_cores, args.host_gbps),
+                    card, args.gpu_memory is not None)
     if not hw.gpus or not hw.gpu_memory_bytes:
         raise C.ConfigError("--fit: no GPU found on this machine; give --gpu-memory SIZE (and --gpus N)")
     if not hw.host_memory_bytes:

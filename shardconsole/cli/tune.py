@@ -1,6 +1,7 @@
 """`shardconsole tune`: the planner proposes, short real runs decide, the winner is saved as a preset.
 
     shardconsole tune --preset P [--set table.key=value ...] [--gpu-memory SIZE] [--host-memory SIZE]
+                      [--host-cores N] [--host-gbps X]
                       [--budget DURATION] [--max-probes N] [--probe-steps N] [--vary KEY ...] [-o NAME]
                       [--dry-run]
 
@@ -40,6 +41,12 @@ def _parser() -> argparse.ArgumentParser:
                          "else the card)")
     ap.add_argument("--host-memory", default=None, metavar="SIZE",
                     help="host RAM the run may use, e.g. 64GiB (default: this machine's); on CPU ranks the cap")
+    ap.add_argument("--host-cores", default=None, metavar="N",
+                    help="rank with the host side (the offloaded optimizer step) of a host of N CPU cores "
+                         "(default: this machine's); for --dry-run planning another machine")
+    ap.add_argument("--host-gbps", default=None, metavar="X",
+                    help="rank with this host memory bandwidth, GB/s (default: $SHARDCONSOLE_HOST_GBPS, else "
+                         "the H200 test host's 118 scaled by cores)")
     ap.add_argument("--budget", default="10m", metavar="DURATION", help="wall time for all probes: 90s, 10m, 1h")
     ap.add_argument("--max-probes", type=int, default=6, help="at most this many probes, the baseline included")
     ap.add_argument("--probe-steps", type=int, default=6, help="optimizer steps of each probe (the first is not timed)")
@@ -75,7 +82,7 @@ def setup(args: argparse.Namespace) -> tuple[Tune, str, str]:
     name = output_name(args.output, resolved.preset)
     tune = make_tune(resolved, budget_s=budget, max_probes=args.max_probes, probe_steps=args.probe_steps,
                      gpu_memory=args.gpu_memory, host_memory=args.host_memory, runs_root_dir=args.runs_root, name=name,
-                     vary=args.vary, dry_run=args.dry_run)
+                     vary=args.vary, dry_run=args.dry_run, host_cores=args.host_cores, host_gbps=args.host_gbps)
     return tune, resolved.preset, name
 
 

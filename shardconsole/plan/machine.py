@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardconsole.settings import config as C
 
@@ -16,6 +16,8 @@ class Hardware:
     gpu_name: str = ""
     source: str = "given"          # "detected" (NVML + psutil) or "given"
     cpus: int = 0                  # CPUs a rank may use (torch.compile's worker pool); 0: not known
+    host_gbps: float = 0.0         # host memory bandwidth a step reaches (--host-gbps); 0: not given
+    host_given: str = ""           # the host flags given ("--host-cores 16"): a host other than this one
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -48,8 +50,47 @@ def size_arg(flag: str, text: str | None) -> int | None:
     return n
 
 
-def hardware_from_args(gpus: int | None, gpu_memory: str | None, host_memory: str | None) -> Hardware:
-    """What was given wins; the rest is detected (NVML, psutil)."""
+def cores_arg(flag: str, text: str | None) -> int | None:
+    """A core count (--host-cores 16); None when not given; a bad one is one ConfigError line."""
+    if text is None:
+        return None
+    try:
+        n = int(text.strip())
+    except ValueError:
+        raise C.ConfigError(f"{flag}: {text!r} is not a whole number of CPU cores; give e.g. 16") from None
+    if not 1 <= n <= 4096:
+        raise C.ConfigError(f"{flag}: {n} is not a core count; it takes 1 to 4096")
+    return n
+
+
+def gbps_arg(flag: str, text: str | None) -> float | None:
+    """A bandwidth in GB/s (--host-gbps 118); None when not given; a bad one is one ConfigError line."""
+    if text is None:
+        return None
+    try:
+        x = float(text.strip())
+    except ValueError:
+        raise C.ConfigError(f"{flag}: {text!r} is not a number of GB/s; give e.g. 118") from None
+    # nan compares false both ways, inf (1e400 parses as it) is above any bound: both refused here
+    if not 0 < x <= 100_000:
+        raise C.ConfigError(f"{flag}: {text} is not a host memory bandwidth; it takes more than 0 up to 100000 GB/s")
+    return x
+
+
+def with_host(hw: Hardware, cores: int | None, gbps: float | None) -> Hardware:
+    """hw with the host given instead of this one's: its cores (--host-cores), its bandwidth (--host-gbps)."""
+    if cores is None and gbps is None:
+        return hw
+    given = " ".join(f for f in (f"--host-cores {cores}" if cores is not None else "",
+                                 f"--host-gbps {gbps:g}" if gbps is not None else "") if f)
+    return replace(hw, cpus=cores if cores is not None else hw.cpus, host_gbps=gbps or 0.0, host_given=given)
+
+
+def hardware_from_args(gpus: int | None, gpu_memory: str | None, host_memory: str | None,
+                       host_cores: str | None = None, host_gbps: str | None = None) -> Hardware:
+    """What was given wins; the rest is detected (NVML, psutil). host_cores, host_gbps: the host's
+    CPU cores and memory bandwidth as given (--host-cores, --host-gbps), for a host other than this one."""
+    cores, gbps = cores_arg("--host-cores", host_cores), gbps_arg("--host-gbps", host_gbps)
     if gpus is not None and gpus < 0:
         raise C.ConfigError(f"--gpus: {gpus} is below 0")
     g_mem = size_arg("--gpu-memory", gpu_memory)
@@ -59,9 +100,9 @@ def hardware_from_args(gpus: int | None, gpu_memory: str | None, host_memory: st
     n = gpus if gpus is not None else (found.gpus if found else 0)
     if n == 0 and g_mem is not None:
         n = 1   # a GPU size was given for a machine whose GPUs were not counted: one per node
-    return Hardware(
+    return with_host(Hardware(
         gpus=n,
         gpu_memory_bytes=g_mem if g_mem is not None else (found.gpu_memory_bytes if found else 0),
         host_memory_bytes=h_mem if h_mem is not None else (found.host_memory_bytes if found else 0),
         gpu_name=(found.gpu_name if found and g_mem is None else ""), cpus=found.cpus if found else 0,
-        source="given" if not found else ("detected + given" if given else "detected"))
+        source="given" if not found else ("detected + given" if given else "detected")), cores, gbps)

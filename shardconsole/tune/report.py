@@ -133,10 +133,13 @@ def format_table(rows: list[tuple[str, ...]]) -> str:
 def machine_text(tune: Tune) -> str:
     hw = tune.hw
     where = machine_key(hw, tune.base.parallel.device)
+    # a host given (--host-cores, --host-gbps) is not this machine's: the ranking's host side is that one's
+    host = (f"{C.format_size(hw.host_memory_bytes)} ({platform.node() or 'this machine'})" if not hw.host_given else
+            f"{C.format_size(hw.host_memory_bytes)}, {hw.cpus} CPU cores ({hw.host_given})")
     if hw.source.startswith("planned"):     # a dry run without a GPU: the preset's cards, not this machine's
-        return (f"{hw.gpus} GPU(s) of {C.format_size(hw.gpu_memory_bytes)} ({hw.source.removeprefix('planned: ')}), host "
-                f"{C.format_size(hw.host_memory_bytes)} ({platform.node() or 'this machine'})")
-    return f"{where}, host {C.format_size(hw.host_memory_bytes)} ({platform.node() or 'this machine'})"
+        return (f"{hw.gpus} GPU(s) of {C.format_size(hw.gpu_memory_bytes)} ({hw.source.removeprefix('planned: ')}), "
+                f"host {host}")
+    return f"{where}, host {host}"
 
 
 def preset_text(tune: Tune, winner: Row, name: str, source: str) -> str:

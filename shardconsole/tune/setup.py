@@ -8,7 +8,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from shardconsole.plan.machine import Hardware, hardware_from_args, size_arg
+from shardconsole.plan.machine import Hardware, cores_arg, gbps_arg, hardware_from_args, size_arg, with_host
 from shardconsole.plan.speed.book import SpeedBook, harvest
 from shardconsole.settings import config as C
 from shardconsole.settings import resolve as settings
@@ -69,11 +69,13 @@ def planned_gpus(cfg: C.RunConfig, hw: Hardware, preset: str, given: str = "") -
 
 def make_tune(resolved: settings.Resolved, *, budget_s: float, max_probes: int, probe_steps: int,
               gpu_memory: str | None = None, host_memory: str | None = None, runs_root_dir: str | None = None,
-              name: str = "tuned", hardware=None, vary: list[str] = (), dry_run: bool = False) -> Tune:
+              name: str = "tuned", hardware=None, vary: list[str] = (), dry_run: bool = False,
+              host_cores: str | None = None, host_gbps: str | None = None) -> Tune:
     """A tune of resolved settings (the CLI's and the console's): the cap, the machine, the speed book with
     the finished runs under the runs root harvested, the probes' folder. Keys the user set are kept, and
     the numerics (plan/search.NUMERICS) but those named in vary. dry_run: nothing will be measured, so a
-    machine without a GPU plans for the preset's (planned_gpus)."""
+    machine without a GPU plans for the preset's (planned_gpus). host_cores, host_gbps: the host the
+    ranking plans the host side for (--host-cores, --host-gbps), this machine's when None."""
     from shardconsole.launch.command import runs_root
     from shardconsole.plan.estimator import replace_cfg
     from shardconsole.session import preflight
@@ -88,7 +90,8 @@ def make_tune(resolved: settings.Resolved, *, budget_s: float, max_probes: int, 
         cfg = replace_cfg(cfg, ("memory", "gpu_memory_limit", str(cap)))
         C.validate(cfg, "--gpu-memory")
     spec = preflight.check_model(resolved, weights=False)
-    hw = hardware or hardware_from_args(None, None, host_memory)
+    hw = with_host(hardware or hardware_from_args(None, None, host_memory),
+                   cores_arg("--host-cores", host_cores), gbps_arg("--host-gbps", host_gbps))
     if cfg.parallel.device != "cpu" and not hw.gpus:
         if not dry_run:
             raise C.ConfigError(f"no GPU found on this machine and preset {resolved.preset!r} trains on GPUs: tune "

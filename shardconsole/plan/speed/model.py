@@ -163,8 +163,11 @@ def fp8_checkpointed_speedup(recipe: str, tokens_mb: int) -> float:
 
 
 def host_rates(hw: Hardware) -> HostRates:
-    """This host's rates: $SHARDCONSOLE_HOST_GBPS when set, else the H200 test host's, scaled down by
-    cores where this host has fewer (a host step of torch's foreach AdamW uses every core)."""
+    """The host's rates: --host-gbps when given (hw.host_gbps), else $SHARDCONSOLE_HOST_GBPS when set, else
+    the H200 test host's, scaled down by cores where the host has fewer (a host step of torch's foreach
+    AdamW uses every core); the cores are --host-cores' when given, else this machine's."""
+    if hw.host_gbps > 0:
+        return HostRates(hw.host_gbps, hw.cpus, "--host-gbps")
     text = os.environ.get(HOST_GBPS_ENV, "")
     try:
         if text and float(text) > 0:
@@ -173,7 +176,10 @@ def host_rates(hw: Hardware) -> HostRates:
         pass
     cores = hw.cpus or DEFAULT_HOST_CORES
     share = min(1.0, cores / DEFAULT_HOST_CORES)
-    return HostRates(DEFAULT_HOST_GBPS * share, cores, "assumed: the H200 test host's, by cores")
+    whose = "--host-cores'" if "--host-cores" in hw.host_given else ("this host's" if hw.cpus else "assumed")
+    return HostRates(DEFAULT_HOST_GBPS * share, cores,
+                     f"the H200 test host's {DEFAULT_HOST_GBPS:.0f} GB/s at {DEFAULT_HOST_CORES} cores, "
+                     f"scaled to {whose} cores")
 
 
 @dataclass
@@ -186,11 +192,15 @@ class SpeedPrediction:
     seconds: float                      # start + train.steps steps
     card: str
     notes: list[str] = field(default_factory=list)
+    host: HostRates | None = None       # the host's rates the host step was planned at
 
     def to_dict(self) -> dict[str, Any]:
+        host = None if self.host is None else {"cores": self.host.cores, "gbps": round(self.host.gbps, 2),
+                                                "source": self.host.source}
         return {"predicted_tokens_per_s": round(self.tokens_per_s, 1), "predicted_seconds": round(self.seconds, 1),
                 "predicted_step_s": round(self.step_s, 4), "bound": self.bound, "card": self.card,
-                "parts_s": {k: round(v, 4) for k, v in self.parts.items()}, "start_s": round(self.start_s, 1)}
+                "parts_s": {k: round(v, 4) for k, v in self.parts.items()}, "start_s": round(self.start_s, 1),
+                "host": host}
 
 
 def engine_key(cfg: C.RunConfig) -> str:
@@ -364,10 +374,13 @@ def predict(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, card: Card | Non
         bound = "PCIe"
     tokens_per_s = tokens_mb * k * ranks / step
     start = _start_s(cfg, n, trained, step_on_host, params_on_host)
-    if host.source != HOST_GBPS_ENV and step_on_host:
-        notes.append(f"host step at {host.gbps:.0f} GB/s ({host.source}; ${HOST_GBPS_ENV} sets this host's)")
+    if step_on_host:
+        cores = f"{host.cores} cores" if host.cores else "cores not known"
+        notes.append(f"host step at {host.gbps:.0f} GB/s, {cores} ({host.source}"
+                     + ("" if host.source in ("--host-gbps", HOST_GBPS_ENV) else
+                        f"; --host-gbps or ${HOST_GBPS_ENV} sets the bandwidth, --host-cores the cores") + ")")
     return SpeedPrediction(tokens_per_s, step, bound, parts, start, start + cfg.train.steps * step,
-                           card.name, notes)
+                           card.name, notes, host)
 
 
 def against_measured(p: SpeedPrediction, measured: float) -> str:

@@ -46,7 +46,8 @@ def step_line(state: RunState) -> str:
     s = state.last_step
     assert s is not None
     parts = [f"step {s.step}/{s.steps}", f"loss {_num(s.loss, '.4f')}", f"lr {s.lr:.2e}",
-             f"{fmt_rate(s.tokens_per_s)} tok/s", f"{s.step_s:.3f} s/step"]
+             f"{fmt_rate(s.tokens_per_s)} tok/s" + ("" if s.padding is None else f" ({100 * s.padding:.0f}% padding not counted)"),
+             f"{s.step_s:.3f} s/step"]
     if s.mfu is not None:
         parts.append(f"mfu {100 * s.mfu:.1f}%")
     if s.fp8:
@@ -110,8 +111,9 @@ def data_line(d: P.DataSummary) -> str:
 
 def eval_line(e: P.Eval) -> str:
     if preference_text(e):
-        return f"eval step {e.step}: loss {_num(e.loss, '.4f')} {preference_text(e)} over {count(e.pairs, 'pair')} " \
-               f"({e.seconds:.1f} s)"
+        tokens = f", {count(e.tokens, 'answer token')}" if e.tokens else ""     # 0: a stream of before issue 65
+        return f"eval step {e.step}: loss {_num(e.loss, '.4f')} {preference_text(e)} over {count(e.pairs, 'pair')}" \
+               f"{tokens} ({e.seconds:.1f} s)"
     return f"eval step {e.step}: loss {_num(e.loss, '.4f')} over {e.tokens} tokens ({e.seconds:.1f} s)"
 
 

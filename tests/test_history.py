@@ -170,7 +170,8 @@ def test_runs_lists_each_status_newest_first(runs):
     table = shardconsole("runs", "--runs-root", str(runs))
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
-    assert lines[0].split()[:6] == ["id", "preset", "backend", "model", "status", "steps"]
+    assert lines[0].split()[:7] == ["id", "preset", "backend", "training", "model", "status", "steps"]
+    assert finished["training"] == "full/sft" and "full/sft" in lines[4]
     assert "failed (nan_loss)" in lines[3] and "stopped" in lines[2] and "finished" in lines[4]
     assert any("NanLossError" in line or "nan" in line.lower() for line in lines[5:])   # the cause, said
 

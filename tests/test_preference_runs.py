@@ -129,3 +129,80 @@ def assert_tensorboard_has_the_figures(run: Path) -> None:
     tags = set(acc.Tags()["scalars"])
     assert {"rewards/train_chosen", "rewards/train_margin", "rewards/train_accuracy_pct", "rewards/eval_margin",
             "rewards/eval_accuracy_pct"} <= tags, tags
+
+
+# ---------------------------------------------------------------------------------------------------
+# ORPO under LoRA (issue 65): one run, 11 steps of 4 pairs = one epoch of its 44 training pairs, 14 held out
+# (eval_fraction 0.25 of 58: 7 a rank, so the last eval batch of each rank is padded with an empty pair)
+
+ORPO_SETS = ["train.objective=orpo", "train.method=lora", "lora.rank=8", "train.lr=3e-3", "data.seq_len=64",
+             "data.eval_fraction=0.25", "train.seed=7", "train.eval_every=4", "train.steps=11", "train.log_every=1",
+             "train.micro_batch=2", "train.warmup_steps=0"]
+ORPO_RECORDS, ORPO_HELD, SEQ = 58, 14, 64
+
+
+@pytest.fixture(scope="module")
+def orpo(folder):
+    data = folder.root / "orpo-pairs.jsonl"
+    records = preference_records(ORPO_RECORDS, seed=1)
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = folder.root / "orpo-lora"
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run),
+                       *_sets(f"model.name={folder.model}", f"data.path={data}", *ORPO_SETS),
+                       timeout=RUN_TIMEOUT, env=folder.env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = folder.root / "orpo-lora-export"
+    exported = shardconsole("export-model", str(run), "-o", str(out), timeout=300, env=folder.env)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    return SimpleNamespace(run=run, stdout=res.stdout, msgs=messages(run), export=out, records=records)
+
+
+def token_lengths(model: Path, records: list[dict]) -> list[tuple[int, int, int]]:
+    """(prompt, chosen answer, rejected answer) token counts of each record, with transformers' tokenizer and
+    chat template: the prompt rendered with the generation prompt, an answer the rest of its conversation,
+    then EOS."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+
+    def n(text: str) -> int:
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+    out = []
+    for r in records:
+        head = tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+        answers = [tok.apply_chat_template(r["prompt"] + r[k], tokenize=False)[len(head):] for k in ("chosen", "rejected")]
+        out.append((n(head), n(answers[0]) + 1, n(answers[1]) + 1))
+    return out
+
+
+def test_orpo_eval_loss_is_finite_and_tokens_are_real(orpo, folder):
+    import math
+
+    import numpy as np
+    lengths = token_lengths(folder.model, orpo.records)
+    assert all(p + max(c, r) <= SEQ for p, c, r in lengths)          # nothing cut: each row's tokens as counted
+    held = set(np.random.default_rng(7).permutation(ORPO_RECORDS)[:ORPO_HELD].tolist())   # the split's rule, seed 7
+    # the held-out loss: finite, over the held-out pairs' answer tokens (it was NaN over 0 tokens)
+    evals = of_kind(orpo.msgs, "eval")
+    eval_tokens = sum(c + r for i, (_, c, r) in enumerate(lengths) if i in held)
+    assert [e.step for e in evals] == [4, 8, 11]
+    assert all(math.isfinite(e.loss) and e.pairs == ORPO_HELD and e.tokens == eval_tokens for e in evals), evals
+    assert f"over {ORPO_HELD} pairs, {eval_tokens} answer tokens" in orpo.stdout
+    readme = (orpo.export / "README.md").read_text()
+    assert f"mean over {ORPO_HELD} held-out pairs, {eval_tokens:,} answer tokens under loss" in readme, readme
+    # tokens and tokens/s count the real tokens: one epoch of the training pairs, both rows, not the padding
+    real = sum(2 * p + c + r for i, (p, c, r) in enumerate(lengths) if i not in held)
+    padded = 11 * 4 * 2 * SEQ
+    steps = of_kind(orpo.msgs, "step")
+    assert steps[-1].tokens == real < padded and of_kind(orpo.msgs, "finished")[-1].tokens == real
+    assert all(0 < s.padding < 1 for s in steps)
+    assert "padding not counted" in orpo.stdout and "of the rows' tokens are padding" in orpo.stdout
+
+
+def test_lora_runs_say_what_trains(orpo):
+    # the headless start lines name the method and the trainable count, and `runs` the method and objective
+    line = next(x for x in orpo.stdout.splitlines() if x.startswith("[info] lora:"))
+    assert "trainable" in line and "objective orpo" in line, line
+    table = shardconsole("runs", str(orpo.run))
+    assert table.returncode == 0, table.stderr
+    header, _, row = table.stdout.splitlines()[:3]
+    assert header.split()[3] == "training" and row.split()[3] == "lora/orpo", table.stdout

@@ -31,7 +31,8 @@ def main() -> None:
         from shardconsole.runlog.protocol import Finished
         if r.rank == 0:
             r.emit(Finished(run=r.run_id, rank=0, steps=r.step, elapsed_s=time.time() - t0,
-                            tokens=r.step * r.cfg.tokens_per_step))
+                            tokens=r.step * r.cfg.tokens_per_step if r.progress.tokens is None
+                            else r.progress.tokens))
     except BaseException as exc:   # noqa: BLE001 - every failure is reported, then the rank ends
         if isinstance(exc, SystemExit) and not exc.code:
             code = 0

@@ -19,8 +19,9 @@ from shardconsole.history import compare as CMP
 from shardconsole.history.index import PREPARED, RunSummary, find_run, list_runs, never_started, roots, summarize
 from shardconsole.runlog.runfolder import RunFolder
 
-LIST_COLUMNS = ("id", "preset", "backend", "model", "status", "steps", "tokens/s", "MFU", "peak GPU", "peak host",
-                "last loss", "eval loss")
+# training: method/objective ("lora/dpo"), so an SFT loss is never read against a DPO one unlabelled
+LIST_COLUMNS = ("id", "preset", "backend", "training", "model", "status", "steps", "tokens/s", "MFU", "peak GPU",
+                "peak host", "last loss", "eval loss")
 
 
 def _root_arg(ap: argparse.ArgumentParser) -> None:
@@ -139,7 +140,7 @@ def _tensorboard(runs: list[RunSummary], where: str) -> int:
 
 def _as_json(r: RunSummary) -> dict:
     return {"id": r.run_id, "path": str(r.path), "status": r.status, "cause": r.cause, "detail": r.detail,
-            "started": r.started, "preset": r.preset, "backend": r.backend, "model": r.model, "step": r.step,
+            "started": r.started, "preset": r.preset, "backend": r.backend, "training": r.training, "model": r.model, "step": r.step,
             "steps": r.steps, "tokens_per_s": r.tokens_per_s, "mfu": r.mfu, "peak_gpu_bytes": r.peak_gpu_bytes,
             "peak_host_bytes": r.peak_host_bytes, "last_loss": r.last_loss, "eval_loss": r.eval_loss}
 

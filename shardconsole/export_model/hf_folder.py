@@ -3,6 +3,7 @@ save_pretrained's sharded safetensors, config and generation config, the tokeniz
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from shardconsole.settings import config as C
@@ -22,10 +23,8 @@ from shardconsole.backends.checkpoint.hf_export import copy_tokenizer  # noqa: E
 def hf_config(spec: ModelSpec):
     """The config the ranks built the model from (backends/modeling.hf_config), without their run-time
     switches: a folder's own config.json (architecture and all) or the catalog's Llama shape."""
-    from transformers import AutoConfig, LlamaConfig
-    if spec.path is not None:
-        return AutoConfig.from_pretrained(spec.path, local_files_only=True)
-    return LlamaConfig(**spec.config)
+    from shardconsole.settings.models import transformers_config
+    return transformers_config(spec)
 
 
 def build_model(config, state: dict, dtype, source: Path):
@@ -85,7 +84,8 @@ def last_eval(run: RunFolder, up_to_step: int) -> Eval | None:
             msg = decode(line)
         except DecodeError:
             continue
-        if isinstance(msg, Eval) and msg.loss is not None and msg.step <= up_to_step:
+        # not a NaN: ORPO's held-out loss was NaN before issue 65, and a README saying so helps no one
+        if isinstance(msg, Eval) and msg.loss is not None and math.isfinite(msg.loss) and msg.step <= up_to_step:
             best = msg
     return best
 
@@ -130,6 +130,10 @@ def readme_text(*, title: str, run: RunFolder, cfg: C.RunConfig, ckpt: Checkpoin
     backend = ("FSDP2" if cfg.parallel.backend == "fsdp" else f"DeepSpeed ZeRO stage {cfg.deepspeed.stage}")
     eval_line = (f"{ev.loss:.4f} at step {ev.step} (mean over {ev.tokens:,} held-out tokens under loss)" if ev
                  else "none was recorded (set data.eval_fraction or data.eval_path, and train.eval_every)")
+    if ev and ev.pairs:     # a preference loss is a mean over pairs
+        tokens = f", {ev.tokens:,} answer tokens under loss" if ev.tokens else ""   # 0: a run of before issue 65
+        eval_line = (f"{ev.loss:.4f} at step {ev.step} ({cfg.train.objective} loss, mean over {ev.pairs:,} held-out "
+                     f"pairs{tokens})")
     preset = run.preset.read_text().rstrip()
     return "\n".join([
         f"# {title}",

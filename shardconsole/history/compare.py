@@ -36,6 +36,7 @@ def figures(s: RunSummary) -> dict[str, str]:
         "started": fmt_time(s.started),
         "preset": s.preset or "-",
         "backend": s.backend or "-",
+        "training": s.training or "-",      # an SFT loss and a DPO loss are not the same figure
         "model": s.model or "-",
         "steps": f"{s.step}/{s.steps}" if s.steps else "-",
         "tokens/s": fmt_rate(s.tokens_per_s),

@@ -36,6 +36,7 @@ class RunSummary:
     description: str = ""
     preset: str = ""
     backend: str = ""
+    training: str = ""               # train.method/train.objective ("lora/dpo"): whose losses compare
     model: str = ""
     settings: C.RunConfig | None = None
     step: int = 0
@@ -144,6 +145,7 @@ def summarize(path: Path, tail_bytes: int | None = None) -> RunSummary:
         cfg = C.load(folder.preset)
         s.settings, s.description = cfg, cfg.description.splitlines()[0] if cfg.description else ""
         s.backend, s.model = cfg.parallel.backend, cfg.model.name
+        s.training = f"{cfg.train.method}/{cfg.train.objective}"
         if s.backend == "deepspeed":
             s.backend = f"zero{cfg.deepspeed.stage}"
     except (C.ConfigError, OSError, ValueError):

@@ -78,7 +78,10 @@ class Step(Message):
     mfu: float | None = None           # fraction 0..1; None on CPU
     loss_scale: float | None = None    # None unless fp16
     skipped_steps: int = 0             # fp16 overflow steps skipped so far
-    tokens: int = 0                    # tokens seen so far
+    tokens: int = 0                    # tokens seen so far (real ones: a preference pair's padding is not counted)
+    # Preference training: the share of the rows' tokens since the last line that were padding (tokens_per_s
+    # counts the others); None under SFT, whose packed windows have none.
+    padding: float | None = None
     # Preference training (train.objective dpo / orpo; backends/objective/preference.py), over the pairs
     # since the last step line, all ranks; None under SFT. loss is then the preference loss.
     reward_chosen: float | None = None     # beta * (policy - reference) log-prob of the chosen answers, mean

@@ -268,6 +268,13 @@ def rows(split: PairSplit, pairs: list[int], seq_len: int, pad: int = 0) -> tupl
     return ids[:, :-1], labels
 
 
+def row_tokens(split: PairSplit, seq_len: int) -> np.ndarray:
+    """Per pair, the real tokens of its two rows' inputs (prompt and answer, at most seq_len each: `rows`
+    fills lp + n of seq_len + 1 and the inputs are the first seq_len); the rest of each row is padding."""
+    lp, lc, lr = (split.index[:, i].astype(np.int64) for i in (1, 2, 3))
+    return np.minimum(lp + lc, seq_len) + np.minimum(lp + lr, seq_len)
+
+
 def to_batch(split: PairSplit, pairs: list[int], seq_len: int) -> Batch:
     ids, labels = rows(split, pairs, seq_len)
     return Batch(torch.from_numpy(np.ascontiguousarray(ids)), torch.from_numpy(labels), None,
@@ -280,6 +287,7 @@ class PairSource(_Global):
     def __init__(self, split: PairSplit, seq_len: int, seed: int, rank: int, world: int, name: str) -> None:
         super().__init__(rank, world)
         self.split, self.seq_len, self.seed, self.n = split, seq_len, seed, split.n
+        self.real: np.ndarray | None = None      # row_tokens, on the first count
         if self.n < world:
             raise DataError(f"{name}: {self.n} preference pair(s), fewer than the {world} ranks; add data")
 
@@ -289,6 +297,19 @@ class PairSource(_Global):
 
     def batch(self, micro_batch: int) -> Batch:
         return to_batch(self.split, [self.pair_of(g) for g in self.take(micro_batch)], self.seq_len)
+
+    def real_tokens(self, lo: int, hi: int) -> int:
+        """The real (not padding) tokens of global samples [lo, hi), both rows of each pair: what the step
+        lines count, as SFT's packed windows are all real. Whole epochs at once, so a resume's count from
+        sample 0 costs at most an epoch of look-ups."""
+        if self.real is None:
+            self.real = row_tokens(self.split, self.seq_len)
+        real = self.real
+        first, last = -(-lo // self.n), hi // self.n       # the whole epochs inside [lo, hi)
+        if first >= last:
+            return int(sum(real[self.pair_of(g)] for g in range(lo, hi)))
+        edges = list(range(lo, first * self.n)) + list(range(last * self.n, hi))
+        return int((last - first) * real.sum() + sum(real[self.pair_of(g)] for g in edges))
 
 
 class EvalPairs:
@@ -340,6 +361,10 @@ def summary(cfg, world: int, entry: PairEntry) -> P.DataSummary:
     t, m = cfg.train, entry.meta
     tr, ev = m["splits"]["train"], m["splits"].get("eval")
     notes = [f"{tr['records']} preference pairs, each two rows of {cfg.data.seq_len} tokens (chosen, rejected)"]
+    padded = 2 * entry.train.n * cfg.data.seq_len
+    if padded:
+        pad = 1 - int(row_tokens(entry.train, cfg.data.seq_len).sum()) / padded
+        notes.append(f"{100 * pad:.0f}% of the rows' tokens are padding (tokens and tok/s count the real ones)")
     cut = tr["cut"] + (ev["cut"] if ev else 0)
     if cut:
         notes.append(f"{cut} pair(s) longer than data.seq_len + 1: answers cut at the end, prompts from the left")

@@ -22,7 +22,7 @@ from shardconsole.backends.checkpoint import checkpoints
 from shardconsole.backends.engine import trainstate
 from shardconsole.backends.checkpoint.checkpoints import SaveKind
 from shardconsole.backends.engine.contract import Engine
-from shardconsole.backends.model import fused_loss
+from shardconsole.backends.model import adapters, fused_loss
 from shardconsole.backends.observe import compiled, failures, metrics, profile, stream_health
 from shardconsole.backends.rank import common
 from shardconsole.backends.rank.common import Rank
@@ -46,9 +46,13 @@ def run(r: Rank, engine: Engine) -> None:
         engine.objective.prepare(engine.forward)
         start_step = engine.load() if t.resume else 0
         engine.ready()
+        if r.cfg.adapters and r.rank == 0:
+            # the rank log's count line, in the stream: the headless lines and the console then say what trains
+            r.event("info", f"{t.method}: training adapters, {adapters.count_line(engine.module)}; "
+                            f"objective {t.objective}")
         # the loss the engine built (CausalLMLoss.loss: memory.loss resolved for this device), and whose kernel
         r.log(f"loss: {fused_loss.describe(getattr(engine.module, 'loss', 'chunked'), r.device)}")
-        meter = metrics.StepMeter(r, engine.module)
+        meter = metrics.StepMeter(r, engine.module, data.real_tokens)
         tail = Tail(r, stop, engine)
         profiler = profile.StepProfiler(r)      # SHARDCONSOLE_PROFILE=A-B; does nothing without it
         r.phase("training")

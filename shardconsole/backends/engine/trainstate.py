@@ -80,12 +80,24 @@ class Data:
         # A preference objective's sample is a pair (two rows), served by data/preference.py
         self.source = (pair_data if _pairs(r) else data_mod).make_source(r)
         self.samples = 0
+        self.counted = (0, 0)       # (samples, their real tokens) counted so far: real_tokens adds the rest
 
     def seek(self, samples: int) -> None:
         if self.r.data_state.changed:      # resumed on other data (data.allow_changed)
             samples = data_mod.epoch_start(self.source, samples)
         self.samples = samples
         self.source.seek(samples)
+
+    def real_tokens(self) -> int | None:
+        """The real (not padding) tokens of every sample consumed, all ranks, for a preference objective
+        (pairs are padded rows); None for SFT, whose windows are all real (step * tokens_per_step)."""
+        if not isinstance(self.source, pair_data.PairSource):
+            return None
+        if self.samples < self.counted[0]:          # a seek back (not done today): count from the start
+            self.counted = (0, 0)
+        lo, tokens = self.counted
+        self.counted = (self.samples, tokens + self.source.real_tokens(lo, self.samples))
+        return self.counted[1]
 
     def next(self) -> data_mod.Batch:
         """The next Batch (inputs, labels, positions or None) on the rank's device."""
@@ -128,7 +140,7 @@ class Evaluator:
         r = self.r
         f = objective.evaluate(model, self.source, r.cfg.train.micro_batch, r.device)
         if r.rank == 0 and f:
-            r.emit(P.Eval(run=r.run_id, rank=0, step=step, loss=f["loss"], pairs=f["pairs"],
+            r.emit(P.Eval(run=r.run_id, rank=0, step=step, loss=f["loss"], pairs=f["pairs"], tokens=f["tokens"],
                           reward_chosen=f["reward_chosen"], reward_rejected=f["reward_rejected"],
                           reward_margin=f["reward_margin"], pref_accuracy=f["pref_accuracy"],
                           seconds=time.perf_counter() - t0))

@@ -82,15 +82,22 @@ def orpo_losses(sum_c: torch.Tensor, sum_r: torch.Tensor, n_c: torch.Tensor, n_r
 # Figures: summed on the device, one all-reduce and one host sync per step line
 
 class Tally:
-    """Sums over pairs: loss, chosen reward, rejected reward, pairs ordered right, pairs."""
+    """Sums over pairs: loss, chosen reward, rejected reward, pairs ordered right, pairs, answer tokens."""
 
     def __init__(self) -> None:
         self.sums: torch.Tensor | None = None
 
-    def add(self, per_pair: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, valid: torch.Tensor) -> None:
-        w = valid.to(torch.float64)
-        row = torch.stack([(per_pair.detach().double() * w).sum(), (rc.double() * w).sum(), (rr.double() * w).sum(),
-                           ((rc > rr).double() * w).sum(), w.sum()])
+    def add(self, per_pair: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, valid: torch.Tensor,
+            tokens: torch.Tensor | None = None) -> None:
+        """`valid`: the pairs to count (eval's padding pairs are not); `tokens`: each pair's answer tokens
+        under loss, chosen and rejected."""
+        def kept(x: torch.Tensor) -> torch.Tensor:
+            # where, not a product with the mask: an empty padding pair's ORPO loss is NaN (log1mexp(0) on
+            # a mean over no token), and NaN * 0 is NaN
+            return torch.where(valid, x.detach().double(), torch.zeros((), dtype=torch.float64, device=x.device))
+        n_tok = torch.zeros_like(rc) if tokens is None else tokens
+        row = torch.stack([kept(per_pair).sum(), kept(rc).sum(), kept(rr).sum(), kept((rc > rr).double()).sum(),
+                           kept(torch.ones_like(rc)).sum(), kept(n_tok).sum()])
         self.sums = row if self.sums is None else self.sums + row
 
     def reduce(self) -> dict[str, float]:
@@ -100,11 +107,11 @@ class Tally:
         sums, self.sums = self.sums, None
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(sums)
-        loss, c, r, right, n = sums.tolist()      # the host sync
+        loss, c, r, right, n, tokens = sums.tolist()      # the host sync
         if not n:
             return {}
         return {"loss": loss / n, "reward_chosen": c / n, "reward_rejected": r / n, "reward_margin": (c - r) / n,
-                "pref_accuracy": right / n, "pairs": int(n)}
+                "pref_accuracy": right / n, "pairs": int(n), "tokens": int(tokens)}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -144,22 +151,23 @@ class Preference:
             raise RuntimeError("full DPO: Objective.prepare(model) must run before the first step")
         return self.table.lookup(batch.pairs, split)
 
-    def losses(self, model: Forward, batch: Batch,
-               split: str = "train") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(loss to backward, per pair loss, chosen reward, rejected reward)."""
+    def losses(self, model: Forward, batch: Batch, split: str = "train"
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss to backward, per pair loss, chosen reward, rejected reward, per pair answer tokens under loss)."""
         B = batch.inputs.shape[0] // 2
         ref = self.reference(model, batch, split) if self.name == "dpo" else None
         sums, counts = row_logps(model, batch)
         pc, pr, nc, nr = sums[:B], sums[B:], counts[:B], counts[B:]
+        tokens = (nc + nr).detach()
         if ref is None:
             nll, ratio, rc, rr = orpo_losses(pc, pr, nc, nr, self.pref.orpo_lambda)
-            return nll - ratio.mean(), nll.detach() - ratio.detach(), rc, rr
+            return nll - ratio.mean(), nll.detach() - ratio.detach(), rc, rr, tokens
         per_pair, rc, rr = dpo_losses(pc, pr, ref[0].to(pc.dtype), ref[1].to(pr.dtype), nc, nr, self.pref.beta,
                                       self.pref.loss, self.pref.label_smoothing)
-        return per_pair.mean(), per_pair, rc, rr
+        return per_pair.mean(), per_pair, rc, rr, tokens
 
     def micro_loss(self, model: Forward, batch: Batch) -> torch.Tensor:
-        loss, per_pair, rc, rr = self.losses(model, batch)
+        loss, per_pair, rc, rr, _ = self.losses(model, batch)
         self.tally.add(per_pair, rc, rr, torch.ones_like(rc, dtype=torch.bool))
         return loss
 
@@ -171,16 +179,17 @@ class Preference:
     @torch.no_grad()
     def evaluate(self, model: Forward, source: pairs_data.EvalPairs, micro_batch: int,
                  device: torch.device) -> dict[str, float]:
-        """The same figures and the mean preference loss over every held-out pair (all ranks call it)."""
+        """The same figures, the mean preference loss over every held-out pair and their answer tokens under
+        loss (all ranks call it)."""
         tally = Tally()
         was_training = model.training
         model.train(False)
         try:
             for batch in source.batches(micro_batch):
                 b = batch.to(device)
-                _, per_pair, rc, rr = self.losses(model, b, "eval")
+                _, per_pair, rc, rr, tokens = self.losses(model, b, "eval")
                 assert b.pairs is not None         # pair batches carry their pairs' indices
-                tally.add(per_pair, rc, rr, b.pairs >= 0)
+                tally.add(per_pair, rc, rr, b.pairs >= 0, tokens)
         finally:
             model.train(was_training)
         return tally.reduce()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from typing import Callable
 
 import psutil
 import torch
@@ -27,10 +28,14 @@ from shardconsole.machine.hardware import peak_tflops
 class StepMeter:
     """Accumulates on the device between log steps; reads (one sync) only when a line is due."""
 
-    def __init__(self, r: Rank, model: torch.nn.Module) -> None:
+    def __init__(self, r: Rank, model: torch.nn.Module, real_tokens: Callable[[], int | None] | None = None) -> None:
         self.r = r
         cfg = r.cfg
-        self.tokens_per_step = cfg.tokens_per_step
+        self.tokens_per_step = cfg.tokens_per_step      # the rows computed, padding included
+        # Preference pairs are padded rows: their real tokens so far come from the data (trainstate.Data),
+        # so tokens and tokens/s compare with SFT's packed windows, whose tokens are all real.
+        self.real_tokens = real_tokens or (lambda: None)
+        self.tokens_before = self.real_tokens()
         self.samples_per_step = cfg.train.micro_batch * cfg.train.grad_accum * r.world
         self.flops_per_token = flops_per_token(r, model)
         rate = cfg.train.peak_tflops or (peak_tflops(torch.cuda.get_device_name(r.device)) if r.is_cuda else None)
@@ -66,15 +71,23 @@ class StepMeter:
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)
         mean_loss = loss.item() / max(1, self.n) / r.world
         dt = (now - self.t_last) / max(1, self.steps)      # the wall time of one optimizer step
-        tps = self.tokens_per_step / dt if dt > 0 else 0.0
-        mfu = (tps / r.world) * self.flops_per_token / self.peak_flops if self.peak_flops else None
+        computed = self.tokens_per_step / dt if dt > 0 else 0.0      # rows computed a second, padding included
+        tps, tokens, padding = computed, step * self.tokens_per_step, None
+        total = self.real_tokens()
+        if total is not None and self.tokens_before is not None:
+            real = total - self.tokens_before
+            padding = 1 - real / (self.tokens_per_step * max(1, self.steps))
+            tps, tokens = computed * (1 - padding), total
+            self.tokens_before = r.progress.tokens = total
+        # the MFU is of the work the device did, padding included, as the planner predicts it
+        mfu = (computed / r.world) * self.flops_per_token / self.peak_flops if self.peak_flops else None
         gn = float(grad_norm) if grad_norm is not None else None
         r.emit(memory_message(r, step, self.proc))   # before the step line, which readers print on
         if r.rank == 0:
             r.emit(P.Step(run=r.run_id, rank=0, step=step, steps=r.cfg.train.steps, loss=mean_loss, lr=lr,
                           grad_norm=gn, tokens_per_s=tps,
                           samples_per_s=self.samples_per_step / dt if dt > 0 else 0.0, step_s=dt, mfu=mfu,
-                          loss_scale=loss_scale, skipped_steps=skipped, tokens=step * self.tokens_per_step,
+                          loss_scale=loss_scale, skipped_steps=skipped, tokens=tokens, padding=padding,
                           meter=P.METER_VERSION, fp8="" if r.cfg.precision.fp8 == "none" else r.cfg.precision.fp8,
                           **(figures or {})))
         self.loss_sum.zero_()

@@ -40,6 +40,9 @@ class Progress:
     step: int = 0
     phase: str = "starting"
     save_seconds: dict[str, float] = field(default_factory=dict)
+    # The real tokens trained on so far, where padding makes them fewer than step * tokens_per_step
+    # (preference pairs; observe/metrics.StepMeter sets it); None: all of those are real.
+    tokens: int | None = None
 
 
 @dataclass

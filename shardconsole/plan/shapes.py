@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shardconsole.settings.models import ModelSpec, Moe, moe_of
+from shardconsole.settings.models import NORMS_PER_LAYER, QK_NORM, QKV_BIAS_TYPES, ModelSpec, Moe, moe_of
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -26,6 +26,8 @@ class Shapes:
     mlp_bias: bool
     moe: Moe | None = None      # the experts of a mixture-of-experts model (settings.models.moe_of)
     qkv_bias: bool = False      # qwen2's biases on q, k and v (not o)
+    qk_norm: str = ""           # "" | "head" (RMSNorm over head_dim: qwen3, gemma3) | "full" (over q and kv: olmo2)
+    norms: int = 2              # norm weights a layer (Gemma's four)
 
     @classmethod
     def of(cls, spec: ModelSpec) -> "Shapes":
@@ -40,7 +42,10 @@ class Shapes:
                    head_dim=int(c.get("head_dim") or h // heads), intermediate=inter,
                    tied=bool(c.get("tie_word_embeddings", False)), attention_bias=bool(c.get("attention_bias")),
                    mlp_bias=bool(c.get("mlp_bias")), moe=moe,
-                   qkv_bias=bool(c.get("qkv_bias")) and not c.get("attention_bias"))
+                   qkv_bias=(bool(c.get("qkv_bias")) or c.get("model_type") in QKV_BIAS_TYPES)
+                   and not c.get("attention_bias"),
+                   qk_norm=QK_NORM.get(str(c.get("model_type")), ""),
+                   norms=NORMS_PER_LAYER.get(str(c.get("model_type")), 2))
 
     @property
     def q_dim(self) -> int:
@@ -58,7 +63,11 @@ class Shapes:
             out += [(i, h), (i, h), (h, i)]
         else:
             out += self._expert_params()
-        out += [(h,), (h,)]
+        out += [(h,)] * self.norms
+        if self.qk_norm == "head":
+            out += [(self.head_dim,), (self.head_dim,)]
+        elif self.qk_norm == "full":
+            out += [(self.q_dim,), (self.kv_dim,)]
         if self.attention_bias:
             out += [(q,), (kv,), (kv,), (h,)]
         elif self.qkv_bias:
@@ -69,17 +78,13 @@ class Shapes:
 
     def _expert_params(self) -> list[tuple[int, ...]]:
         """transformers' fused experts ([E, 2*inter, h] gate and up, [E, h, inter] down), the router
-        [E, h], a shared expert with its [1, h] gate, and q/k norms where the model has them."""
+        [E, h], and a shared expert with its [1, h] gate."""
         m, h = self.moe, self.hidden
         assert m is not None
         out: list[tuple[int, ...]] = [(m.experts, 2 * m.expert_inter, h), (m.experts, h, m.expert_inter),
                                       (m.experts, h)]
         if m.shared_inter:
             out += [(m.shared_inter, h), (m.shared_inter, h), (h, m.shared_inter), (1, h)]
-        if m.qk_norm == "head":
-            out += [(self.head_dim,), (self.head_dim,)]
-        elif m.qk_norm == "full":
-            out += [(self.q_dim,), (self.kv_dim,)]
         return out
 
     def root_params(self) -> list[tuple[int, ...]]:

@@ -17,8 +17,10 @@ from typing import Any
 
 from shardconsole.settings.paths import PathError, kind_of, shown
 
-# Llama-architecture sizes (random init). "1b" is the 0.95B model of the baselines in docs/MEASURED.md,
-# "3b" the 3.1B one; 7b and 13b have Llama-2's shapes.
+# Sizes to train from random init or to plan. "1b" is the 0.95B model of the baselines in docs/MEASURED.md,
+# "3b" the 3.1B one; 7b and 13b have Llama-2's shapes (the measured history uses these). The rest are
+# today's models, each its family's real config.json less nothing the planner or the ranks read: grouped-query
+# attention, their vocabularies, head_dim, qk-norm (qwen3), rope and tying as released.
 CATALOG: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                  intermediate_size=176, vocab_size=256, max_position_embeddings=2048),
@@ -32,6 +34,27 @@ CATALOG: dict[str, dict[str, Any]] = {
                intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096),
     "13b": dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
                 intermediate_size=13824, vocab_size=32000, max_position_embeddings=4096),
+    # meta-llama/Llama-3.1-8B: 8,030,261,248 parameters
+    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072,
+                      rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001,
+                      rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                        original_max_position_embeddings=8192)),
+    # Qwen/Qwen3-8B: 8,190,735,360
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
+                     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     bos_token_id=151643, eos_token_id=151645),
+    # Qwen/Qwen3-14B: 14,768,307,200
+    "qwen3-14b": dict(model_type="qwen3", hidden_size=5120, num_hidden_layers=40, num_attention_heads=40,
+                      num_key_value_heads=8, head_dim=128, intermediate_size=17408, vocab_size=151936,
+                      max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                      bos_token_id=151643, eos_token_id=151645),
+    # mistralai/Mistral-Small-24B-Base-2501: 23,572,403,200
+    "mistral-small-24b": dict(model_type="mistral", hidden_size=5120, num_hidden_layers=40, num_attention_heads=32,
+                              num_key_value_heads=8, head_dim=128, intermediate_size=32768, vocab_size=131072,
+                              max_position_embeddings=32768, rope_theta=100000000.0, sliding_window=None,
+                              bos_token_id=1, eos_token_id=2),
 }
 _COMMON = dict(model_type="llama", rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
                initializer_range=0.02, hidden_act="silu", attention_bias=False, mlp_bias=False)
@@ -53,6 +76,15 @@ MOE_TYPES = {"mixtral": ("num_local_experts", "intermediate_size", None),
              "qwen2_moe": ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size")}
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok",
                 "moe_intermediate_size", "n_shared_experts")
+
+
+# Where families differ from Llama in what they count (transformers' modeling_*.py of each): q/k norms over
+# one head's dim ("head") or over all of q and of kv ("full"); norms a layer beside the two of a Llama block
+# (Gemma's pre/post-attention and pre/post-feed-forward); biases on q, k and v that no config key announces.
+QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "gemma3": "head", "olmo2": "full",
+           "olmoe": "full"}
+NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "gemma3": 4}
+QKV_BIAS_TYPES = frozenset({"qwen2", "qwen2_moe"})
 
 
 @dataclass(frozen=True)
@@ -86,7 +118,7 @@ def moe_of(config: dict[str, Any], where: str = "config.json") -> Moe | None:
     return Moe(experts=experts, top_k=int(config.get("num_experts_per_tok") or 2),
                expert_inter=int(config[inter_key]),
                shared_inter=int(config.get(shared_key) or 0) if shared_key else 0,
-               qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(model_type, ""))
+               qk_norm=QK_NORM.get(model_type, ""))
 
 
 @dataclass(frozen=True)
@@ -120,18 +152,19 @@ class ModelSpec:
         head_dim = int(c.get("head_dim") or h // heads)
         inter = int(c["intermediate_size"])
         attn = h * heads * head_dim + 2 * h * kv * head_dim + heads * head_dim * h
+        model_type = c.get("model_type", "llama")
         if c.get("attention_bias"):
             attn += heads * head_dim + 2 * kv * head_dim + h
-        elif c.get("qkv_bias"):      # qwen2's: q, k and v, not o
+        elif c.get("qkv_bias") or model_type in QKV_BIAS_TYPES:      # qwen2's: q, k and v, not o
             attn += heads * head_dim + 2 * kv * head_dim
+        attn += {"head": 2 * head_dim, "full": heads * head_dim + kv * head_dim}.get(QK_NORM.get(model_type, ""), 0)
         moe = moe_of(c)
         if moe is None:
             mlp = 3 * h * inter
         else:   # the routed experts, the router, and a shared expert with its gate
             mlp = moe.experts * 3 * h * moe.expert_inter + moe.experts * h
             mlp += 3 * h * moe.shared_inter + h if moe.shared_inter else 0
-            attn += {"head": 2 * head_dim, "full": heads * head_dim + kv * head_dim}.get(moe.qk_norm, 0)
-        norms = 2 * h
+        norms = NORMS_PER_LAYER.get(model_type, 2) * h
         per_layer = attn + mlp + norms
         embed = V * h
         head = 0 if c.get("tie_word_embeddings") else V * h
@@ -150,6 +183,17 @@ class ModelSpec:
         if trained is None:
             return 6.0 * self.n_params + attention
         return 4.0 * (self.n_params - saved) + 6.0 * trained + attention
+
+
+def transformers_config(spec: ModelSpec):
+    """transformers' config of the model: a folder's own config.json (architecture and all), or a catalog
+    entry's shape under its family's config class (AutoConfig.for_model). Imports transformers: the ranks,
+    export and chat call it, never the planner or the console."""
+    from transformers import AutoConfig
+    if spec.path is not None:
+        return AutoConfig.from_pretrained(spec.path, local_files_only=True)
+    kwargs = dict(spec.config)
+    return AutoConfig.for_model(kwargs.pop("model_type", "llama"), **kwargs)
 
 
 def human_count(n: int) -> str:

@@ -56,10 +56,8 @@ def export_dtype(r: Rank) -> torch.dtype:
 
 def hf_config(r: Rank):
     """The config the ranks built the model from, without their run-time switches."""
-    from transformers import AutoConfig, LlamaConfig
-    if r.spec.path is not None:
-        return AutoConfig.from_pretrained(r.spec.path, local_files_only=True)
-    return LlamaConfig(**r.spec.config)
+    from shardconsole.settings.models import transformers_config
+    return transformers_config(r.spec)
 
 
 def _kept_keys(config) -> set[str]:

@@ -219,33 +219,33 @@ def load_pretrained_partitions(r: common.Rank, model: modeling.CausalLMLoss) -> 
 
 
 @torch.no_grad()
-def init_partitions_(model: torch.nn.Module, std: float, seed: int, rank: int) -> None:
-    """modeling.init_random_ for ZeRO-3: the same rules (normal(0, std) matrices, norm weights 1, biases 0)
-    applied to each rank's own partition (p.ds_tensor), seeded per rank."""
+def init_partitions_(model: torch.nn.Module, std: float, seed: int, rank: int,
+                     reference: modeling.Reference | None = None) -> None:
+    """modeling.init_random_ for ZeRO-3: the same rules (normal(0, std) matrices, vectors the model's own
+    starting value) applied to each rank's own partition (p.ds_tensor), seeded per rank."""
     gen = torch.Generator(device="cpu").manual_seed(seed * 7919 + rank)
     for name, p in model.named_parameters():
         local = p.ds_tensor
         if local.numel() == 0:
             continue
-        if "norm" in name.lower() and len(p.ds_shape) == 1:
-            local.fill_(1.0)
-        elif name.endswith("bias"):
-            local.zero_()
+        value = modeling.vector_value(reference, name, len(p.ds_shape))
+        if value is not None:
+            local.fill_(value)
         else:
             local.copy_(torch.empty(local.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
 
 
 @torch.no_grad()
-def init_as_partitions_(model: torch.nn.Module, std: float, seed: int, world: int) -> None:
+def init_as_partitions_(model: torch.nn.Module, std: float, seed: int, world: int,
+                        reference: modeling.Reference | None = None) -> None:
     """Stages 0-2 (a full copy on every rank): the values init_partitions_ gives under ZeRO-3, drawn
     partition by partition (ceil(numel / world) elements each, as DeepSpeed splits a flattened
     parameter), so one seed is one model at every stage and stages compare step for step."""
     gens = [torch.Generator(device="cpu").manual_seed(seed * 7919 + k) for k in range(world)]
     for name, p in model.named_parameters():
-        if "norm" in name.lower() and p.dim() == 1:
-            p.fill_(1.0)
-        elif name.endswith("bias"):
-            p.zero_()
+        value = modeling.vector_value(reference, name, p.dim())
+        if value is not None:
+            p.fill_(value)
         else:
             flat = p.view(-1)
             part = -(-flat.numel() // world)
@@ -298,14 +298,14 @@ def build(r: common.Rank, ds_cfg: dict) -> modeling.CausalLMLoss:
         if pretrained:
             load_pretrained_partitions(r, model)
         else:
-            init_partitions_(model, std, cfg.train.seed, r.rank)
+            init_partitions_(model, std, cfg.train.seed, r.rank, modeling.Reference(hf_cfg))
     else:
         # Stages 0-2 keep a full copy of the parameters on every rank by design; every rank draws the
         # same values (and DeepSpeed broadcasts rank 0's at initialize anyway).
         lm = modeling.load_pretrained(r.spec, hf_cfg) if pretrained else modeling.build_causal_lm(hf_cfg)
         model = modeling.CausalLMLoss(lm, loss=cfg.memory.loss_on(r.is_cuda))
         if not pretrained:
-            init_as_partitions_(model, std, cfg.train.seed, r.world)
+            init_as_partitions_(model, std, cfg.train.seed, r.world, modeling.Reference(hf_cfg))
     if cfg.train.method == "lora":
         # After the base weights are in (ZeRO-3: into partitions): the adapters are new parameters,
         # which deepspeed.initialize partitions like the rest.

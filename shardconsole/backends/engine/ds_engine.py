@@ -57,7 +57,7 @@ class DeepSpeedEngine:
                                                     config=self.ds_cfg)
         # zero.Init (stage 3) and the engine's module.half()/bfloat16() (stages 0-2) cast the rotary
         # frequencies to the compute dtype; rebuilt in fp32 they match the FSDP backend's (and the model's).
-        modeling.reset_buffers_(self.model, modeling.hf_config(r.spec, cfg), r.device)
+        modeling.reset_buffers_(self.model, modeling.Reference(modeling.hf_config(r.spec, cfg)), r.device)
         if cfg.train.compile and not cfg.compiles_layers:
             # Stage 3 with hooks inside each layer: DeepSpeed's own torch.compile integration (docs/MEASURED.md
             # measured it slower than eager on one H200; kept because the setting asks for it).

@@ -122,7 +122,8 @@ def build(r: common.Rank) -> Built:
     fp8_gather = shard_model(r, model)
     init_device = "cpu" if r.cfg.fsdp.cpu_offload else r.device
     model.to_empty(device=init_device)
-    modeling.reset_buffers_(model, hf_cfg, r.device)
+    reference = modeling.Reference(hf_cfg)
+    modeling.reset_buffers_(model, reference, r.device)
     if pretrained:
         sd = {f"lm.{k}": v for k, v in full_sd.items()} if full_sd is not None else {}
         if r.cfg.adapters and full_sd is not None:
@@ -132,7 +133,7 @@ def build(r: common.Rank) -> Built:
         del full_sd, sd
     else:
         modeling.init_random_(model, float(getattr(hf_cfg, "initializer_range", 0.02)), r.cfg.train.seed, r.rank,
-                              draw_on=r.device if r.is_cuda else None)
+                              draw_on=r.device if r.is_cuda else None, reference=reference)
     if r.cfg.adapters:
         adapters.init_adapters_(model, r.cfg.train.seed, r.rank)
         r.log(f"{r.cfg.train.method}: {adapters.count_line(model)}")

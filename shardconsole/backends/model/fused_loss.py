@@ -46,10 +46,18 @@ def describe(kind: str, device: torch.device) -> str:
 
 
 def _chunk(hc: torch.Tensor, w: torch.Tensor, yc: torch.Tensor, gh: torch.Tensor | None,
-           gw: torch.Tensor | None) -> torch.Tensor:
+           gw: torch.Tensor | None, softcap: float | None = None) -> torch.Tensor:
     """One chunk: the sum of its losses; its hidden rows' gradient written into `gh` (that chunk's rows
-    of the whole buffer) and its weight gradient added to the fp32 `gw`. The logits are freed here."""
-    logp = torch.log_softmax((hc @ w.t()).float(), dim=-1)     # [chunk, vocab] fp32; the matmul's output is freed
+    of the whole buffer) and its weight gradient added to the fp32 `gw`. The logits are freed here.
+    softcap: Gemma 2's final_logit_softcapping, logits = c * tanh(z / c) (its derivative 1 - tanh^2
+    scales the logits' gradient)."""
+    z = (hc @ w.t()).float()                    # [chunk, vocab] fp32; the matmul's output is freed
+    squash = None
+    if softcap is not None:
+        squash = torch.tanh(z / softcap)
+        z = squash * softcap
+    logp = torch.log_softmax(z, dim=-1)
+    del z
     loss = F.nll_loss(logp, yc, ignore_index=IGNORE, reduction="sum")
     if gh is None and gw is None:
         return loss
@@ -58,6 +66,9 @@ def _chunk(hc: torch.Tensor, w: torch.Tensor, yc: torch.Tensor, gh: torch.Tensor
     valid = yc != IGNORE
     g[torch.arange(yc.numel(), device=yc.device), yc.clamp(min=0)] -= 1.0
     g.mul_(valid.unsqueeze(1))
+    if squash is not None:
+        g.mul_(1.0 - squash.square_())
+        del squash
     g_c = g.to(w.dtype)     # in the compute dtype, as the chunked loss's backward hands it to its matmuls
     del g, logp
     if gh is not None:
@@ -75,7 +86,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, chunk_tokens: int,
-                grad_enabled: bool) -> torch.Tensor:
+                grad_enabled: bool, softcap: float | None = None) -> torch.Tensor:
         # needs_input_grad is set under no_grad too: the caller says whether a graph is being recorded
         need_h = grad_enabled and ctx.needs_input_grad[0]
         need_w = grad_enabled and ctx.needs_input_grad[1]
@@ -84,7 +95,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for i in range(0, y.numel(), chunk_tokens):
             j = i + chunk_tokens
-            total += _chunk(h[i:j], w, y[i:j], None if gh is None else gh[i:j], gw)
+            total += _chunk(h[i:j], w, y[i:j], None if gh is None else gh[i:j], gw, softcap)
         ctx.w_dtype = w.dtype
         ctx.save_for_backward(gh, gw)
         return total
@@ -96,17 +107,19 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         gh, gw = ctx.saved_tensors
         dh = None if gh is None else gh.mul_(grad_out.to(gh.dtype))
         dw = None if gw is None else gw.mul_(grad_out).to(ctx.w_dtype)
-        return dh, dw, None, None, None
+        return dh, dw, None, None, None, None
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                               chunk_tokens: int = 4096, reduction: str = "mean", kernel: str | None = None):
+                               chunk_tokens: int = 4096, reduction: str = "mean", kernel: str | None = None,
+                               softcap: float | None = None):
     """Next-token loss over the labels that are not -100, as modeling.chunked_cross_entropy (the same
     contract: reduction="mean" is the mean over those labels, 0 with a zero gradient when there are
     none; "sum" is (sum of their losses, their count as a tensor)) but fused: no logits are kept for
     backward and none are recomputed. Peak: one chunk's logits in fp32 and their gradient, the hidden
     states' gradient and the fp32 weight gradient, both held from forward until backward.
-    kernel: "liger" or "torch" (None: kernel_for the device; the GPU benchmark compares both)."""
+    kernel: "liger" or "torch" (None: kernel_for the device; the GPU benchmark compares both).
+    softcap: the model's final_logit_softcapping (None: none), applied by either kernel."""
     h = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     y = labels.reshape(-1).contiguous()
     count = (y != IGNORE).sum()
@@ -117,9 +130,10 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
                                "(liger-kernel; CUDA and Triton)")
         # Its "sum" (its "mean" divides by a zero count when every label is -100): the division is ours,
         # as in the torch path, so both give the same contract. fp32 weight-gradient accumulation, as ours.
-        total = liger(h, weight, y, ignore_index=IGNORE, reduction="sum", accum_dtype=torch.float32)
+        total = liger(h, weight, y, ignore_index=IGNORE, reduction="sum", accum_dtype=torch.float32,
+                      softcap=softcap)
     else:
-        total = FusedLinearCrossEntropy.apply(h, weight, y, chunk_tokens, torch.is_grad_enabled())
+        total = FusedLinearCrossEntropy.apply(h, weight, y, chunk_tokens, torch.is_grad_enabled(), softcap)
     if reduction == "sum":
         return total, count
     return total / count.clamp(min=1)

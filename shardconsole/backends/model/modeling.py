@@ -15,11 +15,8 @@ from shardconsole.settings.models import ModelSpec
 # The model
 
 def hf_config(spec: ModelSpec, cfg: C.RunConfig):
-    from transformers import AutoConfig, LlamaConfig
-    if spec.path is not None:
-        hf = AutoConfig.from_pretrained(spec.path, local_files_only=True)
-    else:
-        hf = LlamaConfig(**spec.config)
+    from shardconsole.settings.models import transformers_config
+    hf = transformers_config(spec)
     hf._attn_implementation = cfg.model.attn_implementation
     hf.use_cache = False
     return hf
@@ -43,14 +40,60 @@ def decoder_layers(lm: nn.Module) -> nn.ModuleList:
     raise TypeError(f"{type(lm).__name__}: cannot find its decoder layers")
 
 
-class RandomInit:
-    """The random-init rules, one parameter at a time: normal(0, std) for matrices, ones for norm
-    weights, zeros for biases, drawn from one generator per device seeded from (seed, rank). Drawing
-    the same parameters in the same order gives the same values however they are materialised (a
-    whole model, or QLoRA's one decoder layer at a time, backends/model/qlora.py)."""
+class Reference:
+    """What the model's own code gives that a build on the meta device loses: the non-persistent buffers
+    (rotary frequencies, Gemma's embedding scale sqrt(hidden)) and the starting value of each vector
+    parameter (norm weights: 1 for Llama's x * w, 0 for Gemma's x * (1 + w); biases 0). Made by building
+    the model once with its matrices on the meta device and only its vectors and buffers real, so the
+    family's own __init__ and _init_weights decide them, not a rule of ours (a Gemma 3 folder trained
+    with a garbage embedding scale learned nothing, exit 0)."""
 
-    def __init__(self, std: float, seed: int, rank: int, draw_on: torch.device | None = None) -> None:
+    def __init__(self, hf_cfg) -> None:
+        lm = _build_vectors_only(hf_cfg)
+        persistent = set(lm.state_dict().keys())
+        self.buffers = {n: b for n, b in lm.named_buffers() if n not in persistent}
+        self.vectors: dict[str, float] = {}
+        with torch.no_grad():
+            for n, p in lm.named_parameters():
+                if p.dim() == 1 and not p.is_meta and p.numel() and bool((p == p[0]).all()):
+                    self.vectors[n] = float(p[0])
+
+    def vector_value(self, name: str) -> float | None:
+        """The constant a vector parameter starts at (`name` as the trained module has it: "lm."-prefixed,
+        peft's wrappers in it), or None where the model gave none."""
+        from shardconsole.backends.model.adapters import base_key
+        return self.vectors.get(base_key(name.removeprefix("lm.")))
+
+
+def _build_vectors_only(hf_cfg) -> nn.Module:
+    """The LM with every parameter of two or more dimensions moved to the meta device as it is registered
+    (so neither memory nor init time is spent on them) and the rest real on the CPU."""
+    register = nn.Module.register_parameter
+
+    def to_meta_if_matrix(module: nn.Module, name: str, param) -> None:
+        register(module, name, param)
+        if param is not None and param.dim() > 1 and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = to_meta_if_matrix     # type: ignore[method-assign]
+    try:
+        with torch.device("cpu"):
+            return build_causal_lm(hf_cfg)
+    finally:
+        nn.Module.register_parameter = register          # type: ignore[method-assign]
+
+
+class RandomInit:
+    """The random-init rules, one parameter at a time: normal(0, std) for matrices, for vectors the
+    model's own starting value (Reference: ones for Llama's norm weights, zeros for Gemma's and for
+    biases), drawn from one generator per device seeded from (seed, rank). Drawing the same parameters
+    in the same order gives the same values however they are materialised (a whole model, or QLoRA's
+    one decoder layer at a time, backends/model/qlora.py)."""
+
+    def __init__(self, std: float, seed: int, rank: int, draw_on: torch.device | None = None,
+                 reference: Reference | None = None) -> None:
         self.std, self.seed, self.rank, self.draw_on = std, seed, rank, draw_on
+        self.reference = reference
         self.gens: dict[torch.device, torch.Generator] = {}
 
     @torch.no_grad()
@@ -58,10 +101,9 @@ class RandomInit:
         local = p.to_local() if hasattr(p, "to_local") else p
         if local.numel() == 0 or ".lora_" in name or ".modules_to_save." in name:
             return      # LoRA's own (backends/model/adapters.py): the base draws as without them, the same model
-        if "norm" in name.lower() and local.dim() == 1:
-            local.fill_(1.0)
-        elif name.endswith("bias"):
-            local.zero_()
+        value = vector_value(self.reference, name, p.dim())
+        if value is not None:
+            local.fill_(value)
         else:
             # Generated where the shard lives: a 7B model's 27 GiB of fp32 draws on one CPU core is minutes.
             # Offloaded shards are drawn on the GPU and copied: 13B on the CPU is minutes more.
@@ -75,28 +117,55 @@ class RandomInit:
                 local.copy_(torch.empty(local.shape, dtype=local.dtype, device=where).normal_(0.0, self.std, generator=gen))
 
 
-def init_random_(model: nn.Module, std: float, seed: int, rank: int, draw_on: torch.device | None = None) -> None:
+def vector_value(reference: Reference | None, name: str, dim: int) -> float | None:
+    """The constant a parameter starts at, or None for a drawn one: the model's own value for a vector
+    (Reference), else the Llama rules (norm weights 1, biases 0) where no reference was made."""
+    if dim != 1:
+        return None
+    if reference is not None:
+        value = reference.vector_value(name)
+        if value is not None:
+            return value
+    if "norm" in name.lower():
+        return 1.0
+    return 0.0 if name.endswith("bias") else None
+
+
+def init_random_(model: nn.Module, std: float, seed: int, rank: int, draw_on: torch.device | None = None,
+                 reference: Reference | None = None) -> None:
     """Random init of (possibly sharded) parameters in place (RandomInit's rules). Works on each rank's
     local shard, seeded per rank, so a model built on the meta device never needs a full copy anywhere.
     `draw_on`: a GPU to draw host shards on (CPU offload), a tensor at a time."""
-    init = RandomInit(std, seed, rank, draw_on)
+    init = RandomInit(std, seed, rank, draw_on, reference)
     for name, p in model.named_parameters():
         init.draw_(name, p)
 
 
 @torch.no_grad()
-def reset_buffers_(model: nn.Module, hf_cfg, device: torch.device) -> None:
-    """Non-persistent buffers (rotary inv_freq) are garbage after to_empty(): rebuild them."""
-    for name, module in model.named_modules():
-        if name.endswith("rotary_emb"):
-            with torch.device("cpu"):
-                fresh = type(module)(config=hf_cfg)
-            for bname, buf in fresh.named_buffers(recurse=False):
-                module._buffers[bname] = buf.to(device)   # on the compute device even with CPU offload
+def reset_buffers_(model: nn.Module, reference: Reference, device: torch.device) -> None:
+    """Non-persistent buffers are garbage after to_empty() (and cast by a model-wide .to(dtype)): each
+    gets the value the model's own code gives it (Reference), on the compute device even with CPU
+    offload. A buffer the reference lacks is an error, not a guess: training on it would be silently wrong."""
+    from shardconsole.backends.model.adapters import base_key
+    for module_name, module in model.named_modules():
+        for bname in list(module._buffers):
+            if bname not in module._non_persistent_buffers_set or module._buffers[bname] is None:
+                continue
+            full = f"{module_name}.{bname}" if module_name else bname
+            fresh = reference.buffers.get(base_key(full.removeprefix("lm.")))
+            if fresh is None:
+                raise RuntimeError(f"{full}: a buffer the model's own build does not make; cannot restore it")
+            module._buffers[bname] = fresh.to(device)
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """fp32 logits of hidden rows `h`; softcap: final_logit_softcapping's c * tanh(z / c) (Gemma 2)."""
+    z = (h @ w.t()).float()
+    return z if softcap is None else torch.tanh(z / softcap) * softcap
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          chunk_tokens: int = 4096, reduction: str = "mean"):
+                          chunk_tokens: int = 4096, reduction: str = "mean", softcap: float | None = None):
     """Next-token loss over the labels that are not -100, without ever holding the full [tokens, vocab]
     fp32 logits. reduction="mean": the mean over those labels (0, with a zero gradient, when there are
     none: a window of prompt tokens only); "sum": (sum of their losses, their count as a tensor), for a
@@ -109,10 +178,10 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     n = y.numel()
     count = (y != -100).sum()
     if n <= chunk_tokens:
-        total = F.cross_entropy((h @ weight.t()).float(), y, ignore_index=-100, reduction="sum")
+        total = F.cross_entropy(_logits(h, weight, softcap), y, ignore_index=-100, reduction="sum")
     else:
         def part(hc: torch.Tensor, w: torch.Tensor, yc: torch.Tensor) -> torch.Tensor:
-            return F.cross_entropy((hc @ w.t()).float(), yc, ignore_index=-100, reduction="sum")
+            return F.cross_entropy(_logits(hc, w, softcap), yc, ignore_index=-100, reduction="sum")
 
         total = hidden.new_zeros((), dtype=torch.float32)
         for i in range(0, n, chunk_tokens):
@@ -124,7 +193,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
 
 
 def chunked_row_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                      chunk_tokens: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk_tokens: int = 4096, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of labels [B, S]: (sum of the log-probabilities of its labels that are not -100 [B] fp32,
     their count [B]), what a preference loss reads (backends/objective/preference.py: DPO sums a
     completion's log-probs, ORPO averages them per token). The same chunking as chunked_cross_entropy:
@@ -136,7 +205,7 @@ def chunked_row_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     counts = (labels != -100).sum(dim=1)
 
     def part(hc: torch.Tensor, w: torch.Tensor, yc: torch.Tensor, rc: torch.Tensor) -> torch.Tensor:
-        nll = F.cross_entropy((hc @ w.t()).float(), yc, ignore_index=-100, reduction="none")
+        nll = F.cross_entropy(_logits(hc, w, softcap), yc, ignore_index=-100, reduction="none")
         return nll.new_zeros(B).index_add(0, rc, nll)
 
     if y.numel() <= chunk_tokens:
@@ -158,7 +227,9 @@ class CausalLMLoss(nn.Module):
     block-diagonally (data.cross_document_attention = false).
 
     Wrapping the LM keeps the loss inside the root module's forward, so FSDP2's root hooks (and
-    DeepSpeed's) gather the embedding and output head for it.
+    DeepSpeed's) gather the embedding and output head for it. The loss is computed from the decoder's
+    hidden states and the head's weight, so whatever the family's own forward does to its logits is
+    done here too (LogitRule): a family that does more than that is refused where the model is built.
 
     loss: "chunked" (chunked_cross_entropy) or "fused" (fused_loss.py: memory.loss, resolved by the
     engine for its device); the per-row log-probs are chunked either way."""
@@ -167,15 +238,44 @@ class CausalLMLoss(nn.Module):
         super().__init__()
         self.lm = lm
         self.loss = loss
+        self.rule = LogitRule.of(lm)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
                 reduction: str = "mean"):
         # No KV cache: with one, transformers ignores the restarted positions and masks causally only.
         hidden = self.lm.model(input_ids=input_ids, position_ids=positions, use_cache=False).last_hidden_state
+        if self.rule.scale != 1.0:
+            hidden = hidden * self.rule.scale     # (h * s) @ W.T is s * logits: every loss kernel as it is
+        softcap = self.rule.softcap
         if reduction == "row":
-            return chunked_row_logps(hidden, self.lm.lm_head.weight, labels)
-        ce = fused_linear_cross_entropy if self.loss == "fused" else chunked_cross_entropy
-        return ce(hidden, self.lm.lm_head.weight, labels, reduction=reduction)
+            return chunked_row_logps(hidden, self.lm.lm_head.weight, labels, softcap=softcap)
+        if self.loss == "fused":
+            return fused_linear_cross_entropy(hidden, self.lm.lm_head.weight, labels, reduction=reduction,
+                                              softcap=softcap)
+        return chunked_cross_entropy(hidden, self.lm.lm_head.weight, labels, reduction=reduction, softcap=softcap)
+
+
+class LogitRule:
+    """What a family's forward does between its head's matmul and the logits, read from its config:
+    logit_scale (Cohere: multiplied), logits_scaling (Granite: divided), final_logit_softcapping
+    (Gemma 2: c * tanh(z / c)). A head with a bias is refused: no loss kernel here adds one."""
+
+    def __init__(self, scale: float = 1.0, softcap: float | None = None) -> None:
+        self.scale, self.softcap = scale, softcap
+
+    @classmethod
+    def of(cls, lm: nn.Module) -> "LogitRule":
+        config = getattr(lm, "config", None)
+        head = getattr(lm, "lm_head", None)
+        if head is not None and getattr(head, "bias", None) is not None:
+            raise ValueError(f"{type(lm).__name__}: its output head has a bias, which shardconsole's losses "
+                             "do not add; training it would not be the model transformers defines")
+        scale = float(getattr(config, "logit_scale", None) or 1.0)
+        divisor = getattr(config, "logits_scaling", None)
+        if divisor:
+            scale /= float(divisor)
+        softcap = getattr(config, "final_logit_softcapping", None)
+        return cls(scale, float(softcap) if softcap else None)
 
 
 def enable_checkpointing(lm: nn.Module) -> None:

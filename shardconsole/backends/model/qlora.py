@@ -84,7 +84,8 @@ def random_base(hf_cfg, device: torch.device, seed: int, quantise=quantise_) -> 
             m.to_empty(device=device, recurse=False)
     if getattr(hf_cfg, "tie_word_embeddings", False):
         lm.tie_weights()     # to_empty made the head's own tensor; named_parameters lists the tied one once
-    init = modeling.RandomInit(float(getattr(hf_cfg, "initializer_range", 0.02)), seed, 0)
+    reference = modeling.Reference(hf_cfg)
+    init = modeling.RandomInit(float(getattr(hf_cfg, "initializer_range", 0.02)), seed, 0, reference=reference)
     count, done = 0, set()
     for i, names in itertools.groupby([(n, layer_of.get(id(p))) for n, p in lm.named_parameters()],
                                       key=lambda item: item[1]):
@@ -96,7 +97,7 @@ def random_base(hf_cfg, device: torch.device, seed: int, quantise=quantise_) -> 
         if i is not None:
             count += quantise(layers[i], device)
             done.add(i)
-    modeling.reset_buffers_(lm, hf_cfg, device)     # after every to_empty (a layer's own rotary too)
+    modeling.reset_buffers_(lm, reference, device)     # after every to_empty (a layer's own rotary too)
     return lm, count
 
 

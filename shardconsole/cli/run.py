@@ -12,6 +12,7 @@ from shardconsole.launch.command import child_env, runs_root
 from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.launch.job import PRESET_FILE, build_argv, format_argv, new_run_dir, run_id_of, slurm_script
 from shardconsole.session import preflight
+from shardconsole.session.gpu_checks import gpu_overrun
 from shardconsole.settings import config as C
 from shardconsole.settings import resolve as settings
 from shardconsole.settings.resolve import DEFAULT_PRESET
@@ -39,8 +40,9 @@ def _run_parser() -> argparse.ArgumentParser:
                     help="where new run folders go (default: $SHARDCONSOLE_RUNS_ROOT, else the per-user folder "
                          "`shardconsole runs` prints)")
     ap.add_argument("--force", action="store_true",
-                    help="--headless: launch even when the planner says the host's RAM, or the free space for the "
-                         "checkpoints and the export, is too small")
+                    help="--headless: launch even when the planner says the GPU's memory (a GPU found here or "
+                         "memory.gpu_memory_limit), the host's RAM, or the free space for the checkpoints and the "
+                         "export, is too small")
     return ap
 
 
@@ -111,7 +113,12 @@ def cmd_run(argv: list[str]) -> int:
         network.check_multi_node(cfg, p.rdzv_endpoint.rsplit(":", 1)[0].strip("[]"),
                                  resolved.origin("parallel", "rdzv_endpoint"))
     if not args.force:
-        preflight.check_host_memory(resolved, preflight.check_model(resolved))
+        spec = preflight.check_model(resolved)
+        # the run's own plan against the GPU memory it knows (a GPU here, or the settings' cap)
+        gpu_over = gpu_overrun(resolved, spec)
+        if gpu_over is not None:
+            raise gpu_over
+        preflight.check_host_memory(resolved, spec)
         preflight.check_disk(resolved, run_dir)
     from shardconsole import headless
     from shardconsole.session.run import RunSession

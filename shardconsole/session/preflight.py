@@ -148,8 +148,8 @@ def host_overrun(r: Resolved, spec: ModelSpec | None = None, hardware: Any = Non
 def check_host_memory(r: Resolved, spec: ModelSpec) -> None:
     """Refuse a launch that the planner says cannot fit this machine's RAM: a host out of memory does not
     fail cleanly like a GPU OOM, the kernel's OOM killer may take any process (the planner's host figure
-    was within 6% of every calibration run). GPU verdicts are left to the run: a GPU OOM is caught and
-    explained with the settings that fit."""
+    was within 6% of every calibration run). The GPU's verdict is gpu_checks.gpu_overrun's, checked before
+    this one where the plan knows the GPU's memory."""
     est = _host_estimate(r, spec, None, None)
     over = _over(est)
     if over is not None:
@@ -179,7 +179,8 @@ def fit_micro_batch(r: Resolved, gpu_count: int | None, spec: ModelSpec | None =
     budget is lowered to the largest that leaves the allocator room: a preset is tuned for its model
     (3090-7b-offload's 12 is 7b's), and the same preset at 13b would otherwise build, pin 120 GiB of
     host memory and then stop on a GPU out of memory or crawl through emptied caches.
-    A micro-batch the user chose is theirs: the run's out-of-memory report says what fits. Unchanged
+    A micro-batch the user chose is theirs: one the plan puts over the GPU is refused (gpu_checks.gpu_overrun,
+    unless --force), and the run's out-of-memory report says what fits. Unchanged
     when the ranks run on the CPU, when no micro-batch fits, or when the planner cannot say."""
     if not gpu_count or r.cfg.parallel.device == "cpu" or "train.micro_batch" in r.origins:
         return r, None

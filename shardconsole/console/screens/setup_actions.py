@@ -17,6 +17,7 @@ from textual.widgets import OptionList, TabbedContent
 from shardconsole.settings import config as C
 from shardconsole.settings import preset_store, resolve as settings
 from shardconsole.session import preflight
+from shardconsole.session.gpu_checks import FORCE, gpu_overrun
 
 from shardconsole.console.screens.dialogs import AttachScreen, ConfirmScreen, ReportScreen, SavePresetScreen, SaveRequest
 from shardconsole.console.screens.setup_summary import preset_options
@@ -100,12 +101,29 @@ class SetupActions(Screen[None]):
         if short is not None:
             def disk_answered(yes: bool | None) -> None:
                 if yes:
-                    self._launch_past_host_check(resolved)
+                    self._launch_past_gpu_check(resolved)
             self.app.push_screen(ConfirmScreen(
                 "Launch without room for its saves?",
                 f"{short.text.removesuffix(' (--force launches anyway)')}. A save that finds the disk full fails "
                 f"the run at its last step. `shardconsole --headless` refuses this launch unless given --force.",
                 yes="Launch anyway", no="Back"), disk_answered)
+            return
+        self._launch_past_gpu_check(resolved)
+
+    def _launch_past_gpu_check(self, resolved: settings.Resolved) -> None:
+        """The run's own plan against the GPU memory it knows (a GPU here, or memory.gpu_memory_limit), as
+        --headless refuses it unless --force: here a question, then the host RAM check."""
+        over = (gpu_overrun(resolved, hardware=self.machine.plan_hardware, planner=self.plan)
+                if self.plan is not None and self.machine.plan_hardware is not None else None)
+        if over is not None:
+            def answered(yes: bool | None) -> None:
+                if yes:
+                    self._launch_past_host_check(resolved)
+            self.app.push_screen(ConfirmScreen(
+                "Launch past the plan's GPU memory?",
+                f"{str(over).removesuffix(FORCE)}. A GPU out of memory stops the run after the model is built "
+                f"(minutes on a big model). `shardconsole --headless` refuses this launch unless given --force.",
+                yes="Launch anyway", no="Back"), answered)
             return
         self._launch_past_host_check(resolved)
 

@@ -61,3 +61,58 @@ def test_readme_links_every_page_of_docs_and_every_link_resolves():
 
 def test_the_readme_is_a_guide_of_at_most_300_lines():
     assert len((REPO / "README.md").read_text().splitlines()) <= 300
+
+
+PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+
+
+def test_every_code_fence_is_closed():
+    """An open fence renders the rest of the page as code (docs/TUNE.md did, issue 65)."""
+    open_at = []
+    for page in PAGES:
+        fence, line_no = None, 0
+        for i, line in enumerate(page.read_text().splitlines(), 1):
+            m = FENCE.match(line)
+            if m is None:
+                continue
+            mark = m.group(1)
+            if fence is None:
+                fence, line_no = mark, i
+            elif mark[0] == fence[0] and len(mark) >= len(fence) and not line.strip()[len(mark):]:
+                fence = None
+        if fence is not None:
+            open_at.append(f"{page.relative_to(REPO)}:{line_no}")
+    assert not open_at, f"code fences opened and never closed: {open_at}"
+
+
+def test_help_names_every_subcommand():
+    from shardconsole.cli import main
+    main._register_optional()
+    res = shardconsole("--help")
+    assert res.returncode == 0, res.stderr
+    text = " ".join(res.stdout.split())      # argparse wraps the description
+    assert sorted(main.SUBCOMMANDS) == sorted(main.command_names())
+    missing = [name for name in main.SUBCOMMANDS if not re.search(rf"[ ,]{re.escape(name)}[ ,(]", text)]
+    assert not missing, f"`shardconsole --help` leaves out {missing}"
+
+
+PACKAGES = sorted(p.name for p in (REPO / "shardconsole").iterdir() if p.is_dir() and not p.name.startswith("_"))
+# a repo path (shardconsole/..., tests/..., docs/...), or a file path under the package (backends/engine/loop.py)
+REPO_PATH = re.compile(r"(?<![\w./-])((?:shardconsole|tests|docs|benchmarks|scripts|presets)/[\w./*-]*[\w*])")
+PACKAGE_FILE = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*\.(?:py|md|toml|json|sh))\b" % "|".join(PACKAGES))
+
+
+def test_every_path_the_docs_name_exists():
+    """docs/ARCHITECTURE.md named four files that had been gone for months (issue 65)."""
+    missing = []
+    for page in PAGES:
+        text = page.read_text()
+        for path in REPO_PATH.findall(text):
+            path = path.rstrip(".")
+            if not (list(REPO.glob(path)) if "*" in path else (REPO / path).exists()):
+                missing.append(f"{page.relative_to(REPO)}: {path}")
+        for path in PACKAGE_FILE.findall(text):
+            if not (REPO / "shardconsole" / path).exists() and not (REPO / path).exists():
+                missing.append(f"{page.relative_to(REPO)}: {path} (under shardconsole/)")
+    assert not missing, missing

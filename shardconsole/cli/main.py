@@ -7,7 +7,8 @@
     shardconsole resume RUN_DIR [--set table.key=value ...]
     shardconsole export-model RUN_DIR -o OUT_DIR [--step N] [--dtype bf16|fp32]
     shardconsole settings [TABLE] [--json]      every setting: type, default, allowed values, help
-    shardconsole plan | export | import | tune | runs | compare | doctor   (each has --help)
+    shardconsole chat RUN_DIR|MODEL_DIR         talk to a run's last checkpoint or a model folder
+    shardconsole data | plan | export | import | tune | runs | compare | doctor   (each has --help)
     shardconsole --version
 
 Bad input (a preset, an override, a model folder) is one line on stderr and exit code 2.
@@ -31,14 +32,28 @@ SUBCOMMANDS = {"presets": cmd_presets, "attach": cmd_attach, "stop": cmd_stop}
 # Subcommands in their own modules, imported only when named ("module:function"): start-up stays
 # as light as the console needs, and each command's module owns its parser.
 LAZY_SUBCOMMANDS = {
+    "settings": "shardconsole.cli.settings:cmd_settings",
+    "data": "shardconsole.cli.data:cmd_data",
+    "resume": "shardconsole.cli.resume:cmd_resume",
+    "export-model": "shardconsole.cli.export_model:cmd_export_model",
+    "chat": "shardconsole.cli.chat:cmd_chat",
     "tune": "shardconsole.cli.tune:cmd_tune",
     "runs": "shardconsole.cli.runs:cmd_runs",
     "compare": "shardconsole.cli.runs:cmd_compare",
     "doctor": "shardconsole.cli.doctor:cmd_doctor",
-    "settings": "shardconsole.cli.settings:cmd_settings",
-    "data": "shardconsole.cli.data:cmd_data",
-    "chat": "shardconsole.cli.chat:cmd_chat",
 }
+# ... and those whose module may not import (an optional dependency): left out of the dispatcher then.
+OPTIONAL_SUBCOMMANDS = {
+    "export": "shardconsole.cli.ds_json:cmd_export",
+    "import": "shardconsole.cli.ds_json:cmd_import",
+    "plan": "shardconsole.cli.plan:cmd_plan",
+}
+
+
+def command_names() -> list[str]:
+    """Every subcommand the dispatcher knows, for `shardconsole --help` (cli/run.py): one list, so the help
+    cannot leave one out."""
+    return list(dict.fromkeys([*SUBCOMMANDS, *LAZY_SUBCOMMANDS, *OPTIONAL_SUBCOMMANDS]))   # registered: once
 
 
 def _lazy(target: str):
@@ -51,23 +66,15 @@ def _lazy(target: str):
 
 def _register_optional() -> None:
     """Subcommands that live in their own modules (kept out of start-up when unused)."""
+    import importlib
     for name, target in LAZY_SUBCOMMANDS.items():
         SUBCOMMANDS.setdefault(name, _lazy(target))
-    try:
-        from shardconsole.cli import ds_json
-        SUBCOMMANDS.setdefault("export", ds_json.cmd_export)
-        SUBCOMMANDS.setdefault("import", ds_json.cmd_import)
-    except ImportError:
-        pass
-    try:
-        from shardconsole.cli import plan as plan_cli
-        SUBCOMMANDS.setdefault("plan", plan_cli.cmd_plan)
-    except ImportError:
-        pass
-    from shardconsole.cli import resume as resume_cli
-    SUBCOMMANDS.setdefault("resume", resume_cli.cmd_resume)
-    from shardconsole.cli import export_model
-    SUBCOMMANDS.setdefault("export-model", export_model.cmd_export_model)
+    for name, target in OPTIONAL_SUBCOMMANDS.items():
+        module, func = target.split(":")
+        try:
+            SUBCOMMANDS.setdefault(name, getattr(importlib.import_module(module), func))
+        except ImportError:
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,11 +19,11 @@ from shardconsole.settings.resolve import DEFAULT_PRESET
 
 
 def _run_parser() -> argparse.ArgumentParser:
+    from shardconsole.cli.main import command_names     # the dispatcher's own list (main imports this module)
     ap = argparse.ArgumentParser(
         prog="shardconsole",
         description="A terminal console for PyTorch FSDP2 and DeepSpeed ZeRO training. Subcommands: "
-                    "presets, settings, attach, stop, resume, export-model, export, import, plan, tune, runs, "
-                    "compare, doctor (see `shardconsole SUBCOMMAND --help`).")
+                    f"{', '.join(command_names())} (see `shardconsole SUBCOMMAND --help`).")
     ap.add_argument("--version", action="store_true", help="print the versions of shardconsole, torch, "
                     "deepspeed, transformers and textual, and exit")
     ap.add_argument("--preset", default=None, help=f"preset name or .toml file (default: {DEFAULT_PRESET})")

@@ -74,7 +74,7 @@ class Knobs:
     kill_wait_s: float | None = None   # SHARDCONSOLE_KILL_WAIT_S: Slurm's KillWait, exported by the sbatch script
     p2p_note: str = ""                 # SHARDCONSOLE_P2P_NOTE: why the launch turned NCCL's P2P off
     # Benchmarks' and tests' switches
-    stream: bool = True                # SHARDCONSOLE_STREAM=off: no metrics written (benchmarks/overhead.py)
+    stream: bool = True                # SHARDCONSOLE_STREAM=off: no metrics written (benchmarks/gpu_runs.py --overhead)
     faults: str = ""                   # SHARDCONSOLE_FAULT: test faults (rank/faults.py)
     phase_times: bool = False          # SHARDCONSOLE_PHASE_TIMES=1: rank 0 logs each step's phases
     offload_view: bool = True          # SHARDCONSOLE_OFFLOAD_VIEW=off: no offload view (its cost measured)

@@ -56,6 +56,18 @@ def test_combinations_that_cannot_work_are_refused_in_one_line(tmp_path, sets, k
     assert "\n" not in msg and words in msg and key.split(".")[1] in msg
 
 
+def test_sft_on_a_pairs_file_says_which_objective_takes_it(tmp_path):
+    """The default objective (sft) on chosen/rejected records: the refusal names the setting that trains
+    on them (issue 65), in one line."""
+    from tests.conftest import shardconsole
+    data = write_jsonl(tmp_path / "p.jsonl", PAIRS)
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(tmp_path / "run"),
+                       "--set", f"data.path={data}")
+    line = res.stderr.strip()
+    assert res.returncode == 2 and len(line.splitlines()) == 1 and "Traceback" not in line, res.stderr
+    assert "no known record format" in line and "train.objective=dpo" in line, line
+
+
 # --- records, before launch --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad,where", [

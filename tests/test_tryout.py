@@ -105,6 +105,15 @@ def test_a_run_without_a_tokenizer_is_refused_before_its_export(fsdp_tiny_run):
     assert "wrote " not in line and "Traceback" not in line and len(line.splitlines()) == 1, line
 
 
+def test_chat_on_a_folder_that_is_neither_says_it_takes_a_model_folder_too(tmp_path):
+    """A folder that is no run folder and no model folder: the line says chat also takes an export (issue 65),
+    not only that it is no run."""
+    out = shardconsole("chat", str(tmp_path), "--prompt", "hi")
+    line = out.stderr.strip()
+    assert out.returncode == 2 and len(line.splitlines()) == 1 and "Traceback" not in line, out.stderr
+    assert "not a run folder" in line and "model folder" in line and "export-model" in line, line
+
+
 def _reference(model: Path, prompt: str, n: int) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

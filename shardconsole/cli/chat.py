@@ -56,7 +56,12 @@ def model_folder(target: str, step: int | None) -> Iterator[Path]:
             raise UsageError(f"--step: {path} is an exported model folder, not a run")
         yield path
         return
-    run = run_folder(target)
+    try:
+        run = run_folder(target)
+    except UsageError as e:
+        # neither kind: the run-folder error alone reads as if chat took only runs
+        raise UsageError(f"{e}; nor a model folder (config.json and weights): chat takes a run folder or id, "
+                         f"or a model folder such as one `shardconsole export-model` writes") from None
     from shardconsole.tryout.base import no_tokenizer
     if why := no_tokenizer(run):
         raise UsageError(why)

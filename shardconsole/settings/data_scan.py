@@ -69,9 +69,13 @@ def format_of(columns: Any, text_key: str) -> str | None:
 
 
 def no_format(columns: Any, text_key: str, where: str) -> str:
+    # chosen and rejected: preference pairs (pair_records.PAIR_FIELDS, which imports this module), not SFT
+    # records; the user most likely meant a preference objective, so the line says which setting
+    pairs = ("; these are preference pairs (chosen / rejected): train on them with train.objective=dpo "
+             "(or orpo)") if {"chosen", "rejected"} <= set(columns) else ""
     return (f"{where}: no known record format in the columns {sorted(columns)}: expected {text_key!r} "
             f"(text, data.text_key), 'messages' (chat), 'prompt' and 'completion', or 'instruction' and "
-            f"'output' (alpaca)")
+            f"'output' (alpaca){pairs}")
 
 
 def turns(raw: Any, where: str) -> list[dict[str, str]]:

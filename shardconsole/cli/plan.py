@@ -21,7 +21,7 @@ from typing import Any
 from shardconsole.settings import config as C
 from shardconsole import plan as PL
 from shardconsole.settings import resolve as settings
-from shardconsole.settings.models import human_count
+from shardconsole.settings.models import ModelSpec, human_count
 from shardconsole.settings.values import FP8_GPUS
 from shardconsole.plan.speed import model as speed_model
 from shardconsole.plan.speed.cards import CARDS, Card, card_named
@@ -169,6 +169,39 @@ def speed_lines(p: speed_model.SpeedPrediction | None, cfg: C.RunConfig, host_gi
     return lines
 
 
+def would_fit(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware) -> PL.Candidate | None:
+    """For a run that does not fit hw: the smallest change that does, the largest lower micro-batch, else
+    the fastest settings of `plan --fit --model`
+    (strategy, checkpointing, micro-batch); None where none does or no GPU is known to plan them on."""
+    if not hw.gpus or not hw.gpu_memory_bytes or cfg.parallel.device == "cpu":
+        return None
+    from shardconsole.plan.speed.book import SpeedBook
+    book = SpeedBook.load()
+    # (grad_accum as given: accumulating more keeps unsynced gradients, which an offloaded run holds on the GPU)
+    for mb in range(cfg.train.micro_batch - 1, 0, -1):
+        c2 = PL.replace_cfg(cfg, ("train", "micro_batch", mb))
+        est = PL.estimate(c2, spec, hw)
+        if est.fits:
+            p = book.predict(c2, hw, spec)
+            return PL.Candidate(f"train.micro_batch {mb}", [f"train.micro_batch={mb}"], est, p.value, p.unit, p.source)
+    cands = PL.settings_that_fit(cfg, hw, spec, book=book)
+    return cands[0] if cands else None
+
+
+def no_fit_lines(instead: PL.Candidate | None, hw: Hardware) -> list[str]:
+    """What plan says in place of a speed for a run that does not fit: no tokens/s, no time to finish
+    (the run would stop, not finish), and what would fit."""
+    lines = ["speed: none predicted: the run does not fit (the verdict above), so it would not finish"]
+    if instead is None:
+        lines.append("  would fit: no strategy, checkpointing or micro-batch here; lower what the verdict names"
+                     + (", or plan another machine (--gpus, --gpu-memory, --host-memory)" if hw.gpus else ""))
+        return lines
+    speed = (f", {instead.speed:,.0f} tokens/s ({instead.speed_source})" if instead.speed_unit == "tokens/s" else "")
+    lines.append(f"  would fit: {instead.name}{speed}: " + " ".join(f"--set {o}" for o in instead.overrides))
+    lines.append("  (`shardconsole plan --fit --model NAME` lists every setting that fits, fastest first)")
+    return lines
+
+
 def _with_card(hw: Hardware, card: Card | None, gpu_memory_given: bool) -> Hardware:
     """hw with card's GPU (its memory unless --gpu-memory was given; one GPU where none was found)."""
     if card is None:
@@ -204,16 +237,24 @@ def cmd_plan(argv: list[str]) -> int:
                     card, args.gpu_memory is not None)
     est = PL.estimate(cfg, spec, hw)
     speed = speed_model.predict(cfg, spec, hw, card=card)
+    # A run that does not fit has no speed and no time to finish: what would fit instead (issue 65)
+    fits_not = est.verdict.startswith("does not fit")
+    instead = would_fit(cfg, spec, hw) if fits_not else None
     if args.json:
         out = est.to_dict()
         out["hardware"] = _hw_dict(hw)
         out["preset"] = name
         out["settings"] = describe(cfg)
         out.update(speed.to_dict() if speed else {"predicted_tokens_per_s": None, "predicted_seconds": None})
+        if fits_not:
+            out.update({"predicted_tokens_per_s": None, "predicted_seconds": None, "predicted_step_s": None,
+                        "would_fit": None if instead is None else {"name": instead.name,
+                                                                   "overrides": instead.overrides}})
         print(json.dumps(out))
     else:
         print(fit(format_estimate(est, cfg, name, hw)))
-        print(fit("\n".join(["", *speed_lines(speed, cfg, hw.host_given)])))
+        lines = no_fit_lines(instead, hw) if fits_not else speed_lines(speed, cfg, hw.host_given)
+        print(fit("\n".join(["", *lines])))
     # A script can ask "does it fit" of the exit code (docs/EXIT_CODES.md); "cannot tell" is not "no".
     return EXIT_DOES_NOT_FIT if est.verdict.startswith("does not fit") else 0
 
@@ -274,16 +315,17 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         if book.stale_note():
             say(f"  note: {book.stale_note()}")
         say("  speed: tokens/s measured on this machine (probes of `shardconsole tune`, finished runs), scaled "
-            "where only similar settings were measured, else predicted by the speed model (m)"
-            if unit == "tokens/s" else
+            "where only similar settings were measured, else predicted by the speed model; where each came from "
+            "in brackets" if unit == "tokens/s" else
             "  speed: relative tokens/s from the fixed factors (1.00 = FSDP2 on an H200, no checkpointing); "
             "`shardconsole tune` measures this machine")
         if not cands:
             say("  none: no strategy fits this model here; more GPUs, more host RAM or a shorter sequence")
         for c in cands[:15]:
             e = c.estimate
-            speed = f"{c.speed:7.0f}" if c.speed_unit == "tokens/s" else f"{c.speed:7.2f}"
-            speed += "m" if c.speed_source == "model" else " "
+            # a plain number and its source in words: a trailing "m" for "model" read as milli (900m)
+            speed = f"{c.speed:9,.0f}" if c.speed_unit == "tokens/s" else f"{c.speed:9.2f}"
+            speed += f" {'(' + c.speed_source + ')':<12}"
             say(f"  {speed}  {c.name:<52} GPU {C.format_size(e.gpu_peak_bytes):>10}  "
                 f"host {C.format_size(e.host_peak_bytes):>10}")
         if len(cands) > 15:

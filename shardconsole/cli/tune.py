@@ -26,7 +26,9 @@ from shardconsole.settings import config as C
 from shardconsole.settings import resolve as settings
 from shardconsole.tune.engine import Tune
 from shardconsole.tune.setup import make_tune, output_name, parse_duration
-from shardconsole.tune.report import format_table, machine_text, numerics_note, table, write_preset
+from shardconsole.tune.report import format_table, machine_text, numerics_note, table, tie_note, write_preset
+
+DRY_RUN_SHOWN = 20          # the options --dry-run lists; the count of the rest that fit is said
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -97,12 +99,15 @@ def cmd_tune(argv: list[str]) -> int:
         print(f"note: {tune.book.stale_note()}", file=out)
     if args.dry_run:
         print(f"{len(fits)} option(s) fit, ranked by predicted speed (--dry-run: nothing is probed)", file=out)
-        shown = tune.options[:20]
-        shown += [o for o in tune.options[20:] if o.baseline]     # the settings as given, wherever they rank
+        shown = tune.options[:DRY_RUN_SHOWN]
+        shown += [o for o in tune.options[DRY_RUN_SHOWN:] if o.baseline]   # the settings as given, wherever they rank
         for o in shown:
             p = o.prediction
             print(f"  {p.value:10.2f} {p.unit:<8} ({p.source})  {'[baseline] ' if o.baseline else ''}{o.name}"
-                  f"{'' if o.estimate.fits else '  (does not fit: ' + o.estimate.verdict + ')'}", file=out)
+                  f"{'' if o.estimate.fits else '  (' + o.estimate.verdict + ')'}", file=out)
+        more = sum(1 for o in fits if not any(o is x for x in shown))
+        if more:
+            print(f"... and {more} more that fit, predicted slower (not listed)", file=out)
         note = numerics_note(tune)
         if note:
             print(note, file=out)
@@ -157,5 +162,8 @@ def cmd_tune(argv: list[str]) -> int:
     elif base is winner:
         vs = f"; {source} as given was the fastest"
     print(f"winner: {winner.option.name}: {winner.result.tokens_per_s:,.0f} tokens/s{vs}", file=out)
+    tie = tie_note(tune)
+    if tie:
+        print(tie, file=out)
     print(f"wrote {path}; run it with `shardconsole --preset {name}`", file=out)
     return code

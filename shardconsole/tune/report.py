@@ -124,6 +124,29 @@ def numerics_note(tune: Tune) -> str:
             f"see docs/{page}, \"{section}\"; " + " ".join(f"--vary {k}" for k in changed) + " probes it")
 
 
+# Two probes of the same settings differ by a few percent even in one call (a step of a few tenths of a
+# second moves with the host's other work; the same 3b bf16 settings moved 12% between calls, issue 48):
+# closer than this, which of two probes of a few steps is faster is not a finding.
+TIE_NOISE = 0.05
+
+
+def tie_note(tune: Tune) -> str:
+    """One line when the winner's measured tokens/s is within TIE_NOISE of the next probe's that stayed
+    under the caps: a tie within the run-to-run noise, not a winner ("" otherwise)."""
+    done = sorted(((r.option.name, r.result.tokens_per_s) for r in tune.rows
+                   if r.result is not None and r.result.ok and r.result.tokens_per_s > 0), key=lambda x: -x[1])
+    if len(done) < 2:
+        return ""
+    best = done[0][1]
+    close = [(name, tps) for name, tps in done[1:] if tps >= best * (1 - TIE_NOISE)]
+    if not close:
+        return ""
+    others = ", ".join(f"{name} {tps:,.0f} ({100 * (tps / best - 1):+.1f}%)" for name, tps in close)
+    return (f"a tie within the noise: {others} against the winner's {best:,.0f} tokens/s, within the "
+            f"{100 * TIE_NOISE:.0f}% that probes of {tune.limits.probe_steps} steps move run to run; the winner was "
+            f"written, but it is not shown faster (longer probes, --probe-steps, would tell them apart)")
+
+
 def format_table(rows: list[tuple[str, ...]]) -> str:
     all_rows = [COLUMNS, *rows]
     widths = [min(max(len(r[i]) for r in all_rows), 70 if i == 1 else 64) for i in range(len(COLUMNS))]

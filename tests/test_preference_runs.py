@@ -113,6 +113,9 @@ def test_dpo_learns_the_rule_resumes_exactly_and_exports(dpo):
         was = first_steps[s]
         assert (m.loss, m.reward_chosen, m.reward_margin) == pytest.approx(
             (was.loss, was.reward_chosen, was.reward_margin), abs=1e-5), s
+        assert m.tokens == was.tokens < s * 4 * 2 * 64, s     # real tokens, counted from the start on resume
+    readme = (dpo.export / "README.md").read_text()
+    assert f"mean over 16 held-out pairs, {evals[-1].tokens:,} answer tokens under loss" in readme, readme
     # the export loads as a transformers model
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(dpo.export)

@@ -42,6 +42,7 @@ BARE_3B = ["--model", "3b", "--offload", "all", "--checkpointing", "--gpu-memory
            "--warmup", "3"]
 CURVE = ["model.name=125m", "train.compile=false", "train.steps=500", "train.log_every=10", "data.seq_len=1024"]
 
+L3_8B = "/tmp/sc-llama3-8b"     # benchmarks/model_folder.py writes it on the GPU machine
 # NAME, PRESET, --set values
 MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
     "issue2": [
@@ -559,6 +560,16 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
           for tag, sets in (("preset", []), ("fp8", ["precision.fp8=tensorwise"]))],
         ("bare-1b-zero3-mb8", "bare:deepspeed", ["--model", "1b", "--micro-batch", "8", "--steps", "30", "--warmup", "10"]),
     ],
+    # Issue 59: a Llama-3.1-8B-shaped folder (benchmarks/model_folder.py llama3-8b /tmp/sc-llama3-8b, random
+    # bf16 weights) through the 24 GiB recipes as a user runs them, beside the unchanged 7B preset.
+    "issue59-8b": [
+        *[(f"8b-{tag}", preset, [f"model.name={L3_8B}", "train.steps=8", "train.warmup_steps=1", *sets])
+          for tag, preset, sets in (("lora", "3090-7b-lora", []), ("qlora", "3090-7b-qlora", []),
+                                    # mb 12 chosen (as --set): the launch would fit a preset's own mb to the plan
+                                    ("offload", "3090-7b-offload", ["train.save_final=none", "train.micro_batch=12"]),
+                                    ("offload-fitted", "3090-7b-offload", ["train.save_final=none"]))],
+        ("7b-lora-preset", "3090-7b-lora", ["train.steps=8", "train.warmup_steps=1"]),
+    ],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
     ],
@@ -627,6 +638,7 @@ def planned(preset: str, sets: list[str]) -> dict:
     return {"plan_allocated_gib": gib("gpu_allocated_peak_bytes"), "plan_reserved_gib": gib("gpu_allocator_peak_bytes"),
             "plan_nvml_gib": gib("gpu_peak_bytes"), "plan_phase": doc.get("gpu_peak_phase"),
             "plan_tokens_per_s": doc.get("predicted_tokens_per_s"), "plan_bound": doc.get("bound"),
+            "plan_host_gib": gib("host_peak_bytes"), "plan_fits": doc.get("fits"),
             "plan_parts_gib": {k: round(v / 2**30, 3) for k, v in (doc.get("gpu_parts") or {}).items()}}
 
 

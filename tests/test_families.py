@@ -189,3 +189,24 @@ def test_packed_documents_never_see_each_other(family, attn, folders):
     torch.testing.assert_close(changed[b:], packed[b:], rtol=0, atol=1e-6)
     assert not torch.allclose(changed[a:b], packed[a:b])
     torch.testing.assert_close(packed[b:], hidden([docs[2]]), rtol=1e-5, atol=1e-5)
+
+
+def test_a_qlora_model_gives_its_save_state(tmp_path, one_rank):
+    """QLoRA's save reads the model's state through torch's get_model_state_dict, which resolves every
+    state-dict key to an attribute: bitsandbytes' "weight.absmax"-style keys failed every QLoRA save
+    ("'Params4bit' object has no attribute 'absmax'", an 8B folder on an H100 at its last step). Built here
+    as a rank builds it (4-bit base from a Llama 3 folder, adapters, FSDP2 over the rest, on bitsandbytes'
+    CPU backend): the checkpoint's model state is the adapters, loadable back."""
+    pytest.importorskip("bitsandbytes", reason="the qlora extra: pip install 'shardconsole[qlora]'")
+    from shardconsole.backends.model import adapters, qlora
+    folder = make_family_model(tmp_path / "llama3", "llama3")
+    r = _rank(tmp_path, str(folder), "train.method=lora", "precision.dtype=bf16")
+    hf_cfg = modeling.hf_config(r.spec, r.cfg)
+    model = qlora.build(r, hf_cfg)
+    assert qlora.quantised_params(model)
+    fsdp.shard_model(r, model, ignored=qlora.quantised_params(model))
+    state = fsdp._model_state(r, model)
+    assert state and all(adapters.is_trained(k) for k in state)
+    assert set(state) == {n for n, p in model.named_parameters() if p.requires_grad}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))

@@ -15,6 +15,7 @@ drawing its own shard; the fully trained copies start as the originals.
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 from typing import Iterator
 
@@ -133,6 +134,9 @@ def count_line(model: nn.Module) -> str:
     trained = total = 0
     for name, p in model.named_parameters():
         n = p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+        shape = getattr(getattr(p, "quant_state", None), "shape", None)
+        if shape is not None:       # a 4-bit weight packs several values an element: count the weight's own
+            n = math.prod(shape)
         if p.requires_grad:
             trained += n
         else:

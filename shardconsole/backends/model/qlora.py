@@ -15,6 +15,7 @@ front end refuses the method before launch on a machine without CUDA or the pack
 from __future__ import annotations
 
 import itertools
+import types
 
 import torch
 import torch.nn as nn
@@ -51,6 +52,12 @@ def quantise_(module: nn.Module, device: torch.device) -> int:
                                      quant_storage=torch.bfloat16).to(device)    # quantised on the move
         if child.bias is not None:
             q.bias = nn.Parameter(child.bias.data.to(device, torch.bfloat16), requires_grad=False)
+        # bitsandbytes' own state dict adds the quantisation state as "weight.absmax", "weight.quant_map"...,
+        # keys that name no attribute: torch's get_model_state_dict resolves every key to one and failed on
+        # them ("'Params4bit' object has no attribute 'absmax'") at every QLoRA save. The frozen base is
+        # never saved (a checkpoint holds the adapters; the base is the folder's or the seed's): the module's
+        # plain state dict, its parameters under their own names, is all a save reads.
+        q._save_to_state_dict = types.MethodType(nn.Module._save_to_state_dict, q)   # type: ignore[method-assign]
         setattr(parent, child_name, q)
         count += 1
     module.to(device=device)

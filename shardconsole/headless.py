@@ -92,6 +92,12 @@ def predicted_line(cfg: C.RunConfig | None, measured: float, hw: "Hardware | Non
     return f"speed: {against_measured(p, measured)}; `shardconsole plan` shows its parts" if p else ""
 
 
+def computed_rate(s: P.Step) -> float:
+    """The tokens a second the ranks computed: a preference step line counts only the real ones (Step.padding
+    says the share of padding left out), the speed model predicts the rows, padding included."""
+    return s.tokens_per_s / (1 - s.padding) if s.padding is not None and s.padding < 1 else s.tokens_per_s
+
+
 def data_line(d: P.DataSummary) -> str:
     """What the ranks train on, once at start (issue 15)."""
     if d.format == "synthetic":
@@ -312,7 +318,7 @@ def _follow(session: RunSession, printer: Printer, err: TextIO, grace_s: float) 
         message = message.replace("; run folder", f", {fmt_rate(s.tokens_per_s)} tok/s; run folder", 1)
     _say(err, message)
     if cause == "ok" and s is not None:
-        said = predicted_line(session.settings, s.tokens_per_s)
+        said = predicted_line(session.settings, computed_rate(s))
         if said:
             _say(err, said)
     last = session.state.offload.get(0)

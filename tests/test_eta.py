@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardconsole.headless import predicted_line, step_line
+from shardconsole.headless import computed_rate, predicted_line, step_line
 from shardconsole.plan.machine import Hardware
 from shardconsole.runlog import protocol as P
 from shardconsole.runlog.runstate import RunState, fmt_eta
@@ -46,6 +46,9 @@ def test_the_end_says_predicted_against_measured():
     line = predicted_line(cfg, 8000.0, h200)
     assert line.startswith("speed: predicted ") and "measured 8.0k" in line and "GPU bound" in line
     assert predicted_line(resolve("tiny-cpu").cfg, 8000.0, h200) == ""      # CPU ranks: no prediction
+    # a DPO step line counts real tokens (issue 65); the prediction is of the rows computed, padding included
+    dpo = P.Step(run="r", rank=0, step=5, tokens_per_s=800.0, padding=0.9)
+    assert computed_rate(dpo) == pytest.approx(8000.0) and computed_rate(P.Step(tokens_per_s=800.0)) == 800.0
 
 
 @pytest.mark.slow

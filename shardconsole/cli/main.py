@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 
 from shardconsole.cli.attach import cmd_attach
+from shardconsole.cli.commands import LAZY_SUBCOMMANDS, OPTIONAL_SUBCOMMANDS
 from shardconsole.cli.errors import UsageError
 from shardconsole.cli.presets import cmd_presets
 from shardconsole.cli.run import cmd_run
@@ -27,33 +28,8 @@ from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelError
 
 
-SUBCOMMANDS = {"presets": cmd_presets, "attach": cmd_attach, "stop": cmd_stop}
-
-# Subcommands in their own modules, imported only when named ("module:function"): start-up stays
-# as light as the console needs, and each command's module owns its parser.
-LAZY_SUBCOMMANDS = {
-    "settings": "shardconsole.cli.settings:cmd_settings",
-    "data": "shardconsole.cli.data:cmd_data",
-    "resume": "shardconsole.cli.resume:cmd_resume",
-    "export-model": "shardconsole.cli.export_model:cmd_export_model",
-    "chat": "shardconsole.cli.chat:cmd_chat",
-    "tune": "shardconsole.cli.tune:cmd_tune",
-    "runs": "shardconsole.cli.runs:cmd_runs",
-    "compare": "shardconsole.cli.runs:cmd_compare",
-    "doctor": "shardconsole.cli.doctor:cmd_doctor",
-}
-# ... and those whose module may not import (an optional dependency): left out of the dispatcher then.
-OPTIONAL_SUBCOMMANDS = {
-    "export": "shardconsole.cli.ds_json:cmd_export",
-    "import": "shardconsole.cli.ds_json:cmd_import",
-    "plan": "shardconsole.cli.plan:cmd_plan",
-}
-
-
-def command_names() -> list[str]:
-    """Every subcommand the dispatcher knows, for `shardconsole --help` (cli/run.py): one list, so the help
-    cannot leave one out."""
-    return list(dict.fromkeys([*SUBCOMMANDS, *LAZY_SUBCOMMANDS, *OPTIONAL_SUBCOMMANDS]))   # registered: once
+# The rest of the names, and the --help list, are in cli/commands.py (run.py lists them; main imports run).
+SUBCOMMANDS = {"presets": cmd_presets, "attach": cmd_attach, "stop": cmd_stop}     # commands.EAGER
 
 
 def _lazy(target: str):

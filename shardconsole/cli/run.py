@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from shardconsole.cli.commands import command_names
 from shardconsole.cli.errors import UsageError
 from shardconsole.launch.command import child_env, runs_root
 from shardconsole.runlog.runfolder import RunFolder
@@ -19,7 +20,6 @@ from shardconsole.settings.resolve import DEFAULT_PRESET
 
 
 def _run_parser() -> argparse.ArgumentParser:
-    from shardconsole.cli.main import command_names     # the dispatcher's own list (main imports this module)
     ap = argparse.ArgumentParser(
         prog="shardconsole",
         description="A terminal console for PyTorch FSDP2 and DeepSpeed ZeRO training. Subcommands: "

@@ -27,7 +27,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
     t0 = time.time()
-    config = models.transformers_config(models.resolve(args.name))
+    from shardconsole.backends.model.modeling import transformers_config
+    config = transformers_config(models.resolve(args.name))
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):

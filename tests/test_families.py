@@ -119,7 +119,7 @@ def test_catalog_shapes_are_the_releases(name):
     spec = models.resolve(name)
     assert spec.n_params == RELEASED[name] == Shapes.of(spec).n_params
     with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(models.transformers_config(spec))
+        lm = AutoModelForCausalLM.from_config(modeling.transformers_config(spec))
     assert sum(p.numel() for p in lm.parameters()) == RELEASED[name]
     assert spec.config["num_key_value_heads"] == 8 < spec.config["num_attention_heads"]
 

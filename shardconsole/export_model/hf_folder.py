@@ -23,7 +23,7 @@ from shardconsole.backends.checkpoint.hf_export import copy_tokenizer  # noqa: E
 def hf_config(spec: ModelSpec):
     """The config the ranks built the model from (backends/modeling.hf_config), without their run-time
     switches: a folder's own config.json (architecture and all) or the catalog's Llama shape."""
-    from shardconsole.settings.models import transformers_config
+    from shardconsole.backends.model.modeling import transformers_config
     return transformers_config(spec)
 
 

@@ -185,17 +185,6 @@ class ModelSpec:
         return 4.0 * (self.n_params - saved) + 6.0 * trained + attention
 
 
-def transformers_config(spec: ModelSpec):
-    """transformers' config of the model: a folder's own config.json (architecture and all), or a catalog
-    entry's shape under its family's config class (AutoConfig.for_model). Imports transformers: the ranks,
-    export and chat call it, never the planner or the console."""
-    from transformers import AutoConfig
-    if spec.path is not None:
-        return AutoConfig.from_pretrained(spec.path, local_files_only=True)
-    kwargs = dict(spec.config)
-    return AutoConfig.for_model(kwargs.pop("model_type", "llama"), **kwargs)
-
-
 def human_count(n: int) -> str:
     for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= div:

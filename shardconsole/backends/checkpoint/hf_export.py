@@ -56,7 +56,7 @@ def export_dtype(r: Rank) -> torch.dtype:
 
 def hf_config(r: Rank):
     """The config the ranks built the model from, without their run-time switches."""
-    from shardconsole.settings.models import transformers_config
+    from shardconsole.backends.model.modeling import transformers_config
     return transformers_config(r.spec)
 
 

@@ -14,8 +14,18 @@ from shardconsole.settings.models import ModelSpec
 
 # The model
 
+def transformers_config(spec: ModelSpec):
+    """transformers' config of the model: a folder's own config.json (architecture and all), or a catalog
+    entry's shape under its family's config class (AutoConfig.for_model). The ranks and export build
+    from it; the planner reads the same shape from spec.config without transformers."""
+    from transformers import AutoConfig
+    if spec.path is not None:
+        return AutoConfig.from_pretrained(spec.path, local_files_only=True)
+    kwargs = dict(spec.config)
+    return AutoConfig.for_model(kwargs.pop("model_type", "llama"), **kwargs)
+
+
 def hf_config(spec: ModelSpec, cfg: C.RunConfig):
-    from shardconsole.settings.models import transformers_config
     hf = transformers_config(spec)
     hf._attn_implementation = cfg.model.attn_implementation
     hf.use_cache = False

@@ -26,9 +26,10 @@ KINDS = {"select": "choose with enter", "switch": "space toggles", "number": "a 
 
 def model_options() -> list[Option]:
     out = []
+    width = max(len(name) for name in CATALOG)      # "mistral-small-24b": the counts in one column
     for name in CATALOG:
         spec = resolve(name)
-        out.append(Option(Text.assemble((f"{name:<5}", "bold"), f" {human_count(spec.n_params):>7} params"), id=name))
+        out.append(Option(Text.assemble((f"{name:<{width}}", "bold"), f" {human_count(spec.n_params):>6}"), id=name))
     return out
 
 

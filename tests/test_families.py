@@ -210,3 +210,37 @@ def test_a_qlora_model_gives_its_save_state(tmp_path, one_rank):
     assert set(state) == {n for n, p in model.named_parameters() if p.requires_grad}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("targets", ["all-linear", "q_proj,v_proj", "qkv_proj,gate_up_proj", "o_proj"])
+def test_lora_counts_what_peft_makes_trainable_in_each_family(family, targets, folders):
+    """The planner's LoRA count (plan/lora.py) is peft's own for every family: Phi-3's fused qkv_proj and
+    gate_up_proj, an MoE's experts that are no Linear. A target naming no layer of the family is refused
+    before launch (preflight), where peft would refuse it only in the ranks."""
+    from peft import get_peft_model
+    from shardconsole.backends.model.adapters import lora_config
+    from shardconsole.plan import lora
+    cfg = C.build({"model": {"name": str(folders[family])}, "train": {"method": "lora"},
+                   "lora": {"rank": 8, "target_modules": targets}})
+    shapes = Shapes.of(models.resolve(cfg.model.name))
+    problem = lora.target_problem(cfg, shapes)
+    try:
+        peft_model = get_peft_model(_reference(folders[family]), lora_config(cfg))
+    except ValueError as e:
+        assert "not found" in str(e) or "Target modules" in str(e)
+        assert problem is not None and "name no linear layer" in problem
+        return
+    assert problem is None
+    trainable, _ = peft_model.get_nb_trainable_parameters()
+    assert lora.trainable_params(cfg, shapes) == trainable, (family, targets)
+
+
+def test_a_lora_target_the_family_lacks_is_one_line_before_launch(folders, tmp_path):
+    from tests.conftest import shardconsole
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(tmp_path / "run"),
+                       "--set", f"model.name={folders['phi3']}", "--set", "train.method=lora",
+                       "--set", "lora.target_modules=q_proj,v_proj")
+    assert res.returncode == 2 and not (tmp_path / "run").exists()
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--set lora.target_modules" in lines[0] and "qkv_proj" in lines[0], res.stderr

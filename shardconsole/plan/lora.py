@@ -25,11 +25,53 @@ NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 8 / (64 * 256)
 ADAM_FP32_BYTES = 16          # fp32 master + fp32 gradient + exp_avg + exp_avg_sq
 
 
+# The families whose decoder layers layer_linears names: a LoRA target that names none of them is refused
+# before launch (peft's "Target modules ... not found" would end the run after it started).
+KNOWN_LINEARS = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma3_text", "phi3",
+                           "olmo2", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe"})
+
+
 def layer_linears(s: Shapes) -> dict[str, tuple[int, int]]:
-    """A decoder layer's linear layers as peft names them: name -> (in_features, out_features)."""
+    """A decoder layer's nn.Linear layers as transformers names them: name -> (in_features, out_features).
+    Phi-3 fuses q, k, v into qkv_proj and gate, up into gate_up_proj; a mixture of experts has attention,
+    its router ("gate", [experts, h]) and a shared expert (qwen2_moe), its experts being 3-D parameters
+    (transformers' fused layout: _expert_adapters)."""
     h, q, kv, i = s.hidden, s.q_dim, s.kv_dim, s.intermediate
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    attn = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+    if s.fused_proj:
+        return {"qkv_proj": (h, q + 2 * kv), "o_proj": (q, h), "gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
+    if s.moe is None:
+        return {**attn, "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    shared = s.moe.shared_inter
+    attn["gate"] = (h, s.moe.experts)
+    if not shared:
+        return attn
+    return {**attn, "gate_proj": (h, shared), "up_proj": (h, shared), "down_proj": (shared, h),
+            "shared_expert_gate": (h, 1)}
+
+
+def _expert_adapters(s: Shapes) -> list[tuple[int, int]]:
+    """peft's all-linear on transformers' fused experts (peft 0.21's ParamWrapper, read from its
+    get_nb_trainable_parameters on a qwen3_moe): gate_up [E, 2 I, h] at twice the rank, lora_A [2 r E, h]
+    and lora_B [2 I, 2 r E]; down [E, h, I] at the rank, [r E, I] and [h, r E]. As (in, out) pairs whose
+    r * (in + out) is those counts."""
+    if s.moe is None or s.fused_proj:
+        return []
+    e, h, i = s.moe.experts, s.hidden, s.moe.expert_inter
+    return [(2 * e * h, 4 * e * i), (e * i, e * h)]
+
+
+def target_problem(cfg: C.RunConfig, s: Shapes) -> str | None:
+    """Why lora.target_modules adapts nothing in this model (None: it does, or the family is not one whose
+    linears are known here): every name matches no Linear of the family, so peft would refuse it in the ranks."""
+    targets = cfg.lora.target_list()
+    if not cfg.adapters or targets == "all-linear" or s.model_type not in KNOWN_LINEARS:
+        return None
+    known = set(layer_linears(s)) | {"lm_head", "embed_tokens"}
+    if any(t.rsplit(".", 1)[-1] in known for t in targets):
+        return None
+    return (f"{', '.join(targets)} name no linear layer of this {s.model_type} model (its layers have "
+            f"{', '.join(layer_linears(s))}; or all-linear)")
 
 
 def _targets(cfg: C.RunConfig, s: Shapes) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -38,7 +80,7 @@ def _targets(cfg: C.RunConfig, s: Shapes) -> tuple[list[tuple[int, int]], list[t
     targets = cfg.lora.target_list()
     linears = layer_linears(s)
     if targets == "all-linear":
-        return list(linears.values()), []
+        return list(linears.values()) + _expert_adapters(s), []
     names = {t.rsplit(".", 1)[-1] for t in targets}
     root = [(s.hidden, s.vocab)] if "lm_head" in names else []
     return [shape for name, shape in linears.items() if name in names], root

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shardconsole.settings.models import NORMS_PER_LAYER, QK_NORM, QKV_BIAS_TYPES, ModelSpec, Moe, moe_of
+from shardconsole.settings.models import FUSED_PROJ_TYPES, NORMS_PER_LAYER, QK_NORM, QKV_BIAS_TYPES, ModelSpec, Moe, moe_of
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -28,6 +28,8 @@ class Shapes:
     qkv_bias: bool = False      # qwen2's biases on q, k and v (not o)
     qk_norm: str = ""           # "" | "head" (RMSNorm over head_dim: qwen3, gemma3) | "full" (over q and kv: olmo2)
     norms: int = 2              # norm weights a layer (Gemma's four)
+    fused_proj: bool = False    # Phi-3's qkv_proj [q + 2 kv, h] and gate_up_proj [2 i, h]
+    model_type: str = "llama"
 
     @classmethod
     def of(cls, spec: ModelSpec) -> "Shapes":
@@ -45,7 +47,8 @@ class Shapes:
                    qkv_bias=(bool(c.get("qkv_bias")) or c.get("model_type") in QKV_BIAS_TYPES)
                    and not c.get("attention_bias"),
                    qk_norm=QK_NORM.get(str(c.get("model_type")), ""),
-                   norms=NORMS_PER_LAYER.get(str(c.get("model_type")), 2))
+                   norms=NORMS_PER_LAYER.get(str(c.get("model_type")), 2),
+                   fused_proj=c.get("model_type") in FUSED_PROJ_TYPES, model_type=str(c.get("model_type", "llama")))
 
     @property
     def q_dim(self) -> int:
@@ -58,9 +61,10 @@ class Shapes:
     def layer_params(self) -> list[tuple[int, ...]]:
         """Shapes of one decoder layer's parameters (nn.Linear weight is [out, in])."""
         h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
-        out: list[tuple[int, ...]] = [(q, h), (kv, h), (kv, h), (h, q)]
+        out: list[tuple[int, ...]] = [(q + 2 * kv, h)] if self.fused_proj else [(q, h), (kv, h), (kv, h)]
+        out.append((h, q))
         if self.moe is None:
-            out += [(i, h), (i, h), (h, i)]
+            out += [(2 * i, h), (h, i)] if self.fused_proj else [(i, h), (i, h), (h, i)]
         else:
             out += self._expert_params()
         out += [(h,)] * self.norms

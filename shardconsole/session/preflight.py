@@ -72,6 +72,12 @@ def check_model(r: Resolved, *, weights: bool = True) -> ModelSpec:
         raise r.error("model", "name", f"{spec.path}: holds a config but no weights (model.safetensors or "
                                        f"pytorch_model.bin); to train this shape from random init, save weights "
                                        f"first or pick a catalog size")
+    if r.cfg.adapters:
+        from shardconsole.plan.lora import target_problem
+        from shardconsole.plan.shapes import Shapes
+        problem = target_problem(r.cfg, Shapes.of(spec))
+        if problem:
+            raise r.error("lora", "target_modules", problem)
     return spec
 
 

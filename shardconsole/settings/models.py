@@ -85,6 +85,7 @@ QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "gemma3"
            "olmoe": "full"}
 NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "gemma3": 4}
 QKV_BIAS_TYPES = frozenset({"qwen2", "qwen2_moe"})
+FUSED_PROJ_TYPES = frozenset({"phi3"})      # one qkv_proj and one gate_up_proj Linear a layer
 
 
 @dataclass(frozen=True)

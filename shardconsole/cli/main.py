@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 
+from shardconsole import envvars
 from shardconsole.cli.attach import cmd_attach
 from shardconsole.cli.commands import LAZY_SUBCOMMANDS, OPTIONAL_SUBCOMMANDS
 from shardconsole.cli.errors import UsageError
@@ -87,6 +88,10 @@ def _dispatch(argv: list[str]) -> int:
         print(f"shardconsole: error: {problem}", file=sys.stderr)
         return 2
     try:
+        if argv[:1] not in (["-h"], ["--help"]):
+            # every variable a user may set, checked before anything reads it: the ranks and torchrun then
+            # never meet a bad one (a traceback in torchrun, a ValueError in a rank, a silent default)
+            envvars.check()
         if argv and not argv[0].startswith("-"):
             _register_optional()
             if argv[0] not in SUBCOMMANDS:
@@ -94,7 +99,7 @@ def _dispatch(argv: list[str]) -> int:
                                  f"or options such as --preset NAME --headless")
             return SUBCOMMANDS[argv[0]](argv[1:])
         return cmd_run(argv)
-    except (C.ConfigError, ModelError, UsageError) as e:
+    except (C.ConfigError, ModelError, UsageError, envvars.EnvError) as e:
         print(f"shardconsole: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:

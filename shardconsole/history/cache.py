@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from shardconsole.envvars import read
+
 VERSION = 2       # 2: a stopped run's step is the step it stopped and saved at
 FIELDS = ("status", "cause", "detail", "step", "steps", "tokens_per_s", "mfu", "peak_gpu_bytes", "peak_host_bytes",
           "last_loss", "eval_loss", "loss", "eval", "throughput", "bad_lines")
@@ -22,9 +24,9 @@ KEPT = ("finished", "stopped", "failed")
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("SHARDCONSOLE_CACHE_DIR")
+    env = read("SHARDCONSOLE_CACHE_DIR")
     if env:
-        return Path(env).expanduser() / "runs"
+        return env / "runs"
     import platformdirs
     return Path(platformdirs.user_cache_dir("shardconsole")) / "runs"
 

@@ -4,9 +4,9 @@ and `wandb sync` uploads later (WANDB_MODE=online sends it now)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from shardconsole.envvars import read
 from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
 from shardconsole.runlog.runfolder import RunFolder
@@ -47,8 +47,8 @@ def export(run_dir: Path, project: str = "shardconsole") -> str:
         config = C.load(folder.preset).to_dict()
     except (C.ConfigError, OSError):
         config = {}
-    mode = os.environ.get("WANDB_MODE", "offline")
-    run = wandb.init(project=os.environ.get("WANDB_PROJECT", project), name=folder.run_id, dir=str(folder.path),
+    mode = read("WANDB_MODE")
+    run = wandb.init(project=read("WANDB_PROJECT") or project, name=folder.run_id, dir=str(folder.path),
                      mode=mode, config=config, reinit=True)
     try:
         for step, values in _values_by_step(folder):

@@ -14,6 +14,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from shardconsole.envvars import read
 from shardconsole.settings import config as C
 from shardconsole.machine import doctor_verdict, flight_recorder
 from shardconsole.launch import process_identity as PI
@@ -31,8 +32,9 @@ def runs_root(explicit: str | Path | None = None) -> Path:
     printed for other nodes or a console started elsewhere names the same folder."""
     if explicit:
         return Path(explicit).expanduser().absolute()
-    if os.environ.get(RUNS_ROOT_ENV):
-        return Path(os.environ[RUNS_ROOT_ENV]).expanduser().absolute()
+    env = read(RUNS_ROOT_ENV)
+    if env:
+        return env.absolute()
     import platformdirs
     return Path(platformdirs.user_data_dir("shardconsole")) / "runs"
 

@@ -14,14 +14,16 @@ import socket
 import time
 from pathlib import Path
 
+from shardconsole.envvars import read
+
 VERDICT_FILE = "doctor.json"
 P2P_NOTE_ENV = "SHARDCONSOLE_P2P_NOTE"   # why NCCL_P2P_DISABLE=1 was set, for rank 0 to announce
 
 
 def cache_root() -> Path:
-    env = os.environ.get("SHARDCONSOLE_CACHE_DIR")
+    env = read("SHARDCONSOLE_CACHE_DIR")
     if env:
-        return Path(env).expanduser()
+        return env
     import platformdirs
     return Path(platformdirs.user_cache_dir("shardconsole"))
 

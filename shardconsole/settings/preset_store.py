@@ -13,6 +13,7 @@ from pathlib import Path
 
 import platformdirs
 
+from shardconsole.envvars import read
 from shardconsole.settings import config as C
 from shardconsole.settings.paths import PathError, regular_file, shown
 
@@ -24,9 +25,9 @@ def builtin_dir() -> Path:
 
 
 def user_dir() -> Path:
-    env = os.environ.get("SHARDCONSOLE_PRESETS_DIR")
+    env = read("SHARDCONSOLE_PRESETS_DIR")
     if env:
-        return Path(env).expanduser()
+        return env
     return Path(platformdirs.user_config_dir("shardconsole")) / "presets"
 
 

@@ -27,8 +27,8 @@ FP8_GPUS = "compute capability 8.9+: RTX 4090, L40S, H100"
 
 
 def fp8_emulated(environ: Any = None) -> bool:
-    import os
-    return (os.environ if environ is None else environ).get(FP8_EMULATE_ENV, "") == "1"
+    from shardconsole.envvars import read
+    return bool(read(FP8_EMULATE_ENV, environ))
 
 
 class ConfigError(ValueError):

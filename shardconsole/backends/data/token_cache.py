@@ -26,6 +26,7 @@ from typing import Callable
 
 import numpy as np
 
+from shardconsole.envvars import read
 from shardconsole.backends.data import corpus
 from shardconsole.backends.data.corpus import DataError
 from shardconsole.settings.data_check import TOKENIZER_FILES, tokenizer_dir
@@ -36,9 +37,9 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", 
 
 
 def cache_root() -> Path:
-    env = os.environ.get("SHARDCONSOLE_CACHE_DIR")
+    env = read("SHARDCONSOLE_CACHE_DIR")
     if env:
-        return Path(env).expanduser() / "tokens"
+        return env / "tokens"
     import platformdirs
     return Path(platformdirs.user_cache_dir("shardconsole")) / "tokens"
 

@@ -10,13 +10,15 @@ from pathlib import Path
 
 import torch
 
+from shardconsole.envvars import read
+
 
 def extension_dir(name: str) -> Path:
     """Where torch's JIT puts extension `name` (torch.utils.cpp_extension._get_build_directory's rule,
     without its mkdir): TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/py<ver>_<cpu|cuXY>. The
     folder is keyed by Python and CUDA versions only: environments with another torch or DeepSpeed
     share it, and ninja rebuilds the op each time the build flags differ (switching environments)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    root = read("TORCH_EXTENSIONS_DIR")
     if root is None:
         from torch.utils.cpp_extension import get_default_build_root
         acc = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip else

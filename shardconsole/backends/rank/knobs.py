@@ -12,55 +12,15 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
+from shardconsole.envvars import EnvError, read
 from shardconsole.machine.doctor_verdict import P2P_NOTE_ENV
 
 HOST_NICE = 10      # the overlapped host step's nice value (offload/overlap.py says why)
 
 
-class KnobError(ValueError):
-    """An environment variable with a value the rank cannot use; the message names it."""
-
-
-def _int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise KnobError(f"environment variable {name}={raw!r}: expected a whole number") from None
-
-
-def _float(env: Mapping[str, str], name: str, default: float | None) -> float | None:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise KnobError(f"environment variable {name}={raw!r}: expected a number of seconds") from None
-
-
-def _ints(env: Mapping[str, str], name: str) -> tuple[int, ...]:
-    raw = env.get(name, "")
-    try:
-        return tuple(int(v) for v in raw.split(",") if v.strip())
-    except ValueError:
-        raise KnobError(f"environment variable {name}={raw!r}: expected N or N,M,... thread counts") from None
-
-
-def _span(env: Mapping[str, str], name: str) -> tuple[int, int] | None:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return None
-    first, dash, last = raw.partition("-")
-    try:
-        span = (int(first), int(last if dash else first))
-    except ValueError:
-        span = (0, -1)
-    if not 1 <= span[0] <= span[1]:
-        raise KnobError(f"environment variable {name}={raw!r}: expected steps A-B with 1 <= A <= B (or one step A)")
-    return span
+# A value a rank cannot use: the front end refuses it before launch (envvars.check), so a rank meets one only
+# when started some other way; then its message is the same one line naming the variable.
+KnobError = EnvError
 
 
 @dataclass(frozen=True)
@@ -90,19 +50,19 @@ class Knobs:
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Knobs":
         e = os.environ if env is None else env
         return cls(
-            rank=_int(e, "RANK", 0), local_rank=_int(e, "LOCAL_RANK", 0), world=_int(e, "WORLD_SIZE", 1),
-            node=_int(e, "GROUP_RANK", 0),
-            launcher_grace_s=_float(e, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30.0) or 30.0,
-            kill_wait_s=_float(e, "SHARDCONSOLE_KILL_WAIT_S", None),
-            p2p_note=e.get(P2P_NOTE_ENV, ""),
-            stream=e.get("SHARDCONSOLE_STREAM", "on") != "off",
-            faults=e.get("SHARDCONSOLE_FAULT", ""),
-            phase_times=e.get("SHARDCONSOLE_PHASE_TIMES") == "1",
-            offload_view=e.get("SHARDCONSOLE_OFFLOAD_VIEW", "on") != "off",
-            overlap_threads=_ints(e, "SHARDCONSOLE_OVERLAP_THREADS"),
-            overlap_pin=e.get("SHARDCONSOLE_OVERLAP_PIN", "") == "1",
-            overlap_spin=e.get("SHARDCONSOLE_OVERLAP_SPIN", "") == "1",
-            overlap_switch_s=_float(e, "SHARDCONSOLE_OVERLAP_SWITCH_S", 0.0) or 0.0,
-            overlap_nice=_int(e, "SHARDCONSOLE_OVERLAP_NICE", HOST_NICE),
-            fp8_emulate=e.get("SHARDCONSOLE_FP8_EMULATE", "") == "1",     # settings.values.FP8_EMULATE_ENV
-            profile_steps=_span(e, "SHARDCONSOLE_PROFILE"))
+            rank=read("RANK", e), local_rank=read("LOCAL_RANK", e), world=read("WORLD_SIZE", e),
+            node=read("GROUP_RANK", e),
+            launcher_grace_s=float(read("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", e)) or 30.0,
+            kill_wait_s=read("SHARDCONSOLE_KILL_WAIT_S", e),
+            p2p_note=read(P2P_NOTE_ENV, e),
+            stream=read("SHARDCONSOLE_STREAM", e) != "off",
+            faults=read("SHARDCONSOLE_FAULT", e),
+            phase_times=read("SHARDCONSOLE_PHASE_TIMES", e),
+            offload_view=read("SHARDCONSOLE_OFFLOAD_VIEW", e) != "off",
+            overlap_threads=read("SHARDCONSOLE_OVERLAP_THREADS", e),
+            overlap_pin=read("SHARDCONSOLE_OVERLAP_PIN", e),
+            overlap_spin=read("SHARDCONSOLE_OVERLAP_SPIN", e),
+            overlap_switch_s=read("SHARDCONSOLE_OVERLAP_SWITCH_S", e) or 0.0,
+            overlap_nice=read("SHARDCONSOLE_OVERLAP_NICE", e),
+            fp8_emulate=read("SHARDCONSOLE_FP8_EMULATE", e),     # settings.values.FP8_EMULATE_ENV
+            profile_steps=read("SHARDCONSOLE_PROFILE", e))

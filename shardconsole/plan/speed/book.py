@@ -36,6 +36,7 @@ from pathlib import Path
 from functools import lru_cache
 from typing import Any, Iterable
 
+from shardconsole.envvars import read
 from shardconsole.runlog.protocol import METER_VERSION
 from shardconsole.settings import config as C
 from shardconsole.plan.constants import SPEED_FACTOR
@@ -46,8 +47,9 @@ SPEEDS_ENV = "SHARDCONSOLE_SPEEDS_FILE"
 
 
 def speeds_file() -> Path:
-    if os.environ.get(SPEEDS_ENV):
-        return Path(os.environ[SPEEDS_ENV]).expanduser()
+    path = read(SPEEDS_ENV)
+    if path:
+        return path
     import platformdirs
     return Path(platformdirs.user_data_dir("shardconsole")) / "speeds.jsonl"
 

@@ -22,10 +22,10 @@ predicted against measured for every recorded H200 run).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardconsole.envvars import read
 from shardconsole.plan.speed.cards import CARDS, GB, Card, card_of
 from shardconsole.plan.lora import trainable_params
 from shardconsole.plan.machine import Hardware
@@ -168,12 +168,9 @@ def host_rates(hw: Hardware) -> HostRates:
     AdamW uses every core); the cores are --host-cores' when given, else this machine's."""
     if hw.host_gbps > 0:
         return HostRates(hw.host_gbps, hw.cpus, "--host-gbps")
-    text = os.environ.get(HOST_GBPS_ENV, "")
-    try:
-        if text and float(text) > 0:
-            return HostRates(float(text), hw.cpus, HOST_GBPS_ENV)
-    except ValueError:
-        pass
+    gbps = read(HOST_GBPS_ENV)      # checked: a bad value is refused, not passed over (envvars.check)
+    if gbps:
+        return HostRates(gbps, hw.cpus, HOST_GBPS_ENV)
     cores = hw.cpus or DEFAULT_HOST_CORES
     share = min(1.0, cores / DEFAULT_HOST_CORES)
     whose = "--host-cores'" if "--host-cores" in hw.host_given else ("this host's" if hw.cpus else "assumed")

@@ -23,6 +23,7 @@ from shardconsole.console.chat_client import ChatProcess
 from shardconsole.console.chat_state import Conversation
 from shardconsole.console.messages import ChatHeard
 from shardconsole.tryout import chat_wire as W
+from shardconsole.console.widgets.form_input import FormInput
 
 HERE = Path(__file__).parent
 LABELS = {W.RUN: "model", W.BASE: "base"}
@@ -69,8 +70,8 @@ class ChatScreen(Screen[None]):
             with Horizontal(id="chat-fields"):
                 for fid, label, default, *_ in FIELDS:
                     yield Label(label, classes="field-label")
-                    yield Input(default, id=fid, compact=True, classes="field")
-            yield Input(placeholder="your message (enter sends)", id="prompt")
+                    yield FormInput(default, id=fid, compact=True, classes="field")
+            yield FormInput(placeholder="your message (enter sends)", id="prompt")
         yield Footer()
 
     def on_mount(self) -> None:

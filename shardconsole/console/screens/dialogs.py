@@ -24,6 +24,7 @@ from shardconsole.settings import config as C
 from shardconsole.settings import preset_store
 from shardconsole.settings.values import format_size
 from shardconsole.console.services import RunListing
+from shardconsole.console.widgets.form_input import FormInput
 
 HERE = Path(__file__).parent
 
@@ -108,9 +109,9 @@ class SavePresetScreen(ModalScreen[SaveRequest | None]):
         with Vertical(id="dialog"):
             yield Label("Save the current settings as a preset", id="title")
             yield Label("Name (letters, digits, - and _)")
-            yield Input(self.preset_name, id="name")
+            yield FormInput(self.preset_name, id="name")
             yield Label("Description (shown in the preset list)")
-            yield Input(self.description, id="description")
+            yield FormInput(self.description, id="description")
             yield Static(self._where(self.preset_name), id="where", markup=False)
             with Horizontal(id="buttons"):
                 yield Button("Save (enter)", id="save", variant="primary")
@@ -185,7 +186,7 @@ class AttachScreen(ModalScreen[Path | None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
             yield Label("Attach to a run", id="title")
-            yield Input(placeholder=f"run folder, e.g. {self.runs_root}/<id>", id="path")
+            yield FormInput(placeholder=f"run folder, e.g. {self.runs_root}/<id>", id="path")
             if self.runs:
                 yield Label(f"Runs in {self.runs_root}/ (newest first; ctrl+l: every run, compare)")
                 yield OptionList(*[self._option(r) for r in self.runs], id="runs")

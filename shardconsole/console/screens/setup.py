@@ -35,6 +35,7 @@ from shardconsole.console.screens.setup_summary import (changes_text, command_te
                                                         problems_text)
 from shardconsole.console.services import (Launcher, Machine, OpenRun, PlannedRun, Planner, Probes, load_plan,
                                            plan_hardware)
+from shardconsole.console.widgets.form_input import FormInput
 from shardconsole.console.widgets.setting_field import SettingField
 
 HERE = Path(__file__).parent
@@ -45,7 +46,7 @@ METHODS = {"full": "Full fine-tuning", "lora": "LoRA (adapters)", "qlora": "QLoR
 METHOD_SPEC = F.spec_for("train", "method")
 
 
-class PickInput(Input):
+class PickInput(FormInput):
     """The model folder field: up and down go to the model list above and the backend below, as Tab does."""
     BINDINGS = [Binding("up", "app.focus_previous", show=False), Binding("down", "app.focus_next", show=False)]
 

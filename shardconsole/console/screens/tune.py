@@ -21,6 +21,7 @@ from shardconsole.settings import resolve as settings
 from shardconsole.tune.setup import make_tune, output_name, parse_duration
 from shardconsole.tune.engine import Tune
 from shardconsole.tune.report import COLUMNS, machine_text, numerics_note, table, write_preset
+from shardconsole.console.widgets.form_input import FormInput
 
 T = TypeVar("T")
 
@@ -46,13 +47,13 @@ class TuneScreen(Screen[None]):
             yield Static(f"Tune {self.preset_name}: probe the settings that fit, save the fastest", id="title")
             with Horizontal(id="knobs"):
                 yield Label("budget")
-                yield Input("10m", id="budget")
+                yield FormInput("10m", id="budget")
                 yield Label("probes")
-                yield Input("6", id="probes")
+                yield FormInput("6", id="probes")
                 yield Label("steps")
-                yield Input("6", id="steps")
+                yield FormInput("6", id="steps")
                 yield Label("save as")
-                yield Input(f"{Path(self.preset_name).stem}-tuned", id="name")
+                yield FormInput(f"{Path(self.preset_name).stem}-tuned", id="name")
             yield Static("", id="status")
             yield DataTable(id="table", zebra_stripes=True, cursor_type="row")
             with Horizontal(id="buttons"):

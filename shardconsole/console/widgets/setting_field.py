@@ -1,7 +1,7 @@
 """SettingField: one setting of a TOML table as a row: name, the widget its type calls for, and a note.
 
-The widget follows the FieldSpec (console/fields.py): Select for a choice, Switch for a flag, Input for
-numbers, sizes and text. The row does not judge its value; it posts Edited with the text, and the
+The widget follows the FieldSpec (console/fields.py): Select for a choice, Switch for a flag, an Input
+(FormInput: keys in the order typed) for numbers, sizes and text. The row does not judge its value; it posts Edited with the text, and the
 screen (which knows the whole config) sets `error` back: attributes down, messages up.
 """
 
@@ -18,6 +18,7 @@ from textual.widget import Widget
 from textual.widgets import Input, Label, Select, Static, Switch
 
 from shardconsole.console.fields import FieldSpec
+from shardconsole.console.widgets.form_input import FormInput
 
 
 class FieldSelect(Select[str], inherit_bindings=False):
@@ -95,7 +96,7 @@ class SettingField(Widget):
             yield Switch(value=self._text == "true", classes="setting--control")
         else:
             placeholder = "default" if spec.optional else ("e.g. 24GiB" if spec.kind == "size" else "")
-            yield Input(self._text, placeholder=placeholder, compact=True, classes="setting--control",
+            yield FormInput(self._text, placeholder=placeholder, compact=True, classes="setting--control",
                         select_on_focus=False)
         yield Static(self._note(), classes="setting--note", markup=False)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import sys
 import tempfile
 import threading
@@ -181,8 +182,18 @@ def _serve(args) -> int:
         return 2
 
 
-def cmd_chat(argv: list[str]) -> int:
+def _parse(argv: list[str]) -> argparse.Namespace:
     args = _parser().parse_args(argv)
+    # float() reads "nan" and "inf" (and 1e400 as inf): nan passed Sampling's range checks, every comparison
+    # with it being false, and failed inside torch's sampling with a traceback
+    for flag, value in (("--temperature", args.temperature), ("--top-p", args.top_p)):
+        if not math.isfinite(value):
+            raise UsageError(f"{flag}: {value} is not a number; give e.g. {'0.7' if flag == '--temperature' else '0.9'}")
+    return args
+
+
+def cmd_chat(argv: list[str]) -> int:
+    args = _parse(argv)
     if args.serve:
         return _serve(args)
     from shardconsole.tryout.chat import ChatModel, Sampling

@@ -89,6 +89,8 @@ def cmd_run(argv: list[str]) -> int:
                             "inside a Slurm job: use --slurm, or set parallel.rdzv_endpoint",
                             source=resolved.origin("parallel", "rendezvous"), table="parallel", key="rendezvous")
     run_dir = args.run_dir or new_run_dir(name, runs_root(args.runs_root))
+    from shardconsole.session import rundir
+    rundir.check_run_dir(cfg, run_dir, f"--run-dir {run_dir}" if args.run_dir else str(run_dir))
     if args.print_command or args.slurm:
         # The printed command reads the run folder's preset.toml: it must exist for the command to work.
         run_dir = _prepare_run_dir(cfg, run_dir, explicit=args.run_dir is not None)

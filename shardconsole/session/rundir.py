@@ -36,6 +36,11 @@ _LOW_SPACE = 64 << 10      # the ranks' own floor (backends/observe/stream_healt
 MAX_NAME_BYTES = 180
 
 
+# The kernel's limits on a path (PATH_MAX, with its NUL) and on one name in it (NAME_MAX): a run folder near
+# the first trained, then failed at its first save, whose files are the deepest the run writes.
+PATH_MAX, NAME_MAX = 4096, 255
+
+
 Origin = Callable[[str, str], str]     # settings.Resolved.origin: where a key's value came from
 
 
@@ -53,6 +58,7 @@ def create_run_dir(cfg: C.RunConfig, run_dir: Path, *, explicit: bool = True) ->
     folder with the same settings. Not explicit (a default runs/<time>-<preset> name): a taken name
     gets the next suffix, -2, -3, ..."""
     where = f"--run-dir {run_dir}" if explicit else str(run_dir)
+    check_path_length(cfg, run_dir, where)
     if len(run_dir.name.encode()) > MAX_NAME_BYTES:
         raise RunDirError(f"{where}: the folder's name is {len(run_dir.name.encode())} bytes; at most "
                           f"{MAX_NAME_BYTES} (the run id is the name, and torchrun's files and a resumed session's "
@@ -81,6 +87,41 @@ def create_run_dir(cfg: C.RunConfig, run_dir: Path, *, explicit: bool = True) ->
         _unclaim(path, made)
         raise RunDirError(f"{where}: cannot write {path / PRESET_FILE}: {e.strerror}") from None
     return path
+
+
+def longest_file(cfg: C.RunConfig) -> str:
+    """The longest path the run writes under its folder: a rank's state in a save being written (when the
+    checkpoints go in the run folder), or TensorBoard's events file, named with this host's name."""
+    ranks = max(1, cfg.parallel.nnodes * cfg.parallel.nproc_per_node)
+    events = f"events.out.tfevents.{'9' * 10}.{socket.gethostname()}.{'9' * 7}.0.shardconsole"
+    if cfg.train.checkpoint_dir:
+        return events
+    steps = max(99_999_999, cfg.train.steps)
+    return max(events, f"checkpoints/step_{steps:08d}.partial/rank_state/rank{ranks - 1}.json", key=len)
+
+
+def check_path_length(cfg: C.RunConfig, run_dir: Path, where: str) -> None:
+    """Refuse, before a launch, a run folder whose deepest file would pass PATH_MAX or a name in whose
+    path passes NAME_MAX (ENAMETOOLONG at the first save, after the training up to it)."""
+    path = Path(run_dir).expanduser().absolute()
+    for part in path.parts:
+        if len(os.fsencode(part)) > NAME_MAX:
+            raise RunDirError(f"{where}: a name in the path is {len(os.fsencode(part))} bytes, past the file "
+                              f"system's {NAME_MAX}: pick a shorter one")
+    longest = longest_file(cfg)
+    full = len(os.fsencode(str(path / longest)))
+    if full >= PATH_MAX:
+        raise RunDirError(f"{where}: the path is {len(os.fsencode(str(path)))} bytes and the run writes {longest} "
+                          f"under it, {full} bytes in all, past the file system's limit of {PATH_MAX - 1}: pick a "
+                          f"path at least {full - PATH_MAX + 1} bytes shorter")
+
+
+def check_run_dir(cfg: C.RunConfig, run_dir: Path, where: str) -> None:
+    """The run folder itself, before any check of what goes in it: a path too long, or one that cannot be
+    made (/proc/x) is the run folder's fault, said naming it (the checkpoint folder's disk check, which
+    sits under it, blamed the preset's train.checkpoint_dir)."""
+    check_path_length(cfg, run_dir, where)
+    _probe(Path(run_dir), lambda why: RunDirError(f"{where}: {why}"), min_free=_LOW_SPACE)
 
 
 def anchor_paths(cfg: C.RunConfig) -> C.RunConfig:

@@ -5,6 +5,7 @@ re-exports every public name, so `config.ConfigError` and `config.parse_size` st
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import sys
 import types
@@ -152,11 +153,21 @@ def parse_size(text: str | int | float) -> int:
     if isinstance(text, (int, float)):
         if text < 0:
             raise ValueError("a size cannot be negative")
-        return int(text)
+        return _bytes(text, text)
     m = _SIZE_RE.match(text)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"{text!r} is not a size: use a number with a unit such as 24GiB, 512MiB, 2GB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return _bytes(float(m.group(1)) * _UNITS[m.group(2).lower()], text)
+
+
+MAX_SIZE = 2**60      # 1 EiB: past any machine's memory or disk, and far inside a 64-bit count of bytes
+
+
+def _bytes(n: float, text: object) -> int:
+    # 1e400GiB parses as inf (int() of it was an OverflowError traceback), nan compares false both ways
+    if not math.isfinite(n) or n > MAX_SIZE:
+        raise ValueError(f"{text!r} is not a size: it takes 0 up to 1 EiB, e.g. 24GiB, 512MiB, 2GB")
+    return int(n)
 
 
 def format_size(n: int | float | None) -> str:

@@ -276,6 +276,8 @@ class LogitRule:
     @classmethod
     def of(cls, lm: nn.Module) -> "LogitRule":
         config = getattr(lm, "config", None)
+        if config is not None and hasattr(config, "get_text_config"):
+            config = config.get_text_config()       # a multimodal config keeps the language model's keys there
         head = getattr(lm, "lm_head", None)
         if head is not None and getattr(head, "bias", None) is not None:
             raise ValueError(f"{type(lm).__name__}: its output head has a bias, which shardconsole's losses "

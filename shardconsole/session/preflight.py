@@ -84,17 +84,19 @@ def check_model(r: Resolved, *, weights: bool = True) -> ModelSpec:
 _MARK = "\x00preflight"   # a source no file or override has: its prefix in data_check's lines is ours
 
 
-def check_data(r: Resolved) -> None:
+def check_data(r: Resolved) -> list[str]:
     """The data files exist and are what the ranks read (data_check.check_data, the ranks' own rules).
     Its lines start "<source>: [table] key: "; run with a marker for the source, the line is rebuilt as a
-    ConfigError of that setting that blames the source of its value."""
+    ConfigError of that setting that blames the source of its value. Returns the scan's warnings (pairs
+    whose answers are the same)."""
     try:
         from shardconsole.settings.data_check import check_data as check
     except ImportError:
         _check_data_file(r)
-        return
+        return []
     try:
-        check(r.cfg, _MARK)
+        found = check(r.cfg, _MARK)
+        return list(found.notes) if found is not None else []
     except C.ConfigError as e:
         text = str(e)
         for table in ("data", "model"):
@@ -164,6 +166,11 @@ def check_host_memory(r: Resolved, spec: ModelSpec) -> None:
         # the load of a model folder, not training, sets the peak: say so, and what the code offers
         what = (f" while loading the model folder ({ld.help})" if ld is not None
                 and est.host_peak_phase == "loading" else "")
+        cap = r.cfg.host_memory_limit_bytes
+        if cap and int(cap * 0.97) >= over[1]:      # the cap, not this machine, set the budget: blame the setting
+            raise r.error("memory", "host_memory_limit", f"{r.cfg.memory.host_memory_limit}: the planner puts this run "
+                          f"at {peak} of host RAM{what}, over the {budget} usable under it (`shardconsole plan "
+                          f"--preset {r.preset}` lists the parts; --force launches anyway)")
         raise C.ConfigError(f"the planner puts this run at {peak} of host RAM{what}, over the {budget} usable here "
                             f"(`shardconsole plan --preset {r.preset}` lists the parts; --force launches anyway)",
                             source=r.preset)
@@ -381,5 +388,4 @@ def check_launch(r: Resolved, *, gpu_count: int | None) -> list[str]:
     warnings = check_gpus(r, gpu_count) if gpu_count is not None else []
     check_nvme_offload(r)
     check_model(r)
-    check_data(r)
-    return warnings
+    return warnings + check_data(r)

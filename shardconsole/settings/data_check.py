@@ -147,30 +147,39 @@ def check_data(cfg: C.RunConfig, source: str = "preset") -> Scan | None:
         return None
     if not uses_records(cfg):
         return None
-    pairs = getattr(cfg.train, "objective", "sft") != "sft"
-    found = _scan(d.path, "path", d, source, pairs)
+    objective = getattr(cfg.train, "objective", "sft")
+    found = _scan(d.path, "path", d, source, objective)
     if d.eval_path:
-        _scan(d.eval_path, "eval_path", d, source, pairs)
+        held = _scan(d.eval_path, "eval_path", d, source, objective)
+        if found is not None and held is not None:
+            found.notes += held.notes
     _check_tokenizer_choice(cfg, source)
     return found
 
 
-def _scan(value: str, key: str, d: C.DataSettings, source: str, pairs: bool = False) -> Scan | None:
-    """pairs: preference records (train.objective dpo / orpo; settings/pair_records.py), one rule for all."""
+def _scan(value: str, key: str, d: C.DataSettings, source: str, objective: str = "sft") -> Scan | None:
+    """objective dpo / orpo: preference records (settings/pair_records.py), one rule for all, and the pairs
+    whose answers are the same counted (all of them: refused under DPO; some: a note)."""
     path, kind = locate(value, key, source)
+    pairs = objective != "sft"
+    count = pair_records.PairCount()
     if pairs and kind in ("parquet", "saved"):
         try:
-            pair_records.scan_columnar(path, kind)
+            pair_records.scan_columnar(path, kind, count)
+            note = count.verdict(shown(path), objective)
         except ScanError as e:
             raise C.ConfigError(f"{source}: [data] {key}: {e}") from None
-        return None
+        return Scan(records=count.pairs, formats={"preference": str(path)}, notes=[note] if note else [])
     if kind not in ("json", "csv", "text"):
         return None
     if pairs and kind == "text":
         raise C.ConfigError(f"{source}: [data] {key}: {shown(path)}: a .txt file holds no preference pairs; "
                             f"train.objective needs records with prompt, chosen and rejected (.jsonl, .parquet, ...)")
     try:
-        return scan(path, kind, d.text_key, d.text_split, check=pair_records.check if pairs else None)
+        found = scan(path, kind, d.text_key, d.text_split, check=count if pairs else None)
+        note = count.verdict(shown(path), objective) if pairs else ""
+        found.notes += [note] if note else []
+        return found
     except ScanError as e:
         raise C.ConfigError(f"{source}: [data] {key}: {e}") from None
     except OSError as e:

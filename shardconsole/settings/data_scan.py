@@ -46,6 +46,7 @@ class Scan:
     formats: dict[str, str] = field(default_factory=dict)    # format -> where its first record is
     complete: bool = True          # False: only the first SCAN_BYTES were read
     split: str = ""                # a .txt file: how it became records, in words
+    notes: list[str] = field(default_factory=list)     # warnings for the launch to print (pairs alike)
     # Another record rule in place of the SFT formats' (settings/pair_records.check for preference records)
     check: Callable[[dict[str, Any], str], None] | None = field(default=None, repr=False, compare=False)
 

@@ -50,6 +50,8 @@ def pair_of(rec: dict[str, Any], where: str) -> Pair:
         if rec.get(name) is None:
             raise ScanError(f"{where}: field {name!r}: missing")
     chosen, rejected = rec["chosen"], rec["rejected"]
+    for name in PAIR_FIELDS:
+        _of_type(name, rec[name], where)
     if isinstance(chosen, str) and isinstance(rejected, str) and not _looks_like_json_list(chosen):
         prompt = data_scan.string(rec, "prompt", where)
         for name, text in (("chosen", chosen), ("rejected", rejected)):
@@ -75,10 +77,43 @@ def check(rec: dict[str, Any], where: str) -> None:
     pair_of(rec, where)
 
 
+class PairCount:
+    """data_scan's record rule for preference records that also counts the pairs whose two answers are the
+    same. DPO learns from the gap between chosen and rejected: such a pair gives it nothing (its loss is
+    log 2 = 0.6931 whatever the weights, its gradient 0), and a file of only those trained nothing and
+    exited 0. ORPO still trains on the chosen answer (its NLL term), its odds term is 0 there."""
+
+    def __init__(self) -> None:
+        self.pairs = 0
+        self.same = 0
+        self.first_same = ""
+
+    def __call__(self, rec: dict[str, Any], where: str) -> None:
+        pair = pair_of(rec, where)
+        self.pairs += 1
+        if pair.chosen == pair.rejected:
+            self.same += 1
+            self.first_same = self.first_same or where
+
+    def verdict(self, where: str, objective: str) -> str:
+        """ScanError when every pair read has chosen equal to rejected under DPO; a warning line (the share,
+        the first such record) when some have; "" when none."""
+        if not self.same:
+            return ""
+        if self.same == self.pairs and objective == "dpo":
+            raise ScanError(f"{where}: 'chosen' equals 'rejected' in all {self.pairs} pairs read: DPO learns from "
+                            f"the difference between them, so it would train nothing (loss 0.6931, gradient 0); "
+                            f"give pairs whose answers differ")
+        return (f"{where}: 'chosen' equals 'rejected' in {self.same} of {self.pairs} pairs read "
+                f"({100 * self.same / self.pairs:.0f}%, the first at {self.first_same}): "
+                + ("DPO learns nothing from those" if objective == "dpo" else
+                   "ORPO's odds term learns nothing from those, only its NLL term on the chosen answer"))
+
+
 SCAN_ROWS = 200_000      # a columnar file's rows checked before launch (the ranks check the rest as they read)
 
 
-def scan_columnar(path: Path, kind: str) -> int:
+def scan_columnar(path: Path, kind: str, count: PairCount | None = None) -> int:
     """The preference records of a .parquet file or a save_to_disk folder (its train split), up to SCAN_ROWS,
     read with pyarrow (no datasets, no torch: this runs in the front end); the count checked. ScanError
     names the record as the ranks do (`file: record N`)."""
@@ -102,7 +137,7 @@ def scan_columnar(path: Path, kind: str) -> int:
             raise ScanError(no_pairs(batch.schema.names, str(where_file)))
         for rec in batch.to_pylist():
             n += 1
-            pair_of(rec, f"{where_file}: record {n}")
+            (count or pair_of)(rec, f"{where_file}: record {n}")
             if n >= SCAN_ROWS:
                 return n
     return n
@@ -115,6 +150,7 @@ def _looks_like_json_list(text: str) -> bool:
 
 def _turns(raw: tuple[str, Any], where: str, answer: bool = True) -> list[dict[str, str]]:
     name, value = raw
+    _of_type(name, value, where)
     if isinstance(value, list) and not value:
         raise ScanError(f"{where}: field {name!r}: an empty list of turns")
     try:
@@ -124,6 +160,13 @@ def _turns(raw: tuple[str, Any], where: str, answer: bool = True) -> list[dict[s
         if not answer and "no assistant turn" in str(e):
             return _plain_turns(value)
         raise
+
+
+def _of_type(name: str, value: Any, where: str) -> None:
+    # "chosen": 12345 was answered "expected a non-empty list of turns", which hid that a string works too
+    if not isinstance(value, (str, list)):
+        raise ScanError(f"{where}: field {name!r}: got {type(value).__name__} {str(value)[:40]}; expected a string "
+                        f"or a list of turns ({{role, content}})")
 
 
 def _plain_turns(value: list) -> list[dict[str, str]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shardconsole.runlog.checkpoint_files import MANIFEST, OWNER, file_checksum
+from shardconsole.runlog.checkpoint_files import MANIFEST, OWNER, file_checksum, manifest_checksum
 from shardconsole.runlog.runfolder import RunFolder
 from tests.conftest import messages, of_kind, shardconsole
 
@@ -114,6 +114,7 @@ def test_export_refuses_nan_weights_whose_checksums_match(corrupted, tmp_path):
     run_dir, newest, shard = corrupted
     manifest = json.loads((newest / MANIFEST).read_text())
     manifest["checksums"][shard] = file_checksum(newest / shard)
+    manifest["manifest_checksum"] = manifest_checksum(manifest)
     (newest / MANIFEST).write_text(json.dumps(manifest))
     out = tmp_path / "model"
     res = shardconsole("export-model", str(run_dir), "-o", str(out), timeout=300)
@@ -135,11 +136,14 @@ def test_resume_falls_back_from_a_checkpoint_changed_in_place(corrupted):
 
 @pytest.mark.slow
 def test_a_checkpoint_without_checksums_loads_said_unverified(trained, tmp_path):
+    """A manifest as shardconsole wrote them before checksums (no checksums, no run_dir, no checksum of its
+    own); one of today's that lost them is damaged (tests/test_nothing_lost.py)."""
     run_dir = tmp_path / "run"
     shutil.copytree(trained, run_dir, symlinks=True)
     newest = RunFolder(run_dir).checkpoints() / "step_00000006"
     manifest = json.loads((newest / MANIFEST).read_text())
-    del manifest["checksums"]
+    for key in ("checksums", "run_dir", "manifest_checksum"):
+        del manifest[key]
     (newest / MANIFEST).write_text(json.dumps(manifest))
     res = shardconsole("export-model", str(run_dir), "-o", str(tmp_path / "model"), timeout=300)
     assert res.returncode == 0, explain(res)

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shardconsole.runlog.checkpoint_files import file_checksum
+from shardconsole.runlog.checkpoint_files import file_checksum, manifest_checksum
 
 from shardconsole.settings import config as C
 from tests.conftest import ZERO3_TINY_STEPS, messages, of_kind, shardconsole
@@ -297,6 +297,7 @@ def test_a_checkpoint_pickle_that_would_run_code_is_refused(zero3, tmp_path):
     meta = json.loads(manifest.read_text())
     meta["files"][str(states.relative_to(step))] = states.stat().st_size
     meta["checksums"][str(states.relative_to(step))] = file_checksum(states)
+    meta["manifest_checksum"] = manifest_checksum(meta)
     manifest.write_text(json.dumps(meta))
     line = _one_line_error(_export(run, tmp_path / "out"))
     assert "cannot read the checkpoint" in line and "weights_only" not in line, line   # never torch's advice

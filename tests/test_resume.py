@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from shardconsole.settings import config as C
-from shardconsole.runlog.checkpoint_files import MANIFEST, file_checksum
+from shardconsole.runlog.checkpoint_files import MANIFEST, file_checksum, manifest_checksum
 from shardconsole.runlog.runfolder import RunFolder
 from tests.conftest import assert_nothing_left, messages, of_kind, shardconsole, wait_for_steps
 
@@ -138,6 +138,7 @@ def test_fsdp_checkpoint_that_would_run_code_is_refused_naming_its_folder(fsdp_r
     # and its checksum too (whoever can write the file can write the manifest): the loader itself refuses
     manifest = json.loads((newest / MANIFEST).read_text())
     manifest["checksums"][".metadata"] = file_checksum(meta)
+    manifest["manifest_checksum"] = manifest_checksum(manifest)
     (newest / MANIFEST).write_text(json.dumps(manifest))
     res = resume(run, "train.steps=9")
     assert res.returncode == 2, _explain(res, run)

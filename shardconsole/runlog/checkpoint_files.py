@@ -31,6 +31,9 @@ def why_incomplete(path: Path, backend: str) -> str | None:
             files = dict(meta["files"])
         except (OSError, ValueError, KeyError, TypeError):
             return f"its {MANIFEST} is unreadable"
+        altered = why_manifest_altered(meta)
+        if altered is not None:
+            return altered
         if meta.get("backend") != backend:
             return f"written by a {meta.get('backend')} run, this run is {backend}"
         for name, size in files.items():
@@ -47,6 +50,35 @@ def why_incomplete(path: Path, backend: str) -> str | None:
     if (path / "latest").is_file():
         return None
     return "no DeepSpeed 'latest' file (empty, cut short, or written by an FSDP run)"
+
+
+MANIFEST_SUM = "manifest_checksum"     # the manifest's own checksum, over every other key
+
+
+def manifest_checksum(meta: dict) -> str:
+    """The checksum of a manifest's every key but its own (canonical JSON: the order the keys were
+    written in does not matter, any value does)."""
+    import xxhash
+    body = json.dumps({k: v for k, v in meta.items() if k != MANIFEST_SUM}, sort_keys=True)
+    return f"{CHECKSUM}:{xxhash.xxh3_128(body.encode()).hexdigest()}"
+
+
+def why_manifest_altered(meta: dict) -> str | None:
+    """None when the manifest is as its save wrote it. Everything a resume takes from it (the step, the
+    data position, the files and their checksums, the run) is covered by its own checksum: a one-digit
+    edit of samples_consumed would move the data position unseen. A manifest of the checksum era (it
+    names its run_dir: both came in one release) that has no checksums lost them: it is damaged, not
+    an old checkpoint to load unverified."""
+    want = meta.get(MANIFEST_SUM)
+    if want is not None:
+        if want != manifest_checksum(meta):
+            return f"its {MANIFEST} was changed after the save (it does not match its own checksum)"
+        if not meta.get("checksums"):
+            return f"its {MANIFEST} lists no file checksums"
+        return None
+    if "run_dir" in meta and not meta.get("checksums"):
+        return f"its {MANIFEST} lost its file checksums (it was written with them)"
+    return None
 
 
 def safe_reason(text: str) -> str:
@@ -135,6 +167,28 @@ def shared_folder(checkpoints: Path, run_dir: Path) -> bool:
         return not checkpoints.resolve().is_relative_to(run_dir.resolve())
     except OSError:
         return True
+
+
+def other_run_folder(checkpoints: Path, run_dir: Path) -> Path | None:
+    """The run folder other than run_dir that `checkpoints` resolves into (symlinks and relative parts
+    followed), None when none: that run's own checkpoints/ or any folder inside it. Such a folder is
+    never shared, whatever it holds yet: that run saves, prunes and resumes there without looking at
+    an owner file (its checkpoints/ is its own), so a second run in it mixes both runs' steps even
+    before the first save. A run folder is a folder with a preset.toml (the one file `resume` needs)."""
+    from shardconsole.runlog.runfolder import PRESET_FILE
+    try:
+        here, where = run_dir.resolve(), checkpoints.resolve()
+    except (OSError, RuntimeError):
+        return None
+    for folder in (where, *where.parents):
+        if folder == here:
+            return None         # inside this run's own folder (this run nested in another is its own)
+        try:
+            if (folder / PRESET_FILE).is_file():
+                return folder
+        except OSError:
+            continue
+    return None
 
 
 def read_owner(checkpoints: Path) -> dict | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardconsole.runlog.checkpoint_files import read_owner, shared_folder, write_owner
+from shardconsole.runlog.checkpoint_files import other_run_folder, read_owner, shared_folder, write_owner
 from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.settings import config as C
 
@@ -44,6 +44,11 @@ def why_refused(cfg: C.RunConfig, run_dir: Path, *, new_run: bool) -> str | None
     ckpt = _checkpoints(cfg, run_dir)
     if not shared_folder(ckpt, run_dir):
         return None
+    inside = other_run_folder(ckpt, run_dir)
+    if inside is not None:
+        return (f"{ckpt}: inside run folder {inside}, whose checkpoints are its own (each run would prune and "
+                f"resume the other's steps); pick a train.checkpoint_dir outside every run folder, or continue "
+                f"that run with `shardconsole resume {inside}`")
     here = str(run_dir.resolve())
     owner = read_owner(ckpt)
     if owner is not None and owner["run_dir"] != here:

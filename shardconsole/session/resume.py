@@ -27,6 +27,7 @@ from shardconsole.settings import resolve as settings
 from shardconsole.runlog import protocol as P
 from shardconsole.runlog.checkpoint_files import MANIFEST, why_incomplete
 from shardconsole.runlog.runfolder import RunFolder
+from shardconsole.session.resume_data import check_same_data, loaded_checkpoint
 
 PREV_SUFFIX = ".prev"
 
@@ -122,11 +123,13 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
                             f"(train.save_final = \"model\"): nothing to resume from; `shardconsole export-model "
                             f"{folder.path}` reads it, and a run resumes from train.save_final = \"full\" or "
                             f"train.checkpoint_every saves")
+    _check_some_complete(folder.path, resumable, cfg.parallel.backend)
     newest = resumable[0][0]
     if cfg.train.steps <= newest:
         raise C.ConfigError(f"{folder.path}: its newest checkpoint is step {newest} and train.steps is "
                             f"{cfg.train.steps}: nothing left to train; add --set train.steps=N with N > {newest}")
     _check_export_dir(cfg, resolved.origin("train", "export_dir"))
+    check_same_data(saved, resolved, loaded_checkpoint(resumable, cfg.parallel.backend))
     cfg.train.resume = True
     from shardconsole.session import checkpoint_owner, rundir
     rundir.check_resume_writable(cfg, folder.path, str(folder.preset))
@@ -138,6 +141,17 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
     shutil.copy2(folder.preset, prev)
     C.save(cfg, folder.preset)
     return cfg
+
+
+def _check_some_complete(run_dir: Path, found: list[tuple[int, Path]], backend: str) -> None:
+    """Refuse, before the launch, a resume none of whose checkpoints passes the cheap test (every file
+    at its listed size, the manifest as saved): the ranks would start again from step 0 and prune the
+    damaged ones. The files' checksums are read by the ranks, which refuse the same way."""
+    whys = [(p, why_incomplete(p, backend)) for _, p in found]
+    if all(why is not None for _, why in whys):
+        raise C.ConfigError(f"{run_dir}: no loadable checkpoint to resume from ("
+                            + "; ".join(f"{p.name}: {why}" for p, why in whys)
+                            + "); nothing was changed: restore a good copy, or start a new run")
 
 
 def _check_export_dir(cfg: C.RunConfig, source: str) -> None:

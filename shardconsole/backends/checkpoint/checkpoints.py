@@ -29,7 +29,9 @@ from shardconsole.backends.rank.common import Rank
 from shardconsole.backends.rank.errors import CheckpointError  # noqa: F401  (raised here; re-exported)
 # The completeness test lives beside the run folder's layout (no torch): export and the console use it too.
 from shardconsole.runlog.checkpoint_files import MANIFEST, why_incomplete  # noqa: F401  (re-exported)
-from shardconsole.runlog.checkpoint_files import (checksums as checksums_of, loadable_runs, read_owner, shared_folder,
+from shardconsole.runlog.checkpoint_files import MANIFEST_SUM, manifest_checksum
+from shardconsole.runlog.checkpoint_files import (checksums as checksums_of, loadable_runs, other_run_folder,
+                                                  read_owner, shared_folder,
                                                   make_private, safe_reason, why_corrupt,
                                                   write_owner)
 from shardconsole.settings.values import format_size
@@ -78,10 +80,13 @@ def _step_folders(folder: Path) -> list[tuple[int, Path]]:
 
 def newest_complete(r: Rank) -> Found | None:
     """The newest complete checkpoint of this run whose files have their checksums; each newer folder
-    that is not is skipped with a warning naming it (and the file at fault). Every rank calls it."""
+    that is not is skipped with a warning naming it (and the file at fault). None only where the folder
+    holds no step at all; step folders none of which loads are a CheckpointError naming each. Every
+    rank calls it."""
     backend = r.cfg.parallel.backend
     folder = r.checkpoint_dir()
     ours = _loadable_runs(r, folder)
+    skipped: list[str] = []
     for step, path in _step_folders(folder):
         why = why_incomplete(path, backend)
         if why is None:
@@ -100,6 +105,12 @@ def newest_complete(r: Rank) -> Found | None:
             data_mod.check_resume(r, meta.get("data"), path)     # the data it was trained on, or a refusal
             return Found(step, path, meta)
         r.event("warning", f"skipping checkpoint {path}: {why}; trying the previous one")
+        skipped.append(f"{path.name}: {why}")
+    if skipped:
+        # A resume asked for these steps: starting again from step 0 would prune and overwrite them
+        # (the damaged ones may still be mended or copied back) and call it a resume.
+        raise CheckpointError(f"{folder}: no loadable checkpoint to resume from ({'; '.join(skipped)}); "
+                              f"nothing was changed: restore a good copy, or start a new run")
     return None
 
 
@@ -110,11 +121,21 @@ def _loadable_runs(r: Rank, folder: Path) -> set[str] | None:
     if not shared_folder(folder, r.run_dir):
         return None
     here = str(r.run_dir.resolve())
+    _refuse_other_run_folder(r, folder)
     owner = read_owner(folder)
     if owner is not None and owner["run_dir"] != here:
         raise CheckpointError(f"{folder}: train.checkpoint_dir belongs to run {owner['run_dir']}, not this one "
                               f"({here}): one checkpoint folder per run")
     return loadable_runs(folder) | {here}
+
+
+def _refuse_other_run_folder(r: Rank, folder: Path) -> None:
+    """The ranks' side of the front end's check (session/checkpoint_owner.py), for a run launched without
+    it (--print-command's line): never load or save inside another run's folder."""
+    inside = other_run_folder(folder, r.run_dir)
+    if inside is not None:
+        raise CheckpointError(f"{folder}: train.checkpoint_dir is inside run folder {inside}, whose checkpoints "
+                              f"are its own: one checkpoint folder per run")
 
 
 def _verify(r: Rank, path: Path) -> str | None:
@@ -174,6 +195,7 @@ def _claim(r: Rank) -> None:
     if not shared_folder(folder, r.run_dir):
         return
     here = str(r.run_dir.resolve())
+    _refuse_other_run_folder(r, folder)
     owner = read_owner(folder)
     if owner is None:
         write_owner(folder, r.run_dir)
@@ -215,6 +237,7 @@ def finish_checkpoint(r: Rank, step: int, meta: dict) -> Path:
         manifest = {**meta, "step": step, "world": r.world, "backend": r.cfg.parallel.backend,
                     "data": data_mod.identity(r), "files": files, "checksums": sums,
                     "run_dir": str(r.run_dir.resolve())}
+        manifest[MANIFEST_SUM] = manifest_checksum(manifest)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if r.cfg.train.checkpoint_private:
             make_private(tmp)

@@ -54,3 +54,18 @@ def test_an_answer_of_the_wrong_type_names_the_type_and_what_is_allowed(tmp_path
     assert res.returncode == 2 and len(lines) == 1, res.stderr
     assert f"{data}:3: field {field!r}: {found}" in lines[0], lines[0]
     assert lines[0].endswith("expected a string or a list of turns ({role, content})"), lines[0]
+
+
+def test_resuming_a_dpo_run_as_sft_names_train_objective_before_launch(tmp_path):
+    data = _jsonl(tmp_path / "pairs.jsonl", GOOD * 2)
+    run = tmp_path / "run"
+    done = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run), "--set", "train.steps=2",
+                        "--set", f"data.path={data}", "--set", "train.objective=dpo")
+    assert done.returncode == 0, done.stderr[-2000:]
+    before = (run / "preset.toml").read_text()
+    res = shardconsole("resume", str(run), "--set", "train.objective=sft", "--set", "train.steps=4")
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-2000:]
+    assert lines[0].startswith("shardconsole: error: --set train.objective: 'sft', but the run's checkpoints were "
+                               "trained with train.objective = 'dpo'"), lines[0]
+    assert (run / "preset.toml").read_text() == before

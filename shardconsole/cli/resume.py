@@ -30,6 +30,7 @@ def cmd_resume(argv: list[str]) -> int:
     except ValueError as e:
         from shardconsole.settings.config import ConfigError      # one line, exit 2 (cli.main prints it)
         raise ConfigError(str(e)) from None
+    _refuse_other_objective(args.run_dir, args.overrides)
     import sys
     from shardconsole.launch.owner import owning
     from shardconsole.session.resume import prepare_resume, resume_run_id
@@ -81,3 +82,26 @@ def _refuse_several_nodes(run_dir, overrides: list[str]) -> None:
                             f"node; --set parallel.nnodes=1 continues it here (FSDP2 reshards; DeepSpeed needs "
                             f"the same rank count)",
                             source=str(folder.preset), table="parallel", key="nnodes")
+
+
+def _refuse_other_objective(run_dir, overrides: list[str]) -> None:
+    """train.objective is what the checkpoints were trained for and what the data's records are read as:
+    a DPO run resumed as SFT failed after the launch with a record-format message that never named the
+    setting. Refused here, before anything is written (exit 2), naming both objectives."""
+    from shardconsole.runlog.runfolder import RunFolder
+    from shardconsole.settings import config as C
+    from shardconsole.settings import resolve as settings
+    folder = RunFolder(run_dir)
+    try:
+        doc = C.load_toml(folder.preset)
+        resolved = settings.resolve_doc(doc, folder.path.name, folder.preset, list(overrides))
+    except (C.ConfigError, OSError):
+        return      # prepare_resume says what is wrong with the folder, in its words
+    was = str(((doc.get("train") or {}).get("objective")) or C.RunConfig().train.objective)
+    now = resolved.cfg.train.objective
+    if now != was and "sft" in (now, was):      # dpo and orpo read the same pairs
+        raise resolved.error("train", "objective", f"{now!r}, but the run's checkpoints were trained with "
+                             f"train.objective = {was!r} ({folder.preset}), and a resume reads the same records as "
+                             f"{'pairs' if was != 'sft' else 'SFT records'}; keep {was!r}, or start a new run from the run's weights "
+                             f"(`shardconsole export-model {folder.path} -o DIR`, then model.name = DIR)")
+

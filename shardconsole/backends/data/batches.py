@@ -30,6 +30,7 @@ import torch
 from shardconsole.runlog import protocol as P
 from shardconsole.backends.data import token_cache
 from shardconsole.backends.data.corpus import DOC_START, LOSS, DataError
+from shardconsole.settings import data_hash
 from shardconsole.settings.config import RunConfig
 
 IGNORE = -100
@@ -324,18 +325,11 @@ def identity(r) -> dict | None:
             "cache_key": entry.folder.name}
 
 
-# How a checkpoint's data sha256 was taken: "bytes", a file's bytes alone (token_cache._hash_path). A
-# checkpoint without it hashed the file's name too (token_cache.named_content_hash).
-HASHED = "bytes"
+HASHED = data_hash.HASHED
 
 
 def _same_content(saved: dict, now: dict) -> bool:
-    if saved["sha256"] == now["sha256"]:
-        return True
-    if saved.get("hashed") == HASHED:
-        return False
-    # A checkpoint of before HASHED: its hash named the file; read it once that way (only on a mismatch).
-    return saved["sha256"] == token_cache.named_content_hash(Path(now["path"]).expanduser())
+    return data_hash.same_content(saved, Path(now["path"]), now["sha256"])
 
 
 def check_resume(r, saved: dict | None, checkpoint: Path) -> None:

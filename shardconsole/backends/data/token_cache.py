@@ -26,10 +26,11 @@ from typing import Callable
 
 import numpy as np
 
-from shardconsole.envvars import read
 from shardconsole.backends.data import corpus
 from shardconsole.backends.data.corpus import DataError
 from shardconsole.settings.data_check import TOKENIZER_FILES, tokenizer_dir
+# The hashes live with the settings layer: a resume compares them before launch (session/resume_data.py).
+from shardconsole.settings.data_hash import cache_dir, content_hash, hash_files as _hash_files, named_content_hash
 
 FORMAT_VERSION = 2     # 2: blank text records dropped, data.text_split, CSV chats as JSON strings
 META = "meta.json"
@@ -37,82 +38,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", 
 
 
 def cache_root() -> Path:
-    env = read("SHARDCONSOLE_CACHE_DIR")
-    if env:
-        return env / "tokens"
-    import platformdirs
-    return Path(platformdirs.user_cache_dir("shardconsole")) / "tokens"
-
-
-def _hash_files(h, files: list[Path], base: Path) -> None:
-    for f in files:
-        h.update(str(f.relative_to(base)).encode() + b"\0")
-        with f.open("rb") as fh:
-            while block := fh.read(1 << 20):
-                h.update(block)
-        h.update(b"\0")
-
-
-def content_hash(path: Path) -> str:
-    """sha256 of a file's bytes, or of a folder's file names and contents. Remembered beside the cache
-    under an xxh3 hash of the same bytes (about ten times faster than sha256 here), never under the
-    file's stat: an edit that keeps the size and puts the mtime back (`cp -p`, `rsync -t`) still
-    changes the key, and a 100 GB corpus costs one fast read per start, not a sha256 per rank."""
-    path = path.resolve()
-    fast = _xxh3(path)
-    memo = cache_root().parent / "hashes" / f"{hashlib.sha256(str(path).encode()).hexdigest()[:32]}.json"
-    try:
-        known = json.loads(memo.read_text())
-        if known["xxh3"] == fast:
-            return known["sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    digest = _sha256(path)
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=memo.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as fh:
-            json.dump({"xxh3": fast, "sha256": digest}, fh)
-        os.replace(tmp, memo)
-    except OSError:
-        pass    # only a shortcut for the next start
-    return digest
-
-
-def _hash_path(h, path: Path) -> None:
-    """A folder: its files' names (relative to it) and contents. A file: its bytes alone, so that the
-    sha256 a checkpoint records is `sha256sum`'s, and a byte-identical copy under another name or folder
-    is the same data (with its name hashed in, a resume on such a copy was refused as "content changed")."""
-    if path.is_dir():
-        _hash_files(h, sorted(p for p in path.rglob("*") if p.is_file()), path)
-        return
-    with path.open("rb") as fh:
-        while block := fh.read(1 << 20):
-            h.update(block)
-
-
-def _xxh3(path: Path) -> str:
-    import xxhash      # a dependency of datasets, and of ours: the fast full-content check
-    h = xxhash.xxh3_128()
-    _hash_path(h, path)
-    return h.hexdigest()
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    _hash_path(h, path)
-    return h.hexdigest()
-
-
-def named_content_hash(path: Path) -> str:
-    """The hash checkpoints recorded before data.HASHED (a file's name hashed with its bytes): read only
-    to resume a checkpoint of then, once."""
-    path = Path(path).resolve()
-    if path.is_dir():
-        return _sha256(path)
-    h = hashlib.sha256()
-    _hash_files(h, [path], path.parent)
-    return h.hexdigest()
+    return cache_dir() / "tokens"
 
 
 def tokenizer_hash(model_path: str | None) -> str:

@@ -64,7 +64,7 @@ def test_set_values_are_typed_by_the_field():
     ('', ["trian.steps=3"], ["did you mean 'train'"]),
     ('', ["train.stepz=3"], ["did you mean 'steps'"]),
     ('', ["steps=3"], ["table.key=value"]),
-    ('color = "red"\n', [], ["unknown table [color]"]),
+    ('color = "red"\n', [], ["'color' is a key outside any table"]),
 ])
 def test_errors_name_file_table_key_and_what_is_allowed(tmp_path, doc, overrides, fragments):
     p = tmp_path / "bad.toml"

@@ -44,3 +44,33 @@ def test_a_run_folder_that_cannot_be_made_blames_run_dir_not_the_checkpoint_fold
     line = _one_line(shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", "/proc/x",
                                   "--set", "train.steps=2"))
     assert line.startswith("shardconsole: error: --run-dir /proc/x: ") and "checkpoint_dir" not in line
+
+
+def test_a_preset_saved_with_a_byte_order_mark_loads(tmp_path):
+    preset = tmp_path / "bom.toml"
+    preset.write_bytes(b"\xef\xbb\xbf[train]\nsteps = 3\n")      # Windows Notepad's UTF-8
+    res = shardconsole("--preset", str(preset), "--print-command", "--run-dir", str(tmp_path / "run"))
+    assert res.returncode == 0, res.stderr
+    assert "steps = 3" in (tmp_path / "run" / "preset.toml").read_text()
+
+
+@pytest.mark.parametrize("text, says", [
+    ("steps = 5\n[train]\nlr = 1e-3\n", "'steps' is a key outside any table; [train] has it: put it under that header"),
+    ("path = \"d.jsonl\"\n", "'path' is a key outside any table; [data] has it"),
+    ("learning_rate = 1e-3\n", "'learning_rate' is a key outside any table (did you mean train.lr?)"),
+])
+def test_a_key_above_every_table_is_said_as_that_with_the_table_that_has_it(tmp_path, text, says):
+    preset = tmp_path / "top.toml"
+    preset.write_text(text)
+    line = _one_line(shardconsole("--preset", str(preset), "--print-command", "--run-dir", str(tmp_path / "run")))
+    assert line.startswith(f"shardconsole: error: {preset}: {says}") and "unknown table" not in line, line
+
+
+def test_a_run_folder_named_with_a_newline_keeps_its_row_in_the_runs_table(tmp_path):
+    root = tmp_path / "root"
+    for name in ("a\nb", "plain"):
+        assert shardconsole("--preset", "tiny-cpu", "--print-command", "--run-dir", str(root / name)).returncode == 0
+    res = shardconsole("runs", "--runs-root", str(root))
+    rows = res.stdout.splitlines()
+    assert res.returncode == 0 and len(rows) == 4, res.stdout
+    assert sorted(r.split()[0] for r in rows[2:]) == ["a\\nb", "plain"], res.stdout

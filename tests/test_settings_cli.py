@@ -63,7 +63,7 @@ def test_names_of_other_tools_get_did_you_mean_ours(override, means):
 def test_familiar_names_in_a_preset_file_and_without_a_table(tmp_path):
     p = tmp_path / "hf.toml"
     p.write_text("learning_rate = 1e-4\n")
-    with pytest.raises(C.ConfigError, match=r"unknown top-level key 'learning_rate' \(did you mean train.lr\?\)"):
+    with pytest.raises(C.ConfigError, match=r"'learning_rate' is a key outside any table \(did you mean train.lr\?\)"):
         C.load(p)
     res = shardconsole("--preset", "tiny-cpu", "--set", "gradient_accumulation_steps=4", "--print-command")
     assert res.returncode == 2

@@ -86,7 +86,7 @@ def cmd_runs(argv: list[str]) -> int:
         print(line)
     for r in runs:
         if r.status in ("failed", "unknown") and r.detail:
-            print(f"  {r.run_id}: {r.detail}")
+            print(f"  {CMP.shown(r.run_id)}: {r.detail}")
     print(f"\nruns root: {where}  (`tensorboard --logdir {roots(args.runs_root)[0]}` shows their curves)",
           file=sys.stderr)
     return 0

@@ -89,8 +89,14 @@ def _show(v: Any) -> str:
     return str(v)
 
 
+def shown(text: str) -> str:
+    """text with its unprintable characters escaped as Python writes them: a run folder named with a
+    newline broke its row in two, and the columns after it."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
 def table(header: list[str], rows: list[list[str]], max_cell: int = 40) -> list[str]:
-    rows = [[c if len(c) <= max_cell else c[:max_cell - 1] + "…" for c in row] for row in rows]
+    rows = [[shown(c)[:max_cell - 1] + "…" if len(shown(c)) > max_cell else shown(c) for c in row] for row in rows]
     header = [h if len(h) <= max_cell else h[:max_cell - 1] + "…" for h in header]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()   # noqa: E731

@@ -67,15 +67,25 @@ def _apply(cfg: RunConfig, data: dict[str, Any], source: str) -> None:
             cfg.description = value
             continue
         if key not in TABLES:
-            if not isinstance(value, dict) and _familiar(key):
-                raise ConfigError(f"unknown top-level key {key!r}{_familiar(key)}; settings live in the "
-                                  f"tables {', '.join(TABLES)}", source=source)
+            if not isinstance(value, dict):
+                raise ConfigError(_outside_tables(key), source=source)
             raise ConfigError(f"unknown table [{key}]{_close(key, list(TABLES) + list(TOP_LEVEL_KEYS))}; "
                               f"tables are {', '.join(TABLES)}", source=source)
         if not isinstance(value, dict):
             raise ConfigError(f"[{key}] must be a table, got {value!r}", source=source, table=key)
         for k, v in value.items():
             _set(cfg, key, k, v, source)
+
+
+def _outside_tables(key: str) -> str:
+    """A `key = value` above every [table] header (TOML puts it in no table): said as that, with the table
+    that has such a key (it was called an unknown table, which sent the reader looking for a header)."""
+    owners = [f"[{t}]" for t, cls in TABLES.items() if key in {f.name for f in fields(cls)}]
+    if owners:
+        hint = f"; {' and '.join(owners)} {'has' if len(owners) == 1 else 'have'} it: put it under that header"
+    else:
+        hint = _familiar(key) or _close(key, list(TOP_LEVEL_KEYS))
+    return f"{key!r} is a key outside any table{hint}; settings live in the tables {', '.join(TABLES)}"
 
 
 def _set(cfg: RunConfig, table: str, key: str, value: Any, source: str, *, from_text: bool = False) -> None:
@@ -136,7 +146,10 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
         with open(path, "rb") as fh:
-            return tomllib.load(fh)
+            raw = fh.read()
+        # An editor's UTF-8 byte-order mark (Windows Notepad writes one) is no TOML: tomllib read it as
+        # "Invalid statement" at line 1, column 1
+        return tomllib.loads(raw.removeprefix(b"\xef\xbb\xbf").decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError("no such file", source=str(path)) from None
     except IsADirectoryError:

@@ -114,3 +114,25 @@ def test_a_manifest_changed_after_the_save_is_refused_not_loaded(fsdp_tiny_run, 
     line = one_line(res)
     assert "no loadable checkpoint" in line and step.name in line and why in line, line
     assert _snapshot(RunFolder(run_dir).checkpoints()) == before
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4. A LoRA resume onto a base whose weights changed
+
+def test_a_lora_resume_onto_changed_base_weights_is_refused(tmp_path):
+    """The base's model.safetensors replaced by another of the same size (another seed: other weights of
+    one shape, as another revision or a merge): refused before launch, naming model.name."""
+    from tests.hf_fixtures import make_hf_model
+    base = make_hf_model(tmp_path / "base")
+    run_dir = tmp_path / "run"
+    res = run(run_dir, *COMMON, "train.steps=4", f"model.name={base}", "train.method=lora", "lora.rank=4",
+              "data.seq_len=32", "train.save_final=none")
+    assert res.returncode == 0, explain(res, run_dir)
+    assert json.loads((RunFolder(run_dir).checkpoints() / "step_00000004" / MANIFEST).read_text())["base"]
+    other = make_hf_model(tmp_path / "other", seed=1)
+    assert (other / "model.safetensors").stat().st_size == (base / "model.safetensors").stat().st_size
+    shutil.copyfile(other / "model.safetensors", base / "model.safetensors")
+    res = shardconsole("resume", str(run_dir), "--set", "train.steps=6", timeout=300)
+    assert res.returncode == 2, explain(res, run_dir)
+    line = one_line(res)
+    assert "[model] name" in line and str(base) in line and "other bytes" in line, line

@@ -123,7 +123,7 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
                             f"(train.save_final = \"model\"): nothing to resume from; `shardconsole export-model "
                             f"{folder.path}` reads it, and a run resumes from train.save_final = \"full\" or "
                             f"train.checkpoint_every saves")
-    _check_some_complete(folder.path, resumable, cfg.parallel.backend)
+    _check_same_base(cfg, resolved, _check_some_complete(folder.path, resumable, cfg.parallel.backend))
     newest = resumable[0][0]
     if cfg.train.steps <= newest:
         raise C.ConfigError(f"{folder.path}: its newest checkpoint is step {newest} and train.steps is "
@@ -143,15 +143,32 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
     return cfg
 
 
-def _check_some_complete(run_dir: Path, found: list[tuple[int, Path]], backend: str) -> None:
-    """Refuse, before the launch, a resume none of whose checkpoints passes the cheap test (every file
-    at its listed size, the manifest as saved): the ranks would start again from step 0 and prune the
-    damaged ones. The files' checksums are read by the ranks, which refuse the same way."""
+def _check_some_complete(run_dir: Path, found: list[tuple[int, Path]], backend: str) -> Path:
+    """The step folder the ranks will load first; refuse, before the launch, a resume none of whose
+    checkpoints passes the cheap test (every file at its listed size, the manifest as saved): the ranks
+    would start again from step 0 and prune the damaged ones. The files' checksums are read by the
+    ranks, which refuse the same way."""
     whys = [(p, why_incomplete(p, backend)) for _, p in found]
-    if all(why is not None for _, why in whys):
+    good = next((p for p, why in whys if why is None), None)
+    if good is None:
         raise C.ConfigError(f"{run_dir}: no loadable checkpoint to resume from ("
                             + "; ".join(f"{p.name}: {why}" for p, why in whys)
                             + "); nothing was changed: restore a good copy, or start a new run")
+    return good
+
+
+def _check_same_base(cfg: C.RunConfig, resolved, checkpoint: Path) -> None:
+    """A LoRA checkpoint holds the adapters alone: refuse, before the launch, a base folder whose weights
+    changed since the save (runlog/base_weights; the ranks refuse the same way)."""
+    from shardconsole.runlog import base_weights
+    folder = base_weights.base_folder(cfg.model.name)
+    if not cfg.adapters or folder is None:
+        return
+    why = base_weights.why_changed(base_weights.saved_fingerprint(checkpoint, MANIFEST), folder)
+    if why is not None:
+        raise resolved.error("model", "name", f"{folder}: the base model of this LoRA run, but {why}; the adapters "
+                                              f"of {checkpoint.name} were trained on the earlier weights: put them "
+                                              f"back, or start a new run on this base")
 
 
 def _check_export_dir(cfg: C.RunConfig, source: str) -> None:

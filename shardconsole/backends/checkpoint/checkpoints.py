@@ -29,6 +29,7 @@ from shardconsole.backends.rank.common import Rank
 from shardconsole.backends.rank.errors import CheckpointError  # noqa: F401  (raised here; re-exported)
 # The completeness test lives beside the run folder's layout (no torch): export and the console use it too.
 from shardconsole.runlog.checkpoint_files import MANIFEST, why_incomplete  # noqa: F401  (re-exported)
+from shardconsole.runlog import base_weights
 from shardconsole.runlog.checkpoint_files import MANIFEST_SUM, manifest_checksum
 from shardconsole.runlog.checkpoint_files import (checksums as checksums_of, loadable_runs, other_run_folder,
                                                   read_owner, shared_folder,
@@ -100,6 +101,8 @@ def newest_complete(r: Rank) -> Found | None:
                 why = f"another run wrote it ({meta['run_dir']}), not this one"
             else:
                 why = _verify(r, path)
+        if why is None and (other := _why_other_base(r, meta)) is not None:
+            raise CheckpointError(f"{path}: {other}; put them back, or start a new run on this base")
         if why is None:
             from shardconsole.backends.data import batches as data_mod
             data_mod.check_resume(r, meta.get("data"), path)     # the data it was trained on, or a refusal
@@ -236,7 +239,7 @@ def finish_checkpoint(r: Rank, step: int, meta: dict) -> Path:
         from shardconsole.backends.data import batches as data_mod
         manifest = {**meta, "step": step, "world": r.world, "backend": r.cfg.parallel.backend,
                     "data": data_mod.identity(r), "files": files, "checksums": sums,
-                    "run_dir": str(r.run_dir.resolve())}
+                    "run_dir": str(r.run_dir.resolve()), "base": _base_fingerprint(r)}
         manifest[MANIFEST_SUM] = manifest_checksum(manifest)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if r.cfg.train.checkpoint_private:
@@ -250,6 +253,28 @@ def finish_checkpoint(r: Rank, step: int, meta: dict) -> Path:
         prune(r, keep=r.cfg.train.keep_checkpoints)
     dist.barrier()
     return final
+
+
+_base: list[dict | None] = []      # this process's fingerprint of the LoRA base, taken once
+
+
+def _base_fingerprint(r: Rank) -> dict | None:
+    """A LoRA run's base weights, fingerprinted at the first save (runlog/base_weights): the adapters are
+    only meaningful on them, and a resume onto other weights is refused."""
+    folder = base_weights.base_folder(r.cfg.model.name)
+    if not r.cfg.adapters or folder is None:
+        return None
+    if not _base:
+        _base.append(base_weights.fingerprint(folder))
+    return _base[0]
+
+
+def _why_other_base(r: Rank, meta: dict) -> str | None:
+    folder = base_weights.base_folder(r.cfg.model.name)
+    if not r.cfg.adapters or folder is None:
+        return None
+    why = base_weights.why_changed(meta.get("base"), folder)
+    return None if why is None else f"the base model {folder}: {why} (the adapters were trained on the earlier weights)"
 
 
 def run_save(r: Rank, step: int, kind: SaveKind, total_bytes: int, write: Callable[[Path], None],

@@ -238,6 +238,16 @@ def _allocator_at_budget(g: _Gpu, r: _Rank, gpu_budget: int) -> str:
             "with memory to spare it would reserve more")
 
 
+def _host_total(cfg: C.RunConfig, hw: Hardware) -> tuple[int, str]:
+    """The host RAM a run is planned against, and how the verdict names it: memory.host_memory_limit where
+    it is below the machine's (a box of that size, as gpu_memory_limit is a card of that size), else the
+    machine's (--host-memory's, or this one's)."""
+    cap = cfg.host_memory_limit_bytes
+    if cap and (not hw.host_memory_bytes or cap < hw.host_memory_bytes):
+        return cap, f"the {C.format_size(cap)} of memory.host_memory_limit"
+    return hw.host_memory_bytes, C.format_size(hw.host_memory_bytes)
+
+
 def _budgets(cfg: C.RunConfig, hw: Hardware, g: _Gpu, h: _Host,
              ld: Loading | None = None) -> tuple[list[str], int | None, int | None]:
     """(why it does not fit, the allocator's budget, the host's). The allocator's budget: what the
@@ -256,10 +266,10 @@ def _budgets(cfg: C.RunConfig, hw: Hardware, g: _Gpu, h: _Host,
             reasons.append(f"GPU needs {C.format_size(g.required + g.context + g.reserved)} (allocator "
                            f"{C.format_size(g.required)} + context {C.format_size(g.context)} + driver "
                            f"{C.format_size(g.reserved)}) over {g.device_what}")
-    host_budget = int(hw.host_memory_bytes * HOST_USABLE_FRACTION) if hw.host_memory_bytes else None
+    host_total, host_what = _host_total(cfg, hw)
+    host_budget = int(host_total * HOST_USABLE_FRACTION) if host_total else None
     if host_budget is not None and h.peak > host_budget:
-        line = (f"host needs {C.format_size(h.peak)} over {C.format_size(host_budget)} usable "
-                f"of {C.format_size(hw.host_memory_bytes)}")
+        line = f"host needs {C.format_size(h.peak)} over {C.format_size(host_budget)} usable of {host_what}"
         if h.moment == "loading" and ld is not None:
             # the load, not training, is what does not fit: say so, and what the code offers against it
             trained = h.peak - h.node["loading"] + max(v for k, v in h.node.items() if k != "loading")

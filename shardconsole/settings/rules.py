@@ -35,6 +35,13 @@ def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = 
             raise err("memory", "gpu_memory_limit", str(e)) from None
         if limit < 256 * 2**20:
             raise err("memory", "gpu_memory_limit", "is below 256 MiB; a CUDA context alone needs more")
+    if cfg.memory.host_memory_limit:
+        try:
+            host = parse_size(cfg.memory.host_memory_limit)
+        except ValueError as e:
+            raise err("memory", "host_memory_limit", str(e)) from None
+        if host < 2**30:
+            raise err("memory", "host_memory_limit", "is below 1 GiB; a rank's Python, torch and data alone need more")
     if cfg.data.source in ("text", "tokens") and not cfg.data.path:
         raise err("data", "path", f"source = {cfg.data.source!r} needs a file path")
     if cfg.data.source == "synthetic" and cfg.data.path:

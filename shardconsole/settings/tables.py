@@ -262,6 +262,8 @@ class MemorySettings:
         "full", "with checkpointing: recompute the whole layer (least memory), or keep the matmul and "
         "attention outputs and recompute only the cheap element-wise ops (faster, saves less)")
     gpu_memory_limit: str = _f("", "cap each rank's CUDA memory, e.g. 24GiB, to rehearse a smaller card", size=True)
+    host_memory_limit: str = _f("", "the host RAM the run may use, e.g. 64GiB, to rehearse a smaller box: the "
+                                "planner plans against it and a launch it puts over it is refused", size=True)
     empty_cache_every: int = _f(0, "call torch.cuda.empty_cache every N steps (0: never)", min=0)
     # Issue 48: the [tokens, vocab] logits are GiBs at a 32k-128k vocabulary; the fused loss never keeps
     # them (backends/model/fused_loss.py). auto leaves CPU runs on the chunked loss: memory is not their
@@ -321,6 +323,10 @@ class RunConfig:
     @property
     def gpu_memory_limit_bytes(self) -> int | None:
         return parse_size(self.memory.gpu_memory_limit) if self.memory.gpu_memory_limit else None
+
+    @property
+    def host_memory_limit_bytes(self) -> int | None:
+        return parse_size(self.memory.host_memory_limit) if self.memory.host_memory_limit else None
 
     @property
     def reshard_after_forward(self) -> bool:

@@ -23,7 +23,7 @@ from shardconsole.backends.engine import trainstate
 from shardconsole.backends.checkpoint.checkpoints import SaveKind
 from shardconsole.backends.engine.contract import Engine
 from shardconsole.backends.model import adapters, fused_loss
-from shardconsole.backends.observe import compiled, failures, metrics, profile, stream_health
+from shardconsole.backends.observe import compiled, failures, host_limit, metrics, profile, stream_health
 from shardconsole.backends.rank import common
 from shardconsole.backends.rank.common import Rank
 
@@ -88,8 +88,10 @@ class Tail:
             torch.cuda.empty_cache()
         self.engine.evaluate(step)
         stream_health.check(self.r, self.stop)       # a stream that cannot be written asks the run to stop
+        host_limit.check(self.r, self.stop)          # so does a node past memory.host_memory_limit
         if self.stop.agreed():
-            with stream_health.verdict(self.r):     # ... and that rank ends with the verdict, after the save
+            # ... and the rank that found it ends with the verdict, after the save
+            with stream_health.verdict(self.r), host_limit.verdict(self.r):
                 trainstate.stop_with_save(self.r, self.stop, lambda kind: self.engine.save(step, kind))
         if checkpoints.save_due(self.r, step):
             self.engine.save(step, SaveKind.CHECKPOINT)

@@ -67,3 +67,12 @@ class StreamFailed(RankFailure):
     def __init__(self, cause: str, message: str, hint: str) -> None:
         super().__init__(message)
         self.cause, self.hint = cause, hint
+
+
+class HostLimitReached(RankFailure):
+    """The node's run passed memory.host_memory_limit and stopped, saving first (observe/host_limit)."""
+    cause = "host_oom"
+
+    def __init__(self, message: str, hint: str) -> None:
+        super().__init__(message)
+        self.hint = hint

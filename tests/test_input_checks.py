@@ -20,6 +20,9 @@ def _one_line(res) -> str:
     (("tune", "--dry-run", "--preset", "tiny-cpu", "--gpu-memory", "1e400GiB"), "--gpu-memory: '1e400GiB' is not a size"),
     (("--preset", "tiny-cpu", "--print-command", "--set", "memory.gpu_memory_limit=1e400GiB"),
      "--set memory.gpu_memory_limit: '1e400GiB' is not a size"),
+    (("plan", "--fit", "--seq-len", "-5", "--gpu-memory", "24GiB", "--host-memory", "64GiB"),
+     "--seq-len: [data] seq_len: -5 is below the minimum 8"),
+    (("compare", "a", "b", "--width", "999999999"), "--width: 999999999 is too wide for a plot (30 to 1000)"),
 ])
 def test_a_number_out_of_range_is_one_line(argv, says):
     assert says in _one_line(shardconsole(*argv))

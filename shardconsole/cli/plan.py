@@ -265,12 +265,12 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     overrides = settings.from_cli(args.overrides)
     if args.model:
         overrides.append(settings.Override("model", "name", args.model, "--model"))
+    if args.seq_len is not None:
+        # through the settings' own reader, its range included (-5 planned a table of negative rows)
+        overrides.append(settings.Override("data", "seq_len", str(args.seq_len), "--seq-len"))
     resolved = load(args.preset, overrides)
     cfg = resolved.cfg
-    if args.seq_len is not None:
-        cfg = PL.replace_cfg(cfg, ("data", "seq_len", args.seq_len))
-        C.validate(cfg, "--seq-len")
-    elif args.preset is None:
+    if args.seq_len is None and args.preset is None:
         cfg = PL.replace_cfg(cfg, ("data", "seq_len", 2048))
     hw = _with_card(hardware_from_args(args.gpus, args.gpu_memory, args.host_memory, args.host_cores, args.host_gbps),
                     card, args.gpu_memory is not None)

@@ -24,6 +24,8 @@ LIST_COLUMNS = ("id", "preset", "backend", "training", "model", "status", "steps
                 "peak host", "last loss", "eval loss")
 
 
+MAX_WIDTH = 1000       # characters of a compare plot
+
 def _root_arg(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--runs-root", default=None, metavar="DIR",
                     help="where runs are (default: $SHARDCONSOLE_RUNS_ROOT, else the per-user folder)")
@@ -155,6 +157,11 @@ def cmd_compare(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if len(args.runs) < 2:
         raise ConfigError("compare needs at least two runs (folders or ids; `shardconsole runs` lists them)")
+    width = args.width or min(120, shutil.get_terminal_size((100, 24)).columns)
+    # a plot is width x rows of characters: --width 999999999 grew the front end until the kernel killed it
+    if not 30 <= width <= MAX_WIDTH:
+        raise ConfigError(f"--width: {width} is {'too narrow' if width < 30 else 'too wide'} for a plot "
+                          f"(30 to {MAX_WIDTH})")
     paths = []
     for ref in args.runs:
         try:
@@ -164,9 +171,6 @@ def cmd_compare(argv: list[str]) -> int:
         if p in paths:
             raise ConfigError(f"{ref!r} is named twice ({p})")
         paths.append(p)
-    width = args.width or min(120, shutil.get_terminal_size((100, 24)).columns)
-    if width < 30:
-        raise ConfigError(f"--width: {width} is too narrow for a plot (30 or more)")
     for line in CMP.compare_text([summarize(Path(p)) for p in paths], width=width):
         print(line)
     return 0

@@ -63,9 +63,10 @@ class SetupScreen(SetupActions):
         # (the Delete key still deletes there).
         Binding("ctrl+d", "preview('shown')", "Preview", priority=True),
         Binding("ctrl+d", "preview", "Data preview", show=False, priority=True),
-        Binding("ctrl+n", "next_tab", "Next tab"),
+        # Nine tabs: back one too. One footer entry for both (a second pushed Quit off 80 columns).
+        Binding("ctrl+n", "next_tab", "Tabs", key_display="^n/^p", tooltip="ctrl+n: the next tab; ctrl+p: the previous"),
+        Binding("ctrl+p", "previous_tab", "Previous tab", show=False),
     ]
-
 
     def __init__(self, launcher: Launcher, probes: Probes, *, preset: str = settings.DEFAULT_PRESET,
                  overrides: list[str] | None = None, resolved: settings.Resolved | None = None,
@@ -187,8 +188,9 @@ class SetupScreen(SetupActions):
         self._derive()     # now checked against this machine's GPU count
 
     # --- picking -----------------------------------------------------------------------------------
-    def _show_picks(self) -> None:
-        """Point the pickers at what cfg holds (after a preset was loaded)."""
+    def _show_picks(self, presets: bool = True) -> None:
+        """Point the pickers at what cfg holds (after a preset was loaded). presets=False: the preset list
+        stays where it is (the user just chose there, and the arrows typed since have moved on)."""
         models = self.query_one("#models", OptionList)
         name = self.cfg.model.name
         if name in CATALOG:
@@ -198,11 +200,12 @@ class SetupScreen(SetupActions):
             models.highlighted = None
             with self.prevent(Input.Changed):
                 self.query_one("#model-dir", Input).value = name
-        presets = self.query_one("#presets", OptionList)
-        try:
-            presets.highlighted = presets.get_option_index(self.preset_name)
-        except Exception:   # OptionDoesNotExist: loaded from a path outside the preset folders
-            presets.highlighted = None
+        if presets:
+            listed = self.query_one("#presets", OptionList)
+            try:
+                listed.highlighted = listed.get_option_index(self.preset_name)
+            except Exception:   # OptionDoesNotExist: loaded from a path outside the preset folders
+                listed.highlighted = None
         with self.prevent(RadioSet.Changed):
             self.query_one(f"#backend-{self.cfg.parallel.backend}", RadioButton).value = True
             self.query_one(f"#method-{self.cfg.train.method}", RadioButton).value = True
@@ -248,7 +251,7 @@ class SetupScreen(SetupActions):
         except C.ConfigError as e:
             self.notify(str(e), title=f"Preset {name} not loaded", severity="error", timeout=10)
             return
-        self._show_picks()
+        self._show_picks(presets=False)
         self._refresh()
         self.notify(f"Loaded preset {name}", timeout=3)
 
@@ -365,12 +368,19 @@ class SetupScreen(SetupActions):
 
     # --- actions -----------------------------------------------------------------------------------
     async def action_next_tab(self) -> None:
-        """The next table, with the focus in its first field (the pick tab: in the model list)."""
+        await self._step_tab(1)
+
+    async def action_previous_tab(self) -> None:
+        await self._step_tab(-1)
+
+    async def _step_tab(self, offset: int) -> None:
+        """The next (+1) or previous (-1) table, with the focus in its first field (the pick tab: in the
+        model list)."""
         tabs = self.query_one(TabbedContent)
         panes = ["tab-pick"] + [f"tab-{t}" for t in F.visible_tables(self.cfg.parallel.backend, self.cfg.train.method,
                                                               self.cfg.train.objective)]
         current = tabs.active if tabs.active in panes else panes[0]
-        pane = panes[(panes.index(current) + 1) % len(panes)]
+        pane = panes[(panes.index(current) + offset) % len(panes)]
         tabs.active = pane
         if pane == "tab-pick":
             self.query_one("#models", OptionList).focus()

@@ -77,3 +77,28 @@ def test_a_run_folder_named_with_a_newline_keeps_its_row_in_the_runs_table(tmp_p
     rows = res.stdout.splitlines()
     assert res.returncode == 0 and len(rows) == 4, res.stdout
     assert sorted(r.split()[0] for r in rows[2:]) == ["a\\nb", "plain"], res.stdout
+
+
+@pytest.fixture
+def few_inodes(tmp_path):
+    """A file system of 12 inodes and 50 MiB (a tmpfs: needs root's mount), so bytes are plenty."""
+    import subprocess
+    where = tmp_path / "fs"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=50m,nr_inodes=12", "tmpfs", str(where)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    yield where
+    subprocess.run(["umount", str(where)], capture_output=True)
+
+
+def test_a_file_system_out_of_inodes_is_said_as_that_before_launch(few_inodes):
+    # it trained, then its first save failed "disk full ...: needs 1.5 MiB, 48.1 MiB free"
+    line = _one_line(shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(few_inodes / "run"),
+                                  "--set", "train.steps=2"))
+    assert f"--run-dir {few_inodes / 'run'}: its file system ({few_inodes}) has 11 inodes free" in line, line
+    for i in range(11):
+        (few_inodes / f"f{i}").touch()
+    line = _one_line(shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(few_inodes / "run"),
+                                  "--set", "train.steps=2"))
+    assert f"its file system ({few_inodes}) is out of inodes" in line, line

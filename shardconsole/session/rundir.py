@@ -121,7 +121,7 @@ def check_run_dir(cfg: C.RunConfig, run_dir: Path, where: str) -> None:
     made (/proc/x) is the run folder's fault, said naming it (the checkpoint folder's disk check, which
     sits under it, blamed the preset's train.checkpoint_dir)."""
     check_path_length(cfg, run_dir, where)
-    _probe(Path(run_dir), lambda why: RunDirError(f"{where}: {why}"), min_free=_LOW_SPACE)
+    _probe(Path(run_dir), lambda why: RunDirError(f"{where}: {why}"), min_free=_LOW_SPACE, min_files=run_files(cfg))
 
 
 def anchor_paths(cfg: C.RunConfig) -> C.RunConfig:
@@ -208,13 +208,29 @@ def check_writable(cfg: C.RunConfig, run_dir: Path, origin: Origin | None = None
     """Refuse, before a launch, a run folder or a checkpoint folder this process cannot write (a
     read-only mount, a folder of another user, a path through a file). Probes by creating and removing
     a file: permission bits alone do not say it (root, read-only mounts, ACLs)."""
-    _probe(run_dir, lambda why: RunDirError(f"run folder {run_dir}: {why}"), min_free=_LOW_SPACE)
+    _probe(run_dir, lambda why: RunDirError(f"run folder {run_dir}: {why}"), min_free=_LOW_SPACE,
+           min_files=run_files(cfg))
     _check_export_dir(cfg, origin)
     if not _saves_checkpoints(cfg):
         return
     ckpt = RunFolder(run_dir).checkpoints(cfg.train.checkpoint_dir)
     _probe(ckpt, lambda why: C.ConfigError(f"{ckpt}: {why}", source=_source(origin, "train", "checkpoint_dir"),
-                                           table="train", key="checkpoint_dir"))
+                                           table="train", key="checkpoint_dir"), min_files=save_files(cfg))
+
+
+def save_files(cfg: C.RunConfig) -> int:
+    """The files and folders one save makes (each rank's shard and state, the manifest, the metadata and
+    the folders), the figure that decides a file system out of inodes: its bytes may be plenty (a run
+    that failed at its first save was told "needs 1.5 MiB, 48.1 MiB free")."""
+    ranks = max(1, cfg.parallel.nnodes * cfg.parallel.nproc_per_node)
+    return 2 * ranks + 6 if _saves_checkpoints(cfg) else 0
+
+
+def run_files(cfg: C.RunConfig) -> int:
+    """The files the run folder holds (settings, stream, logs, TensorBoard's, the launcher's) and, where the
+    checkpoints go in it, one save's."""
+    ranks = max(1, cfg.parallel.nnodes * cfg.parallel.nproc_per_node)
+    return 12 + ranks + (0 if cfg.train.checkpoint_dir else save_files(cfg))
 
 
 def check_resume_writable(cfg: C.RunConfig, run_dir: Path, source: str) -> None:
@@ -248,7 +264,7 @@ def _saves_checkpoints(cfg: C.RunConfig) -> bool:
                 or getattr(t, "save_on_stop", False) or getattr(t, "resume", False))
 
 
-def _probe(path: Path, error, min_free: int = 0) -> None:
+def _probe(path: Path, error, min_free: int = 0, min_files: int = 0) -> None:
     """`path` (or the folder that would hold it) takes a new file; min_free: and its disk has that many
     bytes free (the run folder: the ranks stop a run whose stream's disk has under _LOW_SPACE, so a launch
     there would stop at its first step boundary)."""
@@ -265,8 +281,17 @@ def _probe(path: Path, error, min_free: int = 0) -> None:
         os.close(fd)
         os.unlink(tmp)
     except OSError as e:
+        files = _files_free(target)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT) and files == 0:
+            raise error(f"its file system ({target.resolve()}) is out of inodes: no new file can be made there, "
+                        f"whatever bytes are free; remove files there, or pick a folder on another disk") from None
         what = "cannot be created" if target != path else "is not writable"
         raise error(f"{what} ({target.resolve()}: {e.strerror})") from None
+    files = _files_free(target)
+    if files is not None and files < min_files:
+        raise error(f"its file system ({target.resolve()}) has {files} inodes free (new files it can hold), under "
+                    f"the {min_files} new files the run makes there up to its first save; remove files there, or pick a "
+                    f"folder on another disk")
     try:
         free = shutil.disk_usage(target).free
     except OSError:
@@ -275,6 +300,16 @@ def _probe(path: Path, error, min_free: int = 0) -> None:
         raise error(f"its disk ({target.resolve()}) has {free >> 10} KiB free, under the {min_free >> 10} KiB the "
                     f"stream needs: the ranks would stop at their first step; free space there, or pick a folder "
                     f"on another disk")
+
+
+def _files_free(path: Path) -> int | None:
+    """The inodes free to this user on path's file system; None where it does not count them (f_files 0:
+    btrfs and some network file systems have no fixed number)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_favail if st.f_files else None
 
 
 def check_port_free(cfg: C.RunConfig, origin: Origin | None = None) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from shardconsole.settings import config as C
 from shardconsole.plan.constants import DTYPE_BYTES, LOSS_CHUNK_TOKENS
-from shardconsole.plan.shapes import Shapes
+from shardconsole.plan.shapes import Shapes, pow2_ceil
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -135,10 +135,11 @@ class Activations:
     loss_forward: int        # one chunk of logits in forward
     loss_backward: int       # one chunk recomputed and differentiated
     alternative_saved: int   # all layers' saved activations with checkpointing flipped
+    in_flight: int = 0       # memory.activation_offload: layer inputs on the GPU while copied out or back
 
     @property
     def saved_all(self) -> int:
-        return self.layers * self.saved_layer + self.final + self.inputs + self.mask
+        return self.layers * self.saved_layer + self.final + self.inputs + self.mask + self.in_flight
 
 
 def activations(cfg: C.RunConfig, s: Shapes) -> Activations:
@@ -183,8 +184,12 @@ def activations(cfg: C.RunConfig, s: Shapes) -> Activations:
         # + log_softmax's gradient (4); the gradient of the loss input accumulates over the chunks into
         # one [tokens, hidden] buffer (two while adding).
         loss_bwd = chunk * v * 12 + 2 * tokens * s.hidden * c
+    # memory.activation_offload (backends/model/activation_offload.py): each layer's input waits on the host;
+    # the GPU holds the one being copied out in forward and the one copied back for the layer in backward.
+    moved = offloaded_input_bytes(cfg, s)
     return Activations(
-        layers=s.layers, saved_layer=ckpt_layer if ckpt else per_layer, per_layer=per_layer,
+        layers=s.layers, saved_layer=(ckpt_layer - moved) if ckpt else per_layer, per_layer=per_layer,
+        in_flight=2 * moved,
         # the layer being recomputed holds its saved tensors again; selective keeps part of them anyway
         recompute=(per_layer if cfg.memory.checkpoint_policy == "full" else max(per_layer - ckpt_layer, 0))
         if ckpt else 0,
@@ -195,6 +200,21 @@ def activations(cfg: C.RunConfig, s: Shapes) -> Activations:
         layer_backward=layer_bwd, loss_forward=loss_fwd, loss_backward=loss_bwd,
         alternative_saved=s.layers * (per_layer if ckpt else ckpt_layer),
     )
+
+
+def offloaded_input_bytes(cfg: C.RunConfig, s: Shapes) -> int:
+    """One layer's input as memory.activation_offload moves it to the host (0: not offloaded)."""
+    if not (cfg.memory.activation_offload and cfg.memory.activation_checkpointing):
+        return 0
+    tokens = cfg.train.micro_batch * cfg.rows_per_sample * cfg.data.seq_len
+    return tokens * s.hidden * DTYPE_BYTES[cfg.precision.dtype]
+
+
+def offloaded_host(cfg: C.RunConfig, s: Shapes) -> dict[str, int]:
+    """The host side of memory.activation_offload: every layer's input, each in a pinned block of torch's
+    caching host allocator (a power of two); {} when off."""
+    moved = offloaded_input_bytes(cfg, s)
+    return {"offloaded activations (layer inputs, pinned)": s.layers * pow2_ceil(moved)} if moved else {}
 
 
 def float8_casts(cfg: C.RunConfig, s: Shapes) -> dict[str, int]:

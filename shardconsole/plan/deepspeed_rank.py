@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from shardconsole.settings import config as C
-from shardconsole.plan.activation_memory import activations, float8_casts
+from shardconsole.plan.activation_memory import activations, float8_casts, offloaded_host
 from shardconsole.plan.constants import (CUBLAS_WORKSPACE_BYTES, DS_BUILD_BASE_RSS, DS_SUB_GROUP_SIZE, DTYPE_BYTES,
                                          NVME_PARAM_BUFFER_NUMEL, RANK_BASE_RSS, GiB)
 from shardconsole.plan.rank import _Rank
@@ -252,7 +252,8 @@ def _host_phases(cfg: C.RunConfig, s: Shapes, k: _Ctx, h: _Held) -> dict[str, di
         # process is smaller then (no kernels loaded yet): DS_BUILD_BASE_RSS
         hphases["build"] = {"process (python, torch, CUDA)": DS_BUILD_BASE_RSS, "model built on the CPU (fp32)": 4 * P,
                             "cast copy (largest tensor)": c * k.largest_param}
-    hphases["training"] = {"process (python, torch, CUDA)": RANK_BASE_RSS["deepspeed"], **h.host}
+    hphases["training"] = {"process (python, torch, CUDA)": RANK_BASE_RSS["deepspeed"], **h.host,
+                           **offloaded_host(cfg, s)}
     if stage == 3 and not k.off_par:
         hphases["build"] = {"process (python, torch, CUDA)": DS_BUILD_BASE_RSS,
                             "defragment(): partitions copied through the host": c * part}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardconsole.settings import config as C
-from shardconsole.plan.activation_memory import Activations, activations, float8_casts
+from shardconsole.plan.activation_memory import Activations, activations, float8_casts, offloaded_host
 from shardconsole.plan.constants import (CUBLAS_WORKSPACE_BYTES, DTYPE_BYTES, FSDP_FP16_OFFLOAD_HOST_PER_PARAM,
                                          RANK_BASE_RSS)
 from shardconsole.plan.rank import _Rank
@@ -193,7 +193,8 @@ def _host(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> dict[str, dict[str, int]]:
     """One rank's RSS. The model is built on the meta device, so no full copy exists anywhere
     (backends/engine/fsdp.py build), and init_random_ draws each shard in place on its device."""
     f, m, mtag = cfg.fsdp, z.m, z.mtag
-    host: dict[str, dict[str, int]] = {"training": {"process (python, torch, CUDA)": RANK_BASE_RSS["fsdp"]}}
+    host: dict[str, dict[str, int]] = {"training": {"process (python, torch, CUDA)": RANK_BASE_RSS["fsdp"],
+                                                    **offloaded_host(cfg, s)}}
     if not z.offload:
         return host
     # to_empty(cpu) allocates the shards unpinned, FSDP2 then pins each (.pin_memory(): rounded to a

@@ -13,7 +13,7 @@ the dropped copy of its input. Not calibrated on a GPU yet: the notes say so.
 
 from __future__ import annotations
 
-from shardconsole.plan.activation_memory import activations
+from shardconsole.plan.activation_memory import activations, offloaded_host
 from shardconsole.plan.constants import CUBLAS_WORKSPACE_BYTES, DTYPE_BYTES, RANK_BASE_RSS, RANK_BASE_RSS_CPU
 from shardconsole.plan.rank import _Rank
 from shardconsole.plan.shapes import Shapes
@@ -179,7 +179,7 @@ def lora_rank(cfg: C.RunConfig, s: Shapes) -> _Rank:
         "end of backward": {**states, "adapter gradients": 0 if opt_on_host and fsdp else grads_b, **ws},
         "optimizer step": {**states, "adapter gradients": 0 if opt_on_host and fsdp else grads_b, **ws},
     }
-    host = {"process (python, torch, CUDA)": RANK_BASE_RSS[p.backend]}
+    host = {"process (python, torch, CUDA)": RANK_BASE_RSS[p.backend], **offloaded_host(cfg, s)}
     if offload_base:
         host["frozen base (host)"] = base
     if opt_on_host:

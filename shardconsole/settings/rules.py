@@ -35,6 +35,9 @@ def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = 
             raise err("memory", "gpu_memory_limit", str(e)) from None
         if limit < 256 * 2**20:
             raise err("memory", "gpu_memory_limit", "is below 256 MiB; a CUDA context alone needs more")
+    if cfg.memory.activation_offload and not cfg.memory.activation_checkpointing:
+        raise err("memory", "activation_offload", "offloads the checkpointed layers' inputs: it needs "
+                  "memory.activation_checkpointing = true")
     if cfg.memory.host_memory_limit:
         try:
             host = parse_size(cfg.memory.host_memory_limit)

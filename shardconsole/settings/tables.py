@@ -262,6 +262,9 @@ class MemorySettings:
         "full", "with checkpointing: recompute the whole layer (least memory), or keep the matmul and "
         "attention outputs and recompute only the cheap element-wise ops (faster, saves less)")
     gpu_memory_limit: str = _f("", "cap each rank's CUDA memory, e.g. 24GiB, to rehearse a smaller card", size=True)
+    activation_offload: bool = _f(
+        False, "with activation_checkpointing: keep each layer's saved input in pinned host memory from its "
+        "forward to its backward (long sequences: seq x hidden a layer leaves the GPU)")
     host_memory_limit: str = _f("", "the host RAM the run may use, e.g. 64GiB, to rehearse a smaller box: the "
                                 "planner plans against it and a launch it puts over it is refused", size=True)
     empty_cache_every: int = _f(0, "call torch.cuda.empty_cache every N steps (0: never)", min=0)

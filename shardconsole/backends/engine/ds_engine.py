@@ -20,7 +20,7 @@ from shardconsole.backends.checkpoint.checkpoints import SaveKind
 from shardconsole.backends.checkpoint.hf_export import FullTensors
 from shardconsole.backends.engine import deepspeed as ds, ds_checkpoint, trainstate
 from shardconsole.backends.engine.contract import LineFigures
-from shardconsole.backends.model import adapters, modeling
+from shardconsole.backends.model import activation_offload, adapters, modeling
 from shardconsole.backends.objective.base import Forward, Objective
 from shardconsole.backends.observe import metrics, step_timing
 from shardconsole.backends.observe.metrics import StepMeter
@@ -53,6 +53,7 @@ class DeepSpeedEngine:
                     "FSDP2 backend's AdamW; DeepSpeed's bf16 masters round to nearest (updates below bf16's "
                     "resolution are lost)")
         self.model = ds.build(r, self.ds_cfg)
+        activation_offload.attach(r, self.model)
         self.engine, _, _, _ = deepspeed.initialize(model=self.model, model_parameters=adapters.trained_params(self.model),
                                                     config=self.ds_cfg)
         # zero.Init (stage 3) and the engine's module.half()/bfloat16() (stages 0-2) cast the rotary

@@ -14,7 +14,7 @@ from shardconsole.backends.checkpoint import checkpoints, hf_export, lora_export
 from shardconsole.backends.checkpoint.checkpoints import SaveKind
 from shardconsole.backends.engine import fsdp, fsdp_step, trainstate
 from shardconsole.backends.engine.contract import LineFigures
-from shardconsole.backends.model import adapters, float8
+from shardconsole.backends.model import activation_offload, adapters, float8
 from shardconsole.backends.objective.base import Forward, Objective
 from shardconsole.backends.observe import metrics, step_timing
 from shardconsole.backends.observe.metrics import StepMeter
@@ -39,6 +39,7 @@ class FsdpEngine:
         self.data = data
         self.built = fsdp.build(r)
         self.model = self.built.model
+        activation_offload.attach(r, self.model)
         self.optim = fsdp.make_optimizer(r, self.model)
         if self.built.arena is not None:
             self.built.arena.place_states(self.optim)    # Adam's states in the host arena before the first step

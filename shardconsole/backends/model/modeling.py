@@ -3,6 +3,9 @@ its forward returns the loss, with a cross-entropy that never holds the full fp3
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -249,11 +252,13 @@ class CausalLMLoss(nn.Module):
         self.lm = lm
         self.loss = loss
         self.rule = LogitRule.of(lm)
+        self.offload: Any = None       # memory.activation_offload: activation_offload.Offloader, set by the engine
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
                 reduction: str = "mean"):
         # No KV cache: with one, transformers ignores the restarted positions and masks causally only.
-        hidden = self.lm.model(input_ids=input_ids, position_ids=positions, use_cache=False).last_hidden_state
+        with self.offload.active() if self.offload is not None else contextlib.nullcontext():
+            hidden = self.lm.model(input_ids=input_ids, position_ids=positions, use_cache=False).last_hidden_state
         if self.rule.scale != 1.0:
             hidden = hidden * self.rule.scale     # (h * s) @ W.T is s * logits: every loss kernel as it is
         softcap = self.rule.softcap

@@ -37,6 +37,9 @@ def detect_hardware() -> Hardware:
                     cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0))
 
 
+MAX_GPUS = 1024     # GPUs of one node, far past any machine's
+
+
 def size_arg(flag: str, text: str | None) -> int | None:
     """A size flag (--gpu-memory 24GiB) in bytes; None when not given; a bad one is one ConfigError line."""
     if text is None:
@@ -93,6 +96,8 @@ def hardware_from_args(gpus: int | None, gpu_memory: str | None, host_memory: st
     cores, gbps = cores_arg("--host-cores", host_cores), gbps_arg("--host-gbps", host_gbps)
     if gpus is not None and gpus < 0:
         raise C.ConfigError(f"--gpus: {gpus} is below 0")
+    if gpus is not None and gpus > MAX_GPUS:      # 10**23 GPUs a node was planned, row by row
+        raise C.ConfigError(f"--gpus: {gpus} is not a GPU count of one node; it takes 0 to {MAX_GPUS}")
     g_mem = size_arg("--gpu-memory", gpu_memory)
     h_mem = size_arg("--host-memory", host_memory)
     found = detect_hardware() if (gpus is None or g_mem is None or h_mem is None) else None

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -26,6 +27,9 @@ from shardconsole.console.widgets.form_input import FormInput
 T = TypeVar("T")
 
 HERE = Path(__file__).parent
+# The two columns of free length wrap at these widths: sized to their text, the option names and the
+# statuses pushed tok/s, "vs baseline" and the status off a 120-column screen.
+WRAPPED = {"settings": 26, "status": 18}
 
 
 class TuneScreen(Screen[None]):
@@ -63,7 +67,9 @@ class TuneScreen(Screen[None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one(DataTable).add_columns(*COLUMNS)
+        dt = self.query_one(DataTable)
+        for name in COLUMNS:
+            dt.add_column(name, width=WRAPPED.get(name), key=name)
         self._say("Start runs the settings as given first, then the best predicted; a key you set is kept.")
 
     def _say(self, text: str) -> None:
@@ -126,7 +132,7 @@ class TuneScreen(Screen[None]):
         dt = self.query_one(DataTable)
         dt.clear()
         for row in table(self.tune):
-            dt.add_row(*row)
+            dt.add_row(*(Text(cell) for cell in row), height=None)   # None: as many lines as a wrapped cell takes
         running = [r for r in self.tune.rows if r.state == "running"]
         if running:
             r = running[-1]

@@ -43,3 +43,20 @@ async def test_arrows_typed_while_a_preset_loads_are_kept(tmp_path):
         await wait_for(pilot, lambda: setup.preset_name == "3090-7b-lora", what="the preset loaded")
         await pilot.pause()
         assert presets.highlighted == at + 2
+
+
+async def test_the_attach_dialog_names_every_folder_it_lists(tmp_path):
+    from test_console import FakeLauncher, text_of
+    from shardconsole.console.services import RunListing
+
+    class TwoRoots(FakeLauncher):
+        def recent_runs(self, limit: int = 30) -> list[RunListing]:
+            return [RunListing(tmp_path / "runs" / "new-run", "", False),
+                    RunListing(tmp_path / "old" / "runs" / "old-run", "", False)]
+
+    app = make_app(tmp_path, launcher=TwoRoots(tmp_path / "runs"))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "AttachScreen", what="the attach dialog")
+        where = text_of(app.screen.query_one("#where"))
+        assert where.startswith(f"Runs in {tmp_path}/runs/ and {tmp_path}/old/runs/ (newest first"), where

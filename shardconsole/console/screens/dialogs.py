@@ -188,13 +188,19 @@ class AttachScreen(ModalScreen[Path | None]):
             yield Label("Attach to a run", id="title")
             yield FormInput(placeholder=f"run folder, e.g. {self.runs_root}/<id>", id="path")
             if self.runs:
-                yield Label(f"Runs in {self.runs_root}/ (newest first; ctrl+l: every run, compare)")
+                yield Label(f"Runs in {self._where()} (newest first; ctrl+l: every run, compare)", id="where")
                 yield OptionList(*[self._option(r) for r in self.runs], id="runs")
             else:
                 yield Label(f"No runs in {self.runs_root}/ yet", classes="dim")
             with Horizontal(id="buttons"):
                 yield Button("Attach (enter)", id="attach", variant="primary")
                 yield Button("Cancel (esc)", id="cancel")
+
+    def _where(self) -> str:
+        """Every folder the list holds runs of: the runs root, and the old ./runs when the listing took
+        runs from there too (it named the runs root alone over runs of both)."""
+        others = sorted({r.run_dir.parent for r in self.runs} - {self.runs_root})
+        return " and ".join(f"{p}/" for p in [self.runs_root, *others])
 
     @staticmethod
     def _option(run: RunListing) -> Option:

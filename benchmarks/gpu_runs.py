@@ -570,6 +570,15 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                     ("offload-fitted", "3090-7b-offload", ["train.save_final=none"]))],
         ("7b-lora-preset", "3090-7b-lora", ["train.steps=8", "train.warmup_steps=1"]),
     ],
+    # Issue 62: long context on one 24 GiB card, llama3-8b (the catalog's Llama-3.1-8B shape, random init),
+    # the layer inputs on the host (memory.activation_offload) and the MLP in 4,096-token tiles.
+    "issue62-long": [
+        (name, preset, ["model.name=llama3-8b", f"data.seq_len={seq}", "train.micro_batch=1", "train.grad_accum=1",
+                        "memory.activation_checkpointing=true", "memory.activation_offload=true",
+                        "memory.mlp_tile_tokens=4096", "train.steps=10", "train.warmup_steps=1", "train.log_every=1",
+                        "train.save_final=none"])
+        for name, preset, seq in (("8b-lora-32k", "3090-7b-lora", 32768), ("8b-qlora-64k", "3090-7b-qlora", 65536),
+                                  ("8b-full-16k", "3090-7b-offload", 16384))],
     "quick": [
         ("h200-fsdp-nocompile", "h200-fsdp", ["train.steps=12", "train.compile=false", "train.log_every=2"]),
     ],

@@ -52,3 +52,37 @@ def test_offload_needs_checkpointing_and_the_planner_moves_the_bytes():
     inputs = 32 * 32768 * 4096 * 2          # 32 layers' inputs, bf16: 8 GiB
     assert kept.gpu_peak_bytes - moved.gpu_peak_bytes > 0.8 * inputs - 2 * 32768 * 4096 * 2
     assert moved.host_peak_bytes - kept.host_peak_bytes >= inputs
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_tiled_mlp_gives_the_same_loss_and_gradients(method):
+    """memory.mlp_tile_tokens: each layer's MLP computed 300 tokens at a time (4 x 512 tokens: seven tiles,
+    the last one short), checkpointed, with or without adapters: the loss and every trained gradient equal
+    the whole MLP's (fp32; the tiles sum the weight gradients in another order)."""
+    from shardconsole.backends.model import adapters, tiled_mlp
+    ids = torch.randint(0, 256, (4, 513), generator=torch.Generator().manual_seed(2))
+    models_ = [_model(), _model()]
+    if method == "lora":
+        cfg = C.build({"train": {"method": "lora"}, "lora": {"rank": 4}})
+        for m in models_:
+            torch.manual_seed(3)        # peft draws lora_A from the global generator: the same adapters
+            adapters.inject(m.lm, cfg)
+            for n, p in m.named_parameters():
+                if "lora_B" in n:
+                    torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(len(n)))
+    assert tiled_mlp.apply(modeling.decoder_layers(models_[1].lm), 300) == 2
+    losses = []
+    for model in models_:
+        loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        losses.append(float(loss))
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+    trained = [(n, a, b) for (n, a), b in zip(models_[0].named_parameters(), models_[1].parameters()) if a.requires_grad]
+    assert trained and all(a.grad is not None for _, a, _ in trained)
+    for name, a, b in trained:
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_tiled_mlp_is_refused_on_deepspeed():
+    with pytest.raises(C.ConfigError, match="mlp_tile_tokens"):
+        C.build({"parallel": {"backend": "deepspeed"}, "memory": {"mlp_tile_tokens": 4096}})

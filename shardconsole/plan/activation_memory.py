@@ -170,6 +170,12 @@ def activations(cfg: C.RunConfig, s: Shapes) -> Activations:
     # gradient of the probabilities (compute dtype) and softmax's backward in fp32 (two buffers).
     # From the autograd graph above; small next to the saved tensors.
     layer_bwd = tokens * (3 * c * s.intermediate + 2 * c * s.hidden)
+    tile = cfg.memory.mlp_tile_tokens
+    if tile and tile < tokens:
+        # memory.mlp_tile_tokens (backends/model/tiled_mlp.py): the MLP keeps its input only; its four saved
+        # [tokens, intermediate] tensors and three gradients live one tile at a time, in its backward
+        per_layer -= tokens * c * (4 * s.intermediate - s.hidden)
+        layer_bwd = tokens * 2 * c * s.hidden + tile * 7 * c * s.intermediate
     if eager:
         layer_bwd += mb * s.heads * seq * seq * (c + 8)
     fused = loss_kind(cfg)

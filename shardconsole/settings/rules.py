@@ -38,6 +38,9 @@ def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = 
     if cfg.memory.activation_offload and not cfg.memory.activation_checkpointing:
         raise err("memory", "activation_offload", "offloads the checkpointed layers' inputs: it needs "
                   "memory.activation_checkpointing = true")
+    if cfg.memory.mlp_tile_tokens and cfg.parallel.backend == "deepspeed":
+        raise err("memory", "mlp_tile_tokens", "tiles the MLP's backward, which ZeRO's gradient hooks would reduce "
+                  "once per tile: FSDP2 only (parallel.backend = \"fsdp\")")
     if cfg.memory.host_memory_limit:
         try:
             host = parse_size(cfg.memory.host_memory_limit)

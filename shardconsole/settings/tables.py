@@ -265,6 +265,9 @@ class MemorySettings:
     activation_offload: bool = _f(
         False, "with activation_checkpointing: keep each layer's saved input in pinned host memory from its "
         "forward to its backward (long sequences: seq x hidden a layer leaves the GPU)")
+    mlp_tile_tokens: int = _f(
+        0, "compute each decoder layer's MLP this many tokens at a time, so no [tokens x intermediate] tensor "
+        "is whole (long sequences; FSDP2); 0: the whole micro-batch at once", min=0)
     host_memory_limit: str = _f("", "the host RAM the run may use, e.g. 64GiB, to rehearse a smaller box: the "
                                 "planner plans against it and a launch it puts over it is refused", size=True)
     empty_cache_every: int = _f(0, "call torch.cuda.empty_cache every N steps (0: never)", min=0)

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from shardconsole.backends.model import adapters, float8, modeling, qlora
+from shardconsole.backends.model import adapters, float8, modeling, qlora, tiled_mlp
 from shardconsole.backends.checkpoint import checkpoints
 from shardconsole.backends.rank import common
 from shardconsole.backends.engine import trainstate
@@ -101,6 +101,7 @@ def build(r: common.Rank) -> Built:
     hf_cfg = modeling.hf_config(r.spec, r.cfg)
     if r.cfg.train.method == "qlora":       # the 4-bit base whole on each GPU, the rest sharded
         model = qlora.build(r, hf_cfg)
+        _tile_mlps(r, model)
         if r.cfg.memory.activation_checkpointing:
             modeling.apply_checkpointing(model.lm, r.cfg.memory.checkpoint_policy, compiled=r.cfg.compiles_layers)
         shard_model(r, model, ignored=qlora.quantised_params(model))
@@ -117,6 +118,7 @@ def build(r: common.Rank) -> Built:
         model.to(torch.bfloat16)    # on the meta device: the shards are born bf16 (8 bytes a parameter)
     elif r.cfg.adapters and r.cfg.precision.dtype != "fp32":
         adapters.cast_frozen_(model, DTYPES[r.cfg.precision.dtype])
+    _tile_mlps(r, model)
     if r.cfg.memory.activation_checkpointing:
         modeling.apply_checkpointing(model.lm, r.cfg.memory.checkpoint_policy, compiled=r.cfg.compiles_layers)
     fp8_gather = shard_model(r, model)
@@ -154,6 +156,14 @@ def build(r: common.Rank) -> Built:
               f"({copy.nbytes / 2**20:,.1f} MiB)")
     model.train()
     return Built(model, arena, copy, fp8_gather)
+
+
+def _tile_mlps(r: common.Rank, model: modeling.CausalLMLoss) -> None:
+    """memory.mlp_tile_tokens: each layer's MLP a tile of tokens at a time (backends/model/tiled_mlp.py)."""
+    tile = r.cfg.memory.mlp_tile_tokens
+    if tile:
+        n = tiled_mlp.apply(modeling.decoder_layers(model.lm), tile)
+        r.log(f"tiled MLP: {n} layers' MLPs computed {tile:,} tokens at a time")
 
 
 def uses_compute_copy(cfg) -> bool:

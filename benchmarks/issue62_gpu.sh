@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Issue 62 on the GPU machine: llama3-8b at long context under the presets' 24 GiB cap, with `plan --json`
+# beside each run (gpu_runs.py matrix issue62-long). Run from the repo root after the wheelhouse line:
+#     ONLY="8b-lora-32k 8b-qlora-64k" bash benchmarks/issue62_gpu.sh     # about 7 minutes
+#     ONLY="8b-full-16k" bash benchmarks/issue62_gpu.sh                  # about 3 minutes
+# Writes $OUT/issue62.json (gpu_runs.py's rows) and .log.
+set -u
+OUTD=${OUT:-/tmp/issue62_out}
+mkdir -p "$OUTD"
+export PYTHONUNBUFFERED=1 SHARDCONSOLE_RUNS_ROOT=/tmp/sc-62-runs SHARDCONSOLE_SPEEDS_FILE=/tmp/sc-62-speeds.jsonl
+python3 benchmarks/gpu_runs.py --matrix issue62-long --timeout 420 --plan --out "$OUTD/issue62.json" ${ONLY:+--only $ONLY} 2>&1 \
+  | grep -v '^{' | tee "$OUTD/issue62.log"
+python3 - "$OUTD/issue62.json" <<'PY' | tee -a "$OUTD/issue62.log"
+import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    f = lambda k, s=".1f": format(r[k], s) if isinstance(r.get(k), (int, float)) else "-"
+    print(f"{r['name']:<14} rc {r['rc']} steps {r.get('steps')} tok/s {f('tokens_per_s', ',.0f')} (plan {f('plan_tokens_per_s', ',.0f')}) "
+          f"NVML {f('nvml_used_gib')} (plan {f('plan_nvml_gib')}) reserved {f('peak_reserved_gib')} "
+          f"(plan {f('plan_reserved_gib')}) host {f('host_used_gib')} (plan {f('plan_host_gib')}) {(r.get('failed') or [''])[0][:200]}")
+PY
+for log in /tmp/sc-bench-*/*/logs/rank0.log; do
+  grep -q Traceback "$log" && { echo "== $log"; grep -B2 -A30 Traceback "$log" | tail -40; } | tee -a "$OUTD/issue62.log"
+done
+rm -rf /tmp/sc-62-runs /tmp/sc-bench-*

@@ -125,6 +125,8 @@ def cmd_export_model(argv: list[str]) -> int:
     check_exportable(cfg, spec, args.adapter, run.preset)     # before torch's import: refusals in well under a second
     ckpt = pick_checkpoint(run.checkpoints(cfg.train.checkpoint_dir), args.step, cfg.parallel.backend)
 
+    from shardconsole.quiet_libraries import quiet_libraries
+    quiet_libraries()
     import torch
 
     from shardconsole.export_model import adapters, hf_folder

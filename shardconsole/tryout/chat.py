@@ -102,6 +102,8 @@ class ChatModel:
         """tokenizer_from: the folder whose tokenizer and chat template format the prompts (default: folder).
         The base model beside a fine-tune takes the fine-tune's, so both see the very same prompt.
         raw: no chat template; each message is plain text for the model to continue."""
+        from shardconsole.quiet_libraries import quiet_libraries
+        quiet_libraries()        # before transformers: no DeepSpeed accelerator line, no loading bar
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         self.folder = Path(folder)

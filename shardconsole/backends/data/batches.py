@@ -256,7 +256,10 @@ def summary(cfg: RunConfig, world: int, src, entry) -> P.DataSummary:
             "\"User: ... / Assistant: ...\" template"
     for part in _split_notes(m, d):
         note = (note + "; " if note else "") + part
-    return P.DataSummary(source=m["source"], format=m["format"], tokenizer=m["tokenizer"], template=m["template"],
+    # This run's file, not m["source"]: a cache entry is keyed by content, and one built from another
+    # path (a copy, another user's) named that path on this run's data line.
+    return P.DataSummary(source=str(Path(d.path).expanduser()), format=m["format"], tokenizer=m["tokenizer"],
+                         template=m["template"],
                          records=tr["records"], tokens=tr["tokens"], samples=src.n,
                          loss_share=round(tr["loss_tokens"] / max(1, tr["tokens"]), 4),
                          epochs=round(t.steps * global_batch / src.n, 3),

@@ -371,7 +371,9 @@ def summary(cfg, world: int, entry: PairEntry) -> P.DataSummary:
     if m["template"] == corpus.PLAIN_TEMPLATE_NAME:
         notes.append("the tokenizer has no chat template: chats use the plain \"User: ... / Assistant: ...\" template")
     pairs_per_step = t.micro_batch * t.grad_accum * world
-    return P.DataSummary(source=m["source"], format="preference", tokenizer=m["tokenizer"], template=m["template"],
+    # This run's file, not m["source"] (the cache entry's builder's: entries are keyed by content).
+    return P.DataSummary(source=str(Path(cfg.data.path).expanduser()), format="preference",
+                         tokenizer=m["tokenizer"], template=m["template"],
                          records=tr["records"], tokens=tr["tokens"], samples=tr["records"],
                          loss_share=round(tr["loss_tokens"] / max(1, tr["tokens"]), 4),
                          epochs=round(t.steps * pairs_per_step / max(1, tr["records"]), 3),

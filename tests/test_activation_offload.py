@@ -86,3 +86,18 @@ def test_tiled_mlp_gives_the_same_loss_and_gradients(method):
 def test_tiled_mlp_is_refused_on_deepspeed():
     with pytest.raises(C.ConfigError, match="mlp_tile_tokens"):
         C.build({"parallel": {"backend": "deepspeed"}, "memory": {"mlp_tile_tokens": 4096}})
+
+
+def test_plan_fit_proposes_the_long_context_settings():
+    """`plan --fit --model llama3-8b --seq-len 32768` for LoRA on one 24 GiB card: only with the layer inputs
+    on the host and the MLP in tiles does a GPU-resident strategy fit, and that is what it proposes first."""
+    from tests.conftest import shardconsole
+    res = shardconsole("plan", "--fit", "--model", "llama3-8b", "--seq-len", "32768", "--gpus", "1",
+                       "--gpu-memory", "24GiB", "--host-memory", "64GiB", "--set", "train.method=lora")
+    assert res.returncode == 0, res.stderr
+    fastest = next(line for line in res.stdout.splitlines() if line.startswith("fastest:"))
+    assert "memory.activation_offload=true" in fastest and "memory.mlp_tile_tokens=4096" in fastest
+    assert "fsdp.cpu_offload=false" in fastest
+    short = shardconsole("plan", "--fit", "--model", "llama3-8b", "--seq-len", "2048", "--gpus", "1",
+                         "--gpu-memory", "24GiB", "--host-memory", "64GiB", "--set", "train.method=lora")
+    assert "activation_offload" not in short.stdout      # short sequences: nothing to move

@@ -164,22 +164,48 @@ def settings_that_fit(cfg: C.RunConfig, hardware: Hardware, spec: ModelSpec | No
     spec = spec or resolve(cfg.model.name)
     out = []
     for strategy in {**STRATEGIES, **EXTRA_STRATEGIES}:
-        for ckpt in (False, True):
+        for level in _memory_levels(cfg, strategy):
             for mb in micro_batches:
-                c2 = _strategy_cfg(cfg, strategy, hardware, micro_batch=mb, checkpointing=ckpt)
-                c2 = replace_cfg(c2, ("train", "grad_accum", max(1, cfg.train.micro_batch * cfg.train.grad_accum // mb)))
+                c2 = _strategy_cfg(cfg, strategy, hardware, micro_batch=mb, checkpointing=level.checkpointing)
+                c2 = replace_cfg(c2, ("train", "grad_accum", max(1, cfg.train.micro_batch * cfg.train.grad_accum // mb)),
+                                 *level.changes)
                 est = estimate(c2, spec, hardware)
                 if not est.fits:
                     continue
                 overrides = [f"{t}.{k}={_toml(v)}" for t, k, v in {**STRATEGIES, **EXTRA_STRATEGIES}[strategy]]
                 overrides += [f"parallel.nproc_per_node={c2.parallel.nproc_per_node}",
-                              f"memory.activation_checkpointing={_toml(ckpt)}", f"train.micro_batch={mb}",
+                              f"memory.activation_checkpointing={_toml(level.checkpointing)}",
+                              *[f"{t}.{k}={_toml(v)}" for t, k, v in level.changes], f"train.micro_batch={mb}",
                               f"train.grad_accum={c2.train.grad_accum}"]
-                name = f"{strategy}, {'checkpointing' if ckpt else 'no checkpointing'}, micro_batch {mb}"
+                name = f"{strategy}, {level.words}, micro_batch {mb}"
                 p = book.predict(c2, hardware, spec)
                 out.append(Candidate(name, overrides, est, p.value, p.unit, p.source))
     out.sort(key=lambda cand: (-round(cand.speed, 6), cand.estimate.gpu_peak_bytes))
     return out
+
+
+LONG_CONTEXT = 8192      # tokens a sample from which a layer's input and MLP are worth moving or tiling
+MLP_TILE = 4096
+
+
+@dataclass(frozen=True)
+class _Level:
+    """How much of the activations a candidate keeps: checkpointing, and at long context the layer inputs
+    on the host (memory.activation_offload) and the MLP in tiles (memory.mlp_tile_tokens, FSDP2 only)."""
+    checkpointing: bool
+    changes: tuple[tuple[str, str, Any], ...] = ()
+    words: str = ""
+
+
+def _memory_levels(cfg: C.RunConfig, strategy: str) -> list[_Level]:
+    levels = [_Level(False, words="no checkpointing"), _Level(True, words="checkpointing")]
+    if cfg.data.seq_len >= LONG_CONTEXT:
+        fsdp = dict((t, v) for t, k, v in {**STRATEGIES, **EXTRA_STRATEGIES}[strategy] if k == "backend")
+        tiles = fsdp.get("parallel") == "fsdp"
+        changes = (("memory", "activation_offload", True),) + ((("memory", "mlp_tile_tokens", MLP_TILE),) if tiles else ())
+        levels.append(_Level(True, changes, "checkpointing, layer inputs on the host"
+                             + (f", MLP in {MLP_TILE:,}-token tiles" if tiles else "")))
+    return levels
 
 
 def _toml(v: Any) -> str:

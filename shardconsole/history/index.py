@@ -82,10 +82,11 @@ def list_runs(explicit_root: str | Path | None = None, limit: int | None = None,
     folders = []
     for root in roots(explicit_root):
         try:
-            folders += [d for d in root.iterdir() if d.is_dir() and is_run_folder(d)]
+            # a link: a run made with --run-dir elsewhere (session/runs_link.py), listed at its own path
+            folders += [d.resolve() if d.is_symlink() else d for d in root.iterdir() if d.is_dir() and is_run_folder(d)]
         except OSError:
             continue
-    folders.sort(key=_started, reverse=True)
+    folders = sorted(set(folders), key=_started, reverse=True)
     return [summarize(d, tail_bytes) for d in folders[:limit]]
 
 

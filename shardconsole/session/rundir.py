@@ -86,6 +86,9 @@ def create_run_dir(cfg: C.RunConfig, run_dir: Path, *, explicit: bool = True) ->
     except OSError as e:
         _unclaim(path, made)
         raise RunDirError(f"{where}: cannot write {path / PRESET_FILE}: {e.strerror}") from None
+    if explicit:
+        from shardconsole.session.runs_link import link_into_runs_root
+        link_into_runs_root(path)
     return path
 
 

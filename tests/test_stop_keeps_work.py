@@ -90,3 +90,70 @@ def test_runs_shows_the_step_a_stop_saved_at_not_the_last_step_line(tmp_path):
     assert [(r["status"], r["step"], r["steps"]) for r in rows] == [("stopped", saved, 100000)], rows
     table = shardconsole("runs", "--runs-root", str(tmp_path)).stdout
     assert f"{saved}/100000" in table, table
+
+
+def _start(run_dir, *sets: str, fault: str = "") -> subprocess.Popen:
+    env = {**os.environ, **({"SHARDCONSOLE_FAULT": fault} if fault else {})}
+    return subprocess.Popen([sys.executable, "-m", "shardconsole", "--preset", "tiny-cpu", "--headless",
+                             "--run-dir", str(run_dir), "--set", "train.steps=100000", "--set", "train.log_every=1",
+                             *[a for s in sets for a in ("--set", s)]],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+
+
+def _events(run_dir, name: str) -> list:
+    return [m for m in of_kind(messages(run_dir), "event") if m.name == name] if (run_dir / "metrics.jsonl").is_file() else []
+
+
+@pytest.mark.slow
+def test_a_stop_during_a_periodic_save_longer_than_the_grace_waits_for_it_and_says_so(tmp_path):
+    """The checkpoint of step 4 takes 20 s (slow_save), twice the stop's 10 s grace: the stop waits for
+    it to complete (the ranks act on SIGTERM after it), kills nothing, and its end line says what it
+    waited for. Issue 64 item 3: it was SIGKILLed mid-save, the save and the steps lost, "run stopped"."""
+    from shardconsole.launch.job import Job
+    from tests.conftest import wait_until
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "train.checkpoint_every=4", "train.save_on_stop=false", fault="slow_save@step=4,ms=20000")
+    try:
+        wait_until(lambda: any(m.detail == "saving checkpoint" for m in _events(run_dir, "phase")), 300, "the save")
+        hellos = [m.pid for m in of_kind(messages(run_dir), "hello")]
+        report = stop_run(Job.from_run_dir(run_dir), hellos, who="test", check_gpus=False)
+    finally:
+        proc.kill()
+        proc.wait()
+    line = describe_stop(report)
+    assert not report.killed and report.clean, line
+    assert "for the checkpoint save under way at step 4" in line, line
+    assert (run_dir / "checkpoints" / "step_00000004" / "shardconsole.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_stop_ends_once_the_ranks_saved_though_their_launcher_is_sigstopped(tmp_path):
+    """The launcher stopped with SIGSTOP cannot act on SIGTERM: the ranks save on stop and end within
+    seconds, and the stop SIGKILLs the launcher then, not after the whole save timeout."""
+    import json
+    import signal
+    from shardconsole.launch.job import Job
+    from tests.conftest import wait_until
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir)
+    launcher = 0
+    try:
+        wait_until(lambda: (run_dir / "metrics.jsonl").is_file() and len(of_kind(messages(run_dir), "step")) >= 2,
+                   300, "two steps")
+        launcher = json.loads((run_dir / "job.json").read_text())["pid"]
+        os.kill(launcher, signal.SIGSTOP)
+        hellos = [m.pid for m in of_kind(messages(run_dir), "hello")]
+        report = stop_run(Job.from_run_dir(run_dir), hellos, who="test", save_timeout_s=90, check_gpus=False)
+    finally:
+        if launcher:
+            for sig in (signal.SIGKILL, signal.SIGCONT):
+                try:
+                    os.kill(launcher, sig)
+                except ProcessLookupError:
+                    pass
+        proc.kill()
+        proc.wait()
+    line = describe_stop(report)
+    assert report.clean and _events(run_dir, "checkpoint_saved"), line
+    assert report.seconds < 45, line             # the save timeout (90 s) is not waited out
+    assert "the ranks were done (their save on stop complete)" in line, line

@@ -63,6 +63,7 @@ class StopOutcome(StopReport):
     launcher_pid: int = 0
     rank_pids: tuple[int, ...] = ()
     lost: str = ""
+    note: str = ""      # what the stop waited for, or why it killed after the ranks were done
 
 
 class _Seen:
@@ -77,9 +78,18 @@ class _Seen:
         self.saved: tuple[int, str] | None = None      # (step, folder) of the newest checkpoint_saved
         self.saving = False
         self.saved_on_stop = False
+        self.phase = ""                                 # rank 0's last phase event ("saving checkpoint", ...)
+        self.phase_step = 0
+
+    def busy(self) -> str:
+        """What the ranks are in the middle of that a stop waits out ('' when nothing): a periodic save
+        or a held-out eval, which they finish before the step boundary where they act on the SIGTERM."""
+        return BUSY.get(self.phase, "")
 
     def add(self, msgs: list) -> None:
         for m in msgs:
+            if isinstance(m, P.Event) and m.name == "phase":
+                self.phase, self.phase_step = m.detail, m.step or 0
             if isinstance(m, P.Step):
                 self.step = max(self.step, m.step)
                 self.step_s = m.step_s or self.step_s
@@ -111,6 +121,16 @@ class _Seen:
 
 
 STEP_MARGIN = 1.5           # a step's time varies (data, a log step's sync): a stop waits half as long again
+
+# The phases a stop waits out, in words: a rank acts on SIGTERM only at the next step boundary, so a save or
+# an eval under way when the stop came must end first; killing it lost the save and every step since the
+# last one. Bounded by train.stop_save_timeout_s from the stop, then the stop's own grace and save follow.
+BUSY = {"saving checkpoint": "the checkpoint save", "evaluating": "the held-out eval"}
+
+# Once the ranks are done (all ended, or their save on stop is complete), what is left (a launcher that
+# does not end: stopped with SIGSTOP, wedged) holds no work: it is given this long, then SIGKILL, instead
+# of the rest of the save timeout.
+DONE_GRACE_S = 5.0
 
 
 # The grace of a stop for a hang (headless and the console): a hang is declared after train.hang_timeout_s
@@ -146,16 +166,14 @@ def stop_run(job: Job, rank_pids, *, who: str, grace_s: float = 10.0, save_timeo
                          launcher_pid=job.pid if job.pid in targets else 0,
                          rank_pids=tuple(p for p in ranks if p in targets))
     _signal_all(targets, signal.SIGTERM)
-    deadline, saving = t0 + grace_s, False
+    wait = _Wait(t0 + grace_s, grace_s, save_timeout_s, t0)
     while True:
         job.reap()
         if not _live(targets):
             break
         seen.add(stream.poll())
-        if not saving and seen.saving:
-            saving = True
-            deadline = max(deadline, t0 + save_timeout_s)
-        if hurry.is_set() or time.monotonic() >= deadline:
+        wait.follow(seen, done=bool(report.rank_pids) and not _live(report.rank_pids))
+        if hurry.is_set() or time.monotonic() >= wait.deadline:
             report.killed = True
             targets = sorted(set(targets) | set(job.processes(rank_pids)))
             _signal_all(targets, signal.SIGKILL)
@@ -170,12 +188,57 @@ def stop_run(job: Job, rank_pids, *, who: str, grace_s: float = 10.0, save_timeo
     stream.close()
     if report.killed:
         report.lost = seen.lost()
+    report.note = wait.said(seen, report.killed and not hurry.is_set())
     report.left = _live(set(targets) | set(job.processes(rank_pids)))
     report.seconds = time.monotonic() - t0
     if check_gpus:
         from shardconsole.machine.probes import GpuProbe, wait_gpu_released
         report.gpu_note = wait_gpu_released(GpuProbe(), report.signalled, rank_uuids=_rank_uuids(run_dir))
     return report
+
+
+class _Wait:
+    """How long a stop waits, as the ranks' stream goes: the grace, the whole of a save or eval that was
+    under way (BUSY), a fresh grace after it, the save timeout from a rank's announced save on stop, and
+    DONE_GRACE_S once the ranks are done."""
+
+    def __init__(self, deadline: float, grace_s: float, save_timeout_s: float, t0: float) -> None:
+        self.deadline, self.grace_s, self.save_timeout_s, self.t0 = deadline, grace_s, save_timeout_s, t0
+        self.busy = ""                  # BUSY's words for what is under way now
+        self.waited: list[str] = []     # what was waited out, in words
+        self.busy_since = 0.0
+        self.saving = self.done = False
+
+    def follow(self, seen: _Seen, done: bool) -> None:
+        now = time.monotonic()
+        busy = "" if seen.saving else seen.busy()      # after a rank's stop_save, the save is the stop's own
+        if busy and not self.busy:
+            self.busy, self.busy_since = busy, now
+        elif self.busy and not busy:
+            self.waited.append(f"waited {now - self.busy_since:.1f}s for {self.busy} under way at step "
+                               f"{seen.phase_step}")
+            self.busy = ""
+            self.deadline = max(self.deadline, now + self.grace_s)    # then a step boundary, and the save
+        if self.busy:
+            self.deadline = max(self.deadline, self.t0 + self.save_timeout_s)
+        if seen.saving and not self.saving:
+            self.saving = True
+            self.deadline = max(self.deadline, now + self.save_timeout_s)
+        if (done or seen.saved_on_stop) and not self.done:
+            self.done = True
+            self.deadline = min(self.deadline, now + DONE_GRACE_S)
+
+    def said(self, seen: _Seen, timed_out: bool) -> str:
+        """The report's words: what was waited for; what a kill at the deadline cut short, or that it
+        only ended what was left after the ranks were done."""
+        parts = list(self.waited)
+        if timed_out and self.busy:
+            parts.append(f"killed during {self.busy} of step {seen.phase_step} after "
+                         f"{time.monotonic() - self.busy_since:.0f}s (train.stop_save_timeout_s = {self.save_timeout_s:.0f})")
+        elif timed_out and self.done:
+            parts.append(f"the ranks were done{' (their save on stop complete)' if seen.saved_on_stop else ''}; "
+                         f"what was left did not end within {DONE_GRACE_S:.0f}s of them")
+        return "; ".join(parts)
 
 
 def _signal_all(pids: list[int], sig: int) -> None:
@@ -231,7 +294,8 @@ def describe_stop(report: StopReport) -> str:
 def _describe(report: StopReport, how: str) -> str:
     if report.clean:
         line = f"stopped: {_who(report)} ended by {how} in {report.seconds:.1f}s; none left"
-        lost = getattr(report, "lost", "")
+        lost, note = getattr(report, "lost", ""), getattr(report, "note", "")
+        line += f"; {note}" if note else ""
         line += f"; {lost}" if lost else ""
         return line + (f"\n{report.gpu_note}" if report.gpu_note else "")
     return f"stop incomplete: process(es) {report.left} still alive after SIGKILL"

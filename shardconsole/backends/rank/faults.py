@@ -9,6 +9,7 @@ Set SHARDCONSOLE_FAULT to one or more `kind@key=value,...` separated by ';', e.g
     SHARDCONSOLE_FAULT="overflow@step=2"           a gradient becomes inf from step 2 (fp16 skips)
     SHARDCONSOLE_FAULT="raise@rank=1,step=2"       a plain exception
     SHARDCONSOLE_FAULT="slow_save@step=4"          sleep 60 s inside checkpoint saves from step 4 on
+    SHARDCONSOLE_FAULT="slow_save@step=4,ms=8000"  the same, 8 s
     SHARDCONSOLE_FAULT="pace@rank=0,ms=200"        each step takes 200 ms more on rank 0 (the others wait
                                                    for it): a steady pace that a loaded machine barely moves
 Without the variable nothing is installed: the rank loops hold no fault code. With it, the loops call
@@ -103,7 +104,7 @@ class Injector:
 
     def on_save(self, step: int) -> None:
         if self.active and self._hit("slow_save", step):
-            time.sleep(60)
+            time.sleep(next((f.ms for f in self.faults if f.kind == "slow_save" and f.ms), 60_000) / 1000)
 
     def install(self, r, called: torch.nn.Module, model: torch.nn.Module) -> None:
         """The step's faults (sleep, kill, oom, raise) before the first training forward of each step, and

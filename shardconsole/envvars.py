@@ -128,7 +128,8 @@ VARS: dict[str, Var] = {v.name: v for v in (
     Var("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", _number(0, whole=True), "a whole number of seconds 0 or more", 30),
     Var("SHARDCONSOLE_KILL_WAIT_S", _number(0), "a number of seconds 0 or more"),
     Var("SHARDCONSOLE_P2P_NOTE", _text, "any text", ""),
-    Var("OMP_NUM_THREADS", _number(1, whole=True), "a whole number 1 or more"),
+    # OpenMP's own form: a count, or counts per nesting level (4,2)
+    Var("OMP_NUM_THREADS", _ints, "a whole number 1 or more (or N,M,... one a nesting level)"),
     Var("DS_ACCELERATOR", _choice("cpu", "cuda"), "cpu or cuda"),
     # Benchmarks and tests
     Var("SHARDCONSOLE_STREAM", _choice("on", "off"), "on or off", "on"),

@@ -57,3 +57,13 @@ def test_the_planner_refuses_a_host_rate_it_cannot_read(argv):
     res = shardconsole(*argv, env={"SHARDCONSOLE_HOST_GBPS": "fast"})
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
         "shardconsole: error: environment variable SHARDCONSOLE_HOST_GBPS='fast': expected a number of GB/s above 0"]
+
+
+def test_good_values_pass_and_read_typed():
+    good = {"OMP_NUM_THREADS": "4,2", "SHARDCONSOLE_FAULT": "pace@rank=0,ms=200; nan@step=3",
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": " 45 ", "WANDB_MODE": "online", "SHARDCONSOLE_PROFILE": "7",
+            "SHARDCONSOLE_HOST_GBPS": "118", "SHARDCONSOLE_FP8_EMULATE": "1", "SHARDCONSOLE_STREAM": "off"}
+    envvars.check(good)
+    assert envvars.read("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", good) == 45
+    assert envvars.read("SHARDCONSOLE_HOST_GBPS", good) == 118.0 and envvars.read("SHARDCONSOLE_FP8_EMULATE", good)
+    assert envvars.read("SHARDCONSOLE_PROFILE", good) == (7, 7) and envvars.read("SHARDCONSOLE_HOST_GBPS", {}) is None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -102,6 +103,23 @@ def _folder(text: str) -> Path:
     return path
 
 
+def _writable_folder(text: str) -> Path:
+    """_folder, where a file can be made: the ranks write the token cache there (/proc/x passed the shape
+    test and crashed a rank with FileNotFoundError). Probed by making and removing a file in the nearest
+    folder there is: permission bits do not say it (root, read-only mounts, /proc)."""
+    path = _folder(text)
+    at = path
+    while not at.exists():
+        at = at.parent
+    try:
+        fd, probe = tempfile.mkstemp(dir=at, prefix=".shardconsole-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError:
+        raise ValueError(text) from None
+    return path
+
+
 def _file(text: str) -> Path:
     path = Path(text).expanduser()
     if path.is_dir() or (path.parent.exists() and not path.parent.is_dir()):
@@ -115,7 +133,8 @@ VARS: dict[str, Var] = {v.name: v for v in (
     # Where files go (front ends and ranks)
     Var("SHARDCONSOLE_RUNS_ROOT", _folder, "a folder (or a path where one can be made)"),
     Var("SHARDCONSOLE_PRESETS_DIR", _folder, "a folder (or a path where one can be made)"),
-    Var("SHARDCONSOLE_CACHE_DIR", _folder, "a folder (or a path where one can be made)"),
+    Var("SHARDCONSOLE_CACHE_DIR", _writable_folder,
+        "a folder this user can write in (or a path where one can be made)"),
     Var("SHARDCONSOLE_SPEEDS_FILE", _file, "a file path whose parent is a folder"),
     # The planner
     Var("SHARDCONSOLE_HOST_GBPS", _number(0, above=True), "a number of GB/s above 0"),

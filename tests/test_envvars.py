@@ -38,6 +38,7 @@ def test_no_module_reads_a_variable_of_ours_behind_the_reader():
     ("SHARDCONSOLE_HOST_GBPS", "nan"),
     ("SHARDCONSOLE_FP8_EMULATE", "yes"),            # silently off
     ("SHARDCONSOLE_CACHE_DIR", "/dev/null"),        # a rank's crash writing its token cache
+    ("SHARDCONSOLE_CACHE_DIR", "/proc/x"),
     ("SHARDCONSOLE_OVERLAP_NICE", "99"),
     ("SHARDCONSOLE_PROFILE", "5-2"),
     ("OMP_NUM_THREADS", "0"),

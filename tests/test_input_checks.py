@@ -17,13 +17,14 @@ def _one_line(res) -> str:
     (("chat", "/nonexistent", "--temperature", "nan"), "--temperature: nan is not a number"),
     (("chat", "/nonexistent", "--top-p", "inf"), "--top-p: inf is not a number"),
     (("plan", "--preset", "tiny-cpu", "--gpu-memory", "1e400GiB"), "--gpu-memory: '1e400GiB' is not a size"),
-    (("tune", "--dry-run", "--preset", "tiny-cpu", "--gpu-memory", "1e400GiB"), "--gpu-memory: '1e400GiB' is not a size"),
+    (("tune", "--dry-run", "--preset", "tiny-cpu", "--gpu-memory", "1e400GiB"),
+     "--gpu-memory: '1e400GiB' is not a size"),
     (("--preset", "tiny-cpu", "--print-command", "--set", "memory.gpu_memory_limit=1e400GiB"),
      "--set memory.gpu_memory_limit: '1e400GiB' is not a size"),
     (("plan", "--fit", "--seq-len", "-5", "--gpu-memory", "24GiB", "--host-memory", "64GiB"),
      "--seq-len: [data] seq_len: -5 is below the minimum 8"),
-    (("plan", "--preset", "tiny-cpu", "--gpus", "99999999999999999999999"), "--gpus: 99999999999999999999999 is not a "
-                                                                            "GPU count of one node; it takes 0 to 1024"),
+    (("plan", "--preset", "tiny-cpu", "--gpus", "99999999999999999999999"),
+     "--gpus: 99999999999999999999999 is not a GPU count of one node; it takes 0 to 1024"),
     (("compare", "a", "b", "--width", "999999999"), "--width: 999999999 is too wide for a plot (30 to 1000)"),
 ])
 def test_a_number_out_of_range_is_one_line(argv, says):

@@ -188,7 +188,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     # with it being false, and failed inside torch's sampling with a traceback
     for flag, value in (("--temperature", args.temperature), ("--top-p", args.top_p)):
         if not math.isfinite(value):
-            raise UsageError(f"{flag}: {value} is not a number; give e.g. {'0.7' if flag == '--temperature' else '0.9'}")
+            example = "0.7" if flag == "--temperature" else "0.9"
+            raise UsageError(f"{flag}: {value} is not a number; give e.g. {example}")
     return args
 
 

@@ -100,8 +100,9 @@ def _refuse_other_objective(run_dir, overrides: list[str]) -> None:
     was = str(((doc.get("train") or {}).get("objective")) or C.RunConfig().train.objective)
     now = resolved.cfg.train.objective
     if now != was and "sft" in (now, was):      # dpo and orpo read the same pairs
+        records = "pairs" if was != "sft" else "SFT records"
         raise resolved.error("train", "objective", f"{now!r}, but the run's checkpoints were trained with "
-                             f"train.objective = {was!r} ({folder.preset}), and a resume reads the same records as "
-                             f"{'pairs' if was != 'sft' else 'SFT records'}; keep {was!r}, or start a new run from the run's weights "
+                             f"train.objective = {was!r} ({folder.preset}), and a resume reads the same records, as "
+                             f"{records}; keep {was!r}, or start a new run from the run's weights "
                              f"(`shardconsole export-model {folder.path} -o DIR`, then model.name = DIR)")
 

@@ -293,8 +293,8 @@ def _probe(path: Path, error, min_free: int = 0, min_files: int = 0) -> None:
     files = _files_free(target)
     if files is not None and files < min_files:
         raise error(f"its file system ({target.resolve()}) has {files} inodes free (new files it can hold), under "
-                    f"the {min_files} new files the run makes there up to its first save; remove files there, or pick a "
-                    f"folder on another disk")
+                    f"the {min_files} new files the run makes there up to its first save; remove files there, or "
+                    f"pick a folder on another disk")
     try:
         free = shutil.disk_usage(target).free
     except OSError:

@@ -86,3 +86,26 @@ def saved_fingerprint(checkpoint: Path, manifest_name: str) -> dict | None:
     except (OSError, ValueError, AttributeError):
         return None
     return base if isinstance(base, dict) else None
+
+
+_taken: dict[str, dict | None] = {}     # this process's fingerprint of its base, taken once
+
+
+def of_run(model_name: str, adapters: bool) -> dict | None:
+    """The ranks' record for a save's manifest: a LoRA run's base fingerprinted at its first save (the
+    weights it loaded), None for a full fine-tune or a catalog model."""
+    folder = base_folder(model_name)
+    if not adapters or folder is None:
+        return None
+    if model_name not in _taken:
+        _taken[model_name] = fingerprint(folder)
+    return _taken[model_name]
+
+
+def why_other_base(model_name: str, adapters: bool, manifest: dict) -> str | None:
+    """None when a LoRA checkpoint's adapters go onto the base they were trained on, else one line."""
+    folder = base_folder(model_name)
+    if not adapters or folder is None:
+        return None
+    why = why_changed(manifest.get("base"), folder)
+    return None if why is None else f"the base model {folder}: {why} (the adapters were trained on the earlier weights)"

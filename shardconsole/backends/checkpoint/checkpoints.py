@@ -45,6 +45,13 @@ PREFIX, PARTIAL = "step_", ".partial"
 # advice to load with weights_only=False) lives in rank/errors.py.
 
 
+class NoLoadableCheckpoint(CheckpointError):
+    """Step folders none of which loads: the resume is refused and they are left as they are. Not
+    CheckpointError's hint: train.resume = false in this folder would save over them."""
+    hint = ("restore a good copy of one of them, or start a new run in another folder (a run here with "
+            "train.resume = false would save over them)")
+
+
 class SaveKind(enum.Enum):
     """What a save writes. CHECKPOINT resumes (weights, optimizer, rank states); MODEL is the weights
     alone (train.save_final = "model", or a stop short of time), which export-model reads and resume
@@ -101,7 +108,7 @@ def newest_complete(r: Rank) -> Found | None:
                 why = f"another run wrote it ({meta['run_dir']}), not this one"
             else:
                 why = _verify(r, path)
-        if why is None and (other := _why_other_base(r, meta)) is not None:
+        if why is None and (other := base_weights.why_other_base(r.cfg.model.name, r.cfg.adapters, meta)):
             raise CheckpointError(f"{path}: {other}; put them back, or start a new run on this base")
         if why is None:
             from shardconsole.backends.data import batches as data_mod
@@ -112,8 +119,8 @@ def newest_complete(r: Rank) -> Found | None:
     if skipped:
         # A resume asked for these steps: starting again from step 0 would prune and overwrite them
         # (the damaged ones may still be mended or copied back) and call it a resume.
-        raise CheckpointError(f"{folder}: no loadable checkpoint to resume from ({'; '.join(skipped)}); "
-                              f"nothing was changed: restore a good copy, or start a new run")
+        raise NoLoadableCheckpoint(f"{folder}: no loadable checkpoint to resume from ({'; '.join(skipped)}); "
+                                   f"nothing was changed")
     return None
 
 
@@ -239,7 +246,7 @@ def finish_checkpoint(r: Rank, step: int, meta: dict) -> Path:
         from shardconsole.backends.data import batches as data_mod
         manifest = {**meta, "step": step, "world": r.world, "backend": r.cfg.parallel.backend,
                     "data": data_mod.identity(r), "files": files, "checksums": sums,
-                    "run_dir": str(r.run_dir.resolve()), "base": _base_fingerprint(r)}
+                    "run_dir": str(r.run_dir.resolve()), "base": base_weights.of_run(r.cfg.model.name, r.cfg.adapters)}
         manifest[MANIFEST_SUM] = manifest_checksum(manifest)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if r.cfg.train.checkpoint_private:
@@ -253,28 +260,6 @@ def finish_checkpoint(r: Rank, step: int, meta: dict) -> Path:
         prune(r, keep=r.cfg.train.keep_checkpoints)
     dist.barrier()
     return final
-
-
-_base: list[dict | None] = []      # this process's fingerprint of the LoRA base, taken once
-
-
-def _base_fingerprint(r: Rank) -> dict | None:
-    """A LoRA run's base weights, fingerprinted at the first save (runlog/base_weights): the adapters are
-    only meaningful on them, and a resume onto other weights is refused."""
-    folder = base_weights.base_folder(r.cfg.model.name)
-    if not r.cfg.adapters or folder is None:
-        return None
-    if not _base:
-        _base.append(base_weights.fingerprint(folder))
-    return _base[0]
-
-
-def _why_other_base(r: Rank, meta: dict) -> str | None:
-    folder = base_weights.base_folder(r.cfg.model.name)
-    if not r.cfg.adapters or folder is None:
-        return None
-    why = base_weights.why_changed(meta.get("base"), folder)
-    return None if why is None else f"the base model {folder}: {why} (the adapters were trained on the earlier weights)"
 
 
 def run_save(r: Rank, step: int, kind: SaveKind, total_bytes: int, write: Callable[[Path], None],

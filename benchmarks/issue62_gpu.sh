@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Issue 62 on the GPU machine: llama3-8b at long context under the presets' 24 GiB cap, with `plan --json`
 # beside each run (gpu_runs.py matrix issue62-long). Run from the repo root after the wheelhouse line:
-#     ONLY="8b-lora-32k 8b-qlora-64k" bash benchmarks/issue62_gpu.sh     # about 7 minutes
-#     ONLY="8b-full-16k" bash benchmarks/issue62_gpu.sh                  # about 3 minutes
+#     bash benchmarks/issue62_gpu.sh      # the three, about 8 minutes (ONLY="NAME ..." for some)
 # Writes $OUT/issue62.json (gpu_runs.py's rows) and .log.
 set -u
 OUTD=${OUT:-/tmp/issue62_out}

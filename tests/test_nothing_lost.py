@@ -136,3 +136,11 @@ def test_a_lora_resume_onto_changed_base_weights_is_refused(tmp_path):
     assert res.returncode == 2, explain(res, run_dir)
     line = one_line(res)
     assert "[model] name" in line and str(base) in line and "other bytes" in line, line
+    assert "lora.allow_changed_base" in line, line
+    # The override trains the adapters on from the new weights, and its checkpoint records them.
+    res = shardconsole("resume", str(run_dir), "--set", "train.steps=6", "--set", "lora.allow_changed_base=true",
+                       timeout=300)
+    assert res.returncode == 0, explain(res, run_dir)
+    from shardconsole.runlog.base_weights import fingerprint
+    saved = json.loads((RunFolder(run_dir).checkpoints() / "step_00000006" / MANIFEST).read_text())["base"]
+    assert saved == fingerprint(base)

@@ -162,13 +162,14 @@ def _check_same_base(cfg: C.RunConfig, resolved, checkpoint: Path) -> None:
     changed since the save (runlog/base_weights; the ranks refuse the same way)."""
     from shardconsole.runlog import base_weights
     folder = base_weights.base_folder(cfg.model.name)
-    if not cfg.adapters or folder is None:
+    if not cfg.adapters or folder is None or cfg.lora.allow_changed_base:
         return
     why = base_weights.why_changed(base_weights.saved_fingerprint(checkpoint, MANIFEST), folder)
     if why is not None:
         raise resolved.error("model", "name", f"{folder}: the base model of this LoRA run, but {why}; the adapters "
                                               f"of {checkpoint.name} were trained on the earlier weights: put them "
-                                              f"back, or start a new run on this base")
+                                              f"back, or --set lora.allow_changed_base=true to train them on from "
+                                              f"the new weights")
 
 
 def _check_export_dir(cfg: C.RunConfig, source: str) -> None:

@@ -21,6 +21,8 @@ class LoraSettings:
     modules_to_save: str = _f(
         "", "comma-separated modules trained fully beside the adapters, e.g. embed_tokens,lm_head "
         "(new tokens, a new chat template)")
+    allow_changed_base: bool = _f(False, "resume even though the base model folder's weights changed since the "
+                                         "checkpoint (the adapters then train on from the new weights)")
 
     def target_list(self) -> list[str] | str:
         """peft's target_modules: the string "all-linear" or the list of names."""

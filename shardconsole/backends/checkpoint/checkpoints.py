@@ -108,8 +108,9 @@ def newest_complete(r: Rank) -> Found | None:
                 why = f"another run wrote it ({meta['run_dir']}), not this one"
             else:
                 why = _verify(r, path)
-        if why is None and (other := base_weights.why_other_base(r.cfg.model.name, r.cfg.adapters, meta)):
-            raise CheckpointError(f"{path}: {other}; put them back, or start a new run on this base")
+        if why is None and (other := base_weights.why_other_base(
+                r.cfg.model.name, r.cfg.adapters and not r.cfg.lora.allow_changed_base, meta)):
+            raise CheckpointError(f"{path}: {other}; put them back, or set lora.allow_changed_base = true")
         if why is None:
             from shardconsole.backends.data import batches as data_mod
             data_mod.check_resume(r, meta.get("data"), path)     # the data it was trained on, or a refusal

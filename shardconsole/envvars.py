@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -95,34 +94,30 @@ def _folder(text: str) -> Path:
     """A folder shardconsole writes in: one there, or a path where one can be made (its first existing
     parent a folder). /dev/null is neither: a rank writing its cache there failed mid-run."""
     path = Path(text).expanduser()
-    at = path
-    while not at.exists() and at != at.parent:
-        at = at.parent
+    try:
+        at = _nearest(path)
+    except OSError:
+        return path      # another user's folder cannot be looked at: a command that needs it says so
     if not at.is_dir():
         raise ValueError(text)
     return path
 
 
-def _writable_folder(text: str) -> Path:
-    """_folder, where a file can be made: the ranks write the token cache there (/proc/x passed the shape
-    test and crashed a rank with FileNotFoundError). Probed by making and removing a file in the nearest
-    folder there is: permission bits do not say it (root, read-only mounts, /proc)."""
-    path = _folder(text)
+def _nearest(path: Path) -> Path:
+    """path, or its nearest parent that exists."""
     at = path
-    while not at.exists():
+    while not at.exists() and at != at.parent:
         at = at.parent
-    try:
-        fd, probe = tempfile.mkstemp(dir=at, prefix=".shardconsole-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError:
-        raise ValueError(text) from None
-    return path
+    return at
 
 
 def _file(text: str) -> Path:
     path = Path(text).expanduser()
-    if path.is_dir() or (path.parent.exists() and not path.parent.is_dir()):
+    try:
+        bad = path.is_dir() or (path.parent.exists() and not path.parent.is_dir())
+    except OSError:
+        return path      # as _folder
+    if bad:
         raise ValueError(text)
     return path
 
@@ -133,8 +128,8 @@ VARS: dict[str, Var] = {v.name: v for v in (
     # Where files go (front ends and ranks)
     Var("SHARDCONSOLE_RUNS_ROOT", _folder, "a folder (or a path where one can be made)"),
     Var("SHARDCONSOLE_PRESETS_DIR", _folder, "a folder (or a path where one can be made)"),
-    Var("SHARDCONSOLE_CACHE_DIR", _writable_folder,
-        "a folder this user can write in (or a path where one can be made)"),
+    # whether the ranks can write their token cache there is the launch's check (session/rundir.py)
+    Var("SHARDCONSOLE_CACHE_DIR", _folder, "a folder (or a path where one can be made)"),
     Var("SHARDCONSOLE_SPEEDS_FILE", _file, "a file path whose parent is a folder"),
     # The planner
     Var("SHARDCONSOLE_HOST_GBPS", _number(0, above=True), "a number of GB/s above 0"),

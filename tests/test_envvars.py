@@ -38,7 +38,6 @@ def test_no_module_reads_a_variable_of_ours_behind_the_reader():
     ("SHARDCONSOLE_HOST_GBPS", "nan"),
     ("SHARDCONSOLE_FP8_EMULATE", "yes"),            # silently off
     ("SHARDCONSOLE_CACHE_DIR", "/dev/null"),        # a rank's crash writing its token cache
-    ("SHARDCONSOLE_CACHE_DIR", "/proc/x"),
     ("SHARDCONSOLE_OVERLAP_NICE", "99"),
     ("SHARDCONSOLE_PROFILE", "5-2"),
     ("OMP_NUM_THREADS", "0"),
@@ -68,3 +67,17 @@ def test_good_values_pass_and_read_typed():
     assert envvars.read("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", good) == 45
     assert envvars.read("SHARDCONSOLE_HOST_GBPS", good) == 118.0 and envvars.read("SHARDCONSOLE_FP8_EMULATE", good)
     assert envvars.read("SHARDCONSOLE_PROFILE", good) == (7, 7) and envvars.read("SHARDCONSOLE_HOST_GBPS", {}) is None
+
+
+def test_a_cache_folder_that_cannot_be_made_is_refused_before_a_run_on_records(tmp_path):
+    # the ranks' token cache: rank 0 failed with FileNotFoundError: '/proc/x'
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"text": "record {i} of some text"}}\n' for i in range(8)))
+    run = tmp_path / "run"
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run), "--set", "train.steps=2",
+                       "--set", f"data.path={data}", "--set", "data.tokenizer=bytes",
+                       env={"SHARDCONSOLE_CACHE_DIR": "/proc/x"})
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-2000:]
+    assert lines[0].startswith("shardconsole: error: environment variable SHARDCONSOLE_CACHE_DIR='/proc/x': "), lines
+    assert not run.exists()

@@ -23,7 +23,9 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from shardconsole.envvars import read
 from shardconsole.settings import config as C
+from shardconsole.settings.data_check import uses_records
 from shardconsole.settings.models import CATALOG
 from shardconsole.runlog.runfolder import PRESET_FILE, RunFolder
 
@@ -214,11 +216,23 @@ def check_writable(cfg: C.RunConfig, run_dir: Path, origin: Origin | None = None
     _probe(run_dir, lambda why: RunDirError(f"run folder {run_dir}: {why}"), min_free=_LOW_SPACE,
            min_files=run_files(cfg))
     _check_export_dir(cfg, origin)
+    _check_cache_dir(cfg)
     if not _saves_checkpoints(cfg):
         return
     ckpt = RunFolder(run_dir).checkpoints(cfg.train.checkpoint_dir)
     _probe(ckpt, lambda why: C.ConfigError(f"{ckpt}: {why}", source=_source(origin, "train", "checkpoint_dir"),
                                            table="train", key="checkpoint_dir"), min_files=save_files(cfg))
+
+
+def _check_cache_dir(cfg: C.RunConfig) -> None:
+    """$SHARDCONSOLE_CACHE_DIR takes the ranks' token cache of a run on records: /proc/x (a path a folder
+    cannot be made at) crashed rank 0 with FileNotFoundError. The variable's shape is checked with every
+    command (envvars.check); whether this user can write there, here, for a launch that writes it."""
+    path = read("SHARDCONSOLE_CACHE_DIR")
+    if path is None or not uses_records(cfg):
+        return
+    _probe(path, lambda why: RunDirError(f"environment variable SHARDCONSOLE_CACHE_DIR={str(path)!r}: {why}; the "
+                                         f"ranks keep the token cache there"))
 
 
 def save_files(cfg: C.RunConfig) -> int:

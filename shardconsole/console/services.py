@@ -132,6 +132,7 @@ class Machine:
     gpu_unavailable: str = ""
     plan_hardware: Any = None     # plan's own hardware description, when plan exists
     detected: bool = False
+    card: str = ""                # planned for this card instead (the setup screen's Plan for; card_plan.py)
 
     @property
     def gpu_count(self) -> int | None:
@@ -186,7 +187,7 @@ def describe_estimate(plan: Planner | None, cfg: C.RunConfig, machine: Machine,
         return "Memory estimate: looking at this machine…", None
     # A GPU preset on a machine without one runs its ranks on the CPU (the launch says so): estimate
     # that run, everything in host RAM, not the GPU run the preset describes.
-    on_cpu_here = cfg.parallel.device == "auto" and not machine.gpus
+    on_cpu_here = cfg.parallel.device == "auto" and not machine.gpus and not machine.card
     if on_cpu_here:
         cfg = C.copy(cfg)
         cfg.parallel.device = "cpu"
@@ -196,7 +197,8 @@ def describe_estimate(plan: Planner | None, cfg: C.RunConfig, machine: Machine,
         return f"Memory estimate failed: {type(e).__name__}: {e}", None
     if est is None:
         return "Memory estimate: the planner could not describe this machine", None
-    head = "Estimate on the CPU (no GPU here; rough): " if on_cpu_here else "Estimate: "
+    head = ("Estimate on the CPU (no GPU here; rough): " if on_cpu_here else
+            f"Estimate on {machine.plan_hardware.gpu_name} (Plan for): " if machine.card else "Estimate: ")
     method = f"{cfg.train.method}: {est.trainable_line} · " if cfg.adapters else ""
     if cfg.parallel.device == "cpu":
         line = f"{head}{method}host peak {C.format_size(est.host_peak_bytes)} · {est.verdict}"

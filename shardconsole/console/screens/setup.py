@@ -27,6 +27,7 @@ from shardconsole.settings import preset_store, resolve as settings
 from shardconsole.settings.models import CATALOG, ModelError, resolve
 
 from shardconsole.console import fields as F
+from shardconsole.console.card_plan import THIS_MACHINE, card_choices
 from shardconsole.console.data_field import DataCheck
 from shardconsole.console.messages import MachineDetected
 from shardconsole.console.screens.setup_actions import SetupActions
@@ -36,7 +37,7 @@ from shardconsole.console.screens.setup_summary import (changes_text, command_te
 from shardconsole.console.services import (Launcher, Machine, OpenRun, PlannedRun, Planner, Probes, load_plan,
                                            plan_hardware)
 from shardconsole.console.widgets.form_input import FormInput
-from shardconsole.console.widgets.setting_field import SettingField
+from shardconsole.console.widgets.setting_field import FieldSelect, SettingField
 
 HERE = Path(__file__).parent
 BACKENDS = {"fsdp": "FSDP2 (PyTorch)", "deepspeed": "DeepSpeed ZeRO"}
@@ -144,6 +145,9 @@ class SetupScreen(SetupActions):
                         with RadioSet(id="method"):
                             for key, label in METHODS.items():
                                 yield RadioButton(label, value=self.cfg.train.method == key, id=f"method-{key}")
+                        yield Label("Plan for", classes="picker-title")   # the cards once the planner loaded
+                        yield FieldSelect([("this machine", THIS_MACHINE)], value=THIS_MACHINE, allow_blank=False,
+                                          compact=True, id="card")
                     with Vertical(id="preset-picker"):
                         yield Label("Preset", classes="picker-title")
                         yield OptionList(*preset_options(), id="presets")
@@ -185,12 +189,13 @@ class SetupScreen(SetupActions):
     @on(MachineDetected)
     def _machine_detected(self, event: MachineDetected) -> None:
         self.machine = event.machine
+        if self.plan is not None:
+            self.query_one("#card", FieldSelect).set_options(card_choices())
         self._derive()     # now checked against this machine's GPU count
 
     # --- picking -----------------------------------------------------------------------------------
     def _show_picks(self, presets: bool = True) -> None:
-        """Point the pickers at what cfg holds (after a preset was loaded). presets=False: the preset list
-        stays where it is (the user just chose there, and the arrows typed since have moved on)."""
+        """Point the pickers at cfg (a preset loaded); presets=False: that list keeps the arrows typed since."""
         models = self.query_one("#models", OptionList)
         name = self.cfg.model.name
         if name in CATALOG:
@@ -354,7 +359,7 @@ class SetupScreen(SetupActions):
         self.planned = self.launcher.plan(cfg, self.preset_name)
         self.query_one("#command", Static).update(command_text(self.planned))
         self.query_one("#estimate", Static).update(
-            estimate_text(self.plan, cfg, self.machine, self.planned, valid=not problems))
+            estimate_text(self.plan, cfg, self.planning_machine(), self.planned, valid=not problems))
         self.query_one("#machine", Static).update(machine_text(self.machine))
 
     @on(DescendantFocus)
@@ -390,15 +395,3 @@ class SetupScreen(SetupActions):
         # After the switch is drawn: a control in a pane still hidden refuses the focus, which then stayed
         # in the previous tab (its help line too, and the keys went to a field nobody saw).
         self.call_after_refresh(control.focus)
-
-    async def _go_to(self, path: str) -> None:
-        """Show the field at `path` (table.key) with the focus in it."""
-        table, _, key = path.partition(".")
-        if path in (MODEL_SPEC.path, BACKEND_SPEC.path) or table not in C.TABLES:
-            self.query_one(TabbedContent).active = "tab-pick"
-            return
-        self.query_one(TabbedContent).active = f"tab-{table}"
-        await self._ensure_form(table)
-        setting = self.query_one(f"#field-{table}-{key}", SettingField)
-        setting.query_one(".setting--control").focus()
-        setting.scroll_visible()

@@ -6,21 +6,25 @@ edits the settings, this one acts on what it resolved.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from textual import work
+from textual import on, work
 from textual.reactive import reactive
 from textual.screen import Screen
-from textual.widgets import OptionList, TabbedContent
+from textual.widgets import OptionList, Select, TabbedContent
 
 from shardconsole.settings import config as C
 from shardconsole.settings import preset_store, resolve as settings
 from shardconsole.session import preflight
 from shardconsole.session.gpu_checks import FORCE, gpu_overrun
 
+from shardconsole.console import fields as F
+from shardconsole.console.card_plan import THIS_MACHINE, with_card
 from shardconsole.console.screens.dialogs import AttachScreen, ConfirmScreen, ReportScreen, SavePresetScreen, SaveRequest
 from shardconsole.console.screens.setup_summary import preset_options
+from shardconsole.console.widgets.setting_field import SettingField
 from shardconsole.console.services import Launcher, Machine, OpenRun, PlannedRun, Planner, Probes, RunListing
 
 
@@ -42,11 +46,37 @@ class SetupActions(Screen[None]):
     attach: Callable[[Path | None], None]       # the app's: a run screen for a folder
     open_run: OpenRun                            # the app's: a run screen for a session started here
 
+    card = THIS_MACHINE      # the Plan for list's choice: a card to plan for instead of this machine's GPUs
+
+    @on(Select.Changed, "#card")
+    def _card_chosen(self, event: Select.Changed) -> None:
+        self.card = str(event.value)
+        self._refresh()
+
+    def planning_machine(self) -> Machine:
+        """What the estimate and the speed are of: this machine, or this host with the card chosen."""
+        if self.card == THIS_MACHINE or self.machine.plan_hardware is None:
+            return self.machine
+        return dataclasses.replace(self.machine, card=self.card,
+                                   plan_hardware=with_card(self.machine.plan_hardware, self.card, self.cfg))
+
     def _problems(self, data: bool = True) -> list[tuple[str, str]]:
         raise NotImplementedError
 
-    async def _go_to(self, path: str) -> None:
+    async def _ensure_form(self, table: str) -> None:
         raise NotImplementedError
+
+    async def _go_to(self, path: str) -> None:
+        """Show the field at `path` (table.key) with the focus in it."""
+        table, _, key = path.partition(".")
+        if path in F.PICKED or table not in C.TABLES:      # chosen on the pick tab
+            self.query_one(TabbedContent).active = "tab-pick"
+            return
+        self.query_one(TabbedContent).active = f"tab-{table}"
+        await self._ensure_form(table)
+        setting = self.query_one(f"#field-{table}-{key}", SettingField)
+        setting.query_one(".setting--control").focus()
+        setting.scroll_visible()
 
     def _load(self, preset: str | None, overrides: list[settings.Override]) -> None:
         raise NotImplementedError

@@ -18,6 +18,7 @@ from shardconsole.settings import preset_store
 from shardconsole.settings.models import CATALOG, ModelError, human_count, resolve
 
 from shardconsole.console import fields as F
+from shardconsole.console.card_plan import speed_text
 from shardconsole.console.services import Machine, PlannedRun, Planner, describe_estimate, describe_machine
 
 KINDS = {"select": "choose with enter", "switch": "space toggles", "number": "a number",
@@ -101,7 +102,11 @@ def estimate_text(plan: Planner | None, cfg: C.RunConfig, machine: Machine, plan
                   valid: bool) -> Text:
     estimate, fits = (describe_estimate(plan, cfg, machine, planned.run_dir) if valid else
                       ("Memory estimate: once the settings are valid", None))
-    return Text(estimate, "red" if fits is False else "dim" if plan is None else "")
+    text = Text(estimate, "red" if fits is False else "dim" if plan is None else "")
+    speed = speed_text(cfg, machine.plan_hardware) if valid and fits and plan is not None else ""
+    if speed:    # the time to train.steps, as `shardconsole plan` gives it (a card chosen, or this machine's)
+        text.append("\n" + speed)
+    return text
 
 
 def machine_text(machine: Machine) -> Text:

@@ -203,5 +203,5 @@ def test_a_run_folder_on_a_full_disk_is_refused_before_launch_and_resume(tmp_pat
     line = one_line(shardconsole("resume", str(run_dir), "--set", "train.steps=4", timeout=120))
     assert f"run folder {run_dir}" in line and "KiB free, under the 64 KiB the stream needs" in line, line
     line = one_line(run(tmpfs / "new", "train.steps=2", f"train.checkpoint_dir={tmp_path / 'ckpt2'}"))
-    assert f"run folder {tmpfs / 'new'}" in line and "KiB free" in line, line
+    assert f"--run-dir {tmpfs / 'new'}" in line and "KiB free" in line, line
     assert (run_dir / "metrics.jsonl").read_text() == stream and not (tmpfs / "new").exists()

@@ -39,24 +39,27 @@ HOST_GBPS_ENV = "SHARDCONSOLE_HOST_GBPS"
 # below hold the rest). FSDP2 eager: 0.95B at mb 8 x 2048, 60.5k tokens/s (h200_presets.json,
 # h200-fsdp-nocompile) and 7B LoRA mb 4 (lora_cal.json); compiled: 0.95B, 81.6-83.1k (h200-fsdp) and 60.1k
 # checkpointed at mb 4 x 2 (issue45); ZeRO-3: 0.95B, 48-51k at mb 8 (h200_issue3/7.json, z3-1b), 49.6k at mb 4 (oos2_20261204).
-GPU_EFFICIENCY = {"fsdp": 0.74, "fsdp_compiled": 0.88, "deepspeed": 0.58}
+# ZeRO with compiled layers (train.compile, stage3_layer_gather: cfg.compiles_layers): the h200-fsdp preset as
+# ZeRO-3 (1b, mb 8, H200) measured 68,718 tokens/s in bf16 and 89,039 with fp8 where the eager efficiency
+# predicted 54,172 and 69,035 (issue 63): 0.80 (no per-layer dispatch bound: compiled) puts them at -0.1% and -4%.
+GPU_EFFICIENCY = {"fsdp": 0.74, "fsdp_compiled": 0.88, "deepspeed": 0.58, "deepspeed_compiled": 0.80}
 # Eager FSDP2 is bound by the CPU that launches its kernels when a micro-batch is small: a decoder layer's
 # ~300 kernels of forward and backward take DISPATCH_LAYER_S to launch whatever their size, twice that with
 # full activation checkpointing (the forward again, and the checkpoint's own hooks), so a micro-batch takes
 # the longer of its GPU work and its launches. 0.95B at mb 2 steps in 0.21 s checkpointed, as at mb 4 (0.20 s),
 # and 0.16 s without (issue45 oos_20261204); 125M steps 4 micro-batches in 0.21 s and 1 in 0.10.
 # Fitted (least squares on log step time) over 14 eager runs of 125M-3B, mb 2-16, grad_accum 1 and 4.
-DISPATCH_LAYER_S = {"fsdp": 0.0036, "fsdp_compiled": 0.0, "deepspeed": 0.0036}
+DISPATCH_LAYER_S = {"fsdp": 0.0036, "fsdp_compiled": 0.0, "deepspeed": 0.0036, "deepspeed_compiled": 0.0}
 DISPATCH_CHECKPOINTED = 2.0
 # What an optimizer step costs a decoder layer beside the optimizer's bytes, once a step whatever grad_accum
 # is: clipping's norms, the foreach optimizer's and zero_grad's launches, FSDP2's per-step bookkeeping.
 # The same fit: 4.4 ms a layer (125M: 0.06 s of its 0.10 s step at mb 8). DeepSpeed (eager too): ZeRO-2 and
 # ZeRO-3 1b at mb 4 stepped in 0.165-0.179 s (oos2_20261204) and ZeRO-3 at mb 8 in 0.28-0.34 s (h200_issue7):
 # efficiency 0.58 and 4 ms a layer fit both; the additive launch cost fitted on ZeRO-3 at mb 8 before (7 ms a layer) overcounted mb 4 by 40%.
-STEP_LAYER_S = {"fsdp": 0.0044, "fsdp_compiled": 0.0, "deepspeed": 0.004}
+STEP_LAYER_S = {"fsdp": 0.0044, "fsdp_compiled": 0.0, "deepspeed": 0.004, "deepspeed_compiled": 0.004}
 # Seconds of launch and synchronisation a compiled decoder layer adds to each micro-batch beside its FLOPs
 # (its few kernels overlap the GPU's work less): 0.95B compiled at mb 4-8 (h200_issue7.json, issue45).
-LAYER_LAUNCH_S = {"fsdp": 0.0, "fsdp_compiled": 0.0025, "deepspeed": 0.0}
+LAYER_LAUNCH_S = {"fsdp": 0.0, "fsdp_compiled": 0.0025, "deepspeed": 0.0, "deepspeed_compiled": 0.0}
 # LoRA's adapters: two small matmuls (and a dropout) beside each of a layer's 7 target linears, memory-bound:
 # GPU time a token and unit of width a layer (7B at mb 4 x 2048 ran 0.23 s a micro-batch beyond its FLOPs,
 # 13B QLoRA ~0.35: readme-3090-* in benchmarks/results/issue45) and more launches a layer (1B LoRA at mb 4
@@ -65,7 +68,7 @@ LORA_S_PER_TOKEN_WIDTH = 2.1e-10
 LORA_LAYER_LAUNCH_S = 0.003
 # Offloaded parameters (eager): each layer's launches add to its GPU work rather than hide under it
 # (1B offloaded at mb 2-8 and grad_accum 3, 3B at grad_accum 2: issue45, oos_20261204).
-OFFLOAD_LAYER_LAUNCH_S = {"fsdp": 0.005, "fsdp_compiled": 0.0025, "deepspeed": 0.007}
+OFFLOAD_LAYER_LAUNCH_S = {"fsdp": 0.005, "fsdp_compiled": 0.0025, "deepspeed": 0.007, "deepspeed_compiled": 0.007}
 # Selective checkpointing in eager mode intercepts every op of the forward (torch's SAC dispatch mode) to
 # decide what to keep: 1b mb 3 ran 0.069 s a step slower than no checkpointing would (issue45: 26.9k
 # tokens/s), ~4.5 ms a layer. Compiled layers decide at compile time: 1b compiled + selective ran as fast
@@ -97,7 +100,7 @@ EXPOSED_LOW = 0.4
 # (0.4 and 0.6 fit these runs worse: benchmarks/speed_calibrate.py); compiled layers launch a few kernels a
 # layer, so the host step's threads barely slow them: 7B mb 12 3.12-3.15 s with a 1.9 s host step beside a
 # 3.04 s GPU part, 13B stochastic 3.9 s with 2.9 s (callD, 7b_fp32_compiled.json).
-OVERLAP_DRAG = {"fsdp": 0.5, "fsdp_compiled": 0.15, "deepspeed": 0.5}
+OVERLAP_DRAG = {"fsdp": 0.5, "fsdp_compiled": 0.15, "deepspeed": 0.5, "deepspeed_compiled": 0.5}
 # Host memory bandwidth a step reaches, the H200 test host (16 cores): AdamW's bytes over its host step
 # (3B fp32 masters 0.79 s, 7B 1.60 s, 13B bf16 masters 2.9 s): ~118 GB/s.
 DEFAULT_HOST_GBPS = 118.0
@@ -202,7 +205,7 @@ class SpeedPrediction:
 
 def engine_key(cfg: C.RunConfig) -> str:
     if cfg.parallel.backend == "deepspeed":
-        return "deepspeed"
+        return "deepspeed_compiled" if cfg.compiles_layers else "deepspeed"
     return "fsdp_compiled" if cfg.train.compile else "fsdp"
 
 

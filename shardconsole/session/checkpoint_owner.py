@@ -7,6 +7,9 @@ names another is refused before launch, in one line naming the setting, unless i
 checkpoints (train.resume = true) while that run is over: it then takes the folder over, and the earlier
 run no longer resumes there. The ranks check the same file before every save and load (the race of two
 launches at once), and load only the checkpoints of the runs the folder's owner took over.
+A folder inside another run's folder (its own checkpoints/, however named: a symlink, a relative path,
+before that run's first save) is never shared and never taken over: that run saves, prunes and resumes
+there without an owner file (runlog/checkpoint_files.other_run_folder, the one test, here and in the ranks).
 """
 
 from __future__ import annotations

@@ -248,7 +248,8 @@ def finish_checkpoint(r: Rank, step: int, meta: dict) -> Path:
         manifest = {**meta, "step": step, "world": r.world, "backend": r.cfg.parallel.backend,
                     "data": data_mod.identity(r), "files": files, "checksums": sums,
                     "run_dir": str(r.run_dir.resolve()), "base": base_weights.of_run(r.cfg.model.name, r.cfg.adapters)}
-        manifest[MANIFEST_SUM] = manifest_checksum(manifest)
+        # over the manifest as a reader will parse it (an int key comes back a string, and sorts otherwise)
+        manifest[MANIFEST_SUM] = manifest_checksum(json.loads(json.dumps(manifest)))
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if r.cfg.train.checkpoint_private:
             make_private(tmp)

@@ -143,3 +143,22 @@ def test_each_family_learns_as_the_bare_loop_does(family, engine, method, folder
     # at least as much as the loop, less a tenth for the run's other batch order and lr schedule (a model
     # built wrong learns nothing: Gemma 3 with a garbage embedding scale stayed at its base loss)
     assert learned >= 0.9 * loop_learned, (family, engine, method, base, ours, loop)
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma3", "qwen3_moe"])
+def test_each_familys_adapter_export_loads_in_peft(family, folders, corpus, tmp_path):
+    """train.export_adapter: peft's own folder, loaded onto the base by PeftModel.from_pretrained, gives the
+    same held-out loss as the merged export of the same run would (here: as the adapter model merged by
+    peft); Phi-3's fused linears, Gemma's tied head, an MoE's experts."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    folder = folders[family]
+    export = _finetune(tmp_path, folder, corpus, *METHOD["lora"], "train.export_adapter=true")
+    assert (export / "adapter_config.json").is_file()
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    docs = _docs(folder)
+    before = held_loss(base, docs)
+    tuned = PeftModel.from_pretrained(base, export)
+    adapted = held_loss(tuned, docs)
+    assert adapted < before - 0.5, (family, before, adapted)
+    assert held_loss(tuned.merge_and_unload(), docs) == pytest.approx(adapted, abs=1e-4)

@@ -129,8 +129,9 @@ def cmd_import(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     data = _read_json(args.ds_config)
     overrides = settings.from_cli(args.overrides)
+    base_path: Path | None
     if args.preset:
-        base_path: Path | None = preset_store.find(args.preset)
+        base_path = preset_store.find(args.preset)
         base_raw, base_name = C.load_toml(base_path), base_path.stem
     else:
         base_path, base_raw, base_name = None, {}, "defaults"

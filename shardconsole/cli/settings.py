@@ -32,7 +32,8 @@ def describe(table: str, key: str) -> dict[str, Any]:
     """One setting as data: type, default (None: not set), allowed values or range, help."""
     f = next(f for f in fields(C.TABLES[table]) if f.name == key)
     tp, optional = _plain(C.field_type(table, key))
-    default = f.default if f.default is not MISSING else f.default_factory()   # type: ignore[misc]
+    # no default means a default_factory here: typeshed's Field cannot say that one of the two is set
+    default = f.default if f.default is not MISSING else f.default_factory()   # type: ignore[misc,operator]
     meta = f.metadata
     out: dict[str, Any] = {"key": f"{table}.{key}", "default": default, "optional": optional}
     if get_origin(tp) is Literal:

@@ -114,22 +114,23 @@ def cmd_tune(argv: list[str]) -> int:
         return 0
     print(f"{len(fits)} option(s) fit; probing up to {tune.limits.max_probes} for {args.budget}, "
           f"{tune.limits.probe_steps} steps each, the settings as given first", file=out, flush=True)
-    shown = [0]
+    reported = [0]                     # how many done rows were printed (a list: on_change sets it)
 
     def on_change(t: Tune) -> None:
         done = [r for r in t.rows if r.state == "done"]
-        for i, row in enumerate(done[shown[0]:], start=shown[0]):
+        for i, row in enumerate(done[reported[0]:], start=reported[0]):
             res = row.result
+            assert res is not None          # a done row has its probe's result (Tune.run)
             cap = t.limits.gpu_cap_bytes
             gpu = (f"GPU {t.card_peak_bytes(res) / 2**30:.1f}" + (f" of {cap / 2**30:.1f}" if cap else "")
                    + " GiB (NVML), ") if res.gpu_peak_bytes else ""
             what = (f"{res.tokens_per_s:,.0f} tokens/s, {gpu}host {res.host_peak_bytes / 2**30:.1f} GiB"
                     if res.ok else f"{res.status}: {res.message}")
             print(f"probe {i + 1}: {row.label}: {what} ({res.seconds:.0f} s)", file=out, flush=True)
-        if len(done) > shown[0] and len(done) < t.limits.max_probes:
+        if len(done) > reported[0] and len(done) < t.limits.max_probes:
             # the table so far and what comes next, re-ranked with what was just measured
             print("\n" + format_table(table(t)) + "\n", file=out, flush=True)
-        shown[0] = len(done)
+        reported[0] = len(done)
         running = [r for r in t.rows if r.state == "running"]
         if running and getattr(on_change, "said", None) is not running[-1]:
             on_change.said = running[-1]        # type: ignore[attr-defined]
@@ -156,6 +157,7 @@ def cmd_tune(argv: list[str]) -> int:
         return code or 1
     path = write_preset(tune, winner, name, source)
     base = tune.baseline()
+    assert winner.result is not None    # the winner is a row with a result (Tune.winner)
     vs = ""
     if base is not None and base.result is not None and base.result.ok and base is not winner:
         vs = f", {100 * (winner.result.tokens_per_s / base.result.tokens_per_s - 1):+.0f}% against {source} as given"

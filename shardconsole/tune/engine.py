@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, cast
 
 from shardconsole.machine.hardware import driver_reserved_bytes
 from shardconsole.settings import config as C
@@ -160,7 +160,7 @@ class Tune:
 
     def winner(self) -> Row | None:
         done = [r for r in self.rows if r.result is not None and r.result.ok]
-        return max(done, key=lambda r: r.result.tokens_per_s) if done else None
+        return max(done, key=lambda r: cast(ProbeResult, r.result).tokens_per_s) if done else None
 
     def baseline(self) -> Row | None:
         return next((r for r in self.rows if r.option.baseline), None)

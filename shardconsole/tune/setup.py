@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -69,7 +70,7 @@ def planned_gpus(cfg: C.RunConfig, hw: Hardware, preset: str, given: str = "") -
 
 def make_tune(resolved: settings.Resolved, *, budget_s: float, max_probes: int, probe_steps: int,
               gpu_memory: str | None = None, host_memory: str | None = None, runs_root_dir: str | None = None,
-              name: str = "tuned", hardware=None, vary: list[str] = (), dry_run: bool = False,
+              name: str = "tuned", hardware=None, vary: Sequence[str] = (), dry_run: bool = False,
               host_cores: str | None = None, host_gbps: str | None = None) -> Tune:
     """A tune of resolved settings (the CLI's and the console's): the cap, the machine, the speed book with
     the finished runs under the runs root harvested, the probes' folder. Keys the user set are kept, and

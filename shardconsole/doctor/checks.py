@@ -91,6 +91,7 @@ def allreduce(world: int, p2p: bool, timeout_s: float = ALLREDUCE_TIMEOUT_S) -> 
             time.sleep(0.2)
         if any(p.poll() is None for p in procs):
             return {"ok": False, "hung": True, "error": f"no answer in {timeout_s:.0f} s (hung in NCCL)"}
+        assert procs[0].stdout is not None          # stdout=subprocess.PIPE
         line = (procs[0].stdout.read() or "").strip().splitlines()
         return {"hung": False, **json.loads(line[-1])} if line else {"ok": False, "hung": False,
                                                                      "error": "rank 0 printed nothing"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 
-from typing import Any
+from typing import Any, cast
 
 from shardconsole.settings import config as C
 from shardconsole.ds_json.export import ADAM_EPS, DS_OFFLOAD_PIN_DEFAULT, DS_ZERO_DEFAULTS, ZERO_KEYS, _ZERO_BOOL
@@ -74,7 +74,7 @@ def _batch(im: _Import, d: dict, world: int, base: C.RunConfig, infer_ranks: boo
         if v is None or im.auto(n, v, kept[n]):
             vals[n] = None
         else:
-            vals[n] = im.number(n, v, integer=True, lo=1)
+            vals[n] = cast(int, im.number(n, v, integer=True, lo=1))     # integer=True: an int
     tbs, micro, accum = (vals[n] for n in names)
     how = f"for {world} rank{'s' if world != 1 else ''}; --nproc-per-node changes it"
     if micro is not None and accum is not None:
@@ -408,9 +408,9 @@ def _zero_offload(im: _Import, blocks: dict[str, Any]) -> None:
     if paths:
         key, path = paths[0]
         im.set("deepspeed", "nvme_path", path, key)
-        for other, value in paths[1:]:
-            if value != path:
-                im.skip(other, f"{value!r}: shardconsole uses one nvme_path; {key} wins")
+        for other, other_path in paths[1:]:
+            if other_path != path:
+                im.skip(other, f"{other_path!r}: shardconsole uses one nvme_path; {key} wins")
 
 
 def merge(base: dict[str, Any], over: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -75,6 +75,7 @@ def write_adapter(model, spec: ModelSpec, folder: Path) -> int:
     safetensors files."""
     folder.mkdir()
     model.save_pretrained(folder)
+    assert spec.path is not None        # an adapter run's base is a model folder (checkpoint.check_exportable)
     copy_tokenizer(Path(spec.path), folder)
     return len(list(folder.glob("*.safetensors")))
 

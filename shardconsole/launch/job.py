@@ -16,7 +16,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 from shardconsole.settings import config as C
 from shardconsole.launch import process_identity as PI
@@ -125,9 +125,10 @@ class Job:
                 os.close(log_fd)
             if lock is not None:
                 lock.note(f"run {run_id} (its launcher, pid {proc.pid})")
-        info = {"pid": proc.pid, "pgid": proc.pid, "argv": argv, "cmdline": argv, "started": time.time(),
-                "create_time": PI.start_time(proc.pid), "host": PI.this_host(),
-                "run_dir": str(run_dir.resolve()), "run_id": run_id, "oom_kills": PI.oom_kills()}
+        info: dict[str, Any] = {
+            "pid": proc.pid, "pgid": proc.pid, "argv": argv, "cmdline": argv, "started": time.time(),
+            "create_time": PI.start_time(proc.pid), "host": PI.this_host(),
+            "run_dir": str(run_dir.resolve()), "run_id": run_id, "oom_kills": PI.oom_kills()}
         job = cls(run_dir, proc.pid, proc.pid, argv, proc, info)
         # Agents of a multi-node run share the folder: each node's has a file of its own (RunFolder.job
         # reads this host's), so node 0's attach or stop never reads node 1's launcher.
@@ -142,8 +143,8 @@ class Job:
         info = json.loads(RunFolder(run_dir).job.read_text())
         if not isinstance(info, dict):
             raise ValueError("not a JSON object")
-        return cls(run_dir, int(info["pid"]), int(info.get("pgid", info["pid"])), list(info.get("argv", [])),
-                   info=info)
+        return cls(run_dir, int(info["pid"]), int(cast(Any, info.get("pgid", info["pid"]))),
+                   list(info.get("argv", [])), info=info)
 
     # -- who is who ------------------------------------------------------------------------------
 
@@ -250,6 +251,7 @@ class ExternalJob:
 
     external = True
     rc_known = True      # poll() says 0 or 1 from the stream's own end lines
+    argv: list[str]      # none known here: []
 
     def __init__(self, run_dir: Path) -> None:
         from shardconsole.runlog.stream import MetricsReader

@@ -49,7 +49,8 @@ def install_in_rank() -> None:
     # the module: `from torch.distributed import rendezvous` gives the function of that name
     rendezvous = importlib.import_module("torch.distributed.rendezvous")
     dist.TCPStore = LoopbackTCPStore
-    rendezvous.TCPStore = LoopbackTCPStore                 # imported by name there
+    # a module from import_module is a plain ModuleType to typeshed, which has no TCPStore to set
+    rendezvous.TCPStore = LoopbackTCPStore                 # type: ignore[attr-defined]  # imported by name there
 
 
 def main() -> None:

@@ -211,10 +211,10 @@ def oom_kills() -> int | None:
     except OSError:
         pass
     root = Path("/sys/fs/cgroup")
-    for path in (root / rel["v2"] / "memory.events", root / "memory" / rel["v1"] / "memory.oom_control",
-                 root / "memory.events", root / "memory" / "memory.oom_control"):
+    for events in (root / rel["v2"] / "memory.events", root / "memory" / rel["v1"] / "memory.oom_control",
+                   root / "memory.events", root / "memory" / "memory.oom_control"):
         try:
-            text = path.read_text()
+            text = events.read_text()
         except OSError:
             continue
         for line in text.splitlines():

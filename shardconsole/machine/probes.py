@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import psutil
 
@@ -88,7 +89,7 @@ class Card:
 
 
 class GpuProbe:
-    def __init__(self, nvml=None, environ: dict | None = None) -> None:
+    def __init__(self, nvml: Any = None, environ: dict | None = None) -> None:
         """`nvml`: the pynvml module (a stand-in in tests); `environ`: os.environ."""
         self.unavailable = ""
         self.cards: list[Card] = []
@@ -96,7 +97,8 @@ class GpuProbe:
         env = os.environ if environ is None else environ
         try:
             if nvml is None:
-                import pynvml as nvml
+                import pynvml
+                nvml = pynvml
             self._nvml = nvml
             nvml.nvmlInit()
             handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
@@ -134,7 +136,7 @@ class GpuProbe:
         return next((c for c in self.cards if uuid and gpu_uuid_key(c.uuid) == gpu_uuid_key(uuid)), None)
 
     def sample(self, run: str = "") -> list[GpuSample]:
-        nv, t = self._nvml if self._handles else None, self._try
+        nv, t = cast(Any, self._nvml if self._handles else None), self._try     # None: no card, no loop
         out = []
         for card, h in zip(self.cards, self._handles):
             try:

@@ -64,7 +64,7 @@ def _tokens(text: str) -> list[tuple[str, str]]:
         if tok.type in _SKIP:
             continue
         out.append((name, tok.string if name not in ("INDENT", "DEDENT", "NEWLINE") else ""))
-    kept = []
+    kept: list[tuple[str, str]] = []
     for k, (name, string) in enumerate(out):
         prev = kept[-1][0] if kept else None
         nxt = out[k + 1][0] if k + 1 < len(out) else None

@@ -4,6 +4,7 @@ settings with a few changes."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,7 +110,7 @@ def _device(cfg: C.RunConfig, hw: Hardware) -> tuple[int | None, int, str]:
 # The estimate
 
 def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, start_step: int = 0,
-             existing: list[int] = ()) -> Estimate:
+             existing: Sequence[int] = ()) -> Estimate:
     """start_step, existing: a resumed run's newest checkpoint step and the sizes of the checkpoints
     already in its folder (oldest first), for the disk total."""
     s = Shapes.of(spec)
@@ -294,12 +295,12 @@ def model_states(cfg: C.RunConfig, spec: ModelSpec) -> dict[str, dict[str, int]]
         n = sum(numels)
         where = out["host" if cfg.fsdp.cpu_offload else "gpu"]
         m = 2 if cfg.precision.master_dtype == "bf16" else 4
-        opt = optim_states.adam_state_bytes(cfg.optim.name, numels, m)     # torchao's low-bit blocks too
+        opt_bytes = optim_states.adam_state_bytes(cfg.optim.name, numels, m)     # torchao's low-bit blocks too
         # optim.step_in_backward: a layer's gradients live from their reduce-scatter to their steps (one
         # buffer a layer, freed when its last view is), so one layer's (or the root's) at most
         one_layer = max(sum(_shard_numel(sh, shard) for sh in part) for part in (s.layer_params(), s.root_params()))
         grads = m * one_layer if cfg.optim.step_in_backward else m * n
-        where.update({"parameters": m * n, "gradients": grads, "optimizer states": opt})
+        where.update({"parameters": m * n, "gradients": grads, "optimizer states": opt_bytes})
         return out
     d = cfg.deepspeed
     P = s.n_params

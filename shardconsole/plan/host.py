@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shardconsole.settings import config as C
 from shardconsole.settings.data_scan import TOKENIZE_WORK_BYTES
@@ -15,6 +16,9 @@ from shardconsole.plan.loading import Loading
 from shardconsole.plan.machine import Hardware
 from shardconsole.plan.rank import _Rank
 from shardconsole.plan.saves import Saves
+
+if TYPE_CHECKING:
+    from shardconsole.plan.estimator import Estimate     # the estimator imports this module
 
 
 def compile_threads(hw: Hardware) -> int:

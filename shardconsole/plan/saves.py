@@ -23,6 +23,7 @@ being written. Standard library only.
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,7 @@ def schedule(cfg: C.RunConfig, start_step: int = 0, save_final: str | None = Non
     return out
 
 
-def disk_peak(sizes: list[int], keep: int, existing: list[int] = ()) -> tuple[int, int, int]:
+def disk_peak(sizes: list[int], keep: int, existing: Sequence[int] = ()) -> tuple[int, int, int]:
     """(bytes at the fullest, checkpoints then, bytes kept at the end) of a checkpoint folder holding
     `existing` (oldest first) that takes `sizes` in turn, pruned to `keep` (0: all) after each is
     complete (the new one is written beside the kept ones first)."""
@@ -211,7 +212,7 @@ def _ds_flat_groups(s: Shapes, world: int) -> list[int]:
 
 
 def saves(cfg: C.RunConfig, s: Shapes, spec_path: str | Path | None = None, *, start_step: int = 0,
-          existing: list[int] = ()) -> Saves:
+          existing: Sequence[int] = ()) -> Saves:
     """The run's saves: sizes, schedule, the checkpoint folder's peak, the host RAM a save adds."""
     if getattr(cfg, "adapters", False):
         from shardconsole.plan.lora import checkpoint_sizes     # LoRA: only what trains is saved
@@ -224,7 +225,7 @@ def saves(cfg: C.RunConfig, s: Shapes, spec_path: str | Path | None = None, *, s
     sizes = [full if k == "full" else model for _, k in sched]
     peak, count, end = disk_peak(sizes, cfg.train.keep_checkpoints, list(existing))
     export_dir = getattr(cfg.train, "export_dir", "") or ""
-    notes = []
+    notes: list[str] = []
     save_add, export_add = host_save_add(cfg, s)
     add = max(save_add if sched else 0, export_add if export_dir else 0)
     return Saves(full, model, _export_bytes(cfg, s, spec_path), export_dtype_of(cfg), sched, count, peak, end,

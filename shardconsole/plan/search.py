@@ -16,6 +16,7 @@ cost +6% final loss at 125m): they are searched only when named (`tune --vary KE
 from __future__ import annotations
 
 import itertools
+from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,8 +144,8 @@ def numerics_changed(cfg: C.RunConfig, base: C.RunConfig) -> list[str]:
     return out
 
 
-def _levers(base: C.RunConfig, fixed: set[str],
-            vary: set[str] = frozenset()) -> dict[str, list[list[tuple[str, str, Any]]]]:
+def _levers(base: C.RunConfig, fixed: Set[str],
+            vary: Set[str] = frozenset()) -> dict[str, list[list[tuple[str, str, Any]]]]:
     """Each lever: the alternatives, each a list of changes. A fixed key keeps the base's value; a
     numerics key is a lever only when vary names it."""
     on_cpu = base.parallel.device == "cpu"
@@ -199,7 +200,7 @@ def _effective(cfg: C.RunConfig, base: C.RunConfig, changes: list[tuple[str, str
 
 
 def options(base: C.RunConfig, spec: ModelSpec, hw: Hardware, book: SpeedBook, *,
-            fixed: set[str] = frozenset(), vary: set[str] = frozenset(), limit: int = 20000) -> list[Option]:
+            fixed: Set[str] = frozenset(), vary: Set[str] = frozenset(), limit: int = 20000) -> list[Option]:
     """Every combination of the free levers that validates and fits, fastest predicted first (ties: less
     GPU memory first); the settings as given are in the list as the baseline whether they fit or not.
     The numerics keys stay as given but those named in vary (NUMERICS)."""

@@ -220,5 +220,5 @@ def _host(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> dict[str, dict[str, int]]:
     if z.kahan:
         host["training"]["Kahan compensation (bf16, host)"] = z.kahan
     if cfg.precision.dtype == "fp16":
-        host["training"]["fp16 scaler checks on host gradients"] = FSDP_FP16_OFFLOAD_HOST_PER_PARAM * s.n_params
+        host["training"]["fp16 scaler checks on host gradients"] = int(FSDP_FP16_OFFLOAD_HOST_PER_PARAM * s.n_params)
     return host

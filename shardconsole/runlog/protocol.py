@@ -264,7 +264,7 @@ def _clean(value: Any) -> Any:
 
 def encode(msg: Message) -> str:
     """One line (no newline) of at most MAX_LINE bytes."""
-    body = {"v": VERSION, "kind": msg.kind}
+    body: dict[str, Any] = {"v": VERSION, "kind": msg.kind}
     body.update({k: _clean(v) for k, v in asdict(msg).items()})
     line = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
     if len(line.encode()) <= MAX_LINE:

@@ -110,7 +110,7 @@ def _quiet_writer_thread(thread_cls: type) -> None:
     def hook(args: threading.ExceptHookArgs) -> None:
         if not isinstance(args.thread, thread_cls):
             previous(args)
-    hook.quiet_for = thread_cls
+    hook.quiet_for = thread_cls         # type: ignore[attr-defined]  # a mark on the function: whose hook it is
     threading.excepthook = hook
 
 

@@ -15,7 +15,7 @@ import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 FORMATS = ("text", "chat", "prompt_completion", "alpaca")
 ROLES = ("system", "user", "assistant", "tool")
@@ -96,7 +96,7 @@ def turns(raw: Any, where: str) -> list[dict[str, str]]:
         if not isinstance(m, dict):
             raise ScanError(f"{where}: field {field_name!r}[{j}]: expected an object with role and content")
         if field_name == "conversations" and "from" in m:
-            role, content = SHAREGPT_ROLES.get(m.get("from")), m.get("value")
+            role, content = SHAREGPT_ROLES.get(cast(Any, m.get("from"))), m.get("value")     # any JSON value
         else:
             role, content = m.get("role"), m.get("content")
         if role not in ROLES:

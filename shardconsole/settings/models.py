@@ -13,7 +13,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from shardconsole.settings.paths import PathError, kind_of, shown
 
@@ -101,9 +101,9 @@ def moe_of(config: dict[str, Any], where: str = "config.json") -> Moe | None:
     """The experts of a mixture-of-experts config; None for a dense model. ModelError for an MoE whose
     parameters the planner cannot count (another layout, or dense and sparse layers mixed): a plan
     that counted it as dense said 17.0M parameters and "fits" for a model that used 9.7 GiB."""
-    if not any(isinstance(config.get(k), int) and config.get(k) > 1 for k in _EXPERT_KEYS):
+    if not any(isinstance(config.get(k), int) and cast(int, config.get(k)) > 1 for k in _EXPERT_KEYS):
         return None
-    model_type = config.get("model_type")
+    model_type: Any = config.get("model_type")         # any JSON value
     known = MOE_TYPES.get(model_type)
     if known is None:
         raise ModelError(f"{where}: a mixture-of-experts model ({model_type}) whose experts shardconsole cannot "
@@ -255,7 +255,8 @@ def causal_lm_types() -> frozenset[str] | None:
     nothing is refused on this ground; the ranks still say what they cannot build)."""
     try:
         spec = importlib.util.find_spec("transformers")
-        root = Path(next(iter(spec.submodule_search_locations or [])))
+        # no spec (None): the AttributeError below says transformers cannot be read
+        root = Path(next(iter(spec.submodule_search_locations or [])))    # type: ignore[union-attr]
         text = (root / "models" / "auto" / "modeling_auto.py").read_text()
         start = text.index("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES = OrderedDict(")
         block = text[start:text.index("\n)\n", start)]

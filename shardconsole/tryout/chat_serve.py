@@ -12,7 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 from pathlib import Path
-from typing import TextIO
+from typing import TextIO, cast
 
 from shardconsole.settings import config as C
 from shardconsole.tryout import chat_wire as W
@@ -74,7 +74,8 @@ class Server:
             why = self.base.why if self.base is not None else "no base model was asked for"
             self.say(W.Unavailable(which, why))
             return why
-        folder = self.folder if which == W.RUN else self.base.folder
+        # which is RUN or BASE (the console asks for no other): for BASE, base and its folder are checked above
+        folder = cast(Path, self.folder if which == W.RUN else self.base.folder)    # type: ignore[union-attr]
         try:
             need = weights_bytes(folder)
             self.say(W.Loading(which, f"loading {folder} ({format_size(need)} of weights in bf16)"))

@@ -297,3 +297,21 @@ def test_fsdp_step_in_backward_equals_the_ordinary_step_and_resumes_exactly(tmp_
     ref = losses(ordinary)
     assert losses(run) == pytest.approx(ref, abs=1e-5), (losses(run), ref)
     assert len(set(ref.values())) == 6          # the model moved: equal losses are not a frozen model's
+
+
+def test_a_resume_whose_override_cures_the_saved_settings_is_not_refused_for_them(fsdp_tiny_run, tmp_path):
+    """A run trained with precision.fp8 (emulated, or on a GPU with FP8) resumed on this CPU with
+    `--set precision.fp8=none`: the saved settings are compared, not launched, so the check that refuses fp8
+    on a CPU must not refuse them (it did, advising to set fp8 to none: what the user had just done)."""
+    import re
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(fsdp_tiny_run.run, run, symlinks=True)
+    preset = run / "preset.toml"
+    preset.write_text(re.sub(r'(?m)^fp8 = "none"', 'fp8 = "tensorwise"', preset.read_text()))
+    assert 'fp8 = "tensorwise"' in preset.read_text()
+    res = shardconsole("resume", str(run), "--set", "precision.fp8=none", "--set", "train.steps=14", "--print-command")
+    assert res.returncode == 0, res.stderr
+    preset.write_text(re.sub(r'(?m)^fp8 = "none"', 'fp8 = "tensorwise"', preset.read_text()))   # (it saved the cure)
+    refused = shardconsole("resume", str(run), "--set", "train.steps=14", "--print-command")   # fp8 kept: refused
+    assert refused.returncode == 2 and "fp8" in refused.stderr

@@ -101,7 +101,10 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
         raise C.ConfigError(f"{folder.path}: the run is still going: {running}; stop it first "
                             f"(`shardconsole stop {folder.path}`), or follow it with `shardconsole attach {folder.path}`")
     doc = C.load_toml(folder.preset)
-    saved = settings.resolve_doc(doc, folder.path.name, folder.preset, []).cfg
+    # What the run was, compared against below, not launched: read leniently, since today's checks on this
+    # machine may refuse it where the overrides given are the cure (fp8 on a CPU: resume --set precision.fp8=none
+    # was refused with the advice to set fp8 to none). The settings launched are `resolved`'s, checked in full.
+    saved = settings.resolve_doc(doc, folder.path.name, folder.preset, [], lenient=True).cfg
     before = saved.train
     resolved = settings.resolve_doc(doc, folder.path.name, folder.preset, list(overrides))
     cfg = resolved.cfg

@@ -105,3 +105,21 @@ def test_a_file_system_out_of_inodes_is_said_as_that_before_launch(few_inodes):
     line = _one_line(shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(few_inodes / "run"),
                                   "--set", "train.steps=2"))
     assert f"its file system ({few_inodes}) is out of inodes" in line, line
+
+
+def test_a_save_that_ran_out_of_inodes_says_so(few_inodes):
+    """During a run (after the launch's check: another process took the last inodes), a failed save names what
+    filled the file system: out of inodes, not "needs 1.5 MiB, 48.1 MiB free" (bytes it had plenty of)."""
+    from shardconsole.backends.checkpoint import save_stream
+    bytes_left = save_stream.full_words(few_inodes, 1 << 20)
+    assert "needs 1.0 MiB" in bytes_left and "free on" in bytes_left
+    made = 0
+    try:
+        while made < 100:
+            (few_inodes / f"f{made}").touch()
+            made += 1
+    except OSError:
+        pass
+    assert 0 < made < 100
+    words = save_stream.full_words(few_inodes, 1 << 20)
+    assert words.startswith(f"out of inodes on {few_inodes}") and "needs" not in words, words

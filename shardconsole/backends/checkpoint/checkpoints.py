@@ -305,8 +305,7 @@ def _failed_save(r: Rank, step: int, total_bytes: int, e: BaseException) -> Base
     free = save_stream.free_bytes(where)
     if save_stream.disk_full_in(e, free, total_bytes):
         return save_stream.DiskFullError(
-            errno.ENOSPC, f"disk full at the checkpoint of step {step}: needs {format_size(total_bytes)}, "
-                          f"{format_size(free)} free on {where}")
+            errno.ENOSPC, f"disk full at the checkpoint of step {step}: {save_stream.full_words(where, total_bytes)}")
     if save_stream.oom_in(e):
         return save_stream.SaveOOMError(f"host out of memory during the save of step {step} "
                                         f"({format_size(total_bytes)} to write)")

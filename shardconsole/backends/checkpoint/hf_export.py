@@ -173,8 +173,7 @@ def written_to(r: Rank, out: Path, step: int, total: int, write: Callable[[Path]
         free = save_stream.free_bytes(out.parent)
         if save_stream.disk_full_in(e, free, total):
             raise save_stream.DiskFullError(
-                errno.ENOSPC, f"disk full at the export of step {step}: needs {format_size(total)}, "
-                              f"{format_size(free)} free on {out.parent}") from e
+                errno.ENOSPC, f"disk full at the export of step {step}: {save_stream.full_words(out.parent, total)}") from e
         raise
     torch.distributed.barrier()
 

@@ -167,6 +167,22 @@ def oom_in(exc: BaseException) -> bool:
     return any(isinstance(e, MemoryError) for e in _errors_in(exc))
 
 
+def full_words(path: Path, needed: int) -> str:
+    """What filled the file system a save failed on, in its own terms: "out of inodes" where no file can be
+    made (its bytes may be plenty: "needs 1.5 MiB, 48.1 MiB free" contradicted itself), else the bytes needed
+    against those free."""
+    from shardconsole.settings.values import format_size
+    for p in (path, *path.parents):
+        try:
+            st = os.statvfs(p)
+        except OSError:
+            continue
+        if st.f_files and st.f_favail == 0:
+            return f"out of inodes on {path} (no file can be made; {format_size(st.f_bavail * st.f_frsize)} free)"
+        return f"needs {format_size(needed)}, {format_size(st.f_bavail * st.f_frsize)} free on {path}"
+    return f"needs {format_size(needed)} on {path}"
+
+
 def free_bytes(path: Path) -> int | None:
     for p in (path, *path.parents):
         try:

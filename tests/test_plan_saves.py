@@ -150,7 +150,9 @@ def test_a_resume_that_cannot_save_is_refused_before_any_file_is_written(tmp_pat
     C.save(_tiny(f"train.checkpoint_dir={ckpt}", "train.steps=30"), run_dir / "preset.toml")
     step = ckpt / "step_00000010"
     step.mkdir(parents=True)
-    (step / "shardconsole.json").write_text(json.dumps({"step": 10, "files": {}}))   # what resume looks for
+    # what resume looks for: a manifest of before checksums, of this backend (a step folder none loads is
+    # refused as such before the disk is looked at)
+    (step / "shardconsole.json").write_text(json.dumps({"step": 10, "files": {}, "backend": "fsdp"}))
     before = (run_dir / "preset.toml").read_text()
     res = shardconsole("resume", str(run_dir))
     assert res.returncode == 2, res.stderr

@@ -99,6 +99,15 @@ def trainable_params(cfg: C.RunConfig, s: Shapes) -> int:
     return adapters + _saved_params(cfg, s)
 
 
+def largest_trained(cfg: C.RunConfig, s: Shapes) -> int:
+    """Elements of the largest trained tensor: an adapter's A or B, or a saved module's full copy."""
+    layer, root = _targets(cfg, s)
+    r = cfg.lora.rank
+    adapters = max((r * max(i, o) for i, o in layer + root), default=0)
+    saved = {"embed_tokens": s.vocab * s.hidden, "lm_head": s.vocab * s.hidden, "norm": s.hidden}
+    return max([adapters] + [saved.get(name.rsplit(".", 1)[-1], 0) for name in cfg.lora.saved_list()])
+
+
 def trainable_line(cfg: C.RunConfig, s: Shapes) -> str:
     """"40.0M of 6.74B trainable, 0.59%" (of the base model's parameters); full fine-tuning: all of them."""
     from shardconsole.settings.models import human_count

@@ -37,8 +37,8 @@ works; to monkeypatch a name that the planner itself looks up, patch the module 
   fsdp_rank.py          _fsdp: an FSDP2 rank
   deepspeed_rank.py     _ds_sub_groups, _deepspeed: a DeepSpeed ZeRO rank
   estimator.py          Estimate, estimate (peaks, budgets, verdict), _cpu_ranks, model_states,
-                        _verdict, replace_cfg (host_peak_line, compile_workers_bytes re-exported)
-  host.py               _Host, _host (the node's host peak over the moments), host_peak_line,
+                        _verdict, replace_cfg, host_peak_line (compile_workers_bytes re-exported)
+  host.py               _Host, _host (the node's host peak over the moments),
                         compile_workers_bytes
   loading.py            Loading, loading: the host RAM of loading a model folder's weights (rank 0's fp32
                         copy under FSDP2, every rank's under ZeRO-0/1/2 and QLoRA), folder_weights

@@ -17,7 +17,7 @@ from shardconsole.plan.constants import (ALLOCATOR_SLACK_FIXED, ALLOCATOR_SLACK_
                                          REQUIRED_FRAGMENTATION)
 from shardconsole.plan.deepspeed_rank import _deepspeed
 from shardconsole.plan.fsdp_rank import _fsdp
-from shardconsole.plan.host import _Host, _host, compile_threads, compile_workers_bytes, host_peak_line  # noqa: F401
+from shardconsole.plan.host import _Host, _host, compile_threads, compile_workers_bytes  # noqa: F401
 from shardconsole.plan.loading import Loading, loading
 from shardconsole.plan.lora import lora_rank, trainable_params
 from shardconsole.plan.machine import Hardware
@@ -363,3 +363,16 @@ def replace_cfg(cfg: C.RunConfig, *changes: tuple[str, str, Any]) -> C.RunConfig
     for table, key, value in changes:
         setattr(getattr(out, table), key, value)
     return out
+
+
+def host_peak_line(e: Estimate) -> str:
+    """Which moment sets the host peak, and what the save adds: "host peak 56.1 GiB (training); the save
+    adds 0.8 GiB"."""
+    line = f"host peak {C.format_size(e.host_peak_bytes)} ({e.host_peak_phase})"
+    if e.host_save_adds_bytes:
+        line += f"; the save adds {C.format_size(e.host_save_adds_bytes)}"
+        if e.host_peak_phase != "saving":
+            line += " (under the peak)"
+    elif e.saves is not None and not e.saves.schedule and not e.saves.export_dir:
+        line += "; no save"
+    return line

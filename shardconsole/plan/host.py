@@ -1,12 +1,11 @@
 """The node's host RAM at its peak: one rank's largest moment (training, the save, tokenizing) times
 the local ranks, plus the launcher, the front end and torch.compile's workers (_host); the line that
-names the moment (host_peak_line)."""
+names the moment (estimator.host_peak_line)."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from shardconsole.settings import config as C
 from shardconsole.settings.data_scan import TOKENIZE_WORK_BYTES
@@ -16,9 +15,6 @@ from shardconsole.plan.loading import Loading
 from shardconsole.plan.machine import Hardware
 from shardconsole.plan.rank import _Rank
 from shardconsole.plan.saves import Saves
-
-if TYPE_CHECKING:
-    from shardconsole.plan.estimator import Estimate     # the estimator imports this module
 
 
 def compile_threads(hw: Hardware) -> int:
@@ -90,16 +86,3 @@ def _host(cfg: C.RunConfig, r: _Rank, sv: Saves, hw: Hardware, ld: Loading | Non
         host_parts[f"torch.compile workers ({compile_threads(hw)} + 1 a rank)"] = compile_b * per_node
     return _Host(hphases, node, hmoment, hphases[hmoment], host_parts, sum(host_parts.values()),
                  sv.host_add_rank_bytes * per_node, per_node)
-
-
-def host_peak_line(e: Estimate) -> str:
-    """Which moment sets the host peak, and what the save adds: "host peak 56.1 GiB (training); the save
-    adds 0.8 GiB"."""
-    line = f"host peak {C.format_size(e.host_peak_bytes)} ({e.host_peak_phase})"
-    if e.host_save_adds_bytes:
-        line += f"; the save adds {C.format_size(e.host_save_adds_bytes)}"
-        if e.host_peak_phase != "saving":
-            line += " (under the peak)"
-    elif e.saves is not None and not e.saves.schedule and not e.saves.export_dir:
-        line += "; no save"
-    return line

@@ -123,3 +123,26 @@ def test_a_save_that_ran_out_of_inodes_says_so(few_inodes):
     assert 0 < made < 100
     words = save_stream.full_words(few_inodes, 1 << 20)
     assert words.startswith(f"out of inodes on {few_inodes}") and "needs" not in words, words
+
+
+def test_a_full_disk_under_the_token_cache_is_said_as_that(tmp_path):
+    """The records are fine, the cache's disk is full: the run ends disk_full (exit 9) naming the cache and
+    SHARDCONSOLE_CACHE_DIR, where it said "cannot read its records" of the user's file."""
+    import json
+    import os
+    import subprocess
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(cache)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        data = tmp_path / "text.jsonl"
+        data.write_text("".join(json.dumps({"text": f"the quick brown fox {i} " * 8}) + "\n" for i in range(4000)))
+        res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(tmp_path / "run"),
+                           "--set", f"data.path={data}", "--set", "data.tokenizer=bytes", "--set", "train.steps=2",
+                           env={**os.environ, "SHARDCONSOLE_CACHE_DIR": str(cache)})
+        assert res.returncode == 9, res.stdout[-1500:] + res.stderr[-1500:]
+        said = res.stdout + res.stderr
+        assert "is full" in said and "SHARDCONSOLE_CACHE_DIR" in said and "cannot read its records" not in said
+    finally:
+        subprocess.run(["umount", str(cache)], capture_output=True)

@@ -116,8 +116,13 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
     ckpt_dir = folder.checkpoints(cfg.train.checkpoint_dir)
     found = checkpoints_in(ckpt_dir)
     if not found:
-        raise C.ConfigError(f"{folder.path}: no checkpoint in {ckpt_dir} to resume from (the run saved none: "
-                            f"train.checkpoint_every was 0 and it ended before its final save)")
+        every = before.checkpoint_every
+        # what the run's own settings say of why (it said "checkpoint_every was 0" of a run that had 20, whose
+        # stop killed its first save)
+        why = (f"train.checkpoint_every was {every} and it ended before step {every}" if every else
+               "train.checkpoint_every was 0 and it ended before its final save")
+        raise C.ConfigError(f"{folder.path}: no checkpoint in {ckpt_dir} to resume from (the run saved none: {why}; "
+                            f"a stop or a failure during its first save leaves none)")
     # The ranks skip a weights-alone save (train.save_final = "model"): with nothing else they would start
     # again from step 0 under the name of a resume.
     resumable = [(step, p) for step, p in found if _what(p) != "model"]

@@ -18,6 +18,7 @@ is byte 0 (NUL, which text files never hold).
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from shardconsole.settings.data_check import locate
-from shardconsole.backends.rank.errors import DataError  # noqa: F401  (raised here; re-exported)
+from shardconsole.backends.rank.errors import DataError, DiskFullError  # noqa: F401  (raised here; re-exported)
 from shardconsole.settings.data_scan import FORMATS, ROLES, SHAREGPT_ROLES, ScanError  # noqa: F401 (re-exported)
 from shardconsole.settings import data_scan
 PLAIN_TEMPLATE_NAME = "shardconsole-plain"
@@ -58,6 +59,18 @@ def _text_dataset(path: Path, text_key: str, text_split: str, scratch: Path):
     return datasets.Dataset.from_generator(gen, features=features, cache_dir=str(scratch / "txt"))
 
 
+def _disk_full(e: BaseException) -> bool:
+    """ENOSPC / EDQUOT anywhere in the exception's chain."""
+    seen: BaseException | None = e
+    for _ in range(16):
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def load_records(value: str, key: str, text_key: str, scratch: Path, text_split: str = "blank_line"):
     """The records of data.<key> as a datasets.Dataset, and a function naming where record i came from."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")    # runs never reach the network
@@ -82,6 +95,13 @@ def load_records(value: str, key: str, text_key: str, scratch: Path, text_split:
     except DataError:
         raise
     except Exception as e:
+        if _disk_full(e):
+            # the records are fine: `datasets` could not write its cache beside the token cache (it was called
+            # "cannot read its records" of a full disk)
+            full = DiskFullError(errno.ENOSPC, f"[data] {key}: the disk holding {scratch} is full: `datasets` could "
+                                 f"not write its cache of {path} there")
+            full.hint = "free space there, or set SHARDCONSOLE_CACHE_DIR to a folder on a larger disk; nothing was trained"
+            raise full from None
         if kind in ("json", "csv", "text"):
             # `datasets` names no line (a bad JSON line, bytes that are not UTF-8): the scan finds it
             try:

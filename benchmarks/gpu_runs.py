@@ -764,6 +764,19 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def against_plan(results: list[dict]) -> str:
+    """A results file's rows (written with --plan) beside the plan's figures, a line a run: tokens/s, NVML
+    and reserved GiB, host GiB, each with the plan's in brackets, and a failed run's first failure."""
+    lines = []
+    for r in results:
+        f = lambda k, spec=".1f": fmt(r.get(k), spec)
+        lines.append(f"{r['name']:<16} rc {r['rc']} steps {r.get('steps')} tok/s {f('tokens_per_s', ',.0f')} "
+                     f"(plan {f('plan_tokens_per_s', ',.0f')}) NVML {f('nvml_used_gib')} (plan {f('plan_nvml_gib')}) "
+                     f"reserved {f('peak_reserved_gib')} (plan {f('plan_reserved_gib')}) host {f('host_used_gib')} "
+                     f"(plan {f('plan_host_gib')}) fits {r.get('plan_fits')} {(r.get('failed') or [''])[0][:200]}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--matrix", default="issue2", choices=sorted(MATRICES))
@@ -778,11 +791,14 @@ def main() -> None:
     ap.add_argument("--plan", action="store_true", help="put `plan --json`'s GPU figures beside each run's peaks")
     ap.add_argument("--markdown", metavar="FILE.json", default=None,
                     help="print FILE.json's results (written by --out) as a markdown table; runs nothing")
+    ap.add_argument("--against-plan", metavar="FILE.json", default=None,
+                    help="print FILE.json's results (written by --out --plan) beside the plan's figures; runs nothing")
     ap.add_argument("--parallel", action="store_true",
                     help="start every run of the matrix at once (small runs sharing one GPU)")
     args = ap.parse_args()
-    if args.markdown:
-        print(markdown(json.loads(Path(args.markdown).read_text())["results"]))
+    if args.markdown or args.against_plan:
+        table = markdown if args.markdown else against_plan
+        print(table(json.loads(Path(args.markdown or args.against_plan).read_text())["results"]))
         return
     matrix = MATRICES[args.matrix]
     if args.only:

@@ -11,14 +11,7 @@ export PYTHONUNBUFFERED=1 SHARDCONSOLE_RUNS_ROOT=/tmp/sc-59-runs SHARDCONSOLE_SP
 python3 benchmarks/model_folder.py llama3-8b /tmp/sc-llama3-8b 2>&1 | tail -1 | tee "$OUTD/issue59_8b.log"
 python3 benchmarks/gpu_runs.py --matrix issue59-8b --timeout 240 --plan --out "$OUTD/issue59_8b.json" ${ONLY:+--only $ONLY} 2>&1 \
   | grep -v '^{' | tee -a "$OUTD/issue59_8b.log"
-python3 - "$OUTD/issue59_8b.json" <<'PY' | tee -a "$OUTD/issue59_8b.log"
-import json, sys
-for r in json.load(open(sys.argv[1]))["results"]:
-    f = lambda k, s=".1f": format(r[k], s) if isinstance(r.get(k), (int, float)) else "-"
-    print(f"{r['name']:<16} rc {r['rc']} tok/s {f('tokens_per_s', ',.0f')} (plan {f('plan_tokens_per_s', ',.0f')}) "
-          f"NVML {f('nvml_used_gib')} (plan {f('plan_nvml_gib')}) host {f('host_used_gib')} (plan {f('plan_host_gib')})"
-          f" fits {r.get('plan_fits')} {(r.get('failed') or [''])[0][:120]}")
-PY
+python3 benchmarks/gpu_runs.py --against-plan "$OUTD/issue59_8b.json" | tee -a "$OUTD/issue59_8b.log"
 for log in /tmp/sc-bench-*/*/logs/rank0.log; do     # a failed run's own words, for the log that comes back
   grep -q Traceback "$log" && { echo "== $log"; grep -A40 Traceback "$log" | tail -40; } | tee -a "$OUTD/issue59_8b.log"
 done

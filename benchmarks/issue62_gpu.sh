@@ -9,14 +9,7 @@ mkdir -p "$OUTD"
 export PYTHONUNBUFFERED=1 SHARDCONSOLE_RUNS_ROOT=/tmp/sc-62-runs SHARDCONSOLE_SPEEDS_FILE=/tmp/sc-62-speeds.jsonl
 python3 benchmarks/gpu_runs.py --matrix issue62-long --timeout 420 --plan --out "$OUTD/issue62.json" ${ONLY:+--only $ONLY} 2>&1 \
   | grep -v '^{' | tee "$OUTD/issue62.log"
-python3 - "$OUTD/issue62.json" <<'PY' | tee -a "$OUTD/issue62.log"
-import json, sys
-for r in json.load(open(sys.argv[1]))["results"]:
-    f = lambda k, s=".1f": format(r[k], s) if isinstance(r.get(k), (int, float)) else "-"
-    print(f"{r['name']:<14} rc {r['rc']} steps {r.get('steps')} tok/s {f('tokens_per_s', ',.0f')} (plan {f('plan_tokens_per_s', ',.0f')}) "
-          f"NVML {f('nvml_used_gib')} (plan {f('plan_nvml_gib')}) reserved {f('peak_reserved_gib')} "
-          f"(plan {f('plan_reserved_gib')}) host {f('host_used_gib')} (plan {f('plan_host_gib')}) {(r.get('failed') or [''])[0][:200]}")
-PY
+python3 benchmarks/gpu_runs.py --against-plan "$OUTD/issue62.json" | tee -a "$OUTD/issue62.log"
 for log in /tmp/sc-bench-*/*/logs/rank0.log; do
   grep -q Traceback "$log" && { echo "== $log"; grep -B2 -A30 Traceback "$log" | tail -40; } | tee -a "$OUTD/issue62.log"
 done

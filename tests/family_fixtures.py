@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.hf_fixtures import CHAT_TEMPLATE, train_tokenizer
+from tests.hf_fixtures import tokenizer_folder
 
 _SHARED = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                intermediate_size=128, max_position_embeddings=1024)
@@ -54,11 +54,7 @@ def make_family_model(folder: Path, family: str, *, seed: int = 0, chat_template
     import torch
     from transformers import AutoModelForCausalLM
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(vocab_size)
-    if chat_template:
-        tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(folder)
+    tok = tokenizer_folder(folder, vocab_size, chat_template)
     ids = dict(eos_token_id=tok.eos_token_id, bos_token_id=None)
     if FAMILIES[family][1].get("pad_token_id", 0) is not None:
         ids["pad_token_id"] = tok.pad_token_id

@@ -40,6 +40,17 @@ def train_tokenizer(vocab_size: int = 384):
                                    bos_token=None, unk_token=None)
 
 
+def tokenizer_folder(folder: Path, vocab_size: int = 384, chat_template: bool = False):
+    """`folder` made, with train_tokenizer's tokenizer saved in it (and CHAT_TEMPLATE); the tokenizer."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(vocab_size)
+    if chat_template:
+        tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(folder)
+    return tok
+
+
 def make_hf_model(folder: Path, *, chat_template: bool = False, vocab_size: int = 384, seed: int = 0,
                   tie_word_embeddings: bool = False, dtype: str = "float32", positions: int = 1024) -> Path:
     """A Llama-architecture model folder (config.json, generation_config.json, model.safetensors,
@@ -48,11 +59,7 @@ def make_hf_model(folder: Path, *, chat_template: bool = False, vocab_size: int 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(vocab_size)
-    if chat_template:
-        tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(folder)
+    tok = tokenizer_folder(folder, vocab_size, chat_template)
     config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                          intermediate_size=176, vocab_size=len(tok), max_position_embeddings=positions,
                          tie_word_embeddings=tie_word_embeddings, eos_token_id=tok.eos_token_id,

@@ -276,11 +276,12 @@ def _build_partitioned(hf_cfg, ds_cfg: dict) -> torch.nn.Module:
     return lm
 
 
-def build(r: common.Rank, ds_cfg: dict) -> modeling.CausalLMLoss:
+def build(r: common.Rank, ds_cfg: dict, hf_cfg, reference: modeling.Reference) -> modeling.CausalLMLoss:
+    """The model under ZeRO; `reference` (modeling.Reference of hf_cfg) starts a random init's vectors, and
+    the engine restores the buffers from the same one after deepspeed.initialize."""
     import deepspeed
     r.phase("loading model")
     cfg = r.cfg
-    hf_cfg = modeling.hf_config(r.spec, cfg)
     pretrained = r.spec.path is not None and r.spec.has_weights
     std = float(getattr(hf_cfg, "initializer_range", 0.02))
     if cfg.train.method == "qlora":
@@ -298,14 +299,14 @@ def build(r: common.Rank, ds_cfg: dict) -> modeling.CausalLMLoss:
         if pretrained:
             load_pretrained_partitions(r, model)
         else:
-            init_partitions_(model, std, cfg.train.seed, r.rank, modeling.Reference(hf_cfg))
+            init_partitions_(model, std, cfg.train.seed, r.rank, reference)
     else:
         # Stages 0-2 keep a full copy of the parameters on every rank by design; every rank draws the
         # same values (and DeepSpeed broadcasts rank 0's at initialize anyway).
         lm = modeling.load_pretrained(r.spec, hf_cfg) if pretrained else modeling.build_causal_lm(hf_cfg)
         model = modeling.CausalLMLoss(lm, loss=cfg.memory.loss_on(r.is_cuda))
         if not pretrained:
-            init_as_partitions_(model, std, cfg.train.seed, r.world, modeling.Reference(hf_cfg))
+            init_as_partitions_(model, std, cfg.train.seed, r.world, reference)
     if cfg.train.method == "lora":
         # After the base weights are in (ZeRO-3: into partitions): the adapters are new parameters,
         # which deepspeed.initialize partitions like the rest.

@@ -52,13 +52,15 @@ class DeepSpeedEngine:
             r.event("warning", f"precision.master_rounding = {cfg.precision.master_rounding!r} is applied by the "
                     "FSDP2 backend's AdamW; DeepSpeed's bf16 masters round to nearest (updates below bf16's "
                     "resolution are lost)")
-        self.model = ds.build(r, self.ds_cfg)
+        hf_cfg = modeling.hf_config(r.spec, cfg)
+        reference = modeling.Reference(hf_cfg)      # once: the random init's vectors and the buffers below
+        self.model = ds.build(r, self.ds_cfg, hf_cfg, reference)
         activation_offload.attach(r, self.model)
         self.engine, _, _, _ = deepspeed.initialize(model=self.model, model_parameters=adapters.trained_params(self.model),
                                                     config=self.ds_cfg)
         # zero.Init (stage 3) and the engine's module.half()/bfloat16() (stages 0-2) cast the rotary
         # frequencies to the compute dtype; rebuilt in fp32 they match the FSDP backend's (and the model's).
-        modeling.reset_buffers_(self.model, modeling.Reference(modeling.hf_config(r.spec, cfg)), r.device)
+        modeling.reset_buffers_(self.model, reference, r.device)
         if cfg.train.compile and not cfg.compiles_layers:
             # Stage 3 with hooks inside each layer: DeepSpeed's own torch.compile integration (docs/MEASURED.md
             # measured it slower than eager on one H200; kept because the setting asks for it).

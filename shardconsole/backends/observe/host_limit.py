@@ -51,13 +51,13 @@ def node_rss_bytes() -> int:
 
 def check(r: Rank, stop) -> None:
     """The node's first rank at every step boundary, before the stop agreement."""
-    limit = r.cfg.host_memory_limit_bytes
-    if not limit or r.local_rank != 0 or _watch.verdict is not None:
-        return
+    if not r.cfg.memory.host_memory_limit or r.local_rank != 0 or _watch.verdict is not None:
+        return          # (the text, not its parse: this runs at every step boundary)
     now = time.monotonic()
     if now - _watch.looked_at < LOOK_EVERY_S:
         return
     _watch.looked_at = now
+    limit = r.cfg.host_memory_limit_bytes or 0
     used = node_rss_bytes()
     if used <= HOLD * limit:
         return

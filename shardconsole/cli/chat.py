@@ -197,7 +197,7 @@ def cmd_chat(argv: list[str]) -> int:
     args = _parse(argv)
     if args.serve:
         return _serve(args)
-    from shardconsole.tryout.chat import ChatModel, Sampling
+    from shardconsole.tryout.chat import RAW_WORDS, ChatModel, Sampling
     sampling = Sampling(args.temperature, args.top_p, args.max_new_tokens).check("--temperature/--top-p/--max-new-tokens")
     base = base_of(args.target, args.base)
     if base is not None and base.folder is None:
@@ -207,6 +207,8 @@ def cmd_chat(argv: list[str]) -> int:
         adapter_base(folder)        # an adapter folder whose base is gone: one line, before anything loads
         print(f"loading {folder} ...", file=sys.stderr)
         models = [("model", ChatModel(folder, args.device, raw=args.raw))]
+        if models[0][1].trained_raw and not args.raw:
+            print(f"chat: prompt format {RAW_WORDS}", file=sys.stderr)
         if base is not None:
             print(f"loading the base {base.folder} ...", file=sys.stderr)
             models.append(("base", ChatModel(base.folder, args.device, tokenizer_from=folder, raw=args.raw)))

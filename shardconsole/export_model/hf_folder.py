@@ -8,6 +8,7 @@ from pathlib import Path
 
 from shardconsole.settings import config as C
 from shardconsole.export_model.checkpoint import Checkpoint, ExportError
+from shardconsole.settings import prompt_format as prompt_file
 from shardconsole.settings.models import ModelSpec, human_count
 from shardconsole.runlog.protocol import DataSummary, DecodeError, Eval, decode
 from shardconsole.runlog.runfolder import RunFolder
@@ -113,6 +114,9 @@ def add_prompt_format(run: RunFolder, folder: Path) -> str:
     transformers' tokenizers read. Returns what the README says of it."""
     from shardconsole.backends.data.corpus import PLAIN_TEMPLATE, PLAIN_TEMPLATE_NAME
     data = _last_of(run, b'"data"', DataSummary)
+    if data is not None and prompt_file.raw_prompts(data.format, data.template):
+        prompt_file.write_raw(folder)
+        return f"{prompt_file.RAW_WORDS} (said in {prompt_file.FILE})"
     if data is None or not data.template:
         return "none (the run trained on no chats or instructions)"
     if data.template != PLAIN_TEMPLATE_NAME:

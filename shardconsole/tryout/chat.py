@@ -2,7 +2,8 @@
 through export-model's own code path, on the GPU where there is one and on the CPU otherwise.
 
 The prompt is the model folder's chat template (export-model writes the template the run trained with,
-the plain one included), so a conversation here is formatted as the training data was. Generation runs
+the plain one included), so a conversation here is formatted as the training data was; a run whose prompts
+trained as plain text (string records: settings/prompt_format.py) gets each message as plain text. Generation runs
 in a worker thread with transformers' TextIteratorStreamer: tokens arrive as they are made, and a
 threading.Event stops a generation between two tokens (Ctrl-C in the terminal, a key in a UI).
 """
@@ -16,6 +17,7 @@ from typing import Iterator
 
 from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelError, resolve
+from shardconsole.settings.prompt_format import RAW_WORDS, trained_raw
 
 GiB = 1 << 30
 ADAPTER_CONFIG = "adapter_config.json"      # peft's adapter folder (export-model --adapter)
@@ -101,7 +103,9 @@ class ChatModel:
                  raw: bool = False) -> None:
         """tokenizer_from: the folder whose tokenizer and chat template format the prompts (default: folder).
         The base model beside a fine-tune takes the fine-tune's, so both see the very same prompt.
-        raw: no chat template; each message is plain text for the model to continue."""
+        raw: no chat template; each message is plain text for the model to continue. An export of a run
+        whose prompts trained as plain text (settings/prompt_format.py) is raw without asking:
+        `trained_raw` says so, for the caller to tell the user."""
         from shardconsole.quiet_libraries import quiet_libraries
         quiet_libraries()        # before transformers: no DeepSpeed accelerator line, no loading bar
         import torch
@@ -117,7 +121,8 @@ class ChatModel:
             self.tok = AutoTokenizer.from_pretrained(tok_folder, local_files_only=True)
         except Exception as e:
             raise C.ConfigError(f"chat: {tok_folder}: no tokenizer loads from it ({str(e)[:120]})") from None
-        self.raw = raw
+        self.trained_raw = trained_raw(tok_folder)
+        self.raw = raw = raw or self.trained_raw
         if not raw and not getattr(self.tok, "chat_template", None):
             # export-model writes the template a run rendered its chats with: a run on plain text has none.
             raise C.ConfigError(f"chat: {tok_folder}: the tokenizer has no chat template (a model trained on plain "

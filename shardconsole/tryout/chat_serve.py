@@ -87,7 +87,9 @@ class Server:
             why = f"chat: {folder}: {type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
             self.say(W.Unavailable(which, why))
             return why
-        self.say(W.Ready(which, model.device, self.name if which == W.RUN else str(folder)))
+        # a run trained on plain-text prompts is chatted with in plain text: the console says so by its name
+        plain = ", prompts as plain text (as trained)" if model.trained_raw and which == W.RUN else ""
+        self.say(W.Ready(which, model.device, (self.name + plain) if which == W.RUN else str(folder)))
         return model
 
     def answer(self, ask: W.Ask, stop: threading.Event) -> None:

@@ -159,6 +159,8 @@ def _pairs(path: Path, picked: list[tuple[int, dict[str, Any]]], enc: corpus.Enc
             views.append(RecordView(i, where(i), _pieces(enc, ids, flags), len(ids), len(answer), ids.tolist(),
                                     flags.tolist(), row=row))
     notes.append("each pair trains as two rows of data.seq_len tokens, padded at the end (never packed, never split)")
+    if renderer.strings:        # said as the data line says it: string pairs have no template
+        notes.append(pairs.RAW_PAIRS_NOTE)
     return Preview(str(path), "preference", enc.name, renderer.template_name or "-", views, seq_len, [], notes)
 
 

@@ -25,6 +25,7 @@ import torch
 from shardconsole.backends.checkpoint import save_stream
 from shardconsole.backends.rank.common import Rank
 from shardconsole.runlog.checkpoint_files import make_private
+from shardconsole.settings import prompt_format
 from shardconsole.settings.values import format_size
 
 # What a model folder's tokenizer may consist of (fast and slow tokenizers, chat templates); export-model
@@ -218,6 +219,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def say_prompt_format(r: Rank, folder: Path) -> None:
+    """The export of a run whose prompts trained as plain text says so, as export-model's does, for chat
+    to give them the same way (settings/prompt_format.py)."""
+    meta = getattr(r.data_state.entry, "meta", None) or {}
+    if prompt_format.raw_prompts(meta.get("format", ""), meta.get("template", "")):
+        prompt_format.write_raw(folder)
+
+
 def _write_folder_files(r: Rank, config, dtype: torch.dtype, tmp: Path, step: int) -> None:
     from transformers import GenerationConfig
     config.torch_dtype = dtype
@@ -229,6 +238,7 @@ def _write_folder_files(r: Rank, config, dtype: torch.dtype, tmp: Path, step: in
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
     if src is not None:
         copy_tokenizer(src, tmp)
+    say_prompt_format(r, tmp)
     preset = (r.run_dir / "preset.toml").read_text().rstrip() if (r.run_dir / "preset.toml").is_file() else ""
     (tmp / "README.md").write_text("\n".join([
         f"# {Path(r.cfg.train.export_dir).name}", "",

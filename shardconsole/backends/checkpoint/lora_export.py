@@ -92,6 +92,7 @@ def _write_adapter_folder(r: Rank, state: dict[str, torch.Tensor], tmp: Path, st
     model.save_pretrained(tmp)
     if r.spec.path is not None:
         hf_export.copy_tokenizer(Path(r.spec.path), tmp)
+    hf_export.say_prompt_format(r, tmp)
     base_name = str(r.spec.path) if r.spec.path is not None else r.spec.name
     (tmp / "README.md").write_text("\n".join([
         f"# {Path(r.cfg.train.export_dir).name}", "",

@@ -38,7 +38,7 @@ from shardconsole.settings import pair_records
 from shardconsole.settings.data_check import tokenizer_dir
 from shardconsole.settings.data_scan import ScanError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2         # 2: meta["template"] is "" for string pairs and meta["raw_pairs"] counts them
 META = "meta.json"
 
 
@@ -52,13 +52,27 @@ class PairTokens:
     rejected: list[int]
 
 
+RAW_PAIRS_NOTE = ("string pairs train as plain text, the prompt then the answer, with no chat template "
+                  "(TRL's standard form); chat gives such a model what you type as text to continue")
+
+
 class PairRenderer:
     """A record -> (prompt text, chosen text, rejected text): strings as they are, message lists through the
-    chat template (the prompt rendered with the generation prompt, each answer the rest of its conversation)."""
+    chat template (the prompt rendered with the generation prompt, each answer the rest of its conversation).
+
+    String pairs stay raw, as TRL trains its standard form: a prompt already rendered by hand (a template's
+    markers, "Human: ... Assistant:") would be wrapped twice by a template. What was rendered how is counted,
+    so the data line, the preview and the export say the format the tokens really had (they named the chat
+    template over raw string pairs, and chat then prompted a model through a template it never saw)."""
 
     def __init__(self, tokenizer) -> None:
         self.chat = corpus.Renderer("chat", "text", tokenizer)
-        self.template_name = self.chat.template_name
+        self.strings = self.conversations = 0
+
+    @property
+    def template_name(self) -> str:
+        """The chat template the pairs were rendered with: "" when none was (string pairs only)."""
+        return self.chat.template_name if self.conversations else ""
 
     def texts(self, rec: dict[str, Any], where: str) -> tuple[str, str, str]:
         try:
@@ -66,7 +80,9 @@ class PairRenderer:
         except ScanError as e:
             raise DataError(str(e)) from None
         if not pair.conversational:
+            self.strings += 1
             return pair.prompt, pair.chosen, pair.rejected
+        self.conversations += 1
         try:
             head = self.chat._render(pair.prompt, True)
             out = [head]
@@ -226,7 +242,8 @@ def _build(folder: Path, d, seed: int, model_path: str | None, has_tokenizer: bo
         splits = {"train": train.close(), **({"eval": evalw.close()} if evalw else {})}
         meta = {"version": FORMAT_VERSION, "source": str(path), "format": "preference",
                 "data_sha256": token_cache.content_hash(path), "records": n, "tokenizer": enc.name,
-                "template": renderer.template_name, "dtype": dtype.name, "seq_len": d.seq_len, "splits": splits}
+                "template": renderer.template_name, "raw_pairs": renderer.strings, "dtype": dtype.name,
+                "seq_len": d.seq_len, "splits": splits}
         (out / META).write_text(json.dumps(meta, indent=1))
         try:
             os.rename(out, folder)
@@ -370,6 +387,8 @@ def summary(cfg, world: int, entry: PairEntry) -> P.DataSummary:
         notes.append(f"{cut} pair(s) longer than data.seq_len + 1: answers cut at the end, prompts from the left")
     if m["template"] == corpus.PLAIN_TEMPLATE_NAME:
         notes.append("the tokenizer has no chat template: chats use the plain \"User: ... / Assistant: ...\" template")
+    if m.get("raw_pairs"):
+        notes.append(RAW_PAIRS_NOTE if not m["template"] else f"{m['raw_pairs']} {RAW_PAIRS_NOTE}")
     pairs_per_step = t.micro_batch * t.grad_accum * world
     # This run's file, not m["source"] (the cache entry's builder's: entries are keyed by content).
     return P.DataSummary(source=str(Path(cfg.data.path).expanduser()), format="preference",

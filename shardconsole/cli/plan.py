@@ -259,6 +259,29 @@ def cmd_plan(argv: list[str]) -> int:
     return EXIT_DOES_NOT_FIT if est.verdict.startswith("does not fit") else 0
 
 
+def presets_that_fit(hw: Hardware) -> list[tuple[str, str, PL.Estimate]]:
+    """(name, model, plan) of each built-in GPU preset whose settings fit `hw` as saved (a preset's own
+    gpu_memory_limit or host_memory_limit included), largest model first."""
+    from shardconsole.settings import preset_store
+    from shardconsole.settings.models import resolve
+    out = []
+    for info in preset_store.list_presets():
+        if info.origin != "built-in":
+            continue
+        try:
+            cfg = preset_store.load(str(info.path))
+            if cfg.parallel.device == "cpu" or cfg.world_size > max(hw.gpus, 1):
+                continue
+            spec = resolve(cfg.model.name)
+            est = PL.estimate(cfg, spec, hw)
+        except (C.ConfigError, OSError, ValueError):
+            continue
+        if est.fits:
+            out.append((info.name, cfg.model.name, est, spec.n_params))
+    out.sort(key=lambda row: (-row[3], row[0]))
+    return [(name, model, est) for name, model, est, _ in out]
+
+
 def _cmd_fit(args: argparse.Namespace) -> int:
     from shardconsole.plan.speed.book import SpeedBook
     card = _card_arg(args.card)
@@ -285,7 +308,10 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     book = SpeedBook.load()
     cands = PL.settings_that_fit(cfg, hw, preflight.check_model(resolved, weights=False), book=book) if args.model else None
     if args.json:
-        out: dict[str, Any] = {"hardware": _hw_dict(hw), "fit_table": [r.to_dict() for r in rows]}
+        out: dict[str, Any] = {"hardware": _hw_dict(hw), "fit_table": [r.to_dict() for r in rows],
+                               "presets_that_fit": [{"name": n, "model": m, "gpu_peak_bytes": e.gpu_peak_bytes,
+                                                     "host_peak_bytes": e.host_peak_bytes}
+                                                    for n, m, e in presets_that_fit(hw)]}
         if cands is not None:
             out["model"] = cfg.model.name
             out["settings_that_fit"] = [
@@ -309,6 +335,11 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     for reason in dict.fromkeys(r.refused for r in rows if r.refused):
         names = ", ".join(r.strategy for r in rows if r.refused == reason)
         say(f"  {names}: refused with these settings ({reason})")
+    fitting = presets_that_fit(hw)
+    if fitting:
+        say("\npresets that fit this machine (each as saved, planned here)")
+        for name, model, e in fitting:
+            say(f"  {name:<20} {model:<18} GPU {C.format_size(e.gpu_peak_bytes):>10}  host {C.format_size(e.host_peak_bytes):>10}")
     if cands is not None:
         say(f"\nsettings that fit {cfg.model.name} (seq_len {cfg.data.seq_len}, {cfg.precision.dtype}), fastest first")
         unit = cands[0].speed_unit if cands else "relative"

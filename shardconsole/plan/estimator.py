@@ -294,8 +294,8 @@ def model_states(cfg: C.RunConfig, spec: ModelSpec) -> dict[str, dict[str, int]]
         numels = [_shard_numel(sh, shard) for sh in s.all_params()]
         n = sum(numels)
         where = out["host" if cfg.fsdp.cpu_offload else "gpu"]
-        m = 2 if cfg.precision.master_dtype == "bf16" else 4
-        opt_bytes = optim_states.adam_state_bytes(cfg.optim.name, numels, m)     # torchao's low-bit blocks too
+        m = cfg.kept_bytes
+        opt_bytes = optim_states.states_bytes(cfg, s.all_params(), shard, numels)   # torchao's low-bit blocks too
         # optim.step_in_backward: a layer's gradients live from their reduce-scatter to their steps (one
         # buffer a layer, freed when its last view is), so one layer's (or the root's) at most
         one_layer = max(sum(_shard_numel(sh, shard) for sh in part) for part in (s.layer_params(), s.root_params()))

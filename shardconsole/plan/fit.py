@@ -41,6 +41,16 @@ EXTRA_STRATEGIES: dict[str, list[tuple[str, str, Any]]] = {
 }
 
 
+# Rows of the fit table beside the strategies: the consumer box's recipe (issue 60), whose optimizer
+# keeps 6 host bytes a parameter instead of 16 (backends/optim/adam_mini.py), with the host step under the
+# backward (no clip). Not one of tune's levers: another optimizer is another update (tune --vary optim.name).
+FIT_EXTRA_ROWS: dict[str, list[tuple[str, str, Any]]] = {
+    "offload + adam-mini": [*STRATEGIES["full_shard+offload"], ("optim", "name", "adam-mini"),
+                            ("train", "clip_grad_norm", 0.0)],
+}
+ADAM_MINI_CHANGES: tuple[tuple[str, str, Any], ...] = (("optim", "name", "adam-mini"), ("train", "clip_grad_norm", 0.0))
+
+
 def _state_words(cfg: C.RunConfig) -> str:
     """What decides the bytes a parameter beside the strategy, where not the defaults (", bf16 masters,
     adamw8bit states, step in backward"): the table's answer changes with each."""
@@ -53,7 +63,7 @@ def _state_words(cfg: C.RunConfig) -> str:
 
 def _strategy_cfg(base: C.RunConfig, name: str, hw: Hardware, *, model: str | None = None,
                   micro_batch: int | None = None, checkpointing: bool | None = None) -> C.RunConfig:
-    changes = list({**STRATEGIES, **EXTRA_STRATEGIES}[name])
+    changes = list({**STRATEGIES, **EXTRA_STRATEGIES, **FIT_EXTRA_ROWS}[name])
     changes.append(("parallel", "nproc_per_node", max(1, hw.gpus or base.parallel.nproc_per_node)))
     changes.append(("parallel", "device", "auto"))
     if base.parallel.backend != dict((t, v) for t, k, v in changes if k == "backend").get("parallel"):
@@ -120,7 +130,7 @@ def fit_table(hardware: Hardware, *, seq_len: int = 2048, micro_batch: int = 1, 
     names = [n for n in (models or list(CATALOG)) if n != "tiny"]
     specs = sorted((_spec_of(n) for n in names), key=lambda sp: sp.n_params)
     rows = []
-    for strategy in STRATEGIES:
+    for strategy in [*STRATEGIES, *(FIT_EXTRA_ROWS if base.optim.name == "adamw" else {})]:
         best: tuple[ModelSpec, Estimate] | None = None
         refusals, valid = [], False
         for spec in specs:
@@ -172,6 +182,10 @@ def settings_that_fit(cfg: C.RunConfig, hardware: Hardware, spec: ModelSpec | No
                 est = estimate(c2, spec, hardware)
                 if not est.fits:
                     continue
+                try:        # a level whose changes these settings refuse (adam-mini with kahan rounding)
+                    C.validate(c2, "fit")
+                except C.ConfigError:
+                    continue
                 overrides = [f"{t}.{k}={_toml(v)}" for t, k, v in {**STRATEGIES, **EXTRA_STRATEGIES}[strategy]]
                 overrides += [f"parallel.nproc_per_node={c2.parallel.nproc_per_node}",
                               f"memory.activation_checkpointing={_toml(level.checkpointing)}",
@@ -199,6 +213,10 @@ class _Level:
 
 def _memory_levels(cfg: C.RunConfig, strategy: str) -> list[_Level]:
     levels = [_Level(False, words="no checkpointing"), _Level(True, words="checkpointing")]
+    if strategy == "full_shard+offload" and cfg.optim.name == "adamw" and (
+            cfg.precision.master_dtype == "fp32" or cfg.precision.master_rounding == "stochastic"):
+        # the consumer box's optimizer (6 host bytes a parameter), said in the candidate's name
+        levels.append(_Level(True, ADAM_MINI_CHANGES, "checkpointing, adam-mini (no clip)"))
     if cfg.data.seq_len >= LONG_CONTEXT:
         fsdp = dict((t, v) for t, k, v in {**STRATEGIES, **EXTRA_STRATEGIES}[strategy] if k == "backend")
         tiles = fsdp.get("parallel") == "fsdp"

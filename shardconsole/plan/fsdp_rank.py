@@ -61,6 +61,19 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
     return _Rank(_gpu_moments(cfg, s, z), _host(cfg, s, z), notes, side, side_live)
 
 
+# Units whose host gradients have landed and not yet stepped (offload overlap); the host thread keeps up
+# with the backward on the measured boxes (docs/OFFLOAD.md), so a layer or two behind, and one in the copy.
+GRAD_LAYERS_IN_FLIGHT = 3
+
+
+def host_step_overlaps(cfg: C.RunConfig) -> bool:
+    """backends/offload/overlap.why_not, as the settings know it: the offloaded host step runs under the
+    backward, unit by unit (and frees each unit's gradients after its step)."""
+    f = cfg.fsdp
+    return (f.cpu_offload and f.offload_overlap and cfg.train.clip_grad_norm <= 0 and cfg.precision.dtype != "fp16"
+            and _optim_name(cfg) in ("adamw", "adam-mini"))
+
+
 def _optim_name(cfg: C.RunConfig) -> str:
     return getattr(getattr(cfg, "optim", None), "name", "adamw")
 
@@ -72,7 +85,7 @@ def _sizes(cfg: C.RunConfig, s: Shapes) -> _Sizes:
     c = DTYPE_BYTES[cfg.precision.dtype]
     reduce_c = 4 if cfg.precision.dtype == "fp32" else DTYPE_BYTES[cfg.precision.reduce_dtype or "fp32"]
     # bytes of a kept (sharded) parameter, its gradient and each Adam moment: fp32, or bf16 masters
-    m = 2 if cfg.precision.master_dtype == "bf16" else 4
+    m = cfg.kept_bytes         # adam-mini's split fp32 masters are bf16 shards (the rest in its states)
     L = s.layers
     # Sharded fp32 parameters: dim 0 padded to the shard group (exactly as FSDP2 pads).
     shard_numels = [_shard_numel(sh, shard) for sh in s.all_params()]
@@ -94,8 +107,8 @@ def _sizes(cfg: C.RunConfig, s: Shapes) -> _Sizes:
         shard=shard, c=c, reduce_c=reduce_c, m=m, mtag="bf16" if m == 2 else "fp32", offload=f.cpu_offload,
         a=activations(cfg, s), shard_numels=shard_numels, params_b=params_b,
         # exp_avg + exp_avg_sq: shaped and typed like the sharded parameter, or torchao's low-bit blocks
-        adam_b=optim_states.adam_state_bytes(_optim_name(cfg), shard_numels, m),
-        adam_tag=optim_states.state_tag(_optim_name(cfg), "bf16" if m == 2 else "fp32"),
+        adam_b=optim_states.states_bytes(cfg, s.all_params(), shard, shard_numels),
+        adam_tag=optim_states.state_tag(_optim_name(cfg), "bf16" if m == 2 else "fp32", cfg.split_masters),
         layer_shard=sum(_shard_numel(sh, shard) for sh in s.layer_params()),
         root_shard=sum(_shard_numel(sh, shard) for sh in s.root_params()),
         layer_full=layer_full, root_full=c * s.root,
@@ -208,12 +221,24 @@ def _host(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> dict[str, dict[str, int]]:
     arena = getattr(f, "host_arena", False)
     in_arena = (lambda n: -(-n // 4096) * 4096) if arena else pinned
     where = " in the host arena" if arena else tag
+    grads = [pinned(m * n) for n in z.shard_numels]
+    if host_step_overlaps(cfg):
+        # backends/offload/overlap.py frees each unit's host gradients once it has stepped: the units between
+        # landing and stepping are on the host, not the model (a few layers behind the backward, and the
+        # root's, which lands last); torch's pinned cache keeps their blocks for the next step's
+        L = s.layers
+        layer, root = grads[:len(grads) - len(s.root_params())], grads[len(grads) - len(s.root_params()):]
+        per_layer = sum(layer) // max(L, 1)
+        label, amount = f"gradients in flight ({mtag} shards{tag}: {GRAD_LAYERS_IN_FLIGHT} layers and the root)", \
+            min(GRAD_LAYERS_IN_FLIGHT, L) * per_layer + sum(root)
+    else:
+        label, amount = f"gradients ({mtag} shards{tag})", sum(grads)
     host["training"].update({
         f"parameters ({mtag} shards{where})": sum(in_arena(m * n) for n in z.shard_numels),
-        f"gradients ({mtag} shards{tag})": sum(pinned(m * n) for n in z.shard_numels),
+        label: amount,
         f"optimizer states ({z.adam_tag}{', in the host arena' if arena else ', host'})": z.adam_b})
     if (f.offload_compute_copy and cfg.precision.dtype != "fp32"
-            and cfg.precision.master_dtype == "fp32"):
+            and cfg.kept_bytes == 4):
         # backends/offload/host_copy.py ComputeCopy: one flat buffer, page-locked in place (no rounding).
         host["training"][f"{cfg.precision.dtype} copy of the shards (all-gather input, pinned)"] = \
             2 * sum(z.shard_numels)

@@ -50,8 +50,9 @@ def _host(cfg: C.RunConfig, r: _Rank, sv: Saves, hw: Hardware, ld: Loading | Non
     rank0_adds: dict[str, dict[str, int]] = {}      # moment -> parts rank 0 holds on top of every rank's
     others_add: dict[str, dict[str, int]] = {}      # moment -> parts the other ranks hold on top
     if sv.host_add_rank_bytes:
-        # the save runs after training, with training's memory still held (its start-up transients gone)
-        held = {k: v for k, v in host_by_phase["training"].items() if "transient" not in k}
+        # the save runs after training, with training's memory still held (its start-up transients gone, and
+        # the offloaded gradients' pinned blocks, which the FSDP2 rank gives back before a save: fsdp_engine)
+        held = {k: v for k, v in host_by_phase["training"].items() if "transient" not in k and "in flight" not in k}
         host_by_phase["saving"] = {**held, "save (the piece being written)": sv.host_add_rank_bytes}
     if cfg.data.source in ("auto", "text") and cfg.data.path:
         # One rank tokenizes before training (the others wait): its tokenizer's work is bounded by

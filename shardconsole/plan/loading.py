@@ -164,7 +164,7 @@ def _fsdp_loading(cfg: C.RunConfig, s: Shapes, w: FolderWeights, each: dict[str,
         if cfg.adapters:
             each["frozen base (shards, host)"] = frozen_bytes(cfg, s) // shard
         else:
-            m = 2 if cfg.precision.master_dtype == "bf16" else 4
+            m = cfg.kept_bytes
             each[f"parameters ({'bf16' if m == 2 else 'fp32'} shards, host)"] = \
                 m * sum(_shard_numel(sh, shard) for sh in s.all_params())
     rank0 = {"fp32 copy of the folder (from_pretrained, rank 0 only)": copy}

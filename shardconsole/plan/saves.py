@@ -33,6 +33,7 @@ from shardconsole.plan.constants import (DCP_METADATA_ITEM_BYTES, DCP_TENSOR_REC
                                          DS_FIXED_FILES_BYTES, DS_TENSOR_RECORD_BYTES, DTYPE_BYTES,
                                          EXPORT_FIXED_BYTES, RANK_STATE_BYTES, SAVE_FIXED_BYTES,
                                          SAFETENSORS_TENSOR_BYTES, GiB)
+from shardconsole.plan import optim_states
 from shardconsole.plan.shapes import Shapes, _numel, _shard_numel
 
 
@@ -51,7 +52,7 @@ def export_dtype_of(cfg: C.RunConfig) -> str:
         return str(given)
     if cfg.parallel.backend == "deepspeed" and cfg.deepspeed.stage == 0:
         return "fp32"
-    return "bf16" if cfg.precision.master_dtype == "bf16" else "fp32"
+    return "bf16" if cfg.kept_bytes == 2 else "fp32"
 
 
 @dataclass
@@ -119,9 +120,13 @@ def _fsdp_sizes(cfg: C.RunConfig, s: Shapes) -> tuple[int, int, int]:
     p = cfg.parallel
     world = p.nproc_per_node * p.nnodes
     shard = {"no_shard": 1, "hybrid_shard": p.nproc_per_node}.get(cfg.fsdp.sharding, world)
-    m = 2 if cfg.precision.master_dtype == "bf16" else 4
+    m = cfg.kept_bytes
     kahan = m == 2 and getattr(cfg.precision, "master_rounding", "") == "kahan"
     states = 3 if kahan else 2               # exp_avg, exp_avg_sq (+ the bf16 compensation)
+    state_bytes = states * m * s.n_params
+    if cfg.optim.name == "adam-mini":        # exp_avg, exp_avg_sq_row (+ weight_low): optim_states counts them
+        states = 3 if cfg.split_masters else 2
+        state_bytes = optim_states.adam_mini_bytes(s.all_params(), 1, m, cfg.split_masters)
     n_t = len(s.all_params())
     P = s.n_params
     # DCP writes each distinct shard once (replicas deduplicated): every element once, one record per
@@ -129,7 +134,7 @@ def _fsdp_sizes(cfg: C.RunConfig, s: Shapes) -> tuple[int, int, int]:
     model_records = shard * n_t
     opt_records = shard * n_t * states + n_t + 1
     model = m * P + model_records * (DCP_TENSOR_RECORD_BYTES + DCP_METADATA_ITEM_BYTES)
-    optim = states * m * P + 4 * n_t + 8 + opt_records * (DCP_TENSOR_RECORD_BYTES + DCP_METADATA_ITEM_BYTES)
+    optim = state_bytes + 4 * n_t + 8 + opt_records * (DCP_TENSOR_RECORD_BYTES + DCP_METADATA_ITEM_BYTES)
     fixed = world * RANK_STATE_BYTES + 4096
     largest = m * max(_numel(sh) for sh in s.all_params())
     return model + optim + fixed, model + fixed, largest

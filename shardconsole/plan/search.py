@@ -36,7 +36,7 @@ NUMERICS: dict[str, tuple[Any, ...]] = {
     "precision.master_dtype": ("fp32", "bf16"),
     "precision.master_rounding": ("nearest", "stochastic", "kahan"),
     # torchao's block-quantized moments (issue 35): fewer bytes, another update
-    "optim.name": ("adamw", "adamw8bit", "adamw4bit"),
+    "optim.name": ("adamw", "adamw8bit", "adamw4bit", "adam-mini"),
     # each parameter stepped in backward (issue 35): no gradient buffer, but no clip (rules refuse one)
     "optim.step_in_backward": (False, True),
     # torchao's float8 linears (issue 48): faster matmuls on FP8 tensor cores, another rounding
@@ -82,6 +82,8 @@ def describe(cfg: C.RunConfig, base: C.RunConfig | None = None) -> str:
         parts.append("compiled")
     if cfg.optim.step_in_backward:
         parts.append("step in backward")
+    if cfg.optim.name != "adamw":
+        parts.append(cfg.optim.name)
     if cfg.precision.fp8 != "none":
         parts.append(f"fp8 {cfg.precision.fp8}")
     if base is not None and cfg.precision.dtype != base.precision.dtype:

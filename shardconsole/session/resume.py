@@ -194,7 +194,7 @@ def _check_export_dir(cfg: C.RunConfig, source: str) -> None:
 # What the checkpoint's tensors were made with: a resume that changes one of them fails after the launch
 # with DCP's "Size mismatch ... move that folder away" (or a missing key), which names no setting.
 SHAPE_KEYS = (("model", "name"), ("parallel", "backend"), ("train", "method"), ("lora", "rank"),
-              ("lora", "target_modules"), ("lora", "modules_to_save"))
+              ("lora", "target_modules"), ("lora", "modules_to_save"), ("optim", "name"))
 
 
 def _check_same_shapes(saved: C.RunConfig, resolved) -> None:
@@ -209,6 +209,15 @@ def _check_same_shapes(saved: C.RunConfig, resolved) -> None:
             raise resolved.error(table, key, f"the checkpoints were saved with {table}.{key} = {old!r}; a resume "
                                              f"loads their tensors as they are: keep {old!r}, or start a new run "
                                              f"with {new!r}")
+    if saved.split_masters != resolved.cfg.split_masters:
+        # adam-mini keeps fp32 masters' low bits as an optimizer state (weight_low): a checkpoint with it
+        # and settings without it (or the reverse) have different tensors
+        for table, key in (("precision", "master_dtype"), ("precision", "dtype")):
+            old, new = getattr(getattr(saved, table), key), getattr(getattr(resolved.cfg, table), key)
+            if old != new:
+                raise resolved.error(table, key, f"the checkpoints were saved with {table}.{key} = {old!r}, which "
+                                                 f"decides how adam-mini keeps the masters: keep {old!r}, or start "
+                                                 f"a new run with {new!r}")
 
 
 class EarlierPart:

@@ -224,6 +224,9 @@ def _check_optim(cfg: RunConfig, err) -> None:
     name = getattr(getattr(cfg, "optim", None), "name", "adamw")
     if name == "adamw":
         return
+    if name == "adam-mini":
+        _check_adam_mini(cfg, err)
+        return
     if cfg.parallel.backend == "deepspeed":
         raise err("optim", "name", f"{name!r} is torchao's optimizer, for the FSDP2 backend; DeepSpeed "
                   "builds its own Adam: use name = \"adamw\" or parallel.backend = \"fsdp\"")
@@ -238,6 +241,23 @@ def _check_optim(cfg: RunConfig, err) -> None:
     if importlib.util.find_spec("torchao") is None:
         raise err("optim", "name", f"{name!r} needs torchao, which is not installed: "
                   "pip install 'shardconsole[lowbit]' (or torchao)")
+
+
+def _check_adam_mini(cfg: RunConfig, err) -> None:
+    """optim.name = "adam-mini" (backends/optim/adam_mini.py): FSDP2's ranks step it; its weights round
+    themselves (a remainder for fp32 masters, stochastic for bf16 ones)."""
+    if cfg.parallel.backend == "deepspeed":
+        raise err("optim", "name", "'adam-mini' steps in the FSDP2 ranks; DeepSpeed builds its own Adam: use "
+                  "name = \"adamw\" or parallel.backend = \"fsdp\"")
+    p = cfg.precision
+    if p.master_dtype == "bf16" and p.master_rounding == "kahan":
+        raise err("precision", "master_rounding", "'kahan' is for adamw; adam-mini keeps fp32 masters exactly "
+                  "with master_dtype = \"fp32\" (6 bytes a parameter, against kahan's 10): set master_dtype = "
+                  "\"fp32\", or master_rounding = \"stochastic\" for bf16 masters (4 bytes)")
+    if p.master_dtype == "bf16" and p.master_rounding == "nearest":
+        raise err("precision", "master_rounding", "'nearest' loses every update below half a bf16 step; "
+                  "adam-mini rounds bf16 masters stochastically: set master_rounding = \"stochastic\", or "
+                  "master_dtype = \"fp32\" (exact fp32 masters in 6 bytes a parameter)")
 
 
 def _check_step_in_backward(cfg: RunConfig, err) -> None:

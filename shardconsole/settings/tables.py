@@ -245,9 +245,15 @@ class OptimSettings:
     # 2 bytes a parameter (+ an fp32 scale per 256), 4-bit 1 byte (+ one per 128), against fp32 Adam's 8:
     # for a model whose states then fit the card, no offload at all (issue 35). A numerics change: the
     # update is not fp32 Adam's (tune holds it unless named in --vary).
-    name: Literal["adamw", "adamw8bit", "adamw4bit"] = _f(
+    # adam-mini (backends/optim/adam_mini.py, issue 60): fp32 masters kept as the bf16 weight + a 16-bit
+    # remainder, a bf16 first moment, one second moment a row: 6 bytes a parameter (4 with bf16 masters),
+    # against AdamW's 16 (8): an 8B full fine-tune on a 64 GB host. A numerics change, measured against
+    # fp32-master AdamW (tests/test_adam_mini.py, docs/MEASURED.md).
+    name: Literal["adamw", "adamw8bit", "adamw4bit", "adam-mini"] = _f(
         "adamw", "the optimizer: adamw (torch's, fp32 or master-dtype moments), adamw8bit or adamw4bit "
-        "(torchao's block-quantized moments: 2 or 1 byte a parameter instead of 8; FSDP2 only)")
+        "(torchao's block-quantized moments: 2 or 1 byte a parameter instead of 8; FSDP2 only), adam-mini "
+        "(fp32 masters as bf16 + a 16-bit remainder, bf16 first moment, a second moment a row: 6 bytes a "
+        "parameter, 4 with bf16 masters; FSDP2 only, made for cpu_offload)")
     # backends/optim/step_in_backward.py: torchtune's optimizer in backward. The step's result is the ordinary
     # one, but no clip, no accumulation, no fp16 scaler (settings/rules.py says why each is refused).
     step_in_backward: bool = _f(
@@ -346,6 +352,19 @@ class RunConfig:
         when no ZeRO hook sits inside a layer (stages 0-2, or stage 3 gathering by layer)."""
         d = self.deepspeed
         return self.train.compile and (self.parallel.backend == "fsdp" or d.stage < 3 or d.stage3_layer_gather)
+
+    @property
+    def split_masters(self) -> bool:
+        """optim.name = "adam-mini" with fp32 masters and bf16 compute: the shards are bf16 and the fp32
+        masters' low 16 bits live in the optimizer (backends/optim/adam_mini.py): 2 + 2 bytes, no
+        separate compute copy. LoRA's adapters stay fp32 (a few MB)."""
+        return (self.optim.name == "adam-mini" and self.precision.master_dtype == "fp32"
+                and self.precision.dtype == "bf16" and not self.adapters)
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of a kept (sharded) parameter: 2 when the shards are bf16 (bf16 masters, or split ones)."""
+        return 2 if self.precision.master_dtype == "bf16" or self.split_masters else 4
 
     @property
     def adapters(self) -> bool:

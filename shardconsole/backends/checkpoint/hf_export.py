@@ -50,8 +50,9 @@ PREFIX = "lm."                       # the ranks train CausalLMLoss(lm): the HF 
 
 
 def export_dtype(r: Rank) -> torch.dtype:
-    """train.export_dtype, else the master weights' own dtype (export-model's --dtype default)."""
-    name = r.cfg.train.export_dtype or r.cfg.precision.master_dtype
+    """train.export_dtype, else the kept weights' own dtype (export-model's --dtype default): bf16 for bf16
+    masters and for adam-mini's split fp32 ones (their bf16 part, the folder a Hub model is)."""
+    name = r.cfg.train.export_dtype or ("bf16" if r.cfg.kept_bytes == 2 else "fp32")
     return torch.bfloat16 if name == "bf16" else torch.float32
 
 

@@ -21,7 +21,7 @@ from shardconsole.backends.model import adapters, float8, modeling, qlora, tiled
 from shardconsole.backends.checkpoint import checkpoints
 from shardconsole.backends.rank import common
 from shardconsole.backends.engine import trainstate
-from shardconsole.backends.optim import lowbit_optim, master_update
+from shardconsole.backends.optim import adam_mini, lowbit_optim, master_update
 from shardconsole.backends.offload import host_copy as offload, pinned_arena
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -114,8 +114,10 @@ def build(r: common.Rank) -> Built:
         model = modeling.CausalLMLoss(modeling.build_causal_lm(hf_cfg), loss=r.cfg.memory.loss_on(r.is_cuda))
     if r.cfg.adapters:
         adapters.inject(model.lm, r.cfg)     # on the meta device, before sharding: the adapters shard too
-    if r.cfg.precision.master_dtype == "bf16":
-        model.to(torch.bfloat16)    # on the meta device: the shards are born bf16 (8 bytes a parameter)
+    if r.cfg.precision.master_dtype == "bf16" or r.cfg.split_masters:
+        # on the meta device: the shards are born bf16 (8 bytes a parameter; adam-mini's fp32 masters keep
+        # their low 16 bits in the optimizer)
+        model.to(torch.bfloat16)
     elif r.cfg.adapters and r.cfg.precision.dtype != "fp32":
         adapters.cast_frozen_(model, DTYPES[r.cfg.precision.dtype])
     _tile_mlps(r, model)
@@ -143,9 +145,10 @@ def build(r: common.Rank) -> Built:
     if r.cfg.fsdp.cpu_offload and r.cfg.fsdp.host_arena and not r.cfg.adapters:
         pin = r.cfg.fsdp.pin_memory and r.is_cuda
         prec = r.cfg.precision
+        layout = (lambda local: adam_mini.layout(local, r.cfg.split_masters)) if r.cfg.optim.name == adam_mini.NAME else None
         arena = pinned_arena.ShardArena(
             model, pin=pin, rounding=prec.master_rounding if prec.master_dtype == "bf16" else "fp32",
-            copy_dtype=DTYPES[prec.dtype] if uses_compute_copy(r.cfg) else None, grads_pinned=pin)
+            copy_dtype=DTYPES[prec.dtype] if uses_compute_copy(r.cfg) else None, grads_pinned=pin, layout=layout)
         arena.watch(model, lambda line: r.event("warning", line))
         r.log(arena.describe())
     copy = None
@@ -169,11 +172,18 @@ def _tile_mlps(r: common.Rank, model: modeling.CausalLMLoss) -> None:
 def uses_compute_copy(cfg) -> bool:
     """fsdp.offload_compute_copy applies: offloaded fp32 shards computed in a lower precision."""
     return (cfg.fsdp.cpu_offload and cfg.fsdp.offload_compute_copy and cfg.precision.dtype != "fp32"
-            and cfg.precision.master_dtype == "fp32" and not cfg.adapters)   # a frozen base is stored bf16
+            and cfg.kept_bytes == 4 and not cfg.adapters)   # a frozen base is stored bf16
 
 
 def make_optimizer(r: common.Rank, model: torch.nn.Module) -> torch.optim.Optimizer:
     t = r.cfg.train
+    if r.cfg.optim.name == adam_mini.NAME:       # 6 host bytes a parameter with fp32 masters (adam_mini.py)
+        optim = adam_mini.AdamMini(adapters.trained_params(model), lr=t.lr, betas=(t.beta1, t.beta2),
+                                   weight_decay=t.weight_decay, split=r.cfg.split_masters,
+                                   seed=t.seed * 65_537 + r.rank, warn=lambda line: r.event("warning", line))
+        if r.cfg.fsdp.cpu_offload:
+            optim.host_update()         # built now (once a machine), not in the host thread's first step
+        return optim
     if r.cfg.optim.name != "adamw":
         return lowbit_optim.make(r.cfg, adapters.trained_params(model))       # torchao's block-quantized moments
     if r.cfg.precision.master_dtype == "bf16" and r.cfg.precision.master_rounding != "nearest":

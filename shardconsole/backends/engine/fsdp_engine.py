@@ -19,7 +19,7 @@ from shardconsole.backends.objective.base import Forward, Objective
 from shardconsole.backends.observe import metrics, step_timing
 from shardconsole.backends.observe.metrics import StepMeter
 from shardconsole.backends.offload import overlap as offload_overlap
-from shardconsole.backends.optim import lowbit_optim, step_in_backward
+from shardconsole.backends.optim import adam_mini, lowbit_optim, step_in_backward
 from shardconsole.backends.rank import common
 from shardconsole.backends.rank.common import Rank
 
@@ -127,6 +127,12 @@ class FsdpEngine:
         """DCP's format, written by save_stream.StreamingWriter: one tensor copied at a time, never the
         rank's whole state (DCP's own writer holds a copy of every tensor until the file closes)."""
         r = self.r
+        if r.cfg.fsdp.cpu_offload and r.is_cuda:
+            # torch keeps the pinned blocks the gradients came to the host in, cached for the next step's;
+            # a save writes a tensor copy of its own beside them: give them back first (pinned again at the
+            # next step, about a second), so the host peak is the larger of the two, not their sum
+            torch.cuda.synchronize()
+            getattr(torch._C, "_host_emptyCache", lambda: None)()
         state = {"model": fsdp._model_state(r, self.model), "step": torch.tensor(step)}
         if kind is SaveKind.CHECKPOINT:
             state["optim"] = get_optimizer_state_dict(self.model, self.optim)
@@ -171,7 +177,10 @@ class FsdpEngine:
         return step
 
     def export(self, step: int) -> None:
-        src = hf_export.of_state_dict(self.model.state_dict())
+        state = self.model.state_dict()
+        if self.r.cfg.split_masters and hf_export.export_dtype(self.r) == torch.float32:
+            state = adam_mini.joined_state(self.model, self.optim, state)    # the fp32 masters, every bit
+        src = hf_export.of_state_dict(state)
         if self.r.cfg.adapters:
             lora_export.export(self.r, src, step)
         else:

@@ -43,7 +43,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from shardconsole.backends.optim import master_update
+from shardconsole.backends.optim import adam_mini, master_update
 from shardconsole.backends.rank.common import Rank
 from shardconsole.backends.rank.knobs import Knobs
 from shardconsole.backends.offload.host_copy import ComputeCopy
@@ -55,7 +55,7 @@ def why_not(r: Rank, optim: torch.optim.Optimizer, scaler) -> str:
     cfg = r.cfg
     if not (cfg.fsdp.cpu_offload and cfg.fsdp.offload_overlap):
         return "off"
-    if type(optim) not in (torch.optim.AdamW, master_update.RoundedAdamW):
+    if type(optim) not in (torch.optim.AdamW, master_update.RoundedAdamW, adam_mini.AdamMini):
         return f"off: optim.name = {cfg.optim.name!r} steps on the device"
     if scaler is not None:
         return "off: fp16 loss scaling skips a step on an inf in any gradient, known only after the backward"
@@ -143,6 +143,12 @@ class Overlap:
         t = time.perf_counter()
         with torch.no_grad():
             self.partial.step(params)
+            # Stepped: the unit's host gradients are done with (no clip or scaler reads them when the step
+            # overlaps), so they go now, not at the step's end. The whole model's gradients are then never
+            # on the host at once, only the units between landing and stepping (adam-mini's 6 bytes a
+            # parameter would be 8 with bf16 gradients held to the end, 10 with fp32 ones).
+            for p in params:
+                p.grad = None
             if unit.copies:
                 torch._foreach_copy_([fp._compute_copy for fp in unit.copies],
                                      [fp._sharded_param_data for fp in unit.copies])

@@ -9,7 +9,8 @@ what fits on a 125 GiB host.
 
 Here one plain allocation holds, at 4 KiB-aligned offsets:
 - every offloaded shard (FSDPParam._sharded_param_data and the DTensor's local tensor are views of it),
-- Adam's states (exp_avg, exp_avg_sq, and the Kahan compensation of master_update.RoundedAdamW), placed
+- Adam's states (exp_avg, exp_avg_sq, and the Kahan compensation of master_update.RoundedAdamW; or
+  adam_mini.AdamMini's, shaped as its `layout` says), placed
   in the optimizer's state before its first step so it never allocates its own,
 - the compute-dtype copy of the shards (offload.ComputeCopy), when it is used,
 and the whole region is page-locked where it is (cudaHostRegister: no copy, no rounding). On CPU ranks
@@ -22,11 +23,18 @@ from torch's pinned cache, rounded; they are freed and reused each step.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 
 ALIGN = 4096        # bytes: a page, so every view starts on its own page (DMA and vector loads aligned)
 STATE_NAMES = {"stochastic": ("exp_avg", "exp_avg_sq"), "nearest": ("exp_avg", "exp_avg_sq"),
                "kahan": ("exp_avg", "exp_avg_sq", "compensation"), "fp32": ("exp_avg", "exp_avg_sq")}
+
+
+# a local shard -> {state name: (shape, dtype)}
+Layout = Callable[[torch.Tensor], dict[str, tuple[tuple[int, ...], torch.dtype]]]
 
 
 def _aligned(n: int) -> int:
@@ -75,14 +83,17 @@ class ShardArena:
     by `place_states`, the compute copy by `take_copy`."""
 
     def __init__(self, model: torch.nn.Module, *, pin: bool, rounding: str, copy_dtype: torch.dtype | None,
-                 grads_pinned: bool) -> None:
+                 grads_pinned: bool, layout: Layout | None = None) -> None:
         from shardconsole.backends.offload.host_copy import fsdp_params
         self.params = [fp for fp in fsdp_params(model) if fp.offload_to_cpu]
-        self.state_names = STATE_NAMES[rounding]
+        names = STATE_NAMES[rounding]
+        # each state's (shape, dtype) for a local shard: the optimizer's own layout (adam_mini.layout), or
+        # Adam's: every state shaped and typed like the shard
+        self.layout: Layout = layout or (lambda local: {n: (tuple(local.shape), local.dtype) for n in names})
         shard_bytes = [_aligned(fp._sharded_param_data.numel() * fp._sharded_param_data.element_size())
                        for fp in self.params]
-        state_bytes = [len(self.state_names) * _aligned(_local(fp.sharded_param).numel()
-                                                         * fp.sharded_param.element_size()) for fp in self.params]
+        state_bytes = [sum(_aligned(math.prod(shape) * dtype.itemsize)
+                           for shape, dtype in self.layout(_local(fp.sharded_param)).values()) for fp in self.params]
         copy_bytes = [_aligned(fp._sharded_param_data.numel() * copy_dtype.itemsize) if copy_dtype else 0
                       for fp in self.params]
         self.bytes = {"shards": sum(shard_bytes), "optimizer states": sum(state_bytes),
@@ -100,7 +111,8 @@ class ShardArena:
         for fp in self.params:
             local = _local(fp.sharded_param)
             self.slots[id(fp.sharded_param)] = {
-                name: self.arena.take(local.numel(), local.dtype).view(local.shape) for name in self.state_names}
+                name: self.arena.take(math.prod(shape), dtype).view(shape)
+                for name, (shape, dtype) in self.layout(local).items()}
 
     def _move_shard(self, fp) -> None:
         old = fp._sharded_param_data
@@ -137,9 +149,15 @@ class ShardArena:
                         slot.zero_()
                     else:
                         slot.copy_(_local(have))
-                    # FSDP2's own wrapper: DTensor.from_local would move a host tensor to the mesh's
-                    # device (the whole optimizer state onto the GPU).
-                    state[name] = self.owner[id(p)].to_sharded_dtensor(slot) if isinstance(p, DTensor) else slot
+                    # FSDP2's own wrapper (or the optimizer's, for states not shaped like the shard):
+                    # DTensor.from_local would move a host tensor to the mesh's device (the whole
+                    # optimizer state onto the GPU).
+                    if not isinstance(p, DTensor):
+                        state[name] = slot
+                    elif hasattr(optim, "state_tensor"):
+                        state[name] = optim.state_tensor(p, slot)
+                    else:
+                        state[name] = self.owner[id(p)].to_sharded_dtensor(slot)
                     moved += 1
         return moved
 

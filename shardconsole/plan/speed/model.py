@@ -255,6 +255,10 @@ def _host_step_bytes(cfg: C.RunConfig) -> float:
     88-95 GB/s of these 30 bytes on issue 45's H200 host, 119-126 on earlier calls' hosts: 33 bytes at
     DEFAULT_HOST_GBPS splits them); bf16 masters 2 + 4 (fp32 gradient) + 8 read, 10 written (119 GB/s on
     both); stochastic/kahan rounding draw or keep one more word each."""
+    if cfg.optim.name == "adam-mini":
+        # backends/optim/adam_mini.py: reads the bf16 weight, its remainder, the bf16 moment and the bf16
+        # gradient (8), writes the first three (6); the row means add a read of the gradient, from cache
+        return 16.0 if cfg.split_masters else 12.0
     if cfg.precision.master_dtype == "bf16":
         extra = 4 if cfg.precision.master_rounding != "nearest" else 0
         return 24.0 + extra
@@ -265,7 +269,7 @@ def _gpu_optimizer_s(cfg: C.RunConfig, trained: float, card: Card, s: Shapes) ->
     if cfg.optim.name in ("adamw8bit", "adamw4bit"):
         return trained * LOWBIT_S_PER_PARAM_H200 * CARDS["h200"].hbm_gbps / card.hbm_gbps
     p = cfg.precision
-    per_param = 16.0 if p.master_dtype == "bf16" else 28.0
+    per_param = 16.0 if p.master_dtype == "bf16" or cfg.optim.name == "adam-mini" else 28.0
     rounding = 0.0
     if p.master_dtype == "bf16" and p.master_rounding != "nearest" and not cfg.adapters:
         rounding = (9 * s.layers + 3) * ROUNDING_S_PER_TENSOR

@@ -313,6 +313,10 @@ def _follow(session: RunSession, printer: Printer, err: TextIO, grace_s: float) 
     if reader.bad_lines:
         _say(err, f"warning: {reader.bad_lines} unreadable metrics line(s) skipped ({reader.last_error})")
     cause, message = session.outcome()
+    if cause == "config_error" and session.settings is not None and session.settings.train.resume:
+        # refused by the ranks before a step: one line, and the folder keeps its earlier end (history/refused.py)
+        from shardconsole.history.refused import refusal_line
+        message = refusal_line(session.run_dir) or message
     s = session.state.last_step
     if cause == "ok" and s is not None:
         message = message.replace("; run folder", f", {fmt_rate(s.tokens_per_s)} tok/s; run folder", 1)

@@ -17,7 +17,7 @@ from typing import Any
 
 from shardconsole.envvars import read
 
-VERSION = 2       # 2: a stopped run's step is the step it stopped and saved at
+VERSION = 3       # 2: a stopped run's step is the step it stopped and saved at; 3: a refused resume keeps the end before it
 FIELDS = ("status", "cause", "detail", "step", "steps", "tokens_per_s", "mfu", "peak_gpu_bytes", "peak_host_bytes",
           "last_loss", "eval_loss", "loss", "eval", "throughput", "bad_lines")
 KEPT = ("finished", "stopped", "failed")

@@ -15,6 +15,7 @@ from shardconsole.settings import config as C
 from shardconsole.settings.paths import kind_of
 from shardconsole.runlog import protocol as P
 from shardconsole.history import cache
+from shardconsole.history.refused import SessionEnds
 from shardconsole.launch.command import OLD_RUNS_ROOT, runs_root
 from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.launch.process_identity import this_host
@@ -155,10 +156,11 @@ def summarize(path: Path, tail_bytes: int | None = None) -> RunSummary:
         cached = cache.load(folder.metrics)
         if cached is not None and cache.apply(s, cached):
             return s
-    state, session = _fold(folder, s, tail_bytes)
+    state, session, refused = _fold(folder, s, tail_bytes)
     if s.step and not s.steps and s.settings is not None:
         s.steps = s.settings.train.steps        # stopped before its first step line: the step of its save
     _status(folder, s, state, session)
+    s.detail += refused
     if tail_bytes is None and s.status in cache.KEPT:
         cache.store(folder.metrics, s)
         forget(folder.path)
@@ -192,6 +194,7 @@ class _Fold:
         if tail_bytes is not None:
             _skip_to_tail(self.reader, folder.metrics, tail_bytes)
         self.state, self.session = RunState(), ""
+        self.ends = SessionEnds()
         self.acc = RunSummary(path=folder.path)
         self.rates: list[float] = []
         self.mfus: list[float] = []
@@ -216,11 +219,13 @@ class _Fold:
         s, state = self.acc, self.state
         if isinstance(msg, P.Hello) and msg.run != self.session:
             if self.session:
+                self.ends.new_session(state)
                 state.new_session()
             self.session = msg.run
         if isinstance(msg, (P.Finished, P.Failed)) and self.session and msg.run and msg.run != self.session:
             return
         state.apply(msg)
+        self.ends.saw(msg)
         if isinstance(msg, P.Step):
             s.step, s.steps = msg.step, msg.steps
             _replace_from(s.loss, msg.step)
@@ -283,9 +288,10 @@ def _inode(path: Path) -> tuple[int, int] | None:
         return None
 
 
-def _fold(folder: RunFolder, s: RunSummary, tail_bytes: int | None = None) -> tuple[RunState, str]:
-    """The stream into the summary's figures and into a RunState of its last session; a whole-stream
-    fold goes on from the last one of this process when the file is the same and has only grown."""
+def _fold(folder: RunFolder, s: RunSummary, tail_bytes: int | None = None) -> tuple[RunState, str, str]:
+    """The stream into the summary's figures, a RunState of its last session (history/refused.py: of the
+    one before a refused resume) and the refusal's words; a whole-stream fold goes on from the last one of
+    this process when the file is the same and has only grown."""
     key = str(folder.metrics.resolve()) if tail_bytes is None else ""
     fold = _LIVE.pop(key, None) if key else None
     if fold is not None:
@@ -304,7 +310,7 @@ def _fold(folder: RunFolder, s: RunSummary, tail_bytes: int | None = None) -> tu
             _LIVE.pop(next(iter(_LIVE))).reader.close()
     else:
         fold.reader.close()
-    return fold.state, fold.session
+    return fold.ends.view(fold.state), fold.session, fold.ends.note()
 
 
 def forget(folder: Path) -> None:

@@ -30,9 +30,15 @@ def main() -> None:
         common.shutdown(r)
         from shardconsole.runlog.protocol import Finished
         if r.rank == 0:
-            r.emit(Finished(run=r.run_id, rank=0, steps=r.step, elapsed_s=time.time() - t0,
+            done = Finished(run=r.run_id, rank=0, steps=r.step, elapsed_s=time.time() - t0,
                             tokens=r.step * r.cfg.tokens_per_step if r.progress.tokens is None
-                            else r.progress.tokens))
+                            else r.progress.tokens)
+            r.emit(done)
+            if r.writer.path is not None:
+                # also in the rank's log: a metrics.jsonl deleted later still leaves the end said
+                # (session/stream_gone.py); with the stream off, emit printed it there already
+                from shardconsole.runlog.protocol import encode
+                print(encode(done), flush=True)
     except BaseException as exc:   # noqa: BLE001 - every failure is reported, then the rank ends
         if isinstance(exc, SystemExit) and not exc.code:
             code = 0

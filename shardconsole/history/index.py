@@ -368,9 +368,9 @@ def _status(folder: RunFolder, s: RunSummary, state: RunState, session: str) -> 
                  else "elsewhere")
         s.status, s.detail = UNKNOWN, f"started {where}; its stream has no end (still running there, or killed)"
         return
-    cause, message = explain_exit(state, None, folder.path)
-    s.status = STOPPED if cause == "stopped" else FAILED
-    s.cause = "" if cause == "stopped" else cause
+    cause, message = explain_exit(state, None, folder.path)     # "ok": its stream deleted, its logs say so
+    s.status = FINISHED if cause == "ok" else STOPPED if cause == "stopped" else FAILED
+    s.cause = "" if cause in ("ok", "stopped") else cause
     s.detail = message.splitlines()[0]
 
 

@@ -28,7 +28,7 @@ PHASES = ("starting", "loading model", "building ops", "reference pass", "traini
 
 # Failure classes, also used for exit codes (see session/outcome.EXIT_CODES).
 FAILURE_CAUSES = ("gpu_oom", "host_oom", "nccl_timeout", "hang", "nan_loss", "loss_scale_floor",
-                  "config_error", "crash", "stopped", "disk_full", "run_folder_gone")
+                  "config_error", "crash", "stopped", "disk_full", "run_folder_gone", "run_folder_moved")
 
 
 class DecodeError(ValueError):

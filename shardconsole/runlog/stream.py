@@ -29,7 +29,10 @@ class MetricsWriter:
     on stderr, which is the rank's log (session.rundir.stream_stopped_note reads it back), because the
     stream itself cannot carry the news."""
 
-    def __init__(self, path: str | Path | None, run: str = "", rank: int = -1) -> None:
+    def __init__(self, path: str | Path | None, run: str = "", rank: int = -1, *, make_folder: bool = True) -> None:
+        """make_folder: create the file's folder when missing (a rank's at its start). A front end's writer
+        never does: a run folder renamed or deleted under it would come back as a half folder at the old
+        path, which the next look calls a run."""
         self.path = Path(path) if path else None
         self.run, self.rank = run, rank
         self.dropped = 0
@@ -38,7 +41,8 @@ class MetricsWriter:
         self._torn = False            # a short write left half a line: the next line ends it first
         self._fd: int | None = None
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if make_folder:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
             # 0o666 and the umask decide, like every file of the run folder: a follower reads them all
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
 
@@ -63,6 +67,42 @@ class MetricsWriter:
                 self._tell(f"shardconsole: metrics stream: rank {self.rank} could not write a line to {self.path} "
                            f"after step {self.last_step}: {self.last_error}; later lines are dropped and counted")
 
+    def folder_now(self) -> Path | None:
+        """The folder this writer's file is in now, as the kernel names it (/proc/self/fd): another than
+        `path`'s once the run folder was renamed or moved; None when the file was deleted or the kernel
+        cannot say."""
+        if self._fd is None:
+            return None
+        try:
+            if os.fstat(self._fd).st_nlink == 0:
+                return None
+            return Path(os.readlink(f"/proc/self/fd/{self._fd}")).parent
+        except OSError:
+            return None
+
+    def reopen_if_renamed(self) -> bool:
+        """When `path` no longer leads to this writer's file (the file deleted or replaced, its folder where
+        it was), open `path` again, a new file if need be, so that later lines land where every reader
+        looks (a deleted metrics.jsonl used to stay deleted: a later attach found no stream and called a
+        finished run crashed). Never creates the folder. True when it reopened. The caller has made sure
+        the folder itself was not moved (folder_now): the old path may hold something else by now."""
+        if self._fd is None or self.path is None:
+            return False
+        try:
+            mine = os.fstat(self._fd)
+            try:
+                now = os.stat(self.path)
+                if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+                    return False
+            except FileNotFoundError:
+                pass
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        except OSError:
+            return False
+        os.close(self._fd)
+        self._fd, self._torn = fd, False
+        return True
+
     @staticmethod
     def _tell(line: str) -> None:
         try:
@@ -86,16 +126,23 @@ class SampleAppender:
         self.path, self.run = Path(path), run
         self.writable = True
         self._writer: MetricsWriter | None = None
+        self._looked_at = time.monotonic()
 
     def append(self, samples: list[Message]) -> list[Message]:
         """Write `samples` to the stream; returns those not written (a read-only folder)."""
         if self.writable and self._writer is None:
             try:
-                self._writer = MetricsWriter(self.path, self.run, -1)
+                self._writer = MetricsWriter(self.path, self.run, -1, make_folder=False)
             except OSError:
                 self.writable = False
         if self._writer is None:
             return samples
+        if time.monotonic() - self._looked_at >= NAME_EVERY_S:
+            # A metrics.jsonl deleted mid-run is started again (by the ranks, or here first): the samples
+            # follow it there. A renamed run folder is followed through the open file, never recreated.
+            self._looked_at = time.monotonic()
+            if _same_folder(self._writer.folder_now(), self.path.parent):
+                self._writer.reopen_if_renamed()
         for s in samples:
             self._writer.emit(s)
         return []
@@ -103,6 +150,13 @@ class SampleAppender:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+
+
+def _same_folder(a: Path | None, b: Path) -> bool:
+    try:
+        return a is not None and os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 class MetricsReader:
@@ -116,11 +170,22 @@ class MetricsReader:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._main = FileReader(self.path)
+        self._retired: list[FileReader] = []    # metrics.jsonl files deleted since: still read to their end
         self._nodes: dict[Path, FileReader] = {}
         self._looked_at = float("-inf")
+        self.notes: list[str] = []              # said once by the watcher (a new metrics.jsonl started)
 
     def poll(self, max_bytes: int = 8 << 20) -> list[Message]:
+        if self._main.superseded():
+            # The ranks started the name again (MetricsWriter.reopen_if_renamed): the new file is read from
+            # its start, the old one on to its end (a rank may write a last line there before it reopens).
+            self._retired.append(self._main)
+            self._main = FileReader(self.path)
+            self.notes.append(f"a new {self.path} was started: the ranks' lines go on there (those before "
+                              f"it are in this front end only)")
         out = self._main.poll(max_bytes)
+        if self._retired:
+            out = list(heapq.merge(out, *(r.poll(max_bytes) for r in self._retired), key=lambda m: m.t))
         now = time.monotonic()
         if now - self._looked_at >= self.LOOK_EVERY_S:
             self._looked_at = now
@@ -133,7 +198,7 @@ class MetricsReader:
 
     @property
     def _readers(self) -> list[FileReader]:
-        return [self._main, *self._nodes.values()]
+        return [self._main, *self._retired, *self._nodes.values()]
 
     def check_names(self) -> None:
         """Look now whether a file's name went (a run's last tick: a deletion must still be said)."""
@@ -165,7 +230,7 @@ class MetricsReader:
     def positions(self) -> dict[Path, int]:
         """How far each file has been read (a partial last line included): a reader that begins later
         reads the same bytes up to here with read_until, then takes what this one reads next."""
-        return {r.path: r.offset for r in self._readers}
+        return {r.path: r.offset for r in [self._main, *self._nodes.values()]}
 
     @property
     def _pos(self) -> int:
@@ -273,13 +338,52 @@ class FileReader:
         self._named_at = time.monotonic()
         try:
             mine = os.fstat(self._fd)
-            now = os.stat(self.path)
-            if (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino):
-                self.lost = f"{self.path} was replaced by another file; still reading the one the ranks write to"
-        except FileNotFoundError:
-            self.lost = f"{self.path} was deleted; still reading the ranks' open file (a later attach cannot)"
         except OSError:
-            pass
+            return
+        where = self._where_now(mine)
+        if where is not None and not _same_folder(where.parent, self.path.parent):
+            # Renamed with its run folder: followed through the open file, never looked for at the old path
+            # (a front end that recreated it there made a half run folder and called the run deleted).
+            self.lost = (f"the run folder {self.path.parent} was moved to {where.parent} while the run was going; "
+                         f"still reading its stream there")
+            return
+        deleted = (f"{self.path} was deleted; still reading the ranks' open file until they start a new one "
+                   f"(the lines up to then are not in it)")
+        try:
+            now = os.stat(self.path)
+        except FileNotFoundError:
+            self.lost = deleted
+            return
+        except OSError:
+            return
+        if (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino):
+            # deleted and started again by the ranks before this look, or another file put in its place
+            self.lost = deleted if mine.st_nlink == 0 else (
+                f"{self.path} was replaced by another file; still reading the one the ranks wrote to")
+
+    def _where_now(self, mine: os.stat_result) -> Path | None:
+        """The read file's path now (/proc/self/fd), None when it was deleted or the kernel cannot say."""
+        if mine.st_nlink == 0:
+            return None
+        try:
+            return Path(os.readlink(f"/proc/self/fd/{self._fd}"))
+        except OSError:
+            return None
+
+    def superseded(self) -> bool:
+        """Whether a new file at `path` takes over: the one read was deleted (or renamed within its folder)
+        and the name leads to another file, which the ranks append to (MetricsWriter.reopen_if_renamed).
+        Never after the run folder moved away: the old path may hold anything since."""
+        if not self.lost or self._fd is None:
+            return False
+        try:
+            mine, now = os.fstat(self._fd), os.stat(self.path)
+        except OSError:
+            return False
+        if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+            return False
+        where = self._where_now(mine)
+        return where is None or _same_folder(where.parent, self.path.parent)
 
     def _count_bad(self, why: str) -> None:
         self.bad_lines += 1

@@ -22,6 +22,7 @@ from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.runlog.runstate import RunState
 from shardconsole.session.network import who_hosts
 from shardconsole.session.rundir import stream_stopped_cause, stream_stopped_note
+from shardconsole.session import stream_gone
 
 # Exit codes of `shardconsole --headless` and `attach`, by how the run (or the watching) ended.
 # docs/EXIT_CODES.md lists the same.
@@ -37,8 +38,9 @@ EXIT_CODES = {
     "nan_loss": 6,
     "loss_scale_floor": 7,
     "disk_full": 9,      # ENOSPC / EDQUOT where the run writes (its folder, a checkpoint, an export)
-    "run_folder_gone": 10,
-    "node_lost": 11,     # every rank of a node vanished without an end line (killed, rebooted, cut off)   # the run folder deleted while the run went on: the ranks stopped (stream_health)
+    "run_folder_gone": 10,   # the run folder deleted while the run went on: the ranks stopped (stream_health)
+    "node_lost": 11,     # every rank of a node vanished without an end line (killed, rebooted, cut off)
+    "run_folder_moved": 12,   # renamed while the run went on: the ranks stopped, saving at its new path
     "detached": 8,       # the front end went away (closed pipe, closed terminal, Ctrl-C in attach); the run goes on
     "stopped": 130,
 }
@@ -236,6 +238,9 @@ def explain_exit(state: RunState, rc: int | None, run_dir: Path,
     them (None: read from the folder where needed)."""
     folder = RunFolder(run_dir)
     f = state.first_failure()
+    gone = stream_gone.verdict(run_dir) if f is None and state.finished is None else None
+    if gone is not None:
+        return gone      # metrics.jsonl deleted: the folder's other evidence ("ok" when it finished)
     who = stop_requested(state)
     if who and (f is None or f.cause == "stopped"):
         # Asked to stop (the ranks then say "stopped", perhaps after saving): not a failure.
@@ -261,6 +266,10 @@ def explain_exit(state: RunState, rc: int | None, run_dir: Path,
         return "crash", (f"run ended by a signal nobody asked for through shardconsole (`kill`, a scheduler, "
                          f"torchrun ending the ranks after another failed): rank {f.rank}: {f.message}"
                          f"\n  launcher log: {folder.launcher_log}")
+    if f is not None and f.cause == "run_folder_moved":
+        # Stopped by its ranks, saved at the new path: no log under the old one to point at.
+        return f.cause, f"run stopped (run_folder_moved) at step {f.step}: {f.message}" + (
+            f"\n  then: {f.hint}" if f.hint else "")
     if f is not None:
         where = f"rank {f.rank}" + (f" at step {f.step}" if f.step else "")
         msg = f"run failed ({f.cause}) on {where}: {f.exc_type + ': ' if f.exc_type else ''}{f.message}"

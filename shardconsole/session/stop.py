@@ -48,7 +48,7 @@ class Hurry:
 def announce(run_dir, run_id: str, who: str) -> None:
     """Say in the stream who stops the run, before any signal; a read-only folder just goes without."""
     try:
-        w = MetricsWriter(RunFolder(run_dir).metrics, run_id, -1)
+        w = MetricsWriter(RunFolder(run_dir).metrics, run_id, -1, make_folder=False)   # never a half folder
     except OSError:
         return
     w.emit(P.Event(run=run_id, rank=-1, name=STOP_REQUESTED, detail=who))

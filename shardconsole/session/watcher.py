@@ -193,6 +193,8 @@ class Watcher:
         if self.reader.lost and not self._said_lost:
             self._said_lost = True
             tick.notes.append(self.reader.lost)
+        tick.notes += self.reader.notes
+        self.reader.notes.clear()
         if self.recorder is not None:
             self._record(self.recorder, tick)
         tick.ended, tick.exit_code, tick.bad_lines = self.ended, self.exit_code, self.reader.bad_lines

@@ -25,6 +25,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from shardconsole.backends.checkpoint import checksums, save_stream
+from shardconsole.backends.rank import run_folder
 from shardconsole.backends.rank.common import Rank
 from shardconsole.backends.rank.errors import CheckpointError  # noqa: F401  (raised here; re-exported)
 # The completeness test lives beside the run folder's layout (no torch): export and the console use it too.
@@ -186,10 +187,15 @@ def remove_partials(r: Rank) -> None:
 
 
 def prepare_checkpoint(r: Rank, step: int) -> Path:
+    run_folder.follow_move(r)        # renamed since the last step boundary: the save goes to its new path
     tmp = partial_path(r, step)
     if r.rank == 0:
         _claim(r)
         remove_partials(r)
+        if not r.cfg.train.checkpoint_dir:
+            # checkpoints/ of the run folder, never the run folder itself: one deleted or renamed under a
+            # save would come back as a half folder at the old path
+            tmp.parent.mkdir(exist_ok=True)
         # 0700 from its creation (umask can only narrow it): no other local user reads a shard while it
         # is written; train.checkpoint_private = false leaves the umask's mode.
         tmp.mkdir(parents=True, mode=0o700 if r.cfg.train.checkpoint_private else 0o777)

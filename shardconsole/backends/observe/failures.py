@@ -3,6 +3,7 @@ line before the rank exits."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import traceback
@@ -97,6 +98,9 @@ def report_failure(r: Rank | None, exc: BaseException, run_dir: Path, run_id: st
             message = f"GPU out of memory {_oom_context(r)}"
         except Exception:   # the report must go out even if CUDA is in a bad state
             pass
-    writer.emit(P.Failed(run=run_id, rank=rank, cause=cause, message=message,
-                         exc_type=type(exc).__name__, traceback_tail=tb[-1500:],
-                         step=r.step if r else None, hint=hint))
+    failed = P.Failed(run=run_id, rank=rank, cause=cause, message=message, exc_type=type(exc).__name__,
+                      traceback_tail=tb[-1500:], step=r.step if r else None, hint=hint)
+    writer.emit(failed)
+    # also in the rank's log (its traceback is printed above): a metrics.jsonl deleted later still leaves
+    # the cause (session/stream_gone.py)
+    print(P.encode(dataclasses.replace(failed, traceback_tail="")), file=sys.stderr, flush=True)

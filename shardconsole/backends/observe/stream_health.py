@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from shardconsole.backends.rank import run_folder
 from shardconsole.backends.rank.common import Rank
 from shardconsole.backends.rank.errors import StreamFailed
 from shardconsole.runlog.runfolder import RunFolder
@@ -96,9 +97,15 @@ def _say(r: Rank, line: str) -> None:
 def check(r: Rank, stop) -> None:
     """Every rank at every step boundary, before the stop agreement: a problem found asks the run to stop
     (the agreement at the next boundary reaches every rank, which then saves as on a stop signal)."""
+    moved_from = run_folder.follow_move(r)
     if _watch.verdict is not None:
         return
-    found = _problem(r)
+    if moved_from is not None:
+        found: tuple[str, str] | None = (
+            "run_folder_moved", f"the run folder {moved_from} was moved to {r.run_dir} while the run was going")
+    else:
+        run_folder.keep_stream(r)        # a metrics.jsonl deleted alone is started again
+        found = _problem(r)
     if found is None:
         return
     _watch.verdict = found
@@ -120,6 +127,8 @@ def verdict(r: Rank) -> Iterator[None]:
         cause, what = _watch.verdict
         hint = ("free space on that disk (or move the run folder to a larger one), then `shardconsole resume RUN` "
                 "continues from the newest complete checkpoint" if cause == "disk_full" else
+                f"`shardconsole resume {r.run_dir}` continues from the checkpoint saved there"
+                if cause == "run_folder_moved" else
                 "the run folder was deleted while the run was going; checkpoints kept elsewhere "
                 "(train.checkpoint_dir) continue in a new run with train.resume = true")
         message = f"{cause.replace('_', ' ')}: rank {r.rank}: {what}; {e}"

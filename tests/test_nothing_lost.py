@@ -87,15 +87,15 @@ def test_a_resume_whose_every_checkpoint_fails_its_checksum_refuses_and_keeps_th
     data = bytearray(shard.read_bytes())
     data[len(data) // 2:len(data) // 2 + 4096] = b"\xff" * 4096       # same size: only the checksum sees it
     shard.write_bytes(bytes(data))
-    before = _snapshot(RunFolder(run_dir).checkpoints())
+    before, settings = _snapshot(RunFolder(run_dir).checkpoints()), RunFolder(run_dir).preset.read_bytes()
+    lines = len(messages(run_dir))
     res = shardconsole("resume", str(run_dir), "--set", "train.steps=14", timeout=600)
-    assert res.returncode != 0, explain(res, run_dir)
-    failed = [m for m in of_kind(messages(run_dir), "failed")]
-    assert failed and "no loadable checkpoint" in res.stderr + res.stdout, explain(res, run_dir)
-    assert shard.name in res.stderr + res.stdout and "checksum" in res.stderr + res.stdout, explain(res)
-    assert "Traceback" not in res.stderr, res.stderr
+    # Found before the launch (it was the ranks' refusal, after a launch that rewrote the settings).
+    assert res.returncode == 2, explain(res, run_dir)
+    line = one_line(res)
+    assert "no loadable checkpoint" in line and shard.name in line and "checksum" in line, line
     assert _snapshot(RunFolder(run_dir).checkpoints()) == before
-    assert not any("starting from step 0" in m.detail for m in of_kind(messages(run_dir), "event"))
+    assert RunFolder(run_dir).preset.read_bytes() == settings and len(messages(run_dir)) == lines
 
 
 @pytest.mark.parametrize("change, why", [

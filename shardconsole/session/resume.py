@@ -25,7 +25,7 @@ from shardconsole.launch.owner import owning
 from shardconsole.settings import config as C
 from shardconsole.settings import resolve as settings
 from shardconsole.runlog import protocol as P
-from shardconsole.runlog.checkpoint_files import MANIFEST, why_incomplete
+from shardconsole.runlog.checkpoint_files import MANIFEST, listed_bytes, why_corrupt, why_incomplete
 from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.session.resume_data import check_same_data, loaded_checkpoint
 
@@ -131,13 +131,14 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
                             f"(train.save_final = \"model\"): nothing to resume from; `shardconsole export-model "
                             f"{folder.path}` reads it, and a run resumes from train.save_final = \"full\" or "
                             f"train.checkpoint_every saves")
-    _check_same_base(cfg, resolved, _check_some_complete(folder.path, resumable, cfg.parallel.backend))
+    loaded = _check_some_complete(folder.path, resumable, cfg.parallel.backend)     # the one the ranks load
+    _check_same_base(cfg, resolved, loaded)
     newest = resumable[0][0]
     if cfg.train.steps <= newest:
         raise C.ConfigError(f"{folder.path}: its newest checkpoint is step {newest} and train.steps is "
                             f"{cfg.train.steps}: nothing left to train; add --set train.steps=N with N > {newest}")
     _check_export_dir(cfg, resolved.origin("train", "export_dir"))
-    check_same_data(saved, resolved, loaded_checkpoint(resumable, cfg.parallel.backend))
+    check_same_data(saved, resolved, loaded)
     cfg.train.resume = True
     from shardconsole.session import checkpoint_owner, rundir
     rundir.check_resume_writable(cfg, folder.path, str(folder.preset))
@@ -151,18 +152,34 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
     return cfg
 
 
+# Checksums read before the launch, newest checkpoint first, up to this many bytes: a damaged one is then
+# refused in one line with nothing written (the ranks found it only after the launch). Read once more here,
+# the files come from the page cache for the ranks' own check and load; past it (a checkpoint of tens of
+# GB) the ranks, each reading a share, are the check, and refuse the same way.
+PRELAUNCH_VERIFY_BYTES = 8 << 30
+
+
 def _check_some_complete(run_dir: Path, found: list[tuple[int, Path]], backend: str) -> Path:
     """The step folder the ranks will load first; refuse, before the launch, a resume none of whose
-    checkpoints passes the cheap test (every file at its listed size, the manifest as saved): the ranks
-    would start again from step 0 and prune the damaged ones. The files' checksums are read by the
-    ranks, which refuse the same way."""
-    whys = [(p, why_incomplete(p, backend)) for _, p in found]
-    good = next((p for p, why in whys if why is None), None)
-    if good is None:
-        raise C.ConfigError(f"{run_dir}: no loadable checkpoint to resume from ("
-                            + "; ".join(f"{p.name}: {why}" for p, why in whys)
-                            + "); nothing was changed: restore a good copy, or start a new run")
-    return good
+    checkpoints passes the test (every file at its listed size, the manifest as saved, and, within
+    PRELAUNCH_VERIFY_BYTES, every file's checksum): the ranks would refuse after the launch, or an older
+    version started again from step 0 and pruned the damaged ones. Nothing is written before this."""
+    whys = []
+    budget = PRELAUNCH_VERIFY_BYTES
+    for _, p in found:
+        why = why_incomplete(p, backend)
+        if why is None:
+            size = listed_bytes(p) or 0
+            if size > budget:
+                return p          # the ranks verify it
+            budget -= size
+            why = why_corrupt(p)
+        if why is None:
+            return p
+        whys.append((p, why))
+    raise C.ConfigError(f"{run_dir}: no loadable checkpoint to resume from ("
+                        + "; ".join(f"{p.name}: {why}" for p, why in whys)
+                        + "); nothing was changed: restore a good copy, or start a new run")
 
 
 def _check_same_base(cfg: C.RunConfig, resolved, checkpoint: Path) -> None:

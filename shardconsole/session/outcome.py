@@ -270,6 +270,12 @@ def explain_exit(state: RunState, rc: int | None, run_dir: Path,
         # Stopped by its ranks, saved at the new path: no log under the old one to point at.
         return f.cause, f"run stopped (run_folder_moved) at step {f.step}: {f.message}" + (
             f"\n  then: {f.hint}" if f.hint else "")
+    if f is not None and f.cause == "config_error" and state.last_step is None and not any(
+            e.name == "checkpoint_saved" for e in state.events):
+        # A refusal the ranks made while building (their checks of what only they read: a token cache, a
+        # checkpoint, a tokenizer): nothing trained or saved, the message names the cause and the cure.
+        return f.cause, (f"run refused on rank {f.rank} before its first step: "
+                         f"{f.exc_type + ': ' if f.exc_type else ''}{f.message}" + (f"; try: {f.hint}" if f.hint else ""))
     if f is not None:
         where = f"rank {f.rank}" + (f" at step {f.step}" if f.step else "")
         msg = f"run failed ({f.cause}) on {where}: {f.exc_type + ': ' if f.exc_type else ''}{f.message}"

@@ -361,7 +361,12 @@ def _status(folder: RunFolder, s: RunSummary, state: RunState, session: str) -> 
     host = _job_host(folder)
     if (not folder.job.is_file() or (host and host != HOST)) and not state.failed:
         # Started elsewhere (--print-command, --slurm, another node of a shared folder): only its stream
-        # could say it ended.
+        # could say it ended, or its ranks all gone without a word (session/lost.py).
+        from shardconsole.session import lost
+        if lost.gone(state.hellos, set(), folder.path, lost.silent_for(folder.path)):
+            cause, message = lost.message(state.hellos, s.step, folder.path, s.settings)
+            s.status, s.cause, s.detail = FAILED, cause, message.splitlines()[0]
+            return
         from shardconsole.launch.job import node_agents
         agents = node_agents(folder.path)       # a run of several nodes: every node's agent, not the last
         where = (f"by the node agents {agents}" if agents else f"on host {host}" if host and host != HOST

@@ -149,11 +149,11 @@ def slurm_script(cfg: C.RunConfig, run_dir: str | Path, run_id: str, python: str
               "# USR1 (--signal above; or `scancel --batch --signal=USR1 JOB`): every node's ranks save and stop",
               f"stop_request() {{ {_sh_join(session)} stop \"$run_dir\" \"$session\" \"$1\"; }}",
               'trap \'stop_request "Slurm (USR1 to job $SLURM_JOB_ID)"\' USR1',
-              "# a plain scancel (or the time limit) SIGTERMs every process and SIGKILLs them KillWait later:",
-              "# the ranks save what fits in it (backends/engine/trainstate.py), and the stream says who stopped them",
+              "# a plain scancel, the time limit, a requeue or a failed node: Slurm SIGTERMs every process and",
+              "# SIGKILLs them KillWait later; the ranks save what fits in it (backends/engine/trainstate.py), and the",
+              "# stream says which it was where Slurm tells (session/cluster.py asks scontrol)",
               f"export {KILL_WAIT_ENV}=\"$(scontrol show config 2>/dev/null | sed -n 's/^KillWait *= *\\([0-9]*\\).*/\\1/p')\"",
-              f'trap \'stop_request "Slurm (SIGTERM to job $SLURM_JOB_ID: scancel or the time limit; KillWait '
-              f'${{{KILL_WAIT_ENV}:-?}}s)"\' TERM',
+              f'trap \'stop_request "Slurm (SIGTERM to job $SLURM_JOB_ID; KillWait ${{{KILL_WAIT_ENV}:-?}}s)"\' TERM',
               "# one torchrun agent per node; the first node hosts the rendezvous",
               f"srun --kill-on-bad-exit=1 --cpus-per-task=\"$SLURM_CPUS_ON_NODE\" {_sh_join(torchrun)} "
               f"--nnodes=\"$SLURM_NNODES\" --rdzv-endpoint=\"$head_node:{port}\" --rdzv-id=\"$SLURM_JOB_ID\" "

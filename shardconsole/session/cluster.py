@@ -27,7 +27,7 @@ from shardconsole.launch.job import node_agents
 from shardconsole.runlog import protocol as P
 from shardconsole.runlog.runfolder import RunFolder, write_stop_request
 from shardconsole.runlog.stream import MetricsReader, MetricsWriter
-from shardconsole.session import network
+from shardconsole.session import lost, network
 from shardconsole.session.outcome import stop_save_timeout
 from shardconsole.settings import config as C
 
@@ -85,6 +85,7 @@ class _Session:
     def _reset(self) -> None:
         self.run = ""
         self.hosts: dict[int, str] = {}
+        self.hellos: dict[int, P.Hello] = {}
         self.world = 0
         self.ends: dict[int, P.Failed | P.Finished] = {}
         self.last_step = 0
@@ -95,6 +96,7 @@ class _Session:
                 self._reset()
                 self.run = msg.run
             self.hosts[msg.rank], self.world = msg.host, msg.world
+            self.hellos[msg.rank] = msg
         elif msg.run != self.run:
             return
         elif isinstance(msg, P.Step):
@@ -128,6 +130,15 @@ def _node_lines(s: _Session) -> list[str]:
     return lines
 
 
+def _all_gone(s: _Session, folder: RunFolder, quiet_s: float, err: TextIO, lead: str) -> bool:
+    """Every rank without an end line gone (session/lost.py): said, as the run's end, in one paragraph."""
+    if not s.hellos or not lost.gone(s.hellos, set(s.ends), folder.path, quiet_s):
+        return False
+    gone = {r: h for r, h in s.hellos.items() if r not in s.ends}
+    print(f"{lead}: {lost.message(gone, s.last_step, folder.path)[1]}", file=err, flush=True)
+    return True
+
+
 def _how(end: P.Failed | P.Finished) -> str:
     if isinstance(end, P.Finished):
         return f"finished, {end.steps} steps"
@@ -156,6 +167,8 @@ def stop_through_folder(run_dir: Path, err: TextIO, *, who: str = "", answer_s: 
         if s.ended:
             print(f"nothing to stop: the run has already ended (session {s.run})", file=err)
             return 0
+        if _all_gone(s, folder, lost.silent_for(folder.path), err, "nothing to stop"):
+            return 0
         budget_s = stop_save_timeout(folder.path)
         wait_s = answer_s if answer_s is not None else budget_s + ANSWER_MARGIN_S
         nodes = s.by_node()
@@ -163,10 +176,14 @@ def stop_through_folder(run_dir: Path, err: TextIO, *, who: str = "", answer_s: 
               f"({len(nodes)} node(s): {', '.join(nodes)}{'; agents ' + agents if agents else ''}); waiting up to {wait_s:.0f}s for the ranks to save "
               f"and end", file=err, flush=True)
         request_stop(folder.path, s.run, who or "`shardconsole stop`")
-        deadline = time.monotonic() + wait_s
+        deadline = heard = time.monotonic()
+        deadline += wait_s
         while not s.ended and time.monotonic() < deadline:
             for msg in reader.poll():
                 s.apply(msg)
+                heard = time.monotonic()
+            if _all_gone(s, folder, time.monotonic() - heard, err, "stop ended"):
+                return 0        # no rank left to save: waiting out the save budget would wait for nobody
             time.sleep(0.2)       # the ranks look once a second; nothing to wake us sooner
         print(("stopped:" if s.ended else f"stop incomplete after {wait_s:.0f}s:"), file=err)
         print("\n".join(_node_lines(s)), file=err, flush=True)
@@ -206,6 +223,56 @@ def saved_stop(run_dir: Path, session: str) -> bool:
                                      for e in s.ends.values())
 
 
+# What Slurm's SIGTERM was for, as `scontrol show job` says it (JobState, then Reason): the signal itself
+# is the same for a scancel, the time limit, a requeue and a failed node, and the stream said 'scancel or
+# the time limit' of all of them.
+_SLURM_WHY = (("NODE_FAIL", "a failed node"), ("NodeFail", "a failed node"), ("NodeDown", "a failed node"),
+              ("TIMEOUT", "its time limit"), ("TimeLimit", "its time limit"), ("PREEMPTED", "preemption"),
+              ("REQUEUE", "a requeue"), ("CANCELLED", "scancel"))
+SIGTERM_MARK = "SIGTERM to job "
+
+
+def slurm_why(job_id: str) -> str:
+    """Why Slurm ends the job, where `scontrol show job` tells; "" where it does not."""
+    import subprocess
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                             timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    fields = dict(w.split("=", 1) for w in out.split() if "=" in w)
+    said = f"{fields.get('JobState', '')} {fields.get('Reason', '')}"
+    return next((words for key, words in _SLURM_WHY if key in said), "")
+
+
+def sigterm_words(who: str, job_id: str) -> str:
+    """The batch shell's 'Slurm (SIGTERM to job N; KillWait Ns)' with what the SIGTERM was for, or that
+    Slurm did not say (a scancel, the time limit, a requeue or a failed node all send it)."""
+    if SIGTERM_MARK not in who or ";" not in who:
+        return who
+    why = slurm_why(job_id) or "Slurm did not say why: a scancel, the time limit, a requeue or a failed node"
+    head, tail = who.split(";", 1)
+    return f"{head}: {why};{tail}"
+
+
+def saved_line(run_dir: Path, session: str) -> str:
+    """Our last line in the job's output after a stop that saved: torchrun's own report above it ends in
+    'FAILED' and a traceback (its ranks left with a non-zero code on the stop), which is not how it ended."""
+    s = _Session()
+    reader = MetricsReader(RunFolder(Path(run_dir)).metrics)
+    try:
+        while msgs := reader.poll():
+            for msg in msgs:
+                if msg.run == session:
+                    s.apply(msg)
+    finally:
+        reader.close()
+    step = max((e.step or 0 for e in s.ends.values() if isinstance(e, P.Failed)), default=0)
+    return (f"shardconsole: run {run_dir} stopped as asked at step {step}, every rank saved; torchrun's "
+            f"'FAILED' report above is its ranks leaving on the stop, not a failure: the job ends COMPLETED. "
+            f"Continue with `sbatch` of the same script, or `shardconsole resume {run_dir} --slurm`")
+
+
 def main(argv: list[str]) -> int:
     if len(argv) in (3, 4) and argv[0] == "start":
         try:
@@ -215,10 +282,14 @@ def main(argv: list[str]) -> int:
             return 2
         return 0
     if len(argv) == 4 and argv[0] == "stop":
-        request_stop(Path(argv[1]), argv[2], argv[3])
+        import os
+        request_stop(Path(argv[1]), argv[2], sigterm_words(argv[3], os.environ.get("SLURM_JOB_ID", "")))
         return 0
     if len(argv) == 3 and argv[0] == "saved":
-        return 0 if saved_stop(Path(argv[1]), argv[2]) else 1
+        if not saved_stop(Path(argv[1]), argv[2]):
+            return 1
+        print(saved_line(Path(argv[1]), argv[2]), flush=True)
+        return 0
     print("usage: python -m shardconsole.session.cluster start RUN_DIR JOB_ID | stop RUN_DIR SESSION WHO | "
           "saved RUN_DIR SESSION", file=sys.stderr)
     return 2

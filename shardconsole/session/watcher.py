@@ -27,6 +27,7 @@ from shardconsole.runlog.runfolder import RunFolder, metrics_file_of_host
 from shardconsole.runlog.runstate import RunState
 from shardconsole.session.logtail import LogTail
 from shardconsole.session.network import RendezvousWatch
+from shardconsole.session import lost
 from shardconsole.session.outcome import DETACHED
 from shardconsole.session.rundir import stream_stopped_note
 from shardconsole.runlog.stream import MetricsReader, SampleAppender
@@ -233,10 +234,13 @@ class Watcher:
 
     def _check_end(self, tick: Tick) -> None:
         if self.external:
-            # Started elsewhere: only its stream can say it ended.
+            # Started elsewhere: its stream says it ended, or every rank is gone without a word (this
+            # host's by pid, the others' by silence: session/lost.py) where it waited for the hang limit.
             if self.state.finished is not None or self.state.failed:
                 self.ended = True
                 self.exit_code = 0 if self.state.finished is not None and not self.state.failed else 1
+            elif self.state.hellos and lost.gone(self.state.hellos, set(), self.folder.path, self.stalled_for()):
+                self.ended, self.exit_code = True, 1
             return
         if self.exit_code is None:
             self._check_stopped_launcher(tick)

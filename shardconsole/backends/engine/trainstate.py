@@ -252,8 +252,8 @@ def _launcher_grace_s(r) -> float:
     return r.knobs.launcher_grace_s if r.cfg.parallel.launcher == "torchrun" else 30.0
 
 
-# Slurm's KillWait, which the batch script exports: a plain scancel SIGTERMs every process and SIGKILLs
-# them this long after, whatever torchrun's shutdown timeout says.
+# Slurm's KillWait, which the batch script exports: Slurm's SIGTERM (scancel, the time limit, a requeue, a
+# failed node) reaches every process, and its SIGKILL this long after, whatever torchrun's shutdown timeout says.
 SAVE_MARGIN = 1.25          # a save's time varies from one to the next (the page cache, a shared disk)
 MODEL_SHARE = 1 / 3         # FSDP2's weights alone against weights + AdamW's two moments (one dtype)
 _WHAT = ("checkpoint", "model", "")
@@ -264,7 +264,7 @@ def _time_left(r, stop: StopRequest) -> tuple[float, str]:
     grace, source = _launcher_grace_s(r), "the launcher's shutdown timeout"
     kill_wait = float("nan") if r.knobs.kill_wait_s is None else r.knobs.kill_wait_s
     if stop.by_signal and kill_wait < grace:          # nan compares False: not under Slurm
-        grace, source = kill_wait, f"Slurm's KillWait ({kill_wait:.0f}s: a plain scancel)"
+        grace, source = kill_wait, f"Slurm's KillWait ({kill_wait:.0f}s after its SIGTERM)"
     elapsed = time.monotonic() - stop.first_at if stop.first_at is not None else 0.0
     return grace - elapsed - 2.0, source
 

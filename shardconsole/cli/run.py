@@ -151,6 +151,7 @@ def _prepare_run_dir(cfg: C.RunConfig, run_dir: Path, explicit: bool = True) -> 
     session/run.RunSession.start."""
     from shardconsole.session import checkpoint_owner, rundir
     checkpoint_owner.check(cfg, run_dir, "settings", new_run=True)
+    checkpoint_owner.check_run_dir(run_dir, f"--run-dir {run_dir}" if explicit else str(run_dir))
     run_dir = rundir.create_run_dir(cfg, run_dir, explicit=explicit)
     checkpoint_owner.claim(cfg, run_dir)
     return run_dir

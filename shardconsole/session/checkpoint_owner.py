@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardconsole.runlog.checkpoint_files import other_run_folder, read_owner, shared_folder, write_owner
-from shardconsole.runlog.runfolder import RunFolder
+from shardconsole.runlog.runfolder import PRESET_FILE, RunFolder
 from shardconsole.settings import config as C
 
 
@@ -81,11 +81,36 @@ def _has_steps(ckpt: Path) -> bool:
         return False
 
 
-def check(cfg: C.RunConfig, run_dir: Path, source: str, *, new_run: bool) -> None:
-    """why_refused as the ConfigError of train.checkpoint_dir (exit 2, before anything is launched)."""
+def check(cfg: C.RunConfig, run_dir: Path, source: str, *, new_run: bool, export_source: str = "settings") -> None:
+    """why_refused as the ConfigError of train.checkpoint_dir (exit 2, before anything is launched); and
+    a train.export_dir inside another run's folder (export_source: where that value came from)."""
     why = why_refused(cfg, run_dir, new_run=new_run)
     if why is not None:
         raise C.ConfigError(why, source=source, table="train", key="checkpoint_dir")
+    export = Path(cfg.train.export_dir).expanduser() if cfg.train.export_dir else None
+    inside = other_run_folder(export, run_dir) if export is not None else None
+    if inside is not None:
+        # the same one test as a checkpoint folder's: that run's resume, prune and export-model treat
+        # what is in its folder as its own
+        raise C.ConfigError(f"{export}: inside run folder {inside}, whose files are its own; pick a "
+                            f"train.export_dir outside every other run's folder", source=export_source,
+                            table="train", key="export_dir")
+
+
+def check_run_dir(run_dir: Path, where: str) -> None:
+    """A new run folder inside another run's folder (its checkpoints/, its logs/, through a symlink or a
+    relative path) is refused: that run's resume, prune and `runs` would meet this run's files, and
+    deleting that run deletes this one. where: how the folder was named ("--run-dir X")."""
+    try:
+        above = run_dir.resolve().parents
+    except (OSError, RuntimeError):
+        return
+    for folder in above:
+        try:
+            if (folder / PRESET_FILE).is_file():
+                raise C.ConfigError(f"{where}: inside run folder {folder}; pick a folder outside every run folder")
+        except OSError:
+            continue
 
 
 def claim(cfg: C.RunConfig, run_dir: Path) -> None:

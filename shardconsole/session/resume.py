@@ -142,7 +142,8 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
     cfg.train.resume = True
     from shardconsole.session import checkpoint_owner, rundir
     rundir.check_resume_writable(cfg, folder.path, str(folder.preset))
-    checkpoint_owner.check(cfg, folder.path, str(folder.preset), new_run=False)
+    checkpoint_owner.check(cfg, folder.path, str(folder.preset), new_run=False,
+                           export_source=resolved.origin("train", "export_dir"))
     if check is not None:
         check(cfg, str(folder.preset))
     checkpoint_owner.claim(cfg, folder.path)

@@ -80,7 +80,9 @@ class RunSession:
         cfg = resolved.cfg
         rundir.check_port_free(cfg, resolved.origin)
         rundir.check_writable(cfg, run_dir, resolved.origin)
-        checkpoint_owner.check(cfg, run_dir, resolved.origin("train", "checkpoint_dir"), new_run=True)
+        checkpoint_owner.check(cfg, run_dir, resolved.origin("train", "checkpoint_dir"), new_run=True,
+                               export_source=resolved.origin("train", "export_dir"))
+        checkpoint_owner.check_run_dir(run_dir, f"--run-dir {run_dir}" if explicit else str(run_dir))
         run_dir = rundir.create_run_dir(cfg, run_dir, explicit=explicit)
         checkpoint_owner.claim(cfg, run_dir)       # a train.checkpoint_dir outside it names this run now
         RunFolder(run_dir).write_origin(resolved.preset)      # the preset's name for `runs` and `compare`

@@ -315,8 +315,11 @@ def _follow(session: RunSession, printer: Printer, err: TextIO, grace_s: float) 
     cause, message = session.outcome()
     if cause == "config_error" and session.settings is not None and session.settings.train.resume:
         # refused by the ranks before a step: one line, and the folder keeps its earlier end (history/refused.py)
-        from shardconsole.history.refused import refusal_line
-        message = refusal_line(session.run_dir) or message
+        from shardconsole.history.refused import put_back_settings, refusal_line
+        refused = refusal_line(session.run_dir)
+        if refused:
+            put_back_settings(session.run_dir)
+            message = refused
     s = session.state.last_step
     if cause == "ok" and s is not None:
         message = message.replace("; run folder", f", {fmt_rate(s.tokens_per_s)} tok/s; run folder", 1)

@@ -36,12 +36,15 @@ def test_a_resume_refused_by_the_ranks_keeps_the_finished_run_and_says_one_line(
     damaged["splits"].pop("train")
     meta.write_text(json.dumps(damaged))
 
+    preset = (run / "preset.toml").read_text()
     res = shardconsole("resume", str(run), "--set", "train.steps=4", env=env)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("resume refused on rank ") and "before its first step: DataError: " in last, last
-    assert last.endswith(f"remove the folder to rebuild it; {run} keeps its end: finished at step 2"), last
+    assert "remove the folder to rebuild it" in last, last
+    assert last.endswith(f"; {run} keeps its end and its settings: finished at step 2"), last
     assert "  log: " not in res.stderr          # the failure paragraph's lines
+    assert (run / "preset.toml").read_text() == preset      # the resume's train.steps=4 put back
     said = _status(run, env)
     assert said["status"] == "finished" and said["cause"] == "", said
     assert said["detail"].startswith("finished: 2 steps; a resume was refused before its first step: DataError"), said

@@ -87,5 +87,16 @@ def refusal_line(run_dir) -> str:
     if f is None or ends.ended is None:
         return ""
     return (f"resume refused on rank {f.rank} before its first step: {f.exc_type + ': ' if f.exc_type else ''}"
-            f"{f.message.splitlines()[0] if f.message else ''}; {run_dir} keeps its end: "
-            f"{_end_words(*ends.ended)}")
+            f"{f.message.splitlines()[0] if f.message else ''}" + (f"; try: {f.hint}" if f.hint else "")
+            + f"; {run_dir} keeps its end and its settings: {_end_words(*ends.ended)}")
+
+
+def put_back_settings(run_dir) -> None:
+    """The settings the refused resume wrote go back to the run's own (the resume kept them as
+    preset.toml.prev): the folder is as it was, as a resume refused before its launch leaves it."""
+    import os
+    from shardconsole.runlog.runfolder import RunFolder
+    preset = RunFolder(run_dir).preset
+    prev = preset.with_name(preset.name + ".prev")
+    if prev.is_file():
+        os.replace(prev, preset)

@@ -100,6 +100,22 @@ def folder_bytes(path: Path) -> int:
 _REAL_OVER_ESTIMATE: dict[str, float] = {}
 
 
+def _last_save_bytes(path: Path, what: str) -> int:
+    """The bytes of the newest complete step folder of this kind ("checkpoint", "model") beside path
+    (its manifest says the kind); 0 when there is none (a run's first save, an export's folder)."""
+    import json
+    from shardconsole.runlog.checkpoint_files import MANIFEST
+    newest: tuple[str, Path] | None = None
+    for p in path.parent.glob("step_*"):
+        try:
+            kind = json.loads((p / MANIFEST).read_text()).get("what", "checkpoint")
+        except (OSError, ValueError, AttributeError):
+            continue        # a .partial folder, a save of before manifests
+        if kind == what and (newest is None or p.name > newest[0]):
+            newest = (p.name, p)
+    return folder_bytes(newest[1]) if newest else 0
+
+
 class SaveWatch:
     """Rank 0: a SaveProgress line about once a second while a save runs (the bytes in its folder, of
     all ranks), and one with done=True at its end; the hang watch counts them as progress. The total is
@@ -109,7 +125,9 @@ class SaveWatch:
     def __init__(self, r, step: int, what: str, path: Path, total_bytes: int) -> None:
         self.estimate = int(total_bytes)
         self.r, self.step, self.what, self.path = r, step, what, path
-        self.total = round(self.estimate * _REAL_OVER_ESTIMATE.get(what, 1.0))
+        before = _REAL_OVER_ESTIMATE.get(what)
+        # a session's first save: the newest complete save of this kind beside it holds the same tensors
+        self.total = round(self.estimate * before) if before else (_last_save_bytes(path, what) or self.estimate)
         self.t0 = time.monotonic()
         self.done = threading.Event()
         self.thread: threading.Thread | None = None

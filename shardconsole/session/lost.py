@@ -25,9 +25,22 @@ HOST = PI.this_host()
 
 
 def _alive(hello: P.Hello, run_dir: Path) -> bool:
+    """The rank's process runs (its pid with its command line); one this user may not read (another
+    user's run, hidepid) is not known gone, so it counts as alive."""
+    import psutil
     try:
-        return hello.pid > 0 and PI.is_rank_of(hello.pid, hello.host or None, run_dir, hello.run)
-    except Exception:       # a pid psutil refuses
+        if hello.pid <= 0:
+            return False
+        if PI.is_rank_of(hello.pid, hello.host or None, run_dir, hello.run):
+            return True
+        proc = psutil.Process(hello.pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        proc.cmdline()          # readable, and not the rank's: the pid was reused
+        return False
+    except psutil.AccessDenied:
+        return True
+    except Exception:           # gone (NoSuchProcess), a pid psutil refuses
         return False
 
 

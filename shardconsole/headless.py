@@ -339,8 +339,11 @@ def _hung(session: RunSession, hang: Hang, printer: Printer, err: TextIO, grace_
     printer.clear_bar()
     logs = session.folder.logs
     if not hang.stoppable:
+        # none of its ranks runs here to look at (session/lost.py judges those that do): silent ranks
+        # elsewhere are hung, or their nodes were lost together; only the scheduler knows which
         _say(err, f"run hung: no step for {hang.stalled_s:.0f}s; it was not started here, so it is not "
-                  f"stopped here (rank logs: {logs})")
+                  f"stopped here (rank logs: {logs}); no rank of it runs on this host to check: if its "
+                  f"nodes were lost at once, the Slurm job's state says so (sacct -j JOB)")
         return EXIT_CODES["hang"]
     _say(err, f"run hung: {hang.message}\n  stopping it; rank logs: {logs}")
     _stop(session, min(grace_s, HANG_GRACE_S), "hang: " + hang.message.split(";")[0], printer, err)

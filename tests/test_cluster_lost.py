@@ -129,3 +129,45 @@ def test_the_script_still_runs_its_helpers(tmp_path):
     res = subprocess.run([sys.executable, "-m", "shardconsole.session.cluster", "saved", str(tmp_path), "x"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 1 and res.stdout == ""
+
+
+def _written_elsewhere(tmp_path, hosts: list[str], hang_s: int):
+    """A Slurm run folder whose stream says two ranks on `hosts` trained two steps and then fell silent;
+    a host named "" is this one, its rank a process that has exited."""
+    from shardconsole.launch.process_identity import this_host
+    from shardconsole.runlog.stream import MetricsWriter
+    run_dir = tmp_path / "run"
+    res = shardconsole("--preset", "tiny-cpu", "--slurm", "--run-dir", str(run_dir), "--set", "parallel.nnodes=2",
+                       "--set", "parallel.nproc_per_node=1", "--set", f"train.hang_timeout_s={hang_s}",
+                       env={"GLOO_SOCKET_IFNAME": "lo"}, timeout=60)
+    assert res.returncode == 0, res.stderr
+    gone_pid = subprocess.Popen(["true"])
+    gone_pid.wait()
+    run, now = run_dir.name, time.time()
+    for rank, host in enumerate(hosts):
+        w = MetricsWriter(run_dir / ("metrics.jsonl" if rank == 0 else f"metrics.node{rank}.jsonl"), run, rank)
+        w.emit(P.Hello(run=run, rank=rank, world=2, host=host or this_host(), pid=gone_pid.pid if not host else 4242,
+                       t=now - 5))
+        w.emit(P.Event(run=run, rank=rank, name="phase", detail="training", t=now - 4))
+        for step in (1, 2):
+            w.emit(P.Step(run=run, rank=rank, step=step, steps=100, step_s=0.1, t=now - 4 + step))
+        w.close()
+    return run_dir
+
+
+def test_a_node_here_gone_and_one_elsewhere_silent_are_nodes_lost_together(tmp_path):
+    """The real cluster's case (hosts differ): this host's rank is gone by its pid, the other host's has
+    written nothing for 20 s: named lost, well before the hang limit (60 s here)."""
+    run_dir = _written_elsewhere(tmp_path, ["", "node9"], hang_s=60)
+    t0 = time.monotonic()
+    attach = shardconsole("attach", str(run_dir), "--headless", timeout=120)
+    assert attach.returncode == 11 and time.monotonic() - t0 < 55, attach.stderr[-2000:]
+    assert "every rank gone at once with no end line (rank(s) 0 on " in attach.stderr
+    assert "rank(s) 1 on node9; last step seen 2)" in attach.stderr, attach.stderr[-2000:]
+
+
+def test_silent_ranks_none_of_which_runs_here_are_a_hang_that_names_the_lost_nodes_case(tmp_path):
+    run_dir = _written_elsewhere(tmp_path, ["node8", "node9"], hang_s=3)
+    attach = shardconsole("attach", str(run_dir), "--headless", timeout=120)
+    assert attach.returncode == 5, attach.stderr[-2000:]
+    assert "no rank of it runs on this host to check: if its nodes were lost at once" in attach.stderr

@@ -341,9 +341,11 @@ def _hung(session: RunSession, hang: Hang, printer: Printer, err: TextIO, grace_
     if not hang.stoppable:
         # none of its ranks runs here to look at (session/lost.py judges those that do): silent ranks
         # elsewhere are hung, or their nodes were lost together; only the scheduler knows which
+        from shardconsole.launch.process_identity import this_host
+        here = any(h.host == this_host() for h in session.state.hellos.values())
         _say(err, f"run hung: no step for {hang.stalled_s:.0f}s; it was not started here, so it is not "
-                  f"stopped here (rank logs: {logs}); no rank of it runs on this host to check: if its "
-                  f"nodes were lost at once, the Slurm job's state says so (sacct -j JOB)")
+                  f"stopped here (rank logs: {logs})" + ("" if here else "; no rank of it runs on this host to "
+                  "check: if its nodes were lost at once, the Slurm job's state says so (sacct -j JOB)"))
         return EXIT_CODES["hang"]
     _say(err, f"run hung: {hang.message}\n  stopping it; rank logs: {logs}")
     _stop(session, min(grace_s, HANG_GRACE_S), "hang: " + hang.message.split(";")[0], printer, err)

@@ -100,7 +100,8 @@ def test_fsdp_resume_skips_a_truncated_checkpoint_and_cleans_partials(fsdp_resum
     """The newest checkpoint cut short (a full disk) is skipped with a warning naming it; the previous
     complete one is used (step 5's loss, taken before any update of this session, comes out as before);
     a killed save's .partial is removed; and train.keep_checkpoints=2 leaves the two newest complete
-    checkpoints (step 6 written again by this session, and its final step 7)."""
+    checkpoints (step 6 written again by this session, and its final step 7); the skipped step 6 is kept
+    as step_00000006.replaced."""
     ref, run, _ = fsdp_resumed
     ckpts = RunFolder(run).checkpoints()
     newest = ckpts / "step_00000006"
@@ -116,7 +117,8 @@ def test_fsdp_resume_skips_a_truncated_checkpoint_and_cleans_partials(fsdp_resum
     got = losses(run)
     assert got[5] == pytest.approx(ref[5], abs=1e-5)      # train.steps=7 changes the schedule from step 5 on
     assert 7 in got and not killed.exists()
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000006", "step_00000007"]
+    # the cut-short step 6 it skipped is kept aside (never loaded or pruned), not deleted by the new save
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000006", "step_00000006.replaced", "step_00000007"]
 
 
 @pytest.mark.slow

@@ -43,13 +43,38 @@ def why_incomplete(path: Path, backend: str) -> str | None:
             if f.stat().st_size != size:
                 return f"{name} is truncated ({f.stat().st_size} of {size} bytes)"
         return None
-    # Written before manifests: only the backend's own marker can be checked.
+    # Written before manifests: only the backend's own marker can be checked. Unless an older step of the
+    # same folder has a manifest: saves come in step order, so this one was written with one and lost it
+    # (it was loaded unverified as "saved before shardconsole wrote them").
+    older = _older_with_manifest(path)
+    if older is not None:
+        return f"its {MANIFEST} is missing (the older {older.name} has one: this one was saved with it)"
     if backend == "fsdp":
         meta_file = path / ".metadata"
         return None if meta_file.is_file() and meta_file.stat().st_size > 0 else "no DCP .metadata (empty or cut short)"
     if (path / "latest").is_file():
         return None
     return "no DeepSpeed 'latest' file (empty, cut short, or written by an FSDP run)"
+
+
+def _older_with_manifest(path: Path) -> Path | None:
+    """A step folder beside `path`, of an earlier step, whose manifest is of the checksum era."""
+    name = path.name
+    if not (name.startswith("step_") and name[5:].isdigit()):
+        return None
+    try:
+        siblings = [p for p in path.parent.iterdir() if p.name.startswith("step_") and p.name[5:].isdigit()
+                    and int(p.name[5:]) < int(name[5:])]
+    except OSError:
+        return None
+    for p in sorted(siblings, reverse=True):
+        try:
+            meta = json.loads((p / MANIFEST).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict) and (meta.get("checksums") or MANIFEST_SUM in meta):
+            return p
+    return None
 
 
 MANIFEST_SUM = "manifest_checksum"     # the manifest's own checksum, over every other key

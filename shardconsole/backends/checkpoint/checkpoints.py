@@ -261,13 +261,25 @@ def finish_checkpoint(r: Rank, step: int, meta: dict) -> Path:
             make_private(tmp)
         _fsync_dir(tmp)
         if final.exists():
-            shutil.rmtree(final)
+            _keep_aside(r, final)
         os.replace(tmp, final)
         _fsync_dir(final.parent)
         r.event("checkpoint_saved", str(final))
         prune(r, keep=r.cfg.train.keep_checkpoints)
     dist.barrier()
     return final
+
+
+def _keep_aside(r: Rank, final: Path) -> None:
+    """A step folder this save would replace: one the resume skipped (damaged, the weights alone, another
+    run's), which it then trained up to again. Renamed, never deleted: a damaged save is evidence that may
+    be mended or copied back, and no name but step_<N> is ever loaded or pruned."""
+    aside, n = final.with_name(f"{final.name}.replaced"), 1
+    while aside.exists():
+        aside, n = final.with_name(f"{final.name}.replaced{n + 1}"), n + 1
+    os.replace(final, aside)
+    r.event("warning", f"{final} was saved again by this session; the earlier one, which it did not load, "
+                       f"is kept as {aside.name}")
 
 
 def run_save(r: Rank, step: int, kind: SaveKind, total_bytes: int, write: Callable[[Path], None],

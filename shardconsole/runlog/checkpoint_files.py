@@ -77,6 +77,19 @@ def _older_with_manifest(path: Path) -> Path | None:
     return None
 
 
+# What the checkpoint's tensors were made with: a resume that changes one of them fails after the launch
+# with DCP's "Size mismatch" or an optimizer state of another kind (a crash at the first step). The save
+# records them in its manifest ("shapes"), so a resume compares with the checkpoint itself, not only with
+# preset.toml, which a hand edit may have changed since (session/resume.py).
+SHAPE_KEYS = (("model", "name"), ("parallel", "backend"), ("train", "method"), ("lora", "rank"),
+              ("lora", "target_modules"), ("lora", "modules_to_save"), ("optim", "name"))
+
+
+def shapes_of(cfg) -> dict:
+    """{"table.key": value} of SHAPE_KEYS in a run's settings, as JSON would give them back."""
+    return json.loads(json.dumps({f"{t}.{k}": getattr(getattr(cfg, t), k) for t, k in SHAPE_KEYS}))
+
+
 MANIFEST_SUM = "manifest_checksum"     # the manifest's own checksum, over every other key
 
 

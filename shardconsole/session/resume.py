@@ -25,7 +25,8 @@ from shardconsole.launch.owner import owning
 from shardconsole.settings import config as C
 from shardconsole.settings import resolve as settings
 from shardconsole.runlog import protocol as P
-from shardconsole.runlog.checkpoint_files import MANIFEST, listed_bytes, why_corrupt, why_incomplete
+from shardconsole.runlog.checkpoint_files import (MANIFEST, SHAPE_KEYS, listed_bytes, shapes_of, why_corrupt,
+                                                  why_incomplete, why_manifest_altered)
 from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.session.resume_data import check_same_data, loaded_checkpoint
 
@@ -108,7 +109,6 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
     before = saved.train
     resolved = settings.resolve_doc(doc, folder.path.name, folder.preset, list(overrides))
     cfg = resolved.cfg
-    _check_same_shapes(saved, resolved)
     if "train.schedule_steps" not in resolved.origins:
         # More steps continue the schedule the run had (a constant tail at the lr it ended on), never a
         # cosine re-stretched over the new length, which sent the lr back up at the first resumed step.
@@ -131,6 +131,8 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
                             f"(train.save_final = \"model\"): nothing to resume from; `shardconsole export-model "
                             f"{folder.path}` reads it, and a run resumes from train.save_final = \"full\" or "
                             f"train.checkpoint_every saves")
+    # the checkpoint's own record of its shapes when it has one; else preset.toml's (an older save)
+    _check_same_shapes(saved, resolved, keys=not _check_saved_shapes(resolved, resumable))
     loaded = _check_some_complete(folder.path, resumable, cfg.parallel.backend)     # the one the ranks load
     _check_same_base(cfg, resolved, loaded)
     newest = resumable[0][0]
@@ -198,6 +200,38 @@ def _check_same_base(cfg: C.RunConfig, resolved, checkpoint: Path) -> None:
                                               f"the new weights")
 
 
+def _recorded_shapes(found: list[tuple[int, Path]]) -> tuple[Path, dict] | None:
+    """The newest step folder whose manifest, as saved (its own checksum holds), recorded SHAPE_KEYS."""
+    for _, p in found:
+        try:
+            meta = json.loads((p / MANIFEST).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict) and isinstance(meta.get("shapes"), dict) and why_manifest_altered(meta) is None:
+            return p, meta["shapes"]
+    return None
+
+
+def _check_saved_shapes(resolved, found: list[tuple[int, Path]]) -> bool:
+    """SHAPE_KEYS against what the checkpoints' manifest recorded (a save of this version): preset.toml
+    edited by hand since (optim.name, say) was compared with itself and crashed at the first step.
+    False when no manifest recorded them (saved before: preset.toml is all there is)."""
+    recorded = _recorded_shapes(found)
+    if recorded is None:
+        return False
+    checkpoint, saved = recorded
+    now = shapes_of(resolved.cfg)
+    for table, key in SHAPE_KEYS:
+        name = f"{table}.{key}"
+        if table == "lora" and saved.get("train.method") == "full":
+            continue        # no adapters in a full fine-tune's checkpoint
+        if name in saved and saved[name] != now[name]:
+            raise resolved.error(table, key, f"the checkpoints were saved with {name} = {saved[name]!r} ("
+                                             f"{checkpoint.name}'s manifest); a resume loads their tensors as they "
+                                             f"are: keep {saved[name]!r}, or start a new run with {now[name]!r}")
+    return True
+
+
 def _check_export_dir(cfg: C.RunConfig, source: str) -> None:
     """train.export_dir is written again at the resumed run's end, and the export never overwrites: a
     folder the earlier session filled failed the run then, after its training (refused now instead)."""
@@ -209,17 +243,12 @@ def _check_export_dir(cfg: C.RunConfig, source: str) -> None:
                             source=source, table="train", key="export_dir")
 
 
-# What the checkpoint's tensors were made with: a resume that changes one of them fails after the launch
-# with DCP's "Size mismatch ... move that folder away" (or a missing key), which names no setting.
-SHAPE_KEYS = (("model", "name"), ("parallel", "backend"), ("train", "method"), ("lora", "rank"),
-              ("lora", "target_modules"), ("lora", "modules_to_save"), ("optim", "name"))
-
-
-def _check_same_shapes(saved: C.RunConfig, resolved) -> None:
+def _check_same_shapes(saved: C.RunConfig, resolved, keys: bool = True) -> None:
     """Refuse, before the launch, an override of a setting the checkpoint's tensors depend on, naming it
-    and the value the checkpoint was saved with."""
+    and the value the checkpoint was saved with. keys: SHAPE_KEYS too (not when the checkpoint's manifest
+    recorded them: _check_saved_shapes)."""
     method = saved.train.method
-    for table, key in SHAPE_KEYS:
+    for table, key in SHAPE_KEYS if keys else ():
         if table == "lora" and method == "full":
             continue        # no adapters in a full fine-tune's checkpoint
         old, new = getattr(getattr(saved, table), key), getattr(getattr(resolved.cfg, table), key)

@@ -31,7 +31,7 @@ from shardconsole.backends.rank.errors import CheckpointError  # noqa: F401  (ra
 # The completeness test lives beside the run folder's layout (no torch): export and the console use it too.
 from shardconsole.runlog.checkpoint_files import MANIFEST, why_incomplete  # noqa: F401  (re-exported)
 from shardconsole.runlog import base_weights
-from shardconsole.runlog.checkpoint_files import MANIFEST_SUM, manifest_checksum
+from shardconsole.runlog.checkpoint_files import MANIFEST_SUM, manifest_checksum, shapes_of
 from shardconsole.runlog.checkpoint_files import (checksums as checksums_of, loadable_runs, other_run_folder,
                                                   read_owner, shared_folder,
                                                   make_private, safe_reason, why_corrupt,
@@ -253,7 +253,8 @@ def finish_checkpoint(r: Rank, step: int, meta: dict) -> Path:
         from shardconsole.backends.data import batches as data_mod
         manifest = {**meta, "step": step, "world": r.world, "backend": r.cfg.parallel.backend,
                     "data": data_mod.identity(r), "files": files, "checksums": sums,
-                    "run_dir": str(r.run_dir.resolve()), "base": base_weights.of_run(r.cfg.model.name, r.cfg.adapters)}
+                    "run_dir": str(r.run_dir.resolve()), "base": base_weights.of_run(r.cfg.model.name, r.cfg.adapters),
+                    "shapes": shapes_of(r.cfg)}
         # over the manifest as a reader will parse it (an int key comes back a string, and sorts otherwise)
         manifest[MANIFEST_SUM] = manifest_checksum(json.loads(json.dumps(manifest)))
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))

@@ -58,3 +58,14 @@ def test_an_export_dir_inside_another_run_folder_is_refused_for_a_new_run_and_a_
     assert "--set train.export_dir: " in _one_line(res)
     assert (run_dir / "preset.toml").read_bytes() == settings
     assert not (first / "export").exists() and not (first / "checkpoints").exists()
+
+
+def test_export_model_into_another_run_folder_or_a_step_folder_is_refused(fsdp_tiny_run, tmp_path):
+    """export-model -o: inside another run's folder (through a symlink), or inside one of the run's own
+    step folders (pruned or replaced with the export in it). Both were written."""
+    first = _first(tmp_path)
+    step = next(p for p in (fsdp_tiny_run.run / "checkpoints").iterdir() if p.name.startswith("step_"))
+    for out, said in ((tmp_path / "link" / "checkpoints" / "model", f"inside run folder {first.resolve()}"),
+                      (step / "model", f"inside the checkpoint {step}")):
+        res = shardconsole("export-model", str(fsdp_tiny_run.run), "-o", str(out))
+        assert said in _one_line(res) and not out.exists()

@@ -99,6 +99,25 @@ def _write_failure(e: Exception, out: Path, tmp: Path, need: int) -> ExportError
     return ExportError(f"-o {out}: writing failed: {why}; nothing was left behind")
 
 
+def _refuse_inside_runs(out: Path, run: RunFolder, cfg: C.RunConfig) -> None:
+    """-o inside another run's folder (by any path: runlog/checkpoint_files.other_run_folder), whose resume,
+    pruning and `runs` take its files as its own; or inside one of this run's step folders, which is pruned
+    or replaced with the export in it."""
+    from shardconsole.runlog.checkpoint_files import other_run_folder
+    inside = other_run_folder(out, run.path)
+    if inside is not None:
+        raise ExportError(f"-o {out}: inside run folder {inside}, whose files are its own; pick a folder outside "
+                          f"every other run's folder")
+    ckpts = run.checkpoints(cfg.train.checkpoint_dir)
+    try:
+        where = out.resolve().relative_to(ckpts.resolve()).parts
+    except (ValueError, OSError, RuntimeError):
+        where = ()
+    if where and where[0].startswith("step_"):
+        raise ExportError(f"-o {out}: inside the checkpoint {ckpts / where[0]}, which is pruned or replaced with "
+                          f"what is in it; pick a folder outside it")
+
+
 def cmd_export_model(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     from shardconsole.history.index import find_run
@@ -117,6 +136,7 @@ def cmd_export_model(argv: list[str]) -> int:
     except ValueError as e:
         raise ExportError(f"--max-shard-size {args.max_shard_size}: {e}") from None
     cfg = C.load(run.preset)
+    _refuse_inside_runs(out, run, cfg)
     try:
         spec = resolve(cfg.model.name)
     except ModelError as e:

@@ -339,7 +339,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     if fitting:
         say("\npresets that fit this machine (each as saved, planned here)")
         for name, model, e in fitting:
-            say(f"  {name:<20} {model:<18} GPU {C.format_size(e.gpu_peak_bytes):>10}  host {C.format_size(e.host_peak_bytes):>10}")
+            say(f"  {name:<20} {model:<18} GPU peak {C.format_size(e.gpu_peak_bytes):>9}, "
+                f"host peak {C.format_size(e.host_peak_bytes):>9}")
     if cands is not None:
         say(f"\nsettings that fit {cfg.model.name} (seq_len {cfg.data.seq_len}, {cfg.precision.dtype}), fastest first")
         unit = cands[0].speed_unit if cands else "relative"

@@ -44,7 +44,7 @@ works; to monkeypatch a name that the planner itself looks up, patch the module 
                         copy under FSDP2, every rank's under ZeRO-0/1/2 and QLoRA), folder_weights
   saves.py              Saves, saves: a checkpoint's, a model save's and the export's bytes, the disk
                         total with keep_checkpoints, what a save adds to host RAM
-  fit.py                STRATEGIES, EXTRA_STRATEGIES, speed_score, fit_table (FitRow),
+  fit.py                STRATEGIES, EXTRA_STRATEGIES, FIT_EXTRA_ROWS, speed_score, fit_table (FitRow),
                         settings_that_fit (Candidate), _strategy_cfg, _spec_of, _toml
   speed/model.py        how fast: a step's parts (GPU FLOPs, PCIe, the host step) from measured and
                         published rates, the critical path, tokens/s and the time to train.steps (predict)
@@ -70,8 +70,8 @@ from shardconsole.plan.estimator import (Estimate, _cpu_ranks, _verdict, compile
                                          gpu_peak_text, host_peak_line, model_states, replace_cfg)
 from shardconsole.plan.saves import Saves, disk_peak, save_final_of, saves, schedule
 from shardconsole.plan.saves import text_lines as saves_text_lines
-from shardconsole.plan.fit import (EXTRA_STRATEGIES, STRATEGIES, Candidate, FitRow, _spec_of, _strategy_cfg, _toml,
-                                   fit_table, settings_that_fit, speed_score)
+from shardconsole.plan.fit import (EXTRA_STRATEGIES, FIT_EXTRA_ROWS, STRATEGIES, Candidate, FitRow, _spec_of,
+                                   _strategy_cfg, _toml, fit_table, settings_that_fit, speed_score)
 from shardconsole.plan.fsdp_rank import _fsdp
 from shardconsole.plan.machine import Hardware, detect_hardware
 from shardconsole.plan.rank import _Rank
@@ -97,6 +97,6 @@ __all__ = [
     # saves
     "Saves", "saves", "schedule", "disk_peak", "save_final_of", "saves_text_lines",
     # fit
-    "STRATEGIES", "EXTRA_STRATEGIES", "_strategy_cfg", "speed_score", "FitRow", "_spec_of", "fit_table",
+    "STRATEGIES", "EXTRA_STRATEGIES", "FIT_EXTRA_ROWS", "_strategy_cfg", "speed_score", "FitRow", "_spec_of", "fit_table",
     "Candidate", "settings_that_fit", "_toml",
 ]

@@ -167,7 +167,9 @@ def check_host_memory(r: Resolved, spec: ModelSpec) -> None:
         what = (f" while loading the model folder ({ld.help})" if ld is not None
                 and est.host_peak_phase == "loading" else "")
         cap = r.cfg.host_memory_limit_bytes
-        if cap and int(cap * 0.97) >= over[1]:      # the cap, not this machine, set the budget: blame the setting
+        # the cap, not this machine, set the budget (it is the smaller): blame the setting; a cap above this
+        # machine's RAM was blamed for the machine's size
+        if cap and int(cap * 0.97) <= over[1]:
             raise r.error("memory", "host_memory_limit", f"{r.cfg.memory.host_memory_limit}: the planner puts this run "
                           f"at {peak} of host RAM{what}, over the {budget} usable under it (`shardconsole plan "
                           f"--preset {r.preset}` lists the parts; --force launches anyway)")

@@ -255,9 +255,10 @@ def _check_adam_mini(cfg: RunConfig, err) -> None:
                   "with master_dtype = \"fp32\" (6 bytes a parameter, against kahan's 10): set master_dtype = "
                   "\"fp32\", or master_rounding = \"stochastic\" for bf16 masters (4 bytes)")
     if p.master_dtype == "bf16" and p.master_rounding == "nearest":
-        raise err("precision", "master_rounding", "'nearest' loses every update below half a bf16 step; "
-                  "adam-mini rounds bf16 masters stochastically: set master_rounding = \"stochastic\", or "
-                  "master_dtype = \"fp32\" (exact fp32 masters in 6 bytes a parameter)")
+        # named on optim.name: nearest is the default, so the rounding was usually never set by the user
+        raise err("optim", "name", "'adam-mini' rounds bf16 masters stochastically (round to nearest loses "
+                  "every update below half a bf16 step): set precision.master_rounding = \"stochastic\", or "
+                  "precision.master_dtype = \"fp32\" (exact fp32 masters in 6 bytes a parameter)")
 
 
 def _check_step_in_backward(cfg: RunConfig, err) -> None:

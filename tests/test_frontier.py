@@ -150,6 +150,11 @@ def test_a_micro_batch_nobody_chose_is_lowered_where_it_would_fill_the_gpu():
     assert fitted.cfg.model.name == "13b" and fitted.cfg.precision.master_rounding == "stochastic"
     seven = settings.resolve("3090-7b-offload", ["precision.master_dtype=fp32"])
     assert preflight.fit_micro_batch(seven, 1, hardware=h200) == (seven, None)
+    # a preset on its own model keeps the micro-batch measured with it, where the caching peak is at the budget
+    from shardconsole.settings.models import resolve
+    own = settings.resolve("3090-8b-64gb")
+    assert preflight._gpu_full(PL.estimate(own.cfg, resolve("llama3-8b"), h200))
+    assert preflight.fit_micro_batch(own, 1, hardware=h200) == (own, None)
     chosen = settings.resolve("3090-7b-offload", ["model.name=13b", "train.micro_batch=12"])
     assert preflight.fit_micro_batch(chosen, 1, hardware=h200) == (chosen, None)
     assert preflight.fit_micro_batch(thirteen, 0, hardware=h200) == (thirteen, None)

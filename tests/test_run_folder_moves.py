@@ -10,6 +10,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from shardconsole.runlog import protocol as P
 from shardconsole.runlog.stream import MetricsReader, MetricsWriter, SampleAppender
 from shardconsole.session.outcome import EXIT_CODES
@@ -22,10 +24,15 @@ def _saved(ckpt) -> list[int]:
     return sorted(int(p.name[5:]) for p in ckpt.glob("step_*") if p.name[5:].isdigit())
 
 
-def test_a_run_folder_renamed_mid_run_stops_saved_at_its_new_path(tmp_path):
+@pytest.mark.parametrize("outside", [False, True], ids=["checkpoints-inside", "checkpoint_dir-outside"])
+def test_a_run_folder_renamed_mid_run_stops_saved_at_its_new_path(tmp_path, outside):
+    """With its checkpoints in it, or in a train.checkpoint_dir outside (whose owner file then names the
+    new path: the stop's save was refused as another run's)."""
     old, new = tmp_path / "run", tmp_path / "renamed"
+    ckpt = tmp_path / "ck" if outside else new / "checkpoints"
     proc = subprocess.Popen([sys.executable, "-m", "shardconsole", *ARGS, "--run-dir", str(old),
-                             "--set", "train.steps=100000", "--set", "train.checkpoint_every=100000"],
+                             "--set", "train.steps=100000", "--set", "train.checkpoint_every=100000",
+                             *(["--set", f"train.checkpoint_dir={ckpt}"] if outside else [])],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_steps(old, 3, 300, proc)
@@ -39,13 +46,26 @@ def test_a_run_folder_renamed_mid_run_stops_saved_at_its_new_path(tmp_path):
     verdict = out[out.index("run stopped (run_folder_moved)"):]
     assert f"was moved to {new}" in verdict and f"shardconsole resume {new}" in verdict, verdict
     assert not old.exists()                       # no half folder at the old path, ever remade
-    saved = _saved(new / "checkpoints")           # the steps since the rename kept, in the new folder
+    saved = _saved(ckpt)                          # the steps since the rename kept, in the new folder
     stopped_at = int(re.search(r"run stopped \(run_folder_moved\) at step (\d+)", out).group(1))
     assert saved == [stopped_at] and stopped_at >= 3, (saved, out[-2000:])
     res = shardconsole("resume", str(new), "--set", f"train.steps={stopped_at + 2}", timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    assert f"resumed from {new / 'checkpoints'}/step_{stopped_at:08d}" in res.stdout
+    assert f"resumed from {ckpt}/step_{stopped_at:08d}" in res.stdout
     assert not old.exists()
+
+
+def test_a_finished_run_renamed_resumes_from_its_checkpoint_dir_outside(tmp_path):
+    """The folder's owner file names the run's first path: its resume was refused as if another run had
+    taken the checkpoints over."""
+    old, new, ckpt = tmp_path / "run", tmp_path / "renamed", tmp_path / "ck"
+    res = shardconsole(*ARGS, "--run-dir", str(old), "--set", "train.steps=2", "--set",
+                       f"train.checkpoint_dir={ckpt}", timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    old.rename(new)
+    res = shardconsole("resume", str(new), "--set", "train.steps=4", timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"resumed from {ckpt}/step_00000002" in res.stdout and _saved(ckpt) == [2, 4]
 
 
 def test_a_metrics_jsonl_deleted_mid_run_is_started_again(tmp_path):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardconsole.runlog.checkpoint_files import other_run_folder, read_owner, shared_folder, write_owner
-from shardconsole.runlog.runfolder import PRESET_FILE, RunFolder
+from shardconsole.runlog.runfolder import PRESET_FILE, RunFolder, read_json
 from shardconsole.settings import config as C
 
 
@@ -56,6 +56,8 @@ def why_refused(cfg: C.RunConfig, run_dir: Path, *, new_run: bool) -> str | None
     owner = read_owner(ckpt)
     if owner is not None and owner["run_dir"] != here:
         other = owner["run_dir"]
+        if _renamed_from(run_dir, other):
+            return None         # this very run, its folder renamed since: claim() names the new path
         running = _still_running(Path(other))
         if running:
             return (f"{ckpt}: the checkpoint folder of run {other}, which is still going ({running}); one "
@@ -72,6 +74,16 @@ def why_refused(cfg: C.RunConfig, run_dir: Path, *, new_run: bool) -> str | None
         return (f"{ckpt}: holds checkpoints of an earlier run; one checkpoint folder per run: pick another "
                 f"train.checkpoint_dir, or set train.resume = true to continue from them")
     return None
+
+
+def _renamed_from(run_dir: Path, other: str) -> bool:
+    """Whether run folder `other` is this one before a rename or a move: this folder's job.json was written
+    there (its launch's path), and nothing there is a run folder now. A resume of a renamed run was
+    refused as if another run had taken its checkpoint folder over."""
+    launched = str(read_json(RunFolder(run_dir).job).get("run_dir") or "")
+    if not launched or (Path(other) / PRESET_FILE).exists():
+        return False
+    return other in (launched, str(Path(launched).resolve()))
 
 
 def _has_steps(ckpt: Path) -> bool:

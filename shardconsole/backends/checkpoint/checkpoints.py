@@ -216,6 +216,8 @@ def _claim(r: Rank) -> None:
     owner = read_owner(folder)
     if owner is None:
         write_owner(folder, r.run_dir)
+    elif owner["run_dir"] in run_folder.started_in():      # this run, its folder renamed since: it follows
+        write_owner(folder, r.run_dir, [owner["run_dir"], *(owner.get("inherited") or [])])
     elif owner["run_dir"] != here:
         raise CheckpointError(f"{folder}: train.checkpoint_dir belongs to run {owner['run_dir']}, not this one "
                               f"({here}): not saving into another run's checkpoint folder")

@@ -127,7 +127,7 @@ def verdict(r: Rank) -> Iterator[None]:
         cause, what = _watch.verdict
         hint = ("free space on that disk (or move the run folder to a larger one), then `shardconsole resume RUN` "
                 "continues from the newest complete checkpoint" if cause == "disk_full" else
-                f"`shardconsole resume {r.run_dir}` continues from the checkpoint saved there"
+                f"`shardconsole resume {r.run_dir}` continues from the checkpoint it saved"
                 if cause == "run_folder_moved" else
                 "the run folder was deleted while the run was going; checkpoints kept elsewhere "
                 "(train.checkpoint_dir) continue in a new run with train.resume = true")

@@ -44,6 +44,12 @@ def follow_move(r: Rank) -> Path | None:
     return _Moved.first
 
 
+def started_in() -> tuple[str, ...]:
+    """The path the run was started in, as written then (resolved and not), once its folder moved; ()."""
+    first = _Moved.first
+    return () if first is None else (str(first), str(first.resolve()))
+
+
 def keep_stream(r: Rank) -> bool:
     """When metrics.jsonl was deleted (or replaced) in a folder still in place: append to the name again,
     a new file if need be, and say in it who this rank is (a later attach matches the run's lines to its

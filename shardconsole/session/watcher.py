@@ -131,7 +131,8 @@ class Watcher:
         self.ended = False
         self.foreign_lines = 0
         self.session = run_id          # the run id whose finished/failed lines end the run
-        self._resumed_prefix = f"{self.folder.run_id}-resume-"
+        # resumed sessions' run ids: the folder's name now, and (renamed or copied since) its first session's
+        self._resumed_prefix: tuple[str, ...] = (f"{self.folder.run_id}-resume-",)
         self._first_id = self.folder.run_id       # the first session's run id (another after a copy or rename)
         self._sessions: set[str] = set()
         self._own = job.rc_known and not job.external      # our child: poll() is one waitpid
@@ -268,7 +269,8 @@ class Watcher:
                 # The folder's first session ran under another name: the folder was copied or renamed
                 # since (a copied finished run was reported "killed or crashed"). Its lines are this run's.
                 self.session = self._first_id = msg.run.split("-resume-")[0]
-                self._resumed_prefix = f"{self.session}-resume-"
+                # a resume after the rename names its sessions after the folder's new name: both are this run's
+                self._resumed_prefix = (f"{self.session}-resume-", f"{self.folder.run_id}-resume-")
             if isinstance(msg, P.Hello) and msg.run not in self._sessions and (
                     msg.run == self.session or msg.run.startswith(self._resumed_prefix)):
                 # A session's first hello: what came before (an earlier session's end, a stop asked of

@@ -55,3 +55,18 @@ def test_a_damaged_newest_checkpoint_is_skipped_said_and_kept(two_saves, tmp_pat
     assert _snapshot(kept) == before                       # the skipped one, byte for byte
     assert any("kept as step_00000004.replaced" in w for w in warnings), warnings
     assert max(s.step for s in of_kind(messages(run), "step")) == 6
+
+
+def test_checkpoints_that_all_lost_their_manifest_are_refused_not_loaded_unverified(two_saves, tmp_path):
+    """Every manifest deleted: taken for checkpoints saved before shardconsole wrote manifests, loaded
+    unverified. Their rank_state/ came in with the manifest: refused before launch, nothing changed."""
+    run = tmp_path / "run"
+    shutil.copytree(two_saves, run, symlinks=True)
+    for step in (run / "checkpoints").glob("step_*"):
+        (step / "shardconsole.json").unlink()
+    before = _snapshot(run / "checkpoints")
+    res = shardconsole("resume", str(run), "--set", "train.steps=6", timeout=300)
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "no loadable checkpoint" in lines[0] and "shardconsole.json is missing" in lines[0], lines[0]
+    assert _snapshot(run / "checkpoints") == before

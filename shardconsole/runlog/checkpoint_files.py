@@ -49,6 +49,8 @@ def why_incomplete(path: Path, backend: str) -> str | None:
     older = _older_with_manifest(path)
     if older is not None:
         return f"its {MANIFEST} is missing (the older {older.name} has one: this one was saved with it)"
+    if (path / "rank_state").is_dir():      # checkpoints.RANK_STATE_DIR: it came in with the manifest
+        return f"its {MANIFEST} is missing (its rank_state/ was written with one)"
     if backend == "fsdp":
         meta_file = path / ".metadata"
         return None if meta_file.is_file() and meta_file.stat().st_size > 0 else "no DCP .metadata (empty or cut short)"

@@ -24,15 +24,17 @@ def _saved(ckpt) -> list[int]:
     return sorted(int(p.name[5:]) for p in ckpt.glob("step_*") if p.name[5:].isdigit())
 
 
-@pytest.mark.parametrize("outside", [False, True], ids=["checkpoints-inside", "checkpoint_dir-outside"])
-def test_a_run_folder_renamed_mid_run_stops_saved_at_its_new_path(tmp_path, outside):
-    """With its checkpoints in it, or in a train.checkpoint_dir outside (whose owner file then names the
-    new path: the stop's save was refused as another run's)."""
+@pytest.mark.parametrize("where", ["checkpoints", "outside", "named-inside"])
+def test_a_run_folder_renamed_mid_run_stops_saved_at_its_new_path(tmp_path, where):
+    """With its checkpoints in it, in a train.checkpoint_dir outside (whose owner file then names the new
+    path: the stop's save was refused as another run's), or in one named inside it (an absolute path to
+    the old folder: the save made it again)."""
     old, new = tmp_path / "run", tmp_path / "renamed"
-    ckpt = tmp_path / "ck" if outside else new / "checkpoints"
+    ckpt = {"checkpoints": new / "checkpoints", "outside": tmp_path / "ck", "named-inside": new / "ck"}[where]
+    named = {"outside": ckpt, "named-inside": old / "ck"}.get(where)
     proc = subprocess.Popen([sys.executable, "-m", "shardconsole", *ARGS, "--run-dir", str(old),
                              "--set", "train.steps=100000", "--set", "train.checkpoint_every=100000",
-                             *(["--set", f"train.checkpoint_dir={ckpt}"] if outside else [])],
+                             *(["--set", f"train.checkpoint_dir={named}"] if named else [])],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_steps(old, 3, 300, proc)

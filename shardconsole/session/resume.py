@@ -113,6 +113,7 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
         # More steps continue the schedule the run had (a constant tail at the lr it ended on), never a
         # cosine re-stretched over the new length, which sent the lr back up at the first resumed step.
         cfg.train.schedule_steps = before.schedule_steps or before.steps
+    _follow_rename(folder, cfg)
     ckpt_dir = folder.checkpoints(cfg.train.checkpoint_dir)
     found = checkpoints_in(ckpt_dir)
     if not found:
@@ -160,6 +161,26 @@ def _prepare(folder: RunFolder, overrides: list, check: Callable[[C.RunConfig, s
 # the files come from the page cache for the ranks' own check and load; past it (a checkpoint of tens of
 # GB) the ranks, each reading a share, are the check, and refuse the same way.
 PRELAUNCH_VERIFY_BYTES = 8 << 30
+
+
+def _follow_rename(folder: RunFolder, cfg: C.RunConfig) -> None:
+    """A train.checkpoint_dir or export_dir named inside the run folder was written absolute at the launch:
+    once the folder was renamed it points at the old path (the ranks saved at the new one). Moved with
+    the folder when nothing is at the launch's path (job.json's) now."""
+    from shardconsole.runlog.runfolder import read_json
+    launched = str(read_json(folder.job).get("run_dir") or "")
+    here = folder.path.absolute()
+    if not launched or Path(launched) == here or Path(launched).exists():
+        return
+    for key in ("checkpoint_dir", "export_dir"):
+        text = getattr(cfg.train, key)
+        if not text:
+            continue
+        try:
+            inside = Path(text).relative_to(launched)
+        except ValueError:
+            continue
+        setattr(cfg.train, key, str(here / inside))
 
 
 def _check_some_complete(run_dir: Path, found: list[tuple[int, Path]], backend: str) -> Path:

@@ -69,12 +69,17 @@ class Found:
     meta: dict     # the manifest ({} for a folder written before manifests existed)
 
 
+def _dir(r: Rank) -> Path:
+    """The checkpoint folder, moved with a run folder renamed mid-run when it is inside it."""
+    return run_folder.rebased(r, r.checkpoint_dir())
+
+
 def checkpoint_path(r: Rank, step: int) -> Path:
-    return r.checkpoint_dir() / f"{PREFIX}{step:08d}"
+    return _dir(r) / f"{PREFIX}{step:08d}"
 
 
 def partial_path(r: Rank, step: int) -> Path:
-    return r.checkpoint_dir() / f"{PREFIX}{step:08d}{PARTIAL}"
+    return _dir(r) / f"{PREFIX}{step:08d}{PARTIAL}"
 
 
 def _step_folders(folder: Path) -> list[tuple[int, Path]]:
@@ -93,7 +98,7 @@ def newest_complete(r: Rank) -> Found | None:
     holds no step at all; step folders none of which loads are a CheckpointError naming each. Every
     rank calls it."""
     backend = r.cfg.parallel.backend
-    folder = r.checkpoint_dir()
+    folder = _dir(r)
     ours = _loadable_runs(r, folder)
     skipped: list[str] = []
     for step, path in _step_folders(folder):
@@ -178,9 +183,9 @@ def latest_checkpoint(folder: Path) -> tuple[int, Path] | None:
 
 def remove_partials(r: Rank) -> None:
     """Rank 0: `.partial` folders are saves that were killed; none is ever resumed from."""
-    if r.rank != 0 or not r.checkpoint_dir().is_dir():
+    if r.rank != 0 or not _dir(r).is_dir():
         return
-    for p in r.checkpoint_dir().iterdir():
+    for p in _dir(r).iterdir():
         if p.is_dir() and p.name.startswith(PREFIX) and p.name.endswith(PARTIAL):
             shutil.rmtree(p, ignore_errors=True)
             r.log(f"removed {p}: a save that did not finish")
@@ -208,7 +213,7 @@ def _claim(r: Rank) -> None:
     """Rank 0 before a save into a shared train.checkpoint_dir: the folder names this run (the front end
     wrote it before launch; a run started from --print-command's line writes it here), or the save is
     refused: another run's pruning and removal of partial saves would reach this run's."""
-    folder = r.checkpoint_dir()
+    folder = _dir(r)
     if not shared_folder(folder, r.run_dir):
         return
     here = str(r.run_dir.resolve())
@@ -322,7 +327,7 @@ def _failed_save(r: Rank, step: int, total_bytes: int, e: BaseException) -> Base
     """Rank 0 removes the failed save's folder (a full disk gets its space back); the error, named."""
     if r.rank == 0:
         shutil.rmtree(partial_path(r, step), ignore_errors=True)
-    where = r.checkpoint_dir()
+    where = _dir(r)
     free = save_stream.free_bytes(where)
     if save_stream.disk_full_in(e, free, total_bytes):
         return save_stream.DiskFullError(
@@ -376,7 +381,7 @@ def prune(r: Rank, keep: int) -> None:
     """Keep the newest `keep` complete checkpoints (0: all); called right after a new one is complete."""
     if keep <= 0:
         return
-    complete = [(s, p) for s, p in _step_folders(r.checkpoint_dir())
+    complete = [(s, p) for s, p in _step_folders(_dir(r))
                 if why_incomplete(p, r.cfg.parallel.backend) is None]
     if complete and r.step < r.cfg.train.steps and _what(complete[0][1]) == "model":
         return      # the weights alone, saved by a stop short of time: the resumable checkpoints all stay

@@ -23,6 +23,7 @@ from typing import BinaryIO, Callable
 import torch
 
 from shardconsole.backends.checkpoint import save_stream
+from shardconsole.backends.rank import run_folder
 from shardconsole.backends.rank.common import Rank
 from shardconsole.runlog.checkpoint_files import make_private
 from shardconsole.settings import prompt_format
@@ -150,6 +151,8 @@ def export(r: Rank, src: FullTensors, step: int) -> Path:
 def written_to(r: Rank, out: Path, step: int, total: int, write: Callable[[Path], None]) -> None:
     """Every rank: `write(tmp)` fills a hidden folder beside `out` (rank 0 made it), renamed to `out` when
     complete; a failure leaves no folder, and a full disk is named as one."""
+    run_folder.follow_move(r)
+    out = run_folder.rebased(r, out)        # an export_dir in a run folder renamed since goes with it
     tmp = out.parent / f".{out.name[:200]}.partial-{os.getpid()}"     # room for the suffix in 255 characters
     private = r.cfg.train.checkpoint_private
     r.phase("saving checkpoint")

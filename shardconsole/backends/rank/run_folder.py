@@ -50,6 +50,20 @@ def started_in() -> tuple[str, ...]:
     return () if first is None else (str(first), str(first.resolve()))
 
 
+def rebased(r: Rank, path: Path) -> Path:
+    """A path the settings name inside the run folder (made absolute at launch: a train.checkpoint_dir or
+    export_dir in it), moved with the folder once it was renamed; any other path as it is."""
+    first = _Moved.first
+    if first is None:
+        return path
+    for start in (str(first), str(first.resolve())):
+        try:
+            return r.run_dir / Path(path).relative_to(start)
+        except ValueError:
+            continue
+    return path
+
+
 def keep_stream(r: Rank) -> bool:
     """When metrics.jsonl was deleted (or replaced) in a folder still in place: append to the name again,
     a new file if need be, and say in it who this rank is (a later attach matches the run's lines to its

@@ -68,6 +68,7 @@ def test_a_finished_run_renamed_resumes_from_its_checkpoint_dir_outside(tmp_path
     res = shardconsole("resume", str(new), "--set", "train.steps=4", timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"resumed from {ckpt}/step_00000002" in res.stdout and _saved(ckpt) == [2, 4]
+    assert "renamed " in shardconsole("runs").stdout         # linked again from the runs root
     # the session after the rename is named after the new folder: still this run's (attach said step 2's end)
     att = shardconsole("attach", str(new), "--headless")
     assert att.returncode == 0 and "finished: 4 steps" in att.stdout + att.stderr, att.stderr[-2000:]

@@ -166,12 +166,15 @@ PRELAUNCH_VERIFY_BYTES = 8 << 30
 def _follow_rename(folder: RunFolder, cfg: C.RunConfig) -> None:
     """A train.checkpoint_dir or export_dir named inside the run folder was written absolute at the launch:
     once the folder was renamed it points at the old path (the ranks saved at the new one). Moved with
-    the folder when nothing is at the launch's path (job.json's) now."""
+    the folder when nothing is at the launch's path (job.json's) now; and the runs root links the folder
+    again (its link leads to the old path: the run had gone from `runs`)."""
     from shardconsole.runlog.runfolder import read_json
+    from shardconsole.session.runs_link import link_into_runs_root
     launched = str(read_json(folder.job).get("run_dir") or "")
     here = folder.path.absolute()
     if not launched or Path(launched) == here or Path(launched).exists():
         return
+    link_into_runs_root(here)
     for key in ("checkpoint_dir", "export_dir"):
         text = getattr(cfg.train, key)
         if not text:

@@ -605,6 +605,13 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("24b-128gb-fp8", "3090-24b-128gb", ["train.steps=7", "train.warmup_steps=1", "train.save_final=none",
                                              "precision.fp8=tensorwise"]),
     ],
+    # The last call of the first session (14 minutes of device time left): the big two and the 8B again with
+    # the arena locked after its shards moved in (the build's transient was the 8B's host peak)
+    "issue60-final": [
+        ("24b-128gb", "3090-24b-128gb", ["train.steps=5", "train.warmup_steps=1", "train.save_final=none"]),
+        ("14b-96gb", "3090-14b-96gb", ["train.steps=6", "train.warmup_steps=1", "train.save_final=model"]),
+        ("8b-64gb", "3090-8b-64gb", ["train.steps=6", "train.warmup_steps=1", "train.save_final=none"]),
+    ],
     # adam-mini's numerics as it is used (issue48_gpu.sh ft-numerics' method): a 1b base trained and exported,
     # then fine-tuned 40 steps offloaded with fp32-master AdamW and with adam-mini, twice each (the spread: the
     # held-out records follow train.seed, so the seed stays; the GPU's nondeterministic kernels differ)
@@ -658,6 +665,9 @@ def summarize_messages(msgs: list, warmup_frac: float = 0.34) -> dict:
         "nvml_used_gib": max(m.used_bytes for m in gpu) / 2**30 if gpu else None,
         "host_used_gib": max(m.used_bytes for m in host) / 2**30 if host else None,
         "ranks_rss_gib": max(m.ranks_rss_bytes for m in host) / 2**30 if host else None,
+        # the ranks' RSS from the first step on (the build's transients left out: which of the two set the peak)
+        "ranks_rss_training_gib": (max((m.ranks_rss_bytes for m in host if steps and m.t >= steps[0].t), default=0)
+                                   / 2**30 or None) if host else None,
         "failed": [f"{f.cause}: {f.message[:200]}" for f in failed],
         "warnings": [m.detail[:300] for m in msgs if m.kind == "event" and m.name == "warning"][:8],
         "loss_curve": [[m.step, round(m.loss, 4)] for m in steps],

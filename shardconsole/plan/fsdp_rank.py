@@ -61,9 +61,11 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
     return _Rank(_gpu_moments(cfg, s, z), _host(cfg, s, z), notes, side, side_live)
 
 
-# Units whose host gradients have landed and not yet stepped (offload overlap); the host thread keeps up
-# with the backward on the measured boxes (docs/OFFLOAD.md), so a layer or two behind, and one in the copy.
-GRAD_LAYERS_IN_FLIGHT = 3
+# Layers whose host gradients have landed and not yet stepped (offload overlap), in torch's pinned blocks
+# (a power of two each), beside the root's. Measured on the H100 box (16 cores, benchmarks/results/issue60,
+# the ranks' RSS from step 1 less the arena and the process): 8B 14 layers' worth, 14B 10, 24B 12; the host
+# thread runs up to a third of the layers behind the backward. 12 puts all three within 2%.
+GRAD_LAYERS_IN_FLIGHT = 12
 
 
 def host_step_overlaps(cfg: C.RunConfig) -> bool:

@@ -151,4 +151,7 @@ class RunState:
         primary = [f for f in self.failed if f.cause != "crash" or "terminated" not in f.message.lower()]
         # A rank that stopped on request is not a cause when another rank failed for real.
         real = [f for f in primary if f.cause != "stopped"]
-        return min(real or primary or self.failed, key=lambda f: f.t)
+        # memory.host_memory_limit's watchdog stops every rank: another rank's failure in that stop's save (a
+        # disk too small for it) is its consequence, and the node's first rank alone knows the cause
+        held = [f for f in real if f.cause == "host_oom"]
+        return min(held or real or primary or self.failed, key=lambda f: f.t)

@@ -33,20 +33,47 @@ _watch = _Watch()
 
 
 def node_rss_bytes() -> int:
-    """Resident bytes of the launcher (this rank's parent) and every process it started on this node."""
+    """Resident bytes of the launcher (this rank's parent), its ranks, and every process the ranks started
+    (torch.compile's workers) counted by their proportional share (PSS): a worker maps the same torch
+    libraries as its rank, and RSS counted those pages once a process. 3090-8b-64gb on the H100: 16
+    workers added 5.1 GiB of RSS to 58.5 GiB of ranks, and this watchdog stopped a run the machine held
+    in 62.0 GiB, all of it counted (benchmarks/results/issue60)."""
     import psutil
     try:
         launcher = psutil.Process(os.getppid())
-        procs = [launcher, *launcher.children(recursive=True)]
+        ranks = launcher.children()
+        procs = [(launcher, False), *((p, False) for p in ranks),
+                 *((c, True) for p in ranks for c in _children(p))]
     except psutil.Error:
-        procs = [psutil.Process()]
+        procs = [(psutil.Process(), False)]
     total = 0
-    for p in procs:
+    for p, shared in procs:
         try:
-            total += p.memory_info().rss
-        except psutil.Error:
+            total += _pss(p.pid) if shared else p.memory_info().rss
+        except (psutil.Error, OSError):
             continue
     return total
+
+
+def _children(p) -> list:
+    import psutil
+    try:
+        return p.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _pss(pid: int) -> int:
+    """A process's proportional set size from /proc/PID/smaps_rollup (its RSS where that file is missing)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import psutil
+    return psutil.Process(pid).memory_info().rss
 
 
 def check(r: Rank, stop) -> None:
@@ -76,9 +103,17 @@ def verdict(r: Rank) -> Iterator[None]:
     try:
         yield
     except Exception as e:
-        if _watch.verdict is None or type(e).__name__ != "Stopped":
+        if _watch.verdict is not None and type(e).__name__ != "Stopped":
+            # the stop's save failed (a full checkpoint on a disk too small for one): the run still stopped for
+            # the host limit, which the failure alone would hide (14B: "disk full" of a run that was never
+            # going to save there)
+            raise HostLimitReached(f"host memory limit: rank {r.rank}: {_watch.verdict}; the save before stopping "
+                                   f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                                   HINT + " (the newest earlier one: this stop's save failed)") from e
+        if _watch.verdict is None:
             raise
-        raise HostLimitReached(f"host memory limit: rank {r.rank}: {_watch.verdict}; {e}",
-                           "raise memory.host_memory_limit, or lower what `shardconsole plan` lists under host "
-                           "RAM (micro-batch, offload, master dtype); `shardconsole resume` continues from the "
-                           "newest complete checkpoint") from None
+        raise HostLimitReached(f"host memory limit: rank {r.rank}: {_watch.verdict}; {e}", HINT) from None
+
+
+HINT = ("raise memory.host_memory_limit, or lower what `shardconsole plan` lists under host RAM (micro-batch, "
+        "offload, master dtype); `shardconsole resume` continues from the newest complete checkpoint")

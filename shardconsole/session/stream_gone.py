@@ -68,6 +68,9 @@ def verdict(run_dir: Path) -> tuple[str, str] | None:
     session = str(read_json(folder.job).get("run_id") or "")
     if folder.metrics.exists() or not session or not folder.path.is_dir():
         return None
+    if not any(folder.logs.glob("rank*.log")):
+        # no rank ever started (a rendezvous nobody hosts): there was no stream to delete
+        return None
     gone = f"{folder.metrics.name} was deleted (the run's curves with it)"
     ends = [m for log in sorted(folder.logs.glob("rank*.log")) for m in _end_lines(log, session)]
     failed = [m for m in ends if isinstance(m, P.Failed)]

@@ -344,6 +344,7 @@ def _one_line_error(res) -> str:
 def test_refusals_are_one_line_and_write_nothing(fsdp, tmp_path):
     out = tmp_path / "out"
     assert "--step 3" in _one_line_error(_export(fsdp.run, out, "--step", "3"))
+    assert "--max-shard-size 0: a size above 0" in _one_line_error(_export(fsdp.run, out, "--max-shard-size", "0"))
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     assert "not an empty folder" in _one_line_error(_export(fsdp.run, tmp_path / "full"))

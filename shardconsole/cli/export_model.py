@@ -135,6 +135,9 @@ def cmd_export_model(argv: list[str]) -> int:
         shard_bytes = C.parse_size(args.max_shard_size)
     except ValueError as e:
         raise ExportError(f"--max-shard-size {args.max_shard_size}: {e}") from None
+    if shard_bytes <= 0:
+        # 0 wrote a file a tensor (hundreds of files for a 7B), silently
+        raise ExportError(f"--max-shard-size {args.max_shard_size}: a size above 0, e.g. 5GB (the default) or 500MB")
     cfg = C.load(run.preset)
     _refuse_inside_runs(out, run, cfg)
     try:

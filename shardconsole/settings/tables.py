@@ -245,10 +245,8 @@ class OptimSettings:
     # 2 bytes a parameter (+ an fp32 scale per 256), 4-bit 1 byte (+ one per 128), against fp32 Adam's 8:
     # for a model whose states then fit the card, no offload at all (issue 35). A numerics change: the
     # update is not fp32 Adam's (tune holds it unless named in --vary).
-    # adam-mini (backends/optim/adam_mini.py, issue 60): fp32 masters kept as the bf16 weight + a 16-bit
-    # remainder, a bf16 first moment, one second moment a row: 6 bytes a parameter (4 with bf16 masters),
-    # against AdamW's 16 (8): an 8B full fine-tune on a 64 GB host. A numerics change, measured against
-    # fp32-master AdamW (tests/test_adam_mini.py, docs/MEASURED.md).
+    # adam-mini (backends/optim/adam_mini.py, issue 60): 6 bytes a parameter against AdamW's 16, an 8B full
+    # fine-tune on a 64 GB host; another update, measured against fp32 AdamW (docs/MEASURED.md).
     name: Literal["adamw", "adamw8bit", "adamw4bit", "adam-mini"] = _f(
         "adamw", "the optimizer: adamw (torch's, fp32 or master-dtype moments), adamw8bit or adamw4bit "
         "(torchao's block-quantized moments: 2 or 1 byte a parameter instead of 8; FSDP2 only), adam-mini "
@@ -355,9 +353,8 @@ class RunConfig:
 
     @property
     def split_masters(self) -> bool:
-        """optim.name = "adam-mini" with fp32 masters and bf16 compute: the shards are bf16 and the fp32
-        masters' low 16 bits live in the optimizer (backends/optim/adam_mini.py): 2 + 2 bytes, no
-        separate compute copy. LoRA's adapters stay fp32 (a few MB)."""
+        """adam-mini with fp32 masters and bf16 compute: bf16 shards, the masters' low 16 bits in the
+        optimizer (backends/optim/adam_mini.py); LoRA's adapters stay fp32."""
         return (self.optim.name == "adam-mini" and self.precision.master_dtype == "fp32"
                 and self.precision.dtype == "bf16" and not self.adapters)
 

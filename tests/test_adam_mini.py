@@ -255,7 +255,7 @@ def test_the_plan_counts_the_bytes_the_arena_holds(tmp_path):
 
 
 @pytest.mark.parametrize("preset, host, model, bytes_per_param", [
-    ("3090-8b-64gb", 64, "llama3-8b", 6), ("3090-14b-96gb", 96, "qwen3-14b", 6),
+    ("3090-8b-64gb", 64, "llama3-8b", 6), ("3090-14b-96gb", 96, "qwen3-14b", 4),
     ("3090-24b-128gb", 128, "mistral-small-24b", 4)])
 def test_the_consumer_presets_fit_a_3090_and_their_box(preset, host, model, bytes_per_param):
     res = shardconsole("plan", "--preset", preset, "--card", "rtx3090", "--host-memory", f"{host}GiB",

@@ -147,3 +147,25 @@ def test_the_stream_follows_a_restarted_file_and_never_remakes_a_moved_folder(tm
     w.close()
     samples.close()
     reader.close()
+
+
+def test_a_run_folder_renamed_before_its_ranks_start_leaves_nothing_at_the_old_path(tmp_path):
+    """Renamed between the launch (job.json written) and the ranks' start (they import torch first): the
+    ranks wrote their logs and stream at the old path and refused on a missing preset.toml, and
+    TensorBoard's writer made the old folder again; now nothing is made there, and the verdict says what
+    happened (exit 12, run_folder_moved)."""
+    from tests.conftest import wait_until
+    run_dir, moved = tmp_path / "run", tmp_path / "moved"
+    proc = subprocess.Popen([sys.executable, "-m", "shardconsole", *ARGS, "--run-dir", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: (run_dir / "job.json").is_file(), 60, "the launch's job.json")
+        run_dir.rename(moved)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_CODES["run_folder_moved"], out[-2000:] + err[-2000:]
+    assert "moved or deleted before its ranks started" in err and "Traceback" not in err
+    assert not run_dir.exists()
+    assert not (moved / "logs").exists()            # no rank wrote anything, there or here

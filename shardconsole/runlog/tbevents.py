@@ -149,6 +149,14 @@ class Recorder:
         """Whether this recorder holds the run's event file (it took the lock and made its file)."""
         return self._writer is not None
 
+    def _still_here(self) -> bool:
+        """The locked metrics file is still the one at the folder's path."""
+        try:
+            held, there = os.fstat(self._lock_fd), os.stat(self.folder.metrics)
+        except (OSError, TypeError):
+            return False
+        return (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
+
     def _start(self) -> bool:
         now = time.monotonic()
         if self._gave_up or now < self._next_try:
@@ -178,6 +186,12 @@ class Recorder:
             return self._give_up(f"TensorBoard events not written: the tensorboard package is missing ({e}); "
                                  f"pip install tensorboard")
         self._pb = (event_pb2, summary_pb2)
+        if not self._still_here():
+            # the run folder was renamed or deleted since the look above: TensorBoard's writer would make the
+            # old path again (its makedirs), a half folder the next look calls a run
+            self.why_not = f"{self.folder.path} is gone (moved or deleted)"
+            self._release()
+            return False
         try:
             # Its name: events.out.tfevents.<time>.<host>.<pid>.<n> + our suffix; its first record the
             # file version. flush_secs only bounds the thread's own flushes: write() flushes each poll.

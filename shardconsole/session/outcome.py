@@ -238,6 +238,12 @@ def explain_exit(state: RunState, rc: int | None, run_dir: Path,
     them (None: read from the folder where needed)."""
     folder = RunFolder(run_dir)
     f = state.first_failure()
+    if f is None and state.finished is None and not state.hellos and not folder.preset.is_file():
+        # renamed or deleted before any rank started: the ranks refuse to write a half folder there
+        return "run_folder_moved", (f"run not started: the run folder {run_dir} was moved or deleted before its "
+                                    f"ranks started; nothing trained, nothing written there\n  try: `shardconsole "
+                                    f"resume NEW_PATH` does not apply (no step was saved): launch again from the "
+                                    f"folder's new place with --run-dir, or put it back")
     gone = stream_gone.verdict(run_dir) if f is None and state.finished is None else None
     if gone is not None:
         return gone      # metrics.jsonl deleted: the folder's other evidence ("ok" when it finished)

@@ -135,9 +135,18 @@ def _serve_flight_recorder(run_dir: Path, rank: int) -> None:
         flight_recorder.serve(run_dir / LOGS_DIR, rank, lambda: fn(includeCollectives=True, onlyActive=False))
 
 
+FOLDER_GONE_EXIT = 12      # outcome.EXIT_CODES' run_folder_moved
+
+
 def start(run_dir: Path, run_id: str) -> Rank:
     knobs = Knobs.from_env()
     rank, local_rank, world = knobs.rank, knobs.local_rank, knobs.world
+    if not (run_dir / PRESET_FILE).is_file():
+        # The folder was renamed or deleted between the launch and this rank's start: writing its logs and
+        # stream would make a half folder at the old path (the front end names what happened, outcome.py)
+        os.write(2, f"shardconsole: rank {rank}: the run folder {run_dir} is gone (moved or deleted before the "
+                    f"ranks started); nothing written\n".encode())
+        os._exit(FOLDER_GONE_EXIT)
     _redirect_output(run_dir, rank)
     # SIGUSR1 dumps every thread's Python stack into the rank's log: the front end uses it to say
     # where each rank is stuck when a run hangs.

@@ -160,8 +160,11 @@ def real_planner() -> Any:
 
 
 def write_run(run_dir: Path, *, gpus: int = 2, ranks_per_gpu: int = 1, steps: int = 12, total_steps: int = 30,
-              device: str = "cuda", cfg: C.RunConfig | None = None, finished: bool = False, fp8: str = "") -> None:
-    """A run folder as the ranks and the headless front end leave it: preset, job, metrics, logs."""
+              device: str = "cuda", cfg: C.RunConfig | None = None, finished: bool = False, fp8: str = "",
+              host: str | None = None) -> None:
+    """A run folder as the ranks and the headless front end leave it: preset, job, metrics, logs. host: where
+    the ranks said hello from (this host by default; their pids are not real ranks, so a run with no job.json
+    whose ranks are here is one whose every rank is gone: session/lost.py)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     run = run_dir.name
     world = max(1, gpus) * ranks_per_gpu
@@ -171,7 +174,7 @@ def write_run(run_dir: Path, *, gpus: int = 2, ranks_per_gpu: int = 1, steps: in
     w = MetricsWriter(run_dir / METRICS_FILE, run, 0)
     t = T0 - 60
     for r in range(world):
-        w.emit(P.Hello(run=run, rank=r, t=t, world=world, local_rank=r, host=socket.gethostname(), pid=5000 + r,
+        w.emit(P.Hello(run=run, rank=r, t=t, world=world, local_rank=r, host=host or socket.gethostname(), pid=5000 + r,
                        device=f"cuda:{r % gpus}" if device == "cuda" else "cpu", backend="fsdp", n_params=940_600_000))
     for phase in ("starting", "loading model", "training"):
         w.emit(P.Event(run=run, rank=0, t=t, name="phase", detail=phase))
@@ -770,7 +773,7 @@ async def test_a_run_started_elsewhere_is_followed_from_its_stream(tmp_path):
     from shardconsole.console.screens.run import RunScreen
     from shardconsole.console.services import TorchrunLauncher
     run_dir = tmp_path / "runs" / "slurm-job"
-    write_run(run_dir, gpus=0, device="cpu", steps=3, total_steps=5)
+    write_run(run_dir, gpus=0, device="cpu", steps=3, total_steps=5, host="node9")    # its ranks on another node
     (run_dir / RUN_FILE).unlink()
     app = make_app(tmp_path, attach=run_dir, launcher=TorchrunLauncher(tmp_path / "runs"))
     async with app.run_test(size=(120, 40)) as pilot:

@@ -36,7 +36,8 @@ def test_doctor_reports_what_a_machine_without_gpu_can_tell(report):
     mem = r["memlock"]
     assert mem["soft_bytes"] == (None if soft == resource.RLIM_INFINITY else soft)
     by = {p["preset"]: p for p in mem["presets"]}
-    assert set(by) == {"3090-offload", "3090-7b-offload", "4090x2-zero3"}    # the presets that pin
+    assert set(by) == {"3090-offload", "3090-7b-offload", "4090x2-zero3",          # the presets that pin
+                       "3090-8b-64gb", "3090-14b-96gb", "3090-24b-128gb"}
     # 3090-offload: a 0.95B model's fp32 shards and gradients, pinned: at least 2 x 4 bytes a parameter
     assert by["3090-offload"]["pinned_per_rank_bytes"] >= 8 * 0.9e9
     for p in by.values():

@@ -247,8 +247,8 @@ def _check_adam_mini(cfg: RunConfig, err) -> None:
     """optim.name = "adam-mini" (backends/optim/adam_mini.py): FSDP2's ranks step it; its weights round
     themselves (a remainder for fp32 masters, stochastic for bf16 ones)."""
     if cfg.parallel.backend == "deepspeed":
-        raise err("optim", "name", "'adam-mini' steps in the FSDP2 ranks; DeepSpeed builds its own Adam: use "
-                  "name = \"adamw\" or parallel.backend = \"fsdp\"")
+        raise err("optim", "name", "'adam-mini' is for the FSDP2 backend (its ranks step it); DeepSpeed builds its "
+                  "own Adam: use name = \"adamw\" or parallel.backend = \"fsdp\"")
     p = cfg.precision
     if p.master_dtype == "bf16" and p.master_rounding == "kahan":
         raise err("precision", "master_rounding", "'kahan' is for adamw; adam-mini keeps fp32 masters exactly "

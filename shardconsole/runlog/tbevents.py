@@ -151,9 +151,11 @@ class Recorder:
 
     def _still_here(self) -> bool:
         """The locked metrics file is still the one at the folder's path."""
+        if self._lock_fd is None:
+            return False
         try:
             held, there = os.fstat(self._lock_fd), os.stat(self.folder.metrics)
-        except (OSError, TypeError):
+        except OSError:
             return False
         return (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
 

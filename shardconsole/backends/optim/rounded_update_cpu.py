@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from shardconsole.backends.rank.jit_cache import load_host_op
+
 NAME = "shardconsole_rounded_adamw_cpu"
 
 SOURCE = r"""
@@ -115,27 +117,10 @@ void round_stochastic(torch::Tensor x, torch::Tensor out, int64_t seed) {
 }
 """
 
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
-
-_built: dict[str, object] = {}
-
 
 def get():
     """(the built module, None) or (None, why it could not be built); built at most once a process."""
-    if "mod" not in _built:
-        try:
-            import psutil
-            from torch.utils.cpp_extension import load_inline
-            from shardconsole.backends.rank.jit_cache import clear_stale_lock
-            # a build killed midway leaves torch's lock file, and every later load would wait on it
-            clear_stale_lock(NAME, psutil.Process().create_time())
-            _built["mod"] = load_inline(NAME, cpp_sources=[SOURCE], functions=["update", "round_stochastic"],
-                                        extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
-            _built["why"] = None
-        except Exception as e:   # noqa: BLE001 - no compiler, no headers, a failed build: the caller falls back
-            _built["mod"] = None
-            _built["why"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
-    return _built["mod"], _built["why"]
+    return load_host_op(NAME, SOURCE, ["update", "round_stochastic"])
 
 
 def update_chunk(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, c: torch.Tensor | None,

@@ -60,3 +60,25 @@ def clear_stale_lock(name: str, started: float) -> str | None:
     import time
     return (f"removed {lock}: a build lock left {time.time() - created:.0f} s ago by a process that is gone "
             f"(no build runs in its folder); with it every load of {name} waited forever")
+
+
+# The host ops' build (optim/rounded_update_cpu.py, optim/adam_mini_cpu.py): vectorised for this CPU, fp32
+# arithmetic in the written order (no fused multiply-add), split over torch's OpenMP threads.
+HOST_OP_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+_host_ops: dict[str, tuple[object | None, str | None]] = {}
+
+
+def load_host_op(name: str, source: str, functions: list[str]) -> tuple[object | None, str | None]:
+    """(the built module, None) or (None, why it could not be built): torch's load_inline of a C++ CPU op,
+    once a process per name (cached on disk by torch across processes)."""
+    if name not in _host_ops:
+        try:
+            import psutil
+            from torch.utils.cpp_extension import load_inline
+            # a build killed midway leaves torch's lock file, and every later load would wait on it
+            clear_stale_lock(name, psutil.Process().create_time())
+            _host_ops[name] = (load_inline(name, cpp_sources=[source], functions=functions,
+                                           extra_cflags=HOST_OP_FLAGS, extra_ldflags=["-fopenmp"], verbose=False), None)
+        except Exception as e:   # noqa: BLE001 - no compiler, no headers, a failed build: the caller falls back
+            _host_ops[name] = (None, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}")
+    return _host_ops[name]

@@ -612,6 +612,25 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
         ("14b-96gb", "3090-14b-96gb", ["train.steps=6", "train.warmup_steps=1", "train.save_final=model"]),
         ("8b-64gb", "3090-8b-64gb", ["train.steps=6", "train.warmup_steps=1", "train.save_final=none"]),
     ],
+    # The second session (the gradients in flight held to 4 units, fsdp.offload_grads_in_flight): 24B at larger
+    # micro-batches (its step was the host's and the copies', not the GPU's), the 14B preset as shipped (saved,
+    # exported), then the 8B preset saved and exported, beside no bound and fp8 at mb 14
+    "issue60-big": [
+        ("24b-mb6", "3090-24b-128gb", ["train.steps=5", "train.warmup_steps=1", "train.save_final=none",
+                                       "train.micro_batch=6"]),
+        ("24b-mb8-actoff", "3090-24b-128gb", ["train.steps=5", "train.warmup_steps=1", "train.save_final=none",
+                                              "train.micro_batch=8", "memory.activation_offload=true"]),
+        ("14b-96gb", "3090-14b-96gb", ["train.steps=6", "train.warmup_steps=1", "train.save_final=model",
+                                       "train.export_dir=/tmp/sc-60-export-14b"]),
+    ],
+    "issue60-8b2": [
+        ("8b-64gb", "3090-8b-64gb", ["train.steps=8", "train.warmup_steps=1", "train.save_final=model",
+                                     "train.export_dir=/tmp/sc-60-export-8b"]),
+        ("8b-64gb-nobound", "3090-8b-64gb", ["train.steps=6", "train.warmup_steps=1", "train.save_final=none",
+                                             "fsdp.offload_grads_in_flight=0"]),
+        ("8b-64gb-fp8-mb14", "3090-8b-64gb", ["train.steps=6", "train.warmup_steps=1", "train.save_final=none",
+                                              "precision.fp8=tensorwise", "train.micro_batch=14"]),
+    ],
     # adam-mini's numerics as it is used (issue48_gpu.sh ft-numerics' method): a 1b base trained and exported,
     # then fine-tuned 40 steps offloaded with fp32-master AdamW and with adam-mini, twice each (the spread: the
     # held-out records follow train.seed, so the seed stays; the GPU's nondeterministic kernels differ)

@@ -6,19 +6,21 @@
 #     bash benchmarks/issue60_gpu.sh 24b   # 3090-24b-128gb's preflight refusing its save on this disk, then the run
 #                                          # with train.save_final=none (and with fp8)
 #     bash benchmarks/issue60_gpu.sh final # 24b, 14b (saved) and 8b again, short: one call
+#     bash benchmarks/issue60_gpu.sh big   # second session: 24B at mb 6 and at mb 8 with activation offload, 14B saved+exported
+#     bash benchmarks/issue60_gpu.sh 8b2   # second session: 8B saved+exported, beside no gradient bound and fp8 at mb 14
 #     bash benchmarks/issue60_gpu.sh ft    # held-out loss: a 1b base fine-tuned 40 steps offloaded, fp32-master
 #                                          # AdamW and adam-mini, twice each (issue48_gpu.sh ft-numerics' method)
 # Every row has `plan --json` beside it; host peak is the run's own sample (the ranks' RSS; the machine's used).
 # Writes $OUT/issue60_<part>.json (gpu_runs.py's rows) and .log.
 set -u
-part=${1:?8b, 14b, 24b, final or ft}
+part=${1:?8b, 14b, 24b, final, big, 8b2 or ft}
 OUTD=${OUT:-/tmp/issue60_out}
 mkdir -p "$OUTD"
 export PYTHONUNBUFFERED=1 SHARDCONSOLE_RUNS_ROOT=/tmp/sc-60-runs SHARDCONSOLE_SPEEDS_FILE=/tmp/sc-60-speeds.jsonl
 log="$OUTD/issue60_$part.log"
 free -g | tee "$log"; df -h /tmp | tail -1 | tee -a "$log"
 case "$part" in
-  8b|14b|24b|final)
+  8b|14b|24b|final|big|8b2)
     if [ "$part" = 24b ] || [ "$part" = final ]; then      # the full save does not fit this disk: refused before launch, in one line
       python3 -m shardconsole --preset 3090-24b-128gb --headless --run-dir /tmp/sc-60-runs/refused 2>&1 | tail -3 | tee -a "$log"
     fi

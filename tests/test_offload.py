@@ -345,3 +345,58 @@ def test_the_host_step_thread_and_its_openmp_workers_yield_to_the_launching_thre
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(already_niced).result() == max(mine, 15)
+
+
+def test_the_gradients_in_flight_are_held_to_the_bound():
+    """fsdp.offload_grads_in_flight: the backward's hook waits for the oldest unfinished host steps until
+    bound - 1 are left, so at most `bound` units' gradients are on the host with the landing one; 0 is no
+    bound. Host steps held open by events (the host thread is one thread, steps run in order)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shardconsole.backends.offload.overlap import InFlight
+
+    pool = ThreadPoolExecutor(1)
+    gates = [threading.Event() for _ in range(5)]
+    futures = [pool.submit(g.wait) for g in gates]
+    for bound, want_waits in ((0, 0), (6, 0)):      # no bound, or one above what is pending: never waits
+        free = InFlight(bound)
+        free.admit(futures)
+        assert (free.waits, free.most) == (want_waits, 6)
+    held = InFlight(3)
+    admitted = threading.Event()
+
+    def admit() -> None:
+        held.admit(futures)
+        admitted.set()
+
+    t = threading.Thread(target=admit, daemon=True)
+    t.start()
+    try:
+        for i, g in enumerate(gates[:3]):
+            assert not admitted.is_set(), f"admitted with {5 - i} steps unfinished (bound 3: 2 may be left)"
+            g.set()
+            futures[i].result()
+        t.join(timeout=60)
+        assert admitted.is_set() and (held.waits, held.most) == (1, 3)
+    finally:
+        for g in gates:
+            g.set()
+        pool.shutdown(wait=True)
+
+
+def test_a_bounded_overlap_is_the_same_run(tmp_path):
+    """A real 2-rank offloaded run with the gradients in flight held to one unit (the backward waits for
+    every host step) trains exactly as with no bound; the rank log says the most it saw."""
+    from tests.conftest import messages, of_kind, shardconsole
+    base = ["--preset", "tiny-cpu", "--headless", "--set", "fsdp.cpu_offload=true", "--set", "train.steps=3",
+            "--set", "train.log_every=1", "--set", "train.save_final=false", "--set", "train.clip_grad_norm=0"]
+    runs = {}
+    for bound in (1, 0):
+        run = tmp_path / f"b{bound}"
+        res = shardconsole(*base, "--run-dir", str(run), "--set", f"fsdp.offload_grads_in_flight={bound}")
+        assert res.returncode == 0, res.stderr[-2000:]
+        runs[bound] = [(m.step, m.loss, m.grad_norm) for m in of_kind(messages(run), "step")]
+    log = (tmp_path / "b1" / "logs" / "rank0.log").read_text()
+    assert "at most 1 units' gradients on the host at once (fsdp.offload_grads_in_flight = 1" in log, log[-2000:]
+    assert len(runs[1]) == 3 and runs[1] == runs[0]

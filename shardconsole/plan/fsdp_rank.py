@@ -65,7 +65,14 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
 # (a power of two each), beside the root's. Measured on the H100 box (16 cores, benchmarks/results/issue60,
 # the ranks' RSS from step 1 less the arena and the process): 8B 14 layers' worth, 14B 10, 24B 12; the host
 # thread runs up to a third of the layers behind the backward. 12 puts all three within 2%.
+# fsdp.offload_grads_in_flight bounds them (backends/offload/overlap.InFlight: the landing unit counted).
 GRAD_LAYERS_IN_FLIGHT = 12
+
+
+def grad_layers_in_flight(cfg: C.RunConfig, layers: int) -> int:
+    """The layers' gradients on the host at once under the overlapped host step (the root's apart)."""
+    bound = getattr(cfg.fsdp, "offload_grads_in_flight", 0)
+    return min(GRAD_LAYERS_IN_FLIGHT, layers, *( (bound,) if bound else () ))
 
 
 def host_step_overlaps(cfg: C.RunConfig) -> bool:
@@ -231,8 +238,9 @@ def _host(cfg: C.RunConfig, s: Shapes, z: _Sizes) -> dict[str, dict[str, int]]:
         L = s.layers
         layer, root = grads[:len(grads) - len(s.root_params())], grads[len(grads) - len(s.root_params()):]
         per_layer = sum(layer) // max(L, 1)
-        label, amount = f"gradients in flight ({mtag} shards{tag}: {GRAD_LAYERS_IN_FLIGHT} layers and the root)", \
-            min(GRAD_LAYERS_IN_FLIGHT, L) * per_layer + sum(root)
+        n = grad_layers_in_flight(cfg, L)
+        label, amount = f"gradients in flight ({mtag} shards{tag}: {n} layers and the root)", \
+            n * per_layer + sum(root)
     else:
         label, amount = f"gradients ({mtag} shards{tag})", sum(grads)
     host["training"].update({

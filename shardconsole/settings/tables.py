@@ -213,6 +213,10 @@ class FsdpSettings:
         True, "offload: each layer's host optimizer step starts when its gradients reach the host, under the "
         "backward (the same update; not with train.clip_grad_norm > 0 or fp16 loss scaling, which need every "
         "gradient first: those steps run after the backward)")
+    offload_grads_in_flight: int = _f(
+        4, "offload with the overlapped host step: at most this many layers' gradients on the host at once "
+        "(the backward waits for the host step beyond it; each layer's are a pinned block); 0: no bound",
+        min=0, max=64)
 
 
 @dataclass

@@ -109,6 +109,8 @@ class Overlap:
         # and Inductor compile on the main thread, and the host thread only calls the compiled code.
         self.cold = isinstance(optim, master_update.RoundedAdamW) and optim.compile
         self.armed = False
+        self.in_flight = InFlight(r.cfg.fsdp.offload_grads_in_flight)
+        self.said_most = 0
         self.futures: list[Future] = []
         self.stepped: set[int] = set()
         self.work_s = 0.0
@@ -131,6 +133,9 @@ class Overlap:
                 if params:     # None: this call reduced nothing (FSDP2 calls it again at the end)
                     self.stepped.add(id(unit))
                     events = _landed(unit.group, self.blocking)
+                    # Held here, the backward's next unit is not launched: its gradients' pinned blocks
+                    # wait for the host step to free earlier ones (fsdp.offload_grads_in_flight)
+                    self.in_flight.admit(self.futures)
                     self.futures.append(self.pool.submit(self._step, unit, params, events, self.step_threads))
             return out
         return hooked
@@ -162,10 +167,42 @@ class Overlap:
             work = sum(f.result() for f in self.futures)
         finally:
             self.futures, self.stepped, self.armed = [], set(), False
+        gate = self.in_flight
+        if gate.most > self.said_most:      # said when it grows: the rank log shows the bound held
+            self.said_most = gate.most
+            self.r.log(f"offload overlap: at most {gate.most} units' gradients on the host at once "
+                       f"(fsdp.offload_grads_in_flight = {gate.bound or 'no bound'}; the backward waited "
+                       f"{gate.waits} times so far)")
         return work
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+class InFlight:
+    """At most `bound` units' gradients on the host at once (0: no bound): the unit landing now and those whose
+    host step has not ended. Without a bound the host thread ran 10-14 layers behind the backward on the H100
+    box (a third of the layers: 24 GiB of pinned gradient blocks at 24B, benchmarks/results/issue60); held to a
+    few, the backward waits instead, and the step's length is unchanged wherever the host step was the longer
+    part anyway (the last layers' steps wait at the end of the backward either way)."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self.waits = 0      # times the backward waited
+        self.most = 0       # the most units' gradients seen on the host at once, the landing one counted
+
+    def admit(self, futures: list[Future]) -> None:
+        """Before the landing unit's step is queued behind `futures` (in order: one host thread): waits for
+        the oldest unfinished steps until bound - 1 are left."""
+        pending = [f for f in futures if not f.done()]
+        if self.bound:
+            excess = len(pending) - (self.bound - 1)
+            if excess > 0:
+                self.waits += 1
+                for f in pending[:excess]:
+                    f.result()      # releases the GIL; a failed step raises here, in the backward
+                pending = pending[excess:]
+        self.most = max(self.most, len(pending) + 1)
 
 
 def _param_groups(state) -> list:

@@ -157,3 +157,19 @@ def test_a_mixed_run_reports_each_source_and_resumes_exactly(tmp_path):
     assert res.stderr.strip().splitlines() == [
         "shardconsole: error: --set data.weights: 1, 1: step_00000006 was trained with 3, 1; keep them to resume "
         "the mix where it was, or --set data.allow_changed=true to go on from the start of an epoch of the new data"]
+
+
+def test_the_preview_gives_each_sources_share_and_epochs(tmp_path):
+    a, b = letters(tmp_path / "a.jsonl", "a", 40), letters(tmp_path / "b.jsonl", "b", 10)
+    res = shardconsole("data", "--preview", "1", "--json", "--preset", "tiny-cpu", "--set", f"data.path={a},{b}",
+                       "--set", "data.weights=3,1", "--set", f"data.seq_len={SEQ}", "--set", "train.steps=10")
+    assert res.returncode == 0, res.stderr
+    views = json.loads(res.stdout)["sources"]
+    # the oracle: UTF-8 bytes, each record's text and its EOS, packed into windows of SEQ + 1 tokens
+    windows = [(sum(len(json.loads(line)["text"]) + 1 for line in p.read_text().splitlines()) - 1) // SEQ
+               for p in (a, b)]
+    rows = 10 * 8
+    assert [(v["path"], v["share"], v["samples"], v["rows"]) for v in views] == [
+        (str(a), 0.75, windows[0], rows * 3 // 4), (str(b), 0.25, windows[1], rows // 4)]
+    assert [v["epochs"] for v in views] == [round(rows * 3 / 4 / windows[0], 3), round(rows / 4 / windows[1], 3)]
+    assert [v["preview"]["records"][0]["tokens"] for v in views] == [61, 61]

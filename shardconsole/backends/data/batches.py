@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ from shardconsole.backends.data import token_cache
 from shardconsole.backends.data.corpus import DOC_START, LOSS, DataError
 from shardconsole.settings import data_hash, data_mix
 from shardconsole.settings.config import RunConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from shardconsole.backends.data.mixture import PerSource      # it imports this module
 
 IGNORE = -100
 
@@ -305,8 +309,9 @@ def make_source(r):
     return src
 
 
-def make_eval_source(r) -> EvalWindows | None:
-    """The held-out windows of this rank, or None when there is no eval data (needs make_source first)."""
+def make_eval_source(r) -> "EvalWindows | PerSource | None":
+    """The held-out windows of this rank (a mix: of each source), or None when there is no eval data
+    (needs make_source first)."""
     if not r.data_state.built:
         _, r.data_state.entry = _build(r.cfg, r.spec.vocab, r.spec.path, r.spec.has_tokenizer, r.rank, r.world, r.log)
         r.data_state.built = True

@@ -149,7 +149,7 @@ def summary(cfg, world: int, src: MixedWindows, entry: MixEntry):
     from shardconsole.runlog import protocol as P
     t, d = cfg.train, cfg.data
     rows = t.steps * t.micro_batch * t.grad_accum * world
-    given = data_mix.counts(src.quota, src.block, rows)
+    given = src.positions(rows)       # exact: the rows each source gives over the whole run
     splits = [e.meta["splits"] for e in entry.entries]
     ev = [s.get("eval") for s in splits]
     ev_samples = sum(-(-(e["tokens"] - 1) // d.seq_len) for e in ev if e and e["tokens"] > 1)
@@ -164,7 +164,7 @@ def summary(cfg, world: int, src: MixedWindows, entry: MixEntry):
         cross_document_attention=d.cross_document_attention,
         sources=tuple(entry.names), source_shares=tuple(round(x, 4) for x in shares(entry)),
         source_epochs=tuple(round(c / n, 3) for c, n in zip(given, src.sizes)),
-        source_tokens=tuple(int(round(c)) * d.seq_len for c in given))
+        source_tokens=tuple(c * d.seq_len for c in given))
 
 
 def identity(cfg, entry: MixEntry) -> dict:
@@ -180,7 +180,7 @@ def identity(cfg, entry: MixEntry) -> dict:
     combined = ",".join(f"{s['sha256']}:{s['weight']}" for s in sources)
     return {"path": cfg.data.path, "sha256": hashlib.sha256(combined.encode()).hexdigest(),
             "hashed": data_hash.HASHED, "records": sum(s["records"] or 0 for s in sources),
-            "cache_key": "mix:" + ",".join(s["cache_key"] for s in sources), "sources": sources}
+            "cache_key": "mix:" + ",".join(e.folder.name for e in entry.entries), "sources": sources}
 
 
 def weights_of(sources: list[dict]) -> list[float]:
@@ -205,6 +205,7 @@ def why_other(saved: dict, now: dict) -> str | None:
 
 def check_resume(r, saved: dict, now: dict) -> None:
     """A mix resumes on the same sources, weights and content, or (data.allow_changed) from an epoch start."""
+    why: str | None
     if not now.get("sources"):
         why = f"the checkpoint was trained on a mix of {len(saved['sources'])} sources, data.path now names one"
     else:

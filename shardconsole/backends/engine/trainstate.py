@@ -18,7 +18,7 @@ import random
 import signal
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -131,7 +131,7 @@ class Evaluator:
         if isinstance(self.objective, Preference):
             self._run_pairs(self.objective, model, step, t0)
             return
-        mb, each = r.cfg.train.micro_batch, {}
+        mb, each = r.cfg.train.micro_batch, dict[str, Any]()
         if hasattr(self.source, "parts"):      # several data sources (mixture.PerSource): a loss for each
             losses = [(name, *evaluation.evaluate(model, s, mb, r.device)) for name, s in self.source.parts]
             tokens = sum(n for _, _, n in losses)

@@ -173,3 +173,14 @@ def test_the_preview_gives_each_sources_share_and_epochs(tmp_path):
         (str(a), 0.75, windows[0], rows * 3 // 4), (str(b), 0.25, windows[1], rows // 4)]
     assert [v["epochs"] for v in views] == [round(rows * 3 / 4 / windows[0], 3), round(rows / 4 / windows[1], 3)]
     assert [v["preview"]["records"][0]["tokens"] for v in views] == [61, 61]
+
+
+def test_the_consoles_log_gives_each_sources_share_and_eval_loss():
+    from shardconsole.console.runview import log_line
+    from shardconsole.runlog import protocol as P
+    data = P.DataSummary(source="/x/a.jsonl, /x/b.jsonl", format="text", records=3, samples=4,
+                         sources=("/x/a.jsonl", "/x/b.jsonl"), source_shares=(0.75, 0.25), source_epochs=(1.0, 2.5))
+    assert log_line(P.decode(P.encode(data))).endswith("; a.jsonl 75.0% of rows, 1.00 epochs; b.jsonl 25.0% of rows, "
+                                                       "2.50 epochs")
+    ev = P.Eval(step=3, loss=1.0, tokens=5, sources=("a.jsonl", "b.jsonl"), source_losses=(0.9, 1.3))
+    assert log_line(P.decode(P.encode(ev))).endswith("(5 tokens, 0.0 s); a.jsonl 0.9000; b.jsonl 1.3000")

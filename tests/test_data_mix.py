@@ -184,3 +184,13 @@ def test_the_consoles_log_gives_each_sources_share_and_eval_loss():
                                                        "2.50 epochs")
     ev = P.Eval(step=3, loss=1.0, tokens=5, sources=("a.jsonl", "b.jsonl"), source_losses=(0.9, 1.3))
     assert log_line(P.decode(P.encode(ev))).endswith("(5 tokens, 0.0 s); a.jsonl 0.9000; b.jsonl 1.3000")
+
+
+def test_a_save_to_disk_folder_mixes_with_a_file(tmp_path):
+    import datasets
+    a = letters(tmp_path / "a.jsonl", "a", 40)
+    datasets.Dataset.from_list([{"text": "b" * 60} for _ in range(20)]).save_to_disk(str(tmp_path / "b"))
+    cfg = C.build(overrides=[f"data.path={a},{tmp_path / 'b'}", "data.weights=1,1", f"data.seq_len={SEQ}",
+                             "data.tokenizer=bytes"])
+    src = mixture.source_of(cfg, mixture.open_mix(cfg, 384, None, False, lambda s: None), rank=0, world=1)
+    assert tokens_by_letter(src.windows(200)[0]) == (100 * SEQ, 100 * SEQ)

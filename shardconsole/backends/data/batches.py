@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,11 +30,8 @@ import torch
 from shardconsole.runlog import protocol as P
 from shardconsole.backends.data import token_cache
 from shardconsole.backends.data.corpus import DOC_START, LOSS, DataError
-from shardconsole.settings import data_hash, data_mix
+from shardconsole.settings import data_hash
 from shardconsole.settings.config import RunConfig
-
-if TYPE_CHECKING:  # pragma: no cover
-    from shardconsole.backends.data.mixture import PerSource      # it imports this module
 
 IGNORE = -100
 
@@ -231,11 +227,6 @@ def _build(cfg: RunConfig, vocab: int, model_path: str | None, has_tokenizer: bo
         return _token_file(cfg, vocab, rank, world), None
     if d.source == "synthetic" or not d.path:
         return SyntheticTokens(vocab, d.seq_len, cfg.train.seed, rank, world), None
-    if data_mix.is_mix(d):
-        from shardconsole.backends.data import mixture      # it builds on this module's windows
-        mix = mixture.open_mix(cfg, vocab, model_path, has_tokenizer, log)
-        mix.source = mixture.source_of(cfg, mix, rank, world)
-        return mix.source, mix
     entry = _entry(cfg, vocab, model_path, has_tokenizer, log)
     src = PackedWindows(entry.train.ids, entry.train.flags, d.seq_len, cfg.train.seed, rank, world,
                         f"[data] path: {d.path}", cross_doc=d.cross_document_attention)
@@ -253,9 +244,6 @@ def summary(cfg: RunConfig, world: int, src, entry) -> P.DataSummary:
                              tokens=samples * d.seq_len, records=0,
                              epochs=round(t.steps * global_batch / samples, 3) if samples else 0.0,
                              cross_document_attention=True)
-    if hasattr(entry, "entries"):
-        from shardconsole.backends.data import mixture
-        return mixture.summary(cfg, world, src, entry)
     m = entry.meta
     tr = m["splits"]["train"]
     ev = m["splits"].get("eval")
@@ -309,16 +297,12 @@ def make_source(r):
     return src
 
 
-def make_eval_source(r) -> "EvalWindows | PerSource | None":
-    """The held-out windows of this rank (a mix: of each source), or None when there is no eval data
-    (needs make_source first)."""
+def make_eval_source(r) -> EvalWindows | None:
+    """The held-out windows of this rank, or None when there is no eval data (needs make_source first)."""
     if not r.data_state.built:
         _, r.data_state.entry = _build(r.cfg, r.spec.vocab, r.spec.path, r.spec.has_tokenizer, r.rank, r.world, r.log)
         r.data_state.built = True
     entry = r.data_state.entry
-    if hasattr(entry, "entries"):       # a mix: the eval windows of each source (mixture.PerSource)
-        from shardconsole.backends.data import mixture
-        return mixture.PerSource(mixture.eval_sources(r.cfg, entry, r.rank, r.world)) or None
     if entry is None or entry.eval is None or len(entry.eval.ids) < 2:
         return None
     return EvalWindows(entry.eval.ids, entry.eval.flags, r.cfg.data.seq_len, r.rank, r.world,
@@ -339,9 +323,6 @@ def identity(r) -> dict | None:
     entry = r.data_state.entry
     if entry is None:
         return None
-    if hasattr(entry, "entries"):
-        from shardconsole.backends.data import mixture
-        return mixture.identity(r.cfg, entry)
     m = entry.meta
     return {"path": r.cfg.data.path, "sha256": m.get("data_sha256"), "hashed": HASHED, "records": m.get("records"),
             "cache_key": entry.folder.name}
@@ -361,10 +342,6 @@ def check_resume(r, saved: dict | None, checkpoint: Path) -> None:
     now = identity(r)
     if not saved or now is None or not saved.get("sha256"):
         return      # synthetic tokens, a token file, or a checkpoint from before data identity
-    if "sources" in now or "sources" in saved:
-        from shardconsole.backends.data import mixture
-        mixture.check_resume(r, saved, now)
-        return
     same = _same_content(saved, now)
     # An older checkpoint's cache key hashed the file's name with its content: only its content compares.
     if same and (saved.get("cache_key") == now["cache_key"] or saved.get("hashed") != HASHED):

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardconsole.backends.data import batches as data_mod
+from shardconsole.backends.data import sources as data_mod
 from shardconsole.backends.rank.errors import Stopped  # noqa: F401  (raised here; re-exported)
 from shardconsole.backends.data import preference as pair_data
 from shardconsole.backends.objective.base import Objective

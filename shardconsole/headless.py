@@ -112,6 +112,8 @@ def data_line(d: P.DataSummary) -> str:
             f"{100 * d.loss_share:.0f}% of tokens under loss, {d.epochs:.2f} epochs")
     if d.eval_records or d.eval_samples:
         text += f"; eval {count(d.eval_records, 'record')}, {count(d.eval_samples, 'sample')}"
+    for name, share, epochs, tokens in zip(d.sources, d.source_shares, d.source_epochs, d.source_tokens):
+        text += f"\n  source {name}: {100 * share:.1f}% of the rows, {count(tokens, 'token')}, {epochs:.2f} epochs"
     return text + (f"\n  note: {d.note}" if d.note else "")
 
 
@@ -120,7 +122,8 @@ def eval_line(e: P.Eval) -> str:
         tokens = f", {count(e.tokens, 'answer token')}" if e.tokens else ""     # 0: a stream of before issue 65
         return f"eval step {e.step}: loss {_num(e.loss, '.4f')} {preference_text(e)} over {count(e.pairs, 'pair')}" \
                f"{tokens} ({e.seconds:.1f} s)"
-    return f"eval step {e.step}: loss {_num(e.loss, '.4f')} over {e.tokens} tokens ({e.seconds:.1f} s)"
+    each = "".join(f"; {name} {_num(lo, '.4f')}" for name, lo in zip(e.sources, e.source_losses))
+    return f"eval step {e.step}: loss {_num(e.loss, '.4f')} over {e.tokens} tokens ({e.seconds:.1f} s){each}"
 
 
 def offload_line(state: RunState, o: P.OffloadTiming) -> str:

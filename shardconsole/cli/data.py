@@ -69,10 +69,25 @@ def cmd_data(argv: list[str]) -> int:
     # the launch's own data checks first: a bad path is blamed on where its value came from (--set
     # data.path, the preset file), as the launch says it, not on "preset"
     preflight.check_data(resolved)
+    from shardconsole.settings import data_mix
+    if data_mix.is_mix(resolved.cfg.data):
+        return _mix(resolved.cfg, spec, args)
     from shardconsole.tryout.preview import preview
     pv = preview(resolved.cfg, spec, args.preview, rnd=args.random, seed=args.seed)
     if args.json:
         print(json.dumps(asdict(pv)))
     else:
         print(format_preview(pv, color=sys.stdout.isatty() and not args.plain))
+    return 0
+
+
+def _mix(cfg, spec, args) -> int:
+    """Several sources: each one's share and epochs, then each one's records."""
+    from shardconsole.tryout import mix_preview
+    views = mix_preview.mix_views(cfg, spec, args.preview, rnd=args.random, seed=args.seed)
+    if args.json:
+        print(json.dumps({"sources": [asdict(v) for v in views]}))
+        return 0
+    color = sys.stdout.isatty() and not args.plain
+    print("\n\n".join([mix_preview.header(views)] + [format_preview(v.preview, color) for v in views]))
     return 0

@@ -152,6 +152,9 @@ class Eval(Message):
     reward_rejected: float | None = None
     reward_margin: float | None = None
     pref_accuracy: float | None = None
+    # Several data sources (data.path names them): the held-out loss of each source with eval records
+    sources: tuple[str, ...] = ()
+    source_losses: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,12 @@ class DataSummary(Message):
     eval_samples: int = 0
     cross_document_attention: bool = True
     note: str = ""
+    # Several data sources mixed by data.weights: per source, in data.path's order, its share of the rows,
+    # the passes this run makes over it (a source that runs out starts another) and its training tokens
+    sources: tuple[str, ...] = ()
+    source_shares: tuple[float, ...] = ()
+    source_epochs: tuple[float, ...] = ()
+    source_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

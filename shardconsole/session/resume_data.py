@@ -17,7 +17,7 @@ from pathlib import Path
 
 from shardconsole.runlog.checkpoint_files import MANIFEST, why_incomplete
 from shardconsole.settings import config as C
-from shardconsole.settings import data_hash
+from shardconsole.settings import data_hash, data_mix
 from shardconsole.settings.data_check import uses_records
 from shardconsole.settings.resolve import Resolved
 
@@ -50,15 +50,25 @@ def check_same_data(saved_cfg: C.RunConfig, resolved: Resolved, checkpoint: Path
     saved = saved_data(checkpoint) if checkpoint is not None else None
     if saved is None or not uses_records(cfg) or cfg.data.allow_changed:
         return      # synthetic tokens, a token file, a checkpoint from before data identity, or allowed
+    how = "or --set data.allow_changed=true to go on from the start of an epoch of the new data"
+    if saved.get("sources") or data_mix.is_mix(cfg.data):
+        _check_same_mix(saved, resolved, checkpoint, how)
+        _check_tokenizing(saved_cfg, resolved, how)
+        return
     path = Path(cfg.data.path).expanduser()
     if not path.exists():
         return      # the preflight names a missing file in its own words
-    how = "or --set data.allow_changed=true to go on from the start of an epoch of the new data"
     if not data_hash.same_content(saved, path, data_hash.content_hash(path)):
         assert checkpoint is not None
         raise C.ConfigError(f"{cfg.data.path}: its content changed since {checkpoint.name}"
                             f"{_records(saved, path, cfg)}; resume on the data the checkpoint was trained on, {how}",
                             source=resolved.origin("data", "path"), table="data", key="path")
+    _check_tokenizing(saved_cfg, resolved, how)
+
+
+def _check_tokenizing(saved_cfg: C.RunConfig, resolved: Resolved, how: str) -> None:
+    """The settings that cut the same records into other samples (and the seed that draws the eval split)."""
+    cfg = resolved.cfg
     if saved_cfg.train.seed != cfg.train.seed and cfg.data.eval_fraction:
         changed: tuple[str, str] | None = ("train", "seed")      # it draws the held-out records
     else:
@@ -70,6 +80,30 @@ def check_same_data(saved_cfg: C.RunConfig, resolved: Resolved, checkpoint: Path
         raise C.ConfigError(f"the checkpoints were trained on {cfg.data.path} tokenized with {table}.{key} = "
                             f"{old!r}; {new!r} cuts the same records into other samples: keep {old!r}, {how}",
                             source=resolved.origin(table, key), table=table, key=key)
+
+
+def _check_same_mix(saved: dict, resolved: Resolved, checkpoint: Path | None, how: str) -> None:
+    """A run on several sources resumes on the same ones (paths, weights, content), as one file does."""
+    cfg, name = resolved.cfg, checkpoint.name if checkpoint is not None else "the checkpoint"
+    old = saved.get("sources") or [{"path": saved.get("path"), "weight": 1.0, "sha256": saved.get("sha256"),
+                                    "hashed": saved.get("hashed")}]
+    now = [Path(p).expanduser() for p in data_mix.paths(cfg.data)]
+    if [Path(str(s["path"])).expanduser().resolve() for s in old] != [p.resolve() for p in now]:
+        raise C.ConfigError(f"names {', '.join(map(str, now))}, but {name} was trained on "
+                            f"{', '.join(str(s['path']) for s in old)}: resume on the same sources, {how}",
+                            source=resolved.origin("data", "path"), table="data", key="path")
+    was = [float(s.get("weight", 1.0)) for s in old]
+    weights = data_mix.weights(cfg.data, resolved.origin("data", "weights"))
+    if was != weights:
+        raise C.ConfigError(f"{', '.join(f'{w:g}' for w in weights)}: {name} was trained with "
+                            f"{', '.join(f'{w:g}' for w in was)}; keep them to resume the mix where it was, {how}",
+                            source=resolved.origin("data", "weights"), table="data", key="weights")
+    for s, p in zip(old, now):
+        if p.exists() and s.get("sha256") and not data_hash.same_content(
+                {**s, "hashed": s.get("hashed", saved.get("hashed"))}, p, data_hash.content_hash(p)):
+            raise C.ConfigError(f"{p}: its content changed since {name}; resume on the data the checkpoint was "
+                                f"trained on, {how}", source=resolved.origin("data", "path"), table="data",
+                                key="path")
 
 
 def _records(saved: dict, path: Path, cfg: C.RunConfig) -> str:

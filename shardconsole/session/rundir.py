@@ -143,8 +143,11 @@ def anchor_paths(cfg: C.RunConfig) -> C.RunConfig:
                          ("deepspeed", "nvme_path")):
         table = getattr(cfg, section)
         value = getattr(table, key, "")
-        if value and not Path(value).expanduser().is_absolute() and "://" not in value:
-            setattr(table, key, str(Path(value).expanduser().absolute()))
+        # data.path may name several sources, comma-separated (settings/data_mix.py): each is anchored
+        parts = [p.strip() for p in value.split(",")] if (section, key) == ("data", "path") else [value]
+        parts = [str(Path(p).expanduser().absolute()) if p and not Path(p).expanduser().is_absolute()
+                 and "://" not in p else p for p in parts]
+        setattr(table, key, ",".join(parts))
     return cfg
 
 

@@ -100,6 +100,8 @@ def _set(cfg: RunConfig, table: str, key: str, value: Any, source: str, *, from_
     if from_text:
         value = _parse_override_value(tp, value)
     meta = next(f.metadata for f in fields(section) if f.name == key)
+    if meta.get("list") and isinstance(value, list):      # a TOML list of a comma-separated setting
+        value = ",".join(str(v) for v in value)
     aliases = meta.get("aliases", {})
     if isinstance(value, (bool, str)) and str(value).lower() in aliases:
         value = aliases[str(value).lower()]     # an older spelling kept working, with no warning

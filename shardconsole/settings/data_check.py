@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from shardconsole.settings import config as C
-from shardconsole.settings import pair_records
+from shardconsole.settings import data_mix, pair_records
 from shardconsole.settings.data_scan import Scan, ScanError, scan
 from shardconsole.settings.paths import PathError, kind_of, shown
 
@@ -148,11 +148,28 @@ def check_data(cfg: C.RunConfig, source: str = "preset") -> Scan | None:
     if not uses_records(cfg):
         return None
     objective = getattr(cfg.train, "objective", "sft")
+    if data_mix.is_mix(d):
+        return _scan_mix(cfg, source)
     found = _scan(d.path, "path", d, source, objective)
     if d.eval_path:
         held = _scan(d.eval_path, "eval_path", d, source, objective)
         if found is not None and held is not None:
             found.notes += held.notes
+    _check_tokenizer_choice(cfg, source)
+    return found
+
+
+def _scan_mix(cfg: C.RunConfig, source: str) -> Scan | None:
+    """Each source of a mix as a single data.path is checked (data_mix.py: several sources)."""
+    data_mix.check(cfg.data, source, objective=getattr(cfg.train, "objective", "sft"))
+    found: Scan | None = None
+    for value in data_mix.paths(cfg.data):
+        one = _scan(value, "path", cfg.data, source)
+        if found is None:
+            found = one
+        elif one is not None:
+            found.notes += one.notes
+            found.records += one.records
     _check_tokenizer_choice(cfg, source)
     return found
 

@@ -7,6 +7,7 @@ import importlib.util
 import re
 from typing import TYPE_CHECKING
 
+from shardconsole.settings import data_mix
 from shardconsole.settings.values import FP8_GPUS, ConfigError, fp8_emulated, parse_size
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,6 +63,7 @@ def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = 
     if (cfg.data.eval_path or cfg.data.eval_fraction) and not cfg.data.path:
         raise err("data", "eval_path" if cfg.data.eval_path else "eval_fraction",
                   "needs training records too: set data.path")
+    data_mix.check(cfg.data, source, origins, getattr(cfg.train, "objective", "sft"))
     _check_method(cfg, err)
     _check_preference(cfg, err)
     _check_optim(cfg, err)

@@ -31,7 +31,10 @@ class DataSettings:
         "auto", "auto: synthetic tokens without a path, the file's records with one; "
         "tokens: a pre-tokenized token file (text: the file's records, as auto)")
     path: str = _f("", "a local .jsonl/.json/.parquet/.csv/.txt file or a save_to_disk folder "
-                   "(text, chat messages, prompt/completion or alpaca records), or a token file")
+                   "(text, chat messages, prompt/completion or alpaca records), or a token file; several, "
+                   "comma-separated or a TOML list, are mixed by data.weights", list=True)
+    weights: str = _f("", "one weight per source of data.path, comma-separated or a TOML list (e.g. 3,1: "
+                          "three rows of the first to one of the second); empty: equal shares", list=True)
     seq_len: int = _f(256, "tokens per sample", min=8, max=1_048_576)
     token_dtype: Literal["uint16", "uint32"] = _f("uint16", "element type of a token file")
     text_key: str = _f("text", "field holding the text of a plain-text record")

@@ -118,7 +118,7 @@ def newest_complete(r: Rank) -> Found | None:
                 r.cfg.model.name, r.cfg.adapters and not r.cfg.lora.allow_changed_base, meta)):
             raise CheckpointError(f"{path}: {other}; put them back, or set lora.allow_changed_base = true")
         if why is None:
-            from shardconsole.backends.data import batches as data_mod
+            from shardconsole.backends.data import sources as data_mod
             data_mod.check_resume(r, meta.get("data"), path)     # the data it was trained on, or a refusal
             return Found(step, path, meta)
         r.event("warning", f"skipping checkpoint {path}: {why}; trying the previous one")
@@ -257,7 +257,7 @@ def finish_checkpoint(r: Rank, step: int, meta: dict) -> Path:
     sums = checksums.collect(tmp, names, r.rank, r.world)
     if r.rank == 0:
         files = {name: (tmp / name).stat().st_size for name in names}
-        from shardconsole.backends.data import batches as data_mod
+        from shardconsole.backends.data import sources as data_mod
         manifest = {**meta, "step": step, "world": r.world, "backend": r.cfg.parallel.backend,
                     "data": data_mod.identity(r), "files": files, "checksums": sums,
                     "run_dir": str(r.run_dir.resolve()), "base": base_weights.of_run(r.cfg.model.name, r.cfg.adapters),

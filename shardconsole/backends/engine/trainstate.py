@@ -18,13 +18,13 @@ import random
 import signal
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from shardconsole.backends.data import batches as data_mod
+from shardconsole.backends.data import sources as data_mod
 from shardconsole.backends.rank.errors import Stopped  # noqa: F401  (raised here; re-exported)
 from shardconsole.backends.data import preference as pair_data
 from shardconsole.backends.objective.base import Objective
@@ -87,6 +87,10 @@ class Data:
             samples = data_mod.epoch_start(self.source, samples)
         self.samples = samples
         self.source.seek(samples)
+        if hasattr(self.source, "positions") and samples and self.r.rank == 0:     # a mix: each source's place
+            at = ", ".join(f"{name} sample {i} (epoch {i // n + 1})" for name, i, n in
+                           zip(self.r.data_state.entry.names, self.source.positions(samples), self.source.sizes))
+            self.r.event("info", f"data: resumed each source at {at}")
 
     def real_tokens(self) -> int | None:
         """The real (not padding) tokens of every sample consumed, all ranks, for a preference objective
@@ -127,10 +131,18 @@ class Evaluator:
         if isinstance(self.objective, Preference):
             self._run_pairs(self.objective, model, step, t0)
             return
-        loss, tokens = evaluation.evaluate(model, self.source, r.cfg.train.micro_batch, r.device)
+        mb, each = r.cfg.train.micro_batch, dict[str, Any]()
+        if hasattr(self.source, "parts"):      # several data sources (mixture.PerSource): a loss for each
+            losses = [(name, *evaluation.evaluate(model, s, mb, r.device)) for name, s in self.source.parts]
+            tokens = sum(n for _, _, n in losses)
+            loss = sum(lo * n for _, lo, n in losses if lo is not None) / tokens if tokens else None
+            each = {"sources": tuple(name for name, lo, _ in losses if lo is not None),
+                    "source_losses": tuple(float(lo) for _, lo, _ in losses if lo is not None)}
+        else:
+            loss, tokens = evaluation.evaluate(model, self.source, mb, r.device)
         if r.rank == 0:
             r.emit(P.Eval(run=r.run_id, rank=0, step=step, loss=None if loss is None else float(loss), tokens=int(tokens),
-                          seconds=time.perf_counter() - t0))
+                          seconds=time.perf_counter() - t0, **each))
         r.phase("training")
 
 

@@ -581,6 +581,21 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
         for name, preset, seq, steps in (("8b-lora-32k", "3090-7b-lora", 32768, 10),
                                          ("8b-qlora-64k", "3090-7b-qlora", 65536, 6),
                                          ("8b-full-16k", "3090-7b-offload", 16384, 10))],
+    # The second session: LoRA at 32k with the bf16 base offloaded (fsdp.cpu_offload: the frozen base streams
+    # from the host under the GPU's long compute; on the GPU it ran out of memory), MLP tiles, no activation
+    # offload; and QLoRA at 64k its 10 steps
+    "issue62-second": [
+        ("8b-lora-32k-offload", "3090-7b-lora", ["model.name=llama3-8b", "data.seq_len=32768", "train.micro_batch=1",
+                                                 "train.grad_accum=1", "fsdp.cpu_offload=true",
+                                                 "memory.activation_checkpointing=true", "memory.mlp_tile_tokens=4096",
+                                                 "train.steps=10", "train.warmup_steps=1", "train.log_every=1",
+                                                 "train.save_final=none"]),
+        ("8b-qlora-64k", "3090-7b-qlora", ["model.name=llama3-8b", "data.seq_len=65536", "train.micro_batch=1",
+                                           "train.grad_accum=1", "memory.activation_checkpointing=true",
+                                           "memory.activation_offload=true", "memory.mlp_tile_tokens=4096",
+                                           "train.steps=10", "train.warmup_steps=1", "train.log_every=1",
+                                           "train.save_final=none"]),
+    ],
     # Issue 60: the consumer box's presets on the H200 capped at 24 GiB (the presets' own cap), each with its
     # host cap (memory.host_memory_limit: the run is held to it), beside today's preset for the same model where
     # one fits the 125 GiB host (3090-7b-offload: bf16 masters, 8 bytes a parameter). 8 steps each.

@@ -5,7 +5,8 @@ advantages of _generate_and_score_completions), on one micro-batch of prompt gro
               TRL's scale_rewards "group"); dr_grpo without the std (its paper: the std biases toward easy prompts)
   ratio       c = exp(logp - logp_old) with logp_old = logp.detach() (one update per generation: the ratio is 1,
               its gradient is the policy gradient's), clipped to [1 - eps, 1 + eps]
-  per token   -min(c A, clip(c) A) + beta * (exp(ref - logp) - (ref - logp) - 1)   (the k3 KL estimator)
+  per token   -min(c A, clip(c) A) + beta * c * (exp(ref - logp) - (ref - logp) - 1)   (the k3 KL estimator,
+              times the ratio: TRL's default use_bias_correction_kl)
   loss        grpo: each completion's token mean, then the mean over completions;
               dr_grpo: the token sum / (completions x max_new_tokens);
               dapo: the token sum / the step's completion tokens on every rank, divided by the ranks (TRL's
@@ -47,7 +48,9 @@ def token_loss(logps: torch.Tensor, adv: torch.Tensor, ref_logps: torch.Tensor |
     kl = None
     if beta != 0.0 and ref_logps is not None:
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
-        per_token = per_token + beta * kl
+        # times the ratio (1 in value, not in gradient): the unbiased reverse-KL gradient, TRL's default
+        # use_bias_correction_kl (trl 1.16, after DeepSeek-V3.2)
+        per_token = per_token + beta * kl * coef_1
     # TRL's clip figure: the low side clipped with a negative advantage, the high side with a positive one
     clipped = ((coef_1 < 1 - epsilon) & (a < 0)) | ((coef_1 > 1 + epsilon) & (a > 0))
     return TokenLoss(per_token, kl, clipped)

@@ -92,7 +92,9 @@ class Grpo:
         self.weights = torch.tensor(self.g.weights(), dtype=torch.float64)
         self.tally = Tally(len(self.funcs))
         self.lora_reference = bool(self.g.beta) and r.cfg.adapters
-        self.steps_timed = 0
+        # prompt and completion tokens trained on, this rank, not yet counted by real_tokens (on the device)
+        self.pending: torch.Tensor | None = None
+        self.counted = 0
 
     def prepare(self, model: Forward) -> None:
         return None
@@ -112,7 +114,21 @@ class Grpo:
         adv, _ = grpo_loss.advantages(reward, g.generations, scale=g.loss != "dr_grpo")
         loss, tl = self.loss_of(model, ids, pmask, done, adv)
         self.tally.add(reward, per_func, done.mask, tl.kl, tl.clipped)
+        real = pmask.sum() + done.mask.sum()
+        self.pending = real if self.pending is None else self.pending + real
         return loss
+
+    def real_tokens(self) -> int:
+        """The prompt and completion tokens trained on so far by every rank, this session (a resume counts from
+        its start): what the step line's tokens and tokens/s count, the rows' padding left out (a collective:
+        observe/metrics.StepMeter calls it on every rank)."""
+        pending = torch.zeros((), dtype=torch.int64) if self.pending is None else self.pending.to(torch.int64)
+        self.pending = None
+        if dist.is_available() and dist.is_initialized():
+            pending = pending.to(self.r.device)
+            dist.all_reduce(pending)
+        self.counted += int(pending.item())
+        return self.counted
 
     def loss_of(self, model: Forward, ids: torch.Tensor, pmask: torch.Tensor, done: sampler.Completions,
                 adv: torch.Tensor) -> tuple[torch.Tensor, grpo_loss.TokenLoss]:

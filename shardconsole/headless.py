@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, TextIO
 from shardconsole.machine import offload_verdict
 from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
-from shardconsole.runlog.runstate import RunState, count, fmt_eta, fmt_rate, preference_text, save_line
+from shardconsole.runlog.runstate import (RunState, count, fmt_eta, fmt_rate, preference_text, reward_text,
+                                       save_line)
 from shardconsole.session.outcome import EXIT_CODES
 from shardconsole.session.resume import EarlierPart
 from shardconsole.session.signals import Detach, quiet_stdout
@@ -61,6 +62,8 @@ def step_line(state: RunState) -> str:
         parts.append(f"scale {s.loss_scale:g}" + (f" skipped {s.skipped_steps}" if s.skipped_steps else ""))
     if preference_text(s):
         parts.insert(2, preference_text(s))
+    if reward_text(s):
+        parts.insert(2, reward_text(s))
     mem = []
     for rank in sorted(state.memory):
         m = state.memory[rank]

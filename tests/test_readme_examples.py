@@ -184,6 +184,17 @@ def walkthrough(tmp_path_factory):
             for i in range(40):
                 fh.write(json.dumps({"prompt": f"what is {i} plus {i}?", "chosen": f" {2 * i}.",
                                      "rejected": f" {2 * i + 1}."}) + "\n")
+    # ... and prompts with an answer for GRPO, its reward file the one FINETUNE.md shows (its python block).
+    for folder in {f for f, cmd in examples if "prompts.jsonl" in cmd}:
+        if not (base / folder / "path" / "to" / "model").exists():
+            make_hf_model(base / folder / "path" / "to" / "model", chat_template=True)
+        with open(base / folder / "prompts.jsonl", "w") as fh:
+            for i in range(16):
+                fh.write(json.dumps({"prompt": [{"role": "user", "content": f"what is {i} plus {i}?"}],
+                                     "answer": str(2 * i)}) + "\n")
+        shown = re.search(r"```python\n# rewards.py\n(.*?)```", (REPO / "docs" / "FINETUNE.md").read_text(), re.S)
+        assert shown, "docs/FINETUNE.md shows no ```python block starting # rewards.py"
+        (base / folder / "rewards.py").write_text(shown.group(1))
     done: list = []
     runs: list[Path] = []
     ran: dict[str, subprocess.CompletedProcess] = {}    # a command several pages show runs once

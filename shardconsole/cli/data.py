@@ -47,7 +47,7 @@ def format_preview(pv, color: bool) -> str:
         lines.append(f"── {what} ({v.where}): {v.tokens} tokens, {v.loss_tokens} under loss ({share})")
         lines.append("".join(f"{on}{_visible(p.text)}{off}" if p.loss else _visible(p.text) for p in v.pieces))
         lines.append("")
-    if pv.format == "preference":      # pairs are rows of their own: no window packs them
+    if pv.format in ("preference", "prompts"):      # pairs and prompts are rows of their own: no window packs them
         return "\n".join(lines + [f"note: {n}" for n in pv.notes])
     joined = " + ".join(f"record {i + 1} [{take} of its tokens]" for i, _, take in pv.window)
     lines.append(f"the first window ({pv.seq_len + 1} tokens: data.seq_len + 1): {joined}"

@@ -10,6 +10,7 @@ from typing import Any
 
 from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelSpec
+from shardconsole.plan import grpo_terms
 from shardconsole.plan.activation_memory import activations
 from shardconsole.machine.hardware import driver_reserved_bytes
 from shardconsole.plan.constants import (ALLOCATOR_SLACK_FIXED, ALLOCATOR_SLACK_FRACTION, CUDA_CONTEXT_BYTES,
@@ -128,7 +129,7 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, start_step: int
                      f"cache the kernel can drop, so they are not counted here")
     if gpu_budget is not None and g.required <= gpu_budget < g.allocator_peak:
         notes.append(_allocator_at_budget(g, r, gpu_budget))
-    notes += preference_notes(cfg)
+    notes += preference_notes(cfg) + grpo_terms.notes(cfg, s)
     a = activations(cfg, s)
     alt = {("activations without checkpointing" if cfg.memory.activation_checkpointing
             else "activations with checkpointing"): a.alternative_saved}
@@ -151,7 +152,7 @@ def preference_notes(cfg: C.RunConfig) -> list[str]:
     """What a preference objective adds (backends/objective/preference.py), beside the activations of two rows
     a pair that the memory above counts already."""
     objective = cfg.train.objective
-    if objective == "sft":
+    if objective in ("sft", "grpo"):
         return []
     out = [f"{objective}: a sample is a pair, its chosen and rejected rows of data.seq_len tokens together "
            f"(micro_batch {cfg.train.micro_batch} = {cfg.train.micro_batch * 2} sequences a forward)"]

@@ -88,6 +88,15 @@ class Step(Message):
     reward_rejected: float | None = None   # the same for the rejected answers (ORPO: lambda * mean token log-prob)
     reward_margin: float | None = None     # reward_chosen - reward_rejected
     pref_accuracy: float | None = None     # share of pairs whose chosen reward is above the rejected one, 0..1
+    # GRPO (train.objective grpo; backends/objective/grpo.py), over the completions since the last step line,
+    # all ranks; None otherwise. loss is then GRPO's.
+    reward_mean: float | None = None       # the weighted sum of the reward functions, mean over completions
+    reward_std: float | None = None        # its std over the completions
+    rewards: dict | None = None            # "FILE.py:FUNCTION" -> that function's mean reward
+    completion_len: float | None = None    # tokens a completion, mean (EOS counted)
+    kl: float | None = None                # the k3 KL to the reference a token, mean; None when beta = 0
+    clip_ratio: float | None = None        # share of completion tokens whose ratio was clipped
+    generate_s: float | None = None        # seconds a step sampling completions (and scoring them)
     meter: int = 0                     # METER_VERSION of the meter that wrote it; 0: before issue 45
     # precision.fp8's recipe when the decoder linears multiply in float8 ("tensorwise", "rowwise"), else "".
     # mfu stays a share of the GPU's bf16 peak, so that runs with and without FP8 compare.

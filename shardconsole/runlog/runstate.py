@@ -26,6 +26,26 @@ def preference_text(m: P.Step | P.Eval) -> str:
             f"rejected {m.reward_rejected or 0:+.3f})")
 
 
+def reward_text(m: P.Step) -> str:
+    """A GRPO run's figures as both front ends print them: `reward 0.412 ±0.210 (rewards.py:exact 0.30,
+    rewards.py:short 0.11) len 41.3 kl 0.0123 clip 0.0% gen 61%` (gen: the step's time spent sampling
+    and scoring); "" for a message without them."""
+    if m.reward_mean is None:
+        return ""
+    parts = [f"reward {m.reward_mean:.3f} ±{m.reward_std or 0:.3f}"]
+    if m.rewards and len(m.rewards) > 1:
+        parts[0] += " (" + ", ".join(f"{k.rsplit('/', 1)[-1]} {v:.2f}" for k, v in m.rewards.items()) + ")"
+    if m.completion_len is not None:
+        parts.append(f"len {m.completion_len:.1f}")
+    if m.kl is not None:
+        parts.append(f"kl {m.kl:.4f}")
+    if m.clip_ratio is not None:
+        parts.append(f"clip {100 * m.clip_ratio:.1f}%")
+    if m.generate_s is not None and m.step_s > 0:
+        parts.append(f"gen {100 * min(1.0, m.generate_s / m.step_s):.0f}%")
+    return " ".join(parts)
+
+
 def fmt_eta(seconds: float) -> str:
     """A time left as both front ends print it: 45s, 12m30s, 3h05m."""
     s = max(0, int(round(seconds)))

@@ -45,7 +45,7 @@ def scalars(msg: P.Message) -> list[tuple[str, float]]:
                 ("time/step_s", msg.step_s), ("throughput/mfu_pct", None if msg.mfu is None else 100 * msg.mfu)]
         if msg.loss_scale is not None:          # fp16 only: an fp32/bf16 run has no scaler to plot
             out += [("fp16/loss_scale", msg.loss_scale), ("fp16/skipped_steps", msg.skipped_steps)]
-        out += _preference("train", msg)
+        out += _preference("train", msg) + _grpo(msg)
     elif isinstance(msg, P.Eval):
         out.append(("loss/eval", msg.loss))
         out += _preference("eval", msg)
@@ -77,6 +77,18 @@ def _preference(split: str, msg: P.Step | P.Eval) -> list[tuple[str, float | Non
     return [(f"rewards/{split}_chosen", msg.reward_chosen), (f"rewards/{split}_rejected", msg.reward_rejected),
             (f"rewards/{split}_margin", msg.reward_margin),
             (f"rewards/{split}_accuracy_pct", None if msg.pref_accuracy is None else 100 * msg.pref_accuracy)]
+
+
+def _grpo(msg: P.Step) -> list[tuple[str, float | None]]:
+    """A GRPO run's figures (None otherwise: no tag), near TRL's names; each reward function by its name."""
+    out = [("reward/mean", msg.reward_mean), ("reward/std", msg.reward_std),
+           ("completions/mean_length", msg.completion_len), ("grpo/kl", msg.kl),
+           ("grpo/clip_ratio_pct", None if msg.clip_ratio is None else 100 * msg.clip_ratio),
+           ("time/generate_s", msg.generate_s),
+           ("time/train_s", None if msg.generate_s is None else max(0.0, msg.step_s - msg.generate_s))]
+    for name, value in (msg.rewards or {}).items():
+        out.append((f"reward/{name.rsplit('/', 1)[-1]}", value))
+    return out
 
 
 def _gib(n: int | None) -> float | None:

@@ -31,7 +31,7 @@ from shardconsole.settings.values import (ConfigError, _coerce, _parse_override_
                                         familiar_name, format_size, fp8_emulated, names_key, override_source,
                                         parse_size)
 from shardconsole.settings.tables import (TABLES, TOP_LEVEL_KEYS, DataSettings, DeepspeedSettings,  # noqa: F401
-                                        FsdpSettings, LoraSettings, MemorySettings, ModelSettings, ParallelSettings,
+                                        FsdpSettings, GrpoSettings, LoraSettings, MemorySettings, ModelSettings, ParallelSettings,
                                         PrecisionSettings, PreferenceSettings, RunConfig,
                                         TrainSettings, _f)
 

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from shardconsole.settings import config as C
-from shardconsole.settings import data_mix, pair_records
+from shardconsole.settings import data_mix, pair_records, prompt_records
 from shardconsole.settings.data_scan import Scan, ScanError, scan
 from shardconsole.settings.paths import PathError, kind_of, shown
 
@@ -178,6 +178,8 @@ def _scan(value: str, key: str, d: C.DataSettings, source: str, objective: str =
     """objective dpo / orpo: preference records (settings/pair_records.py), one rule for all, and the pairs
     whose answers are the same counted (all of them: refused under DPO; some: a note)."""
     path, kind = locate(value, key, source)
+    if objective == "grpo":
+        return _scan_prompts(path, kind, key, d, source)
     pairs = objective != "sft"
     count = pair_records.PairCount()
     if pairs and kind in ("parquet", "saved"):
@@ -201,6 +203,21 @@ def _scan(value: str, key: str, d: C.DataSettings, source: str, objective: str =
         raise C.ConfigError(f"{source}: [data] {key}: {e}") from None
     except OSError as e:
         raise C.ConfigError(f"{source}: [data] {key}: {shown(path)}: cannot read: {e.strerror}") from None
+
+
+def _scan_prompts(path: Path, kind: str, key: str, d: C.DataSettings, source: str) -> Scan | None:
+    """GRPO's prompt-only records (settings/prompt_records.py), .jsonl / .json / .csv."""
+    if kind not in ("json", "csv"):
+        raise C.ConfigError(f"{source}: [data] {key}: {shown(path)}: train.objective = \"grpo\" reads prompt "
+                            f"records from a .jsonl, .json or .csv file (a 'prompt' each)")
+    try:
+        found = scan(path, kind, d.text_key, d.text_split, check=prompt_records.check)
+    except ScanError as e:
+        raise C.ConfigError(f"{source}: [data] {key}: {e}") from None
+    except OSError as e:
+        raise C.ConfigError(f"{source}: [data] {key}: {shown(path)}: cannot read: {e.strerror}") from None
+    found.formats = {"prompts": str(path)}
+    return found
 
 
 def _check_tokenizer_choice(cfg: C.RunConfig, source: str) -> None:

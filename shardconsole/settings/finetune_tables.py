@@ -45,3 +45,39 @@ class PreferenceSettings:
         min=0.0, max=0.49)
     orpo_lambda: float = _f(0.1, "ORPO: the weight of the odds-ratio term beside the chosen answer's NLL "
                             "(TRL's beta)", min=0.0)
+
+
+@dataclass
+class GrpoSettings:
+    """train.objective = "grpo": online RL with the user's reward functions, in TRL's GRPOTrainer's names."""
+    reward: str = _f(
+        "", "the reward functions, comma-separated FILE.py:FUNCTION, each TRL's f(prompts, completions, **columns) "
+        "-> list[float] (the data's other columns passed as keyword lists)")
+    reward_weights: str = _f(
+        "", "comma-separated weights, one per reward function, for their weighted sum (empty: 1 each)")
+    generations: int = _f(4, "completions sampled per prompt (a group; advantages are relative to its mean)",
+                          min=2, max=256)
+    max_new_tokens: int = _f(64, "the most tokens a completion gets (TRL's max_completion_length)", min=1,
+                             max=32768)
+    temperature: float = _f(1.0, "the sampling temperature (the loss's log-probs are divided by it too, as TRL's)",
+                            min=0.01, max=10.0)
+    top_p: float = _f(1.0, "nucleus sampling: sample from the smallest set of tokens of this much probability",
+                      min=0.01, max=1.0)
+    beta: float = _f(0.0, "the KL penalty to the reference (k3 estimator); 0 skips the reference", min=0.0)
+    epsilon: float = _f(0.2, "the clip of the probability ratio: [1 - epsilon, 1 + epsilon]", min=0.0, max=1.0)
+    loss: Literal["grpo", "dr_grpo", "dapo"] = _f(
+        "dapo", "how token losses are averaged, in TRL's names: grpo (per completion, then over completions), "
+        "dr_grpo (sum / (completions x max_new_tokens), advantages without the std), dapo (over all tokens)")
+
+    def reward_specs(self) -> list[tuple[str, str]]:
+        """[(file, function)] from `reward`; a malformed item is left to rules.py to refuse."""
+        out = []
+        for item in (s.strip() for s in self.reward.split(",")):
+            if item:
+                path, _, fn = item.rpartition(":")
+                out.append((path, fn))
+        return out
+
+    def weights(self) -> list[float]:
+        parts = [s.strip() for s in self.reward_weights.split(",") if s.strip()]
+        return [float(p) for p in parts] if parts else [1.0] * len(self.reward_specs())

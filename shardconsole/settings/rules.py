@@ -7,7 +7,7 @@ import importlib.util
 import re
 from typing import TYPE_CHECKING
 
-from shardconsole.settings import data_mix
+from shardconsole.settings import data_mix, grpo_rules
 from shardconsole.settings.values import FP8_GPUS, ConfigError, fp8_emulated, parse_size
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -66,6 +66,7 @@ def validate(cfg: RunConfig, source: str = "preset", *, gpu_count: int | None = 
     data_mix.check(cfg.data, source, origins, getattr(cfg.train, "objective", "sft"))
     _check_method(cfg, err)
     _check_preference(cfg, err)
+    grpo_rules.check(cfg, err)
     _check_optim(cfg, err)
     _check_step_in_backward(cfg, err)
     if cfg.train.compile and p.device == "cpu":
@@ -207,7 +208,7 @@ def _check_preference(cfg: RunConfig, err) -> None:
     if pref is None:
         return
     objective = getattr(t, "objective", "sft")
-    if objective == "sft":
+    if objective in ("sft", "grpo"):
         return
     d = cfg.data
     if d.source in ("synthetic", "tokens") or not d.path:

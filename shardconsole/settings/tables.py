@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from shardconsole.settings.field_meta import _f
-from shardconsole.settings.finetune_tables import LoraSettings, PreferenceSettings  # noqa: F401 (config's)
+from shardconsole.settings.finetune_tables import GrpoSettings, LoraSettings, PreferenceSettings  # noqa: F401 (config's)
 from shardconsole.settings.values import parse_size
 
 # ---------------------------------------------------------------------------------------------------
@@ -110,9 +110,11 @@ class TrainSettings:
         min=0.0)
     # Preference training (issue 47; backends/objective/preference.py): a sample is a pair, a chosen row and
     # a rejected row (train.micro_batch counts pairs), settings in [preference].
-    objective: Literal["sft", "dpo", "orpo"] = _f(
+    # GRPO (issue 61; backends/objective/grpo.py): a sample is a prompt, completed [grpo] generations times.
+    objective: Literal["sft", "dpo", "orpo", "grpo"] = _f(
         "sft", "what the loss is: next-token prediction (sft), DPO on chosen/rejected pairs against the starting "
-        "model (dpo), or ORPO's odds-ratio loss without a reference (orpo); settings in [preference]")
+        "model (dpo), ORPO's odds-ratio loss without a reference (orpo), both settings in [preference]; or "
+        "online RL on prompts with your reward functions (grpo; settings in [grpo])")
 
 
 @dataclass
@@ -313,6 +315,7 @@ TABLES: dict[str, type] = {
     "lora": LoraSettings,
     "optim": OptimSettings,
     "preference": PreferenceSettings,
+    "grpo": GrpoSettings,
 }
 TOP_LEVEL_KEYS = ("description",)
 
@@ -331,6 +334,7 @@ class RunConfig:
     lora: LoraSettings = field(default_factory=LoraSettings)
     optim: OptimSettings = field(default_factory=OptimSettings)
     preference: PreferenceSettings = field(default_factory=PreferenceSettings)
+    grpo: GrpoSettings = field(default_factory=GrpoSettings)
 
     # --- derived values, so that every consumer agrees -------------------------------------------
     @property
@@ -378,6 +382,8 @@ class RunConfig:
     @property
     def rows_per_sample(self) -> int:
         """Sequences one sample is: 1, or a pair's chosen and rejected rows under a preference objective."""
+        if self.train.objective == "grpo":
+            return self.grpo.generations
         return 1 if self.train.objective == "sft" else 2
 
     @property

@@ -127,6 +127,8 @@ def preview(cfg: C.RunConfig, spec: ModelSpec, n: int = 3, *, rnd: bool = False,
         picked = _pick(_stream(path, kind, d.text_key, d.text_split), n, rnd, seed)
         if not picked:
             raise C.ConfigError(f"[data] path: {path}: no records")
+        if getattr(cfg.train, "objective", "sft") == "grpo":
+            return _prompts(path, picked, enc, where, d.seq_len - cfg.grpo.max_new_tokens, cfg.grpo.generations)
         if getattr(cfg.train, "objective", "sft") != "sft":
             return _pairs(path, picked, enc, where, d.seq_len)
         fmt = corpus.detect_format(list(picked[0][1].keys()), d.text_key, str(path))
@@ -162,6 +164,31 @@ def _pairs(path: Path, picked: list[tuple[int, dict[str, Any]]], enc: corpus.Enc
     if renderer.strings:        # said as the data line says it: string pairs have no template
         notes.append(pairs.RAW_PAIRS_NOTE)
     return Preview(str(path), "preference", enc.name, renderer.template_name or "-", views, seq_len, [], notes)
+
+
+def _prompts(path: Path, picked: list[tuple[int, dict[str, Any]]], enc: corpus.Encoder, where, keep: int,
+             generations: int) -> Preview:
+    """GRPO's prompt records as the ranks render and cut them (backends/data/prompts.py): no token under loss
+    (the loss is on the completions the run samples)."""
+    from shardconsole.settings import prompt_records
+    from shardconsole.settings.data_scan import ScanError
+    chat = corpus.Renderer("chat", "text", enc.tokenizer)
+    views, notes = [], []
+    for i, rec in picked:
+        try:
+            prompt = prompt_records.prompt_of(rec, where(i))
+        except ScanError as e:
+            raise corpus.DataError(str(e)) from None
+        full = enc.encode([prompt if isinstance(prompt, str) else chat._render(prompt, True)])[0]
+        if len(full) > keep:
+            notes.append(f"record {i + 1}: {len(full)} tokens, more than data.seq_len - grpo.max_new_tokens = {keep}: "
+                         f"the prompt keeps its last {keep}")
+        ids = np.asarray(full[-keep:], dtype=np.int64)
+        flags = np.zeros(len(ids), dtype=np.uint8)
+        views.append(RecordView(i, where(i), _pieces(enc, ids, flags), len(ids), 0, ids.tolist(), flags.tolist()))
+    notes.append(f"each prompt is completed {generations} times by the model during the run; the loss is on those "
+                 f"completions, scored by the reward functions")
+    return Preview(str(path), "prompts", enc.name, chat.template_name or "-", views, keep, [], notes)
 
 
 def _first_window(views: list[RecordView], size: int) -> list[tuple[int, int, int]]:

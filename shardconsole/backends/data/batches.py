@@ -46,13 +46,16 @@ class Batch:
     # Preference pairs (data/preference.py): the rows are B/2 chosen then B/2 rejected, and `pairs` [B/2]
     # holds each pair's index in its split (-1: an empty pair padding an eval batch); None for SFT.
     pairs: torch.Tensor | None = None
+    # GRPO's prompts (data/prompts.py): `inputs` are prompts padded on the left, `mask` [B, S] 1 on their
+    # tokens, `pairs` each record's index; None otherwise.
+    mask: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "Batch":
         def move(t):
             if t is None:
                 return None
             return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
-        return Batch(move(self.inputs), move(self.labels), move(self.positions), move(self.pairs))
+        return Batch(move(self.inputs), move(self.labels), move(self.positions), move(self.pairs), move(self.mask))
 
 
 def _positions(flags: np.ndarray) -> np.ndarray:

@@ -52,7 +52,8 @@ def run(r: Rank, engine: Engine) -> None:
                             f"objective {t.objective}")
         # the loss the engine built (CausalLMLoss.loss: memory.loss resolved for this device), and whose kernel
         r.log(f"loss: {fused_loss.describe(getattr(engine.module, 'loss', 'chunked'), r.device)}")
-        meter = metrics.StepMeter(r, engine.module, data.real_tokens)
+        # the real tokens: the pairs' (data), or what the objective trained on (GRPO's prompts and completions)
+        meter = metrics.StepMeter(r, engine.module, getattr(engine.objective, "real_tokens", None) or data.real_tokens)
         tail = Tail(r, stop, engine)
         profiler = profile.StepProfiler(r)      # SHARDCONSOLE_PROFILE=A-B; does nothing without it
         r.phase("training")

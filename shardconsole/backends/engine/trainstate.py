@@ -27,6 +27,7 @@ import torch.distributed as dist
 from shardconsole.backends.data import sources as data_mod
 from shardconsole.backends.rank.errors import Stopped  # noqa: F401  (raised here; re-exported)
 from shardconsole.backends.data import preference as pair_data
+from shardconsole.backends.data import prompts as prompt_data
 from shardconsole.backends.objective.base import Objective
 from shardconsole.backends.objective.preference import Preference
 from shardconsole.runlog.runfolder import read_stop_request
@@ -78,7 +79,7 @@ class Data:
         self.micro_batch = t.micro_batch
         self.samples_per_step = t.micro_batch * t.grad_accum * r.world
         # A preference objective's sample is a pair (two rows), served by data/preference.py
-        self.source = (pair_data if _pairs(r) else data_mod).make_source(r)
+        self.source = _source_module(r).make_source(r)
         self.samples = 0
         self.counted = (0, 0)       # (samples, their real tokens) counted so far: real_tokens adds the rest
 
@@ -115,7 +116,7 @@ class Evaluator:
     def __init__(self, r, objective: Objective) -> None:
         self.r, self.objective = r, objective
         self.every = int(getattr(r.cfg.train, "eval_every", 0) or 0)
-        self.source = (pair_data if _pairs(r) else data_mod).make_eval_source(r)
+        self.source = _source_module(r).make_eval_source(r)
 
     def due(self, step: int) -> bool:
         if self.source is None:
@@ -159,8 +160,10 @@ class Evaluator:
         r.phase("training")
 
 
-def _pairs(r) -> bool:
-    return getattr(r.cfg.train, "objective", "sft") != "sft"
+def _source_module(r):
+    """Where the objective's samples come from: windows (sft), pairs (dpo / orpo), prompts (grpo)."""
+    objective = getattr(r.cfg.train, "objective", "sft")
+    return prompt_data if objective == "grpo" else data_mod if objective == "sft" else pair_data
 
 
 # ---------------------------------------------------------------------------------------------------

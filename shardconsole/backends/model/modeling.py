@@ -4,6 +4,7 @@ its forward returns the loss, with a cross-entropy that never holds the full fp3
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any
 
 import torch
@@ -230,6 +231,27 @@ def chunked_row_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     return -total, counts
 
 
+def token_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                chunk_tokens: int = 4096, softcap: float | None = None) -> torch.Tensor:
+    """Per token of labels [B, S]: the log-probability of its label under logits / temperature [B, S] fp32, 0
+    where the label is -100: what GRPO's loss reads (backends/objective/grpo.py; TRL divides by the sampling
+    temperature too). Only the labelled rows' logits are made, a chunk at a time, recomputed in backward."""
+    where = (labels != -100).nonzero(as_tuple=True)
+    h, y = hidden[where], labels[where]
+
+    def part(hc: torch.Tensor, w: torch.Tensor, yc: torch.Tensor) -> torch.Tensor:
+        return -F.cross_entropy(_logits(hc, w, softcap) / temperature, yc, reduction="none")
+
+    if y.numel() <= chunk_tokens:
+        picked = part(h, weight, y)
+    else:
+        picked = torch.cat([torch.utils.checkpoint.checkpoint(part, h[i:i + chunk_tokens], weight,
+                                                              y[i:i + chunk_tokens], use_reentrant=False)
+                            for i in range(0, y.numel(), chunk_tokens)])
+    out = hidden.new_zeros(labels.shape, dtype=torch.float32)
+    return out.index_put(where, picked)
+
+
 class CausalLMLoss(nn.Module):
     """The trained module: a causal LM whose forward returns the next-token loss.
 
@@ -254,14 +276,28 @@ class CausalLMLoss(nn.Module):
         self.rule = LogitRule.of(lm)
         self.offload: Any = None       # memory.activation_offload: activation_offload.Offloader, set by the engine
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None,
-                reduction: str = "mean"):
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None, positions: torch.Tensor | None = None,
+                reduction: str = "mean", attention_mask: torch.Tensor | None = None, cache: Any = None,
+                temperature: float = 1.0):
+        """reduction "next" (GRPO's sampler, backends/objective/sampler.py): the last position's fp32 logits
+        [B, V], `cache` (a transformers Cache) grown in place; "token": token_logps. attention_mask [B, S]
+        (0: a prompt's left padding) for both; the other reductions train on packed rows without it."""
+        if reduction == "next":
+            # transformers 5.x renames past_key_values to cache (the old name warns until 5.40)
+            named = "cache" if "cache" in inspect.signature(self.lm.model.forward).parameters else "past_key_values"
+            out = self.lm.model(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask,
+                                use_cache=True, **{named: cache})
+            return _logits(out.last_hidden_state[:, -1] * self.rule.scale, self.lm.lm_head.weight, self.rule.softcap)
         # No KV cache: with one, transformers ignores the restarted positions and masks causally only.
         with self.offload.active() if self.offload is not None else contextlib.nullcontext():
-            hidden = self.lm.model(input_ids=input_ids, position_ids=positions, use_cache=False).last_hidden_state
+            hidden = self.lm.model(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask,
+                                   use_cache=False).last_hidden_state
         if self.rule.scale != 1.0:
             hidden = hidden * self.rule.scale     # (h * s) @ W.T is s * logits: every loss kernel as it is
         softcap = self.rule.softcap
+        assert labels is not None       # only "next" runs without labels
+        if reduction == "token":
+            return token_logps(hidden, self.lm.lm_head.weight, labels, temperature, softcap=softcap)
         if reduction == "row":
             return chunked_row_logps(hidden, self.lm.lm_head.weight, labels, softcap=softcap)
         if self.loss == "fused":

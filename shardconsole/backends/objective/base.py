@@ -32,8 +32,8 @@ class Objective(Protocol):
 
     def micro_loss(self, model: Forward, batch: Batch) -> torch.Tensor: ...
 
-    def figures(self) -> dict[str, float]:
-        """What the step line adds (all ranks reduced), since the last call; {} when nothing."""
+    def figures(self) -> dict[str, Any]:
+        """What the step line adds (all ranks reduced), since the last call, Step fields by name; {} when nothing."""
         ...
 
 
@@ -49,5 +49,5 @@ class NextToken:
         loss: torch.Tensor = model(batch.inputs, batch.labels, batch.positions)
         return loss
 
-    def figures(self) -> dict[str, float]:
+    def figures(self) -> dict[str, Any]:
         return {}

@@ -196,7 +196,11 @@ class Preference:
 
 
 def make(r: Any) -> Objective:
-    """The run's objective from train.objective: NextToken for "sft", Preference for "dpo" / "orpo"."""
+    """The run's objective from train.objective: NextToken for "sft", Preference for "dpo" / "orpo", Grpo for
+    "grpo"."""
+    if r.cfg.train.objective == "grpo":
+        from shardconsole.backends.objective.grpo import Grpo
+        return Grpo(r)
     return NextToken() if r.cfg.train.objective == "sft" else Preference(r)
 
 

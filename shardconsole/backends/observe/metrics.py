@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import psutil
 import torch
@@ -60,7 +60,7 @@ class StepMeter:
         return step % self.r.cfg.train.log_every == 0 or step == self.r.cfg.train.steps
 
     def report(self, step: int, lr: float, grad_norm: torch.Tensor | float | None,
-               loss_scale: float | None = None, skipped: int = 0, figures: dict[str, float] | None = None) -> float:
+               loss_scale: float | None = None, skipped: int = 0, figures: dict[str, Any] | None = None) -> float:
         """Emit the step line (rank 0) and a memory line (every rank). Returns the mean loss. `figures`: the
         objective's (Objective.figures(), called on every rank: a collective), Step fields by name."""
         r = self.r

@@ -76,3 +76,10 @@ class HostLimitReached(RankFailure):
     def __init__(self, message: str, hint: str) -> None:
         super().__init__(message)
         self.hint = hint
+
+
+class RewardError(RankFailure, ValueError):
+    """A GRPO reward function that raised, returned the wrong count or a value that is not a finite number;
+    the message names the function and the record (backends/objective/rewards.py)."""
+    cause = "config_error"
+    hint = "fix the reward function (it is called as TRL calls it: prompts=, completions=, each column as keywords)"

@@ -12,7 +12,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Static
 
 from shardconsole.machine import offload_verdict
-from shardconsole.runlog.runstate import fmt_rate, preference_text
+from shardconsole.runlog.runstate import fmt_rate, preference_text, reward_text
 from shardconsole.console.runview import GIB, SYNTHETIC, RunView, count
 from shardconsole.console.widgets.line_plot import LinePlot, PlotSeries
 
@@ -292,6 +292,8 @@ class LossPanel(Panel):
                 items[0].append(f" (min {view.min_loss:.4f})", "not bold")
             if preference_text(s):          # a DPO / ORPO run: the loss is the preference loss
                 items.append(Text(preference_text(s)))
+            if reward_text(s):              # a GRPO run: its rewards, completion length, KL, time sampling
+                items.append(Text(reward_text(s)))
             evals = view.state.evals
             if evals:
                 e = evals[-1]

@@ -29,6 +29,7 @@ from shardconsole.envvars import read
 from shardconsole.plan.speed.cards import CARDS, GB, Card, card_of
 from shardconsole.plan.lora import trainable_params
 from shardconsole.plan.machine import Hardware
+from shardconsole.plan import grpo_terms
 from shardconsole.plan.shapes import Shapes
 from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelSpec
@@ -365,6 +366,14 @@ def predict(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, card: Card | Non
         sharded = (cfg.fsdp.sharding != "no_shard") if cfg.parallel.backend == "fsdp" else cfg.deepspeed.stage == 3
         link = NODE_LINK_GBPS if cfg.parallel.nnodes > 1 else (300.0 if card.nvlink else card.pcie_gbps * 0.8)
         comm = k * (2 * 2 + 4 if sharded else 8) * n * (ranks - 1) / ranks / (link * GB)
+    if cfg.train.objective == "grpo":
+        sharded = (cfg.fsdp.sharding != "no_shard") if cfg.parallel.backend == "fsdp" else cfg.deepspeed.stage == 3
+        link = NODE_LINK_GBPS if cfg.parallel.nnodes > 1 else (300.0 if card.nvlink else card.pcie_gbps * 0.8)
+        # sampling, and LoRA's reference forward (a forward: about a third of a micro-batch's compute)
+        gpu += k * grpo_terms.generation_s(cfg, s, n, card.hbm_gbps, link, ranks, sharded)
+        gpu += k * compute_mb / 3 if cfg.grpo.beta and cfg.adapters else 0.0
+        notes.append("grpo: sampling max_new_tokens decode steps a micro-batch counted at assumed rates "
+                     "(plan/grpo_terms.py); completions that end sooner make the step shorter")
     parts = {"gpu": gpu, "h2d": k * h2d, "d2h": k * d2h, "host step": host_s, "communication": comm}
     overlap = (cfg.parallel.backend == "fsdp" and step_on_host and cfg.fsdp.offload_overlap
                and cfg.train.clip_grad_norm <= 0 and cfg.precision.dtype != "fp16")

@@ -1,0 +1,61 @@
+"""What GRPO (train.objective grpo, backends/objective/grpo.py) adds to a step beyond the training rows the
+activations already count (micro_batch x generations rows of data.seq_len: prompt and completion):
+
+memory   the sampler's KV cache, 2 (K, V) x layers x kv_heads x head_dim x compute bytes x micro_batch x
+         generations x data.seq_len at its longest; it lives only while sampling, before the training forward
+         (the cache is dropped first), so the peak is the larger of the two, not their sum. Full fine-tuning
+         with beta > 0 (a frozen copy) is refused before launch, so no reference copy is counted.
+time     max_new_tokens decode steps a micro-batch, each reading every weight once (FSDP2 and ZeRO-3 also
+         all-gather them: the training forward's gather, once a token) or bound by the layers' launches; and
+         with adapters and beta > 0 the reference forward (the base, adapters off, no grad).
+The decode rates are assumed, not measured (the H200 rows of the issue measure them)."""
+
+from __future__ import annotations
+
+from shardconsole.plan.shapes import Shapes
+from shardconsole.settings import config as C
+
+GB = 1e9
+# Eager decode of one layer (one token for a batch of rows) through the engines' hooks: assumed 0.3 ms on
+# any card (HF Llama layers run about a dozen kernels a token; FSDP2 adds its pre/post hooks)
+DECODE_LAYER_S = 0.3e-3
+HBM_SHARE = 0.7         # the share of the datasheet bandwidth a decode step's weight reads reach
+
+
+def kv_cache_bytes(cfg: C.RunConfig, s: Shapes) -> int:
+    dtype = 4 if cfg.precision.dtype == "fp32" else 2
+    rows = cfg.train.micro_batch * cfg.grpo.generations
+    return 2 * s.layers * s.kv_heads * s.head_dim * dtype * rows * cfg.data.seq_len
+
+
+def weight_bytes(cfg: C.RunConfig, n_params: int) -> float:
+    """What a decode step reads: the compute copy (QLoRA's NF4 base: about 0.56 bytes a parameter)."""
+    if cfg.train.method == "qlora":
+        return 0.56 * n_params
+    return (4.0 if cfg.precision.dtype == "fp32" else 2.0) * n_params
+
+
+def generation_s(cfg: C.RunConfig, s: Shapes, n_params: int, hbm_gbps: float, link_gbps: float, ranks: int,
+                 sharded: bool) -> float:
+    """Seconds a micro-batch spends sampling (at max_new_tokens: a run whose completions end sooner is faster)."""
+    g = cfg.grpo
+    read = (weight_bytes(cfg, n_params) + kv_cache_bytes(cfg, s) / 2) / (hbm_gbps * GB * HBM_SHARE)
+    per_token = max(read, s.layers * DECODE_LAYER_S)
+    if sharded and ranks > 1:
+        per_token += weight_bytes(cfg, n_params) * (ranks - 1) / ranks / (link_gbps * GB)
+    return g.max_new_tokens * per_token
+
+
+def notes(cfg: C.RunConfig, s: Shapes) -> list[str]:
+    if cfg.train.objective != "grpo":
+        return []
+    g = cfg.grpo
+    rows = cfg.train.micro_batch * g.generations
+    out = [f"grpo: a sample is a prompt completed {g.generations} times (micro_batch {cfg.train.micro_batch} = "
+           f"{rows} rows of up to data.seq_len {cfg.data.seq_len} tokens a forward); sampling's KV cache "
+           f"{C.format_size(kv_cache_bytes(cfg, s))} at its longest, held only while sampling (before the training "
+           f"forward, whose activations the peak counts)"]
+    if g.beta and cfg.adapters:
+        out.append("grpo with beta > 0: the reference is the base with the adapters off, one more forward without "
+                   "grad a micro-batch")
+    return out

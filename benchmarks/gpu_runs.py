@@ -596,6 +596,18 @@ MATRICES: dict[str, list[tuple[str, str, list[str]]]] = {
                                            "train.steps=10", "train.warmup_steps=1", "train.log_every=1",
                                            "train.save_final=none"]),
     ],
+    # Issue 61: GRPO on one 24 GiB card, generations 8 x max_new_tokens 256 (benchmarks/issue61_gpu.sh writes the
+    # prompts and the reward file); a random-init model never samples its end token, so every completion is 256
+    # tokens: the generation's worst case. LoRA / QLoRA at 8B, full at 1b and 3b (beta 0: no reference copy)
+    "issue61-grpo": [
+        (name, preset, [*model, "data.path=/tmp/sc-61-prompts.jsonl", "data.tokenizer=bytes", "data.seq_len=384",
+                        "train.objective=grpo", "grpo.reward=/tmp/sc-61-rewards.py:score", "grpo.generations=8",
+                        "grpo.max_new_tokens=256", f"train.micro_batch={mb}", "train.grad_accum=1", "train.steps=4",
+                        "train.warmup_steps=1", "train.log_every=1", "train.save_final=none"])
+        for name, preset, model, mb in (("8b-lora-grpo", "3090-7b-lora", ["model.name=llama3-8b"], 1),
+                                        ("8b-qlora-grpo", "3090-7b-qlora", ["model.name=llama3-8b"], 1),
+                                        ("1b-full-grpo", "3090-fsdp", [], 2),
+                                        ("3b-full-grpo", "3090-3b-adamw8bit", [], 1))],
     # Issue 60: the consumer box's presets on the H200 capped at 24 GiB (the presets' own cap), each with its
     # host cap (memory.host_memory_limit: the run is held to it), beside today's preset for the same model where
     # one fits the 125 GiB host (3090-7b-offload: bf16 masters, 8 bytes a parameter). 8 steps each.

@@ -47,12 +47,12 @@ LAYER = {
              "attn_output.weight": "self_attn.o_proj.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
              "ffn_up.weight": "mlp.gate_up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"},
 }
-TIED = {"llama3", "qwen2", "gemma3"}      # no output.weight: llama.cpp uses token_embd (tests/family_fixtures.py)
+TIED = {"llama3", "qwen2", "gemma3"}      # tied in tests/family_fixtures.py: no output.weight, llama.cpp uses token_embd
 
 
-def expected_names(family: str, layers: int = 2) -> dict[str, str]:
+def expected_names(family: str, tied: bool, layers: int = 2) -> dict[str, str]:
     names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
-    if family not in TIED:
+    if not tied:
         names["output.weight"] = "lm_head.weight"
     for i in range(layers):
         names.update({f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in LAYER[family].items()})
@@ -141,7 +141,7 @@ def test_each_family_reads_back_in_llama_cpps_names_and_layout(family, outtype, 
     hf = {k: v.detach().float().numpy() for k, v in
           AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict().items()}
     tensors = {t.name: t for t in reader.tensors}
-    names = expected_names(family)
+    names = expected_names(family, family in TIED)
     assert set(tensors) == set(names), sorted(set(tensors) ^ set(names))
     for gname, hname in names.items():
         t = tensors[gname]
@@ -242,3 +242,70 @@ def test_known_split_regexes_get_llama_cpps_names():
             pre_tokenizers.Split(Regex(regex), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         assert pre_tokenizer_name(json.loads(tok.to_str()), Path("t")) == name
+
+
+def _safetensors(folder: Path) -> dict[str, np.ndarray]:
+    from safetensors.torch import load_file
+    out: dict[str, np.ndarray] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update({k: v.float().numpy() for k, v in load_file(f).items()})
+    return out
+
+
+def assert_gguf_is_the_folder(path: Path, folder: Path, family: str) -> None:
+    """Every tensor of the GGUF at `path` is the Hugging Face folder's own, in llama.cpp's layout."""
+    config = json.loads((folder / "config.json").read_text())
+    weights = _safetensors(folder)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    names = expected_names(family, bool(config.get("tie_word_embeddings")))
+    assert set(tensors) == set(names), sorted(set(tensors) ^ set(names))
+    for gname, hname in names.items():
+        assert_tensor(tensors[gname], llama_cpp_layout(family, hname, weights[hname], config), gname)
+
+
+@pytest.mark.slow
+def test_a_runs_export_carries_its_gguf(fsdp_chat_run, tmp_path):
+    """`export-model RUN -o OUT --gguf f16`: the Hugging Face export and, beside it, a GGUF of the same
+    weights with the chat template the run trained with, and its Modelfile."""
+    from transformers import AutoTokenizer
+    out = tmp_path / "out"
+    res = shardconsole("export-model", str(fsdp_chat_run.run), "-o", str(out), "--gguf", "f16", timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "model-f16.gguf (llama" in res.stdout and "Modelfile" in res.stdout, res.stdout
+    assert (out / "config.json").is_file() and (out / "Modelfile").is_file()
+    assert_gguf_is_the_folder(out / "model-f16.gguf", out, "llama3")
+    reader = gguf.GGUFReader(out / "model-f16.gguf")
+    assert field(reader, "tokenizer.chat_template") == AutoTokenizer.from_pretrained(out).chat_template
+
+
+@pytest.mark.slow
+def test_export_gguf_at_the_end_of_a_lora_run_holds_the_merged_model(tmp_path):
+    """train.export_gguf = "q8_0" on a LoRA run: the GGUF inside train.export_dir is the merged model the
+    folder holds (dequantized within q8_0's error), and differs from the base the run started from."""
+    model = make_family_model(tmp_path / "qwen2", "qwen2")
+    corpus = tmp_path / "text.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["the quick brown fox"] * 40))
+    export = tmp_path / "export"
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(tmp_path / "run"),
+                       *[a for s in (f"model.name={model}", f"data.path={corpus}", "data.seq_len=32", "train.steps=3",
+                                     "train.method=lora", "lora.target_modules=all-linear", "train.lr=5e-2",
+                                     "train.save_final=none", f"train.export_dir={export}", "train.export_gguf=q8_0")
+                         for a in ("--set", s)], timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert (export / "Modelfile").read_text().startswith("FROM ./model-q8_0.gguf\n")
+    assert_gguf_is_the_folder(export / "model-q8_0.gguf", export, "qwen2")
+    base, merged = _safetensors(model), _safetensors(export)
+    assert not np.allclose(base["model.layers.0.self_attn.q_proj.weight"],
+                           merged["model.layers.0.self_attn.q_proj.weight"], atol=1e-3)    # the adapters are in
+
+
+def test_export_gguf_is_refused_before_launch(tmp_path):
+    """train.export_gguf without train.export_dir, or on a family GGUF cannot hold: one line, no run folder."""
+    line = _one_line(shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(tmp_path / "r1"),
+                                  "--set", "train.export_gguf=q8_0"))
+    assert "train.export_gguf" in line and "export_dir" in line and not (tmp_path / "r1").exists()
+    moe = make_family_model(tmp_path / "moe", "qwen3_moe")
+    line = _one_line(shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(tmp_path / "r2"),
+                                  "--set", f"model.name={moe}", "--set", f"train.export_dir={tmp_path / 'x'}",
+                                  "--set", "train.export_gguf=f16"))
+    assert "train.export_gguf" in line and "Qwen3MoeForCausalLM" in line and not (tmp_path / "r2").exists()

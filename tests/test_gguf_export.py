@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
 
 from tests.conftest import shardconsole
 from tests.family_fixtures import make_family_model
-
-gguf = pytest.importorskip("gguf")      # a dependency (pyproject); skipped only where it is not installed
 
 FAMILIES = ["llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3"]
 ARCH = {"llama3": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",

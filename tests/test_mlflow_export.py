@@ -7,7 +7,7 @@ import pytest
 
 from tests.conftest import messages, of_kind, shardconsole
 
-mlflow = pytest.importorskip("mlflow", reason="the optional extra shardconsole[mlflow] (mlflow-skinny)")
+mlflow = pytest.importorskip("mlflow", reason="shardconsole[mlflow] or [test] installs mlflow-skinny")
 
 pytestmark = pytest.mark.slow
 

@@ -162,6 +162,7 @@ VARS: dict[str, Var] = {v.name: v for v in (
     Var("WANDB_MODE", _choice("online", "offline", "disabled", "dryrun", "run", "shared"),
         "online, offline, disabled, dryrun, run or shared", "offline"),
     Var("WANDB_PROJECT", _text, "any text"),
+    Var("MLFLOW_TRACKING_URI", _text, "an MLflow tracking URI (file:, sqlite:, http(s):)"),
     Var("TORCH_EXTENSIONS_DIR", _folder, "a folder (or a path where one can be made)"),
 )}
 

@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--adapter", action="store_true",
                     help="a LoRA / QLoRA run: write peft's adapter folder (PeftModel.from_pretrained(base, OUT_DIR)) "
                          "instead of the merged model")
+    ap.add_argument("--gguf", choices=("f16", "bf16", "q8_0"), default=None, metavar="TYPE",
+                    help="also write model-TYPE.gguf (llama.cpp, Ollama, LM Studio; TYPE f16, bf16 or q8_0) and an "
+                         "Ollama Modelfile into OUT_DIR; RUN may then be a Hugging Face model folder, converted alone")
     ap.add_argument("--max-shard-size", default="5GB",
                     help="largest safetensors file, e.g. 5GB or 500MB (default 5GB)")
     return ap
@@ -120,6 +123,12 @@ def _refuse_inside_runs(out: Path, run: RunFolder, cfg: C.RunConfig) -> None:
 
 def cmd_export_model(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    if args.gguf and args.adapter:
+        raise ExportError("--gguf with --adapter: the GGUF holds the merged model; leave out --adapter")
+    from shardconsole.export_model import gguf_export
+    if args.gguf and gguf_export.is_model_folder(Path(args.run)):
+        print(gguf_export.folder_to_gguf(Path(args.run), args.out, args.gguf))
+        return 0
     from shardconsole.history.index import find_run
     try:
         args.run_dir = find_run(args.run)
@@ -179,6 +188,7 @@ def cmd_export_model(argv: list[str]) -> int:
             n_params=n_params, dtype_name=dtype_name, shards=shards, tokenizer=tokenizer,
             ev=hf_folder.last_eval(run, ckpt.step), prompt_format=hf_folder.add_prompt_format(run, tmp),
             load=adapters.load_lines(out.name, str(spec.path)) if args.adapter else None))
+        gguf_line = f", {gguf_export.add_gguf(tmp, args.gguf, out.name)}" if args.gguf else ""
         if cfg.train.checkpoint_private:
             make_private(tmp)           # the trained model, readable by its owner alone (as the checkpoints)
         if out.exists():
@@ -194,5 +204,5 @@ def cmd_export_model(argv: list[str]) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     what = "adapter folder of" if args.adapter else type(model).__name__ + ","
     print(f"wrote {out}: {what} {human_count(n_params)} parameters in {dtype_name}, "
-          f"{shards} safetensors file(s), from step {ckpt.step} of {run.path}")
+          f"{shards} safetensors file(s){gguf_line}, from step {ckpt.step} of {run.path}")
     return 0

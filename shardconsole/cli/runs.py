@@ -1,6 +1,6 @@
 """`shardconsole runs` and `shardconsole compare`: every run kept, listed and compared.
 
-    shardconsole runs [RUN ...] [--runs-root DIR] [--limit N] [--json] [--tensorboard] [--wandb] [--prune]
+    shardconsole runs [RUN ...] [--runs-root DIR] [--limit N] [--json] [--tensorboard] [--wandb] [--mlflow] [--prune]
     shardconsole compare RUN RUN ... [--runs-root DIR] [--width N]
 
 RUN is a run folder or a run id (a part of one that names a single run) under the runs root.
@@ -54,14 +54,18 @@ def cmd_runs(argv: list[str]) -> int:
     ap.add_argument("--wandb", action="store_true",
                     help="export the named runs to Weights & Biases (offline unless WANDB_MODE says otherwise; "
                          "needs `pip install shardconsole[wandb]`)")
+    ap.add_argument("--mlflow", action="store_true",
+                    help="export the named runs to MLflow (a file store in the run folder's mlruns/ unless "
+                         "MLFLOW_TRACKING_URI names another; needs `pip install shardconsole[mlflow]`)")
     ap.add_argument("--prune", action="store_true",
                     help="remove the folders --print-command and --slurm prepared that no run ever started "
                          "(nothing in them but preset.toml and origin.json); nothing else")
     args = ap.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit: {args.limit} is not a positive number of runs")
-    if args.wandb and not args.runs:
-        raise ConfigError("--wandb exports the runs you name: give at least one RUN")
+    for flag in ("wandb", "mlflow"):
+        if getattr(args, flag) and not args.runs:
+            raise ConfigError(f"--{flag} exports the runs you name: give at least one RUN")
     runs = _pick(args.runs, args.runs_root) if args.runs else list_runs(args.runs_root, args.limit)
     where = " and ".join(str(r) for r in roots(args.runs_root))
     if args.tensorboard:
@@ -72,6 +76,11 @@ def cmd_runs(argv: list[str]) -> int:
         from shardconsole.history.wandb_export import export
         for r in runs:
             print(export(r.path))
+        return 0
+    if args.mlflow:
+        from shardconsole.history.mlflow_export import export as to_mlflow
+        for r in runs:
+            print(to_mlflow(r.path))
         return 0
     if args.json:
         for r in runs:

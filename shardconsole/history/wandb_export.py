@@ -13,7 +13,7 @@ from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.runlog.tbevents import scalars
 
 
-def _values_by_step(folder: RunFolder) -> list[tuple[int, dict[str, float]]]:
+def values_by_step(folder: RunFolder) -> list[tuple[int, dict[str, float]]]:
     """Each step's values, in order; a sample taken between steps is logged with the step before it,
     and a resumed run's replayed steps keep their newest values."""
     from shardconsole.runlog.stream import MetricsReader
@@ -51,7 +51,7 @@ def export(run_dir: Path, project: str = "shardconsole") -> str:
     run = wandb.init(project=read("WANDB_PROJECT") or project, name=folder.run_id, dir=str(folder.path),
                      mode=mode, config=config, reinit=True)
     try:
-        for step, values in _values_by_step(folder):
+        for step, values in values_by_step(folder):
             run.log(values, step=step)
     finally:
         run.finish()

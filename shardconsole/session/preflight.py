@@ -78,6 +78,11 @@ def check_model(r: Resolved, *, weights: bool = True) -> ModelSpec:
         problem = target_problem(r.cfg, Shapes.of(spec))
         if problem:
             raise r.error("lora", "target_modules", problem)
+    if r.cfg.train.export_gguf:
+        from shardconsole.settings.gguf_kinds import problem as gguf_problem
+        why = gguf_problem(spec.config, Path(spec.path) if spec.path is not None else None, spec.name)
+        if why:
+            raise r.error("train", "export_gguf", why)
     return spec
 
 

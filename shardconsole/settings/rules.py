@@ -128,6 +128,11 @@ def _check_export(cfg: RunConfig, err) -> None:
     if t.export_adapter and t.method != "lora":
         raise err("train", "export_adapter", f"writes a LoRA run's adapters; train.method is \"{t.method}\""
                   + (" (QLoRA: run `shardconsole export-model RUN -o DIR --adapter`)" if t.method == "qlora" else ""))
+    if t.export_gguf and not t.export_dir:
+        raise err("train", "export_gguf", "is written into train.export_dir, which is empty; set it (a new folder)")
+    if t.export_gguf and t.export_adapter:
+        raise err("train", "export_gguf", "holds the merged model; train.export_adapter writes the adapters alone "
+                  "(leave one of them out)")
     if t.export_dir and t.method == "qlora":
         # The live base is bitsandbytes' 4-bit NF4: export-model merges into the model folder's own weights.
         raise err("train", "export_dir", "is not written from a QLoRA run's 4-bit base; leave it empty and run "

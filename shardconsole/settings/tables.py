@@ -96,6 +96,10 @@ class TrainSettings:
                               "merged model")
     export_dtype: Literal["bf16", "fp32"] | None = _f(
         None, "dtype of train.export_dir's weights (default: the master weights' own dtype, as export-model)")
+    # GGUF (issue 66): llama.cpp / Ollama / LM Studio read the trained model without a conversion of their own.
+    export_gguf: Literal["f16", "bf16", "q8_0"] | None = _f(
+        None, "also write train.export_dir's model as model-TYPE.gguf with an Ollama Modelfile beside it "
+              "(f16, bf16 or q8_0; unset: no GGUF)")
     resume: bool = _f(False, "continue from the newest complete checkpoint in checkpoint_dir")
     compile: bool = _f(False, "torch.compile each decoder layer (GPU; first steps are slower; after the first "
                               "the log says what compiled, and warns if a layer fell back to eager)")

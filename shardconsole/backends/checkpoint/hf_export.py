@@ -164,6 +164,8 @@ def written_to(r: Rank, out: Path, step: int, total: int, write: Callable[[Path]
             watch = save_stream.SaveWatch(r, step, "export", tmp, total)
         write(tmp)
         if r.rank == 0:
+            if r.cfg.train.export_gguf and not r.cfg.train.export_adapter:
+                _write_gguf(r, tmp, out)
             if private:
                 make_private(tmp)      # the trained model, readable by its owner alone (train.checkpoint_private)
             if out.exists():
@@ -181,6 +183,18 @@ def written_to(r: Rank, out: Path, step: int, total: int, write: Callable[[Path]
                 errno.ENOSPC, f"disk full at the export of step {step}: {save_stream.full_words(out.parent, total)}") from e
         raise
     torch.distributed.barrier()
+
+
+def _write_gguf(r: Rank, tmp: Path, out: Path) -> None:
+    """train.export_gguf: the finished Hugging Face folder converted into model-TYPE.gguf beside it, and
+    its Ollama Modelfile; rank 0, from the files just written (one tensor in memory at a time)."""
+    from shardconsole.backends.checkpoint import gguf_file, gguf_vocab
+    outtype = r.cfg.train.export_gguf
+    assert outtype is not None
+    name = f"model-{outtype}.gguf"
+    w = gguf_file.write_gguf(tmp, tmp / name, outtype, out.name)
+    (tmp / "Modelfile").write_text(gguf_vocab.modelfile_text(name, tmp))
+    r.event("exported", f"{out / name}: {w.arch}, {w.n_tensors} tensors, {format_size(w.n_bytes)}")
 
 
 def _write_tensors(r: Rank, src: FullTensors, entries: list, tmp: Path) -> None:

@@ -88,6 +88,7 @@ class Step(Message):
     reward_rejected: float | None = None   # the same for the rejected answers (ORPO: lambda * mean token log-prob)
     reward_margin: float | None = None     # reward_chosen - reward_rejected
     pref_accuracy: float | None = None     # share of pairs whose chosen reward is above the rejected one, 0..1
+    kl: float | None = None                # KTO: the KL estimate z (mismatched rows' log-ratio, mean); else None
     meter: int = 0                     # METER_VERSION of the meter that wrote it; 0: before issue 45
     # precision.fp8's recipe when the decoder linears multiply in float8 ("tensorwise", "rowwise"), else "".
     # mfu stays a share of the GPU's bf16 peak, so that runs with and without FP8 compare.
@@ -152,6 +153,7 @@ class Eval(Message):
     reward_rejected: float | None = None
     reward_margin: float | None = None
     pref_accuracy: float | None = None
+    kl: float | None = None
 
 
 @dataclass(frozen=True)

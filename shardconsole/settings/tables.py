@@ -107,9 +107,10 @@ class TrainSettings:
         min=0.0)
     # Preference training (issue 47; backends/objective/preference.py): a sample is a pair, a chosen row and
     # a rejected row (train.micro_batch counts pairs), settings in [preference].
-    objective: Literal["sft", "dpo", "orpo"] = _f(
+    objective: Literal["sft", "dpo", "orpo", "simpo", "kto"] = _f(
         "sft", "what the loss is: next-token prediction (sft), DPO on chosen/rejected pairs against the starting "
-        "model (dpo), or ORPO's odds-ratio loss without a reference (orpo); settings in [preference]")
+        "model (dpo), ORPO's odds-ratio loss without a reference (orpo), SimPO's length-normalised margin without "
+        "a reference (simpo), or KTO on unpaired prompt/completion/label records (kto); settings in [preference]")
 
 
 @dataclass

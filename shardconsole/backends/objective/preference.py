@@ -250,7 +250,8 @@ class ReferenceTable:
                 self.tables = {k: torch.from_numpy(z[k]).to(r.device) for k in z.files if k != "meta"}
                 meta = json.loads(str(z["meta"]))
             if r.rank == 0:
-                r.event("info", f"dpo: reference log-probs of {meta['pairs']} pairs read from the cache {path} "
+                r.event("info", f"{r.cfg.train.objective}: reference log-probs of {meta['pairs']} pairs read from "
+                                f"the cache {path} "
                                 f"(computed once, in {meta['seconds']:.1f} s)")
             return
         r.phase("reference pass")
@@ -263,7 +264,8 @@ class ReferenceTable:
         n = sum(s.n for s in splits.values())
         if r.rank == 0:
             _write(path, {k: v.cpu().numpy() for k, v in self.tables.items()}, {"pairs": n, "seconds": seconds})
-            r.event("info", f"dpo: reference log-probs of {n} pairs computed with the starting weights in "
+            r.event("info", f"{r.cfg.train.objective}: reference log-probs of {n} pairs computed with the "
+                            f"starting weights in "
                             f"{seconds:.1f} s, cached in {path}")
         r.phase("training")
 

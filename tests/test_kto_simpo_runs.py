@@ -105,3 +105,27 @@ def test_bad_kto_records_are_one_line_before_launch(folder, tmp_path, records, s
     lines = [x for x in res.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and says in lines[0] and "data.path" in lines[0], res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "run").exists()
+
+
+def test_kto_rows_pair_each_prompt_with_the_previous_completion(tmp_path):
+    """The cache's KTO rows: record j's row is its prompt and completion, its KL row its prompt and the
+    completion of record j - 1 (record 0: the last one's), TRL's +1 rotation; labels kept per record."""
+    import numpy as np
+
+    from shardconsole.backends.data import preference as pairs_data
+    writer = pairs_data._KtoWriter(tmp_path, "train", np.dtype(np.uint16), 16)
+    records = [([1, 2], [10, 11, 12], True), ([3], [20], False), ([4, 5, 6], [30, 31], True)]
+    for prompt, completion, label in records:
+        writer.add(pairs_data.PairTokens(prompt, completion, completion, label))
+    info = writer.close()
+    assert (info["records"], info["desirable"]) == (3, 2)
+    split = pairs_data.PairSplit(np.fromfile(tmp_path / "train.ids", dtype=np.uint16),
+                                 np.fromfile(tmp_path / "train.index", dtype=np.int64).reshape(-1, 4),
+                                 np.fromfile(tmp_path / "train.labels", dtype=np.uint8).astype(bool))
+    ids, labels = pairs_data.rows(split, [0, 1, 2], 16)
+    for j, (prompt, completion, _) in enumerate(records):
+        kl_completion = records[j - 1][1]
+        assert ids[j, :len(prompt) + len(completion)].tolist() == prompt + completion
+        assert ids[3 + j, :len(prompt) + len(kl_completion)].tolist() == prompt + kl_completion
+        assert labels[3 + j, len(prompt) - 1:len(prompt) - 1 + len(kl_completion)].tolist() == kl_completion
+    assert split.labels.tolist() == [True, False, True]

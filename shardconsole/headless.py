@@ -120,10 +120,15 @@ def data_line(d: P.DataSummary) -> str:
     return text + (f"\n  note: {d.note}" if d.note else "")
 
 
+def _unit(e: P.Eval) -> str:
+    """What an eval's count counts: KTO's (its kl set) are unpaired records, the others pairs."""
+    return "record" if e.kl is not None else "pair"
+
+
 def eval_line(e: P.Eval) -> str:
     if preference_text(e):
         tokens = f", {count(e.tokens, 'answer token')}" if e.tokens else ""     # 0: a stream of before issue 65
-        return f"eval step {e.step}: loss {_num(e.loss, '.4f')} {preference_text(e)} over {count(e.pairs, 'pair')}" \
+        return f"eval step {e.step}: loss {_num(e.loss, '.4f')} {preference_text(e)} over {count(e.pairs, _unit(e))}" \
                f"{tokens} ({e.seconds:.1f} s)"
     each = "".join(f"; {name} {_num(lo, '.4f')}" for name, lo in zip(e.sources, e.source_losses))
     return f"eval step {e.step}: loss {_num(e.loss, '.4f')} over {e.tokens} tokens ({e.seconds:.1f} s){each}"

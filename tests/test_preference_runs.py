@@ -123,15 +123,15 @@ def test_dpo_learns_the_rule_resumes_exactly_and_exports(dpo):
     assert_tensorboard_has_the_figures(dpo.run)
 
 
-def assert_tensorboard_has_the_figures(run: Path) -> None:
+def assert_tensorboard_has_the_figures(run: Path, kto: bool = False) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     res = shardconsole("runs", "--tensorboard", str(run))
     assert res.returncode == 0, res.stderr
     acc = EventAccumulator(str(run))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"rewards/train_chosen", "rewards/train_margin", "rewards/train_accuracy_pct", "rewards/eval_margin",
-            "rewards/eval_accuracy_pct"} <= tags, tags
+    want = ({"rewards/train_kl", "rewards/eval_kl"} if kto else {"rewards/train_accuracy_pct", "rewards/eval_accuracy_pct"})
+    assert {"rewards/train_chosen", "rewards/train_margin", "rewards/eval_margin"} | want <= tags, tags
 
 
 # ---------------------------------------------------------------------------------------------------

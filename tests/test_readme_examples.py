@@ -195,6 +195,14 @@ def walkthrough(tmp_path_factory):
         shown = re.search(r"```python\n# rewards.py\n(.*?)```", (REPO / "docs" / "FINETUNE.md").read_text(), re.S)
         assert shown, "docs/FINETUNE.md shows no ```python block starting # rewards.py"
         (base / folder / "rewards.py").write_text(shown.group(1))
+    # ... and KTO's unpaired records (issue 66), each answer labelled right (true) or wrong (false).
+    for folder in {f for f, cmd in examples if "feedback.jsonl" in cmd}:
+        if not (base / folder / "path" / "to" / "model").exists():
+            make_hf_model(base / folder / "path" / "to" / "model", chat_template=True)
+        with open(base / folder / "feedback.jsonl", "w") as fh:
+            for i in range(40):
+                fh.write(json.dumps({"prompt": f"what is {i} plus {i}?", "completion": f" {2 * i + i % 2}.",
+                                     "label": i % 2 == 0}) + "\n")
     done: list = []
     runs: list[Path] = []
     ran: dict[str, subprocess.CompletedProcess] = {}    # a command several pages show runs once

@@ -156,11 +156,11 @@ def preference_notes(cfg: C.RunConfig) -> list[str]:
         return []
     out = [f"{objective}: a sample is a pair, its chosen and rejected rows of data.seq_len tokens together "
            f"(micro_batch {cfg.train.micro_batch} = {cfg.train.micro_batch * 2} sequences a forward)"]
-    if objective == "dpo" and cfg.adapters:
-        out.append("dpo with adapters: the reference is the base with the adapters off, one more forward without "
+    if objective in ("dpo", "kto") and cfg.adapters:
+        out.append(f"{objective} with adapters: the reference is the base with the adapters off, one more forward without "
                    "grad a micro-batch (about a third more compute a step, no more memory than the forward)")
-    elif objective == "dpo":
-        out.append("dpo, full fine-tuning: before step 1 a reference pass, one forward without grad over every pair "
+    elif objective in ("dpo", "kto"):      # KTO's pair: a record's row and its KL row, both with a reference
+        out.append(f"{objective}, full fine-tuning: before step 1 a reference pass, one forward without grad over every pair "
                    "(about a third of what an epoch of steps computes), cached beside the token cache at 16 bytes a "
                    "pair and read back by later runs and resumes on the same model and data")
     return out

@@ -94,7 +94,8 @@ class Step(Message):
     reward_std: float | None = None        # its std over the completions
     rewards: dict | None = None            # "FILE.py:FUNCTION" -> that function's mean reward
     completion_len: float | None = None    # tokens a completion, mean (EOS counted)
-    kl: float | None = None                # the k3 KL to the reference a token, mean; None when beta = 0
+    kl: float | None = None                # GRPO: the k3 KL to the reference a token, mean (None when beta = 0);
+                                           # KTO: its KL estimate z (mismatched rows' log-ratio, mean)
     clip_ratio: float | None = None        # share of completion tokens whose ratio was clipped
     generate_s: float | None = None        # seconds a step sampling completions (and scoring them)
     meter: int = 0                     # METER_VERSION of the meter that wrote it; 0: before issue 45
@@ -164,6 +165,7 @@ class Eval(Message):
     # Several data sources (data.path names them): the held-out loss of each source with eval records
     sources: tuple[str, ...] = ()
     source_losses: tuple[float, ...] = ()
+    kl: float | None = None
 
 
 @dataclass(frozen=True)

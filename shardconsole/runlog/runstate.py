@@ -19,7 +19,13 @@ def fmt_rate(x: float) -> str:
 
 def preference_text(m: P.Step | P.Eval) -> str:
     """A preference run's figures as both front ends print them: `acc 87.5% margin +0.750 (chosen +0.250,
-    rejected -0.500)`; "" for a message without them (SFT)."""
+    rejected -0.500)`, KTO's `margin +0.750 chosen +0.250 rejected -0.500 kl 0.012`; "" for a message without
+    them (SFT)."""
+    kl = getattr(m, "kl", None)
+    if kl is not None:      # KTO: unpaired, so no accuracy; a window of one label has no margin
+        sides = " ".join(f"{name} {v:+.3f}" for name, v in (("margin", m.reward_margin), ("chosen", m.reward_chosen),
+                                                            ("rejected", m.reward_rejected)) if v is not None)
+        return f"{sides} kl {kl:.3f}".strip()
     if m.pref_accuracy is None or m.reward_margin is None:
         return ""
     return (f"acc {100 * m.pref_accuracy:.1f}% margin {m.reward_margin:+.3f} (chosen {m.reward_chosen or 0:+.3f}, "

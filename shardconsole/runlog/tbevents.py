@@ -76,7 +76,8 @@ def _preference(split: str, msg: P.Step | P.Eval) -> list[tuple[str, float | Non
     """A DPO / ORPO run's figures (None under SFT: no tag), in TRL's names under our split prefix."""
     return [(f"rewards/{split}_chosen", msg.reward_chosen), (f"rewards/{split}_rejected", msg.reward_rejected),
             (f"rewards/{split}_margin", msg.reward_margin),
-            (f"rewards/{split}_accuracy_pct", None if msg.pref_accuracy is None else 100 * msg.pref_accuracy)]
+            (f"rewards/{split}_accuracy_pct", None if msg.pref_accuracy is None else 100 * msg.pref_accuracy),
+            (f"rewards/{split}_kl", getattr(msg, "kl", None))]
 
 
 def _grpo(msg: P.Step) -> list[tuple[str, float | None]]:

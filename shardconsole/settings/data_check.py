@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from shardconsole.settings import config as C
-from shardconsole.settings import data_mix, pair_records, prompt_records
+from shardconsole.settings import data_mix, kto_records, pair_records, prompt_records
 from shardconsole.settings.data_scan import Scan, ScanError, scan
 from shardconsole.settings.paths import PathError, kind_of, shown
 
@@ -150,9 +150,11 @@ def check_data(cfg: C.RunConfig, source: str = "preset") -> Scan | None:
     objective = getattr(cfg.train, "objective", "sft")
     if data_mix.is_mix(d):
         return _scan_mix(cfg, source)
-    found = _scan(d.path, "path", d, source, objective)
+    pref = getattr(cfg, "preference", None)
+    weights = (pref.desirable_weight, pref.undesirable_weight) if pref is not None else (1.0, 1.0)
+    found = _scan(d.path, "path", d, source, objective, weights)
     if d.eval_path:
-        held = _scan(d.eval_path, "eval_path", d, source, objective)
+        held = _scan(d.eval_path, "eval_path", d, source, objective, weights)
         if found is not None and held is not None:
             found.notes += held.notes
     _check_tokenizer_choice(cfg, source)
@@ -174,12 +176,16 @@ def _scan_mix(cfg: C.RunConfig, source: str) -> Scan | None:
     return found
 
 
-def _scan(value: str, key: str, d: C.DataSettings, source: str, objective: str = "sft") -> Scan | None:
-    """objective dpo / orpo: preference records (settings/pair_records.py), one rule for all, and the pairs
-    whose answers are the same counted (all of them: refused under DPO; some: a note)."""
+def _scan(value: str, key: str, d: C.DataSettings, source: str, objective: str = "sft",
+          weights: tuple[float, float] = (1.0, 1.0)) -> Scan | None:
+    """objective dpo / orpo / simpo: preference records (settings/pair_records.py), one rule for all, and the
+    pairs whose answers are the same counted (all of them: refused under DPO; some: a note); kto: unpaired
+    labelled records; grpo: prompts."""
     path, kind = locate(value, key, source)
     if objective == "grpo":
         return _scan_prompts(path, kind, key, d, source)
+    if objective == "kto":
+        return _scan_kto(path, kind, key, d, source, weights)
     pairs = objective != "sft"
     count = pair_records.PairCount()
     if pairs and kind in ("parquet", "saved"):
@@ -217,6 +223,28 @@ def _scan_prompts(path: Path, kind: str, key: str, d: C.DataSettings, source: st
     except OSError as e:
         raise C.ConfigError(f"{source}: [data] {key}: {shown(path)}: cannot read: {e.strerror}") from None
     found.formats = {"prompts": str(path)}
+    return found
+
+
+def _scan_kto(path: Path, kind: str, key: str, d: C.DataSettings, source: str,
+              weights: tuple[float, float]) -> Scan:
+    """KTO's unpaired records (settings/kto_records.py): each record's fields and label, the labels counted."""
+    count = kto_records.KtoCount()
+    try:
+        if kind in ("parquet", "saved"):
+            pair_records.scan_columnar(path, kind, count, kto_records.is_kto, kto_records.no_kto)
+            found = Scan(records=count.records, formats={"preference": str(path)}, notes=[])
+        elif kind in ("json", "csv"):
+            found = scan(path, kind, d.text_key, d.text_split, check=count)
+        else:
+            raise ScanError(f"{shown(path)}: train.objective = \"kto\" needs records with prompt, completion and "
+                            f"label (.jsonl, .parquet, ...)")
+        note = count.verdict(shown(path), *weights)
+    except ScanError as e:
+        raise C.ConfigError(f"{source}: [data] {key}: {e}") from None
+    except OSError as e:
+        raise C.ConfigError(f"{source}: [data] {key}: {shown(path)}: cannot read: {e.strerror}") from None
+    found.notes += [note] if note else []
     return found
 
 

@@ -35,7 +35,7 @@ class LoraSettings:
 
 @dataclass
 class PreferenceSettings:
-    """train.objective = "dpo" or "orpo": the loss over a chosen and a rejected completion, in TRL's names."""
+    """train.objective = "dpo", "orpo", "simpo" or "kto": the preference loss, in TRL's names and defaults."""
     beta: float = _f(0.1, "DPO: how far the model may move from the reference (higher: less); for \"ipo\" the "
                      "regularisation tau", min=1e-6)
     loss: Literal["sigmoid", "ipo"] = _f(
@@ -45,6 +45,16 @@ class PreferenceSettings:
         min=0.0, max=0.49)
     orpo_lambda: float = _f(0.1, "ORPO: the weight of the odds-ratio term beside the chosen answer's NLL "
                             "(TRL's beta)", min=0.0)
+    # SimPO as TRL's CPOTrainer with loss_type="simpo" (trl/experimental/cpo): beta above is its beta
+    simpo_gamma: float = _f(0.5, "SimPO: the target reward margin gamma (TRL's simpo_gamma; the loss is "
+                            "-log sig(beta * (mean log-prob chosen - rejected) - gamma))", min=0.0)
+    cpo_alpha: float = _f(1.0, "SimPO: the weight of the chosen answer's NLL beside the SimPO loss (TRL's "
+                          "cpo_alpha, default 1.0 as TRL's; 0 is the SimPO paper's loss)", min=0.0)
+    # KTO as TRL's KTOTrainer (trl/trainer/kto_trainer.py, loss_type "kto"): beta above is its beta
+    desirable_weight: float = _f(1.0, "KTO: the weight of the losses of records labelled true (desirable)",
+                                 min=0.0)
+    undesirable_weight: float = _f(1.0, "KTO: the weight of the losses of records labelled false (undesirable)",
+                                   min=0.0)
 
 
 @dataclass

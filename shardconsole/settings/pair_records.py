@@ -107,16 +107,19 @@ class PairCount:
         return (f"{where}: 'chosen' equals 'rejected' in {self.same} of {self.pairs} pairs read "
                 f"({100 * self.same / self.pairs:.0f}%, the first at {self.first_same}): "
                 + ("DPO learns nothing from those" if objective == "dpo" else
+                   f"{objective.upper()}'s preference term learns nothing from those, only its NLL term on the "
+                   f"chosen answer" if objective == "simpo" else
                    "ORPO's odds term learns nothing from those, only its NLL term on the chosen answer"))
 
 
 SCAN_ROWS = 200_000      # a columnar file's rows checked before launch (the ranks check the rest as they read)
 
 
-def scan_columnar(path: Path, kind: str, count: PairCount | None = None) -> int:
+def scan_columnar(path: Path, kind: str, count: Any = None, fits: Any = is_pairs, refuse: Any = no_pairs) -> int:
     """The preference records of a .parquet file or a save_to_disk folder (its train split), up to SCAN_ROWS,
     read with pyarrow (no datasets, no torch: this runs in the front end); the count checked. ScanError
-    names the record as the ranks do (`file: record N`)."""
+    names the record as the ranks do (`file: record N`). `fits` / `refuse`: the columns' rule (KTO's records
+    pass kto_records')."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     if kind == "saved":
@@ -127,14 +130,14 @@ def scan_columnar(path: Path, kind: str, count: PairCount | None = None) -> int:
         where_file = split
     else:
         pf = pq.ParquetFile(path)
-        if not is_pairs(pf.schema_arrow.names):
-            raise ScanError(no_pairs(pf.schema_arrow.names, str(path)))
+        if not fits(pf.schema_arrow.names):
+            raise ScanError(refuse(pf.schema_arrow.names, str(path)))
         batches = pf.iter_batches(batch_size=4096)
         where_file = path
     n = 0
     for batch in batches:
-        if n == 0 and not is_pairs(batch.schema.names):
-            raise ScanError(no_pairs(batch.schema.names, str(where_file)))
+        if n == 0 and not fits(batch.schema.names):
+            raise ScanError(refuse(batch.schema.names, str(where_file)))
         for rec in batch.to_pylist():
             n += 1
             (count or pair_of)(rec, f"{where_file}: record {n}")

@@ -217,12 +217,13 @@ def _check_preference(cfg: RunConfig, err) -> None:
         return
     d = cfg.data
     if d.source in ("synthetic", "tokens") or not d.path:
-        raise err("train", "objective", f"\"{objective}\" trains on pairs of answers: set data.path to records with "
-                  "prompt, chosen and rejected (strings or message lists); synthetic tokens and token files have none")
-    if pref.label_smoothing and (objective == "orpo" or pref.loss == "ipo"):
-        what = "ORPO" if objective == "orpo" else "the ipo loss"
+        records = "prompt, completion and label" if objective == "kto" else "prompt, chosen and rejected"
+        raise err("train", "objective", f"\"{objective}\" trains on rated answers: set data.path to records with "
+                  f"{records} (strings or message lists); synthetic tokens and token files have none")
+    if pref.label_smoothing and (objective in ("orpo", "kto") or (objective == "dpo" and pref.loss == "ipo")):
+        what = {"orpo": "ORPO", "kto": "KTO"}.get(objective, "the ipo loss")
         # TRL's IPO and ORPO ignore it (trl 1.16, trainer/dpo_trainer.py, experimental/orpo): refused, not ignored
-        raise err("preference", "label_smoothing", f"is for sigmoid DPO (conservative DPO); {what} has no label "
+        raise err("preference", "label_smoothing", f"is for sigmoid DPO and SimPO; {what} has no label "
                   "smoothing: set it to 0")
 
 

@@ -115,10 +115,11 @@ class TrainSettings:
     # Preference training (issue 47; backends/objective/preference.py): a sample is a pair, a chosen row and
     # a rejected row (train.micro_batch counts pairs), settings in [preference].
     # GRPO (issue 61; backends/objective/grpo.py): a sample is a prompt, completed [grpo] generations times.
-    objective: Literal["sft", "dpo", "orpo", "grpo"] = _f(
+    objective: Literal["sft", "dpo", "orpo", "simpo", "kto", "grpo"] = _f(
         "sft", "what the loss is: next-token prediction (sft), DPO on chosen/rejected pairs against the starting "
-        "model (dpo), ORPO's odds-ratio loss without a reference (orpo), both settings in [preference]; or "
-        "online RL on prompts with your reward functions (grpo; settings in [grpo])")
+        "model (dpo), ORPO's odds-ratio loss without a reference (orpo), SimPO's length-normalised margin without "
+        "a reference (simpo), or KTO on unpaired prompt/completion/label records (kto), settings in [preference]; "
+        "or online RL on prompts with your reward functions (grpo; settings in [grpo])")
 
 
 @dataclass

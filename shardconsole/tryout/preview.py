@@ -41,7 +41,8 @@ class RecordView:
     loss_tokens: int
     ids: list[int] = field(repr=False, default_factory=list)
     flags: list[int] = field(repr=False, default_factory=list)    # corpus.LOSS / DOC_START bits
-    row: str = ""        # a preference pair's row: "chosen" or "rejected" (the prompt, then the answer)
+    row: str = ""        # a preference pair's row: "chosen" or "rejected" (the prompt, then the answer); a KTO
+    #                      record's: "desirable" or "undesirable"
 
 
 @dataclass
@@ -155,12 +156,19 @@ def _pairs(path: Path, picked: list[tuple[int, dict[str, Any]]], enc: corpus.Enc
         if cut:
             notes.append(f"record {i + 1}: longer than data.seq_len + 1 = {seq_len + 1} tokens a row: the answers "
                          f"keep their start, the prompt its last {len(fitted.prompt)} of {len(t.prompt)} tokens")
-        for row, answer in (("chosen", fitted.chosen), ("rejected", fitted.rejected)):
+        rows = (("chosen", fitted.chosen), ("rejected", fitted.rejected)) if t.label is None else \
+            (("desirable" if t.label else "undesirable", fitted.chosen),)      # KTO: its KL row is a neighbour's
+        for row, answer in rows:
             ids = np.asarray(fitted.prompt + answer, dtype=np.int64)
             flags = np.asarray([0] * len(fitted.prompt) + [corpus.LOSS] * len(answer), dtype=np.uint8)
             views.append(RecordView(i, where(i), _pieces(enc, ids, flags), len(ids), len(answer), ids.tolist(),
                                     flags.tolist(), row=row))
-    notes.append("each pair trains as two rows of data.seq_len tokens, padded at the end (never packed, never split)")
+    if any(v.row in ("desirable", "undesirable") for v in views):
+        notes.append("each KTO record trains as two rows of data.seq_len tokens: its completion under its label, "
+                     "and its prompt with the previous record's completion for the KL estimate")
+    else:
+        notes.append("each pair trains as two rows of data.seq_len tokens, padded at the end (never packed, never "
+                     "split)")
     if renderer.strings:        # said as the data line says it: string pairs have no template
         notes.append(pairs.RAW_PAIRS_NOTE)
     return Preview(str(path), "preference", enc.name, renderer.template_name or "-", views, seq_len, [], notes)

@@ -34,7 +34,7 @@ from shardconsole.backends.data import corpus, token_cache
 from shardconsole.backends.data.batches import IGNORE, Batch, _Global, shuffled
 from shardconsole.backends.data.corpus import DataError
 from shardconsole.runlog import protocol as P
-from shardconsole.settings import pair_records
+from shardconsole.settings import kto_records, pair_records
 from shardconsole.settings.data_check import tokenizer_dir
 from shardconsole.settings.data_scan import ScanError
 
@@ -49,7 +49,8 @@ META = "meta.json"
 class PairTokens:
     prompt: list[int]
     chosen: list[int]       # the answer, EOS included
-    rejected: list[int]
+    rejected: list[int]     # KTO: the completion of the record before it in its split (the KL row's)
+    label: bool | None = None     # KTO's label (desirable: true); None for a pair
 
 
 RAW_PAIRS_NOTE = ("string pairs train as plain text, the prompt then the answer, with no chat template "
@@ -74,9 +75,19 @@ class PairRenderer:
         """The chat template the pairs were rendered with: "" when none was (string pairs only)."""
         return self.chat.template_name if self.conversations else ""
 
+    def label(self, rec: dict[str, Any], where: str) -> bool | None:
+        """A KTO record's label (settings/kto_records.py); None for a pair."""
+        if not kto_records.is_kto(rec.keys()):
+            return None
+        try:
+            return kto_records.label_of(rec, where)
+        except ScanError as e:
+            raise DataError(str(e)) from None
+
     def texts(self, rec: dict[str, Any], where: str) -> tuple[str, str, str]:
         try:
-            pair = pair_records.pair_of(rec, where)
+            pair = (kto_records.kto_of(rec, where)[0] if kto_records.is_kto(rec.keys())
+                    else pair_records.pair_of(rec, where))
         except ScanError as e:
             raise DataError(str(e)) from None
         if not pair.conversational:
@@ -103,17 +114,17 @@ def tokenize_pairs(records: Iterator[tuple[int, dict]], renderer: PairRenderer, 
                    chunk: int = 256) -> Iterator[tuple[int, PairTokens]]:
     """(record index, PairTokens), a chunk of records per tokenizer call. The prompt is tokenized apart from
     the answers, so both rows of a pair hold the same prompt tokens."""
-    batch: list[tuple[int, tuple[str, str, str]]] = []
+    batch: list[tuple[int, tuple[str, str, str], bool | None]] = []
 
     def flush() -> Iterator[tuple[int, PairTokens]]:
-        ids = iter(enc.encode([t for _, texts in batch for t in texts]))
-        for i, _ in batch:
+        ids = iter(enc.encode([t for _, texts, _ in batch for t in texts]))
+        for i, _, label in batch:
             p, c, r = next(ids), next(ids), next(ids)
-            yield i, PairTokens(list(p), list(c) + [enc.eos], list(r) + [enc.eos])
+            yield i, PairTokens(list(p), list(c) + [enc.eos], list(r) + [enc.eos], label)
         batch.clear()
 
     for i, rec in records:
-        batch.append((i, renderer.texts(rec, where(i))))
+        batch.append((i, renderer.texts(rec, where(i)), renderer.label(rec, where(i))))
         if len(batch) >= chunk:
             yield from flush()
     yield from flush()
@@ -138,6 +149,7 @@ def fit(t: PairTokens, seq_len: int) -> tuple[PairTokens, bool]:
 class PairSplit:
     ids: np.ndarray
     index: np.ndarray        # [n, 4] int64
+    labels: np.ndarray | None = None     # KTO: [n] bool, each record's label
 
     @property
     def n(self) -> int:
@@ -174,10 +186,12 @@ def open_entry(d, seed: int, model_path: str | None, has_tokenizer: bool, vocab:
         if info is None:
             return None
         index = np.fromfile(folder / f"{name}.index", dtype=np.int64).reshape(-1, 4)
+        labels = (np.fromfile(folder / f"{name}.labels", dtype=np.uint8).astype(bool)
+                  if (folder / f"{name}.labels").is_file() else None)
         if not info["tokens"]:      # np.memmap refuses an empty file; an empty split has no tokens to map
-            return PairSplit(np.zeros(0, dtype), index)
+            return PairSplit(np.zeros(0, dtype), index, labels)
         ids = np.memmap(folder / f"{name}.ids", dtype=dtype, mode="r", shape=(info["tokens"],))
-        return PairSplit(ids, index)
+        return PairSplit(ids, index, labels)
     train = split("train")
     if train is None:       # written by every build: a cache entry edited by hand
         raise DataError(f"{folder}: a pair cache entry without its train split; remove the folder to rebuild it")
@@ -206,6 +220,30 @@ class _Writer:
         return {"records": len(self.rows), "tokens": self.tokens, "loss_tokens": self.loss_tokens, "cut": self.cut}
 
 
+class _KtoWriter(_Writer):
+    """KTO's records as pairs (completion, KL completion), with their labels. The KL row is TRL's mismatched
+    pair: its prompt with the completion of the record before it (the first: the last one's), TRL's +1
+    rotation (trainer/kto_trainer.py, add_kl_completion_ids) over the whole split rather than per batch of
+    per_device_train_batch_size, so a record's KL row is fixed and full fine-tuning's reference table holds it.
+    Buffered: a record's KL completion is known once its neighbour is read."""
+
+    def __init__(self, folder: Path, name: str, dtype, seq_len: int) -> None:
+        super().__init__(folder, name, dtype, seq_len)
+        self.held: list[PairTokens] = []
+
+    def add(self, t: PairTokens) -> None:
+        self.held.append(t)
+
+    def close(self) -> dict:
+        held, self.held = self.held, []
+        for k, t in enumerate(held):
+            super().add(PairTokens(t.prompt, t.chosen, held[k - 1].chosen, t.label))
+        np.asarray([bool(t.label) for t in held], dtype=np.uint8).tofile(self.folder / f"{self.name}.labels")
+        out = super().close()
+        out["desirable"] = sum(bool(t.label) for t in held)
+        return out
+
+
 def _build(folder: Path, d, seed: int, model_path: str | None, has_tokenizer: bool, vocab: int,
            log: Callable[[str], None]) -> None:
     scratch = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
@@ -217,30 +255,33 @@ def _build(folder: Path, d, seed: int, model_path: str | None, has_tokenizer: bo
         renderer = PairRenderer(enc.tokenizer)
         ds, path, where = corpus.load_records(d.path, "path", d.text_key, scratch / "hf", d.text_split)
         n = len(ds)
-        if not pair_records.is_pairs(ds.column_names):
+        kto = kto_records.is_kto(ds.column_names)        # KTO's unpaired records: what train.objective checks
+        writer = _KtoWriter if kto else _Writer
+        if not kto and not pair_records.is_pairs(ds.column_names):
             raise DataError(pair_records.no_pairs(ds.column_names, f"[data] path: {path}"))
         if n == 0:
             raise DataError(f"[data] path: {path}: no records")
         held = np.zeros(n, dtype=bool)
-        train, evalw = _Writer(out, "train", dtype, d.seq_len), None
+        train, evalw = writer(out, "train", dtype, d.seq_len), None
         if d.eval_fraction:
             k = max(1, round(n * d.eval_fraction))
             if n - k < 1:
                 raise DataError(f"[data] eval_fraction: {path}: {n} pair(s), too few to hold out {d.eval_fraction} "
                                 f"of them and train on the rest")
             held[np.random.default_rng(seed).permutation(n)[:k]] = True
-            evalw = _Writer(out, "eval", dtype, d.seq_len)
+            evalw = writer(out, "eval", dtype, d.seq_len)
         log(f"data: tokenizing {path} ({n} preference pairs) with {enc.name}")
         _tokenize_into(ds, renderer, enc, where, lambda i: evalw if held[i] else train)
         if d.eval_path:
             eds, epath, ewhere = corpus.load_records(d.eval_path, "eval_path", d.text_key, scratch / "hf",
                                                      d.text_split)
-            if not pair_records.is_pairs(eds.column_names):
-                raise DataError(pair_records.no_pairs(eds.column_names, f"[data] eval_path: {epath}"))
-            evalw = _Writer(out, "eval", dtype, d.seq_len)
+            if kto_records.is_kto(eds.column_names) != kto or not (kto or pair_records.is_pairs(eds.column_names)):
+                refuse = kto_records.no_kto if kto else pair_records.no_pairs
+                raise DataError(refuse(eds.column_names, f"[data] eval_path: {epath}"))
+            evalw = writer(out, "eval", dtype, d.seq_len)
             _tokenize_into(eds, renderer, enc, ewhere, lambda i: evalw)
         splits = {"train": train.close(), **({"eval": evalw.close()} if evalw else {})}
-        meta = {"version": FORMAT_VERSION, "source": str(path), "format": "preference",
+        meta = {"version": FORMAT_VERSION, "source": str(path), "format": "kto" if kto else "preference",
                 "data_sha256": token_cache.content_hash(path), "records": n, "tokenizer": enc.name,
                 "template": renderer.template_name, "raw_pairs": renderer.strings, "dtype": dtype.name,
                 "seq_len": d.seq_len, "splits": splits}
@@ -377,7 +418,11 @@ def make_eval_source(r) -> EvalPairs | None:
 def summary(cfg, world: int, entry: PairEntry) -> P.DataSummary:
     t, m = cfg.train, entry.meta
     tr, ev = m["splits"]["train"], m["splits"].get("eval")
-    notes = [f"{tr['records']} preference pairs, each two rows of {cfg.data.seq_len} tokens (chosen, rejected)"]
+    notes = [f"{tr['records']} preference pairs, each two rows of {cfg.data.seq_len} tokens (chosen, rejected)"
+             if m["format"] != "kto" else
+             f"{tr['records']} KTO records ({tr['desirable']} desirable, {tr['records'] - tr['desirable']} "
+             f"undesirable), each two rows of {cfg.data.seq_len} tokens (the completion, and the KL estimate's: "
+             f"the prompt with the previous record's completion)"]
     padded = 2 * entry.train.n * cfg.data.seq_len
     if padded:
         pad = 1 - int(row_tokens(entry.train, cfg.data.seq_len).sum()) / padded

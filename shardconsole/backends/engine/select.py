@@ -4,12 +4,14 @@ when chosen: an FSDP2 run never imports DeepSpeed."""
 from __future__ import annotations
 
 from shardconsole.backends.engine.contract import Engine
-from shardconsole.backends.objective import preference
+from shardconsole.backends.objective import kto, preference
 from shardconsole.backends.objective.base import Objective
 from shardconsole.backends.rank.common import Rank
 
 
 def objective(r: Rank) -> Objective:
+    if r.cfg.train.objective == "kto":
+        return kto.Kto(r)
     return preference.make(r)
 
 

@@ -155,7 +155,7 @@ class Evaluator:
         if r.rank == 0 and f:
             r.emit(P.Eval(run=r.run_id, rank=0, step=step, loss=f["loss"], pairs=f["pairs"], tokens=f["tokens"],
                           reward_chosen=f["reward_chosen"], reward_rejected=f["reward_rejected"],
-                          reward_margin=f["reward_margin"], pref_accuracy=f["pref_accuracy"],
+                          reward_margin=f["reward_margin"], pref_accuracy=f["pref_accuracy"], kl=f.get("kl"),
                           seconds=time.perf_counter() - t0))
         r.phase("training")
 

@@ -1,4 +1,4 @@
-"""Preference losses (train.objective dpo / orpo, [preference]) over a Batch of pairs (backends/data/
+"""Preference losses (train.objective dpo / orpo / simpo, [preference]) over a Batch of pairs (backends/data/
 preference.py: B chosen rows, then B rejected rows, and each pair's index).
 
 From per-row sums of the answers' token log-probs (modeling.CausalLMLoss, reduction="row"):
@@ -6,9 +6,12 @@ From per-row sums of the answers' token log-probs (modeling.CausalLMLoss, reduct
                        label smoothing (conservative DPO; e = 0 is the DPO paper's and TRL's "sigmoid")
   dpo, loss "ipo"      ((pi_c - ref_c) / n_c - (pi_r - ref_r) / n_r - 1 / (2 beta))^2, on per-token means as
                        TRL's "ipo" (n: the answer's labelled tokens)
+  simpo                -(1-e) log sig(z) - e log sig(-z), z = beta (m_c - m_r) - gamma on the answers' mean token
+                       log-probs m, plus cpo_alpha times the chosen answers' NLL (TRL's CPOTrainer, "simpo")
   orpo                 NLL of the chosen answers (their tokens pooled) - lambda * mean log sig(log odds), with the
                        odds from each answer's mean token log-prob (TRL's ORPOTrainer.odds_ratio_loss)
-Rewards: beta * (pi - ref) per answer (ORPO: lambda * mean token log-prob, as TRL logs); margin their
+Rewards: beta * (pi - ref) per answer (ORPO: lambda * mean token log-prob, SimPO: beta * mean token log-prob,
+as TRL logs); margin their
 difference; accuracy the share of pairs whose chosen reward is above the rejected one. tests/test_preference.py
 checks each against TRL's own code on the same model and batch.
 
@@ -68,6 +71,16 @@ def dpo_losses(pol_c: torch.Tensor, pol_r: torch.Tensor, ref_c: torch.Tensor, re
     return per_pair, beta * chosen.detach(), beta * rejected.detach()
 
 
+def simpo_losses(sum_c: torch.Tensor, sum_r: torch.Tensor, n_c: torch.Tensor, n_r: torch.Tensor, beta: float,
+                 gamma: float, label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(SimPO loss per pair, chosen reward, rejected reward): TRL's CPOTrainer.cpo_loss with loss_type "simpo",
+    on each answer's mean token log-prob; the rewards beta times those means, as TRL logs them."""
+    mean_c, mean_r = sum_c / n_c.clamp(min=1), sum_r / n_r.clamp(min=1)
+    z = beta * (mean_c - mean_r) - gamma          # TRL: beta * (logits - gamma / beta)
+    per_pair = -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+    return per_pair, beta * mean_c.detach(), beta * mean_r.detach()
+
+
 def orpo_losses(sum_c: torch.Tensor, sum_r: torch.Tensor, n_c: torch.Tensor, n_r: torch.Tensor,
                 lam: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the chosen answers' NLL, pooled over their tokens; the odds-ratio term per pair, lambda *
@@ -123,7 +136,7 @@ def row_logps(model: Forward, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]
 
 
 class Preference:
-    """DPO (sigmoid, ipo) or ORPO, as an Objective (backends/objective/base.py)."""
+    """DPO (sigmoid, ipo), SimPO or ORPO, as an Objective (backends/objective/base.py)."""
 
     def __init__(self, r: Any) -> None:
         self.r, self.cfg = r, r.cfg
@@ -131,12 +144,13 @@ class Preference:
         self.pref = r.cfg.preference
         self.tally = Tally()
         self.table: ReferenceTable | None = None
-        self.lora_reference = self.name == "dpo" and r.cfg.adapters
+        self.with_reference = self.name in ("dpo", "kto")      # simpo and orpo have none
+        self.lora_reference = self.with_reference and r.cfg.adapters
 
     def prepare(self, model: Forward) -> None:
         """Full DPO: the reference log-probs of every pair with the weights as they are now (the starting
         ones: call before a checkpoint is loaded), or from the cache."""
-        if self.name == "dpo" and not self.lora_reference:
+        if self.with_reference and not self.lora_reference:
             self.table = ReferenceTable(self.r)
             self.table.prepare(model)
 
@@ -159,6 +173,13 @@ class Preference:
         sums, counts = row_logps(model, batch)
         pc, pr, nc, nr = sums[:B], sums[B:], counts[:B], counts[B:]
         tokens = (nc + nr).detach()
+        if self.name == "simpo":
+            per_pair, rc, rr = simpo_losses(pc, pr, nc, nr, self.pref.beta, self.pref.simpo_gamma,
+                                            self.pref.label_smoothing)
+            # TRL adds cpo_alpha times the chosen answers' NLL (their tokens pooled) to the mean SimPO loss
+            nll = -pc.sum() / nc.sum().clamp(min=1) if self.pref.cpo_alpha else pc.new_zeros(())
+            alpha = self.pref.cpo_alpha
+            return per_pair.mean() + alpha * nll, per_pair.detach() + alpha * nll.detach(), rc, rr, tokens
         if ref is None:
             nll, ratio, rc, rr = orpo_losses(pc, pr, nc, nr, self.pref.orpo_lambda)
             return nll - ratio.mean(), nll.detach() - ratio.detach(), rc, rr, tokens
@@ -196,8 +217,8 @@ class Preference:
 
 
 def make(r: Any) -> Objective:
-    """The run's objective from train.objective: NextToken for "sft", Preference for "dpo" / "orpo", Grpo for
-    "grpo"."""
+    """The run's objective from train.objective: NextToken for "sft", Preference for "dpo" / "orpo" / "simpo",
+    Grpo for "grpo" (engine/select.py picks kto.Kto for "kto")."""
     if r.cfg.train.objective == "grpo":
         from shardconsole.backends.objective.grpo import Grpo
         return Grpo(r)
@@ -232,7 +253,8 @@ class ReferenceTable:
                 self.tables = {k: torch.from_numpy(z[k]).to(r.device) for k in z.files if k != "meta"}
                 meta = json.loads(str(z["meta"]))
             if r.rank == 0:
-                r.event("info", f"dpo: reference log-probs of {meta['pairs']} pairs read from the cache {path} "
+                r.event("info", f"{r.cfg.train.objective}: reference log-probs of {meta['pairs']} pairs read from "
+                                f"the cache {path} "
                                 f"(computed once, in {meta['seconds']:.1f} s)")
             return
         r.phase("reference pass")
@@ -245,7 +267,8 @@ class ReferenceTable:
         n = sum(s.n for s in splits.values())
         if r.rank == 0:
             _write(path, {k: v.cpu().numpy() for k, v in self.tables.items()}, {"pairs": n, "seconds": seconds})
-            r.event("info", f"dpo: reference log-probs of {n} pairs computed with the starting weights in "
+            r.event("info", f"{r.cfg.train.objective}: reference log-probs of {n} pairs computed with the "
+                            f"starting weights in "
                             f"{seconds:.1f} s, cached in {path}")
         r.phase("training")
 

@@ -125,7 +125,7 @@ def cold_score(cfg: C.RunConfig) -> float:
         score *= BF16_MASTER_OFFLOAD_FACTOR
     if signature(cfg).get("overlap"):
         score *= OVERLAP_FACTOR
-    if cfg.train.objective == "dpo" and cfg.adapters:
+    if cfg.train.objective in ("dpo", "kto") and cfg.adapters:     # KTO's reference is DPO's
         score *= LORA_DPO_FACTOR
     # Larger micro-batches use the GPU better: an assumed factor tokens / (tokens + 2048), relative to 16k.
     tokens = cfg.train.micro_batch * cfg.rows_per_sample * cfg.data.seq_len

@@ -104,16 +104,15 @@ def _last_save_bytes(path: Path, what: str) -> int:
     """The bytes of the newest complete step folder of this kind ("checkpoint", "model") beside path
     (its manifest says the kind); 0 when there is none (a run's first save, an export's folder)."""
     import json
-    from shardconsole.runlog.checkpoint_files import MANIFEST
-    newest: tuple[str, Path] | None = None
-    for p in path.parent.glob("step_*"):
+    from shardconsole.runlog.checkpoint_files import MANIFEST, step_folders
+    for _, p in step_folders(path.parent):
         try:
             kind = json.loads((p / MANIFEST).read_text()).get("what", "checkpoint")
         except (OSError, ValueError, AttributeError):
-            continue        # a .partial folder, a save of before manifests
-        if kind == what and (newest is None or p.name > newest[0]):
-            newest = (p.name, p)
-    return folder_bytes(newest[1]) if newest else 0
+            continue        # a save of before manifests
+        if kind == what:
+            return folder_bytes(p)
+    return 0
 
 
 class SaveWatch:

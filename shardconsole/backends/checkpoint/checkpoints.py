@@ -235,9 +235,9 @@ def read_rank_state(path: Path, rank: int) -> dict | None:
         raise CheckpointError(f"{f}: unreadable ({e})") from None
 
 
-def finish_checkpoint(r: Rank, step: int, meta: dict) -> Path:
+def finish_checkpoint(r: Rank, step: int, meta: dict, streamed: dict[str, str]) -> Path:
     """After every rank wrote its part: the manifest, the rename (rank 0), the pruning, then everyone
-    goes on."""
+    goes on. `streamed`: the checksums of the files this rank hashed as it wrote them."""
     dist.barrier()
     final, tmp = checkpoint_path(r, step), partial_path(r, step)
     # Rank 0's listing (the folder is on a file system every rank writes to, as the manifest needs),
@@ -245,7 +245,7 @@ def finish_checkpoint(r: Rank, step: int, meta: dict) -> Path:
     listed = [sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file()) if r.rank == 0 else None]
     dist.broadcast_object_list(listed, src=0)
     names: list[str] = listed[0] or []
-    sums = checksums.collect(tmp, names, r.rank, r.world)
+    sums = checksums.collect(tmp, names, streamed, r.rank, r.world)
     if r.rank == 0:
         files = {name: (tmp / name).stat().st_size for name in names}
         from shardconsole.backends.data import batches as data_mod
@@ -281,10 +281,11 @@ def _keep_aside(r: Rank, final: Path) -> None:
                        f"is kept as {aside.name}")
 
 
-def run_save(r: Rank, step: int, kind: SaveKind, total_bytes: int, write: Callable[[Path], None],
+def run_save(r: Rank, step: int, kind: SaveKind, total_bytes: int, write: Callable[[Path], dict[str, str]],
              meta: dict) -> Path:
     """Every rank: one save from the .partial folder to the renamed one, with SaveProgress from rank 0
-    while it runs. `write(tmp)` writes this rank's files; `kind` is what they hold (SaveKind). A save that fails removes only its
+    while it runs. `write(tmp)` writes this rank's files and returns the checksums of those it hashed on
+    the way (name in tmp -> checksum; the rest are hashed after); `kind` is what they hold (SaveKind). A save that fails removes only its
     own .partial folder (the last complete checkpoint is never touched: pruning follows a complete save)
     and raises DiskFullError / SaveOOMError where that is the cause."""
     what = kind.value
@@ -294,8 +295,8 @@ def run_save(r: Rank, step: int, kind: SaveKind, total_bytes: int, write: Callab
     try:
         tmp = prepare_checkpoint(r, step)
         watch = save_stream.SaveWatch(r, step, what, tmp, total_bytes)
-        write(tmp)
-        final = finish_checkpoint(r, step, {**meta, "what": what})
+        streamed = write(tmp)
+        final = finish_checkpoint(r, step, {**meta, "what": what}, streamed)
     except BaseException as e:
         if watch is not None:
             watch.finish()

@@ -137,10 +137,12 @@ class FsdpEngine:
         if kind is SaveKind.CHECKPOINT:
             state["optim"] = get_optimizer_state_dict(self.model, self.optim)
 
-        def write(tmp) -> None:
-            dcp.save(state, storage_writer=save_stream.StreamingWriter(tmp))
+        def write(tmp) -> dict[str, str]:
+            writer = save_stream.StreamingWriter(tmp)
+            dcp.save(state, storage_writer=writer)
             checkpoints.write_rank_state(tmp, r.rank, {"rng": trainstate.rng_state(r.device),
                                                        "scaler": self.scaling.state()})
+            return writer.checksums
 
         checkpoints.run_save(r, step, kind, fsdp._state_bytes(r, state), write,
                              {"samples_consumed": self.data.samples})

@@ -1,4 +1,5 @@
-"""The FSDP2 engine (contract.Engine): builds with fsdp.py, steps, saves DCP checkpoints, resumes, exports.
+"""The FSDP2 engine (contract.Engine): builds with fsdp.py, steps, saves and resumes (fsdp_checkpoint.py:
+the format), exports.
 One optimizer step reads top to bottom in `step`."""
 
 from __future__ import annotations
@@ -6,13 +7,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
 
-from shardconsole.backends.checkpoint import checkpoints, hf_export, lora_export, save_stream
+from shardconsole.backends.checkpoint import hf_export, lora_export
 from shardconsole.backends.checkpoint.checkpoints import SaveKind
-from shardconsole.backends.engine import fsdp, fsdp_step, trainstate
+from shardconsole.backends.engine import fsdp, fsdp_checkpoint, fsdp_step, trainstate
 from shardconsole.backends.engine.contract import LineFigures
 from shardconsole.backends.model import activation_offload, adapters, float8
 from shardconsole.backends.objective.base import Forward, Objective
@@ -124,59 +122,19 @@ class FsdpEngine:
             self.evaluator.run(self.model, step)
 
     def save(self, step: int, kind: SaveKind) -> None:
-        """DCP's format, written by save_stream.StreamingWriter: one tensor copied at a time, never the
-        rank's whole state (DCP's own writer holds a copy of every tensor until the file closes)."""
-        r = self.r
-        if r.cfg.fsdp.cpu_offload and r.is_cuda:
-            # torch keeps the pinned blocks the gradients came to the host in, cached for the next step's;
-            # a save writes a tensor copy of its own beside them: give them back first (pinned again at the
-            # next step, about a second), so the host peak is the larger of the two, not their sum
-            torch.cuda.synchronize()
-            getattr(torch._C, "_host_emptyCache", lambda: None)()
-        state = {"model": fsdp._model_state(r, self.model), "step": torch.tensor(step)}
-        if kind is SaveKind.CHECKPOINT:
-            state["optim"] = get_optimizer_state_dict(self.model, self.optim)
-
-        def write(tmp) -> dict[str, str]:
-            writer = save_stream.StreamingWriter(tmp)
-            dcp.save(state, storage_writer=writer)
-            checkpoints.write_rank_state(tmp, r.rank, {"rng": trainstate.rng_state(r.device),
-                                                       "scaler": self.scaling.state()})
-            return writer.checksums
-
-        checkpoints.run_save(r, step, kind, fsdp._state_bytes(r, state), write,
-                             {"samples_consumed": self.data.samples})
-        if step < r.cfg.train.steps:
-            r.phase("training")
+        fsdp_checkpoint.save(self.r, self.model, self.optim, self.scaling, self.data, step, kind)
+        if step < self.r.cfg.train.steps:
+            self.r.phase("training")
 
     def load(self) -> int:
-        """The newest complete checkpoint (any world size: DCP reshards); 0 when there is none."""
-        r = self.r
-        checkpoints.remove_partials(r)
-        found = checkpoints.newest_complete(r)
-        if found is None:
-            r.event("info", f"no checkpoint in {r.checkpoint_dir()}: starting from step 0")
-            return 0
-        state = {"model": fsdp._model_state(r, self.model), "optim": get_optimizer_state_dict(self.model, self.optim),
-                 "step": torch.tensor(0)}
-        try:
-            dcp.load(state, storage_reader=fsdp_step.SafeReader(str(found.path)),
-                     planner=fsdp_step.safe_load_planner())
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:   # DCP's CheckpointException (a BaseException) wraps each rank's error
-            raise checkpoints.CheckpointError(f"{found.path}: cannot be read as an FSDP2 checkpoint: "
-                                              f"{fsdp._first_cause(e)}") from e
-        set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=not r.cfg.adapters))
-        set_optimizer_state_dict(self.model, self.optim, state["optim"])
+        return fsdp_checkpoint.load(self.r, self.model, self.optim, self.scaling, self.data, self._placed)
+
+    def _placed(self) -> None:
+        """After a load: the optimizer's states where the host arena keeps them (where DCP's load left
+        them, if not in place), and the compute copy of the loaded weights."""
         if self.built is not None and self.built.arena is not None:
-            self.built.arena.place_states(self.optim)      # where DCP's load left them, if not in place
+            self.built.arena.place_states(self.optim)
         self._refresh_compute_copy()
-        step = int(state["step"])
-        fsdp._restore_rank_state(r, found, self.scaling)
-        self.data.seek(int(found.meta.get("samples_consumed", step * self.data.samples_per_step)))
-        r.event("info", f"resumed from {found.path} (step {step})")
-        return step
 
     def export(self, step: int) -> None:
         state = self.model.state_dict()

@@ -12,7 +12,7 @@ from shardconsole.backends.checkpoint import hf_export, lora_export
 from shardconsole.backends.checkpoint.checkpoints import SaveKind
 from shardconsole.backends.engine import fsdp, fsdp_checkpoint, fsdp_step, trainstate
 from shardconsole.backends.engine.contract import LineFigures
-from shardconsole.backends.model import activation_offload, adapters, float8
+from shardconsole.backends.model import activation_offload, adapters, float8, modeling
 from shardconsole.backends.objective.base import Forward, Objective
 from shardconsole.backends.observe import metrics, step_timing
 from shardconsole.backends.observe.metrics import StepMeter
@@ -23,6 +23,21 @@ from shardconsole.backends.rank.common import Rank
 
 
 class FsdpEngine:
+    # Everything the engine holds, declared here: build() sets the first group, ready() the second (the
+    # loop calls them in that order, before any step, save or load); release() drops `built`.
+    data: trainstate.Data
+    model: modeling.CausalLMLoss             # built.model, sharded by FSDP2
+    optim: torch.optim.Optimizer
+    scaling: fsdp_step.LossScaling
+    evaluator: trainstate.Evaluator
+    clip: Callable[[], Any]                  # fsdp_step.Clip, or the test faults' wrapper of it
+    in_backward: step_in_backward.StepInBackward | None    # optim.step_in_backward
+    floor: metrics.ScaleFloorWatch
+    phases: metrics.PhaseTimes
+    timing: step_timing.StepTiming
+    overlap: offload_overlap.Overlap | None  # the host step overlapped with the backward
+    grad_norm: torch.Tensor | float | None   # the last step's, None where it was not computed
+
     def __init__(self, r: Rank, objective: Objective) -> None:
         self.r, self.objective = r, objective
         self.built: fsdp.Built | None = None
@@ -54,7 +69,7 @@ class FsdpEngine:
 
     def ready(self) -> None:
         r, cfg = self.r, self.r.cfg
-        self.clip: Callable[[], Any] = fsdp_step.Clip(r, self.model, self.optim, self.scaling, fsdp.reduce_dtype(cfg))
+        self.clip = fsdp_step.Clip(r, self.model, self.optim, self.scaling, fsdp.reduce_dtype(cfg))
         # optim.step_in_backward: each parameter steps as FSDP2 reduces its gradient (no clip, no scaler)
         self.in_backward = step_in_backward.attach(r, self.optim, adapters.trained_params(self.model))
         if r.faults.active:     # test faults, wrapped around the model, the unscale and the clip (faults.py)
@@ -66,7 +81,7 @@ class FsdpEngine:
         step_timing.instrument_fsdp(self.model, self.timing)
         copy = self.built.compute_copy if self.built else None
         self.overlap, self.timing.overlap = offload_overlap.make(r, self.model, self.optim, self.scaling.scaler, copy)
-        self.grad_norm: torch.Tensor | float | None = None
+        self.grad_norm = None
 
     def step(self, step: int, lr: float, meter: StepMeter) -> None:
         t = self.r.cfg.train

@@ -36,3 +36,13 @@ def assigned(fn: ast.FunctionDef) -> list[str]:
 @pytest.mark.parametrize("module, name", [("fsdp_engine.py", "FsdpEngine"), ("ds_engine.py", "DeepSpeedEngine")])
 def test_every_attribute_an_engine_sets_is_declared(module, name):
     assert undeclared(ENGINE / module, name) == []
+
+
+def test_the_fsdp_step_asks_one_update():
+    """FsdpEngine.step reads top-down: its three update paths (plain, step in the backward, the host step
+    overlapped) are fsdp_update's, chosen once at ready(), not branches of the step."""
+    import inspect
+    from shardconsole.backends.engine.fsdp_engine import FsdpEngine
+    body = inspect.getsource(FsdpEngine.step)
+    assert "self.update.arm(step)" in body and "self.update.apply()" in body
+    assert not [w for w in ("in_backward", "overlap.", "clip(", "unscale(", "scaling.step(") if w in body]

@@ -10,7 +10,7 @@ import torch
 
 from shardconsole.backends.checkpoint import hf_export, lora_export
 from shardconsole.backends.checkpoint.checkpoints import SaveKind
-from shardconsole.backends.engine import fsdp, fsdp_checkpoint, fsdp_step, trainstate
+from shardconsole.backends.engine import fsdp, fsdp_checkpoint, fsdp_step, fsdp_update, trainstate
 from shardconsole.backends.engine.contract import LineFigures
 from shardconsole.backends.model import activation_offload, adapters, float8, modeling
 from shardconsole.backends.objective.base import Forward, Objective
@@ -36,6 +36,7 @@ class FsdpEngine:
     phases: metrics.PhaseTimes
     timing: step_timing.StepTiming
     overlap: offload_overlap.Overlap | None  # the host step overlapped with the backward
+    update: fsdp_update.Update               # plain, in the backward, or overlapped (fsdp_update.py)
     grad_norm: torch.Tensor | float | None   # the last step's, None where it was not computed
 
     def __init__(self, r: Rank, objective: Objective) -> None:
@@ -81,6 +82,8 @@ class FsdpEngine:
         step_timing.instrument_fsdp(self.model, self.timing)
         copy = self.built.compute_copy if self.built else None
         self.overlap, self.timing.overlap = offload_overlap.make(r, self.model, self.optim, self.scaling.scaler, copy)
+        plain = fsdp_update.Plain(self.optim, self.scaling, self.clip, self.phases, self._refresh_compute_copy)
+        self.update = fsdp_update.choose(plain, self.in_backward, self.overlap, self.timing)
         self.grad_norm = None
 
     def step(self, step: int, lr: float, meter: StepMeter) -> None:
@@ -96,25 +99,14 @@ class FsdpEngine:
             loss = self.objective.micro_loss(model, batch)
             meter.add(loss)
             phases.mark("forward")
-            if self.overlap is not None and micro == t.grad_accum - 1:
-                self.overlap.arm(step)     # each unit's host step starts as its gradients land (offload_overlap)
+            if micro == t.grad_accum - 1:
+                self.update.arm(step)      # an overlapped update starts each unit's host step as it lands
             scaling.backward(loss / t.grad_accum)
             phases.mark("backward")
         timing.compute_done()
         with timing.host_step():
             self.grad_norm = None
-            if self.overlap is not None and self.overlap.armed:
-                timing.overlapped(self.overlap.finish())     # no clip, no scaler (offload_overlap.why_not)
-            else:
-                if self.in_backward is None:
-                    scaling.unscale(optim)
-                    self.grad_norm = self.clip()
-                    phases.mark("clip")
-                    scaling.step(optim)
-                    phases.mark("step")
-                else:
-                    self.in_backward.check_stepped()
-                self._refresh_compute_copy()     # (the overlap refreshes each unit's copy after its step)
+            self.grad_norm = self.update.apply()     # plain, in the backward or overlapped (fsdp_update.py)
             if self.built is not None and self.built.fp8_gather:
                 float8.precompute_scales(model)      # the next all-gather's float8 scales, one all-reduce
         optim.zero_grad(set_to_none=True)

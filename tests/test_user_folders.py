@@ -56,9 +56,9 @@ def test_each_variable_moves_its_folder(tmp_path):
                  "XDG_CONFIG_HOME": str(tmp_path / "unused"),
                  "SHARDCONSOLE_RUNS_ROOT": str(tmp_path / "r"), "SHARDCONSOLE_PRESETS_DIR": str(tmp_path / "p"),
                  "SHARDCONSOLE_CACHE_DIR": str(tmp_path / "c"), "SHARDCONSOLE_SPEEDS_FILE": str(tmp_path / "s.jsonl")})
-    assert got == {"run": str(tmp_path / "r"), "presets": str(tmp_path / "p"), "summary": str(tmp_path / "c" / "runs"),
-                   "doctor": str(tmp_path / "c"), "hashes": str(tmp_path / "c"), "tokens": str(tmp_path / "c" / "tokens"),
-                   "speeds": str(tmp_path / "s.jsonl")}
+    c = tmp_path / "c"
+    assert got == {"run": str(tmp_path / "r"), "presets": str(tmp_path / "p"), "summary": str(c / "runs"),
+                   "doctor": str(c), "hashes": str(c), "tokens": str(c / "tokens"), "speeds": str(tmp_path / "s.jsonl")}
 
 
 def test_no_other_module_asks_platformdirs_or_reads_the_folder_variables():

@@ -1,7 +1,7 @@
 """Summaries of ended runs kept between commands, so `shardconsole runs` does not re-read every stream.
 
-One small JSON file per run folder under the user's cache (user_folders.run_summaries_dir), keyed by the stream's size and modification time: a run that grows (a
-resume) is read again. Only ended runs are kept (finished, stopped, failed): a running run's status
+One small JSON file per run folder under the user's cache (user_folders.run_summaries_dir), keyed by
+the stream's size and modification time: a run that grows (a resume) is read again. Only ended runs are kept (finished, stopped, failed): a running run's status
 comes from its processes, which a cache cannot know. Never raises: a cache that cannot be read or
 written only costs the reading.
 """

@@ -285,9 +285,10 @@ def run_save(r: Rank, step: int, kind: SaveKind, total_bytes: int, write: Callab
              meta: dict) -> Path:
     """Every rank: one save from the .partial folder to the renamed one, with SaveProgress from rank 0
     while it runs. `write(tmp)` writes this rank's files and returns the checksums of those it hashed on
-    the way (name in tmp -> checksum; the rest are hashed after); `kind` is what they hold (SaveKind). A save that fails removes only its
-    own .partial folder (the last complete checkpoint is never touched: pruning follows a complete save)
-    and raises DiskFullError / SaveOOMError where that is the cause."""
+    the way (name in tmp -> checksum; the rest are hashed after); `kind` is what they hold (SaveKind).
+    A save that fails removes only its own .partial folder (the last complete checkpoint is never
+    touched: pruning follows a complete save) and raises DiskFullError / SaveOOMError where that is the
+    cause."""
     what = kind.value
     r.phase("saving checkpoint")
     training_peak, start = host_peak_bytes(), reset_host_peak()

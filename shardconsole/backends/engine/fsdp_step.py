@@ -16,7 +16,8 @@ import torch
 
 from shardconsole.backends.rank import common
 from shardconsole.backends.offload import host_copy as offload
-from shardconsole.backends.engine.fsdp_checkpoint import SafeReader  # noqa: F401  (export_model/checkpoint.py imports it from here)
+# export_model/checkpoint.py imports SafeReader from here
+from shardconsole.backends.engine.fsdp_checkpoint import SafeReader  # noqa: F401
 
 
 class LossScaling:

@@ -145,6 +145,7 @@ VARS: dict[str, Var] = {v.name: v for v in (
     # OpenMP's own form: a count, or counts per nesting level (4,2)
     Var("OMP_NUM_THREADS", _ints, "a whole number 1 or more (or N,M,... one a nesting level)"),
     Var("DS_ACCELERATOR", _choice("cpu", "cuda"), "cpu or cuda"),
+    Var("SLURM_JOB_ID", _text, "any text", "", front=False),
     # Benchmarks and tests
     Var("SHARDCONSOLE_STREAM", _choice("on", "off"), "on or off", "on"),
     Var("SHARDCONSOLE_FAULT", _faults, f"kind@key=N,...;... with kinds {', '.join(FAULT_KINDS)} and keys "
@@ -164,6 +165,7 @@ VARS: dict[str, Var] = {v.name: v for v in (
     Var("WANDB_PROJECT", _text, "any text"),
     Var("MLFLOW_TRACKING_URI", _text, "an MLflow tracking URI (file:, sqlite:, http(s):)"),
     Var("TORCH_EXTENSIONS_DIR", _folder, "a folder (or a path where one can be made)"),
+    Var("TORCH_CUDA_ARCH_LIST", _text, "any text", ""),
 )}
 
 

@@ -249,9 +249,10 @@ def test_a_rank_that_vanished_is_named_with_its_host_and_last_step(tmp_path):
 def test_a_gloo_timeout_names_no_nccl_setting(tmp_path):
     import torch.distributed as dist
     from shardconsole.backends.observe.failures import classify
+    from shardconsole.backends.rank.knobs import Knobs
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
-        cause, hint = classify(RuntimeError("[gloo] Timed out waiting 10000ms for recv operation to complete"))
+        cause, hint = classify(RuntimeError("[gloo] Timed out waiting 10000ms for recv operation to complete"), Knobs())
     finally:
         dist.destroy_process_group()
     assert cause == "nccl_timeout" and "GLOO_SOCKET_IFNAME" in hint and "NCCL" not in hint

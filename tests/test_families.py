@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from shardconsole.backends.engine import fsdp
+from shardconsole.backends.engine import fsdp, fsdp_checkpoint
 from shardconsole.backends.model import modeling
 from shardconsole.backends.rank import common
 from shardconsole.plan.shapes import Shapes
@@ -205,7 +205,7 @@ def test_a_qlora_model_gives_its_save_state(tmp_path, one_rank):
     model = qlora.build(r, hf_cfg)
     assert qlora.quantised_params(model)
     fsdp.shard_model(r, model, ignored=qlora.quantised_params(model))
-    state = fsdp._model_state(r, model)
+    state = fsdp_checkpoint.model_state(r, model)
     assert state and all(adapters.is_trained(k) for k in state)
     assert set(state) == {n for n, p in model.named_parameters() if p.requires_grad}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

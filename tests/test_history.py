@@ -277,8 +277,8 @@ def test_resumed_session_replaces_replayed_steps(tmp_path, monkeypatch):
     assert s.loss == expected and s.status == "finished" and s.last_loss == 7.0
 
     # An ended run's summary is kept in the user's cache, and read again once its stream grows.
-    from shardconsole.history import cache
-    assert len(list(cache.cache_dir().iterdir())) == 1
+    from shardconsole.user_folders import run_summaries_dir
+    assert len(list(run_summaries_dir().iterdir())) == 1
     assert summarize(run) == s
     more = [P.Hello(run="run-resume-2", rank=0, t=40.0),
             P.Step(run="run-resume-2", rank=0, t=41.0, step=7, steps=7, loss=0.5)]

@@ -198,7 +198,7 @@ def test_kahan_resumes_from_a_checkpoint_written_without_compensation(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    from shardconsole.backends.engine import fsdp_step
+    from shardconsole.backends.engine import fsdp_checkpoint
     from shardconsole.backends.optim.master_update import RoundedAdamW
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
@@ -214,8 +214,8 @@ def test_kahan_resumes_from_a_checkpoint_written_without_compensation(tmp_path):
             opts.append(opt)
         dcp.save({"optim": get_optimizer_state_dict(nets[0], opts[0])}, checkpoint_id=str(tmp_path / "ck"))
         state = {"optim": get_optimizer_state_dict(nets[1], opts[1])}
-        dcp.load(state, storage_reader=fsdp_step.SafeReader(str(tmp_path / "ck")),
-                 planner=fsdp_step.safe_load_planner())
+        dcp.load(state, storage_reader=fsdp_checkpoint.SafeReader(str(tmp_path / "ck")),
+                 planner=fsdp_checkpoint.safe_load_planner())
         set_optimizer_state_dict(nets[1], opts[1], state["optim"])
         for a, b in zip(opts[0].state.values(), opts[1].state.values()):
             assert torch.equal(b["exp_avg"].to_local(), a["exp_avg"].to_local())
@@ -227,8 +227,8 @@ def test_kahan_resumes_from_a_checkpoint_written_without_compensation(tmp_path):
                             "param_groups": broken["optim"]["param_groups"]}}, checkpoint_id=str(tmp_path / "ck2"))
         state = {"optim": get_optimizer_state_dict(nets[1], opts[1])}
         with pytest.raises(BaseException, match="exp_avg_sq|Missing key"):
-            dcp.load(state, storage_reader=fsdp_step.SafeReader(str(tmp_path / "ck2")),
-                     planner=fsdp_step.safe_load_planner())
+            dcp.load(state, storage_reader=fsdp_checkpoint.SafeReader(str(tmp_path / "ck2")),
+                     planner=fsdp_checkpoint.safe_load_planner())
     finally:
         dist.destroy_process_group()
 

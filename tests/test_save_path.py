@@ -171,5 +171,5 @@ def test_export_dir_is_a_folder_transformers_loads_with_the_runs_eval_loss(tmp_p
 
 
 def _dcp_keys(path: Path) -> list[str]:
-    from shardconsole.backends.engine.fsdp_step import SafeReader
+    from shardconsole.backends.engine.fsdp_checkpoint import SafeReader
     return list(SafeReader(str(path)).read_metadata().state_dict_metadata)

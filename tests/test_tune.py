@@ -16,7 +16,8 @@ from shardconsole.settings import config as C
 from shardconsole import plan as PL
 from shardconsole.settings.models import resolve
 from shardconsole.plan import search
-from shardconsole.plan.speed.book import SpeedBook, record_of, signature, speeds_file
+from shardconsole.plan.speed.book import SpeedBook, record_of, signature
+from shardconsole.user_folders import speeds_file
 from shardconsole.cli import tune as tune_cli
 from shardconsole.tune.report import HEADER_MARK, write_preset
 

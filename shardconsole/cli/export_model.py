@@ -23,7 +23,7 @@ from pathlib import Path
 from shardconsole.settings import config as C
 from shardconsole.export_model.checkpoint import (ExportError, check_exportable, check_finite, pick_checkpoint,
                                                   read_model_state)
-from shardconsole.runlog.checkpoint_files import make_private
+from shardconsole.runlog.checkpoint_files import STEP_PREFIX, make_private
 from shardconsole.settings.models import ModelError, human_count, resolve
 from shardconsole.runlog.runfolder import RunFolder
 
@@ -116,7 +116,7 @@ def _refuse_inside_runs(out: Path, run: RunFolder, cfg: C.RunConfig) -> None:
         where = out.resolve().relative_to(ckpts.resolve()).parts
     except (ValueError, OSError, RuntimeError):
         where = ()
-    if where and where[0].startswith("step_"):
+    if where and where[0].startswith(STEP_PREFIX):     # a save, or one being written or set aside
         raise ExportError(f"-o {out}: inside the checkpoint {ckpts / where[0]}, which is pruned or replaced with "
                           f"what is in it; pick a folder outside it")
 

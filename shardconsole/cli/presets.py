@@ -7,6 +7,7 @@ import sys
 
 from shardconsole.cli.terminal import fit
 from shardconsole.settings import preset_store
+from shardconsole.user_folders import presets_dir
 
 
 def cmd_presets(argv: list[str]) -> int:
@@ -21,5 +22,5 @@ def cmd_presets(argv: list[str]) -> int:
     # the names); piped, a preset stays one line for grep and head.
     if rows:
         print(fit("\n".join(rows), hang=width + 2 + 8 + 2))
-    print(f"\nuser presets folder: {preset_store.user_dir()}", file=sys.stderr)
+    print(f"\nuser presets folder: {presets_dir()}", file=sys.stderr)
     return 0

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from shardconsole.cli.commands import command_names
 from shardconsole.cli.errors import UsageError
-from shardconsole.launch.command import child_env, runs_root
+from shardconsole.launch.command import child_env
+from shardconsole.user_folders import runs_root
 from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.launch.job import PRESET_FILE, build_argv, format_argv, new_run_dir, run_id_of, slurm_script
 from shardconsole.session import preflight

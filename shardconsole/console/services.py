@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from shardconsole.settings import config as C
 from shardconsole.settings import resolve as settings
 from shardconsole.launch.job import build_argv, new_run_dir
-from shardconsole.launch.command import runs_root as default_runs_root
+from shardconsole.user_folders import runs_root as default_runs_root
 from shardconsole.runlog.protocol import GpuSample, HostSample
 from shardconsole.session.planner import Planner, load_planner as load_plan
 from shardconsole.session.run import RunSession

@@ -1,8 +1,7 @@
 """Summaries of ended runs kept between commands, so `shardconsole runs` does not re-read every stream.
 
-One small JSON file per run folder under the user's cache ($SHARDCONSOLE_CACHE_DIR/runs, else
-platformdirs' user cache dir), keyed by the stream's size and modification time: a run that grows (a
-resume) is read again. Only ended runs are kept (finished, stopped, failed): a running run's status
+One small JSON file per run folder under the user's cache (user_folders.run_summaries_dir), keyed by
+the stream's size and modification time: a run that grows (a resume) is read again. Only ended runs are kept (finished, stopped, failed): a running run's status
 comes from its processes, which a cache cannot know. Never raises: a cache that cannot be read or
 written only costs the reading.
 """
@@ -15,20 +14,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shardconsole.envvars import read
+from shardconsole.user_folders import run_summaries_dir
 
 VERSION = 3       # 2: a stopped run's step is the step it stopped and saved at; 3: a refused resume keeps the end before it
 FIELDS = ("status", "cause", "detail", "step", "steps", "tokens_per_s", "mfu", "peak_gpu_bytes", "peak_host_bytes",
           "last_loss", "eval_loss", "loss", "eval", "throughput", "bad_lines")
 KEPT = ("finished", "stopped", "failed")
-
-
-def cache_dir() -> Path:
-    env = read("SHARDCONSOLE_CACHE_DIR")
-    if env:
-        return env / "runs"
-    import platformdirs
-    return Path(platformdirs.user_cache_dir("shardconsole")) / "runs"
 
 
 def _key(metrics: Path) -> list[Any] | None:
@@ -40,7 +31,7 @@ def _key(metrics: Path) -> list[Any] | None:
 
 
 def _file(metrics: Path) -> Path:
-    return cache_dir() / (hashlib.sha1(str(metrics.resolve()).encode()).hexdigest()[:20] + ".json")
+    return run_summaries_dir() / (hashlib.sha1(str(metrics.resolve()).encode()).hexdigest()[:20] + ".json")
 
 
 def load(metrics: Path) -> dict[str, Any] | None:

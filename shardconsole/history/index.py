@@ -16,7 +16,7 @@ from shardconsole.settings.paths import kind_of
 from shardconsole.runlog import protocol as P
 from shardconsole.history import cache
 from shardconsole.history.refused import SessionEnds
-from shardconsole.launch.command import OLD_RUNS_ROOT, runs_root
+from shardconsole.user_folders import OLD_RUNS_ROOT, runs_root
 from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.launch.process_identity import this_host
 from shardconsole.runlog.runstate import RunState

@@ -18,25 +18,9 @@ from shardconsole.envvars import read
 from shardconsole.settings import config as C
 from shardconsole.machine import doctor_verdict, flight_recorder
 from shardconsole.launch import process_identity as PI
+from shardconsole.user_folders import runs_root
 
 WORKER_MODULE = PI.WORKER_MODULE
-
-
-RUNS_ROOT_ENV = "SHARDCONSOLE_RUNS_ROOT"
-OLD_RUNS_ROOT = Path("runs")     # the default before the runs root: relative to where a run started
-
-
-def runs_root(explicit: str | Path | None = None) -> Path:
-    """Where new run folders go, the same from any directory: `--runs-root`, else $SHARDCONSOLE_RUNS_ROOT,
-    else the per-user data folder (~/.local/share/shardconsole/runs on Linux). Absolute, so a command
-    printed for other nodes or a console started elsewhere names the same folder."""
-    if explicit:
-        return Path(explicit).expanduser().absolute()
-    env = read(RUNS_ROOT_ENV)
-    if env:
-        return env.absolute()
-    import platformdirs
-    return Path(platformdirs.user_data_dir("shardconsole")) / "runs"
 
 
 def new_run_dir(preset_name: str, root: str | Path | None = None) -> Path:

@@ -1,6 +1,6 @@
 """The doctor's saved P2P verdict, read by every launch on this machine (launch_command._launch_env).
 
-Standard library only (platformdirs aside): a launch must not import torch to read one JSON file.
+Standard library only (user_folders aside): a launch must not import torch to read one JSON file.
 `shardconsole doctor` writes doctor.json in the cache folder ($SHARDCONSOLE_CACHE_DIR, else the per-user
 cache, as the token cache) after its all-reduce with and without P2P; a launch whose host matches and
 whose verdict says P2P is broken sets NCCL_P2P_DISABLE=1, and rank 0 says so in the stream.
@@ -14,23 +14,15 @@ import socket
 import time
 from pathlib import Path
 
-from shardconsole.envvars import read
+from shardconsole.user_folders import cache_dir
 
 VERDICT_FILE = "doctor.json"
 P2P_NOTE_ENV = "SHARDCONSOLE_P2P_NOTE"   # why NCCL_P2P_DISABLE=1 was set, for rank 0 to announce
 
 
-def cache_root() -> Path:
-    env = read("SHARDCONSOLE_CACHE_DIR")
-    if env:
-        return env
-    import platformdirs
-    return Path(platformdirs.user_cache_dir("shardconsole"))
-
-
 def saved_verdict() -> dict | None:
     try:
-        body = json.loads((cache_root() / VERDICT_FILE).read_text())
+        body = json.loads((cache_dir() / VERDICT_FILE).read_text())
     except (OSError, ValueError):
         return None
     return body if isinstance(body, dict) else None
@@ -47,7 +39,7 @@ def p2p_broken_here() -> str:
 
 
 def save_verdict(uuids: list[str], broken: bool, detail: str) -> Path:
-    path = cache_root() / VERDICT_FILE
+    path = cache_dir() / VERDICT_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"host": socket.gethostname(), "gpus": uuids, "p2p_broken": broken,

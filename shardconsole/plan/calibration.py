@@ -31,7 +31,8 @@ PACKAGE = Path(__file__).resolve().parents[1]
 MEMORY_SOURCES = ("backends/engine/fsdp.py", "backends/engine/fsdp_engine.py", "backends/engine/deepspeed.py",
                   "backends/engine/ds_engine.py", "backends/model/modeling.py", "backends/offload/host_copy.py",
                   "backends/offload/pinned_arena.py", "backends/optim/master_update.py", "backends/engine/fsdp_step.py",
-                  "backends/rank/common.py", "ds_json/export.py")
+                  "backends/engine/fsdp_checkpoint.py", "backends/engine/fsdp_update.py", "backends/rank/common.py",
+                  "ds_json/export.py")
 
 CALIBRATION_FILE = PACKAGE.parent / "benchmarks" / "data" / "plan_calibration_issue16.json"
 

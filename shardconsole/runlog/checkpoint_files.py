@@ -18,8 +18,34 @@ from pathlib import Path
 from typing import Iterable
 
 MANIFEST = "shardconsole.json"
+STEP_PREFIX = "step_"           # step_<N>: a complete save; step_<N>.partial, step_<N>.replaced[K]: never loaded
 CHECKSUM = "xxh3_128"           # the manifest's "checksums" hold "<CHECKSUM>:<hex>" per file
 _CHUNK = 8 << 20
+
+
+def step_of(name: str) -> int | None:
+    """The step of a step folder's name (step_00000010 -> 10); None for every other name: a save still
+    being written (.partial), one set aside (.replaced), a temporary file, step_x. The ranks, resume,
+    export-model and the run list read step folders by this one test, so none of them loads, lists or
+    prunes a folder another would skip."""
+    if not name.startswith(STEP_PREFIX):
+        return None
+    digits = name[len(STEP_PREFIX):]
+    return int(digits) if digits.isdigit() and digits.isascii() else None
+
+
+def step_folders(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of the step folders in `root`, newest (highest step) first, complete or not; []
+    when `root` is no folder or cannot be read."""
+    found = []
+    try:
+        for p in root.iterdir():
+            step = step_of(p.name)
+            if step is not None and p.is_dir():
+                found.append((step, p))
+    except OSError:
+        return []
+    return sorted(found, reverse=True)
 
 
 def why_incomplete(path: Path, backend: str) -> str | None:
@@ -61,15 +87,12 @@ def why_incomplete(path: Path, backend: str) -> str | None:
 
 def _older_with_manifest(path: Path) -> Path | None:
     """A step folder beside `path`, of an earlier step, whose manifest is of the checksum era."""
-    name = path.name
-    if not (name.startswith("step_") and name[5:].isdigit()):
+    step = step_of(path.name)
+    if step is None:
         return None
-    try:
-        siblings = [p for p in path.parent.iterdir() if p.name.startswith("step_") and p.name[5:].isdigit()
-                    and int(p.name[5:]) < int(name[5:])]
-    except OSError:
-        return None
-    for p in sorted(siblings, reverse=True):
+    for older, p in step_folders(path.parent):
+        if older >= step:
+            continue
         try:
             meta = json.loads((p / MANIFEST).read_text())
         except (OSError, ValueError):

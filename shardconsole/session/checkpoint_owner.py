@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardconsole.runlog.checkpoint_files import other_run_folder, read_owner, shared_folder, write_owner
+from shardconsole.runlog.checkpoint_files import STEP_PREFIX, other_run_folder, read_owner, shared_folder, write_owner
 from shardconsole.runlog.runfolder import PRESET_FILE, RunFolder, read_json
 from shardconsole.settings import config as C
 
@@ -88,7 +88,7 @@ def _renamed_from(run_dir: Path, other: str) -> bool:
 
 def _has_steps(ckpt: Path) -> bool:
     try:
-        return any(p.name.startswith("step_") for p in ckpt.iterdir())
+        return any(p.name.startswith(STEP_PREFIX) for p in ckpt.iterdir())     # .partial ones too
     except OSError:
         return False
 

@@ -282,8 +282,8 @@ def main(argv: list[str]) -> int:
             return 2
         return 0
     if len(argv) == 4 and argv[0] == "stop":
-        import os
-        request_stop(Path(argv[1]), argv[2], sigterm_words(argv[3], os.environ.get("SLURM_JOB_ID", "")))
+        from shardconsole.envvars import read
+        request_stop(Path(argv[1]), argv[2], sigterm_words(argv[3], read("SLURM_JOB_ID")))
         return 0
     if len(argv) == 3 and argv[0] == "saved":
         if not saved_stop(Path(argv[1]), argv[2]):

@@ -25,8 +25,8 @@ from shardconsole.launch.owner import owning
 from shardconsole.settings import config as C
 from shardconsole.settings import resolve as settings
 from shardconsole.runlog import protocol as P
-from shardconsole.runlog.checkpoint_files import (MANIFEST, SHAPE_KEYS, listed_bytes, shapes_of, why_corrupt,
-                                                  why_incomplete, why_manifest_altered)
+from shardconsole.runlog.checkpoint_files import (MANIFEST, SHAPE_KEYS, listed_bytes, shapes_of, step_folders,
+                                                  why_corrupt, why_incomplete, why_manifest_altered)
 from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.session.resume_data import check_same_data, loaded_checkpoint
 
@@ -35,16 +35,8 @@ PREV_SUFFIX = ".prev"
 
 def checkpoints_in(folder: Path) -> list[tuple[int, Path]]:
     """Step folders that look complete (newest first): the ranks check each in full and fall back."""
-    if not folder.is_dir():
-        return []
-    out = []
-    for p in folder.iterdir():
-        name = p.name
-        if not (p.is_dir() and name.startswith("step_") and name[5:].isdigit()):
-            continue     # .partial folders are saves that never finished
-        if (p / MANIFEST).is_file() or (p / ".metadata").is_file() or (p / "latest").is_file():
-            out.append((int(name[5:]), p))
-    return sorted(out, reverse=True)
+    return [(step, p) for step, p in step_folders(folder)
+            if (p / MANIFEST).is_file() or (p / ".metadata").is_file() or (p / "latest").is_file()]
 
 
 def _what(path: Path) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shardconsole.launch.command import runs_root
+from shardconsole.user_folders import runs_root
 
 
 def link_into_runs_root(run_dir: Path) -> Path | None:

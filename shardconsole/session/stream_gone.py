@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardconsole.runlog import protocol as P
-from shardconsole.runlog.checkpoint_files import why_incomplete
+from shardconsole.runlog.checkpoint_files import step_folders, why_incomplete
 from shardconsole.runlog.runfolder import RunFolder, read_json
 from shardconsole.settings import config as C
 
@@ -50,12 +50,8 @@ def _newest_checkpoint(folder: RunFolder) -> tuple[int, int] | None:
     except (C.ConfigError, OSError):
         return None
     ckpt = folder.checkpoints(cfg.train.checkpoint_dir)
-    steps = []
     try:
-        for p in ckpt.iterdir():
-            if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit() and \
-                    why_incomplete(p, cfg.parallel.backend) is None:
-                steps.append(int(p.name[5:]))
+        steps = [step for step, p in step_folders(ckpt) if why_incomplete(p, cfg.parallel.backend) is None]
     except OSError:
         return None
     return (max(steps), cfg.train.steps) if steps else None

@@ -13,16 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from shardconsole.envvars import read
-
-
-def cache_dir() -> Path:
-    """shardconsole's cache: $SHARDCONSOLE_CACHE_DIR, else platformdirs' user cache dir."""
-    env = read("SHARDCONSOLE_CACHE_DIR")
-    if env:
-        return env
-    import platformdirs
-    return Path(platformdirs.user_cache_dir("shardconsole"))
+from shardconsole.user_folders import cache_dir  # noqa: F401  (backends/data/token_cache.py imports it from here)
 
 
 def hash_files(h, files: list[Path], base: Path) -> None:

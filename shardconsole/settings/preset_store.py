@@ -11,9 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import platformdirs
-
-from shardconsole.envvars import read
+from shardconsole.user_folders import presets_dir
 from shardconsole.settings import config as C
 from shardconsole.settings.paths import PathError, regular_file, shown
 
@@ -22,13 +20,6 @@ def builtin_dir() -> Path:
     here = Path(__file__).resolve().parents[1]     # the shardconsole package
     shipped = here / "presets"           # inside an installed wheel
     return shipped if shipped.is_dir() else here.parent / "presets"   # a source checkout
-
-
-def user_dir() -> Path:
-    env = read("SHARDCONSOLE_PRESETS_DIR")
-    if env:
-        return env
-    return Path(platformdirs.user_config_dir("shardconsole")) / "presets"
 
 
 @dataclass(frozen=True)
@@ -51,7 +42,7 @@ def describe(path: Path) -> str:
 
 def list_presets() -> list[PresetInfo]:
     found: dict[str, PresetInfo] = {}
-    for origin, folder in (("built-in", builtin_dir()), ("user", user_dir())):
+    for origin, folder in (("built-in", builtin_dir()), ("user", presets_dir())):
         if not folder.is_dir():
             continue
         for path in sorted(folder.glob("*.toml")):
@@ -67,7 +58,7 @@ def find(name_or_path: str) -> Path:
             if regular_file(p, "a preset file") == "file":     # a FIFO would block the read for ever
                 return p
             raise C.ConfigError(f"{shown(name_or_path)}: no such preset file")
-        for folder in (user_dir(), builtin_dir()):
+        for folder in (presets_dir(), builtin_dir()):
             candidate = folder / f"{name_or_path}.toml"
             if regular_file(candidate, "a preset file") == "file":
                 return candidate
@@ -132,7 +123,7 @@ def dumps_preset(cfg: C.RunConfig) -> str:
 def save_user_preset(cfg: C.RunConfig, name: str, *, overwrite: bool = False) -> Path:
     """Write cfg as <user dir>/<name>.toml (the settings that differ from the defaults). Raises
     ConfigError for a name check_name refuses, and FileExistsError unless overwrite."""
-    path = user_dir() / f"{check_name(name)}.toml"
+    path = presets_dir() / f"{check_name(name)}.toml"
     if path.exists() and not overwrite:
         raise FileExistsError(path)
     return C.write_atomic(path, dumps_preset(cfg))

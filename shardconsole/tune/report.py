@@ -12,6 +12,7 @@ from shardconsole.settings import preset_store
 from shardconsole.plan import search
 from shardconsole.plan.speed.book import machine_key
 from shardconsole.tune.engine import Row, Tune
+from shardconsole.user_folders import presets_dir
 
 HEADER_MARK = "# shardconsole tune"
 COLUMNS = ("#", "settings", "plan GPU", "plan host", "GPU (NVML)", "host (ranks)", "tok/s", "vs baseline", "status")
@@ -205,7 +206,7 @@ def check_output(name: str) -> Path:
     replaced, any other is kept (ConfigError). Checked before the first probe (issue 36.13: a tune that
     spent its budget and then refused the name saved nothing) and again when writing."""
     preset_store.check_name(name)
-    path = preset_store.user_dir() / f"{name}.toml"
+    path = presets_dir() / f"{name}.toml"
     if path.exists():
         try:
             first = path.read_text().split("\n", 1)[0]

@@ -77,7 +77,7 @@ def make_tune(resolved: settings.Resolved, *, budget_s: float, max_probes: int, 
     the numerics (plan/search.NUMERICS) but those named in vary. dry_run: nothing will be measured, so a
     machine without a GPU plans for the preset's (planned_gpus). host_cores, host_gbps: the host the
     ranking plans the host side for (--host-cores, --host-gbps), this machine's when None."""
-    from shardconsole.launch.command import runs_root
+    from shardconsole.user_folders import runs_root
     from shardconsole.plan.estimator import replace_cfg
     from shardconsole.session import preflight
 

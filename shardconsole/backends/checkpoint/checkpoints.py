@@ -30,6 +30,7 @@ from shardconsole.backends.rank.common import Rank
 from shardconsole.backends.rank.errors import CheckpointError  # noqa: F401  (raised here; re-exported)
 # The completeness test lives beside the run folder's layout (no torch): export and the console use it too.
 from shardconsole.runlog.checkpoint_files import MANIFEST, why_incomplete  # noqa: F401  (re-exported)
+from shardconsole.runlog.checkpoint_files import STEP_PREFIX as PREFIX, step_folders
 from shardconsole.runlog import base_weights
 from shardconsole.runlog.checkpoint_files import MANIFEST_SUM, manifest_checksum, shapes_of
 from shardconsole.runlog.checkpoint_files import (checksums as checksums_of, loadable_runs, other_run_folder,
@@ -39,7 +40,7 @@ from shardconsole.runlog.checkpoint_files import (checksums as checksums_of, loa
 from shardconsole.settings.values import format_size
 
 RANK_STATE_DIR = "rank_state"
-PREFIX, PARTIAL = "step_", ".partial"
+PARTIAL = ".partial"
 
 
 # CheckpointError (a checkpoint that cannot be used; the message names its folder, and never passes on torch's
@@ -82,16 +83,6 @@ def partial_path(r: Rank, step: int) -> Path:
     return _dir(r) / f"{PREFIX}{step:08d}{PARTIAL}"
 
 
-def _step_folders(folder: Path) -> list[tuple[int, Path]]:
-    if not folder.is_dir():
-        return []
-    out = []
-    for p in folder.iterdir():
-        if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit():
-            out.append((int(p.name[len(PREFIX):]), p))
-    return sorted(out, reverse=True)
-
-
 def newest_complete(r: Rank) -> Found | None:
     """The newest complete checkpoint of this run whose files have their checksums; each newer folder
     that is not is skipped with a warning naming it (and the file at fault). None only where the folder
@@ -101,7 +92,7 @@ def newest_complete(r: Rank) -> Found | None:
     folder = _dir(r)
     ours = _loadable_runs(r, folder)
     skipped: list[str] = []
-    for step, path in _step_folders(folder):
+    for step, path in step_folders(folder):
         why = why_incomplete(path, backend)
         if why is None:
             try:
@@ -177,7 +168,7 @@ def _what(path: Path) -> str:
 
 def latest_checkpoint(folder: Path) -> tuple[int, Path] | None:
     """The highest-numbered step folder, complete or not (for tools that only list)."""
-    found = _step_folders(folder)
+    found = step_folders(folder)
     return found[0] if found else None
 
 
@@ -244,9 +235,9 @@ def read_rank_state(path: Path, rank: int) -> dict | None:
         raise CheckpointError(f"{f}: unreadable ({e})") from None
 
 
-def finish_checkpoint(r: Rank, step: int, meta: dict) -> Path:
+def finish_checkpoint(r: Rank, step: int, meta: dict, streamed: dict[str, str]) -> Path:
     """After every rank wrote its part: the manifest, the rename (rank 0), the pruning, then everyone
-    goes on."""
+    goes on. `streamed`: the checksums of the files this rank hashed as it wrote them."""
     dist.barrier()
     final, tmp = checkpoint_path(r, step), partial_path(r, step)
     # Rank 0's listing (the folder is on a file system every rank writes to, as the manifest needs),
@@ -254,7 +245,7 @@ def finish_checkpoint(r: Rank, step: int, meta: dict) -> Path:
     listed = [sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file()) if r.rank == 0 else None]
     dist.broadcast_object_list(listed, src=0)
     names: list[str] = listed[0] or []
-    sums = checksums.collect(tmp, names, r.rank, r.world)
+    sums = checksums.collect(tmp, names, streamed, r.rank, r.world)
     if r.rank == 0:
         files = {name: (tmp / name).stat().st_size for name in names}
         from shardconsole.backends.data import sources as data_mod
@@ -290,12 +281,14 @@ def _keep_aside(r: Rank, final: Path) -> None:
                        f"is kept as {aside.name}")
 
 
-def run_save(r: Rank, step: int, kind: SaveKind, total_bytes: int, write: Callable[[Path], None],
+def run_save(r: Rank, step: int, kind: SaveKind, total_bytes: int, write: Callable[[Path], dict[str, str]],
              meta: dict) -> Path:
     """Every rank: one save from the .partial folder to the renamed one, with SaveProgress from rank 0
-    while it runs. `write(tmp)` writes this rank's files; `kind` is what they hold (SaveKind). A save that fails removes only its
-    own .partial folder (the last complete checkpoint is never touched: pruning follows a complete save)
-    and raises DiskFullError / SaveOOMError where that is the cause."""
+    while it runs. `write(tmp)` writes this rank's files and returns the checksums of those it hashed on
+    the way (name in tmp -> checksum; the rest are hashed after); `kind` is what they hold (SaveKind).
+    A save that fails removes only its own .partial folder (the last complete checkpoint is never
+    touched: pruning follows a complete save) and raises DiskFullError / SaveOOMError where that is the
+    cause."""
     what = kind.value
     r.phase("saving checkpoint")
     training_peak, start = host_peak_bytes(), reset_host_peak()
@@ -303,8 +296,8 @@ def run_save(r: Rank, step: int, kind: SaveKind, total_bytes: int, write: Callab
     try:
         tmp = prepare_checkpoint(r, step)
         watch = save_stream.SaveWatch(r, step, what, tmp, total_bytes)
-        write(tmp)
-        final = finish_checkpoint(r, step, {**meta, "what": what})
+        streamed = write(tmp)
+        final = finish_checkpoint(r, step, {**meta, "what": what}, streamed)
     except BaseException as e:
         if watch is not None:
             watch.finish()
@@ -381,7 +374,7 @@ def prune(r: Rank, keep: int) -> None:
     """Keep the newest `keep` complete checkpoints (0: all); called right after a new one is complete."""
     if keep <= 0:
         return
-    complete = [(s, p) for s, p in _step_folders(_dir(r))
+    complete = [(s, p) for s, p in step_folders(_dir(r))
                 if why_incomplete(p, r.cfg.parallel.backend) is None]
     if complete and r.step < r.cfg.train.steps and _what(complete[0][1]) == "model":
         return      # the weights alone, saved by a stop short of time: the resumable checkpoints all stay

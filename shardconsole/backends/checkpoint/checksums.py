@@ -2,7 +2,8 @@
 it back at resume and export).
 
 DCP's shard files are hashed while StreamingWriter writes them (HashingFile: every byte passes through
-the hash on its way to the file; no second read). The files other code writes (DCP's small .metadata,
+the hash on its way to the file; no second read): the writer returns them to the save (run_save's
+write), which hands them to collect() at the manifest. The files other code writes (DCP's small .metadata,
 each rank's JSON state, and DeepSpeed's engine.save_checkpoint files, which DeepSpeed writes itself
 through torch.save on a path) are hashed after their write, at the manifest: every rank hashes a share
 of them, so a DeepSpeed checkpoint is read back once in all, split across the ranks, and mostly from the
@@ -19,18 +20,13 @@ import xxhash
 
 from shardconsole.runlog.checkpoint_files import CHECKSUM, file_checksum
 
-# Files this process wrote through a HashingFile: absolute path -> checksum. Read (and forgotten) by
-# collect() at the manifest of the save they belong to.
-_streamed: dict[str, str] = {}
-
-
 class HashingFile:
     """A binary file opened for writing, seen through its hash: write() hashes what it writes. Only
     sequential writes (DCP's writer and torch.save's zip writer append); a seek would make the hash
     wrong, so there is none."""
 
-    def __init__(self, raw, path: Path) -> None:
-        self.raw, self.path = raw, path
+    def __init__(self, raw) -> None:
+        self.raw = raw
         self.hash = xxhash.xxh3_128()
 
     def write(self, data) -> int:
@@ -53,17 +49,18 @@ class HashingFile:
     def seekable(self) -> bool:
         return False
 
-    def done(self) -> None:
-        """The file is whole: its checksum is recorded for the manifest."""
-        _streamed[str(Path(os.path.abspath(self.path)))] = f"{CHECKSUM}:{self.hash.hexdigest()}"
+    def done(self) -> str:
+        """The file is whole: its checksum, as the manifest writes it."""
+        return f"{CHECKSUM}:{self.hash.hexdigest()}"
 
 
-def collect(folder: Path, names: list[str], rank: int, world: int) -> dict[str, str]:
+def collect(folder: Path, names: list[str], streamed_here: dict[str, str], rank: int, world: int) -> dict[str, str]:
     """Every rank: the checksum of each of `names` (the files of the save in `folder`), from the hashes
-    streamed by any rank, the rest hashed now, split round-robin across the ranks. Every rank returns
-    the whole map (a collective: all ranks call it, with the same names)."""
+    each rank streamed while it wrote (`streamed_here`: this rank's, name in `folder` -> checksum), the
+    rest hashed now, split round-robin across the ranks. Every rank returns the whole map (a collective:
+    all ranks call it, with the same names)."""
     base = Path(os.path.abspath(folder))
-    mine = {n: _streamed.pop(str(base / n)) for n in names if str(base / n) in _streamed}
+    mine = {n: streamed_here[n] for n in names if n in streamed_here}
     gathered: list[dict[str, str] | None] = [None] * world
     dist.all_gather_object(gathered, mine)
     streamed = {k: v for part in gathered for k, v in (part or {}).items()}

@@ -44,13 +44,14 @@ class StreamingWriter(FileSystemWriter):
     def __init__(self, path: str | os.PathLike, on_bytes: Callable[[int], None] | None = None) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
         self.on_bytes = on_bytes or (lambda n: None)
+        self.checksums: dict[str, str] = {}    # the files written, by name in the folder: for the manifest
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
         results: list[WriteResult] = []
         path = self.fs.concat_path(self.path, name)
         with self.fs.create_stream(path, "wb") as raw:
-            stream = HashingFile(raw, Path(path))
+            stream = HashingFile(raw)
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
                     data = planner.resolve_data(item)
@@ -61,7 +62,7 @@ class StreamingWriter(FileSystemWriter):
                 del data                  # the copy, if one was made, goes before the next is made
             stream.flush()
             os.fsync(stream.fileno())
-            stream.done()
+            self.checksums[name] = stream.done()
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -104,16 +105,15 @@ def _last_save_bytes(path: Path, what: str) -> int:
     """The bytes of the newest complete step folder of this kind ("checkpoint", "model") beside path
     (its manifest says the kind); 0 when there is none (a run's first save, an export's folder)."""
     import json
-    from shardconsole.runlog.checkpoint_files import MANIFEST
-    newest: tuple[str, Path] | None = None
-    for p in path.parent.glob("step_*"):
+    from shardconsole.runlog.checkpoint_files import MANIFEST, step_folders
+    for _, p in step_folders(path.parent):
         try:
             kind = json.loads((p / MANIFEST).read_text()).get("what", "checkpoint")
         except (OSError, ValueError, AttributeError):
-            continue        # a .partial folder, a save of before manifests
-        if kind == what and (newest is None or p.name > newest[0]):
-            newest = (p.name, p)
-    return folder_bytes(newest[1]) if newest else 0
+            continue        # a save of before manifests
+        if kind == what:
+            return folder_bytes(p)
+    return 0
 
 
 class SaveWatch:

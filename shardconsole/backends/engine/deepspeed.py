@@ -57,9 +57,8 @@ def prepare_env(r: common.Rank) -> None:
     # DeepSpeed picks its accelerator once, at import; the rank's device decides it (CPU ranks on a box
     # with a GPU would otherwise get the CUDA accelerator).
     want = "cuda" if r.is_cuda else "cpu"
-    if os.environ.get("DS_ACCELERATOR") != want:
-        os.environ["DS_ACCELERATOR"] = want
-    value = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    os.environ["DS_ACCELERATOR"] = want
+    value = r.knobs.cuda_arch_list
     fixed = fix_cuda_arch_list(value) if value else None
     if fixed is not None:
         os.environ["TORCH_CUDA_ARCH_LIST"] = fixed

@@ -24,11 +24,12 @@ def save(r: common.Rank, engine, data: trainstate.Data, step: int) -> None:
     zero_to_fp32.py) with each rank's RNG states beside it, made visible as step_N when every rank is done.
     Always a full checkpoint, train.save_final = "model" too: DeepSpeed keeps the master weights in the
     optimizer's partitions, which export-model merges from these files."""
-    def write(tmp) -> None:
+    def write(tmp) -> dict[str, str]:
         # Under LoRA only what trains: the frozen base is the model folder's (or the seed's), unchanged.
         engine.save_checkpoint(str(tmp), tag=f"global_step{step}", client_state={"step": step},
                                exclude_frozen_parameters=r.cfg.adapters)
         checkpoints.write_rank_state(tmp, r.rank, {"rng": trainstate.rng_state(r.device)})
+        return {}       # DeepSpeed writes its files itself: all hashed after, at the manifest
 
     checkpoints.run_save(r, step, checkpoints.SaveKind.CHECKPOINT, _estimated_bytes(r, engine), write,
                          {"samples_consumed": data.samples})

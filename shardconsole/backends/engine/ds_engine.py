@@ -28,9 +28,19 @@ from shardconsole.backends.rank.common import Rank
 
 
 class DeepSpeedEngine:
+    # Everything the engine holds, declared here: start() sets ds_cfg, build() data, model, engine and
+    # evaluator, ready() timing and fp16 (the loop calls them in that order, before any step, save or load).
+    ds_cfg: dict
+    data: trainstate.Data
+    model: modeling.CausalLMLoss
+    engine: Any                              # deepspeed.DeepSpeedEngine (None until build)
+    evaluator: trainstate.Evaluator
+    timing: step_timing.StepTiming
+    fp16: bool                               # precision.dtype = "fp16": the engine's loss scaler runs
+
     def __init__(self, r: Rank, objective: Objective) -> None:
         self.r, self.objective = r, objective
-        self.engine: Any = None         # deepspeed.DeepSpeedEngine, after build
+        self.engine = None
 
     def start(self) -> None:
         r = self.r

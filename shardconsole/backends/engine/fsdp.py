@@ -1,5 +1,5 @@
 """The FSDP2 rank's model: built on the meta device, sharded, filled; its optimizer. The engine that
-trains it (steps, saves, resumes, exports) is fsdp_engine.py.
+trains it (steps, saves, resumes, exports) is fsdp_engine.py; its checkpoint format is fsdp_checkpoint.py.
 
 Sharding map (torch.distributed.fsdp.fully_shard on each decoder layer, then on the root):
   full_shard     mesh (world,)               reshard_after_forward=True
@@ -13,14 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from shardconsole.backends.model import adapters, float8, modeling, qlora, tiled_mlp
-from shardconsole.backends.checkpoint import checkpoints
 from shardconsole.backends.rank import common
-from shardconsole.backends.engine import trainstate
 from shardconsole.backends.optim import adam_mini, lowbit_optim, master_update
 from shardconsole.backends.offload import host_copy as offload, pinned_arena
 
@@ -197,53 +195,3 @@ def make_optimizer(r: common.Rank, model: torch.nn.Module) -> torch.optim.Optimi
     fused = r.cfg.precision.dtype != "fp16"
     return torch.optim.AdamW(adapters.trained_params(model), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
                              fused=fused, foreach=None if fused else True)
-
-
-def _state_bytes(r: common.Rank, state: dict) -> int:
-    """All ranks' bytes of the tensors to write (the local shards, summed over the ranks)."""
-    own = sum(t.numel() * t.element_size() for t in _tensors(state))
-    total = torch.tensor([own], dtype=torch.int64, device=r.device)
-    torch.distributed.all_reduce(total)
-    return int(total.item())
-
-
-def _tensors(obj):
-    if isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-    elif isinstance(obj, torch.Tensor):
-        yield obj.to_local() if hasattr(obj, "to_local") else obj
-
-
-def _model_state(r: common.Rank, model) -> dict:
-    """What a checkpoint holds of the model: every weight, or under LoRA only the adapters (the base is
-    the model folder's, unchanged)."""
-    state = get_model_state_dict(model)
-    return adapters.trained_state(state, model) if r.cfg.adapters else state
-
-
-def _restore_rank_state(r: common.Rank, found: checkpoints.Found, scaling) -> None:
-    own = checkpoints.read_rank_state(found.path, r.rank)
-    if own is None or found.meta.get("world", r.world) != r.world:
-        # Another rank count: the weights and moments reshard, the per-rank RNG streams do not.
-        r.event("warning", f"{found.path} was written by {found.meta.get('world', '?')} rank(s), this run has "
-                           f"{r.world}: weights and optimizer resharded, random states start afresh")
-        own = checkpoints.read_rank_state(found.path, 0) if own is None else own
-        if own:
-            scaling.load(own.get("scaler"))
-        return
-    trainstate.set_rng_state(own["rng"], r.device)
-    scaling.load(own.get("scaler"))
-
-
-def _first_cause(e: BaseException) -> str:
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        inner = next(iter(failures.values()))
-        inner = inner[0] if isinstance(inner, tuple) and inner else getattr(inner, "exc", inner)
-        return f"{type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"[:400]
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
-

@@ -1,4 +1,5 @@
-"""The FSDP2 engine (contract.Engine): builds with fsdp.py, steps, saves DCP checkpoints, resumes, exports.
+"""The FSDP2 engine (contract.Engine): builds with fsdp.py, steps, saves and resumes (fsdp_checkpoint.py:
+the format), exports.
 One optimizer step reads top to bottom in `step`."""
 
 from __future__ import annotations
@@ -6,15 +7,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
 
-from shardconsole.backends.checkpoint import checkpoints, hf_export, lora_export, save_stream
+from shardconsole.backends.checkpoint import hf_export, lora_export
 from shardconsole.backends.checkpoint.checkpoints import SaveKind
-from shardconsole.backends.engine import fsdp, fsdp_step, trainstate
+from shardconsole.backends.engine import fsdp, fsdp_checkpoint, fsdp_step, fsdp_update, trainstate
 from shardconsole.backends.engine.contract import LineFigures
-from shardconsole.backends.model import activation_offload, adapters, float8
+from shardconsole.backends.model import activation_offload, adapters, float8, modeling
 from shardconsole.backends.objective.base import Forward, Objective
 from shardconsole.backends.observe import metrics, step_timing
 from shardconsole.backends.observe.metrics import StepMeter
@@ -25,6 +23,22 @@ from shardconsole.backends.rank.common import Rank
 
 
 class FsdpEngine:
+    # Everything the engine holds, declared here: build() sets the first group, ready() the second (the
+    # loop calls them in that order, before any step, save or load); release() drops `built`.
+    data: trainstate.Data
+    model: modeling.CausalLMLoss             # built.model, sharded by FSDP2
+    optim: torch.optim.Optimizer
+    scaling: fsdp_step.LossScaling
+    evaluator: trainstate.Evaluator
+    clip: Callable[[], Any]                  # fsdp_step.Clip, or the test faults' wrapper of it
+    in_backward: step_in_backward.StepInBackward | None    # optim.step_in_backward
+    floor: metrics.ScaleFloorWatch
+    phases: metrics.PhaseTimes
+    timing: step_timing.StepTiming
+    overlap: offload_overlap.Overlap | None  # the host step overlapped with the backward
+    update: fsdp_update.Update               # plain, in the backward, or overlapped (fsdp_update.py)
+    grad_norm: torch.Tensor | float | None   # the last step's, None where it was not computed
+
     def __init__(self, r: Rank, objective: Objective) -> None:
         self.r, self.objective = r, objective
         self.built: fsdp.Built | None = None
@@ -56,7 +70,7 @@ class FsdpEngine:
 
     def ready(self) -> None:
         r, cfg = self.r, self.r.cfg
-        self.clip: Callable[[], Any] = fsdp_step.Clip(r, self.model, self.optim, self.scaling, fsdp.reduce_dtype(cfg))
+        self.clip = fsdp_step.Clip(r, self.model, self.optim, self.scaling, fsdp.reduce_dtype(cfg))
         # optim.step_in_backward: each parameter steps as FSDP2 reduces its gradient (no clip, no scaler)
         self.in_backward = step_in_backward.attach(r, self.optim, adapters.trained_params(self.model))
         if r.faults.active:     # test faults, wrapped around the model, the unscale and the clip (faults.py)
@@ -68,7 +82,9 @@ class FsdpEngine:
         step_timing.instrument_fsdp(self.model, self.timing)
         copy = self.built.compute_copy if self.built else None
         self.overlap, self.timing.overlap = offload_overlap.make(r, self.model, self.optim, self.scaling.scaler, copy)
-        self.grad_norm: torch.Tensor | float | None = None
+        plain = fsdp_update.Plain(self.optim, self.scaling, self.clip, self.phases, self._refresh_compute_copy)
+        self.update = fsdp_update.choose(plain, self.in_backward, self.overlap, self.timing)
+        self.grad_norm = None
 
     def step(self, step: int, lr: float, meter: StepMeter) -> None:
         t = self.r.cfg.train
@@ -83,25 +99,14 @@ class FsdpEngine:
             loss = self.objective.micro_loss(model, batch)
             meter.add(loss)
             phases.mark("forward")
-            if self.overlap is not None and micro == t.grad_accum - 1:
-                self.overlap.arm(step)     # each unit's host step starts as its gradients land (offload_overlap)
+            if micro == t.grad_accum - 1:
+                self.update.arm(step)      # an overlapped update starts each unit's host step as it lands
             scaling.backward(loss / t.grad_accum)
             phases.mark("backward")
         timing.compute_done()
         with timing.host_step():
             self.grad_norm = None
-            if self.overlap is not None and self.overlap.armed:
-                timing.overlapped(self.overlap.finish())     # no clip, no scaler (offload_overlap.why_not)
-            else:
-                if self.in_backward is None:
-                    scaling.unscale(optim)
-                    self.grad_norm = self.clip()
-                    phases.mark("clip")
-                    scaling.step(optim)
-                    phases.mark("step")
-                else:
-                    self.in_backward.check_stepped()
-                self._refresh_compute_copy()     # (the overlap refreshes each unit's copy after its step)
+            self.grad_norm = self.update.apply()     # plain, in the backward or overlapped (fsdp_update.py)
             if self.built is not None and self.built.fp8_gather:
                 float8.precompute_scales(model)      # the next all-gather's float8 scales, one all-reduce
         optim.zero_grad(set_to_none=True)
@@ -124,57 +129,19 @@ class FsdpEngine:
             self.evaluator.run(self.model, step)
 
     def save(self, step: int, kind: SaveKind) -> None:
-        """DCP's format, written by save_stream.StreamingWriter: one tensor copied at a time, never the
-        rank's whole state (DCP's own writer holds a copy of every tensor until the file closes)."""
-        r = self.r
-        if r.cfg.fsdp.cpu_offload and r.is_cuda:
-            # torch keeps the pinned blocks the gradients came to the host in, cached for the next step's;
-            # a save writes a tensor copy of its own beside them: give them back first (pinned again at the
-            # next step, about a second), so the host peak is the larger of the two, not their sum
-            torch.cuda.synchronize()
-            getattr(torch._C, "_host_emptyCache", lambda: None)()
-        state = {"model": fsdp._model_state(r, self.model), "step": torch.tensor(step)}
-        if kind is SaveKind.CHECKPOINT:
-            state["optim"] = get_optimizer_state_dict(self.model, self.optim)
-
-        def write(tmp) -> None:
-            dcp.save(state, storage_writer=save_stream.StreamingWriter(tmp))
-            checkpoints.write_rank_state(tmp, r.rank, {"rng": trainstate.rng_state(r.device),
-                                                       "scaler": self.scaling.state()})
-
-        checkpoints.run_save(r, step, kind, fsdp._state_bytes(r, state), write,
-                             {"samples_consumed": self.data.samples})
-        if step < r.cfg.train.steps:
-            r.phase("training")
+        fsdp_checkpoint.save(self.r, self.model, self.optim, self.scaling, self.data, step, kind)
+        if step < self.r.cfg.train.steps:
+            self.r.phase("training")
 
     def load(self) -> int:
-        """The newest complete checkpoint (any world size: DCP reshards); 0 when there is none."""
-        r = self.r
-        checkpoints.remove_partials(r)
-        found = checkpoints.newest_complete(r)
-        if found is None:
-            r.event("info", f"no checkpoint in {r.checkpoint_dir()}: starting from step 0")
-            return 0
-        state = {"model": fsdp._model_state(r, self.model), "optim": get_optimizer_state_dict(self.model, self.optim),
-                 "step": torch.tensor(0)}
-        try:
-            dcp.load(state, storage_reader=fsdp_step.SafeReader(str(found.path)),
-                     planner=fsdp_step.safe_load_planner())
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:   # DCP's CheckpointException (a BaseException) wraps each rank's error
-            raise checkpoints.CheckpointError(f"{found.path}: cannot be read as an FSDP2 checkpoint: "
-                                              f"{fsdp._first_cause(e)}") from e
-        set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=not r.cfg.adapters))
-        set_optimizer_state_dict(self.model, self.optim, state["optim"])
+        return fsdp_checkpoint.load(self.r, self.model, self.optim, self.scaling, self.data, self._placed)
+
+    def _placed(self) -> None:
+        """After a load: the optimizer's states where the host arena keeps them (where DCP's load left
+        them, if not in place), and the compute copy of the loaded weights."""
         if self.built is not None and self.built.arena is not None:
-            self.built.arena.place_states(self.optim)      # where DCP's load left them, if not in place
+            self.built.arena.place_states(self.optim)
         self._refresh_compute_copy()
-        step = int(state["step"])
-        fsdp._restore_rank_state(r, found, self.scaling)
-        self.data.seek(int(found.meta.get("samples_consumed", step * self.data.samples_per_step)))
-        r.event("info", f"resumed from {found.path} (step {step})")
-        return step
 
     def export(self, step: int) -> None:
         state = self.model.state_dict()

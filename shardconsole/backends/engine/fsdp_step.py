@@ -7,19 +7,17 @@ fsdp.py reads like nanoGPT's: `scaling.backward(loss)`, `norm = clip(step, grads
 - `Clip`: the gradient clip, folded into fused AdamW when it can be (the norm summed where each
   reduce-scatter lands when offloaded), else torch's clip_grad_norm_.
 
-A restricted reader for DCP's .metadata pickle lives here too (`SafeReader`).
+DCP's restricted .metadata reader (`SafeReader`) is fsdp_checkpoint.py's, with the rest of the format.
 """
 
 from __future__ import annotations
 
-import io
-import pickle
-
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 
 from shardconsole.backends.rank import common
 from shardconsole.backends.offload import host_copy as offload
+# export_model/checkpoint.py imports SafeReader from here
+from shardconsole.backends.engine.fsdp_checkpoint import SafeReader  # noqa: F401
 
 
 class LossScaling:
@@ -117,69 +115,3 @@ class Clip:
                          "gradients instead (slower)")
             self.fallback_told = True
         return offload.fold_clip_into_step(self.model.parameters(), self.optim, self.max_norm, self.r.device, known)
-
-
-# ---------------------------------------------------------------------------------------------------
-# DCP's .metadata without running code from it
-
-_SAFE_MODULE_PREFIXES = ("torch.distributed.checkpoint.",)
-_SAFE_NAMES = {("collections", "OrderedDict"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-               ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("builtins", "set"),
-               ("builtins", "frozenset"), ("builtins", "slice")}
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if (module, name) in _SAFE_NAMES:
-            return super().find_class(module, name)
-        if module.startswith(_SAFE_MODULE_PREFIXES):
-            found = super().find_class(module, name)
-            if isinstance(found, type):     # DCP's metadata dataclasses and enums, never a function
-                return found
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a checkpoint's .metadata "
-                                     f"(only DCP's own metadata classes are allowed)")
-
-
-class SafeReader(FileSystemReader):
-    """DCP's reader with its .metadata (a pickle) read by an unpickler that builds only DCP's metadata
-    classes, torch sizes and dtypes: a crafted .metadata cannot run code. The tensor files are read by
-    DCP itself with torch.load(weights_only=True)."""
-
-    def read_metadata(self, *args, **kwargs):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as fh:
-            metadata = _Unpickler(io.BytesIO(fh.read())).load()
-        from torch.distributed.checkpoint.metadata import StorageMeta
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-def safe_load_planner():
-    """DCP's default load planner with its non-tensor items (optimizer hyper-parameters, the step)
-    read by torch.load(weights_only=True) instead of weights_only=False."""
-    from torch.distributed.checkpoint._traverse import set_element
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    class SafeLoadPlanner(DefaultLoadPlanner):
-        def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-            super().set_up_planner(state_dict, metadata, is_coordinator)
-            # A run resumed with precision.master_rounding = "kahan" from a checkpoint written without it
-            # (stochastic or nearest): the compensation buffer starts at zero, as on a first step, instead
-            # of failing the whole load on its missing keys. Every other missing key still fails.
-            if metadata is not None and self.flatten_state_dict:
-                saved = metadata.state_dict_metadata
-                for key in [k for k in self.state_dict if k.endswith(".compensation") and k not in saved]:
-                    del self.state_dict[key]
-
-        def load_bytes(self, read_item, value: io.BytesIO) -> None:
-            obj = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = obj
-
-    return SafeLoadPlanner()

@@ -4,7 +4,6 @@ line before the rank exits."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -23,10 +22,10 @@ from shardconsole.runlog.stream import MetricsWriter
 
 # Failure reports and the exit
 
-def classify(exc: BaseException) -> tuple[str, str]:
+def classify(exc: BaseException, knobs: Knobs) -> tuple[str, str]:
     """(cause, hint) for a failure inside a rank."""
     text = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, Stopped) and os.environ.get("SLURM_JOB_ID"):   # Slurm's script resumes when submitted again
+    if isinstance(exc, Stopped) and knobs.slurm_job:   # Slurm's script resumes when submitted again
         return "stopped", "continue it with `sbatch` of the same script, or `shardconsole resume RUN_DIR --slurm`"
     if isinstance(exc, RankFailure):
         return exc.cause, exc.hint
@@ -85,11 +84,11 @@ def report_failure(r: Rank | None, exc: BaseException, run_dir: Path, run_id: st
         exc._shardconsole_reported = True       # type: ignore[attr-defined]
     except AttributeError:                      # an exception without a __dict__: reported twice at worst
         pass
-    cause, hint = classify(exc)
+    knobs = r.knobs if r else _knobs_or_defaults()
+    cause, hint = classify(exc, knobs)
     # A stop is not a crash: no traceback in the report.
     tb = "" if cause == "stopped" else "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     print(tb, file=sys.stderr, flush=True)
-    knobs = r.knobs if r else _knobs_or_defaults()
     rank = knobs.rank
     writer = r.writer if r else MetricsWriter(run_dir / metrics_file_of_node(knobs.node), run_id, rank)
     message = str(exc).splitlines()[0][:600] if str(exc) else type(exc).__name__

@@ -45,6 +45,9 @@ class Knobs:
     overlap_nice: int = HOST_NICE      # SHARDCONSOLE_OVERLAP_NICE=N: the host step's nice value (0: the rank's)
     fp8_emulate: bool = False          # SHARDCONSOLE_FP8_EMULATE=1: precision.fp8 emulated (model/float8.py)
     profile_steps: tuple[int, int] | None = None   # SHARDCONSOLE_PROFILE=A-B: torch's profiler (observe/profile.py)
+    # Other tools'
+    slurm_job: str = ""                # SLURM_JOB_ID: a stop of a Slurm job is continued by submitting it again
+    cuda_arch_list: str = ""           # TORCH_CUDA_ARCH_LIST: DeepSpeed's op builder's (engine/deepspeed.py mends it)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Knobs":
@@ -65,4 +68,6 @@ class Knobs:
             overlap_switch_s=read("SHARDCONSOLE_OVERLAP_SWITCH_S", e) or 0.0,
             overlap_nice=read("SHARDCONSOLE_OVERLAP_NICE", e),
             fp8_emulate=read("SHARDCONSOLE_FP8_EMULATE", e),     # settings.values.FP8_EMULATE_ENV
-            profile_steps=read("SHARDCONSOLE_PROFILE", e))
+            profile_steps=read("SHARDCONSOLE_PROFILE", e),
+            slurm_job=read("SLURM_JOB_ID", e),
+            cuda_arch_list=read("TORCH_CUDA_ARCH_LIST", e))

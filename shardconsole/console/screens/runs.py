@@ -22,7 +22,7 @@ from shardconsole.console.screens.dialogs import SavedStep, StepPickScreen
 from shardconsole.console.widgets.line_plot import LinePlot, PlotSeries
 from shardconsole.history import compare as CMP
 from shardconsole.history.index import RunSummary, list_runs, roots
-from shardconsole.launch.command import runs_root as default_runs_root
+from shardconsole.user_folders import runs_root as default_runs_root
 from shardconsole.runlog.checkpoint_files import MANIFEST, listed_bytes
 from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.session.resume import complete_checkpoints

@@ -26,6 +26,7 @@ from shardconsole.console.screens.dialogs import AttachScreen, ConfirmScreen, Re
 from shardconsole.console.screens.setup_summary import preset_options
 from shardconsole.console.widgets.setting_field import SettingField
 from shardconsole.console.services import Launcher, Machine, OpenRun, PlannedRun, Planner, Probes, RunListing
+from shardconsole.user_folders import presets_dir
 
 
 class SetupActions(Screen[None]):
@@ -191,10 +192,10 @@ class SetupActions(Screen[None]):
     async def action_save_preset(self) -> None:
         if await self._refuse_if_invalid("saving"):
             return
-        name = self.preset_name if self.preset_path and self.preset_path.parent == preset_store.user_dir() \
+        name = self.preset_name if self.preset_path and self.preset_path.parent == presets_dir() \
             else f"{self.preset_name}-tuned"
         # The description starts empty: the base preset's would describe another preset.
-        self.app.push_screen(SavePresetScreen(name, "", preset_store.user_dir()), self._save_answered)
+        self.app.push_screen(SavePresetScreen(name, "", presets_dir()), self._save_answered)
 
     def _save_answered(self, request: SaveRequest | None) -> None:
         if request is None:

@@ -36,23 +36,12 @@ from pathlib import Path
 from functools import lru_cache
 from typing import Any, Iterable
 
-from shardconsole.envvars import read
+from shardconsole.user_folders import speeds_file
 from shardconsole.runlog.protocol import METER_VERSION
 from shardconsole.settings import config as C
 from shardconsole.plan.constants import SPEED_FACTOR
 from shardconsole.plan.machine import Hardware
 from shardconsole.settings.models import ModelSpec
-
-SPEEDS_ENV = "SHARDCONSOLE_SPEEDS_FILE"
-
-
-def speeds_file() -> Path:
-    path = read(SPEEDS_ENV)
-    if path:
-        return path
-    import platformdirs
-    return Path(platformdirs.user_data_dir("shardconsole")) / "speeds.jsonl"
-
 
 def machine_key(hw: Hardware, device: str = "cuda") -> str:
     """What makes two machines alike for speed: the GPU model and count, or the CPU ranks."""

@@ -12,7 +12,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardconsole.runlog.checkpoint_files import checksums, safe_reason, why_corrupt, why_incomplete
+from shardconsole.runlog.checkpoint_files import checksums, safe_reason, step_folders, why_corrupt, why_incomplete
 from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelError, ModelSpec
 
@@ -33,16 +33,6 @@ class Checkpoint:
 
 # ---------------------------------------------------------------------------------------------------
 # Finding the checkpoint
-
-def step_folders(root: Path) -> list[tuple[int, Path]]:
-    """step_<N> folders, newest first (step_<N>.partial ones are saves still being written, or killed)."""
-    found = []
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit():
-                found.append((int(p.name[5:]), p))
-    return sorted(found, reverse=True)
-
 
 def pick_checkpoint(root: Path, step: int | None, backend: str) -> Checkpoint:
     """The newest complete checkpoint, or the one of `step`; complete as resume judges it (the manifest's

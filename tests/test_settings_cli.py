@@ -15,7 +15,7 @@ def test_settings_json_lists_every_key_with_its_default_and_allowed_values():
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     assert list(doc) == ["model", "data", "train", "parallel", "precision", "fsdp", "deepspeed", "memory", "lora", "optim",
-                         "preference"]
+                         "preference", "grpo"]
     assert doc["fsdp"]["sharding"]["allowed"] == ["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"]
     assert doc["train"]["grad_accum"] == {"default": 1, "optional": False, "type": "int", "min": 1,
                                           "help": "micro-batches per optimizer step"}

@@ -59,3 +59,30 @@ def test_the_launch_refuses_it_before_building_anything(tmp_path):
     assert gpu_overrun(ok) is None
     refused = gpu_overrun(R.resolve("3090-7b-qlora", [*_sets(tmp_path, "grpo", 1), *sets]))
     assert refused is not None and "sampling: KV cache" in str(refused), refused
+
+
+def test_full_grpo_with_a_kl_counts_its_frozen_copy_and_does_not_fit_where_it_cannot(tmp_path):
+    """3b fully fine-tuned on a 24 GiB card (bf16 shards): at beta 0 it fits; the KL's frozen copy of the
+    starting weights (2 bytes a parameter, whole on the one rank) puts it over, and the launch refuses it."""
+    base = [*_sets(tmp_path, "grpo", 1)[1:], "model.name=3b", "data.seq_len=1024"]
+    res = shardconsole("plan", "--preset", "3090-3b-adamw8bit", "--card", "rtx4090", "--host-memory", "64GiB",
+                       "--json", *[a for s in base for a in ("--set", s)])
+    beta0 = json.loads(res.stdout)
+    assert beta0["fits"] and "grpo reference (frozen copy)" not in beta0["gpu_parts"], beta0["verdict"]
+    res = shardconsole("plan", "--preset", "3090-3b-adamw8bit", "--card", "rtx4090", "--host-memory", "64GiB",
+                       "--json", *[a for s in [*base, "grpo.beta=0.04"] for a in ("--set", s)])
+    kl = json.loads(res.stdout)
+    assert kl["gpu_parts"]["grpo reference (frozen copy)"] == 2 * kl["n_params"]
+    assert kl["gpu_peak_bytes"] > beta0["gpu_peak_bytes"] + 2 * kl["n_params"] * 0.9 and not kl["fits"]
+    # two ranks of ZeRO-3 each hold half of it in the compute dtype; ZeRO-2 all of it
+    for stage, share in ((3, 2), (2, 1)):
+        res = shardconsole("plan", "--preset", "3090-3b-adamw8bit", "--card", "h100", "--host-memory", "256GiB",
+                           "--json", *[a for s in [*base, "grpo.beta=0.04", "parallel.backend=deepspeed",
+                                                   f"deepspeed.stage={stage}", "parallel.nproc_per_node=2", "optim.name=adamw",
+                                                   "optim.step_in_backward=false"]
+                                       for a in ("--set", s)])
+        d = json.loads(res.stdout)
+        assert d["gpu_parts"]["grpo reference (frozen copy)"] == -(-2 * d["n_params"] // share), stage
+    sets = ["parallel.device=cuda", "memory.gpu_memory_limit=24GiB", "grpo.beta=0.04"]
+    refused = gpu_overrun(R.resolve("3090-3b-adamw8bit", [*base, *sets]))
+    assert refused is not None and "does not fit" in str(refused), refused

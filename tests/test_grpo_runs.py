@@ -4,8 +4,9 @@ Learning: a short SFT run teaches the folder a task ("Say cat:" -> " cat", eight
 starts from its export with a partial-credit reward file written here (the share of the answer's letters the
 completion gets right, in place) and raises the mean reward: the last steps' mean above the first steps'.
 The step lines carry every GRPO figure, the headless lines print them.
-LoRA on DeepSpeed ZeRO-3 with a KL term (the reference: the base with the adapters off) runs to the end, its KL
-0 at the first step (the adapters start at zero) and above 0 after.
+With a KL term, LoRA on DeepSpeed ZeRO-3 (the reference: the base with the adapters off) and full fine-tuning
+on FSDP2 and ZeRO-2 (a frozen copy of the starting weights) run to the end, the KL 0 at the first step (the
+policy starts as the reference) and above 0 after.
 Refusals: a missing reward file, a function the file lacks, a function without **kwargs: one line before
 launch, no run folder made; a reward returning the wrong count stops the run with a verdict naming the
 function and the record.
@@ -96,15 +97,21 @@ def test_grpo_after_sft_raises_the_mean_reward(folder, sft_export):
     assert lines and " reward " in lines[0] and " len " in lines[0] and " gen " in lines[0], res.stdout[-2000:]
 
 
-def test_grpo_lora_on_zero3_runs_to_the_end_with_the_kl_to_the_base(folder, sft_export):
-    run = folder.root / "zero3-lora"
+@pytest.mark.parametrize("sets", [
+    ("train.method=lora", "lora.rank=8", "parallel.backend=deepspeed", "deepspeed.stage=3"),
+    ("parallel.backend=fsdp",),
+    ("parallel.backend=deepspeed", "deepspeed.stage=2"),
+], ids=["lora-zero3", "full-fsdp2", "full-zero2"])
+def test_grpo_with_a_kl_runs_to_the_end_its_kl_zero_at_the_start(folder, sft_export, sets):
+    """The reference: the base with the adapters off (LoRA), or a frozen copy of the starting weights sharded
+    as the policy (full fine-tuning: engine/frozen_copy.py); the policy starts equal to it either way."""
+    run = folder.root / f"kl-{'-'.join(s.split('=')[1] for s in sets)}"
     res = grpo(folder, run, sft_export, f"grpo.reward={folder.rewards}:partial", "train.steps=3",
-               "train.micro_batch=2", "train.method=lora", "lora.rank=8", "grpo.beta=0.04", "train.lr=3e-3",
-               "parallel.backend=deepspeed", "deepspeed.stage=3")
+               "train.micro_batch=2", "grpo.beta=0.04", "train.lr=3e-3", *sets)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     steps = of_kind(messages(run), "step")
     assert [s.step for s in steps] == [1, 2, 3]
-    assert steps[0].kl == pytest.approx(0.0, abs=1e-6) and steps[-1].kl > 1e-5      # the adapters start at zero
+    assert steps[0].kl == pytest.approx(0.0, abs=1e-6) and steps[-1].kl > 1e-5, [s.kl for s in steps]
     assert all(s.reward_mean is not None for s in steps)
 
 

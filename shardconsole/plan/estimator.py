@@ -175,6 +175,10 @@ def _rank_model(cfg: C.RunConfig, s: Shapes) -> _Rank:
     else:
         r = _fsdp(cfg, s) if cfg.parallel.backend == "fsdp" else _deepspeed(cfg, s)
     if cfg.train.objective == "grpo" and r.gpu:
+        ref = grpo_terms.reference_bytes(cfg, s)
+        if ref:
+            for parts in r.gpu.values():
+                parts["grpo reference (frozen copy)"] = ref
         r.gpu["sampling"] = grpo_terms.sampling_moment(cfg, s, r.gpu)
     return r
 

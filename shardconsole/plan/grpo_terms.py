@@ -8,6 +8,7 @@ memory   a moment of its own, "sampling" (sampling_moment): what every moment of
          where the weights are sharded, and the sampler's tensors over the vocabulary (fp32 logits, softmax,
          top-p's sort, cumsum and scatter). The cache is dropped before the training forward, so the GPU peak
          is the larger of sampling and training (estimator._gpu takes the largest moment), not their sum.
+         Full fine-tuning with beta > 0 adds the frozen reference copy at every moment (reference_bytes).
 time     max_new_tokens decode steps a micro-batch, each reading every weight once (FSDP2 and ZeRO-3 also
          all-gather them: the training forward's gather, once a token) or bound by the layers' launches; and
          with adapters and beta > 0 the reference forward (the base, adapters off, no grad).
@@ -54,6 +55,22 @@ def sampling_moment(cfg: C.RunConfig, s: Shapes, moments: dict[str, dict[str, in
     return {k: int(v) for k, v in out.items()}
 
 
+def reference_bytes(cfg: C.RunConfig, s: Shapes) -> int:
+    """Full fine-tuning with beta > 0: the frozen copy of the starting weights (backends/engine/frozen_copy.py),
+    resident through the run. FSDP2 shards it as the policy (its kept dtype: fp32, or bf16 masters); ZeRO-3
+    partitions it in the compute dtype; ZeRO 0-2 keep it whole on every rank in the compute dtype."""
+    g = cfg.grpo
+    if cfg.train.objective != "grpo" or not g.beta or cfg.adapters:
+        return 0
+    p = cfg.parallel
+    world = p.nproc_per_node * p.nnodes
+    c = 4 if cfg.precision.dtype == "fp32" else 2
+    if p.backend == "fsdp":
+        shard = {"no_shard": 1, "hybrid_shard": p.nproc_per_node}.get(cfg.fsdp.sharding, world)
+        return -(-s.n_params * cfg.kept_bytes // shard)
+    return -(-s.n_params * c // world) if cfg.deepspeed.stage == 3 else s.n_params * c
+
+
 def weight_bytes(cfg: C.RunConfig, n_params: int) -> float:
     """What a decode step reads: the compute copy (QLoRA's NF4 base: about 0.56 bytes a parameter)."""
     if cfg.train.method == "qlora":
@@ -81,6 +98,10 @@ def notes(cfg: C.RunConfig, s: Shapes) -> list[str]:
            f"{rows} rows of up to data.seq_len {cfg.data.seq_len} tokens a forward); sampling's KV cache "
            f"{C.format_size(kv_cache_bytes(cfg, s))} at its longest, held only while sampling (before the training "
            f"forward): the GPU peak is the larger of the sampling moment and training's"]
+    if reference_bytes(cfg, s):
+        out.append(f"grpo with beta > 0, fully fine-tuned: a frozen copy of the starting weights, "
+                   f"{C.format_size(reference_bytes(cfg, s))} a rank (counted at every moment), one more forward "
+                   "without grad a micro-batch")
     if g.beta and cfg.adapters:
         out.append("grpo with beta > 0: the reference is the base with the adapters off, one more forward without "
                    "grad a micro-batch")

@@ -138,3 +138,25 @@ def test_a_reward_of_the_wrong_count_stops_the_run_naming_it_and_the_record(fold
     assert failed, res.stdout[-2000:]
     msg = failed[0].message
     assert "wrong_count" in msg and "returned 1 values for 4 completions" in msg and "prompts.jsonl:" in msg, msg
+
+
+def test_a_grpo_run_resumed_from_another_directory_goes_on(folder, tmp_path):
+    """Started from its folder with relative data and reward paths (preset.toml records them absolute), stopped
+    after its step-2 checkpoint, resumed from elsewhere: steps 3 and 4 follow with their rewards, and the real
+    tokens go on from the checkpoint's count instead of restarting."""
+    run = folder.root / "resumed"
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run),
+                       *_sets(f"model.name={folder.model}", "data.path=prompts.jsonl", "grpo.reward=rewards.py:partial",
+                              *GRPO, "train.steps=2", "train.micro_batch=2"),
+                       timeout=RUN_TIMEOUT, env=folder.env, cwd=folder.root)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f'reward = "{folder.rewards}:partial"' in (run / "preset.toml").read_text()
+    res = shardconsole("resume", str(run), "--set", "train.steps=4", timeout=RUN_TIMEOUT, env=folder.env,
+                       cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    steps = of_kind(messages(run), "step")
+    assert [s.step for s in steps] == [1, 2, 3, 4]
+    assert all(s.reward_mean is not None and s.completion_len for s in steps)
+    # each step trains 2 prompts x 4 completions of at most 32 tokens: the count grows by 1..256 a step
+    grown = [b.tokens - a.tokens for a, b in zip(steps, steps[1:])]
+    assert all(0 < g <= 256 for g in grown), [s.tokens for s in steps]

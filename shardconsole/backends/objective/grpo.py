@@ -124,9 +124,9 @@ class Grpo:
         return loss
 
     def real_tokens(self) -> int:
-        """The prompt and completion tokens trained on so far by every rank, this session (a resume counts from
-        its start): what the step line's tokens and tokens/s count, the rows' padding left out (a collective:
-        observe/metrics.StepMeter calls it on every rank)."""
+        """The prompt and completion tokens trained on so far by every rank, since the run's first step (a resume
+        goes on from its checkpoint's count, resume_tokens): what the step line's tokens and tokens/s count, the
+        rows' padding left out (a collective: observe/metrics.StepMeter and the saves call it on every rank)."""
         pending = torch.zeros((), dtype=torch.int64) if self.pending is None else self.pending.to(torch.int64)
         self.pending = None
         if dist.is_available() and dist.is_initialized():
@@ -134,6 +134,11 @@ class Grpo:
             dist.all_reduce(pending)
         self.counted += int(pending.item())
         return self.counted
+
+    def resume_tokens(self, tokens: int | None) -> None:
+        """After a resume's load (engine/loop.py): the count its checkpoint recorded (None: a checkpoint from
+        before GRPO's count was saved, counted from this session's start)."""
+        self.counted = tokens or 0
 
     def loss_of(self, model: Forward, ids: torch.Tensor, pmask: torch.Tensor, done: sampler.Completions,
                 adv: torch.Tensor) -> tuple[torch.Tensor, grpo_loss.TokenLoss]:

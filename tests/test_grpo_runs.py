@@ -5,7 +5,7 @@ starts from its export with a partial-credit reward file written here (the share
 completion gets right, in place) and raises the mean reward: the last steps' mean above the first steps'.
 The step lines carry every GRPO figure, the headless lines print them.
 With a KL term, LoRA on DeepSpeed ZeRO-3 (the reference: the base with the adapters off) and full fine-tuning
-on FSDP2 and ZeRO-2 (a frozen copy of the starting weights) run to the end, the KL 0 at the first step (the
+on FSDP2, ZeRO-2 and ZeRO-3 (a frozen copy of the starting weights) run to the end, the KL 0 at the first step (the
 policy starts as the reference) and above 0 after.
 Refusals: a missing reward file, a function the file lacks, a function without **kwargs: one line before
 launch, no run folder made; a reward returning the wrong count stops the run with a verdict naming the
@@ -101,7 +101,8 @@ def test_grpo_after_sft_raises_the_mean_reward(folder, sft_export):
     ("train.method=lora", "lora.rank=8", "parallel.backend=deepspeed", "deepspeed.stage=3"),
     ("parallel.backend=fsdp",),
     ("parallel.backend=deepspeed", "deepspeed.stage=2"),
-], ids=["lora-zero3", "full-fsdp2", "full-zero2"])
+    ("parallel.backend=deepspeed", "deepspeed.stage=3"),
+], ids=["lora-zero3", "full-fsdp2", "full-zero2", "full-zero3"])
 def test_grpo_with_a_kl_runs_to_the_end_its_kl_zero_at_the_start(folder, sft_export, sets):
     """The reference: the base with the adapters off (LoRA), or a frozen copy of the starting weights sharded
     as the policy (full fine-tuning: engine/frozen_copy.py); the policy starts equal to it either way."""

@@ -104,7 +104,7 @@ def _cfg(tmp_path, reward_file, *sets: str) -> C.RunConfig:
 @pytest.mark.parametrize("sets,key,said", [
     (["grpo.reward_weights=1,2"], "reward_weights", "2 finite weight(s) for 1"),
     (["grpo.max_new_tokens=4096"], "max_new_tokens", "not below data.seq_len"),
-    (["grpo.beta=0.1"], "beta", "frozen reference"),
+    (["grpo.beta=0.1", "fsdp.cpu_offload=True"], "beta", "fsdp.cpu_offload on"),
     (["grpo.reward="], "reward", "is empty"),
 ])
 def test_bad_values_are_refused(tmp_path, reward_file, sets, key, said):
@@ -114,8 +114,9 @@ def test_bad_values_are_refused(tmp_path, reward_file, sets, key, said):
     assert said in str(e.value) and key in str(e.value)
 
 
-def test_lora_with_a_kl_is_accepted(tmp_path, reward_file):
+def test_a_kl_is_accepted_with_lora_and_fully_fine_tuned(tmp_path, reward_file):
     C.validate(_cfg(tmp_path, reward_file, "grpo.beta=0.1", "train.method=lora"))
+    C.validate(_cfg(tmp_path, reward_file, "grpo.beta=0.1"))      # a frozen copy (engine/frozen_copy.py)
 
 
 def test_the_preview_shows_the_prompt_and_no_window(tmp_path, reward_file):

@@ -4,8 +4,9 @@ Learning: a short SFT run teaches the folder a task ("Say cat:" -> " cat", eight
 starts from its export with a partial-credit reward file written here (the share of the answer's letters the
 completion gets right, in place) and raises the mean reward: the last steps' mean above the first steps'.
 The step lines carry every GRPO figure, the headless lines print them.
-LoRA on DeepSpeed ZeRO-3 with a KL term (the reference: the base with the adapters off) runs to the end, its KL
-0 at the first step (the adapters start at zero) and above 0 after.
+With a KL term, LoRA on DeepSpeed ZeRO-3 (the reference: the base with the adapters off) and full fine-tuning
+on FSDP2, ZeRO-2 and ZeRO-3 (a frozen copy of the starting weights) run to the end, the KL 0 at the first step (the
+policy starts as the reference) and above 0 after.
 Refusals: a missing reward file, a function the file lacks, a function without **kwargs: one line before
 launch, no run folder made; a reward returning the wrong count stops the run with a verdict naming the
 function and the record.
@@ -96,15 +97,22 @@ def test_grpo_after_sft_raises_the_mean_reward(folder, sft_export):
     assert lines and " reward " in lines[0] and " len " in lines[0] and " gen " in lines[0], res.stdout[-2000:]
 
 
-def test_grpo_lora_on_zero3_runs_to_the_end_with_the_kl_to_the_base(folder, sft_export):
-    run = folder.root / "zero3-lora"
+@pytest.mark.parametrize("sets", [
+    ("train.method=lora", "lora.rank=8", "parallel.backend=deepspeed", "deepspeed.stage=3"),
+    ("parallel.backend=fsdp",),
+    ("parallel.backend=deepspeed", "deepspeed.stage=2"),
+    ("parallel.backend=deepspeed", "deepspeed.stage=3"),
+], ids=["lora-zero3", "full-fsdp2", "full-zero2", "full-zero3"])
+def test_grpo_with_a_kl_runs_to_the_end_its_kl_zero_at_the_start(folder, sft_export, sets):
+    """The reference: the base with the adapters off (LoRA), or a frozen copy of the starting weights sharded
+    as the policy (full fine-tuning: engine/frozen_copy.py); the policy starts equal to it either way."""
+    run = folder.root / f"kl-{'-'.join(s.split('=')[1] for s in sets)}"
     res = grpo(folder, run, sft_export, f"grpo.reward={folder.rewards}:partial", "train.steps=3",
-               "train.micro_batch=2", "train.method=lora", "lora.rank=8", "grpo.beta=0.04", "train.lr=3e-3",
-               "parallel.backend=deepspeed", "deepspeed.stage=3")
+               "train.micro_batch=2", "grpo.beta=0.04", "train.lr=3e-3", *sets)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     steps = of_kind(messages(run), "step")
     assert [s.step for s in steps] == [1, 2, 3]
-    assert steps[0].kl == pytest.approx(0.0, abs=1e-6) and steps[-1].kl > 1e-5      # the adapters start at zero
+    assert steps[0].kl == pytest.approx(0.0, abs=1e-6) and steps[-1].kl > 1e-5, [s.kl for s in steps]
     assert all(s.reward_mean is not None for s in steps)
 
 
@@ -131,3 +139,25 @@ def test_a_reward_of_the_wrong_count_stops_the_run_naming_it_and_the_record(fold
     assert failed, res.stdout[-2000:]
     msg = failed[0].message
     assert "wrong_count" in msg and "returned 1 values for 4 completions" in msg and "prompts.jsonl:" in msg, msg
+
+
+def test_a_grpo_run_resumed_from_another_directory_goes_on(folder, tmp_path):
+    """Started from its folder with relative data and reward paths (preset.toml records them absolute), stopped
+    after its step-2 checkpoint, resumed from elsewhere: steps 3 and 4 follow with their rewards, and the real
+    tokens go on from the checkpoint's count instead of restarting."""
+    run = folder.root / "resumed"
+    res = shardconsole("--preset", "tiny-cpu", "--headless", "--run-dir", str(run),
+                       *_sets(f"model.name={folder.model}", "data.path=prompts.jsonl", "grpo.reward=rewards.py:partial",
+                              *GRPO, "train.steps=2", "train.micro_batch=2"),
+                       timeout=RUN_TIMEOUT, env=folder.env, cwd=folder.root)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f'reward = "{folder.rewards}:partial"' in (run / "preset.toml").read_text()
+    res = shardconsole("resume", str(run), "--set", "train.steps=4", timeout=RUN_TIMEOUT, env=folder.env,
+                       cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    steps = of_kind(messages(run), "step")
+    assert [s.step for s in steps] == [1, 2, 3, 4]
+    assert all(s.reward_mean is not None and s.completion_len for s in steps)
+    # each step trains 2 prompts x 4 completions of at most 32 tokens: the count grows by 1..256 a step
+    grown = [b.tokens - a.tokens for a, b in zip(steps, steps[1:])]
+    assert all(0 < g <= 256 for g in grown), [s.tokens for s in steps]

@@ -169,10 +169,18 @@ def preference_notes(cfg: C.RunConfig) -> list[str]:
 def _rank_model(cfg: C.RunConfig, s: Shapes) -> _Rank:
     """One rank's memory by moment, from the model of its engine."""
     if cfg.adapters:
-        return lora_rank(cfg, s)       # LoRA / QLoRA, either engine (plan/lora.py)
-    if cfg.parallel.device == "cpu":
+        r = lora_rank(cfg, s)       # LoRA / QLoRA, either engine (plan/lora.py)
+    elif cfg.parallel.device == "cpu":
         return _cpu_ranks(cfg, s)
-    return _fsdp(cfg, s) if cfg.parallel.backend == "fsdp" else _deepspeed(cfg, s)
+    else:
+        r = _fsdp(cfg, s) if cfg.parallel.backend == "fsdp" else _deepspeed(cfg, s)
+    if cfg.train.objective == "grpo" and r.gpu:
+        ref = grpo_terms.reference_bytes(cfg, s)
+        if ref:
+            for parts in r.gpu.values():
+                parts["grpo reference (frozen copy)"] = ref
+        r.gpu["sampling"] = grpo_terms.sampling_moment(cfg, s, r.gpu)
+    return r
 
 
 @dataclass
@@ -335,6 +343,9 @@ def _verdict(e: Estimate, reasons: list[str], cfg: C.RunConfig) -> str:
             if largest.startswith("activations") or largest in ("loss chunk", "layer backward"):
                 hint = "largest part: activations; lower train.micro_batch or data.seq_len" + (
                     "" if cfg.memory.activation_checkpointing else ", or set memory.activation_checkpointing = true")
+            elif largest.startswith("sampling"):
+                hint = (f"largest part: {largest}, while GRPO samples; lower grpo.generations, train.micro_batch, "
+                        "data.seq_len or grpo.max_new_tokens")
             elif largest:
                 hint = f"largest part: {largest}; shard it over more GPUs or offload it to the CPU"
         return "does not fit: " + "; ".join(reasons) + (f" ({hint})" if hint else "")

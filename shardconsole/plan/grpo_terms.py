@@ -1,10 +1,14 @@
 """What GRPO (train.objective grpo, backends/objective/grpo.py) adds to a step beyond the training rows the
 activations already count (micro_batch x generations rows of data.seq_len: prompt and completion):
 
-memory   the sampler's KV cache, 2 (K, V) x layers x kv_heads x head_dim x compute bytes x micro_batch x
-         generations x data.seq_len at its longest; it lives only while sampling, before the training forward
-         (the cache is dropped first), so the peak is the larger of the two, not their sum. Full fine-tuning
-         with beta > 0 (a frozen copy) is refused before launch, so no reference copy is counted.
+memory   a moment of its own, "sampling" (sampling_moment): what every moment of the step holds (the
+         weights, the optimizer state, the workspaces: each part at its smallest over the step's moments),
+         plus the sampler's KV cache, 2 (K, V) x layers x kv_heads x head_dim x compute bytes x micro_batch x
+         generations x data.seq_len at its longest, the prefill's working set of a layer, one gathered layer
+         where the weights are sharded, and the sampler's tensors over the vocabulary (fp32 logits, softmax,
+         top-p's sort, cumsum and scatter). The cache is dropped before the training forward, so the GPU peak
+         is the larger of sampling and training (estimator._gpu takes the largest moment), not their sum.
+         Full fine-tuning with beta > 0 adds the frozen reference copy at every moment (reference_bytes).
 time     max_new_tokens decode steps a micro-batch, each reading every weight once (FSDP2 and ZeRO-3 also
          all-gather them: the training forward's gather, once a token) or bound by the layers' launches; and
          with adapters and beta > 0 the reference forward (the base, adapters off, no grad).
@@ -20,12 +24,51 @@ GB = 1e9
 # any card (HF Llama layers run about a dozen kernels a token; FSDP2 adds its pre/post hooks)
 DECODE_LAYER_S = 0.3e-3
 HBM_SHARE = 0.7         # the share of the datasheet bandwidth a decode step's weight reads reach
+# Bytes a row holds a vocabulary entry while picking a token (sampler.pick): the fp32 logits, logits /
+# temperature, softmax; with top_p < 1 also the sorted probabilities, their int64 order, the cumsum, the drop
+# mask, the masked copy and the scattered result.
+PICK_BYTES = 12
+TOP_P_BYTES = 29
 
 
 def kv_cache_bytes(cfg: C.RunConfig, s: Shapes) -> int:
     dtype = 4 if cfg.precision.dtype == "fp32" else 2
     rows = cfg.train.micro_batch * cfg.grpo.generations
     return 2 * s.layers * s.kv_heads * s.head_dim * dtype * rows * cfg.data.seq_len
+
+
+def sampling_moment(cfg: C.RunConfig, s: Shapes, moments: dict[str, dict[str, int]]) -> dict[str, int]:
+    """One rank's allocated bytes while sampling, part by part, from the step's other moments."""
+    c = 4 if cfg.precision.dtype == "fp32" else 2
+    g, rows = cfg.grpo, cfg.train.micro_batch * cfg.grpo.generations
+    names = set().union(*moments.values()) if moments else set()
+    out = {k: v for k in sorted(names) if (v := min(m.get(k, 0) for m in moments.values()))}
+    out["sampling: KV cache"] = kv_cache_bytes(cfg, s)
+    # the prefill of the prompts (data.seq_len - max_new_tokens at most), no grad: a layer's residual,
+    # normed input and MLP (gate, up, their product) alive at once
+    prompt = cfg.data.seq_len - g.max_new_tokens
+    out["sampling: prefill (a layer's working set)"] = rows * prompt * (2 * s.hidden + 3 * s.intermediate) * c
+    out["sampling: logits and top-p"] = rows * s.vocab * (PICK_BYTES + (TOP_P_BYTES if g.top_p < 1 else 0))
+    if cfg.parallel.backend == "fsdp" or cfg.deepspeed.stage == 3:
+        # the forward gathers a layer's shards as training's does
+        out["sampling: a gathered layer"] = int(s.per_layer * (0.56 if cfg.train.method == "qlora" else c))
+    return {k: int(v) for k, v in out.items()}
+
+
+def reference_bytes(cfg: C.RunConfig, s: Shapes) -> int:
+    """Full fine-tuning with beta > 0: the frozen copy of the starting weights (backends/engine/frozen_copy.py),
+    resident through the run. FSDP2 shards it as the policy (its kept dtype: fp32, or bf16 masters); ZeRO-3
+    partitions it in the compute dtype; ZeRO 0-2 keep it whole on every rank in the compute dtype."""
+    g = cfg.grpo
+    if cfg.train.objective != "grpo" or not g.beta or cfg.adapters:
+        return 0
+    p = cfg.parallel
+    world = p.nproc_per_node * p.nnodes
+    c = 4 if cfg.precision.dtype == "fp32" else 2
+    if p.backend == "fsdp":
+        shard = {"no_shard": 1, "hybrid_shard": p.nproc_per_node}.get(cfg.fsdp.sharding, world)
+        return -(-s.n_params * cfg.kept_bytes // shard)
+    return -(-s.n_params * c // world) if cfg.deepspeed.stage == 3 else s.n_params * c
 
 
 def weight_bytes(cfg: C.RunConfig, n_params: int) -> float:
@@ -54,7 +97,11 @@ def notes(cfg: C.RunConfig, s: Shapes) -> list[str]:
     out = [f"grpo: a sample is a prompt completed {g.generations} times (micro_batch {cfg.train.micro_batch} = "
            f"{rows} rows of up to data.seq_len {cfg.data.seq_len} tokens a forward); sampling's KV cache "
            f"{C.format_size(kv_cache_bytes(cfg, s))} at its longest, held only while sampling (before the training "
-           f"forward, whose activations the peak counts)"]
+           f"forward): the GPU peak is the larger of the sampling moment and training's"]
+    if reference_bytes(cfg, s):
+        out.append(f"grpo with beta > 0, fully fine-tuned: a frozen copy of the starting weights, "
+                   f"{C.format_size(reference_bytes(cfg, s))} a rank (counted at every moment), one more forward "
+                   "without grad a micro-batch")
     if g.beta and cfg.adapters:
         out.append("grpo with beta > 0: the reference is the base with the adapters off, one more forward without "
                    "grad a micro-batch")

@@ -148,7 +148,16 @@ def anchor_paths(cfg: C.RunConfig) -> C.RunConfig:
         parts = [str(Path(p).expanduser().absolute()) if p and not Path(p).expanduser().is_absolute()
                  and "://" not in p else p for p in parts]
         setattr(table, key, ",".join(parts))
+    # GRPO's reward files (FILE.py:FUNCTION, comma-separated): the ranks import them from the run's directory
+    if cfg.grpo.reward:
+        cfg.grpo.reward = ",".join(f"{_absolute(path)}:{fn}" if path else fn
+                                   for path, fn in cfg.grpo.reward_specs())
     return cfg
+
+
+def _absolute(path: str) -> str:
+    p = Path(path).expanduser()
+    return path if p.is_absolute() else str(p.absolute())
 
 
 def _claim(path: Path, where: str) -> bool | None:

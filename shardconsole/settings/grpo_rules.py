@@ -44,9 +44,13 @@ def check(cfg: RunConfig, err: Callable[[str, str, str], ConfigError]) -> None:
         raise err("grpo", "max_new_tokens", f"is {g.max_new_tokens}, not below data.seq_len ({d.seq_len}), which "
                   "holds the prompt and its completion: raise data.seq_len or lower max_new_tokens")
     if g.beta and not cfg.adapters:
-        raise err("grpo", "beta", f"is {g.beta}: full fine-tuning's KL needs a frozen reference copy of the model, "
-                  "which GRPO does not build yet; set grpo.beta = 0, or train.method = \"lora\" (the reference is "
-                  "then the base with the adapters off)")
+        offloaded = (("fsdp", "cpu_offload") if cfg.parallel.backend == "fsdp" and cfg.fsdp.cpu_offload else
+                     ("deepspeed", "offload_param") if cfg.parallel.backend == "deepspeed"
+                     and cfg.deepspeed.offload_param != "none" else None)
+        if offloaded:
+            raise err("grpo", "beta", f"is {g.beta} with {offloaded[0]}.{offloaded[1]} on: full fine-tuning's KL "
+                      "keeps a frozen copy of the model beside it, which is not built for offloaded parameters yet; "
+                      "set grpo.beta = 0, turn the offload off, or train.method = \"lora\"")
     if cfg.data.eval_path or cfg.data.eval_fraction:
         raise err("data", "eval_path" if cfg.data.eval_path else "eval_fraction",
                   "GRPO has no held-out evaluation yet (the step lines carry the rewards): remove it")

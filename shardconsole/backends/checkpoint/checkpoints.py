@@ -219,6 +219,15 @@ def _claim(r: Rank) -> None:
                               f"({here}): not saving into another run's checkpoint folder")
 
 
+def resumed_tokens(r: Rank, step: int) -> int | None:
+    """The real tokens the checkpoint of `step` recorded (GRPO's), None where it has none."""
+    try:
+        value = json.loads((checkpoint_path(r, step) / MANIFEST).read_text()).get("real_tokens")
+    except (OSError, ValueError):
+        return None
+    return int(value) if isinstance(value, int) else None
+
+
 def write_rank_state(tmp: Path, rank: int, state: dict) -> None:
     d = tmp / RANK_STATE_DIR
     d.mkdir(parents=True, exist_ok=True)
@@ -253,6 +262,10 @@ def finish_checkpoint(r: Rank, step: int, meta: dict, streamed: dict[str, str]) 
                     "data": data_mod.identity(r), "files": files, "checksums": sums,
                     "run_dir": str(r.run_dir.resolve()), "base": base_weights.of_run(r.cfg.model.name, r.cfg.adapters),
                     "shapes": shapes_of(r.cfg)}
+        if r.cfg.train.objective == "grpo" and r.progress.tokens is not None:
+            # the prompt and completion tokens trained on up to this step: sampled, so a resume cannot
+            # recount them from the data as DPO's pairs are (loop.Tail._save sets it, resumed_tokens reads it)
+            manifest["real_tokens"] = int(r.progress.tokens)
         # over the manifest as a reader will parse it (an int key comes back a string, and sorts otherwise)
         manifest[MANIFEST_SUM] = manifest_checksum(json.loads(json.dumps(manifest)))
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))

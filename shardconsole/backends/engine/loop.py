@@ -45,6 +45,10 @@ def run(r: Rank, engine: Engine) -> None:
         # Before the load: full DPO's reference log-probs are the starting weights' (cached after a first pass).
         engine.objective.prepare(engine.forward)
         start_step = engine.load() if t.resume else 0
+        resume_tokens = getattr(engine.objective, "resume_tokens", None)
+        if start_step and resume_tokens is not None:
+            # GRPO's tokens trained on are sampled, not in the data: the checkpoint's count goes on
+            resume_tokens(checkpoints.resumed_tokens(r, start_step))
         engine.ready()
         if r.cfg.adapters and r.rank == 0:
             # the rank log's count line, in the stream: the headless lines and the console then say what trains
@@ -93,10 +97,18 @@ class Tail:
         if self.stop.agreed():
             # ... and the rank that found it ends with the verdict, after the save
             with stream_health.verdict(self.r), host_limit.verdict(self.r):
-                trainstate.stop_with_save(self.r, self.stop, lambda kind: self.engine.save(step, kind))
+                trainstate.stop_with_save(self.r, self.stop, lambda kind: self._save(step, kind))
         if checkpoints.save_due(self.r, step):
-            self.engine.save(step, SaveKind.CHECKPOINT)
+            self._save(step, SaveKind.CHECKPOINT)
         self.stop.start_round()
+
+    def _save(self, step: int, kind: SaveKind) -> None:
+        """A save on every rank; an objective that counts its own tokens (GRPO) has them in the manifest, up to
+        this step (the step lines' count lags by up to log_every steps)."""
+        count = getattr(self.engine.objective, "real_tokens", None)
+        if count is not None:
+            self.r.progress.tokens = count()        # a collective: every rank saves
+        self.engine.save(step, kind)
 
     def after_last_step(self, start_step: int) -> None:
         """The final save and the export, unless this session trained no step (a resume of a finished run)."""
@@ -104,7 +116,7 @@ class Tail:
         if start_step >= steps:
             return
         if checkpoints.final_save_due(self.r):
-            self.engine.save(steps, checkpoints.final_what(self.r))
+            self._save(steps, checkpoints.final_what(self.r))
         if self.r.cfg.train.export_dir:
             self.engine.export(steps)
 

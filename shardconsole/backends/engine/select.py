@@ -3,6 +3,7 @@ when chosen: an FSDP2 run never imports DeepSpeed."""
 
 from __future__ import annotations
 
+from shardconsole.backends.engine import frozen_copy
 from shardconsole.backends.engine.contract import Engine
 from shardconsole.backends.objective import kto, preference
 from shardconsole.backends.objective.base import Objective
@@ -12,7 +13,7 @@ from shardconsole.backends.rank.common import Rank
 def objective(r: Rank) -> Objective:
     if r.cfg.train.objective == "kto":
         return kto.Kto(r)
-    return preference.make(r)
+    return frozen_copy.attach(preference.make(r), r)
 
 
 def engine(r: Rank) -> Engine:

@@ -3,14 +3,14 @@ micro_loss samples grpo.generations completions of each on the training ranks (s
 the user's reward functions (rewards.py), and returns TRL's GRPO loss of them (grpo_loss.py). The loop and
 both engines stay as they are: to them this is one more loss of a batch.
 
-The reference (beta > 0): the base with the adapters switched off (LoRA / QLoRA), one forward without grad
-per micro-batch; full fine-tuning with beta > 0 is refused before launch (settings/grpo_rules.py) until a
-frozen copy is built. beta = 0 (TRL's default) needs no reference."""
+The reference (beta > 0): the base with the adapters switched off (LoRA / QLoRA), or, fully fine-tuned, a
+frozen copy of the starting weights sharded as the policy is (engine/frozen_copy.py, built by prepare); one
+forward without grad per micro-batch. beta = 0 (TRL's default) needs no reference."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -92,12 +92,17 @@ class Grpo:
         self.weights = torch.tensor(self.g.weights(), dtype=torch.float64)
         self.tally = Tally(len(self.funcs))
         self.lora_reference = bool(self.g.beta) and r.cfg.adapters
+        # full fine-tuning with beta > 0: the engine's room sets what builds the frozen copy (select.objective)
+        self.reference_builder: Callable[[], Forward] | None = None
+        self.reference: Forward | None = None
         # prompt and completion tokens trained on, this rank, not yet counted by real_tokens (on the device)
         self.pending: torch.Tensor | None = None
         self.counted = 0
 
     def prepare(self, model: Forward) -> None:
-        return None
+        """Before the load of a resume: the frozen copy is the starting weights', as at a first session."""
+        if self.reference_builder is not None and self.reference is None:
+            self.reference = self.reference_builder()
 
     def micro_loss(self, model: Forward, batch: Batch) -> torch.Tensor:
         g = self.g
@@ -119,9 +124,9 @@ class Grpo:
         return loss
 
     def real_tokens(self) -> int:
-        """The prompt and completion tokens trained on so far by every rank, this session (a resume counts from
-        its start): what the step line's tokens and tokens/s count, the rows' padding left out (a collective:
-        observe/metrics.StepMeter calls it on every rank)."""
+        """The prompt and completion tokens trained on so far by every rank, since the run's first step (a resume
+        goes on from its checkpoint's count, resume_tokens): what the step line's tokens and tokens/s count, the
+        rows' padding left out (a collective: observe/metrics.StepMeter and the saves call it on every rank)."""
         pending = torch.zeros((), dtype=torch.int64) if self.pending is None else self.pending.to(torch.int64)
         self.pending = None
         if dist.is_available() and dist.is_initialized():
@@ -130,6 +135,11 @@ class Grpo:
         self.counted += int(pending.item())
         return self.counted
 
+    def resume_tokens(self, tokens: int | None) -> None:
+        """After a resume's load (engine/loop.py): the count its checkpoint recorded (None: a checkpoint from
+        before GRPO's count was saved, counted from this session's start)."""
+        self.counted = tokens or 0
+
     def loss_of(self, model: Forward, ids: torch.Tensor, pmask: torch.Tensor, done: sampler.Completions,
                 adv: torch.Tensor) -> tuple[torch.Tensor, grpo_loss.TokenLoss]:
         g = self.g
@@ -137,6 +147,9 @@ class Grpo:
         if self.lora_reference:
             with torch.no_grad(), adapters.disabled(model):
                 ref = completion_logps(model, ids, pmask, done, g.temperature)
+        elif self.reference is not None:
+            with torch.no_grad():
+                ref = completion_logps(self.reference, ids, pmask, done, g.temperature)
         logps = completion_logps(model, ids, pmask, done, g.temperature)
         tl = grpo_loss.token_loss(logps, adv, ref, g.beta, g.epsilon)
         norm = None
@@ -162,7 +175,7 @@ class Grpo:
         return rewards.score(self.funcs, prompts, completions, ids, columns, [ps.where(i) for i in rows])
 
     def figures(self) -> dict[str, Any]:
-        return self.tally.reduce([n for n, _ in self.funcs], self.lora_reference)
+        return self.tally.reduce([n for n, _ in self.funcs], self.lora_reference or self.reference is not None)
 
 
 def completion_logps(model: Forward, ids: torch.Tensor, pmask: torch.Tensor, done: sampler.Completions,

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import shardconsole
 from shardconsole.settings import config as C
-from shardconsole.settings.data_check import check_data
+from shardconsole.settings.data.data_check import check_data
 from test_data_paths import model_folder
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}

@@ -15,7 +15,7 @@ from hf_fixtures import make_hf_model
 from shardconsole.settings import config as C
 from shardconsole.backends.data import token_cache
 from shardconsole.backends.data.corpus import DOC_START, LOSS, DataError
-from shardconsole.settings.data_check import check_data
+from shardconsole.settings.data.data_check import check_data
 
 CHAT = [
     {"messages": [{"role": "user", "content": "what is two plus two?"},

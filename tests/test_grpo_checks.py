@@ -12,8 +12,9 @@ import torch
 from shardconsole.backends.objective import rewards, sampler
 from shardconsole.backends.rank.errors import RewardError
 from shardconsole.settings import config as C
-from shardconsole.settings import grpo_rules, prompt_records
-from shardconsole.settings.data_scan import ScanError
+from shardconsole.settings import grpo_rules
+from shardconsole.settings.data import prompt_records
+from shardconsole.settings.data.data_scan import ScanError
 from tests.conftest import shardconsole
 
 REWARDS = '''

@@ -89,7 +89,7 @@ def test_the_plan_counts_the_tokenizers_bounded_work(tmp_path):
     tokenizer work, bounded by the text it is handed at once (not by the records' length)."""
     from shardconsole import plan
     from shardconsole.settings import preset_store
-    from shardconsole.settings.data_scan import TOKENIZE_WORK_BYTES
+    from shardconsole.settings.data.data_scan import TOKENIZE_WORK_BYTES
     cfg = preset_store.load("tiny-cpu")
     spec = resolve(cfg.model.name)
     hw = plan.detect_hardware()

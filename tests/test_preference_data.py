@@ -13,7 +13,7 @@ import torch
 
 from shardconsole.settings import config as C
 from shardconsole.settings import resolve as settings
-from shardconsole.settings.data_check import check_data
+from shardconsole.settings.data.data_check import check_data
 
 PAIRS = [{"prompt": f"Question {i}: say yes or no.", "chosen": " yes" * (1 + i % 3), "rejected": " no"}
          for i in range(12)]

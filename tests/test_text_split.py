@@ -10,7 +10,7 @@ import pytest
 from shardconsole.backends.data import token_cache
 from shardconsole.backends.data.batches import PackedWindows, summary
 from shardconsole.settings import config as C
-from shardconsole.settings.data_check import check_data
+from shardconsole.settings.data.data_check import check_data
 
 DOCS = [f"document {i}: the quick brown fox jumps over the lazy dog." for i in range(30)]
 

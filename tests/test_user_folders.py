@@ -20,7 +20,8 @@ from shardconsole.launch.command import new_run_dir
 from shardconsole.history import cache
 from shardconsole.machine import doctor_verdict
 from shardconsole.plan.speed.book import SpeedBook
-from shardconsole.settings import data_hash, preset_store
+from shardconsole.settings import preset_store
+from shardconsole.settings.data import data_hash
 from shardconsole.backends.data import token_cache
 print(json.dumps({
     "run": str(new_run_dir("tiny").parent),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from shardconsole.settings import config as C
 from shardconsole.export_model.checkpoint import Checkpoint, ExportError
-from shardconsole.settings import prompt_format as prompt_file
+from shardconsole.settings.data import prompt_format as prompt_file
 from shardconsole.settings.models import ModelSpec, human_count
 from shardconsole.runlog.protocol import DataSummary, DecodeError, Eval, decode
 from shardconsole.runlog.runfolder import RunFolder

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 
 from shardconsole.settings import config as C
-from shardconsole.settings.data_scan import TOKENIZE_WORK_BYTES
+from shardconsole.settings.data.data_scan import TOKENIZE_WORK_BYTES
 from shardconsole.plan.constants import (COMPILE_SIDECAR_BYTES, COMPILE_THREADS_MAX, COMPILE_WORKER_BYTES,
                                          FRONTEND_RSS, LAUNCHER_RSS)
 from shardconsole.plan.loading import Loading

@@ -95,7 +95,7 @@ def check_data(r: Resolved) -> list[str]:
     ConfigError of that setting that blames the source of its value. Returns the scan's warnings (pairs
     whose answers are the same)."""
     try:
-        from shardconsole.settings.data_check import check_data as check
+        from shardconsole.settings.data.data_check import check_data as check
     except ImportError:
         _check_data_file(r)
         return []

@@ -4,7 +4,7 @@ The ranks refuse it too (backends/data/batches.check_resume), but only after the
 and the tokenizing: 10 s to minutes later, with the resumed session's `failed (config_error)` as the
 folder's last word over a run that had finished. Here the same comparison runs on the front end's side
 of the launch: the content hash the checkpoint's manifest recorded against the file's now
-(settings/data_hash: the ranks' own hash), and the settings that tokenize it (the token-cache key's).
+(settings/data/data_hash: the ranks' own hash), and the settings that tokenize it (the token-cache key's).
 data.allow_changed = true goes on, as in the ranks.
 
 Front-end side: standard library and the settings layer only.
@@ -17,8 +17,9 @@ from pathlib import Path
 
 from shardconsole.runlog.checkpoint_files import MANIFEST, why_incomplete
 from shardconsole.settings import config as C
-from shardconsole.settings import data_hash, data_mix
-from shardconsole.settings.data_check import uses_records
+from shardconsole.settings import data_mix
+from shardconsole.settings.data import data_hash
+from shardconsole.settings.data.data_check import uses_records
 from shardconsole.settings.resolve import Resolved
 
 # What the token-cache key holds besides the files' content (backends/data/token_cache.cache_key): a
@@ -111,8 +112,8 @@ def _records(saved: dict, path: Path, cfg: C.RunConfig) -> str:
     was = saved.get("records")
     if not isinstance(was, int):
         return ""
-    from shardconsole.settings.data_check import locate
-    from shardconsole.settings.data_scan import ScanError, scan
+    from shardconsole.settings.data.data_check import locate
+    from shardconsole.settings.data.data_scan import ScanError, scan
     try:
         _, kind = locate(str(path), "path")
         if kind not in ("json", "csv", "text"):

@@ -25,7 +25,7 @@ from typing import Callable
 
 from shardconsole.envvars import read
 from shardconsole.settings import config as C
-from shardconsole.settings.data_check import uses_records
+from shardconsole.settings.data.data_check import uses_records
 from shardconsole.settings.models import CATALOG
 from shardconsole.runlog.runfolder import PRESET_FILE, RunFolder
 

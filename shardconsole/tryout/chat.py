@@ -3,7 +3,7 @@ through export-model's own code path, on the GPU where there is one and on the C
 
 The prompt is the model folder's chat template (export-model writes the template the run trained with,
 the plain one included), so a conversation here is formatted as the training data was; a run whose prompts
-trained as plain text (string records: settings/prompt_format.py) gets each message as plain text. Generation runs
+trained as plain text (string records: settings/data/prompt_format.py) gets each message as plain text. Generation runs
 in a worker thread with transformers' TextIteratorStreamer: tokens arrive as they are made, and a
 threading.Event stops a generation between two tokens (Ctrl-C in the terminal, a key in a UI).
 """
@@ -17,7 +17,7 @@ from typing import Iterator
 
 from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelError, resolve
-from shardconsole.settings.prompt_format import RAW_WORDS, trained_raw
+from shardconsole.settings.data.prompt_format import RAW_WORDS, trained_raw
 
 GiB = 1 << 30
 ADAPTER_CONFIG = "adapter_config.json"      # peft's adapter folder (export-model --adapter)
@@ -104,7 +104,7 @@ class ChatModel:
         """tokenizer_from: the folder whose tokenizer and chat template format the prompts (default: folder).
         The base model beside a fine-tune takes the fine-tune's, so both see the very same prompt.
         raw: no chat template; each message is plain text for the model to continue. An export of a run
-        whose prompts trained as plain text (settings/prompt_format.py) is raw without asking:
+        whose prompts trained as plain text (settings/data/prompt_format.py) is raw without asking:
         `trained_raw` says so, for the caller to tell the user."""
         from shardconsole.quiet_libraries import quiet_libraries
         quiet_libraries()        # before transformers: no DeepSpeed accelerator line, no loading bar

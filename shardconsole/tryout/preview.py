@@ -20,8 +20,8 @@ import numpy as np
 
 from shardconsole.backends.data import corpus
 from shardconsole.settings import config as C
-from shardconsole.settings.data_check import locate
-from shardconsole.settings.data_scan import text_records
+from shardconsole.settings.data.data_check import locate
+from shardconsole.settings.data.data_scan import text_records
 from shardconsole.settings.models import ModelSpec
 
 
@@ -178,8 +178,8 @@ def _prompts(path: Path, picked: list[tuple[int, dict[str, Any]]], enc: corpus.E
              generations: int) -> Preview:
     """GRPO's prompt records as the ranks render and cut them (backends/data/prompts.py): no token under loss
     (the loss is on the completions the run samples)."""
-    from shardconsole.settings import prompt_records
-    from shardconsole.settings.data_scan import ScanError
+    from shardconsole.settings.data import prompt_records
+    from shardconsole.settings.data.data_scan import ScanError
     chat = corpus.Renderer("chat", "text", enc.tokenizer)
     views, notes = [], []
     for i, rec in picked:

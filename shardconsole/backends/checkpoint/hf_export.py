@@ -26,7 +26,7 @@ from shardconsole.backends.checkpoint import save_stream
 from shardconsole.backends.rank import run_folder
 from shardconsole.backends.rank.common import Rank
 from shardconsole.runlog.checkpoint_files import make_private
-from shardconsole.settings import prompt_format
+from shardconsole.settings.data import prompt_format
 from shardconsole.settings.values import format_size
 
 # What a model folder's tokenizer may consist of (fast and slow tokenizers, chat templates); export-model
@@ -239,7 +239,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def say_prompt_format(r: Rank, folder: Path) -> None:
     """The export of a run whose prompts trained as plain text says so, as export-model's does, for chat
-    to give them the same way (settings/prompt_format.py)."""
+    to give them the same way (settings/data/prompt_format.py)."""
     meta = getattr(r.data_state.entry, "meta", None) or {}
     if prompt_format.raw_prompts(meta.get("format", ""), meta.get("template", "")):
         prompt_format.write_raw(folder)

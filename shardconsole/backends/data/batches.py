@@ -30,7 +30,7 @@ import torch
 from shardconsole.runlog import protocol as P
 from shardconsole.backends.data import token_cache
 from shardconsole.backends.data.corpus import DOC_START, LOSS, DataError
-from shardconsole.settings import data_hash
+from shardconsole.settings.data import data_hash
 from shardconsole.settings.config import RunConfig
 
 IGNORE = -100

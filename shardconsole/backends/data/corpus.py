@@ -26,10 +26,10 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from shardconsole.settings.data_check import locate
+from shardconsole.settings.data.data_check import locate
 from shardconsole.backends.rank.errors import DataError, DiskFullError  # noqa: F401  (raised here; re-exported)
-from shardconsole.settings.data_scan import FORMATS, ROLES, SHAREGPT_ROLES, ScanError  # noqa: F401 (re-exported)
-from shardconsole.settings import data_scan
+from shardconsole.settings.data.data_scan import FORMATS, ROLES, SHAREGPT_ROLES, ScanError  # noqa: F401 (re-exported)
+from shardconsole.settings.data import data_scan
 PLAIN_TEMPLATE_NAME = "shardconsole-plain"
 PLAIN_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n\n{% endfor %}"
@@ -268,7 +268,7 @@ def load_encoder(model_path: str | None, has_tokenizer: bool, vocab: int) -> Enc
     silent fallback to bytes, issue 22 item 12)."""
     if model_path is not None and has_tokenizer:
         from shardconsole.settings import config as C
-        from shardconsole.settings.data_check import check_tokenizer
+        from shardconsole.settings.data.data_check import check_tokenizer
         try:
             check_tokenizer(model_path, "rank")
         except C.ConfigError as e:

@@ -170,7 +170,7 @@ def summary(cfg, world: int, src: MixedWindows, entry: MixEntry):
 def identity(cfg, entry: MixEntry) -> dict:
     """What a checkpoint records of a mix: each source's content and cache key, its weight, and the
     samples it had given at the checkpoint (its position; its epoch is samples // windows)."""
-    from shardconsole.settings import data_hash
+    from shardconsole.settings.data import data_hash
     at = entry.source.positions(entry.source.consumed) if entry.source is not None else [0] * len(entry.names)
     sizes = entry.source.sizes if entry.source is not None else [0] * len(entry.names)
     sources = [{"path": p, "sha256": e.meta.get("data_sha256"), "records": e.meta.get("records"),

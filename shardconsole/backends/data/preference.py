@@ -1,5 +1,5 @@
 """Preference pairs for the ranks (train.objective dpo / orpo): records with a prompt, a chosen and a rejected
-answer (settings/pair_records.py: TRL's string and conversational forms), tokenized once per machine into a
+answer (settings/data/pair_records.py: TRL's string and conversational forms), tokenized once per machine into a
 cache beside the token cache, and served a pair at a time.
 
 A pair is never split: it becomes two rows of seq_len tokens, the prompt followed by the chosen answer and
@@ -34,9 +34,9 @@ from shardconsole.backends.data import corpus, token_cache
 from shardconsole.backends.data.batches import IGNORE, Batch, _Global, shuffled
 from shardconsole.backends.data.corpus import DataError
 from shardconsole.runlog import protocol as P
-from shardconsole.settings import kto_records, pair_records
-from shardconsole.settings.data_check import tokenizer_dir
-from shardconsole.settings.data_scan import ScanError
+from shardconsole.settings.data import kto_records, pair_records
+from shardconsole.settings.data.data_check import tokenizer_dir
+from shardconsole.settings.data.data_scan import ScanError
 
 FORMAT_VERSION = 2         # 2: meta["template"] is "" for string pairs and meta["raw_pairs"] counts them
 META = "meta.json"
@@ -76,7 +76,7 @@ class PairRenderer:
         return self.chat.template_name if self.conversations else ""
 
     def label(self, rec: dict[str, Any], where: str) -> bool | None:
-        """A KTO record's label (settings/kto_records.py); None for a pair."""
+        """A KTO record's label (settings/data/kto_records.py); None for a pair."""
         if not kto_records.is_kto(rec.keys()):
             return None
         try:

@@ -1,4 +1,4 @@
-"""GRPO's prompts (train.objective grpo): prompt-only records (settings/prompt_records.py), each prompt
+"""GRPO's prompts (train.objective grpo): prompt-only records (settings/data/prompt_records.py), each prompt
 rendered (a message list through the chat template with the generation prompt, a string as it is),
 tokenized once, cut from the left to data.seq_len - grpo.max_new_tokens tokens, and served micro_batch
 prompts at a time, padded on the left (the sampler appends to the right). The records stay in memory: their
@@ -19,8 +19,8 @@ from shardconsole.backends.data import corpus
 from shardconsole.backends.data.batches import IGNORE, Batch, _Global, shuffled
 from shardconsole.backends.rank.errors import DataError
 from shardconsole.runlog import protocol as P
-from shardconsole.settings import data_hash, prompt_records
-from shardconsole.settings.data_scan import ScanError
+from shardconsole.settings.data import data_hash, prompt_records
+from shardconsole.settings.data.data_scan import ScanError
 
 
 @dataclass

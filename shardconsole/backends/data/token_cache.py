@@ -28,9 +28,9 @@ import numpy as np
 
 from shardconsole.backends.data import corpus
 from shardconsole.backends.data.corpus import DataError
-from shardconsole.settings.data_check import TOKENIZER_FILES, tokenizer_dir
+from shardconsole.settings.data.data_check import TOKENIZER_FILES, tokenizer_dir
 # The hashes live with the settings layer: a resume compares them before launch (session/resume_data.py).
-from shardconsole.settings.data_hash import cache_dir, content_hash, hash_files as _hash_files, named_content_hash
+from shardconsole.settings.data.data_hash import cache_dir, content_hash, hash_files as _hash_files, named_content_hash
 
 FORMAT_VERSION = 2     # 2: blank text records dropped, data.text_split, CSV chats as JSON strings
 META = "meta.json"

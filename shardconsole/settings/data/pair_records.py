@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardconsole.settings import data_scan
-from shardconsole.settings.data_scan import ScanError
+from shardconsole.settings.data import data_scan
+from shardconsole.settings.data.data_scan import ScanError
 
 PAIR_FIELDS = ("chosen", "rejected")
 

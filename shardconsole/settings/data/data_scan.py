@@ -47,7 +47,7 @@ class Scan:
     complete: bool = True          # False: only the first SCAN_BYTES were read
     split: str = ""                # a .txt file: how it became records, in words
     notes: list[str] = field(default_factory=list)     # warnings for the launch to print (pairs alike)
-    # Another record rule in place of the SFT formats' (settings/pair_records.check for preference records)
+    # Another record rule in place of the SFT formats' (settings/data/pair_records.check for preference records)
     check: Callable[[dict[str, Any], str], None] | None = field(default=None, repr=False, compare=False)
 
     @property

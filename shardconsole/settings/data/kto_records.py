@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardconsole.settings import pair_records
-from shardconsole.settings.data_scan import ScanError
+from shardconsole.settings.data import pair_records
+from shardconsole.settings.data.data_scan import ScanError
 
 KTO_FIELDS = ("completion", "label")
 

@@ -13,8 +13,9 @@ import re
 from pathlib import Path
 
 from shardconsole.settings import config as C
-from shardconsole.settings import data_mix, kto_records, pair_records, prompt_records
-from shardconsole.settings.data_scan import Scan, ScanError, scan
+from shardconsole.settings import data_mix
+from shardconsole.settings.data import kto_records, pair_records, prompt_records
+from shardconsole.settings.data.data_scan import Scan, ScanError, scan
 from shardconsole.settings.paths import PathError, kind_of, shown
 
 # Files read through `datasets` (with the loader named here); a folder must be a save_to_disk folder.
@@ -178,7 +179,7 @@ def _scan_mix(cfg: C.RunConfig, source: str) -> Scan | None:
 
 def _scan(value: str, key: str, d: C.DataSettings, source: str, objective: str = "sft",
           weights: tuple[float, float] = (1.0, 1.0)) -> Scan | None:
-    """objective dpo / orpo / simpo: preference records (settings/pair_records.py), one rule for all, and the
+    """objective dpo / orpo / simpo: preference records (settings/data/pair_records.py), one rule for all, and the
     pairs whose answers are the same counted (all of them: refused under DPO; some: a note); kto: unpaired
     labelled records; grpo: prompts."""
     path, kind = locate(value, key, source)
@@ -212,7 +213,7 @@ def _scan(value: str, key: str, d: C.DataSettings, source: str, objective: str =
 
 
 def _scan_prompts(path: Path, kind: str, key: str, d: C.DataSettings, source: str) -> Scan | None:
-    """GRPO's prompt-only records (settings/prompt_records.py), .jsonl / .json / .csv."""
+    """GRPO's prompt-only records (settings/data/prompt_records.py), .jsonl / .json / .csv."""
     if kind not in ("json", "csv"):
         raise C.ConfigError(f"{source}: [data] {key}: {shown(path)}: train.objective = \"grpo\" reads prompt "
                             f"records from a .jsonl, .json or .csv file (a 'prompt' each)")
@@ -228,7 +229,7 @@ def _scan_prompts(path: Path, kind: str, key: str, d: C.DataSettings, source: st
 
 def _scan_kto(path: Path, kind: str, key: str, d: C.DataSettings, source: str,
               weights: tuple[float, float]) -> Scan:
-    """KTO's unpaired records (settings/kto_records.py): each record's fields and label, the labels counted."""
+    """KTO's unpaired records (settings/data/kto_records.py): each record's fields and label, the labels counted."""
     count = kto_records.KtoCount()
     try:
         if kind in ("parquet", "saved"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from shardconsole.settings.data_scan import ROLES, ScanError
+from shardconsole.settings.data.data_scan import ROLES, ScanError
 
 KEYS = ("prompt",)
 

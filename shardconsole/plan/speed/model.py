@@ -30,6 +30,7 @@ from shardconsole.plan.speed.cards import CARDS, GB, Card, card_of
 from shardconsole.plan.lora import trainable_params
 from shardconsole.plan.machine import Hardware
 from shardconsole.plan import grpo_terms
+from shardconsole.plan.speed.fp8 import FP8_LAYER_SPEEDUP, fp8_checkpointed_speedup, fp8_even_tokens
 from shardconsole.plan.shapes import Shapes
 from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelSpec
@@ -126,44 +127,8 @@ class HostRates:
     source: str                 # "SHARDCONSOLE_HOST_GBPS", "assumed (the H200 test host's)"
 
 
-# precision.fp8: a compiled 7B-shaped decoder layer's forward + backward in float8 against bf16 (torchao,
-# mb 6 x 2048, H200: 100.3 ms bf16, 70.0 tensorwise, 85.4 rowwise; benchmarks/results/issue48/fp8_probe_*).
-FP8_LAYER_SPEEDUP = {"tensorwise": 1.43, "rowwise": 1.17}
-# ... but under full activation checkpointing whole runs gain with the tokens a micro-batch. A layer casts its
-# weights to float8 in forward, in the recompute and in backward, a cost a step that does not grow with the
-# tokens, while the matmuls' saving does; so a small micro-batch loses and a large one gains what the probe's
-# layers gained. Runs, one call a pair, 10 steps (benchmarks/results/issue48/20261205-h100/, 20261205/,
-# 20261205-h200-b/), fp8 against bf16 at 8,192 tokens: 3b adamw8bit 0.80x and 0.88x (H100), 1.01x (H200); at
-# 16,384: 3b 1.30x (H200, 28,321 against 21,833); 7B fp32 masters offloaded: 1.15x at 24,576 (H100), and mb 14
-# fp8 9,647 against mb 12 bf16 7,971 (H200). The rule, for the layers' share of the step: FP8_CKPT_SMALL at
-# <= FP8_CKPT_TOKENS[0] tokens a micro-batch, FP8_CKPT_LARGE (about the probe's 1.43x) from [1], a straight
-# line between; the head and the launches unchanged. Fitted to those five runs, it plans them within -0.6% ..
-# +9.7% (the H100's 3b at mb 4, whose own bf16 twin moved 12% between calls); the rule before (0.80 at 8,192
-# up to 1.25 at 24,576, fitted to the H100 alone) planned the H200's 3b at mb 8 22% low. Rowwise under
-# checkpointing was not measured: predicted as bf16.
-FP8_CKPT_TOKENS = (8192, 16384)
-FP8_CKPT_SMALL = {"tensorwise": 0.85, "rowwise": 1.0}
-FP8_CKPT_LARGE = {"tensorwise": 1.40, "rowwise": 1.0}
-
-
 def _fully_checkpointed(cfg: C.RunConfig) -> bool:
     return cfg.memory.activation_checkpointing and cfg.memory.checkpoint_policy != "selective"
-
-
-def _fp8_even_tokens(recipe: str) -> int:
-    """Tokens a micro-batch from which fp8's checkpointed layers break even (the rule's 1.0x point)."""
-    lo, hi = FP8_CKPT_TOKENS
-    small, large = FP8_CKPT_SMALL[recipe], FP8_CKPT_LARGE[recipe]
-    if small >= 1.0 or large <= small:
-        return lo
-    return int(round(lo + (hi - lo) * (1.0 - small) / (large - small), -2))
-
-
-def fp8_checkpointed_speedup(recipe: str, tokens_mb: int) -> float:
-    """How much faster fully checkpointed decoder layers run in float8 at this many tokens a micro-batch."""
-    lo, hi = FP8_CKPT_TOKENS
-    at = min(1.0, max(0.0, (tokens_mb - lo) / (hi - lo)))
-    return FP8_CKPT_SMALL[recipe] + at * (FP8_CKPT_LARGE[recipe] - FP8_CKPT_SMALL[recipe])
 
 
 def host_rates(hw: Hardware) -> HostRates:
@@ -296,7 +261,7 @@ def _micro_batch_s(cfg: C.RunConfig, spec: ModelSpec, card: Card, params_on_host
         # head's 6 FLOPs a weight (and the chunked loss's recompute, 2 more) stay bf16
         recompute = 0.0 if _fused_loss(cfg) else 2.0
         head = (6.0 + recompute) * s.vocab * s.hidden / flops
-        speedup = (fp8_checkpointed_speedup(cfg.precision.fp8, tokens_mb) if full_ckpt
+        speedup = (fp8_checkpointed_speedup(cfg.precision.fp8, tokens_mb, params_on_host) if full_ckpt
                    else FP8_LAYER_SPEEDUP[cfg.precision.fp8])
         gpu_mb *= head + (1.0 - head) / speedup
     launches = DISPATCH_LAYER_S[key] * (DISPATCH_CHECKPOINTED if full_ckpt else 1.0)
@@ -336,12 +301,14 @@ def predict(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, card: Card | Non
         notes.append(f"precision.fp8: the {card.title} has no FP8 tensor cores, so a launch on it refuses fp8 "
                      "(predicted as bf16)")
     elif cfg.precision.fp8 != "none" and _fully_checkpointed(cfg):
-        fp8_x = fp8_checkpointed_speedup(cfg.precision.fp8, tokens_mb)
+        fp8_x = fp8_checkpointed_speedup(cfg.precision.fp8, tokens_mb, params_on_host)
         if fp8_x < 1.0:
             notes.append(f"precision.fp8: at {tokens_mb:,} tokens a micro-batch under full checkpointing the "
                          f"float8 layers are predicted {1 / fp8_x:.2f}x slower than bf16 (each casts its weights "
-                         f"three times a micro-batch, more than the matmuls save at this size); it pays from "
-                         f"about {_fp8_even_tokens(cfg.precision.fp8):,} (train.micro_batch x data.seq_len)")
+                         f"three times a micro-batch, more than the matmuls save at this size"
+                         f"{'; offloaded, after each copy lands' if params_on_host else ''}); it pays from "
+                         f"about {fp8_even_tokens(cfg.precision.fp8, params_on_host):,} "
+                         f"(train.micro_batch x data.seq_len)")
     h2d = d2h = host_s = 0.0
     exposed = 0.0
     if params_on_host:

@@ -292,3 +292,15 @@ def test_fp8_under_cpu_offload_pays_only_at_large_micro_batches():
     assert len(slower) == 1 and "offloaded" in slower[0], rows["13b"][1].notes
     pays = int(slower[0].split("it pays from about ")[1].split(" ")[0].replace(",", ""))
     assert 18_432 < pays < 24_576, slower
+
+
+def test_zero2_with_the_optimizer_on_the_host_is_planned_at_its_measured_speed():
+    """Issue 63: the h200-fsdp preset as ZeRO-2 + offload_optimizer cpu, mb 3 under a 24 GiB cap (H200, 16
+    host cores) measured 10,637 tokens/s; DeepSpeed's host step counted at ZeRO-3's slowdown planned it 12-15%
+    slow. Within 5% now, and ZeRO-3 with the same offload stays the slower plan."""
+    z2 = ("parallel.backend=deepspeed", "deepspeed.stage=2", "deepspeed.offload_optimizer=cpu", "train.micro_batch=3",
+          "memory.gpu_memory_limit=24GiB")
+    p = _preset_speed("h200-fsdp", "h200", *z2)
+    assert p.bound == "host step" and abs(10_637 / p.tokens_per_s - 1) < 0.05, p.tokens_per_s
+    z3 = _preset_speed("h200-fsdp", "h200", *z2, "deepspeed.stage=3")
+    assert z3.parts["host step"] > p.parts["host step"]

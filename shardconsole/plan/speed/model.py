@@ -296,7 +296,14 @@ def predict(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, card: Card | Non
     tokens_mb = cfg.train.micro_batch * cfg.data.seq_len
     k = cfg.train.grad_accum
     params_on_host, step_on_host = _offloaded(cfg)
-    compute_mb = _micro_batch_s(cfg, spec, card, params_on_host)
+    trained_cfg = cfg
+    if cfg.train.objective == "grpo":
+        # the rows the run trains and its step line counts: micro_batch x generations of prompt + completion
+        rows, row_tokens = grpo_terms.step_rows(cfg)
+        trained_cfg = C.copy(cfg)
+        trained_cfg.train.micro_batch, trained_cfg.data.seq_len = rows, row_tokens
+        tokens_mb = rows * row_tokens
+    compute_mb = _micro_batch_s(trained_cfg, spec, card, params_on_host)
     n = spec.n_params
     trained = trainable_params(cfg, s) if cfg.adapters else n
     notes: list[str] = []
@@ -342,8 +349,12 @@ def predict(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, card: Card | Non
         # sampling, and LoRA's reference forward (a forward: about a third of a micro-batch's compute)
         gpu += k * grpo_terms.generation_s(cfg, s, n, card.hbm_gbps, link, ranks, sharded)
         gpu += k * compute_mb / 3 if cfg.grpo.beta and cfg.adapters else 0.0
+        prompt, whence = grpo_terms.prompt_tokens(cfg)
         notes.append("grpo: sampling max_new_tokens decode steps a micro-batch counted at assumed rates "
                      "(plan/grpo_terms.py); completions that end sooner make the step shorter")
+        notes.append(f"grpo: tokens/s counts what the step line counts, {tokens_mb * k * ranks:,} tokens a step: "
+                     f"micro_batch x grad_accum x ranks x generations rows of a prompt of ~{prompt:,} tokens "
+                     f"({whence}) and max_new_tokens {cfg.grpo.max_new_tokens} completion tokens, their longest")
     parts = {"gpu": gpu, "h2d": k * h2d, "d2h": k * d2h, "host step": host_s, "communication": comm}
     overlap = (cfg.parallel.backend == "fsdp" and step_on_host and cfg.fsdp.offload_overlap
                and cfg.train.clip_grad_norm <= 0 and cfg.precision.dtype != "fp16")

@@ -205,12 +205,12 @@ def test_the_planner_counts_the_float8_casts_and_the_speed_model_the_faster_laye
     one_none, _ = _plan("h200-fsdp")
     one_tw, _ = _plan("h200-fsdp", "precision.fp8=tensorwise")
     assert abs(one_tw.gpu_peak_bytes / one_none.gpu_peak_bytes - 32.07 / 36.46) < 0.04
-    # DeepSpeed's compiled layers (planned as eager) shrink by the same share, staying above what ZeRO-3
-    # measured: 45.15 -> 37.1 GiB (H200)
+    # DeepSpeed's compiled layers in float8 keep what FSDP2's do (in bf16 planned as eager, over): ZeRO-3
+    # measured 45.15 -> 37.1 GiB (H200); fp8 planned within 10% above what it measured (issue 63)
     z3 = ("parallel.backend=deepspeed", "deepspeed.stage=3")
     z3_none, _ = _plan("h200-fsdp", *z3)
     z3_tw, _ = _plan("h200-fsdp", *z3, "precision.fp8=tensorwise")
-    assert 37.1 / 45.15 < z3_tw.gpu_peak_bytes / z3_none.gpu_peak_bytes < 0.95
+    assert 37.1 <= z3_tw.gpu_peak_bytes / 2**30 < 37.1 * 1.10 and z3_tw.gpu_peak_bytes < 0.95 * z3_none.gpu_peak_bytes
     eager_none, _ = _plan("h200-fsdp", "train.compile=false")
     eager_tw, _ = _plan("h200-fsdp", "train.compile=false", "precision.fp8=tensorwise")
     assert eager_tw.gpu_peak_bytes > eager_none.gpu_peak_bytes

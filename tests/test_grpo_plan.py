@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import shardconsole
 from shardconsole.settings import resolve as R
 from shardconsole.session.gpu_checks import gpu_overrun
@@ -86,3 +88,49 @@ def test_full_grpo_with_a_kl_counts_its_frozen_copy_and_does_not_fit_where_it_ca
     sets = ["parallel.device=cuda", "memory.gpu_memory_limit=24GiB", "grpo.beta=0.04"]
     refused = gpu_overrun(R.resolve("3090-3b-adamw8bit", [*base, *sets]))
     assert refused is not None and "does not fit" in str(refused), refused
+
+
+def _grpo_speed(tmp_path, prompts: list, *extra: str):
+    from shardconsole.plan.machine import Hardware
+    from shardconsole.plan.speed import model as SM
+    from shardconsole.plan.speed.cards import CARDS
+    from shardconsole.settings.models import resolve as model_of
+    (tmp_path / "rewards.py").write_text(REWARD)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in prompts))
+    cfg = R.resolve("3090-fsdp", [f"data.path={data}", "data.tokenizer=bytes", "data.seq_len=512",
+                                  "train.objective=grpo", f"grpo.reward={tmp_path}/rewards.py:r", "grpo.generations=4",
+                                  "grpo.max_new_tokens=128", "train.micro_batch=2", "train.grad_accum=3",
+                                  "parallel.nproc_per_node=2", *extra]).cfg
+    two = Hardware(gpus=2, gpu_memory_bytes=141 * 10**9, host_memory_bytes=256 * 2**30, gpu_name="NVIDIA H200", cpus=16)
+    return SM.predict(cfg, model_of(cfg.model.name), two, card=CARDS["h200"])
+
+
+def test_grpo_tokens_per_s_counts_what_the_step_line_counts(tmp_path):
+    """Issue 63: the run's step line counts every prompt's and completion's tokens (prompts x generations x
+    (prompt + completion)); the plan counted micro_batch x data.seq_len, 131 tokens/s for an issue-61 run that
+    trained ~2,300 tokens a step. Now: micro_batch 2 x grad_accum 3 x 2 ranks x 4 generations rows of the
+    prompts' 22 bytes (issue 61's "Q: what is 12 + 34? A:", tokenizer bytes) and 128 completion tokens (their
+    longest, as the decode time is), and the step carries the decode."""
+    prompt = "Q: what is 12 + 34? A:"
+    p = _grpo_speed(tmp_path, [prompt] * 8)
+    assert len(prompt.encode()) == 22
+    assert p.tokens_per_s * p.step_s == pytest.approx(2 * 3 * 2 * 4 * (22 + 128), rel=1e-6)
+    assert any("7,200 tokens a step" in n and "~22 tokens" in n for n in p.notes), p.notes
+    # 128 more decode steps a micro-batch each read every weight at least once (2 bytes, at no more than the
+    # H200's 4.8 TB/s): the step grows by at least that, 3 micro-batches a step
+    longer = _grpo_speed(tmp_path, [prompt] * 8, "grpo.max_new_tokens=256")
+    assert longer.step_s - p.step_s > 3 * 128 * 2 * _n_params_1b() / 4.8e12
+    assert longer.tokens_per_s * longer.step_s == pytest.approx(2 * 3 * 2 * 4 * (22 + 256), rel=1e-6)
+    # prompts as message lists count their contents and some template tokens a turn; a prompt longer than
+    # data.seq_len - max_new_tokens is cut to it, as the ranks cut it
+    chat = _grpo_speed(tmp_path, [[{"role": "user", "content": "x" * 100}]] * 4)
+    per_row = chat.tokens_per_s * chat.step_s / (2 * 3 * 2 * 4) - 128
+    assert 100 < per_row < 100 + 32, per_row
+    cut = _grpo_speed(tmp_path, ["y" * 2000] * 4)
+    assert cut.tokens_per_s * cut.step_s == pytest.approx(2 * 3 * 2 * 4 * 512, rel=1e-6)
+
+
+def _n_params_1b() -> int:
+    from shardconsole.settings.models import resolve as model_of
+    return model_of("1b").n_params

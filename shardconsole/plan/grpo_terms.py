@@ -9,12 +9,22 @@ memory   a moment of its own, "sampling" (sampling_moment): what every moment of
          top-p's sort, cumsum and scatter). The cache is dropped before the training forward, so the GPU peak
          is the larger of sampling and training (estimator._gpu takes the largest moment), not their sum.
          Full fine-tuning with beta > 0 adds the frozen reference copy at every moment (reference_bytes).
+tokens   what the run's step line counts (backends/objective/grpo.py real_tokens): every prompt's and
+         completion's tokens, micro_batch x generations rows a micro-batch (step_rows). A completion is counted
+         at max_new_tokens, its longest, as the decode time below is; a prompt at an estimate (prompt_tokens):
+         the mean of data.path's first prompts in characters (UTF-8 bytes under data.tokenizer "bytes", else
+         CHARS_PER_TOKEN a token), cut like the ranks cut them; data.seq_len - max_new_tokens, its bound, where
+         the file cannot be read here. The training forward and backward run on those rows at that length.
 time     max_new_tokens decode steps a micro-batch, each reading every weight once (FSDP2 and ZeRO-3 also
          all-gather them: the training forward's gather, once a token) or bound by the layers' launches; and
          with adapters and beta > 0 the reference forward (the base, adapters off, no grad).
 The decode rates are assumed, not measured (the H200 rows of the issue measure them)."""
 
 from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
 
 from shardconsole.plan.shapes import Shapes
 from shardconsole.settings import config as C
@@ -29,6 +39,52 @@ HBM_SHARE = 0.7         # the share of the datasheet bandwidth a decode step's w
 # mask, the masked copy and the scattered result.
 PICK_BYTES = 12
 TOP_P_BYTES = 29
+# A prompt's tokens from its characters: about 4 characters a token for English through a BPE tokenizer
+# (assumed), one a UTF-8 byte under data.tokenizer "bytes"; a message list's chat template adds some a turn.
+CHARS_PER_TOKEN = 4.0
+TEMPLATE_TOKENS_PER_TURN = 8
+PROMPT_SAMPLE = 256         # the records read for the estimate: the first ones of the file
+
+
+def _prompt_chars(rec: object) -> tuple[int, int] | None:
+    """(characters, turns) of a record's prompt: text, or a message list's contents."""
+    value = rec.get("prompt") if isinstance(rec, dict) else None
+    if isinstance(value, str):
+        return len(value.encode()), 0
+    if isinstance(value, list):
+        turns = [m for m in value if isinstance(m, dict)]
+        return sum(len(str(m.get("content", "")).encode()) for m in turns), len(turns)
+    return None
+
+
+def prompt_tokens(cfg: C.RunConfig) -> tuple[int, str]:
+    """Tokens a prompt is planned at, and whence: the mean of data.path's first PROMPT_SAMPLE prompts (a .jsonl
+    file), else the bound data.seq_len - max_new_tokens (prompts are cut from the left to it)."""
+    bound = max(1, cfg.data.seq_len - cfg.grpo.max_new_tokens)
+    path = Path(cfg.data.path) if cfg.data.path else None
+    if path is None or path.suffix != ".jsonl" or not path.is_file():
+        return bound, f"data.seq_len - max_new_tokens, the bound ({'no .jsonl' if path is None else path.name} read here)"
+    per_token = 1.0 if cfg.data.tokenizer == "bytes" else CHARS_PER_TOKEN
+    seen: list[float] = []
+    try:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            for line in itertools.islice((x for x in f if x.strip()), PROMPT_SAMPLE):
+                got = _prompt_chars(json.loads(line))
+                if got is not None:
+                    seen.append(min(bound, got[0] / per_token + got[1] * TEMPLATE_TOKENS_PER_TURN))
+    except (OSError, ValueError):
+        seen = []
+    if not seen:
+        return bound, f"data.seq_len - max_new_tokens, the bound ({path.name}: no prompt read)"
+    how = "UTF-8 bytes" if per_token == 1.0 else f"{CHARS_PER_TOKEN:.0f} characters a token"
+    return max(1, round(sum(seen) / len(seen))), f"the mean of {path.name}'s first {len(seen)} prompts in {how}"
+
+
+def step_rows(cfg: C.RunConfig) -> tuple[int, int]:
+    """(rows, tokens a row) of a micro-batch as the run trains and counts them: micro_batch x generations rows
+    of a prompt (prompt_tokens) and max_new_tokens completion tokens, data.seq_len at most."""
+    rows = cfg.train.micro_batch * cfg.grpo.generations
+    return rows, min(cfg.data.seq_len, prompt_tokens(cfg)[0] + cfg.grpo.max_new_tokens)
 
 
 def kv_cache_bytes(cfg: C.RunConfig, s: Shapes) -> int:

@@ -30,6 +30,7 @@ from shardconsole.plan.speed.cards import CARDS, GB, Card, card_of
 from shardconsole.plan.lora import trainable_params
 from shardconsole.plan.machine import Hardware
 from shardconsole.plan import grpo_terms
+from shardconsole.plan.speed.fp8 import FP8_LAYER_SPEEDUP, fp8_checkpointed_speedup, fp8_even_tokens
 from shardconsole.plan.shapes import Shapes
 from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelSpec
@@ -106,9 +107,12 @@ OVERLAP_DRAG = {"fsdp": 0.5, "fsdp_compiled": 0.15, "deepspeed": 0.5, "deepspeed
 # (3B fp32 masters 0.79 s, 7B 1.60 s, 13B bf16 masters 2.9 s): ~118 GB/s.
 DEFAULT_HOST_GBPS = 118.0
 DEFAULT_HOST_CORES = 16
-# DeepSpeed's C++ CPUAdam against the same bytes (3B under 24 GiB, ZeRO-3 offload against FSDP2's:
-# session4/rds.json, h200_issue7.json): its step and its copies run slower in this package's runs.
-DS_OFFLOAD_SLOWDOWN = 2.0
+# DeepSpeed's C++ CPUAdam against the same bytes, by ZeRO stage: its step and its copies run slower in this
+# package's runs. ZeRO-3 (3B under 24 GiB, offload against FSDP2's: session4/rds.json, h200_issue7.json):
+# 2.0. ZeRO-1/2 step one flat fp32 partition: the h200-fsdp preset as ZeRO-2 + offload_optimizer cpu (1b,
+# mb 3, 24 GiB cap, H200, 16 cores) stepped in 0.578 s (10,637 tokens/s), 0.45 s of it beside its 0.13 s GPU
+# part: 1.7 (2.0 planned it 12% slow; issue 63). One run: the split between the stages is that run's alone.
+DS_OFFLOAD_SLOWDOWN = {"stage3": 2.0, "stage12": 1.7}
 # Startup before the first step: launcher, imports, the process group (~20 s on the H200 machine), the
 # model build (s a billion parameters; ZeRO-3's zero.Init builds slower), the compile of the layers.
 START_S = 20.0
@@ -126,44 +130,8 @@ class HostRates:
     source: str                 # "SHARDCONSOLE_HOST_GBPS", "assumed (the H200 test host's)"
 
 
-# precision.fp8: a compiled 7B-shaped decoder layer's forward + backward in float8 against bf16 (torchao,
-# mb 6 x 2048, H200: 100.3 ms bf16, 70.0 tensorwise, 85.4 rowwise; benchmarks/results/issue48/fp8_probe_*).
-FP8_LAYER_SPEEDUP = {"tensorwise": 1.43, "rowwise": 1.17}
-# ... but under full activation checkpointing whole runs gain with the tokens a micro-batch. A layer casts its
-# weights to float8 in forward, in the recompute and in backward, a cost a step that does not grow with the
-# tokens, while the matmuls' saving does; so a small micro-batch loses and a large one gains what the probe's
-# layers gained. Runs, one call a pair, 10 steps (benchmarks/results/issue48/20261205-h100/, 20261205/,
-# 20261205-h200-b/), fp8 against bf16 at 8,192 tokens: 3b adamw8bit 0.80x and 0.88x (H100), 1.01x (H200); at
-# 16,384: 3b 1.30x (H200, 28,321 against 21,833); 7B fp32 masters offloaded: 1.15x at 24,576 (H100), and mb 14
-# fp8 9,647 against mb 12 bf16 7,971 (H200). The rule, for the layers' share of the step: FP8_CKPT_SMALL at
-# <= FP8_CKPT_TOKENS[0] tokens a micro-batch, FP8_CKPT_LARGE (about the probe's 1.43x) from [1], a straight
-# line between; the head and the launches unchanged. Fitted to those five runs, it plans them within -0.6% ..
-# +9.7% (the H100's 3b at mb 4, whose own bf16 twin moved 12% between calls); the rule before (0.80 at 8,192
-# up to 1.25 at 24,576, fitted to the H100 alone) planned the H200's 3b at mb 8 22% low. Rowwise under
-# checkpointing was not measured: predicted as bf16.
-FP8_CKPT_TOKENS = (8192, 16384)
-FP8_CKPT_SMALL = {"tensorwise": 0.85, "rowwise": 1.0}
-FP8_CKPT_LARGE = {"tensorwise": 1.40, "rowwise": 1.0}
-
-
 def _fully_checkpointed(cfg: C.RunConfig) -> bool:
     return cfg.memory.activation_checkpointing and cfg.memory.checkpoint_policy != "selective"
-
-
-def _fp8_even_tokens(recipe: str) -> int:
-    """Tokens a micro-batch from which fp8's checkpointed layers break even (the rule's 1.0x point)."""
-    lo, hi = FP8_CKPT_TOKENS
-    small, large = FP8_CKPT_SMALL[recipe], FP8_CKPT_LARGE[recipe]
-    if small >= 1.0 or large <= small:
-        return lo
-    return int(round(lo + (hi - lo) * (1.0 - small) / (large - small), -2))
-
-
-def fp8_checkpointed_speedup(recipe: str, tokens_mb: int) -> float:
-    """How much faster fully checkpointed decoder layers run in float8 at this many tokens a micro-batch."""
-    lo, hi = FP8_CKPT_TOKENS
-    at = min(1.0, max(0.0, (tokens_mb - lo) / (hi - lo)))
-    return FP8_CKPT_SMALL[recipe] + at * (FP8_CKPT_LARGE[recipe] - FP8_CKPT_SMALL[recipe])
 
 
 def host_rates(hw: Hardware) -> HostRates:
@@ -296,7 +264,7 @@ def _micro_batch_s(cfg: C.RunConfig, spec: ModelSpec, card: Card, params_on_host
         # head's 6 FLOPs a weight (and the chunked loss's recompute, 2 more) stay bf16
         recompute = 0.0 if _fused_loss(cfg) else 2.0
         head = (6.0 + recompute) * s.vocab * s.hidden / flops
-        speedup = (fp8_checkpointed_speedup(cfg.precision.fp8, tokens_mb) if full_ckpt
+        speedup = (fp8_checkpointed_speedup(cfg.precision.fp8, tokens_mb, params_on_host) if full_ckpt
                    else FP8_LAYER_SPEEDUP[cfg.precision.fp8])
         gpu_mb *= head + (1.0 - head) / speedup
     launches = DISPATCH_LAYER_S[key] * (DISPATCH_CHECKPOINTED if full_ckpt else 1.0)
@@ -328,7 +296,14 @@ def predict(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, card: Card | Non
     tokens_mb = cfg.train.micro_batch * cfg.data.seq_len
     k = cfg.train.grad_accum
     params_on_host, step_on_host = _offloaded(cfg)
-    compute_mb = _micro_batch_s(cfg, spec, card, params_on_host)
+    trained_cfg = cfg
+    if cfg.train.objective == "grpo":
+        # the rows the run trains and its step line counts: micro_batch x generations of prompt + completion
+        rows, row_tokens = grpo_terms.step_rows(cfg)
+        trained_cfg = C.copy(cfg)
+        trained_cfg.train.micro_batch, trained_cfg.data.seq_len = rows, row_tokens
+        tokens_mb = rows * row_tokens
+    compute_mb = _micro_batch_s(trained_cfg, spec, card, params_on_host)
     n = spec.n_params
     trained = trainable_params(cfg, s) if cfg.adapters else n
     notes: list[str] = []
@@ -336,12 +311,14 @@ def predict(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, card: Card | Non
         notes.append(f"precision.fp8: the {card.title} has no FP8 tensor cores, so a launch on it refuses fp8 "
                      "(predicted as bf16)")
     elif cfg.precision.fp8 != "none" and _fully_checkpointed(cfg):
-        fp8_x = fp8_checkpointed_speedup(cfg.precision.fp8, tokens_mb)
+        fp8_x = fp8_checkpointed_speedup(cfg.precision.fp8, tokens_mb, params_on_host)
         if fp8_x < 1.0:
             notes.append(f"precision.fp8: at {tokens_mb:,} tokens a micro-batch under full checkpointing the "
                          f"float8 layers are predicted {1 / fp8_x:.2f}x slower than bf16 (each casts its weights "
-                         f"three times a micro-batch, more than the matmuls save at this size); it pays from "
-                         f"about {_fp8_even_tokens(cfg.precision.fp8):,} (train.micro_batch x data.seq_len)")
+                         f"three times a micro-batch, more than the matmuls save at this size"
+                         f"{'; offloaded, after each copy lands' if params_on_host else ''}); it pays from "
+                         f"about {fp8_even_tokens(cfg.precision.fp8, params_on_host):,} "
+                         f"(train.micro_batch x data.seq_len)")
     h2d = d2h = host_s = 0.0
     exposed = 0.0
     if params_on_host:
@@ -354,7 +331,7 @@ def predict(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, card: Card | Non
         d2h = (4.0 if reduce == "fp32" else 2.0) * trained / ranks / (card.pcie_gbps * GB * PCIE_SHARE_D2H)
         host_s = _host_step_bytes(cfg) * trained / ranks / (host.gbps * GB)
         if cfg.parallel.backend == "deepspeed":
-            host_s *= DS_OFFLOAD_SLOWDOWN
+            host_s *= DS_OFFLOAD_SLOWDOWN["stage3" if cfg.deepspeed.stage == 3 else "stage12"]
     gpu = k * (compute_mb + exposed) + (0.0 if params_on_host else s.layers * STEP_LAYER_S[key])
     gpu += 0.0 if step_on_host else _gpu_optimizer_s(cfg, trained / ranks, card, s)
     comm = 0.0
@@ -372,8 +349,12 @@ def predict(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, card: Card | Non
         # sampling, and LoRA's reference forward (a forward: about a third of a micro-batch's compute)
         gpu += k * grpo_terms.generation_s(cfg, s, n, card.hbm_gbps, link, ranks, sharded)
         gpu += k * compute_mb / 3 if cfg.grpo.beta and cfg.adapters else 0.0
+        prompt, whence = grpo_terms.prompt_tokens(cfg)
         notes.append("grpo: sampling max_new_tokens decode steps a micro-batch counted at assumed rates "
                      "(plan/grpo_terms.py); completions that end sooner make the step shorter")
+        notes.append(f"grpo: tokens/s counts what the step line counts, {tokens_mb * k * ranks:,} tokens a step: "
+                     f"micro_batch x grad_accum x ranks x generations rows of a prompt of ~{prompt:,} tokens "
+                     f"({whence}) and max_new_tokens {cfg.grpo.max_new_tokens} completion tokens, their longest")
     parts = {"gpu": gpu, "h2d": k * h2d, "d2h": k * d2h, "host step": host_s, "communication": comm}
     overlap = (cfg.parallel.backend == "fsdp" and step_on_host and cfg.fsdp.offload_overlap
                and cfg.train.clip_grad_norm <= 0 and cfg.precision.dtype != "fp16")

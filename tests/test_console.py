@@ -270,6 +270,15 @@ def test_only_the_chosen_backends_table_is_shown():
     assert "deepspeed" in F.visible_tables("deepspeed") and "fsdp" not in F.visible_tables("deepspeed")
 
 
+def test_an_objectives_table_is_shown_under_that_objective_only():
+    """[preference] under DPO / ORPO / SimPO / KTO, [grpo] under GRPO: neither under SFT (the form would list
+    settings the run never reads, and the tab keys would walk through them)."""
+    shown = {o: {"preference", "grpo"} & set(F.visible_tables("fsdp", "full", o))
+             for o in ("sft", "dpo", "orpo", "simpo", "kto", "grpo")}
+    assert shown == {"sft": set(), "dpo": {"preference"}, "orpo": {"preference"}, "simpo": {"preference"},
+                     "kto": {"preference"}, "grpo": {"grpo"}}
+
+
 def test_an_edit_is_the_clis_override_and_its_error_names_the_field():
     from shardconsole.settings import resolve as settings
     spec = F.spec_for("train", "steps")

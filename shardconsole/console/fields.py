@@ -71,9 +71,9 @@ def table_specs(table: str) -> list[FieldSpec]:
 
 def visible_tables(backend: str, method: str = "full", objective: str = "sft") -> list[str]:
     """The tables whose settings the chosen backend and train.method read, in TOML order ([lora] only
-    when adapters train, [preference] only under a preference objective)."""
+    when adapters train, [preference] only under a preference objective, [grpo] only under GRPO)."""
     return [t for t in C.TABLES if BACKEND_TABLE.get(t, backend) == backend and (t != "lora" or method != "full")
-            and (t != "preference" or objective != "sft")]
+            and (t != "preference" or objective not in ("sft", "grpo")) and (t != "grpo" or objective == "grpo")]
 
 
 def value_of(cfg: C.RunConfig, spec: FieldSpec) -> Any:

@@ -252,3 +252,13 @@ def test_a_sentencepiece_tokenizer_on_qwen_is_refused_in_one_line(tmp_path):
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1, res.stderr
     assert "tokenizer.model" in lines[0] and "gemma3" in lines[0] and not (tmp_path / "out").exists()
+
+
+def test_preflight_accepts_sentencepiece_families_and_refuses_others(tmp_path):
+    """train.export_gguf's check before launch (gguf_kinds.problem) says the same as the export."""
+    from shardconsole.settings.gguf_kinds import problem
+    model = train_spm(gemma=False)
+    for family, ok in (("phi3", True), ("mistral", True), ("qwen3", False)):
+        folder = spm_folder(tmp_path / family, family, model, {"eos_token": "</s>"}, {})
+        said = problem(json.loads((folder / "config.json").read_text()), folder, family)
+        assert (said is None) == ok, (family, said)

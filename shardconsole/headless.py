@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, TextIO
 from shardconsole.machine import offload_verdict
 from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
-from shardconsole.runlog.runstate import (RunState, count, fmt_eta, fmt_rate, preference_text, reward_text,
-                                       save_line)
+from shardconsole.runlog.runstate import (RunState, count, eval_unit, fmt_eta, fmt_rate, kto_records, preference_text,
+                                       reward_text, save_line)
 from shardconsole.session.outcome import EXIT_CODES
 from shardconsole.session.resume import EarlierPart
 from shardconsole.session.signals import Detach, quiet_stdout
@@ -110,9 +110,10 @@ def data_line(d: P.DataSummary) -> str:
                 "training works, nothing real is learned") + (f"; {d.note}" if d.note else "")
     text = (f"data: {d.source} ({d.format}), tokenizer {d.tokenizer or 'n/a'}"
             + (f", template {d.template}" if d.template else "")
-            + f": {count(d.records, 'record')}, {count(d.tokens, 'token')}, "
-            f"{count(d.samples, 'pair' if d.format == 'preference' else 'packed sample')}, "
-            f"{100 * d.loss_share:.0f}% of tokens under loss, {d.epochs:.2f} epochs")
+            + (f": {kto_records(d)}, {count(d.tokens, 'token')}, " if d.format == "kto" else
+               f": {count(d.records, 'record')}, {count(d.tokens, 'token')}, "
+               f"{count(d.samples, 'pair' if d.format == 'preference' else 'packed sample')}, ")
+            + f"{100 * d.loss_share:.0f}% of tokens under loss, {d.epochs:.2f} epochs")
     if d.eval_records or d.eval_samples:
         text += f"; eval {count(d.eval_records, 'record')}, {count(d.eval_samples, 'sample')}"
     for name, share, epochs, tokens in zip(d.sources, d.source_shares, d.source_epochs, d.source_tokens):
@@ -120,15 +121,10 @@ def data_line(d: P.DataSummary) -> str:
     return text + (f"\n  note: {d.note}" if d.note else "")
 
 
-def _unit(e: P.Eval) -> str:
-    """What an eval's count counts: KTO's (its kl set) are unpaired records, the others pairs."""
-    return "record" if e.kl is not None else "pair"
-
-
 def eval_line(e: P.Eval) -> str:
     if preference_text(e):
         tokens = f", {count(e.tokens, 'answer token')}" if e.tokens else ""     # 0: a stream of before issue 65
-        return f"eval step {e.step}: loss {_num(e.loss, '.4f')} {preference_text(e)} over {count(e.pairs, _unit(e))}" \
+        return f"eval step {e.step}: loss {_num(e.loss, '.4f')} {preference_text(e)} over {count(e.pairs, eval_unit(e))}" \
                f"{tokens} ({e.seconds:.1f} s)"
     each = "".join(f"; {name} {_num(lo, '.4f')}" for name, lo in zip(e.sources, e.source_losses))
     return f"eval step {e.step}: loss {_num(e.loss, '.4f')} over {e.tokens} tokens ({e.seconds:.1f} s){each}"

@@ -72,6 +72,8 @@ def test_the_margin_grows_and_the_figures_reach_every_view(run):
         assert all(e.kl is not None and e.reward_chosen is not None and e.reward_rejected is not None for e in evals)
         assert " kl " in last and "margin" in last, last
         assert "KTO records (" in run.stdout and " records, " in run.stdout.split("eval step 6")[1].splitlines()[0]
+        data = next(line for line in run.stdout.splitlines() if line.startswith("data: "))
+        assert "(kto)" in data and " records (" in data and " desirable, " in data and " pair" not in data, data
     else:
         assert all(s.kl is None and s.pref_accuracy is not None for s in steps)
         assert " acc " in last, last

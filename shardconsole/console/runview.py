@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardconsole.runlog import protocol as P
-from shardconsole.runlog.runstate import RunState, count, preference_text, save_line
+from shardconsole.runlog.runstate import RunState, count, eval_unit, kto_records, preference_text, save_line
 
 
 
@@ -196,14 +196,15 @@ def log_line(msg: P.Message) -> str | None:
     elif isinstance(msg, P.DataSummary) and not msg.records:    # a token file
         text = f"data: {msg.format} ({msg.source})" + (f"; {msg.note}" if msg.note else "")
     elif isinstance(msg, P.DataSummary):
-        text = f"data: {msg.format} from {msg.source}, {count(msg.records, 'record')}, " \
-               f"{count(msg.samples, 'sample')}, {100 * msg.loss_share:.0f}% under loss" + \
+        records = kto_records(msg) if msg.format == "kto" else \
+            f"{count(msg.records, 'record')}, {count(msg.samples, 'sample')}"
+        text = f"data: {msg.format} from {msg.source}, {records}, {100 * msg.loss_share:.0f}% under loss" + \
                "".join(f"; {Path(n).name} {100 * sh:.1f}% of rows, {ep:.2f} epochs"      # several sources
                        for n, sh, ep in zip(msg.sources, msg.source_shares, msg.source_epochs)) + \
                (f"; {msg.note}" if msg.note else "")
     elif isinstance(msg, P.Eval):
         text = f"eval at step {msg.step}: loss {'n/a' if msg.loss is None else f'{msg.loss:.4f}'} " + (
-            f"{preference_text(msg)} ({count(msg.pairs, 'pair')}, {msg.seconds:.1f} s)" if preference_text(msg)
+            f"{preference_text(msg)} ({count(msg.pairs, eval_unit(msg))}, {msg.seconds:.1f} s)" if preference_text(msg)
             else f"({msg.tokens} tokens, {msg.seconds:.1f} s)") + \
             "".join(f"; {n} {lo:.4f}" for n, lo in zip(msg.sources, msg.source_losses))
     elif isinstance(msg, P.Failed) and msg.cause == "stopped":    # a stop is not a failure

@@ -137,7 +137,7 @@ def readme_text(*, title: str, run: RunFolder, cfg: C.RunConfig, ckpt: Checkpoin
     if ev and ev.pairs:     # a preference loss is a mean over pairs
         tokens = f", {ev.tokens:,} answer tokens under loss" if ev.tokens else ""   # 0: a run of before issue 65
         eval_line = (f"{ev.loss:.4f} at step {ev.step} ({cfg.train.objective} loss, mean over {ev.pairs:,} held-out "
-                     f"pairs{tokens})")
+                     f"{'records' if ev.kl is not None else 'pairs'}{tokens})")     # KTO's are unpaired records
     preset = run.preset.read_text().rstrip()
     return "\n".join([
         f"# {title}",

@@ -173,7 +173,7 @@ class DataSummary(Message):
     """What the ranks will train on, sent once at start by rank 0."""
     kind: ClassVar[str] = "data"
     source: str = ""                 # the file or folder ("synthetic" for generated tokens)
-    format: str = ""                 # text, chat, prompt_completion, alpaca, tokens, synthetic
+    format: str = ""                 # text, chat, prompt_completion, alpaca, tokens, synthetic, preference, kto
     tokenizer: str = ""              # where the tokenizer came from, or "bytes"
     template: str = ""               # chat template in use ("" when none applies)
     records: int = 0
@@ -191,6 +191,7 @@ class DataSummary(Message):
     source_shares: tuple[float, ...] = ()
     source_epochs: tuple[float, ...] = ()
     source_tokens: tuple[int, ...] = ()
+    desirable: int = 0               # kto: the training records labelled desirable (the rest undesirable)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,17 @@ def count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
+def kto_records(d) -> str:
+    """KTO's training records in both front ends' data line (a DataSummary of format kto): '96 records (48
+    desirable, 48 undesirable)'; unpaired records, not pairs."""
+    return f"{count(d.records, 'record')} ({d.desirable} desirable, {d.records - d.desirable} undesirable)"
+
+
+def eval_unit(e) -> str:
+    """What an eval's count counts: KTO's (it has a kl) are unpaired records, the other objectives' pairs."""
+    return "record" if e.kl is not None else "pair"
+
+
 def fmt_rate(x: float) -> str:
     """Tokens a second as both front ends print them: 61.5k."""
     return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"

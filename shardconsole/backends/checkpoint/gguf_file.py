@@ -219,12 +219,11 @@ class _Plan:
     make: Any          # () -> np.ndarray (float32, the logical shape)
 
 
-def _plan(folder: Path, config: dict, family: Family, outtype: str) -> list[_Plan]:
+def _plan(folder: Path, config: dict, family: Family, outtype: str, rows: int | None) -> list[_Plan]:
     import gguf
     arch = getattr(gguf.MODEL_ARCH, family.arch)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     n_head, n_kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
-    rows = gguf_vocab.real_vocab_rows(folder) if family.arch == "GEMMA3" else None
     shapes = _shapes(folder)
     plans: list[_Plan] = []
     for name, load in _hf_tensors(folder):
@@ -296,7 +295,7 @@ FILE_TYPES = {"f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
 
 
 def write_gguf(folder: Path, out: Path, outtype: str, name: str) -> Written:
-    """`folder` (a Hugging Face model folder: config.json, safetensors, tokenizer.json) as the GGUF file
+    """`folder` (a Hugging Face model folder: config.json, safetensors, tokenizer.json or .model) as the GGUF file
     `out`, its matrices in `outtype`. Refusals are GgufKindError, before the file is opened."""
     import gguf
     if outtype not in GGUF_TYPES:
@@ -304,7 +303,8 @@ def write_gguf(folder: Path, out: Path, outtype: str, name: str) -> Written:
     config = json.loads((folder / "config.json").read_text())
     config = {**config, **(config.get("text_config") or {})}
     family = family_of(config, folder)
-    plans = _plan(folder, config, family, outtype)
+    tokenizer = gguf_vocab.read_tokenizer(folder, config, family.arch)
+    plans = _plan(folder, config, family, outtype, tokenizer.gemma_rows)
     writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, family.arch)])
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
@@ -312,7 +312,7 @@ def write_gguf(folder: Path, out: Path, outtype: str, name: str) -> Written:
         getattr(writer, method)(value)
     writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[outtype]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    gguf_vocab.add_vocab(writer, folder, config)
+    gguf_vocab.add_vocab(writer, tokenizer, config, family.arch)
     total = 0
     for p in plans:
         shape, dtype, nbytes = _byte_shape(p)

@@ -12,28 +12,47 @@ one of the split regexes llama.cpp implements under a name. Anything else is ref
 text otherwise than the model was trained on answers worse, silently.
 
 A sentencepiece tokenizer (tokenizer.model, or a tokenizer.json of sentencepiece's kind: Gemma 3's, Phi-3's,
-Mistral 7B's) is refused in one line for now (settings/gguf_kinds.py): the converter reads it with the
-sentencepiece package.
+Mistral 7B's) is gguf_spm.py's; which kind a folder has is settings/gguf_kinds.vocab_kind's.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from shardconsole.settings.gguf_kinds import GgufKindError, pre_tokenizer_name, tokenizer_json
+from shardconsole.backends.checkpoint import gguf_spm
+from shardconsole.settings.gguf_kinds import GgufKindError, pre_tokenizer_name, tokenizer_json, vocab_kind
 
-def real_vocab_rows(folder: Path) -> int:
-    """The tokens the tokenizer has (Gemma 3's embedding may be padded past them; the converter cuts it)."""
-    tok = tokenizer_json(folder)
-    return len(tok["model"]["vocab"]) + len(tok.get("added_tokens") or [])
+@dataclass(frozen=True)
+class Tokenizer:
+    """The folder's tokenizer as the GGUF will hold it: its kind (gguf_kinds.vocab_kind), the token list
+    for the sentencepiece kinds, and the rows Gemma 3's embedding is cut to (None: not cut)."""
+    folder: Path
+    kind: str
+    vocab: gguf_spm.Vocab | None
+    gemma_rows: int | None
 
 
-def _looks_special(text: str) -> bool:
-    """Added tokens marked not special that are control tokens all the same (the converter's rule)."""
-    return (text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (text.startswith("<|") and text.endswith("|>"))
-            or (text.startswith("<unused") and text.endswith(">")))
+def read_tokenizer(folder: Path, config: dict, arch: str) -> Tokenizer:
+    """Before anything is written: the kind is refused here, and Gemma 3's embedding rows follow the
+    token list (Gemma3Model.modify_tensors: the sentencepiece list, else tokenizer.json's tokens)."""
+    kind = vocab_kind(folder, arch)
+    vocab = None
+    if kind == "spm":
+        vocab = gguf_spm.sentencepiece_vocab(folder, config["vocab_size"], phi3=arch == "PHI3")
+    elif kind == "llama_hf":
+        # Gemma 3's embedding is cut to the tokenizer's rows; the others keep theirs and the list is padded to it
+        vocab = gguf_spm.llama_hf_vocab(folder, 0 if arch == "GEMMA3" else config["vocab_size"])
+    rows = None
+    if arch == "GEMMA3":
+        if vocab is not None:
+            rows = len(vocab[0])
+        else:
+            tok = tokenizer_json(folder)
+            rows = len(tok["model"]["vocab"]) + len(tok.get("added_tokens") or [])
+    return Tokenizer(folder, kind, vocab, rows)
 
 
 def token_list(folder: Path, vocab_size: int) -> tuple[list[str], list[int]]:
@@ -60,7 +79,7 @@ def token_list(folder: Path, vocab_size: int) -> tuple[list[str], list[int]]:
             if not decoder[i].normalized:
                 # llama.cpp takes control and user tokens as already normalized
                 text = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False))
-            if decoder[i].special or _looks_special(text):
+            if decoder[i].special or gguf_spm.looks_special(text):
                 types.append(gguf.TokenType.CONTROL)
             else:
                 text = text.replace("\u2581", " ")
@@ -71,11 +90,15 @@ def token_list(folder: Path, vocab_size: int) -> tuple[list[str], list[int]]:
     return tokens, types
 
 
-def add_vocab(writer: Any, folder: Path, config: dict) -> None:
-    """tokenizer.ggml.* and tokenizer.chat_template on `writer` (the converter's _set_vocab_gpt2)."""
+def add_vocab(writer: Any, tokenizer: Tokenizer, config: dict, arch: str) -> None:
+    """tokenizer.ggml.* and tokenizer.chat_template on `writer`: the converter's _set_vocab_gpt2, or for
+    sentencepiece's kinds _set_vocab_sentencepiece / Phi-3's own / _set_vocab_llama_hf (gguf_spm.py)."""
     import gguf
-    tok = tokenizer_json(folder)
-    pre = pre_tokenizer_name(tok, folder)
+    folder = tokenizer.folder
+    if tokenizer.vocab is not None:
+        gguf_spm.add_llama_vocab(writer, folder, tokenizer.vocab, gemma=arch == "GEMMA3")
+        return
+    pre = pre_tokenizer_name(tokenizer_json(folder), folder)
     tokens, types = token_list(folder, config["vocab_size"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)

@@ -436,7 +436,9 @@ def summary(cfg, world: int, entry: PairEntry) -> P.DataSummary:
         notes.append(RAW_PAIRS_NOTE if not m["template"] else f"{m['raw_pairs']} {RAW_PAIRS_NOTE}")
     pairs_per_step = t.micro_batch * t.grad_accum * world
     # This run's file, not m["source"] (the cache entry's builder's: entries are keyed by content).
-    return P.DataSummary(source=str(Path(cfg.data.path).expanduser()), format="preference",
+    kto = m["format"] == "kto"
+    return P.DataSummary(source=str(Path(cfg.data.path).expanduser()), format="kto" if kto else "preference",
+                         desirable=tr["desirable"] if kto else 0,
                          tokenizer=m["tokenizer"], template=m["template"],
                          records=tr["records"], tokens=tr["tokens"], samples=tr["records"],
                          loss_share=round(tr["loss_tokens"] / max(1, tr["tokens"]), 4),

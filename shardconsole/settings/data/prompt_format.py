@@ -17,7 +17,7 @@ from pathlib import Path
 FILE = "shardconsole_prompt.json"
 RAW = "raw"
 # The data formats whose prompts train as raw text when no chat template was applied (runlog DataSummary).
-PROMPTED_FORMATS = ("prompt_completion", "preference")
+PROMPTED_FORMATS = ("prompt_completion", "preference", "kto")
 RAW_WORDS = ("plain text: each prompt as it is, then the answer (no chat template; string records, as TRL's "
              "standard form); `shardconsole chat` gives this model what you type as text to continue")
 

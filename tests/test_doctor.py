@@ -66,17 +66,17 @@ def test_a_gpu_launch_disables_p2p_where_the_doctor_found_it_broken(tmp_path, mo
     monkeypatch.setenv("SHARDCONSOLE_CACHE_DIR", str(tmp_path))
     gpu = settings.resolve("3090-offload").cfg
     cpu = settings.resolve("tiny-cpu").cfg
-    assert "NCCL_P2P_DISABLE" not in launch_command._launch_env(gpu, {})          # no verdict yet
+    assert "NCCL_P2P_DISABLE" not in launch_command.launch_env(gpu, {})          # no verdict yet
     doctor_verdict.save_verdict(["GPU-a", "GPU-b"], True, "all-reduce with P2P: hung; without: ok")
-    env = launch_command._launch_env(gpu, {})
+    env = launch_command.launch_env(gpu, {})
     assert env["NCCL_P2P_DISABLE"] == "1"
     assert env[doctor_verdict.P2P_NOTE_ENV].startswith("NCCL_P2P_DISABLE=1 set for this run: `shardconsole doctor` "
                                                        "found peer-to-peer broken on this machine")
-    assert "NCCL_P2P_DISABLE" not in launch_command._launch_env(cpu, {})          # gloo: nothing to disable
-    assert launch_command._launch_env(gpu, {"NCCL_P2P_DISABLE": "0"})["NCCL_P2P_DISABLE"] == "0"  # the user's own
+    assert "NCCL_P2P_DISABLE" not in launch_command.launch_env(cpu, {})          # gloo: nothing to disable
+    assert launch_command.launch_env(gpu, {"NCCL_P2P_DISABLE": "0"})["NCCL_P2P_DISABLE"] == "0"  # the user's own
     # another machine's verdict (a shared home folder) is not this one's
     body = json.loads((tmp_path / doctor_verdict.VERDICT_FILE).read_text())
     (tmp_path / doctor_verdict.VERDICT_FILE).write_text(json.dumps({**body, "host": socket.gethostname() + "-other"}))
-    assert "NCCL_P2P_DISABLE" not in launch_command._launch_env(gpu, {})
+    assert "NCCL_P2P_DISABLE" not in launch_command.launch_env(gpu, {})
     doctor_verdict.save_verdict(["GPU-a", "GPU-b"], False, "ok")
-    assert "NCCL_P2P_DISABLE" not in launch_command._launch_env(gpu, {})
+    assert "NCCL_P2P_DISABLE" not in launch_command.launch_env(gpu, {})

@@ -325,7 +325,7 @@ def deepspeed_settings(draw) -> dict:
           "pin_memory": draw(st.booleans()), "torch_adam": draw(st.booleans()),
           "nvme_path": "/nvme/run" if "nvme" in (opt, param) else draw(st.sampled_from(["", "/x"]))}
     for k in ZERO_KEYS:
-        ds[k] = draw(st.booleans()) if k in ds_json._ZERO_BOOL else draw(st.integers(1, 2 * 10**9))
+        ds[k] = draw(st.booleans()) if k in ds_json.ZERO_BOOL_KEYS else draw(st.integers(1, 2 * 10**9))
     small = st.floats(0, 1, allow_nan=False, exclude_max=True)
     return {
         "train": {"micro_batch": draw(st.integers(1, 16)), "grad_accum": draw(st.integers(1, 8)),

@@ -305,11 +305,11 @@ def test_an_offloaded_run_of_several_ranks_a_node_splits_the_host_cores(tmp_path
                                   "deepspeed.offload_optimizer=cpu"], gpu_count=None)
     cores = len(os.sched_getaffinity(0))
     for cfg in (fsdp, zero):
-        assert launch_command._launch_env(cfg, {})["OMP_NUM_THREADS"] == str(max(1, cores // 2))
-    assert launch_command._launch_env(fsdp, {"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"
+        assert launch_command.launch_env(cfg, {})["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+    assert launch_command.launch_env(fsdp, {"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"
     for overrides in (two, ["parallel.device=cuda", "fsdp.cpu_offload=true"],
                       ["parallel.device=cpu", "parallel.nproc_per_node=2", "fsdp.cpu_offload=true"]):
-        assert "OMP_NUM_THREADS" not in launch_command._launch_env(C.build({}, overrides=overrides, gpu_count=None), {})
+        assert "OMP_NUM_THREADS" not in launch_command.launch_env(C.build({}, overrides=overrides, gpu_count=None), {})
     script = slurm_script(C.build({}, overrides=[*two, "parallel.nnodes=2", "parallel.rdzv_endpoint=n0:29500",
                                                  "fsdp.cpu_offload=true"], gpu_count=None),
                           tmp_path, "x", python="py")

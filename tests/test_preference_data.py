@@ -286,7 +286,7 @@ def test_full_dpo_reference_pass_is_cached_and_read_back(tmp_path, monkeypatch):
     obj = O.make(_rank(tmp_path, cfg, spec, events))
     obj.prepare(model)
     assert "computed with the starting weights" in events[-1][1]
-    entry = D._entry(obj.r)
+    entry = D.pair_entry(obj.r)
     # the table is the starting model's summed answer log-probs, pair by pair, for both splits
     for split_name, split in (("train", entry.train), ("eval", entry.eval)):
         batch = D.to_batch(split, list(range(split.n)), cfg.data.seq_len)
@@ -329,7 +329,7 @@ def test_orpo_needs_no_reference_and_its_loss_is_the_nll_minus_the_odds_term(tmp
     obj = O.make(_rank(tmp_path, cfg, resolve(str(model_dir)), events))
     obj.prepare(model)
     assert events == [] and obj.table is None
-    entry = D._entry(obj.r)
+    entry = D.pair_entry(obj.r)
     batch = D.to_batch(entry.train, [0, 1], cfg.data.seq_len)
     loss = obj.micro_loss(model, batch)
     with torch.no_grad():

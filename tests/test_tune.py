@@ -214,7 +214,7 @@ def test_the_options_keep_the_global_batch_and_what_the_user_fixed():
     assert {o.cfg.memory.activation_checkpointing for o in opts} == {False}
     assert {o.cfg.train.micro_batch for o in opts} >= {1, 2, 4, 8}
     assert all(o.estimate.fits for o in opts if not o.baseline)
-    assert {search._strategy_of(o.cfg) for o in opts} >= {"full_shard", "full_shard+offload", "ZeRO-3"}
+    assert {search.strategy_of(o.cfg) for o in opts} >= {"full_shard", "full_shard+offload", "ZeRO-3"}
     values = [o.prediction.value for o in opts]
     assert values == sorted(values, reverse=True)
 

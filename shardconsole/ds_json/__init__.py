@@ -30,12 +30,12 @@ Where it lives (every name is re-exported here, so `from shardconsole import ds_
 patch the module that uses it, e.g. shardconsole.cli.ds_json.to_ds_config). The FSDP -> ZeRO
 equivalents of `--set parallel.backend=deepspeed` belong to the settings pipeline (settings.py).
 
-  export.py       settings -> ds_config: ADAM_EPS, ZERO_KEYS, _ZERO_BOOL, DS_ZERO_DEFAULTS,
+  export.py       settings -> ds_config: ADAM_EPS, ZERO_KEYS, ZERO_BOOL_KEYS, DS_ZERO_DEFAULTS,
                   DS_OFFLOAD_PIN_DEFAULT, device_type, uses_torch_adam, _offload_block, to_ds_config
   export_file.py  the exported file: scheduler_block, file_config
   hf_trainer.py   the same for the HF Trainer: hf_trainer_config, training_arguments
-  import_report.py  what an import reports: _KNOWN_UNMAPPED, _ZERO_UNMAPPED, _OFFLOAD_UNMAPPED, _Import,
-                  _known
+  import_report.py  what an import reports: KNOWN_UNMAPPED, ZERO_UNMAPPED, OFFLOAD_UNMAPPED, ImportReport,
+                  known_hint
   importer.py     ds_config -> settings: _TOP_KEYS, _ZERO_ALL, from_ds_config and its per-section readers
                   _batch, _optimizer, _scheduler, _precision, _zero
   commands.py     the CLI commands: _read_json, merge, _write_text, cmd_export, cmd_import
@@ -43,18 +43,17 @@ equivalents of `--set parallel.backend=deepspeed` belong to the settings pipelin
 
 from __future__ import annotations
 
-from shardconsole.ds_json.export import (ADAM_EPS, DS_OFFLOAD_PIN_DEFAULT, DS_ZERO_DEFAULTS, ZERO_KEYS, _ZERO_BOOL,
-                                         _offload_block, device_type, to_ds_config, uses_torch_adam)
-from shardconsole.ds_json.import_report import _Import, _KNOWN_UNMAPPED, _OFFLOAD_UNMAPPED, _ZERO_UNMAPPED, _known
-from shardconsole.ds_json.importer import (_TOP_KEYS, _ZERO_ALL, _batch, _optimizer, _precision, _scheduler, _zero,
-                                           from_ds_config, merge)
+from shardconsole.ds_json.export import (ADAM_EPS, DS_OFFLOAD_PIN_DEFAULT, DS_ZERO_DEFAULTS, ZERO_KEYS, ZERO_BOOL_KEYS,
+                                         device_type, to_ds_config, uses_torch_adam)
+from shardconsole.ds_json.import_report import ImportReport, KNOWN_UNMAPPED, OFFLOAD_UNMAPPED, ZERO_UNMAPPED, known_hint
+from shardconsole.ds_json.importer import from_ds_config, merge
 
 __all__ = [
     # export
-    "ADAM_EPS", "ZERO_KEYS", "_ZERO_BOOL", "DS_ZERO_DEFAULTS", "DS_OFFLOAD_PIN_DEFAULT", "device_type",
-    "uses_torch_adam", "_offload_block", "to_ds_config",
+    "ADAM_EPS", "ZERO_KEYS", "ZERO_BOOL_KEYS", "DS_ZERO_DEFAULTS", "DS_OFFLOAD_PIN_DEFAULT", "device_type",
+    "uses_torch_adam", "to_ds_config",
     # importer
-    "_KNOWN_UNMAPPED", "_ZERO_UNMAPPED", "_OFFLOAD_UNMAPPED", "_Import", "_known", "_TOP_KEYS", "_ZERO_ALL",
-    "from_ds_config", "_batch", "_optimizer", "_scheduler", "_precision", "_zero",
+    "KNOWN_UNMAPPED", "ZERO_UNMAPPED", "OFFLOAD_UNMAPPED", "ImportReport", "known_hint",
+    "from_ds_config",
     "merge",
 ]

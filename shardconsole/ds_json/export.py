@@ -16,7 +16,7 @@ ADAM_EPS = 1e-8   # torch's and DeepSpeed's AdamW default; shardconsole has no e
 ZERO_KEYS = ("overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
              "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
              "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance")
-_ZERO_BOOL = {"overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions"}
+ZERO_BOOL_KEYS = {"overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions"}
 
 # DeepSpeed 0.19's defaults for those keys, used when an imported file leaves a key out (the import
 # describes what DeepSpeed would run with that file). overlap_comm: None = "true for stage 3 only".

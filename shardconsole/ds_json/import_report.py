@@ -1,4 +1,4 @@
-"""What an import reports: the ds_config keys that have no shardconsole setting (and why), and _Import,
+"""What an import reports: the ds_config keys that have no shardconsole setting (and why), and ImportReport,
 which collects the overrides, the lines that say what mapped, and typed reads whose errors name the key."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 from shardconsole.settings import config as C
 
 # Keys we read but that have no shardconsole setting, with the reason shown to the user.
-_KNOWN_UNMAPPED = {
+KNOWN_UNMAPPED = {
     "steps_per_print": "shardconsole prints its own step lines (train.log_every)",
     "wall_clock_breakdown": "shardconsole streams its own timings",
     "flops_profiler": "not used; the step line carries MFU",
@@ -31,7 +31,7 @@ _KNOWN_UNMAPPED = {
     "data_types": "not a shardconsole setting",
     "compile": "use train.compile",
 }
-_ZERO_UNMAPPED = {
+ZERO_UNMAPPED = {
     "sub_group_size": "not a shardconsole setting; DeepSpeed's default (1e9) applies",
     "stage3_gather_16bit_weights_on_model_save": "checkpoints are DeepSpeed's sharded ones (turn one into a "
                                                  "full model with the zero_to_fp32.py saved next to it)",
@@ -46,11 +46,11 @@ _ZERO_UNMAPPED = {
     "zero_quantized_gradients": "ZeRO++ quantization is not a shardconsole setting",
     "memory_efficient_linear": "not a shardconsole setting",
 }
-_OFFLOAD_UNMAPPED = ("buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write",
+OFFLOAD_UNMAPPED = ("buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write",
                      "fast_init", "ratio", "pipeline")
 
 
-class _Import:
+class ImportReport:
     """Collects overrides and the report of one import."""
 
     def __init__(self, source: str) -> None:
@@ -100,6 +100,6 @@ class _Import:
         return value
 
 
-def _known(key: str, options: list[str]) -> str:
+def known_hint(key: str, options: list[str]) -> str:
     m = difflib.get_close_matches(key, options, n=1, cutoff=0.75)
     return f"unknown key (did you mean {m[0]!r}?)" if m else "not a shardconsole setting"

@@ -8,8 +8,8 @@ import copy
 from typing import Any, cast
 
 from shardconsole.settings import config as C
-from shardconsole.ds_json.export import ADAM_EPS, DS_OFFLOAD_PIN_DEFAULT, DS_ZERO_DEFAULTS, ZERO_KEYS, _ZERO_BOOL
-from shardconsole.ds_json.import_report import _KNOWN_UNMAPPED, _OFFLOAD_UNMAPPED, _ZERO_UNMAPPED, _Import, _known
+from shardconsole.ds_json.export import ADAM_EPS, DS_OFFLOAD_PIN_DEFAULT, DS_ZERO_DEFAULTS, ZERO_KEYS, ZERO_BOOL_KEYS
+from shardconsole.ds_json.import_report import KNOWN_UNMAPPED, OFFLOAD_UNMAPPED, ZERO_UNMAPPED, ImportReport, known_hint
 
 # ---------------------------------------------------------------------------------------------------
 # ds_config -> settings
@@ -17,9 +17,9 @@ from shardconsole.ds_json.import_report import _KNOWN_UNMAPPED, _OFFLOAD_UNMAPPE
 
 _TOP_KEYS = ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
              "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "communication_data_type",
-             "zero_optimization", *_KNOWN_UNMAPPED]
+             "zero_optimization", *KNOWN_UNMAPPED]
 _ZERO_ALL = ["stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param",
-             "cpu_offload_use_pin_memory", *ZERO_KEYS, *_ZERO_UNMAPPED]
+             "cpu_offload_use_pin_memory", *ZERO_KEYS, *ZERO_UNMAPPED]
 
 
 def from_ds_config(d: dict[str, Any], source: str = "ds_config.json", *, world_size: int = 1,
@@ -36,7 +36,7 @@ def from_ds_config(d: dict[str, Any], source: str = "ds_config.json", *, world_s
     if not isinstance(d, dict):
         raise C.ConfigError(f"{source}: expected a JSON object at the top level")
     base = base or C.RunConfig()
-    im = _Import(source)
+    im = ImportReport(source)
     im.out["parallel"] = {"backend": "deepspeed"}
     _batch(im, d, world_size, base, infer_ranks)
     if "gradient_clipping" in d and not im.auto("gradient_clipping", d["gradient_clipping"],
@@ -52,16 +52,16 @@ def from_ds_config(d: dict[str, Any], source: str = "ds_config.json", *, world_s
     for key, value in d.items():
         if key == "zero_force_ds_cpu_optimizer" and value is False and im.out.get("deepspeed", {}).get("torch_adam"):
             im.mapped.append("zero_force_ds_cpu_optimizer = false (what lets deepspeed.torch_adam run offloaded)")
-        elif key in _KNOWN_UNMAPPED:
-            im.skip(key, _KNOWN_UNMAPPED[key])
+        elif key in KNOWN_UNMAPPED:
+            im.skip(key, KNOWN_UNMAPPED[key])
         elif key not in _TOP_KEYS:
-            im.skip(key, _known(key, _TOP_KEYS))
+            im.skip(key, known_hint(key, _TOP_KEYS))
     if defaults is not None:
         defaults.extend(im.defaults)
     return im.out, im.mapped, im.unmapped
 
 
-def _batch(im: _Import, d: dict, world: int, base: C.RunConfig, infer_ranks: bool = False) -> None:
+def _batch(im: ImportReport, d: dict, world: int, base: C.RunConfig, infer_ranks: bool = False) -> None:
     """DeepSpeed's rule: train_batch_size = micro x accumulation x data-parallel ranks; any two give the
     third, one alone gives accumulation 1."""
     names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -118,7 +118,7 @@ def _batch(im: _Import, d: dict, world: int, base: C.RunConfig, infer_ranks: boo
         im.set("train", "grad_accum", accum, "gradient_accumulation_steps")
 
 
-def _optimizer(im: _Import, opt: Any, base: C.RunConfig) -> None:
+def _optimizer(im: ImportReport, opt: Any, base: C.RunConfig) -> None:
     if opt is None:
         im.skip("optimizer", "no optimizer block (the training script brings one); shardconsole trains with "
                 f"AdamW at train.lr = {base.train.lr}")
@@ -185,7 +185,7 @@ def _optimizer(im: _Import, opt: Any, base: C.RunConfig) -> None:
 _SCHED_DEFAULTS = {"warmup_num_steps": 1000, "warmup_max_lr": 0.001, "cos_min_ratio": 0.0001}
 
 
-def _scheduler(im: _Import, sched: Any, base: C.RunConfig) -> None:
+def _scheduler(im: ImportReport, sched: Any, base: C.RunConfig) -> None:
     if sched is None:
         # DeepSpeed steps no scheduler: the optimizer's lr stays where it is for the whole run.
         im.default("train", "schedule", "constant", "no scheduler block: DeepSpeed keeps the learning rate "
@@ -247,7 +247,7 @@ def _scheduler(im: _Import, sched: Any, base: C.RunConfig) -> None:
         im.set("train", "min_lr_ratio", 0.0, "scheduler.type = WarmupDecayLR", "decays to 0")
 
 
-def _precision(im: _Import, d: dict, base: C.RunConfig) -> None:
+def _precision(im: ImportReport, d: dict, base: C.RunConfig) -> None:
     fp16, bf16 = d.get("fp16"), d.get("bf16", d.get("bfloat16"))
     bf16_key = "bf16" if "bf16" in d else "bfloat16"
 
@@ -317,7 +317,7 @@ def _precision(im: _Import, d: dict, base: C.RunConfig) -> None:
             im.skip("communication_data_type", f"{v!r}: shardconsole reduces in fp32, fp16 or bf16")
 
 
-def _zero(im: _Import, z: Any, base: C.RunConfig) -> None:
+def _zero(im: ImportReport, z: Any, base: C.RunConfig) -> None:
     if z is None:
         z = {}
     if not isinstance(z, dict):
@@ -325,13 +325,13 @@ def _zero(im: _Import, z: Any, base: C.RunConfig) -> None:
     _zero_keys(im, z, base.deepspeed)
     _zero_offload(im, _offload_blocks(im, z))
     for key in z:
-        if key in _ZERO_UNMAPPED:
-            im.skip(f"zero_optimization.{key}", _ZERO_UNMAPPED[key])
+        if key in ZERO_UNMAPPED:
+            im.skip(f"zero_optimization.{key}", ZERO_UNMAPPED[key])
         elif key not in _ZERO_ALL:
-            im.skip(f"zero_optimization.{key}", _known(key, _ZERO_ALL))
+            im.skip(f"zero_optimization.{key}", known_hint(key, _ZERO_ALL))
 
 
-def _zero_keys(im: _Import, z: dict, ds: Any) -> None:
+def _zero_keys(im: ImportReport, z: dict, ds: Any) -> None:
     """The stage, then each ZeRO knob shardconsole has (the file's, or DeepSpeed's default)."""
     stage = z.get("stage", 0)
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
@@ -347,14 +347,14 @@ def _zero_keys(im: _Import, z: dict, ds: Any) -> None:
             value = z[key]
             if im.auto(where, value, f"deepspeed.{key} = {getattr(ds, key)}"):
                 continue
-            value = im.boolean(where, value) if key in _ZERO_BOOL else im.number(where, value, integer=True)
+            value = im.boolean(where, value) if key in ZERO_BOOL_KEYS else im.number(where, value, integer=True)
             im.set("deepspeed", key, value, where)
         else:
             default = DS_ZERO_DEFAULTS[key]
             im.default("deepspeed", key, stage == 3 if key == "overlap_comm" else default)
 
 
-def _offload_blocks(im: _Import, z: dict) -> dict[str, Any]:
+def _offload_blocks(im: ImportReport, z: dict) -> dict[str, Any]:
     """Offload: the current blocks, and the pre-0.5 booleans that old example configs still carry."""
     blocks = {"offload_optimizer": z.get("offload_optimizer"), "offload_param": z.get("offload_param")}
     # (DeepSpeed turns them into blocks with default pinning and ignores cpu_offload_use_pin_memory.)
@@ -370,7 +370,7 @@ def _offload_blocks(im: _Import, z: dict) -> dict[str, Any]:
     return blocks
 
 
-def _zero_offload(im: _Import, blocks: dict[str, Any]) -> None:
+def _zero_offload(im: ImportReport, blocks: dict[str, Any]) -> None:
     """Each offload block's device; the pinning and the NVMe folder, which shardconsole has once for both."""
     pins: list[tuple[str, bool]] = []
     paths: list[tuple[str, str]] = []
@@ -395,7 +395,7 @@ def _zero_offload(im: _Import, blocks: dict[str, Any]) -> None:
                 raise im.error(f"{where}.nvme_path", "device \"nvme\" needs nvme_path, a folder on a fast disk")
             paths.append((f"{where}.nvme_path", p))
         for key in block:
-            if key in _OFFLOAD_UNMAPPED:
+            if key in OFFLOAD_UNMAPPED:
                 im.skip(f"{where}.{key}", "not a shardconsole setting; DeepSpeed's default applies")
             elif key not in ("device", "pin_memory", "nvme_path"):
                 im.skip(f"{where}.{key}", "not a shardconsole setting")

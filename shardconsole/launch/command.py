@@ -221,7 +221,7 @@ def child_env(cfg: C.RunConfig, base: dict[str, str] | None = None) -> dict[str,
     return env
 
 
-def _launch_env(cfg: C.RunConfig, env: dict[str, str] | None) -> dict[str, str]:
+def launch_env(cfg: C.RunConfig, env: dict[str, str] | None) -> dict[str, str]:
     out = child_env(cfg, env)
     if cfg.parallel.device != "cpu" and "NCCL_P2P_DISABLE" not in out:
         why = doctor_verdict.p2p_broken_here()   # this machine's saved doctor verdict; rank 0 says it

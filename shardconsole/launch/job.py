@@ -22,7 +22,7 @@ from shardconsole.settings import config as C
 from shardconsole.launch import process_identity as PI
 from shardconsole.runlog import protocol as P
 from shardconsole.launch.owner import FolderInUse, owning  # noqa: F401  (FolderInUse: for the front ends)
-from shardconsole.launch.command import (WORKER_MODULE, _launch_env, build_argv, child_env,  # noqa: F401
+from shardconsole.launch.command import (WORKER_MODULE, launch_env, build_argv, child_env,  # noqa: F401
                                          format_argv, new_run_dir, run_id_of, slurm_script)
 from shardconsole.runlog.runfolder import JOB_FILE as RUN_FILE, LAUNCHER_LOG, METRICS_FILE, PRESET_FILE  # noqa: F401
 from shardconsole.runlog.runfolder import RunFolder, agent_file_name, agent_here, agent_host, read_json
@@ -119,7 +119,7 @@ class Job:
             log_fd = os.open(run_dir / LAUNCHER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
             try:
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT,
-                                        env=_launch_env(cfg, env), start_new_session=True,
+                                        env=launch_env(cfg, env), start_new_session=True,
                                         pass_fds=(lock.fd,) if lock is not None else ())
             finally:
                 os.close(log_fd)

@@ -1,4 +1,4 @@
-"""The doctor's saved P2P verdict, read by every launch on this machine (launch_command._launch_env).
+"""The doctor's saved P2P verdict, read by every launch on this machine (launch_command.launch_env).
 
 Standard library only (user_folders aside): a launch must not import torch to read one JSON file.
 `shardconsole doctor` writes doctor.json in the cache folder ($SHARDCONSOLE_CACHE_DIR, else the per-user

@@ -29,23 +29,23 @@ works; to monkeypatch a name that the planner itself looks up, patch the module 
 
   constants.py          every constant and where it comes from (KiB/MiB/GiB, CUDA_CONTEXT_BYTES,
                         allocator slack, base RSS, DTYPE_BYTES, SPEED_FACTOR, ...)
-  shapes.py             Shapes (the model's shape from its config), _numel, _shard_numel, pow2_ceil
+  shapes.py             Shapes (the model's shape from its config), shape_numel, shard_numel, pow2_ceil
   machine.py            Hardware, detect_hardware
   activation_memory.py  what autograd saves: layer_activation_bytes_per_token and the compiled and
                         eager variants, Activations, activations
-  rank.py               _Rank: one rank's memory at each moment of a step
-  fsdp_rank.py          _fsdp: an FSDP2 rank
-  deepspeed_rank.py     _ds_sub_groups, _deepspeed: a DeepSpeed ZeRO rank
+  rank.py               RankMemory: one rank's memory at each moment of a step
+  fsdp_rank.py          fsdp_rank_memory: an FSDP2 rank
+  deepspeed_rank.py     ds_sub_groups, deepspeed_rank_memory: a DeepSpeed ZeRO rank
   estimator.py          Estimate, estimate (peaks, budgets, verdict), _cpu_ranks, model_states,
                         _verdict, replace_cfg, host_peak_line (compile_workers_bytes re-exported)
-  host.py               _Host, _host (the node's host peak over the moments),
+  host.py               HostPeak, host_peak (the node's host peak over the moments),
                         compile_workers_bytes
   loading.py            Loading, loading: the host RAM of loading a model folder's weights (rank 0's fp32
                         copy under FSDP2, every rank's under ZeRO-0/1/2 and QLoRA), folder_weights
   saves.py              Saves, saves: a checkpoint's, a model save's and the export's bytes, the disk
                         total with keep_checkpoints, what a save adds to host RAM
   fit.py                STRATEGIES, EXTRA_STRATEGIES, FIT_EXTRA_ROWS, speed_score, fit_table (FitRow),
-                        settings_that_fit (Candidate), _strategy_cfg, _spec_of, _toml
+                        settings_that_fit (Candidate), _strategy_cfg, _spec_of, toml_value
   speed/model.py        how fast: a step's parts (GPU FLOPs, PCIe, the host step) from measured and
                         published rates, the critical path, tokens/s and the time to train.steps (predict)
   speed/cards.py        the cards `plan --card` knows: published bf16 rate, memory, PCIe generation
@@ -65,17 +65,17 @@ from shardconsole.plan.constants import (ALLOCATOR_SLACK_FIXED, ALLOCATOR_SLACK_
                                          HOST_USABLE_FRACTION, LAUNCHER_RSS, LOSS_CHUNK_TOKENS, RANK_BASE_RSS,
                                          RANK_BASE_RSS_CPU, REQUIRED_FIXED, REQUIRED_FRAGMENTATION, SPEED_FACTOR,
                                          GiB, KiB, MiB)
-from shardconsole.plan.deepspeed_rank import _deepspeed, _ds_sub_groups
-from shardconsole.plan.estimator import (Estimate, _cpu_ranks, _verdict, compile_workers_bytes, estimate,
+from shardconsole.plan.deepspeed_rank import deepspeed_rank_memory, ds_sub_groups
+from shardconsole.plan.estimator import (Estimate, compile_workers_bytes, estimate,
                                          gpu_peak_text, host_peak_line, model_states, replace_cfg)
 from shardconsole.plan.saves import Saves, disk_peak, save_final_of, saves, schedule
 from shardconsole.plan.saves import text_lines as saves_text_lines
-from shardconsole.plan.fit import (EXTRA_STRATEGIES, FIT_EXTRA_ROWS, STRATEGIES, Candidate, FitRow, _spec_of,
-                                   _strategy_cfg, _toml, fit_table, settings_that_fit, speed_score)
-from shardconsole.plan.fsdp_rank import _fsdp
+from shardconsole.plan.fit import (EXTRA_STRATEGIES, FIT_EXTRA_ROWS, STRATEGIES, Candidate, FitRow,
+                                   toml_value, fit_table, settings_that_fit, speed_score)
+from shardconsole.plan.fsdp_rank import fsdp_rank_memory
 from shardconsole.plan.machine import Hardware, detect_hardware
-from shardconsole.plan.rank import _Rank
-from shardconsole.plan.shapes import Shapes, _numel, _shard_numel, pow2_ceil
+from shardconsole.plan.rank import RankMemory
+from shardconsole.plan.shapes import Shapes, shape_numel, shard_numel, pow2_ceil
 
 __all__ = [
     # constants
@@ -85,18 +85,18 @@ __all__ = [
     "FSDP_FP16_OFFLOAD_HOST_PER_PARAM", "HOST_USABLE_FRACTION", "DS_SUB_GROUP_SIZE", "DTYPE_BYTES", "SPEED_FACTOR",
     "COMPILE_SIDECAR_BYTES", "COMPILE_WORKER_BYTES", "SAVE_FIXED_BYTES",
     # shapes, machine
-    "Shapes", "_numel", "_shard_numel", "pow2_ceil", "Hardware", "detect_hardware",
+    "Shapes", "shape_numel", "shard_numel", "pow2_ceil", "Hardware", "detect_hardware",
     # activation_memory
     "layer_activation_bytes_per_token", "compiled_layer_activation_bytes_per_token",
     "eager_attention_bytes_per_sample", "Activations", "activations",
     # rank, fsdp_rank, deepspeed_rank
-    "_Rank", "_fsdp", "_ds_sub_groups", "_deepspeed",
+    "RankMemory", "fsdp_rank_memory", "ds_sub_groups", "deepspeed_rank_memory",
     # estimator
-    "Estimate", "estimate", "_cpu_ranks", "model_states", "_verdict", "replace_cfg", "host_peak_line",
+    "Estimate", "estimate", "model_states", "replace_cfg", "host_peak_line",
     "compile_workers_bytes", "gpu_peak_text",
     # saves
     "Saves", "saves", "schedule", "disk_peak", "save_final_of", "saves_text_lines",
     # fit
-    "STRATEGIES", "EXTRA_STRATEGIES", "FIT_EXTRA_ROWS", "_strategy_cfg", "speed_score", "FitRow", "_spec_of", "fit_table",
-    "Candidate", "settings_that_fit", "_toml",
+    "STRATEGIES", "EXTRA_STRATEGIES", "FIT_EXTRA_ROWS", "speed_score", "FitRow", "fit_table",
+    "Candidate", "settings_that_fit", "toml_value",
 ]

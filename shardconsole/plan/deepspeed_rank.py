@@ -10,17 +10,17 @@ from shardconsole.settings import config as C
 from shardconsole.plan.activation_memory import activations, float8_casts, offloaded_host
 from shardconsole.plan.constants import (CUBLAS_WORKSPACE_BYTES, DS_BUILD_BASE_RSS, DS_SUB_GROUP_SIZE, DTYPE_BYTES,
                                          NVME_PARAM_BUFFER_NUMEL, RANK_BASE_RSS, GiB)
-from shardconsole.plan.rank import _Rank
-from shardconsole.plan.shapes import Shapes, _numel, pow2_ceil
+from shardconsole.plan.rank import RankMemory
+from shardconsole.plan.shapes import Shapes, shape_numel, pow2_ceil
 
 
-def _ds_sub_groups(s: Shapes, world: int, limit: int = DS_SUB_GROUP_SIZE) -> list[int]:
+def ds_sub_groups(s: Shapes, world: int, limit: int = DS_SUB_GROUP_SIZE) -> list[int]:
     """ZeRO-3 sub-groups (elements of this rank's partition): parameters in model order, a group
     closes once it reaches `limit` (stage3.py _create_fp16_sub_groups)."""
     groups, run = [], 0
     order = s.root_params()[:1] + s.layer_params() * s.layers + s.root_params()[1:]
     for sh in order:
-        run += -(-_numel(sh) // world)
+        run += -(-shape_numel(sh) // world)
         if run >= limit:
             groups.append(run)
             run = 0
@@ -60,7 +60,7 @@ class _Held:
     build_gpu: int = 0
 
 
-def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
+def deepspeed_rank_memory(cfg: C.RunConfig, s: Shapes) -> RankMemory:
     """backends/engine/deepspeed.py with the ds_config of ds_json.to_ds_config, modelled on DeepSpeed 0.19's
     runtime/zero/stage3.py, stage_1_and_2.py, partitioned_param_coordinator.py and
     partition_parameters.py (buffers named as there). Stage 3 builds under zero.Init (partitioned at
@@ -71,7 +71,7 @@ def _deepspeed(cfg: C.RunConfig, s: Shapes) -> _Rank:
     h = {3: _stage3, 1: _stage12, 2: _stage12}.get(stage, _stage0)(cfg, s, k)
     # In use beside the compute stream: one bucket being reduced, during backward (ZeRO-3)
     side_live = {"last layer backward": k.c * min(cfg.deepspeed.reduce_bucket_size, k.P)} if stage == 3 else {}
-    return _Rank(_gpu_phases(cfg, s, k, h), _host_phases(cfg, s, k, h), _notes(cfg, k), h.side, side_live)
+    return RankMemory(_gpu_phases(cfg, s, k, h), _host_phases(cfg, s, k, h), _notes(cfg, k), h.side, side_live)
 
 
 def _ctx(cfg: C.RunConfig, s: Shapes) -> _Ctx:
@@ -89,12 +89,12 @@ def _ctx(cfg: C.RunConfig, s: Shapes) -> _Ctx:
                 off_par=off_par, opt_nvme=off_opt and d.offload_optimizer == "nvme",
                 par_nvme=off_par and d.offload_param == "nvme", W=W, P=s.n_params, part=-(-s.n_params // W),
                 pin=pow2_ceil if d.pin_memory else (lambda n: n), ptag=", pinned" if d.pin_memory else "",
-                largest_param=max(_numel(sh) for sh in all_params), all_params=all_params)
+                largest_param=max(shape_numel(sh) for sh in all_params), all_params=all_params)
 
 
 def _stage3(cfg: C.RunConfig, s: Shapes, k: _Ctx) -> _Held:
     d, h = cfg.deepspeed, _Held()
-    subs = _ds_sub_groups(s, k.W)
+    subs = ds_sub_groups(s, k.W)
     if k.par_nvme:
         # AsyncPartitionedParameterSwapper: one tensor of buffer_count (5) x buffer_size (1e8)
         # elements in the model dtype, page-locked by the async I/O op itself (exact bytes, not
@@ -145,7 +145,7 @@ def _stage3(cfg: C.RunConfig, s: Shapes, k: _Ctx) -> _Held:
     # (ds-1b-z3-alloff): the whole model stays on the GPU (max_live_parameters 1e9 > 0.94e9).
     head = 0 if s.tied else s.vocab * s.hidden
     running = max(s.intermediate * s.hidden, s.q_dim * s.hidden)
-    persistent = sum(_numel(sh) for sh in k.all_params if _numel(sh) < d.stage3_param_persistence_threshold)
+    persistent = sum(shape_numel(sh) for sh in k.all_params if shape_numel(sh) < d.stage3_param_persistence_threshold)
     if k.W == 1 and not k.off_par:
         h.gathered = 0
     elif k.W == 1:
@@ -186,7 +186,8 @@ def _stage12(cfg: C.RunConfig, s: Shapes, k: _Ctx) -> _Held:
         # accumulated_grads_in_cpu: one host buffer per parameter in the model dtype, pinned one by
         # one (async_accumulate_grad_in_cpu_via_gpu). Measured: ds-1b-z2-optoff ranks held 1.97 GiB
         # over the other parts; this sum is 2.25 GiB there.
-        h.host[f"gradient accumulation buffers (per parameter{k.ptag})"] = sum(k.pin(k.c * _numel(sh)) for sh in k.all_params)
+        h.host[f"gradient accumulation buffers (per parameter{k.ptag})"] = sum(k.pin(k.c * shape_numel(sh))
+                                                                                for sh in k.all_params)
     else:
         h.gpu[f"{k.mtag} master (partition)"] = k.m * k.part
         h.gpu[f"optimizer states (Adam {k.mtag})"] = 2 * k.m * k.part

@@ -16,15 +16,15 @@ from shardconsole.machine.hardware import driver_reserved_bytes
 from shardconsole.plan.constants import (ALLOCATOR_SLACK_FIXED, ALLOCATOR_SLACK_FRACTION, CUDA_CONTEXT_BYTES,
                                          DTYPE_BYTES, HOST_USABLE_FRACTION, RANK_BASE_RSS_CPU, REQUIRED_FIXED,
                                          REQUIRED_FRAGMENTATION)
-from shardconsole.plan.deepspeed_rank import _deepspeed
-from shardconsole.plan.fsdp_rank import _fsdp
-from shardconsole.plan.host import _Host, _host, compile_threads, compile_workers_bytes  # noqa: F401
+from shardconsole.plan.deepspeed_rank import deepspeed_rank_memory
+from shardconsole.plan.fsdp_rank import fsdp_rank_memory
+from shardconsole.plan.host import HostPeak, host_peak, compile_threads, compile_workers_bytes  # noqa: F401
 from shardconsole.plan.loading import Loading, loading
 from shardconsole.plan.lora import lora_rank, trainable_params
 from shardconsole.plan.machine import Hardware
-from shardconsole.plan.rank import _Rank
+from shardconsole.plan.rank import RankMemory
 from shardconsole.plan.saves import Saves, saves
-from shardconsole.plan.shapes import Shapes, _shard_numel
+from shardconsole.plan.shapes import Shapes, shard_numel
 from shardconsole.plan import optim_states
 
 
@@ -87,13 +87,14 @@ class Estimate:
         }
 
 
-def _cpu_ranks(cfg: C.RunConfig, s: Shapes) -> _Rank:
+def _cpu_ranks(cfg: C.RunConfig, s: Shapes) -> RankMemory:
     """device = cpu: everything lives in host memory; rough (no calibration on CPU)."""
-    r = _fsdp(replace_cfg(cfg, ("fsdp", "cpu_offload", False)), s) if cfg.parallel.backend == "fsdp" else _deepspeed(cfg, s)
+    r = (fsdp_rank_memory(replace_cfg(cfg, ("fsdp", "cpu_offload", False)), s) if cfg.parallel.backend == "fsdp"
+         else deepspeed_rank_memory(cfg, s))
     moment = max(r.gpu, key=lambda k: sum(r.gpu[k].values()))
     parts = {k: v for k, v in r.gpu[moment].items() if v and k != "cuBLAS workspaces"}
     host = {"process (python, torch)": RANK_BASE_RSS_CPU, **parts}
-    return _Rank({}, {"training": host}, ["CPU ranks: the training memory is host memory (not calibrated)"])
+    return RankMemory({}, {"training": host}, ["CPU ranks: the training memory is host memory (not calibrated)"])
 
 
 def _device(cfg: C.RunConfig, hw: Hardware) -> tuple[int | None, int, str]:
@@ -120,7 +121,7 @@ def estimate(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, start_step: int
     g = _gpu(cfg, r, hw)
     sv = saves(cfg, s, spec.path, start_step=start_step, existing=existing)
     ld = loading(cfg, spec, s)
-    h = _host(cfg, r, sv, hw, ld)
+    h = host_peak(cfg, r, sv, hw, ld)
     reasons, gpu_budget, host_budget = _budgets(cfg, hw, g, h, ld)
     notes = list(r.notes)
     if ld is not None:
@@ -166,14 +167,14 @@ def preference_notes(cfg: C.RunConfig) -> list[str]:
     return out
 
 
-def _rank_model(cfg: C.RunConfig, s: Shapes) -> _Rank:
+def _rank_model(cfg: C.RunConfig, s: Shapes) -> RankMemory:
     """One rank's memory by moment, from the model of its engine."""
     if cfg.adapters:
         r = lora_rank(cfg, s)       # LoRA / QLoRA, either engine (plan/lora.py)
     elif cfg.parallel.device == "cpu":
         return _cpu_ranks(cfg, s)
     else:
-        r = _fsdp(cfg, s) if cfg.parallel.backend == "fsdp" else _deepspeed(cfg, s)
+        r = fsdp_rank_memory(cfg, s) if cfg.parallel.backend == "fsdp" else deepspeed_rank_memory(cfg, s)
     if cfg.train.objective == "grpo" and r.gpu:
         ref = grpo_terms.reference_bytes(cfg, s)
         if ref:
@@ -199,7 +200,7 @@ class _Gpu:
     required: int = 0
 
 
-def _gpu(cfg: C.RunConfig, r: _Rank, hw: Hardware) -> _Gpu:
+def _gpu(cfg: C.RunConfig, r: RankMemory, hw: Hardware) -> _Gpu:
     """The compute stream's largest moment, the pools of the other streams, the allocator's
     fragmentation, then the context outside the allocator."""
     phases = {k: sum(v.values()) for k, v in r.gpu.items()}
@@ -234,7 +235,7 @@ def _gpu(cfg: C.RunConfig, r: _Rank, hw: Hardware) -> _Gpu:
     return g
 
 
-def _allocator_at_budget(g: _Gpu, r: _Rank, gpu_budget: int) -> str:
+def _allocator_at_budget(g: _Gpu, r: RankMemory, gpu_budget: int) -> str:
     """The allocator stops at the budget: it frees cached blocks and retries instead of growing. The
     slack and the pools are cut to it; the note that says so."""
     excess = g.allocator_peak - gpu_budget
@@ -258,7 +259,7 @@ def _host_total(cfg: C.RunConfig, hw: Hardware) -> tuple[int, str]:
     return hw.host_memory_bytes, C.format_size(hw.host_memory_bytes)
 
 
-def _budgets(cfg: C.RunConfig, hw: Hardware, g: _Gpu, h: _Host,
+def _budgets(cfg: C.RunConfig, hw: Hardware, g: _Gpu, h: HostPeak,
              ld: Loading | None = None) -> tuple[list[str], int | None, int | None]:
     """(why it does not fit, the allocator's budget, the host's). The allocator's budget: what the
     device (the card, or a cap: a card of that size) gives to processes, less the rank's context and
@@ -300,14 +301,14 @@ def model_states(cfg: C.RunConfig, spec: ModelSpec) -> dict[str, dict[str, int]]
     out: dict[str, dict[str, int]] = {"gpu": {}, "host": {}}
     if p.backend == "fsdp":
         shard = {"no_shard": 1, "hybrid_shard": p.nproc_per_node}.get(cfg.fsdp.sharding, W)
-        numels = [_shard_numel(sh, shard) for sh in s.all_params()]
+        numels = [shard_numel(sh, shard) for sh in s.all_params()]
         n = sum(numels)
         where = out["host" if cfg.fsdp.cpu_offload else "gpu"]
         m = cfg.kept_bytes
         opt_bytes = optim_states.states_bytes(cfg, s.all_params(), shard, numels)   # torchao's low-bit blocks too
         # optim.step_in_backward: a layer's gradients live from their reduce-scatter to their steps (one
         # buffer a layer, freed when its last view is), so one layer's (or the root's) at most
-        one_layer = max(sum(_shard_numel(sh, shard) for sh in part) for part in (s.layer_params(), s.root_params()))
+        one_layer = max(sum(shard_numel(sh, shard) for sh in part) for part in (s.layer_params(), s.root_params()))
         grads = m * one_layer if cfg.optim.step_in_backward else m * n
         where.update({"parameters": m * n, "gradients": grads, "optimizer states": opt_bytes})
         return out

@@ -186,10 +186,10 @@ def settings_that_fit(cfg: C.RunConfig, hardware: Hardware, spec: ModelSpec | No
                     C.validate(c2, "fit")
                 except C.ConfigError:
                     continue
-                overrides = [f"{t}.{k}={_toml(v)}" for t, k, v in {**STRATEGIES, **EXTRA_STRATEGIES}[strategy]]
+                overrides = [f"{t}.{k}={toml_value(v)}" for t, k, v in {**STRATEGIES, **EXTRA_STRATEGIES}[strategy]]
                 overrides += [f"parallel.nproc_per_node={c2.parallel.nproc_per_node}",
-                              f"memory.activation_checkpointing={_toml(level.checkpointing)}",
-                              *[f"{t}.{k}={_toml(v)}" for t, k, v in level.changes], f"train.micro_batch={mb}",
+                              f"memory.activation_checkpointing={toml_value(level.checkpointing)}",
+                              *[f"{t}.{k}={toml_value(v)}" for t, k, v in level.changes], f"train.micro_batch={mb}",
                               f"train.grad_accum={c2.train.grad_accum}"]
                 name = f"{strategy}, {level.words}, micro_batch {mb}"
                 p = book.predict(c2, hardware, spec)
@@ -226,7 +226,7 @@ def _memory_levels(cfg: C.RunConfig, strategy: str) -> list[_Level]:
     return levels
 
 
-def _toml(v: Any) -> str:
+def toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     return str(v)

@@ -8,8 +8,8 @@ from shardconsole.settings import config as C
 from shardconsole.plan.activation_memory import Activations, activations, float8_casts, offloaded_host
 from shardconsole.plan.constants import (CUBLAS_WORKSPACE_BYTES, DTYPE_BYTES, FSDP_FP16_OFFLOAD_HOST_PER_PARAM,
                                          RANK_BASE_RSS)
-from shardconsole.plan.rank import _Rank
-from shardconsole.plan.shapes import Shapes, _shard_numel, pow2_ceil
+from shardconsole.plan.rank import RankMemory
+from shardconsole.plan.shapes import Shapes, shard_numel, pow2_ceil
 from shardconsole.plan import optim_states
 
 
@@ -41,7 +41,7 @@ class _Sizes:
     in_backward: bool          # optim.step_in_backward: each sharded gradient stepped and freed at once
 
 
-def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
+def fsdp_rank_memory(cfg: C.RunConfig, s: Shapes) -> RankMemory:
     """backends/engine/fsdp.py: fully_shard per decoder layer and on the root (the root kept gathered after
     forward); parameters fp32 sharded; MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=fp32
     by default) unless fp32; fused AdamW with fp32 states shaped like the sharded parameters;
@@ -58,7 +58,7 @@ def _fsdp(cfg: C.RunConfig, s: Shapes) -> _Rank:
         notes.append(f"the host optimizer step runs after the backward: train.clip_grad_norm = "
                      f"{cfg.train.clip_grad_norm:g} needs every gradient first; 0 lets it run under the backward "
                      f"(on the H200: 1.2x at 3b, 1.46x at 7B; docs/OFFLOAD.md)")
-    return _Rank(_gpu_moments(cfg, s, z), _host(cfg, s, z), notes, side, side_live)
+    return RankMemory(_gpu_moments(cfg, s, z), _host(cfg, s, z), notes, side, side_live)
 
 
 # Layers whose host gradients have landed and not yet stepped (offload overlap), in torch's pinned blocks
@@ -97,7 +97,7 @@ def _sizes(cfg: C.RunConfig, s: Shapes) -> _Sizes:
     m = cfg.kept_bytes         # adam-mini's split fp32 masters are bf16 shards (the rest in its states)
     L = s.layers
     # Sharded fp32 parameters: dim 0 padded to the shard group (exactly as FSDP2 pads).
-    shard_numels = [_shard_numel(sh, shard) for sh in s.all_params()]
+    shard_numels = [shard_numel(sh, shard) for sh in s.all_params()]
     params_b = m * sum(shard_numels)
     layer_full = c * s.per_layer
     # fsdp.py sets explicit prefetch unless no_shard; FSDP2 then still prefetches one layer in
@@ -118,8 +118,8 @@ def _sizes(cfg: C.RunConfig, s: Shapes) -> _Sizes:
         # exp_avg + exp_avg_sq: shaped and typed like the sharded parameter, or torchao's low-bit blocks
         adam_b=optim_states.states_bytes(cfg, s.all_params(), shard, shard_numels),
         adam_tag=optim_states.state_tag(_optim_name(cfg), "bf16" if m == 2 else "fp32", cfg.split_masters),
-        layer_shard=sum(_shard_numel(sh, shard) for sh in s.layer_params()),
-        root_shard=sum(_shard_numel(sh, shard) for sh in s.root_params()),
+        layer_shard=sum(shard_numel(sh, shard) for sh in s.layer_params()),
+        root_shard=sum(shard_numel(sh, shard) for sh in s.root_params()),
         layer_full=layer_full, root_full=c * s.root,
         head_grad=0 if s.tied else c * s.vocab * s.hidden,    # the head's unsharded gradient, from the loss on
         sharded=sharded, bwd_n=bwd_n, held=held, last_fwd=last_fwd, accum=accum, kahan=kahan,

@@ -1,5 +1,5 @@
 """The node's host RAM at its peak: one rank's largest moment (training, the save, tokenizing) times
-the local ranks, plus the launcher, the front end and torch.compile's workers (_host); the line that
+the local ranks, plus the launcher, the front end and torch.compile's workers (host_peak); the line that
 names the moment (estimator.host_peak_line)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from shardconsole.plan.constants import (COMPILE_SIDECAR_BYTES, COMPILE_THREADS_
                                          FRONTEND_RSS, LAUNCHER_RSS)
 from shardconsole.plan.loading import Loading
 from shardconsole.plan.machine import Hardware
-from shardconsole.plan.rank import _Rank
+from shardconsole.plan.rank import RankMemory
 from shardconsole.plan.saves import Saves
 
 
@@ -30,7 +30,7 @@ def compile_workers_bytes(cfg: C.RunConfig, hw: Hardware) -> int:
 
 
 @dataclass
-class _Host:
+class HostPeak:
     """The node at its peak: one rank's largest moment times the local ranks, and the rest."""
     phases: dict[str, int]             # the largest rank's bytes at each moment (rank 0's)
     node: dict[str, int]               # the node's ranks' bytes at each moment
@@ -42,7 +42,7 @@ class _Host:
     per_node: int
 
 
-def _host(cfg: C.RunConfig, r: _Rank, sv: Saves, hw: Hardware, ld: Loading | None = None) -> _Host:
+def host_peak(cfg: C.RunConfig, r: RankMemory, sv: Saves, hw: Hardware, ld: Loading | None = None) -> HostPeak:
     """One rank's largest moment (the save's among them: plan/saves.py; loading a model folder's weights:
     plan/loading.py, where rank 0 may hold more than the others); the node holds every local rank, the
     launcher, the front end and, with train.compile, inductor's compile workers."""
@@ -85,5 +85,5 @@ def _host(cfg: C.RunConfig, r: _Rank, sv: Saves, hw: Hardware, ld: Loading | Non
     compile_b = compile_workers_bytes(cfg, hw)
     if compile_b:
         host_parts[f"torch.compile workers ({compile_threads(hw)} + 1 a rank)"] = compile_b * per_node
-    return _Host(hphases, node, hmoment, hphases[hmoment], host_parts, sum(host_parts.values()),
+    return HostPeak(hphases, node, hmoment, hphases[hmoment], host_parts, sum(host_parts.values()),
                  sv.host_add_rank_bytes * per_node, per_node)

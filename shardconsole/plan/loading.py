@@ -35,7 +35,7 @@ from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelSpec
 from shardconsole.plan.constants import DS_BUILD_BASE_RSS, DTYPE_BYTES, RANK_BASE_RSS, RANK_BASE_RSS_CPU
 from shardconsole.plan.lora import frozen_bytes
-from shardconsole.plan.shapes import Shapes, _numel, _shard_numel
+from shardconsole.plan.shapes import Shapes, shape_numel, shard_numel
 
 # safetensors' dtype names and their bytes (safetensors' Dtype enum)
 _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
@@ -81,7 +81,7 @@ def folder_weights(folder: str) -> FolderWeights | None:
         for f in files:
             for name, t in _safetensors_header(f).items():
                 if name != "__metadata__":
-                    numel[t["dtype"]] = numel.get(t["dtype"], 0) + _numel(tuple(t["shape"]))
+                    numel[t["dtype"]] = numel.get(t["dtype"], 0) + shape_numel(tuple(t["shape"]))
         return FolderWeights(sum(f.stat().st_size for f in files), numel)
     except (OSError, ValueError, KeyError, TypeError, struct.error):
         return None
@@ -124,7 +124,7 @@ def loading(cfg: C.RunConfig, spec: ModelSpec, s: Shapes) -> Loading | None:
     cpu = p.device == "cpu"
     base = RANK_BASE_RSS_CPU if cpu else (RANK_BASE_RSS["fsdp"] if p.backend == "fsdp" else DS_BUILD_BASE_RSS)
     each = {"process (python, torch, CUDA)" if not cpu else "process (python, torch)": base}
-    largest = max(_numel(sh) for sh in s.all_params())
+    largest = max(shape_numel(sh) for sh in s.all_params())
     if cfg.train.method == "qlora":
         each["bf16 copy of the folder (from_pretrained, whole)"] = w.converted_bytes(2, s.n_params)
         return Loading("every rank", "bf16", each, {}, w.file_bytes,
@@ -166,7 +166,7 @@ def _fsdp_loading(cfg: C.RunConfig, s: Shapes, w: FolderWeights, each: dict[str,
         else:
             m = cfg.kept_bytes
             each[f"parameters ({'bf16' if m == 2 else 'fp32'} shards, host)"] = \
-                m * sum(_shard_numel(sh, shard) for sh in s.all_params())
+                m * sum(shard_numel(sh, shard) for sh in s.all_params())
     rank0 = {"fp32 copy of the folder (from_pretrained, rank 0 only)": copy}
     others: dict[str, int] = {}
     if f.cpu_offload and p.device != "cpu":

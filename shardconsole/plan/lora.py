@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from shardconsole.plan.activation_memory import activations, offloaded_host
 from shardconsole.plan.constants import CUBLAS_WORKSPACE_BYTES, DTYPE_BYTES, RANK_BASE_RSS, RANK_BASE_RSS_CPU
-from shardconsole.plan.rank import _Rank
+from shardconsole.plan.rank import RankMemory
 from shardconsole.plan.shapes import Shapes
 from shardconsole.settings import config as C
 
@@ -154,7 +154,7 @@ def adapter_activations(cfg: C.RunConfig, s: Shapes) -> tuple[int, int]:
     return extra, transient
 
 
-def lora_rank(cfg: C.RunConfig, s: Shapes) -> _Rank:
+def lora_rank(cfg: C.RunConfig, s: Shapes) -> RankMemory:
     p, f, d = cfg.parallel, cfg.fsdp, cfg.deepspeed
     world = p.nproc_per_node * p.nnodes
     c = DTYPE_BYTES[cfg.precision.dtype]
@@ -206,8 +206,8 @@ def lora_rank(cfg: C.RunConfig, s: Shapes) -> _Rank:
         moment = max(gpu, key=lambda k: sum(gpu[k].values()))
         ram = {"process (python, torch)": RANK_BASE_RSS_CPU,
                **{k: v for k, v in gpu[moment].items() if v and k != "cuBLAS workspaces"}}
-        return _Rank({}, {"training": ram}, notes + ["CPU ranks: the training memory is host memory"])
-    return _Rank(gpu, {"training": host}, notes, side=side)
+        return RankMemory({}, {"training": ram}, notes + ["CPU ranks: the training memory is host memory"])
+    return RankMemory(gpu, {"training": host}, notes, side=side)
 
 
 def checkpoint_sizes(cfg: C.RunConfig, s: Shapes) -> tuple[int, int, int]:

@@ -1,5 +1,6 @@
-"""_Rank: one rank's memory at each moment of a step, GPU and host, part by part. Built by
-fsdp_rank._fsdp and deepspeed_rank._deepspeed (and estimator._cpu_ranks for CPU ranks); read by
+"""RankMemory: one rank's memory at each moment of a step, GPU and host, part by part. Built by
+fsdp_rank.fsdp_rank_memory and deepspeed_rank.deepspeed_rank_memory (and estimator._cpu_ranks for CPU
+ranks); read by
 estimator.estimate."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 # One rank's memory over the moments of a step
 
 @dataclass
-class _Rank:
+class RankMemory:
     gpu: dict[str, dict[str, int]]          # moment -> part -> compute-stream allocated bytes
     host: dict[str, dict[str, int]]         # moment -> part -> bytes of one rank's RSS
     notes: list[str] = field(default_factory=list)

@@ -34,7 +34,7 @@ from shardconsole.plan.constants import (DCP_METADATA_ITEM_BYTES, DCP_TENSOR_REC
                                          EXPORT_FIXED_BYTES, RANK_STATE_BYTES, SAVE_FIXED_BYTES,
                                          SAFETENSORS_TENSOR_BYTES, GiB)
 from shardconsole.plan import optim_states
-from shardconsole.plan.shapes import Shapes, _numel, _shard_numel
+from shardconsole.plan.shapes import Shapes, shape_numel, shard_numel
 
 
 def save_final_of(cfg: C.RunConfig) -> str:
@@ -136,7 +136,7 @@ def _fsdp_sizes(cfg: C.RunConfig, s: Shapes) -> tuple[int, int, int]:
     model = m * P + model_records * (DCP_TENSOR_RECORD_BYTES + DCP_METADATA_ITEM_BYTES)
     optim = state_bytes + 4 * n_t + 8 + opt_records * (DCP_TENSOR_RECORD_BYTES + DCP_METADATA_ITEM_BYTES)
     fixed = world * RANK_STATE_BYTES + 4096
-    largest = m * max(_numel(sh) for sh in s.all_params())
+    largest = m * max(shape_numel(sh) for sh in s.all_params())
     return model + optim + fixed, model + fixed, largest
 
 
@@ -195,7 +195,7 @@ def host_save_add(cfg: C.RunConfig, s: Shapes) -> tuple[int, int]:
     world = p.nproc_per_node * p.nnodes
     c = DTYPE_BYTES[cfg.precision.dtype]
     m = 2 if cfg.precision.master_dtype == "bf16" else 4
-    largest = max(_numel(sh) for sh in s.all_params())
+    largest = max(shape_numel(sh) for sh in s.all_params())
     export = (m + (DTYPE_BYTES[export_dtype_of(cfg)] if export_dtype_of(cfg) != ("bf16" if m == 2 else "fp32")
                    else 0)) * largest + SAVE_FIXED_BYTES
     if getattr(cfg, "adapters", False):
@@ -214,12 +214,12 @@ def host_save_add(cfg: C.RunConfig, s: Shapes) -> tuple[int, int]:
         flat = max(_ds_flat_groups(s, world)) if d.stage == 3 else part
         return m * flat + SAVE_FIXED_BYTES, export
     shard = {"no_shard": 1, "hybrid_shard": p.nproc_per_node}.get(cfg.fsdp.sharding, world)
-    return m * max(_shard_numel(sh, shard) for sh in s.all_params()) + SAVE_FIXED_BYTES, export
+    return m * max(shard_numel(sh, shard) for sh in s.all_params()) + SAVE_FIXED_BYTES, export
 
 
 def _ds_flat_groups(s: Shapes, world: int) -> list[int]:
-    from shardconsole.plan.deepspeed_rank import _ds_sub_groups
-    return _ds_sub_groups(s, world)
+    from shardconsole.plan.deepspeed_rank import ds_sub_groups
+    return ds_sub_groups(s, world)
 
 
 def saves(cfg: C.RunConfig, s: Shapes, spec_path: str | Path | None = None, *, start_step: int = 0,

@@ -23,7 +23,7 @@ from typing import Any
 from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelSpec
 from shardconsole.plan.estimator import Estimate, estimate, replace_cfg
-from shardconsole.plan.fit import EXTRA_STRATEGIES, STRATEGIES, _toml
+from shardconsole.plan.fit import EXTRA_STRATEGIES, STRATEGIES, toml_value
 from shardconsole.plan.machine import Hardware
 from shardconsole.plan.speed.book import Prediction, SpeedBook, signature
 
@@ -59,10 +59,10 @@ class Option:
 
     @property
     def overrides(self) -> list[str]:
-        return [f"{t}.{k}={_toml(v)}" for t, k, v in self.changes]
+        return [f"{t}.{k}={toml_value(v)}" for t, k, v in self.changes]
 
 
-def _strategy_of(cfg: C.RunConfig) -> str:
+def strategy_of(cfg: C.RunConfig) -> str:
     if cfg.parallel.backend == "fsdp":
         return "full_shard+offload" if cfg.fsdp.cpu_offload else cfg.fsdp.sharding
     d = cfg.deepspeed
@@ -77,7 +77,7 @@ def _strategy_of(cfg: C.RunConfig) -> str:
 def describe(cfg: C.RunConfig, base: C.RunConfig | None = None) -> str:
     m = cfg.memory
     ckpt = f"{m.checkpoint_policy} checkpointing" if m.activation_checkpointing else "no checkpointing"
-    parts = [_strategy_of(cfg), ckpt, f"micro_batch {cfg.train.micro_batch} x {cfg.train.grad_accum}"]
+    parts = [strategy_of(cfg), ckpt, f"micro_batch {cfg.train.micro_batch} x {cfg.train.grad_accum}"]
     if cfg.train.compile:
         parts.append("compiled")
     if cfg.optim.step_in_backward:

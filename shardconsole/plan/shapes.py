@@ -114,11 +114,11 @@ class Shapes:
         return self.layer_params() * self.layers + self.root_params()
 
 
-def _numel(shape: tuple[int, ...]) -> int:
+def shape_numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
 
 
-def _shard_numel(shape: tuple[int, ...], world: int) -> int:
+def shard_numel(shape: tuple[int, ...], world: int) -> int:
     """FSDP2 shards dim 0 and pads it to a multiple of the world size (_fsdp_param.py)."""
     rows = -(-shape[0] // world)
     return rows * math.prod(shape[1:])

@@ -27,13 +27,13 @@ import tomli_w
 
 
 from shardconsole.settings.rules import validate  # noqa: F401  (config.validate, as before)
-from shardconsole.settings.values import (ConfigError, _coerce, _parse_override_value,  # noqa: F401
+from shardconsole.settings.values import (ConfigError, coerce, parse_override_value,  # noqa: F401
                                         familiar_name, format_size, fp8_emulated, names_key, override_source,
                                         parse_size)
 from shardconsole.settings.tables import (TABLES, TOP_LEVEL_KEYS, DataSettings, DeepspeedSettings,  # noqa: F401
                                         FsdpSettings, GrpoSettings, LoraSettings, MemorySettings, ModelSettings, ParallelSettings,
                                         PrecisionSettings, PreferenceSettings, RunConfig,
-                                        TrainSettings, _f)
+                                        TrainSettings, setting)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -58,7 +58,7 @@ def _familiar(key: str, table: str | None = None) -> str:
     return f" (did you mean {means}?)" if means and means != f"{table}.{key}" else ""
 
 
-def _apply(cfg: RunConfig, data: dict[str, Any], source: str) -> None:
+def apply_toml(cfg: RunConfig, data: dict[str, Any], source: str) -> None:
     """Merge a parsed TOML document into cfg in place. `source` names the file for errors."""
     for key, value in data.items():
         if key in TOP_LEVEL_KEYS:
@@ -98,7 +98,7 @@ def _set(cfg: RunConfig, table: str, key: str, value: Any, source: str, *, from_
                           source=source, table=table, key=key)
     tp = hints[key]
     if from_text:
-        value = _parse_override_value(tp, value)
+        value = parse_override_value(tp, value)
     meta = next(f.metadata for f in fields(section) if f.name == key)
     if meta.get("list") and isinstance(value, list):      # a TOML list of a comma-separated setting
         value = ",".join(str(v) for v in value)
@@ -106,7 +106,7 @@ def _set(cfg: RunConfig, table: str, key: str, value: Any, source: str, *, from_
     if isinstance(value, (bool, str)) and str(value).lower() in aliases:
         value = aliases[str(value).lower()]     # an older spelling kept working, with no warning
     try:
-        value = _coerce(tp, value)
+        value = coerce(tp, value)
         if value is not None and not isinstance(value, (bool, str)):
             lo, hi = meta.get("min"), meta.get("max")
             if lo is not None and value < lo:
@@ -169,7 +169,7 @@ def build(preset: dict[str, Any] | None = None, source: str = "preset",
     """Defaults < preset < overrides, then the checks that span several keys."""
     cfg = RunConfig()
     if preset:
-        _apply(cfg, preset, source)
+        apply_toml(cfg, preset, source)
     apply_overrides(cfg, overrides or [])
     origins = {f"{t}.{k}": override_source("--set", t, k) for t, k, _ in map(parse_override, overrides or [])}
     validate(cfg, source, gpu_count=gpu_count, origins=origins)

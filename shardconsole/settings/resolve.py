@@ -112,7 +112,7 @@ def resolve_doc(doc: dict[str, Any] | None, name: str, path: Path | str | None,
     path = Path(path) if path is not None else None
     out = Resolved(C.RunConfig(), name, path)
     if doc:
-        C._apply(out.cfg, doc, out.source)
+        C.apply_toml(out.cfg, doc, out.source)
     for o in given:
         try:
             C.set_from_text(out.cfg, o.table, o.key, o.text, o.source)

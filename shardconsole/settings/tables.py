@@ -1,6 +1,6 @@
 """The settings tables: one dataclass per TOML table, and RunConfig, which holds one of each.
 
-Defaults, allowed values and help live on each field (`_f`): the console's forms, `shardconsole
+Defaults, allowed values and help live on each field (`setting`): the console's forms, `shardconsole
 settings`, the checks in config.py and the errors all read them from here. Loading, saving and the
 checks of values are config.py's; the cross-key rules config_rules.py's. Imports neither torch nor
 textual: the front end and the ranks share it.
@@ -11,111 +11,111 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from shardconsole.settings.field_meta import _f
+from shardconsole.settings.field_meta import setting
 from shardconsole.settings.finetune_tables import GrpoSettings, LoraSettings, PreferenceSettings  # noqa: F401 (config's)
 from shardconsole.settings.values import parse_size
 
 # ---------------------------------------------------------------------------------------------------
-# The tables; each field's metadata (`_f`) is described in field_meta.py. [lora] and [preference] are in
+# The tables; each field's metadata (`setting`) is described in field_meta.py. [lora] and [preference] are in
 # finetune_tables.py.
 
 @dataclass
 class ModelSettings:
-    name: str = _f("tiny", "catalog size (tiny, 125m, 1b, 3b, 7b, 13b) or a local Hugging Face model directory")
-    attn_implementation: Literal["sdpa", "eager"] = _f("sdpa", "attention kernel used by transformers")
+    name: str = setting("tiny", "catalog size (tiny, 125m, 1b, 3b, 7b, 13b) or a local Hugging Face model directory")
+    attn_implementation: Literal["sdpa", "eager"] = setting("sdpa", "attention kernel used by transformers")
 
 
 @dataclass
 class DataSettings:
-    source: Literal["auto", "synthetic", "text", "tokens"] = _f(
+    source: Literal["auto", "synthetic", "text", "tokens"] = setting(
         "auto", "auto: synthetic tokens without a path, the file's records with one; "
         "tokens: a pre-tokenized token file (text: the file's records, as auto)")
-    path: str = _f("", "a local .jsonl/.json/.parquet/.csv/.txt file or a save_to_disk folder "
+    path: str = setting("", "a local .jsonl/.json/.parquet/.csv/.txt file or a save_to_disk folder "
                    "(text, chat messages, prompt/completion or alpaca records), or a token file; several, "
                    "comma-separated or a TOML list, are mixed by data.weights", list=True)
-    weights: str = _f("", "one weight per source of data.path, comma-separated or a TOML list (e.g. 3,1: "
+    weights: str = setting("", "one weight per source of data.path, comma-separated or a TOML list (e.g. 3,1: "
                           "three rows of the first to one of the second); empty: equal shares", list=True)
-    seq_len: int = _f(256, "tokens per sample", min=8, max=1_048_576)
-    token_dtype: Literal["uint16", "uint32"] = _f("uint16", "element type of a token file")
-    text_key: str = _f("text", "field holding the text of a plain-text record")
-    cross_document_attention: bool = _f(
+    seq_len: int = setting(256, "tokens per sample", min=8, max=1_048_576)
+    token_dtype: Literal["uint16", "uint32"] = setting("uint16", "element type of a token file")
+    text_key: str = setting("text", "field holding the text of a plain-text record")
+    cross_document_attention: bool = setting(
         False, "let packed documents attend to the ones before them in a sample (false: positions "
         "restart and attention is block-diagonal per document)")
-    eval_fraction: float = _f(0.0, "share of the records held out for the eval loss (by train.seed)",
+    eval_fraction: float = setting(0.0, "share of the records held out for the eval loss (by train.seed)",
                               min=0.0, max=0.5)
-    eval_path: str = _f("", "a separate file or folder of eval records (instead of eval_fraction)")
-    text_split: Literal["blank_line", "line", "file"] = _f(
+    eval_path: str = setting("", "a separate file or folder of eval records (instead of eval_fraction)")
+    text_split: Literal["blank_line", "line", "file"] = setting(
         "blank_line", "how a .txt file becomes records: blank_line (blocks between blank lines), line (one "
         "per line) or file (the whole file, one record)")
-    tokenizer: str = _f("", "empty: the model folder's tokenizer (a folder without one is refused); "
+    tokenizer: str = setting("", "empty: the model folder's tokenizer (a folder without one is refused); "
                             "\"bytes\": UTF-8 bytes; or a folder holding tokenizer files")
-    allow_changed: bool = _f(False, "resume even though the data changed since the checkpoint (from the "
+    allow_changed: bool = setting(False, "resume even though the data changed since the checkpoint (from the "
                                     "start of an epoch of the new data)")
 
 
 @dataclass
 class TrainSettings:
-    steps: int = _f(20, "optimizer steps to run", min=1)
-    micro_batch: int = _f(1, "samples per rank per forward pass", min=1)
-    grad_accum: int = _f(1, "micro-batches per optimizer step", min=1)
-    lr: float = _f(3e-4, "peak learning rate", min=0.0)
-    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine schedule)", min=0.0, max=1.0)
-    warmup_steps: int = _f(0, "linear warm-up steps", min=0)
-    schedule: Literal["cosine", "constant"] = _f("cosine", "learning-rate schedule after warm-up")
+    steps: int = setting(20, "optimizer steps to run", min=1)
+    micro_batch: int = setting(1, "samples per rank per forward pass", min=1)
+    grad_accum: int = setting(1, "micro-batches per optimizer step", min=1)
+    lr: float = setting(3e-4, "peak learning rate", min=0.0)
+    min_lr_ratio: float = setting(0.1, "final learning rate as a fraction of lr (cosine schedule)", min=0.0, max=1.0)
+    warmup_steps: int = setting(0, "linear warm-up steps", min=0)
+    schedule: Literal["cosine", "constant"] = setting("cosine", "learning-rate schedule after warm-up")
     # A resume that adds steps keeps the schedule the run had: `resume` sets this to the steps it spanned,
     # and past it the lr stays where the schedule ended (session/resume.py), so it never jumps back up.
-    schedule_steps: int = _f(0, "steps the cosine schedule spans (0: train.steps); past them the lr stays at "
+    schedule_steps: int = setting(0, "steps the cosine schedule spans (0: train.steps); past them the lr stays at "
                              "its final value (resume sets it when it adds steps)", min=0)
-    weight_decay: float = _f(0.0, "AdamW weight decay", min=0.0)
-    beta1: float = _f(0.9, "AdamW beta1", min=0.0, max=1.0)
-    beta2: float = _f(0.95, "AdamW beta2", min=0.0, max=1.0)
-    clip_grad_norm: float = _f(1.0, "gradient clipping by global norm (0 turns it off)", min=0.0)
-    seed: int = _f(1234, "random seed", min=0)
-    log_every: int = _f(1, "steps between step lines (each is a host-device sync)", min=1)
-    eval_every: int = _f(0, "steps between eval losses (0: only after the last step, when there is eval data)",
+    weight_decay: float = setting(0.0, "AdamW weight decay", min=0.0)
+    beta1: float = setting(0.9, "AdamW beta1", min=0.0, max=1.0)
+    beta2: float = setting(0.95, "AdamW beta2", min=0.0, max=1.0)
+    clip_grad_norm: float = setting(1.0, "gradient clipping by global norm (0 turns it off)", min=0.0)
+    seed: int = setting(1234, "random seed", min=0)
+    log_every: int = setting(1, "steps between step lines (each is a host-device sync)", min=1)
+    eval_every: int = setting(0, "steps between eval losses (0: only after the last step, when there is eval data)",
                          min=0)
-    checkpoint_every: int = _f(0, "steps between checkpoints (0: only at the end, if save_final)", min=0)
+    checkpoint_every: int = setting(0, "steps between checkpoints (0: only at the end, if save_final)", min=0)
     # "model" keeps the weights alone (what export-model reads, a quarter of a full checkpoint with fp32
     # masters and Adam): the choice where a full checkpoint does not fit the disk. true/false in older
     # presets and --set mean full/none ("aliases").
-    save_final: Literal["full", "model", "none"] = _f(
+    save_final: Literal["full", "model", "none"] = setting(
         "full", "after the last step, write a checkpoint: full (resumable: weights, optimizer, data position, "
         "RNG), model (weights only, for export-model) or none", aliases={"true": "full", "false": "none"})
-    keep_checkpoints: int = _f(0, "complete checkpoints kept, the oldest removed after a new one (0: all)", min=0)
-    save_on_stop: bool = _f(True, "a stop (Ctrl-C, console, SIGTERM) saves at the next step boundary first")
-    stop_save_timeout_s: float = _f(300.0, "seconds a save on stop may take before the ranks end without it",
+    keep_checkpoints: int = setting(0, "complete checkpoints kept, the oldest removed after a new one (0: all)", min=0)
+    save_on_stop: bool = setting(True, "a stop (Ctrl-C, console, SIGTERM) saves at the next step boundary first")
+    stop_save_timeout_s: float = setting(300.0, "seconds a save on stop may take before the ranks end without it",
                                     min=1.0)
-    checkpoint_dir: str = _f("", "where checkpoints go (empty: <run dir>/checkpoints)")
+    checkpoint_dir: str = setting("", "where checkpoints go (empty: <run dir>/checkpoints)")
     # A checkpoint or an export is the trained model: by default no other local user may read it, whatever
     # the umask (0644 on most systems). false leaves the modes to the umask, for a group that shares models.
-    checkpoint_private: bool = _f(True, "checkpoints, train.export_dir and export-model's folders readable by "
+    checkpoint_private: bool = setting(True, "checkpoints, train.export_dir and export-model's folders readable by "
                                         "their owner alone (0700 folders, 0600 files); false: the umask decides")
-    export_dir: str = _f("", "write the trained model as a Hugging Face folder here after the last step "
+    export_dir: str = setting("", "write the trained model as a Hugging Face folder here after the last step "
                          "(empty: no export); no checkpoint is needed for it")
-    export_adapter: bool = _f(False, "a LoRA run's train.export_dir holds peft's adapter folder instead of the "
+    export_adapter: bool = setting(False, "a LoRA run's train.export_dir holds peft's adapter folder instead of the "
                               "merged model")
-    export_dtype: Literal["bf16", "fp32"] | None = _f(
+    export_dtype: Literal["bf16", "fp32"] | None = setting(
         None, "dtype of train.export_dir's weights (default: the master weights' own dtype, as export-model)")
     # GGUF (issue 66): llama.cpp / Ollama / LM Studio read the trained model without a conversion of their own.
-    export_gguf: Literal["f16", "bf16", "q8_0"] | None = _f(
+    export_gguf: Literal["f16", "bf16", "q8_0"] | None = setting(
         None, "also write train.export_dir's model as model-TYPE.gguf with an Ollama Modelfile beside it "
               "(f16, bf16 or q8_0; unset: no GGUF)")
-    resume: bool = _f(False, "continue from the newest complete checkpoint in checkpoint_dir")
-    compile: bool = _f(False, "torch.compile each decoder layer (GPU; first steps are slower; after the first "
+    resume: bool = setting(False, "continue from the newest complete checkpoint in checkpoint_dir")
+    compile: bool = setting(False, "torch.compile each decoder layer (GPU; first steps are slower; after the first "
                               "the log says what compiled, and warns if a layer fell back to eager)")
-    peak_tflops: float = _f(0.0, "peak bf16 TFLOP/s of one GPU for MFU (0: from the GPU table)", min=0.0)
+    peak_tflops: float = setting(0.0, "peak bf16 TFLOP/s of one GPU for MFU (0: from the GPU table)", min=0.0)
     # LoRA / QLoRA (issue 33): the base is frozen and only the [lora] adapters (and lora.modules_to_save)
     # train, so gradients and Adam's state are those of a few million parameters, not billions.
-    method: Literal["full", "lora", "qlora"] = _f(
+    method: Literal["full", "lora", "qlora"] = setting(
         "full", "what trains: every weight (full), LoRA adapters on a frozen base (lora), or LoRA on a "
         "4-bit NF4 base through bitsandbytes (qlora, CUDA only); settings in [lora]")
-    hang_timeout_s: float = _f(
+    hang_timeout_s: float = setting(
         0.0, "seconds without a step line before the run counts as hung (0: 20x the step time, at least 120 s)",
         min=0.0)
     # Preference training (issue 47; backends/objective/preference.py): a sample is a pair, a chosen row and
     # a rejected row (train.micro_batch counts pairs), settings in [preference].
     # GRPO (issue 61; backends/objective/grpo.py): a sample is a prompt, completed [grpo] generations times.
-    objective: Literal["sft", "dpo", "orpo", "simpo", "kto", "grpo"] = _f(
+    objective: Literal["sft", "dpo", "orpo", "simpo", "kto", "grpo"] = setting(
         "sft", "what the loss is: next-token prediction (sft), DPO on chosen/rejected pairs against the starting "
         "model (dpo), ORPO's odds-ratio loss without a reference (orpo), SimPO's length-normalised margin without "
         "a reference (simpo), or KTO on unpaired prompt/completion/label records (kto), settings in [preference]; "
@@ -124,43 +124,43 @@ class TrainSettings:
 
 @dataclass
 class ParallelSettings:
-    backend: Literal["fsdp", "deepspeed"] = _f("fsdp", "training engine: PyTorch FSDP2 or DeepSpeed ZeRO")
-    device: Literal["auto", "cuda", "cpu"] = _f("auto", "where ranks compute (auto: cuda if present)")
-    nproc_per_node: int = _f(1, "ranks per node (GPUs per node on a GPU box)", min=1, max=1024)
-    nnodes: int = _f(1, "number of nodes", min=1, max=100_000)
-    node_rank: int = _f(-1, "this node's rank for static rendezvous (-1: let c10d assign it)", min=-1)
-    rdzv_endpoint: str = _f("", "host:port of the rendezvous (required when nnodes > 1)")
-    rdzv_id: str = _f("", "rendezvous id shared by all nodes (empty: the run id)")
-    master_port: int = _f(0, "port for single-node runs (0: pick a free one)", min=0, max=65535)
-    launcher: Literal["torchrun", "deepspeed"] = _f("torchrun", "program that starts the ranks")
-    timeout_s: int = _f(600, "collective timeout in seconds", min=10)
+    backend: Literal["fsdp", "deepspeed"] = setting("fsdp", "training engine: PyTorch FSDP2 or DeepSpeed ZeRO")
+    device: Literal["auto", "cuda", "cpu"] = setting("auto", "where ranks compute (auto: cuda if present)")
+    nproc_per_node: int = setting(1, "ranks per node (GPUs per node on a GPU box)", min=1, max=1024)
+    nnodes: int = setting(1, "number of nodes", min=1, max=100_000)
+    node_rank: int = setting(-1, "this node's rank for static rendezvous (-1: let c10d assign it)", min=-1)
+    rdzv_endpoint: str = setting("", "host:port of the rendezvous (required when nnodes > 1)")
+    rdzv_id: str = setting("", "rendezvous id shared by all nodes (empty: the run id)")
+    master_port: int = setting(0, "port for single-node runs (0: pick a free one)", min=0, max=65535)
+    launcher: Literal["torchrun", "deepspeed"] = setting("torchrun", "program that starts the ranks")
+    timeout_s: int = setting(600, "collective timeout in seconds", min=10)
     # torchrun's c10d rendezvous (torch/distributed/elastic/rendezvous), as --rdzv-conf: read_timeout is
     # the TCPStore's timeout, so how long a node's agent keeps trying to reach the store node 0's agent
     # hosts (torch's default 60 s: a node started a minute before node 0 gave up) and the bound on each
     # store call; join_timeout bounds the wait, once the store answers, until every node has joined.
-    rdzv_connect_timeout_s: int = _f(
+    rdzv_connect_timeout_s: int = setting(
         60, "multi-node torchrun (and --slurm): seconds a node keeps trying to reach the rendezvous host (node "
         "0's agent) before it gives up, and the bound on each rendezvous store call (torch's read_timeout)",
         min=1, max=86_400)
-    rdzv_join_timeout_s: int = _f(
+    rdzv_join_timeout_s: int = setting(
         600, "multi-node torchrun (and --slurm): seconds the nodes have, once the rendezvous host answers, "
         "until all nnodes have joined (torch's join_timeout)", min=1, max=604_800)
     # Recorded in the run folder's preset.toml, which every rank and reader validates again: a Slurm
     # run's node 0 is named by the job (its first node), not by rdzv_endpoint.
-    rendezvous: Literal["endpoint", "slurm"] = _f(
+    rendezvous: Literal["endpoint", "slurm"] = setting(
         "endpoint", "who names node 0: endpoint (rdzv_endpoint; this machine for one node) or slurm (the "
         "job's first node; --slurm sets it)")
 
 
 @dataclass
 class PrecisionSettings:
-    dtype: Literal["bf16", "fp16", "fp32"] = _f("bf16", "compute dtype of parameters in forward/backward")
-    reduce_dtype: Literal["fp32", "bf16", "fp16"] | None = _f(
+    dtype: Literal["bf16", "fp16", "fp32"] = setting("bf16", "compute dtype of parameters in forward/backward")
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] | None = setting(
         None, "dtype of gradient reduction (default: fp32 for FSDP, the compute dtype for DeepSpeed)")
     # bf16 masters: 2 bytes of weights + 2 of gradients + 4 of Adam moments = 8 bytes a parameter
     # instead of 16, the difference between 7B and 13B on a 125 GiB host with everything offloaded.
     # The price: an update smaller than half a bf16 step of the weight (about 0.4% of it) is lost.
-    master_dtype: Literal["fp32", "bf16"] = _f(
+    master_dtype: Literal["fp32", "bf16"] = setting(
         "fp32", "dtype of the kept weights, their gradients and Adam's moments (bf16: 8 bytes a parameter "
         "instead of 16; updates below bf16's resolution are lost)")
     # How an fp32 update lands in bf16 masters (backends/optim/master_update.py). stochastic: rounded up or down
@@ -170,7 +170,7 @@ class PrecisionSettings:
     # fp32-master quality (+0.87% and -0.07% final loss against +6.0%) but their host step is
     # compute-bound, 4.5x torch's fused bf16 AdamW on the CI machine (13B stochastic offloaded: 1,626
     # tokens/s on the H200 under 24 GiB). Opt-in where quality matters more than step time.
-    master_rounding: Literal["stochastic", "kahan", "nearest"] = _f(
+    master_rounding: Literal["stochastic", "kahan", "nearest"] = setting(
         "nearest", "master_dtype = bf16: how updates are rounded into the bf16 weights (nearest: torch's "
         "fused AdamW, small updates are lost; stochastic: unbiased, same 8 bytes a parameter; kahan: +2 bytes "
         "a parameter for a compensation buffer; both within 1% of fp32 masters' loss, slower host step)")
@@ -178,17 +178,18 @@ class PrecisionSettings:
     # cards that have FP8 tensor cores (SM 8.9+: RTX 4090/5090, L40S, H100/H200), twice bf16's rate there;
     # the head and embeddings stay bf16. tensorwise: one scale a tensor (fastest: 1.43x on 7B layers,
     # benchmarks/results/issue48); rowwise: a scale a row (more accurate with outliers, 1.17x).
-    fp8: Literal["none", "tensorwise", "rowwise"] = _f(
+    fp8: Literal["none", "tensorwise", "rowwise"] = setting(
         "none", "FP8 matrix multiplies in the decoder layers' linears (torchao float8 training; full "
         "fine-tuning in bf16 on a GPU of compute capability 8.9 or newer, either engine): tensorwise (fastest) or "
         "rowwise (a scale per row: closer to bf16 when activations have outliers)")
     # fp16 dynamic loss scaling, with DeepSpeed's names and meanings. None = not set (default applies);
     # setting any of them with a dtype other than fp16 is an error.
-    initial_scale_power: int | None = _f(None, "fp16: start the loss scale at 2**this (default 16)", min=0, max=64)
-    loss_scale_window: int | None = _f(None, "fp16: overflow-free steps before the scale doubles (default 1000)", min=1)
-    hysteresis: int | None = _f(None, "fp16: overflows tolerated before the scale is cut (default 2)", min=1)
-    min_loss_scale: float | None = _f(None, "fp16: the scale never drops below this (default 1)", min=0.0)
-    loss_scale: float | None = _f(None, "fp16: a static loss scale instead of a dynamic one", min=0.0)
+    initial_scale_power: int | None = setting(None, "fp16: start the loss scale at 2**this (default 16)", min=0, max=64)
+    loss_scale_window: int | None = setting(None, "fp16: overflow-free steps before the scale doubles (default 1000)",
+                                            min=1)
+    hysteresis: int | None = setting(None, "fp16: overflows tolerated before the scale is cut (default 2)", min=1)
+    min_loss_scale: float | None = setting(None, "fp16: the scale never drops below this (default 1)", min=0.0)
+    loss_scale: float | None = setting(None, "fp16: a static loss scale instead of a dynamic one", min=0.0)
 
     FP16_KEYS = ("initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale", "loss_scale")
 
@@ -202,28 +203,28 @@ class PrecisionSettings:
 
 @dataclass
 class FsdpSettings:
-    sharding: Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"] = _f(
+    sharding: Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"] = setting(
         "full_shard", "what is sharded: params+grads+optimizer, grads+optimizer, nothing, or full within a node")
-    cpu_offload: bool = _f(False, "keep parameters, gradients and optimizer states on the CPU")
-    reshard_after_forward: bool | None = _f(
+    cpu_offload: bool = setting(False, "keep parameters, gradients and optimizer states on the CPU")
+    reshard_after_forward: bool | None = setting(
         None, "free gathered parameters after forward (default: true except for shard_grad_op)")
-    forward_prefetch: int = _f(1, "decoder layers whose all-gather is issued ahead in forward", min=0, max=8)
-    backward_prefetch: int = _f(1, "decoder layers whose all-gather is issued ahead in backward", min=0, max=8)
-    pin_memory: bool = _f(True, "pin host memory of offloaded parameters (GPU only)")
+    forward_prefetch: int = setting(1, "decoder layers whose all-gather is issued ahead in forward", min=0, max=8)
+    backward_prefetch: int = setting(1, "decoder layers whose all-gather is issued ahead in backward", min=0, max=8)
+    pin_memory: bool = setting(True, "pin host memory of offloaded parameters (GPU only)")
     # backends/offload/pinned_arena.py: torch pins each tensor in a power-of-two block (28 GB of 7B fp32 shards
     # take ~40 GB pinned); one region pinned in place wastes nothing.
-    host_arena: bool = _f(
+    host_arena: bool = setting(
         True, "offload: the shards and Adam's states in one host region pinned in place (no power-of-two "
         "rounding per tensor); false: torch pins each shard itself")
-    offload_compute_copy: bool = _f(
+    offload_compute_copy: bool = setting(
         False, "offload with fp32 masters: send the GPU a bf16/fp16 host copy of the shards (half the PCIe "
         "bytes; 2 more host bytes a parameter and a cast each step)")
     # backends/offload/overlap.py: the host step of a layer under the backward of the layers before it.
-    offload_overlap: bool = _f(
+    offload_overlap: bool = setting(
         True, "offload: each layer's host optimizer step starts when its gradients reach the host, under the "
         "backward (the same update; not with train.clip_grad_norm > 0 or fp16 loss scaling, which need every "
         "gradient first: those steps run after the backward)")
-    offload_grads_in_flight: int = _f(
+    offload_grads_in_flight: int = setting(
         4, "offload with the overlapped host step: at most this many layers' gradients on the host at once "
         "(the backward waits for the host step beyond it; each layer's are a pinned block); 0: no bound",
         min=0, max=64)
@@ -231,24 +232,24 @@ class FsdpSettings:
 
 @dataclass
 class DeepspeedSettings:
-    stage: int = _f(3, "ZeRO stage: 0 none, 1 optimizer, 2 +gradients, 3 +parameters", min=0, max=3)
-    offload_optimizer: Literal["none", "cpu", "nvme"] = _f("none", "where optimizer states live")
-    offload_param: Literal["none", "cpu", "nvme"] = _f("none", "where parameters live (stage 3 only)")
-    nvme_path: str = _f("", "folder on a fast disk for nvme offload")
-    pin_memory: bool = _f(True, "pin host buffers of offloaded tensors")
-    overlap_comm: bool = _f(True, "overlap gradient reduction with backward")
-    contiguous_gradients: bool = _f(True, "copy gradients into one buffer as they are produced")
-    reduce_scatter: bool = _f(True, "reduce gradients with reduce-scatter rather than all-reduce")
-    allgather_partitions: bool = _f(True, "all-gather parameters rather than broadcast (stages 1-2)")
-    reduce_bucket_size: int = _f(500_000_000, "elements reduced at once", min=1)
-    allgather_bucket_size: int = _f(500_000_000, "elements all-gathered at once (stages 1-2)", min=1)
-    stage3_prefetch_bucket_size: int = _f(50_000_000, "elements prefetched ahead in stage 3", min=0)
-    stage3_param_persistence_threshold: int = _f(
+    stage: int = setting(3, "ZeRO stage: 0 none, 1 optimizer, 2 +gradients, 3 +parameters", min=0, max=3)
+    offload_optimizer: Literal["none", "cpu", "nvme"] = setting("none", "where optimizer states live")
+    offload_param: Literal["none", "cpu", "nvme"] = setting("none", "where parameters live (stage 3 only)")
+    nvme_path: str = setting("", "folder on a fast disk for nvme offload")
+    pin_memory: bool = setting(True, "pin host buffers of offloaded tensors")
+    overlap_comm: bool = setting(True, "overlap gradient reduction with backward")
+    contiguous_gradients: bool = setting(True, "copy gradients into one buffer as they are produced")
+    reduce_scatter: bool = setting(True, "reduce gradients with reduce-scatter rather than all-reduce")
+    allgather_partitions: bool = setting(True, "all-gather parameters rather than broadcast (stages 1-2)")
+    reduce_bucket_size: int = setting(500_000_000, "elements reduced at once", min=1)
+    allgather_bucket_size: int = setting(500_000_000, "elements all-gathered at once (stages 1-2)", min=1)
+    stage3_prefetch_bucket_size: int = setting(50_000_000, "elements prefetched ahead in stage 3", min=0)
+    stage3_param_persistence_threshold: int = setting(
         100_000, "parameters smaller than this stay gathered in stage 3", min=0)
-    stage3_max_live_parameters: int = _f(1_000_000_000, "stage 3: gathered elements kept at most", min=0)
-    stage3_max_reuse_distance: int = _f(1_000_000_000, "stage 3: keep a parameter if reused within this", min=0)
-    torch_adam: bool = _f(False, "use torch's AdamW instead of DeepSpeed's fused/CPU Adam (no op build)")
-    stage3_layer_gather: bool = _f(
+    stage3_max_live_parameters: int = setting(1_000_000_000, "stage 3: gathered elements kept at most", min=0)
+    stage3_max_reuse_distance: int = setting(1_000_000_000, "stage 3: keep a parameter if reused within this", min=0)
+    torch_adam: bool = setting(False, "use torch's AdamW instead of DeepSpeed's fused/CPU Adam (no op build)")
+    stage3_layer_gather: bool = setting(
         True, "stage 3: gather each decoder layer whole (z3 leaf modules): fewer hooks, and train.compile "
         "can compile the layers")
 
@@ -261,41 +262,42 @@ class OptimSettings:
     # update is not fp32 Adam's (tune holds it unless named in --vary).
     # adam-mini (backends/optim/adam_mini.py, issue 60): 6 bytes a parameter against AdamW's 16, an 8B full
     # fine-tune on a 64 GB host; another update, measured against fp32 AdamW (docs/MEASURED.md).
-    name: Literal["adamw", "adamw8bit", "adamw4bit", "adam-mini"] = _f(
+    name: Literal["adamw", "adamw8bit", "adamw4bit", "adam-mini"] = setting(
         "adamw", "the optimizer: adamw (torch's, fp32 or master-dtype moments), adamw8bit or adamw4bit "
         "(torchao's block-quantized moments: 2 or 1 byte a parameter instead of 8; FSDP2 only), adam-mini "
         "(fp32 masters as bf16 + a 16-bit remainder, bf16 first moment, a second moment a row: 6 bytes a "
         "parameter, 4 with bf16 masters; FSDP2 only, made for cpu_offload)")
     # backends/optim/step_in_backward.py: torchtune's optimizer in backward. The step's result is the ordinary
     # one, but no clip, no accumulation, no fp16 scaler (settings/rules.py says why each is refused).
-    step_in_backward: bool = _f(
+    step_in_backward: bool = setting(
         False, "step each parameter as its gradient is reduced in the backward pass and free the gradient "
         "(no whole-model gradient buffer; FSDP2 without offload; needs clip_grad_norm = 0, grad_accum = 1)")
 
 
 @dataclass
 class MemorySettings:
-    activation_checkpointing: bool = _f(False, "recompute each decoder layer's activations in backward")
-    checkpoint_policy: Literal["full", "selective"] = _f(
+    activation_checkpointing: bool = setting(False, "recompute each decoder layer's activations in backward")
+    checkpoint_policy: Literal["full", "selective"] = setting(
         "full", "with checkpointing: recompute the whole layer (least memory), or keep the matmul and "
         "attention outputs and recompute only the cheap element-wise ops (faster, saves less)")
-    gpu_memory_limit: str = _f("", "cap each rank's CUDA memory, e.g. 24GiB, to rehearse a smaller card", size=True)
-    activation_offload: bool = _f(
+    gpu_memory_limit: str = setting("", "cap each rank's CUDA memory, e.g. 24GiB, to rehearse a smaller card",
+                                    size=True)
+    activation_offload: bool = setting(
         False, "with activation_checkpointing: keep each layer's saved input in pinned host memory from its "
         "forward to its backward (long sequences: seq x hidden a layer leaves the GPU)")
-    mlp_tile_tokens: int = _f(
+    mlp_tile_tokens: int = setting(
         0, "compute each decoder layer's MLP this many tokens at a time, so no [tokens x intermediate] tensor "
         "is whole (long sequences; FSDP2); 0: the whole micro-batch at once", min=0)
-    host_memory_limit: str = _f("", "the host RAM the run may use, e.g. 64GiB, to rehearse a smaller box: the "
+    host_memory_limit: str = setting("", "the host RAM the run may use, e.g. 64GiB, to rehearse a smaller box: the "
                                 "planner plans against it and a launch it puts over it is refused", size=True)
-    empty_cache_every: int = _f(0, "call torch.cuda.empty_cache every N steps (0: never)", min=0)
+    empty_cache_every: int = setting(0, "call torch.cuda.empty_cache every N steps (0: never)", min=0)
     # Issue 48: the [tokens, vocab] logits are GiBs at a 32k-128k vocabulary; the fused loss never keeps
     # them (backends/model/fused_loss.py). auto leaves CPU runs on the chunked loss: memory is not their
     # limit there and the chunked path is the long-tested one. auto by default since the H200 measured it
     # (2026-12-05, benchmarks/results/issue48/20261205/): the 1b preset 85.5k tokens/s against 81.7k chunked
     # in one call, the head + loss at vocab 32k 16.4 ms (liger) / 20.8 ms (ours) against 25.7 ms, 0.83 / 1.56
     # GiB against 1.80, the same loss to 5e-7.
-    loss: Literal["auto", "fused", "chunked"] = _f(
+    loss: Literal["auto", "fused", "chunked"] = setting(
         "auto", "the next-token loss: fused (the output head and cross-entropy in one pass that works out "
         "the gradients in forward, so no logits are kept or recomputed; liger-kernel's Triton kernel on "
         "CUDA when installed, else ours), chunked (4096 tokens' logits at a time, recomputed in backward), "

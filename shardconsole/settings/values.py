@@ -192,7 +192,7 @@ def _describe(tp: Any) -> str:
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
 
 
-def _coerce(tp: Any, value: Any) -> Any:
+def coerce(tp: Any, value: Any) -> Any:
     """Return value as type tp, or raise ValueError saying what is allowed."""
     origin = get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -200,7 +200,7 @@ def _coerce(tp: Any, value: Any) -> Any:
             return None   # "not set": the default applies (`--set precision.reduce_dtype=none`)
         for a in (a for a in get_args(tp) if a is not type(None)):
             try:
-                return _coerce(a, value)
+                return coerce(a, value)
             except ValueError:
                 continue
         raise ValueError(f"expected {_describe(tp)}, got {value!r}")
@@ -237,7 +237,7 @@ def _coerce(tp: Any, value: Any) -> Any:
     raise ValueError(f"unsupported type {tp}")  # pragma: no cover - a bug in this module
 
 
-def _parse_override_value(tp: Any, text: str) -> Any:
+def parse_override_value(tp: Any, text: str) -> Any:
     """A --set value: strings stay strings for string fields; others are read as TOML values."""
     origin = get_origin(tp)
     args = get_args(tp) if origin in (typing.Union, types.UnionType, Literal) else ()
@@ -256,4 +256,4 @@ def _parse_override_value(tp: Any, text: str) -> Any:
     except tomllib.TOMLDecodeError:
         if stripped.lower() in ("true", "false"):
             return stripped.lower() == "true"
-        return stripped  # let _coerce say what was expected
+        return stripped  # let coerce say what was expected

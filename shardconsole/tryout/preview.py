@@ -122,7 +122,7 @@ def preview(cfg: C.RunConfig, spec: ModelSpec, n: int = 3, *, rnd: bool = False,
         raise C.ConfigError("[data] path: no records to preview: the run trains on "
                             f"{'a token file' if d.source == 'tokens' else 'synthetic tokens'}")
     path, kind = locate(d.path, "path")
-    where = corpus._where(path, kind)
+    where = corpus.record_where(path, kind)
     try:
         enc = corpus.load_encoder(spec.path, spec.has_tokenizer, int(spec.config.get("vocab_size", 0)))
         picked = _pick(_stream(path, kind, d.text_key, d.text_split), n, rnd, seed)

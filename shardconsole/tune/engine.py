@@ -81,7 +81,7 @@ class Tune:
         for row in self.rows:
             res = row.result
             if (res is not None and res.status == "gpu_oom"
-                    and search._strategy_of(row.option.cfg) == search._strategy_of(option.cfg)
+                    and search.strategy_of(row.option.cfg) == search.strategy_of(option.cfg)
                     and option.estimate.gpu_required_bytes >= row.option.estimate.gpu_required_bytes):
                 return True
         return False

@@ -100,7 +100,7 @@ def shuffled(i: int, n: int, key: int) -> int:
             return x
 
 
-class _Global:
+class GlobalCursor:
     """The bookkeeping shared by every training source: which global samples a rank takes next."""
 
     def __init__(self, rank: int, world: int) -> None:
@@ -115,7 +115,7 @@ class _Global:
         return g
 
 
-class SyntheticTokens(_Global):
+class SyntheticTokens(GlobalCursor):
     """Sequences a model can learn, so a falling loss means training works (not just "it ran").
 
     Each sequence reads a fixed random ordering of the vocabulary from a start drawn from (seed, global
@@ -138,7 +138,7 @@ class SyntheticTokens(_Global):
         return windows_to_batch(*self.windows(micro_batch), cross_doc=True)
 
 
-class PackedWindows(_Global):
+class PackedWindows(GlobalCursor):
     """Windows of seq_len + 1 tokens over memory-mapped ids and flags, in a per-epoch shuffled order."""
 
     def __init__(self, ids: np.ndarray, flags: np.ndarray | None, seq_len: int, seed: int, rank: int,

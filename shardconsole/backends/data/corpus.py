@@ -78,7 +78,7 @@ def load_records(value: str, key: str, text_key: str, scratch: Path, text_split:
     import datasets
     datasets.disable_progress_bars()
     path, kind = locate(value, key)
-    where = _where(path, kind)
+    where = record_where(path, kind)
     try:
         if kind == "saved":
             ds = datasets.load_from_disk(str(path))
@@ -113,7 +113,7 @@ def load_records(value: str, key: str, text_key: str, scratch: Path, text_split:
     return ds, path, where
 
 
-def _where(path: Path, kind: str) -> Callable[[int], str]:
+def record_where(path: Path, kind: str) -> Callable[[int], str]:
     """Record index -> "file:line" for JSON Lines (blank lines skipped), else "file: record N"."""
     if path.suffix.lower() == ".jsonl":
         lines: list[int] = []

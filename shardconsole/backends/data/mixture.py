@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from shardconsole.backends.data import token_cache
-from shardconsole.backends.data.batches import Batch, EvalWindows, _Global, shuffled, windows_to_batch
+from shardconsole.backends.data.batches import Batch, EvalWindows, GlobalCursor, shuffled, windows_to_batch
 from shardconsole.backends.data.corpus import DataError
 from shardconsole.settings import data_mix
 
@@ -39,7 +39,7 @@ class MixEntry:
     source: "MixedWindows | None" = None      # the training rows, once built (its position for a checkpoint)
 
 
-class MixedWindows(_Global):
+class MixedWindows(GlobalCursor):
     """Packed windows of several sources' token caches, `quota` rows of each per block of `block`."""
 
     def __init__(self, parts: list[tuple[np.ndarray, np.ndarray]], quota: list[int], seq_len: int, seed: int,

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from shardconsole.backends.data import corpus, token_cache
-from shardconsole.backends.data.batches import IGNORE, Batch, _Global, shuffled
+from shardconsole.backends.data.batches import IGNORE, Batch, GlobalCursor, shuffled
 from shardconsole.backends.data.corpus import DataError
 from shardconsole.runlog import protocol as P
 from shardconsole.settings.data import kto_records, pair_records
@@ -339,7 +339,7 @@ def to_batch(split: PairSplit, pairs: list[int], seq_len: int) -> Batch:
                  pairs=torch.tensor(pairs, dtype=torch.int64))
 
 
-class PairSource(_Global):
+class PairSource(GlobalCursor):
     """micro_batch pairs at a time in a per-epoch shuffled order (batches.PackedWindows' rule)."""
 
     def __init__(self, split: PairSplit, seq_len: int, seed: int, rank: int, world: int, name: str) -> None:
@@ -392,7 +392,7 @@ class EvalPairs:
 # ---------------------------------------------------------------------------------------------------
 # The rank's sources
 
-def _entry(r) -> PairEntry:
+def pair_entry(r) -> PairEntry:
     if r.data_state.entry is None:
         r.data_state.entry = open_entry(r.cfg.data, r.cfg.train.seed, r.spec.path, r.spec.has_tokenizer, r.spec.vocab, r.log)
         r.data_state.built = True
@@ -401,7 +401,7 @@ def _entry(r) -> PairEntry:
 
 def make_source(r) -> PairSource:
     """The rank's training pairs; rank 0 emits the data summary."""
-    entry = _entry(r)
+    entry = pair_entry(r)
     src = PairSource(entry.train, r.cfg.data.seq_len, r.cfg.train.seed, r.rank, r.world, f"[data] path: {r.cfg.data.path}")
     if r.rank == 0:
         r.emit(dataclasses.replace(summary(r.cfg, r.world, entry), run=r.run_id, rank=r.rank))
@@ -409,7 +409,7 @@ def make_source(r) -> PairSource:
 
 
 def make_eval_source(r) -> EvalPairs | None:
-    entry = _entry(r)
+    entry = pair_entry(r)
     if entry.eval is None or entry.eval.n == 0:
         return None
     return EvalPairs(entry.eval, r.cfg.data.seq_len, r.rank, r.world)

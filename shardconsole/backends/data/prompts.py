@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from shardconsole.backends.data import corpus
-from shardconsole.backends.data.batches import IGNORE, Batch, _Global, shuffled
+from shardconsole.backends.data.batches import IGNORE, Batch, GlobalCursor, shuffled
 from shardconsole.backends.rank.errors import DataError
 from shardconsole.runlog import protocol as P
 from shardconsole.settings.data import data_hash, prompt_records
@@ -82,7 +82,7 @@ def to_batch(ps: PromptSet, index: list[int], pad: int) -> Batch:
                  mask=torch.from_numpy(mask))
 
 
-class PromptSource(_Global):
+class PromptSource(GlobalCursor):
     """micro_batch prompts at a time in a per-epoch shuffled order (batches.PackedWindows' rule)."""
 
     def __init__(self, ps: PromptSet, seed: int, rank: int, world: int) -> None:

@@ -97,7 +97,7 @@ class Kto(Preference):
     def labels_of(self, batch: Batch, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(each record's label, whether it is a record: eval's padding is not)."""
         if split not in self.labels:
-            entry = pairs_data._entry(self.r)
+            entry = pairs_data.pair_entry(self.r)
             source = entry.train if split == "train" else entry.eval
             if source is None or source.labels is None:
                 raise RuntimeError("kto: the data's cache entry holds no labels (not KTO records)")

@@ -236,7 +236,7 @@ class ReferenceTable:
         self.tables: dict[str, torch.Tensor] = {}
 
     def path(self) -> Path:
-        entry = pairs_data._entry(self.r)
+        entry = pairs_data.pair_entry(self.r)
         return entry.folder / f"reference-{model_key(self.r)}.npz"
 
     def lookup(self, pairs: torch.Tensor | None, split: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,7 +259,7 @@ class ReferenceTable:
             return
         r.phase("reference pass")
         t0 = time.perf_counter()
-        entry = pairs_data._entry(r)
+        entry = pairs_data.pair_entry(r)
         splits = {"train": entry.train, **({"eval": entry.eval} if entry.eval is not None and entry.eval.n else {})}
         for name, split in splits.items():
             self.tables[name] = self._pass(model, split)

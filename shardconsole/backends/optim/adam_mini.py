@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from shardconsole.backends.optim.master_update import _seed
+from shardconsole.backends.optim.master_update import mixed_seed
 
 NAME = "adam-mini"
 # Bytes a parameter of what the optimizer keeps (weight, its fp32 remainder, the first moment); the rows'
@@ -229,7 +229,7 @@ class AdamMini(torch.optim.Optimizer):
                 lr, wd = float(group["lr"]), group["weight_decay"]
                 hp = hyper_parameters(lr, beta1, beta2, wd, group["eps"], step, scale)
                 index = self.position[id(p)]
-                seeds = [_seed(self.seed, int(step), index, k) for k in range(2)]
+                seeds = [mixed_seed(self.seed, int(step), index, k) for k in range(2)]
                 low = state.get("weight_low")
                 self._update(w, _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq_row"]),
                              None if low is None else _local(low), hp, seeds)

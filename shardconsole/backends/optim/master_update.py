@@ -43,7 +43,7 @@ _LOW16 = 0xFFFF
 _HIGH16 = -65536            # 0xFFFF0000 as a signed int32
 
 
-def _seed(*parts: int) -> int:
+def mixed_seed(*parts: int) -> int:
     """A signed int32 from a few integers (splitmix-style mixing in Python ints)."""
     h = 0x243F6A8885A308D3
     for p in parts:
@@ -200,7 +200,7 @@ class RoundedAdamW(torch.optim.Optimizer):
             part = [t[start:start + chunk].detach() for t in flat]
             # the checkpointed step: a resumed run rounds alike
             args = (part[0], part[1], part[2], part[3], part[4] if len(part) == 5 else None, hp,
-                    *(_seed(self.seed, int(step), index, j, k) for k in range(3)))
+                    *(mixed_seed(self.seed, int(step), index, j, k) for k in range(3)))
             if fn is update_chunk:
                 fn(*args)
                 continue

@@ -78,3 +78,23 @@ def test_a_winner_within_the_noise_is_called_a_tie(monkeypatch, capsys):
     assert "10,000 (-2.9%)" in tie and "winner's 10,300 tokens/s" in tie and "5%" in tie and "3 steps" in tie
     apart = _tune_with_speeds(monkeypatch, capsys, [10_000.0, 13_000.0])
     assert "winner: " in apart and "a tie" not in apart
+
+
+def test_what_would_fit_is_not_at_the_edge_of_the_card_when_something_with_room_fits():
+    """Issue 62: LoRA on llama3-8b at 32k tokens, planned at 21.6-22.2 of the 22.3 GiB the allocator had under a
+    24 GiB cap, ran out of GPU memory in its first backward on the H100. A candidate within 3% of the budget
+    ranks after every one with room, so `plan`'s "would fit" proposes one with room (the frozen base on the
+    host here), not the one at the edge."""
+    from shardconsole.plan import Hardware
+    from shardconsole.plan.fit import at_the_edge, settings_that_fit
+    from shardconsole.plan.speed.book import SpeedBook
+    from shardconsole.settings import resolve as settings
+    cfg = settings.resolve("3090-7b-lora", settings.from_cli(["model.name=llama3-8b", "data.seq_len=32768",
+                                                          "train.micro_batch=1"])).cfg
+    hw = Hardware(gpus=1, gpu_memory_bytes=80 << 30, host_memory_bytes=125 << 30, gpu_name="NVIDIA H100 80GB HBM3",
+                  cpus=16)      # the preset's 24 GiB cap (memory.gpu_memory_limit) is the card it plans
+    fits = settings_that_fit(cfg, hw, book=SpeedBook([]))
+    edge = [at_the_edge(c.estimate) for c in fits]
+    assert True in edge and False in edge, [(c.name, c.estimate.gpu_required_bytes) for c in fits]
+    assert edge == sorted(edge), "a candidate at the edge ranks before one with room"
+    assert "fsdp.cpu_offload=true" in fits[0].overrides, fits[0].name

@@ -194,8 +194,19 @@ def settings_that_fit(cfg: C.RunConfig, hardware: Hardware, spec: ModelSpec | No
                 name = f"{strategy}, {level.words}, micro_batch {mb}"
                 p = book.predict(c2, hardware, spec)
                 out.append(Candidate(name, overrides, est, p.value, p.unit, p.source))
-    out.sort(key=lambda cand: (-round(cand.speed, 6), cand.estimate.gpu_peak_bytes))
+    # A candidate that needs more than EDGE of the allocator's budget ranks after those with room: the
+    # planner's error there is a run that fails in its first backward (issue 62: LoRA 8B at 32k, planned
+    # 21.6-22.2 of 22.3 GiB, ran out of GPU memory on the H100; the same with the frozen base on the host fits)
+    out.sort(key=lambda cand: (at_the_edge(cand.estimate), -round(cand.speed, 6), cand.estimate.gpu_peak_bytes))
     return out
+
+
+EDGE = 0.97
+
+
+def at_the_edge(est: Estimate) -> bool:
+    """The allocator's need within 3% of its budget: planned to fit, with no room for the planner's error."""
+    return bool(est.gpu_budget_bytes) and est.gpu_required_bytes > EDGE * est.gpu_budget_bytes
 
 
 LONG_CONTEXT = 8192      # tokens a sample from which a layer's input and MLP are worth moving or tiling

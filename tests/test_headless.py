@@ -189,6 +189,21 @@ def test_a_run_stopped_from_elsewhere_is_stopped_not_a_crash(tmp_path):
     assert cause == "stopped" and "shardconsole stop" in message
 
 
+def test_a_run_whose_folder_went_before_its_ranks_could_say_so_is_run_folder_gone(tmp_path):
+    """The ranks' own run_folder_gone line can lose the race with `rm -rf` (they then exit 1, seen on a loaded
+    CI box): the front end, finding no folder and no failed line, names the same class and no checkpoint to
+    trust in a folder that is gone."""
+    import shutil
+    run = _run_folder(tmp_path)
+    state = RunState()
+    state.apply(P.Hello(run="run", rank=0, pid=os.getpid()))
+    shutil.rmtree(run)
+    cause, message = outcome.classify(state, 1, run)
+    assert cause == "run_folder_gone"
+    assert message.startswith("run failed (run_folder_gone): the run folder") and "launcher exit code 1" in message
+    assert "check the last checkpoint" not in message
+
+
 def test_the_data_summary_and_each_eval_get_a_line():
     """Issue 15's front-end part: what the ranks train on, once at start, and each eval as it comes."""
     from shardconsole.session.watcher import Tick

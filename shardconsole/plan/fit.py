@@ -206,7 +206,8 @@ EDGE = 0.97
 
 def at_the_edge(est: Estimate) -> bool:
     """The allocator's need within 3% of its budget: planned to fit, with no room for the planner's error."""
-    return bool(est.gpu_budget_bytes) and est.gpu_required_bytes > EDGE * est.gpu_budget_bytes
+    budget = est.gpu_budget_bytes
+    return budget is not None and budget > 0 and est.gpu_required_bytes > EDGE * budget
 
 
 LONG_CONTEXT = 8192      # tokens a sample from which a layer's input and MLP are worth moving or tiling

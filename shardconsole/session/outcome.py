@@ -297,8 +297,13 @@ def explain_exit(state: RunState, rc: int | None, run_dir: Path,
     if lost:
         # The ranks could not write their lines (a full disk): what they did after that is unknown here.
         code = f"launcher exit code {rc}" if rc is not None else "the launcher gone"
-        return stream_stopped_cause(run_dir), (f"run ended ({code}) but {lost}: no report of its end could be "
-                         f"written; check the last checkpoint in {folder.path} before trusting it")
+        cause = stream_stopped_cause(run_dir)
+        if cause == "run_folder_gone":
+            # the ranks' own verdict (stream_health) lost in the race with the deletion: the same class
+            return cause, (f"run failed (run_folder_gone): {lost} ({code}); its checkpoints went with it unless "
+                           f"train.checkpoint_dir was elsewhere")
+        return cause, (f"run ended ({code}) but {lost}: no report of its end could be "
+                       f"written; check the last checkpoint in {folder.path} before trusting it")
     never_met = _rendezvous_failed(state, run_dir, settings)
     if never_met:
         return "rendezvous", never_met

@@ -68,3 +68,22 @@ def make_hf_model(folder: Path, *, chat_template: bool = False, vocab_size: int 
     model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def policy_and_reference(tok):
+    """A tiny fp32 Llama for tok (seed 0) and a reference nudged off it (0.05 x noise on every weight): the
+    pair the TRL oracle tests (preference, GRPO) compute both implementations' losses on."""
+    import copy
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                      intermediate_size=176, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                      eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(cfg).float()
+    ref = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return policy, ref

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from hf_fixtures import train_tokenizer
+from hf_fixtures import policy_and_reference, train_tokenizer
 
 from shardconsole.backends.model import modeling
 from shardconsole.backends.objective import grpo, grpo_loss, sampler
@@ -21,17 +21,8 @@ G, PROMPTS, P, T, TEMPERATURE = 4, 2, 6, 7, 0.7
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
     tok = train_tokenizer()
-    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                      intermediate_size=176, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                      eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    policy = LlamaForCausalLM(cfg).float()
-    ref = copy.deepcopy(policy)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    policy, ref = policy_and_reference(tok)
     # TRL builds its own reference from the model's folder when beta > 0 (its ref_per_token_logps are given here)
     folder = tmp_path_factory.mktemp("grpo-policy")
     policy.save_pretrained(folder)

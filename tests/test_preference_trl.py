@@ -16,7 +16,7 @@ import types
 
 import pytest
 import torch
-from hf_fixtures import train_tokenizer
+from hf_fixtures import policy_and_reference, train_tokenizer
 
 from shardconsole.backends.model import modeling
 from shardconsole.backends.objective import preference as pref
@@ -26,17 +26,8 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def models():
-    from transformers import LlamaConfig, LlamaForCausalLM
     tok = train_tokenizer()
-    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                      intermediate_size=176, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                      eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    policy = LlamaForCausalLM(cfg).float()
-    ref = copy.deepcopy(policy)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    policy, ref = policy_and_reference(tok)
     return tok, policy, ref
 
 

@@ -10,8 +10,17 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from shardconsole.backends.data.batches import Batch
+
+def all_summed(sums: torch.Tensor) -> list[float]:
+    """A figures' tally added over every rank (a collective: every rank calls it) and read to the host (the
+    step line's one sync)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(sums)
+    return sums.tolist()
+
 
 class Forward(Protocol):
     """FSDP2's root module or DeepSpeed's engine: called for a forward, switched between train and eval."""

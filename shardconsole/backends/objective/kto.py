@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from shardconsole.backends.data import preference as pairs_data
 from shardconsole.backends.data.batches import Batch
-from shardconsole.backends.objective.base import Forward
+from shardconsole.backends.objective.base import Forward, all_summed
 from shardconsole.backends.objective.preference import Preference, row_logps
 
 FIGURES = ("reward_chosen", "reward_rejected", "reward_margin", "kl")
@@ -74,9 +74,7 @@ class KtoTally:
         if self.sums is None:
             return {}
         sums, self.sums = self.sums, None
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(sums)
-        loss, n, c, nc, r, nr, kl, batches, tokens = sums.tolist()      # the host sync
+        loss, n, c, nc, r, nr, kl, batches, tokens = all_summed(sums)
         if not n:
             return {}
         rc = c / nc if nc else None

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from shardconsole.backends.data import preference as pairs_data
 from shardconsole.backends.data.batches import Batch
 from shardconsole.backends.model import adapters
-from shardconsole.backends.objective.base import Forward, NextToken, Objective
+from shardconsole.backends.objective.base import Forward, NextToken, Objective, all_summed
 
 FIGURES = ("reward_chosen", "reward_rejected", "reward_margin", "pref_accuracy")
 
@@ -118,9 +118,7 @@ class Tally:
         if self.sums is None:
             return {}
         sums, self.sums = self.sums, None
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(sums)
-        loss, c, r, right, n, tokens = sums.tolist()      # the host sync
+        loss, c, r, right, n, tokens = all_summed(sums)
         if not n:
             return {}
         return {"loss": loss / n, "reward_chosen": c / n, "reward_rejected": r / n, "reward_margin": (c - r) / n,

@@ -225,9 +225,10 @@ class _Level:
 
 def _memory_levels(cfg: C.RunConfig, strategy: str) -> list[_Level]:
     levels = [_Level(False, words="no checkpointing"), _Level(True, words="checkpointing")]
-    if strategy == "full_shard+offload" and cfg.optim.name == "adamw" and (
+    if strategy == "full_shard+offload" and cfg.optim.name == "adamw" and cfg.train.method == "full" and (
             cfg.precision.master_dtype == "fp32" or cfg.precision.master_rounding == "stochastic"):
-        # the consumer box's optimizer (6 host bytes a parameter), said in the candidate's name
+        # the consumer box's optimizer (6 host bytes a parameter), said in the candidate's name; not for
+        # adapters, whose optimizer states are megabytes: it would only drop their clip for nothing
         levels.append(_Level(True, ADAM_MINI_CHANGES, "checkpointing, adam-mini (no clip)"))
     if cfg.data.seq_len >= LONG_CONTEXT:
         fsdp = dict((t, v) for t, k, v in {**STRATEGIES, **EXTRA_STRATEGIES}[strategy] if k == "backend")

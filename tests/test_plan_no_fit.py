@@ -98,3 +98,23 @@ def test_what_would_fit_is_not_at_the_edge_of_the_card_when_something_with_room_
     assert True in edge and False in edge, [(c.name, c.estimate.gpu_required_bytes) for c in fits]
     assert edge == sorted(edge), "a candidate at the edge ranks before one with room"
     assert "fsdp.cpu_offload=true" in fits[0].overrides, fits[0].name
+
+
+def test_a_long_sequence_of_a_24gb_preset_planned_without_a_gpu_names_what_moves_its_activations():
+    """Issue 62: `plan` of 3090-7b-qlora at 32k tokens on a machine with no GPU (this one, CI's) plans the
+    preset's own 24 GiB cap; the verdict names the long-context settings beside micro-batch and sequence,
+    and "would fit" is planned on that cap too (it said "no strategy ... here" for want of a detected GPU),
+    and what it proposes fits when run through plan again."""
+    res = shardconsole("plan", "--preset", "3090-7b-qlora", "--set", "data.seq_len=32768", "--host-memory", "64GiB")
+    assert res.returncode == 3, res.stderr
+    verdict = next(ln for ln in res.stdout.splitlines() if ln.startswith("verdict: does not fit"))
+    assert "memory.activation_offload = true" in verdict and "memory.mlp_tile_tokens = 4096" in verdict, verdict
+    would = next(ln for ln in res.stdout.splitlines() if "would fit:" in ln)
+    assert "--set memory.activation_offload=true" in would, would
+    sets = re.findall(r"--set (\S+)", would)
+    ok = shardconsole("plan", "--preset", "3090-7b-qlora", "--set", "data.seq_len=32768", "--host-memory", "64GiB",
+                      *[a for s in sets for a in ("--set", s)])
+    assert ok.returncode == 0 and "verdict: fits" in ok.stdout, ok.stdout[-1500:]
+    short = shardconsole("plan", "--preset", "3090-7b-qlora", "--set", "data.seq_len=4096",
+                         "--set", "train.micro_batch=64", "--host-memory", "64GiB")
+    assert short.returncode == 3 and "activation_offload" not in short.stdout     # short: nothing to move

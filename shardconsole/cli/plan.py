@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from typing import Any
 
 from shardconsole.settings import config as C
@@ -173,15 +174,22 @@ def would_fit(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware) -> PL.Candidate |
     """For a run that does not fit hw: the smallest change that does, the largest lower micro-batch, else
     the fastest settings of `plan --fit --model`
     (strategy, checkpointing, micro-batch); None where none does or no GPU is known to plan them on."""
-    if not hw.gpus or not hw.gpu_memory_bytes or cfg.parallel.device == "cpu":
+    if cfg.parallel.device == "cpu":
         return None
+    if (not hw.gpus or not hw.gpu_memory_bytes) and cfg.gpu_memory_limit_bytes:
+        # No GPU here: the settings' cap is the card they are planned on (a card of that size, one a rank),
+        # as the verdict above was; a user planning the 24 GiB box from a laptop gets the change too
+        hw = replace(hw, gpus=cfg.parallel.nproc_per_node, gpu_memory_bytes=cfg.gpu_memory_limit_bytes)
+    if not hw.gpus or not hw.gpu_memory_bytes:
+        return None
+    from shardconsole.plan.fit import at_the_edge
     from shardconsole.plan.speed.book import SpeedBook
     book = SpeedBook.load()
     # (grad_accum as given: accumulating more keeps unsynced gradients, which an offloaded run holds on the GPU)
     for mb in range(cfg.train.micro_batch - 1, 0, -1):
         c2 = PL.replace_cfg(cfg, ("train", "micro_batch", mb))
         est = PL.estimate(c2, spec, hw)
-        if est.fits:
+        if est.fits and not at_the_edge(est):      # one at the edge is no fix (fit.at_the_edge): look further
             p = book.predict(c2, hw, spec)
             return PL.Candidate(f"train.micro_batch {mb}", [f"train.micro_batch={mb}"], est, p.value, p.unit, p.source)
     cands = PL.settings_that_fit(cfg, hw, spec, book=book)

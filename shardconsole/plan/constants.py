@@ -44,6 +44,10 @@ CUBLAS_WORKSPACE_BYTES = 64 * MiB
 
 # Tokens per chunk of the loss: backends/rank/common.py chunked_cross_entropy(chunk_tokens=4096).
 LOSS_CHUNK_TOKENS = 4096
+# Tokens a sample from which a layer's checkpointed input is worth moving to the host and the MLP worth
+# computing in tiles (memory.activation_offload, memory.mlp_tile_tokens; issue 62), and the tile the planner proposes
+LONG_CONTEXT = 8192
+MLP_TILE = 4096
 
 # Host RSS of one rank in training before any model byte: Python + torch + CUDA runtime and
 # libraries + NCCL + transformers (+ DeepSpeed). Measured: VmHWM of the rank in the calibration runs

@@ -14,8 +14,8 @@ from shardconsole.plan import grpo_terms
 from shardconsole.plan.activation_memory import activations
 from shardconsole.machine.hardware import driver_reserved_bytes
 from shardconsole.plan.constants import (ALLOCATOR_SLACK_FIXED, ALLOCATOR_SLACK_FRACTION, CUDA_CONTEXT_BYTES,
-                                         DTYPE_BYTES, HOST_USABLE_FRACTION, RANK_BASE_RSS_CPU, REQUIRED_FIXED,
-                                         REQUIRED_FRAGMENTATION)
+                                         DTYPE_BYTES, HOST_USABLE_FRACTION, LONG_CONTEXT, MLP_TILE, RANK_BASE_RSS_CPU,
+                                         REQUIRED_FIXED, REQUIRED_FRAGMENTATION)
 from shardconsole.plan.deepspeed_rank import deepspeed_rank_memory
 from shardconsole.plan.fsdp_rank import fsdp_rank_memory
 from shardconsole.plan.host import HostPeak, host_peak, compile_threads, compile_workers_bytes  # noqa: F401
@@ -342,8 +342,7 @@ def _verdict(e: Estimate, reasons: list[str], cfg: C.RunConfig) -> str:
                      if "context" not in k and "slack" not in k and "pool" not in k and "cached" not in k]
             largest = max(sized, key=lambda kv: kv[1])[0] if sized else ""
             if largest.startswith("activations") or largest in ("loss chunk", "layer backward"):
-                hint = "largest part: activations; lower train.micro_batch or data.seq_len" + (
-                    "" if cfg.memory.activation_checkpointing else ", or set memory.activation_checkpointing = true")
+                hint = "largest part: activations; lower train.micro_batch or data.seq_len" + _activation_hint(cfg)
             elif largest.startswith("sampling"):
                 hint = (f"largest part: {largest}, while GRPO samples; lower grpo.generations, train.micro_batch, "
                         "data.seq_len or grpo.max_new_tokens")
@@ -360,6 +359,19 @@ def _verdict(e: Estimate, reasons: list[str], cfg: C.RunConfig) -> str:
         parts.append(f"host {C.format_size(e.host_peak_bytes)} of {C.format_size(e.host_budget_bytes)} usable")
     tight = e.gpu_budget_bytes and e.gpu_required_bytes > 0.9 * e.gpu_budget_bytes
     return ("fits, tight" if tight else "fits") + (": " + ", ".join(parts) if parts else "")
+
+
+def _activation_hint(cfg: C.RunConfig) -> str:
+    """The setting that moves activations off the card, where one is still off: checkpointing, then at long
+    sequences the layer inputs on the host and the MLP in tiles (FSDP2 only: ZeRO's hooks refuse tiles)."""
+    m = cfg.memory
+    if not m.activation_checkpointing:
+        return ", or set memory.activation_checkpointing = true"
+    if cfg.data.seq_len < LONG_CONTEXT:
+        return ""
+    missing = ([] if m.activation_offload else ["memory.activation_offload = true"]) + (
+        [f"memory.mlp_tile_tokens = {MLP_TILE}"] if not m.mlp_tile_tokens and cfg.parallel.backend == "fsdp" else [])
+    return ", or set " + " and ".join(missing) if missing else ""
 
 
 def gpu_peak_text(e: Estimate) -> str:

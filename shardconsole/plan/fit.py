@@ -9,7 +9,7 @@ from typing import Any
 
 from shardconsole.settings import config as C
 from shardconsole.settings.models import CATALOG, ModelSpec, resolve
-from shardconsole.plan.constants import SPEED_FACTOR
+from shardconsole.plan.constants import LONG_CONTEXT, MLP_TILE, SPEED_FACTOR
 from shardconsole.plan.estimator import Estimate, estimate, replace_cfg
 from shardconsole.plan.machine import Hardware
 
@@ -210,8 +210,6 @@ def at_the_edge(est: Estimate) -> bool:
     return budget is not None and budget > 0 and est.gpu_required_bytes > EDGE * budget
 
 
-LONG_CONTEXT = 8192      # tokens a sample from which a layer's input and MLP are worth moving or tiling
-MLP_TILE = 4096
 
 
 @dataclass(frozen=True)

@@ -795,9 +795,12 @@ async def test_a_run_started_elsewhere_is_followed_from_its_stream(tmp_path):
                        what="the refusal")
         assert type(app.screen).__name__ != "ConfirmScreen"
         w = MetricsWriter(run_dir / METRICS_FILE, "slurm-job", 0)
+        assert "ctrl+c leaves it running" in screen.sub_title, screen.sub_title
         w.emit(P.Finished(run="slurm-job", rank=0, t=T0 + 1, steps=5))
         w.close()
         await wait_for(pilot, lambda: screen.status == "finished", timeout=15)
+        # ended: the header says so, not what Ctrl-C would do to a run that is no more
+        assert "finished · run slurm-job" in screen.sub_title and "ctrl+c" not in screen.sub_title, screen.sub_title
 
 
 async def test_a_failed_run_says_why(tmp_path):

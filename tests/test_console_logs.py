@@ -42,6 +42,16 @@ def test_a_stop_is_one_line_and_a_crash_stays_whole(tmp_path):
     assert rank0 == ["W Warning: c10 says", "[rank 0] before", *CRASH.splitlines(), "[rank 0] after"]
 
 
+def test_a_stream_line_a_rank_also_logs_is_not_shown_as_json(tmp_path):
+    """Rank 0 writes its finished line to its log too (for a stream deleted later); the panel, which shows the
+    end in words from the stream, showed it as raw JSON under "finished: 30 steps"."""
+    (tmp_path / "logs").mkdir()
+    done = P.encode(P.Finished(run="r", rank=0, t=1.0, steps=30, elapsed_s=16.0, tokens=30720))
+    (tmp_path / "logs" / "rank0.log").write_text(f"[rank 0] loss: chunked\n{done}\n[rank 0] after\n")
+    rank0 = [line.split("│ ", 1)[1] for line in LogTail(tmp_path).poll() if line.startswith("    r0")]
+    assert rank0 == ["[rank 0] loss: chunked", "[rank 0] after"]
+
+
 def test_a_traceback_written_in_pieces_is_judged_when_it_ends(tmp_path):
     log = tmp_path / "launcher.log"
     first, rest = STOPPED.split("During handling")

@@ -30,6 +30,8 @@ _CHAIN = ("Traceback (most recent call last):", "During handling of the above ex
 def tidy(text: str) -> str:
     """One log line as the panel shows it: no control codes, torchrun's prefix cut to its level."""
     text = _CONTROL.sub("", text.rsplit("\r", 1)[-1])
+    if text.startswith('{"v":') and '"kind":' in text:
+        return ""     # a stream line a rank also logs (its end, for stream_gone): the panels show it in words
     m = _GLOG.match(text)
     if m:
         rest = text[m.end():]

@@ -90,6 +90,8 @@ class RunScreen(Screen[None]):
         self._exit_after_stop = False
         self._sigterm_before: Callable[[int, FrameType | None], Any] | int | None = None
         self._noise = 0              # library notices left out of the Logs panel (runview.library_noise)
+        self._how = ""               # "attached · ", "resumed · ": the header's first words
+        self._method = ""            # LoRA's trainable count, once the follower read the model's config
 
     # --- layout ------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -116,11 +118,15 @@ class RunScreen(Screen[None]):
         if not self.attached:
             self._catch_sigterm()
 
-    def _subtitle(self, method: str = "") -> str:
-        """The header's line: the run, and what Ctrl-C does to it here (stops what this console started,
-        leaves what it attached to); method: LoRA's trainable count, once the follower worked it out."""
-        ctrl_c = "ctrl+c stops it" if self.session.started_here else "ctrl+c leaves it running"
-        return f"{self._how}{ctrl_c} · run {self.run_id}{method}"   # ctrl+c first: a long id is cut
+    def _subtitle(self) -> str:
+        """The header's line: the run, and what Ctrl-C does to it here while it runs (stops what this console
+        started, leaves what it attached to), how it ended once it has (Ctrl-C then only quits); LoRA's
+        trainable count once the follower worked it out."""
+        if self.status in ("running", "stopping"):
+            what = "ctrl+c stops it" if self.session.started_here else "ctrl+c leaves it running"
+        else:
+            what = self.status
+        return f"{self._how}{what} · run {self.run_id}{self._method}"   # first: a long id is cut
 
     def _catch_sigterm(self) -> None:
         """SIGTERM to the console that started this run stops the run, then quits (the terminal restored)."""
@@ -173,6 +179,7 @@ class RunScreen(Screen[None]):
 
     def watch_status(self) -> None:
         self.refresh_bindings()
+        self.sub_title = self._subtitle()       # ended: no "ctrl+c stops it" over a run that is no more
         self._draw_status()
 
     # --- the workers -------------------------------------------------------------------------------
@@ -284,7 +291,8 @@ class RunScreen(Screen[None]):
     def _run_planned(self, event: RunPlanned) -> None:
         self.view.planned_gpu_bytes, self.view.planned_host_bytes = event.gpu_bytes, event.host_bytes
         if event.method:          # a model folder's config read: in the worker, said in the header now
-            self.sub_title = self._subtitle(event.method)
+            self._method = event.method
+            self.sub_title = self._subtitle()
         if self.view.state.hellos:        # else the first lines draw them
             self._draw()
 

@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 
 from shardconsole.backends.data import preference as pairs_data
+from shardconsole.backends.data.pair_tokens import PairTokens
 from shardconsole.console.runview import log_line
 from shardconsole.headless import data_line, eval_line
 from shardconsole.runlog import protocol as P
@@ -22,7 +23,7 @@ def _entry(tmp_path, labels: list[bool | None]) -> pairs_data.PairEntry:
     kto = labels[0] is not None
     writer = (pairs_data._KtoWriter if kto else pairs_data._Writer)(tmp_path, "train", np.dtype(np.uint16), 16)
     for j, label in enumerate(labels):
-        writer.add(pairs_data.PairTokens([1, 2], [10 + j, 11], [20 + j], label))
+        writer.add(PairTokens([1, 2], [10 + j, 11], [20 + j], label))
     info = writer.close()
     labels_file = tmp_path / "train.labels"
     split = pairs_data.PairSplit(np.fromfile(tmp_path / "train.ids", dtype=np.uint16),

@@ -115,10 +115,11 @@ def test_kto_rows_pair_each_prompt_with_the_previous_completion(tmp_path):
     import numpy as np
 
     from shardconsole.backends.data import preference as pairs_data
+    from shardconsole.backends.data.pair_tokens import PairTokens
     writer = pairs_data._KtoWriter(tmp_path, "train", np.dtype(np.uint16), 16)
     records = [([1, 2], [10, 11, 12], True), ([3], [20], False), ([4, 5, 6], [30, 31], True)]
     for prompt, completion, label in records:
-        writer.add(pairs_data.PairTokens(prompt, completion, completion, label))
+        writer.add(PairTokens(prompt, completion, completion, label))
     info = writer.close()
     assert (info["records"], info["desirable"]) == (3, 2)
     split = pairs_data.PairSplit(np.fromfile(tmp_path / "train.ids", dtype=np.uint16),

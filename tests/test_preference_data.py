@@ -102,9 +102,10 @@ def test_good_records_pass_the_check_in_both_forms(tmp_path):
 # --- pairs to rows ------------------------------------------------------------------------------------
 
 def test_rows_mask_only_the_answers_and_cut_the_prompt_from_the_left():
+    from shardconsole.backends.data import pair_tokens as T
     from shardconsole.backends.data import preference as D
-    t = D.PairTokens(prompt=[1, 2, 3, 4, 5, 6], chosen=[7, 8, 0], rejected=[9, 0])
-    fitted, cut = D.fit(t, seq_len=6)          # rows of 7 tokens: 3 for the longer answer, 4 of the prompt
+    t = T.PairTokens(prompt=[1, 2, 3, 4, 5, 6], chosen=[7, 8, 0], rejected=[9, 0])
+    fitted, cut = T.fit(t, seq_len=6)          # rows of 7 tokens: 3 for the longer answer, 4 of the prompt
     assert cut and fitted.prompt == [3, 4, 5, 6] and fitted.chosen == [7, 8, 0] and fitted.rejected == [9, 0]
     ids = np.asarray(fitted.prompt + fitted.chosen + fitted.rejected, dtype=np.uint16)
     split = D.PairSplit(ids, np.asarray([[0, 4, 3, 2]], dtype=np.int64))

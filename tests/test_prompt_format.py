@@ -101,7 +101,7 @@ def test_the_preview_says_string_pairs_have_no_template(folder):
 
 
 def test_message_pairs_keep_the_template(tmp_path):
-    from shardconsole.backends.data.preference import PairRenderer
+    from shardconsole.backends.data.pair_tokens import PairRenderer
     tok = tokenizer_folder(tmp_path / "tok", chat_template=True)
     renderer = PairRenderer(tok)
     renderer.texts({"prompt": "hi", "chosen": " a", "rejected": " b"}, "r1")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from shardconsole.history import index
+from shardconsole.history import index, stream_fold
 from shardconsole.runlog import protocol as P
 
 
@@ -39,7 +39,7 @@ def test_the_fold_is_linear_in_the_step_lines(tmp_path):
     # Each call folds from byte 0 (the kept fold dropped): the cost of a first `runs`.
     def fold(folder):
         def go():
-            index._LIVE.clear()
+            stream_fold._LIVE.clear()
             s = index.summarize(folder)
             assert len(s.loss) == s.step
         return go
@@ -54,21 +54,21 @@ def test_the_fold_is_linear_in_the_step_lines(tmp_path):
 def test_a_resume_replays_steps_and_a_running_run_is_folded_on_from_its_offset(tmp_path):
     run = tmp_path / "run"
     stream(run, range(1, 1_001))
-    index._LIVE.clear()
-    before = index.FOLDED["lines"]
+    stream_fold._LIVE.clear()
+    before = stream_fold.FOLDED["lines"]
     assert index.summarize(run).step == 1_000
-    assert index.FOLDED["lines"] - before == 1_001
+    assert stream_fold.FOLDED["lines"] - before == 1_001
     # A resume from step 800 appends a session of its own that replays 801..1200.
     stream(run, range(801, 1_201), run="r1-resume")
-    before = index.FOLDED["lines"]
+    before = stream_fold.FOLDED["lines"]
     s = index.summarize(run)
-    assert index.FOLDED["lines"] - before == 401           # only the new lines, not the whole stream again
+    assert stream_fold.FOLDED["lines"] - before == 401           # only the new lines, not the whole stream again
     assert [p[0] for p in s.loss] == list(range(1, 1_201))  # replayed steps replace, never duplicate
     assert s.loss[900] == (901, 1.0 / 901)
     # Asked again with nothing new: nothing read; the file replaced: read from the start.
-    before = index.FOLDED["lines"]
+    before = stream_fold.FOLDED["lines"]
     index.summarize(run)
-    assert index.FOLDED["lines"] == before
+    assert stream_fold.FOLDED["lines"] == before
     (run / "metrics.jsonl").unlink()
     stream(run, range(1, 11))
-    assert index.summarize(run).step == 10 and index.FOLDED["lines"] - before == 11
+    assert index.summarize(run).step == 10 and stream_fold.FOLDED["lines"] - before == 11

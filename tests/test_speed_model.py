@@ -10,6 +10,7 @@ import pytest
 from shardconsole.cli import main as cli
 from shardconsole.plan.speed import model as SM
 from shardconsole.plan.speed.cards import CARDS, card_named, card_of
+from shardconsole.plan.speed.host import HostRates
 from shardconsole.plan.machine import Hardware
 from shardconsole.plan.speed.book import SpeedBook, harvest, record_of
 from shardconsole.runlog import protocol as P
@@ -19,7 +20,7 @@ from shardconsole.settings.models import resolve
 GiB = 2**30
 HOST = Hardware(gpus=1, gpu_memory_bytes=24 * GiB, host_memory_bytes=128 * GiB, gpu_name="NVIDIA GeForce RTX 4090",
                 cpus=16)
-FAST_HOST = SM.HostRates(100.0, 16, "test")
+FAST_HOST = HostRates(100.0, 16, "test")
 
 
 def _cfg(*sets: str, model: str = "1b") -> C.RunConfig:

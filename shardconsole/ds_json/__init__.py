@@ -36,8 +36,9 @@ equivalents of `--set parallel.backend=deepspeed` belong to the settings pipelin
   hf_trainer.py   the same for the HF Trainer: hf_trainer_config, training_arguments
   import_report.py  what an import reports: KNOWN_UNMAPPED, ZERO_UNMAPPED, OFFLOAD_UNMAPPED, ImportReport,
                   known_hint
-  importer.py     ds_config -> settings: _TOP_KEYS, _ZERO_ALL, from_ds_config and its per-section readers
-                  _batch, _optimizer, _scheduler, _precision, _zero
+  importer.py     ds_config -> settings: _TOP_KEYS, from_ds_config and its per-section readers
+                  _batch, _optimizer, _scheduler, _precision
+  import_zero.py  its zero_optimization reader: _ZERO_ALL, read_zero and the offload blocks
   commands.py     the CLI commands: _read_json, merge, _write_text, cmd_export, cmd_import
 """
 

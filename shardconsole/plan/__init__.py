@@ -48,6 +48,7 @@ works; to monkeypatch a name that the planner itself looks up, patch the module 
                         settings_that_fit (Candidate), _strategy_cfg, _spec_of, toml_value
   speed/model.py        how fast: a step's parts (GPU FLOPs, PCIe, the host step) from measured and
                         published rates, the critical path, tokens/s and the time to train.steps (predict)
+  speed/host.py         the host's side of an offloaded step: PCIe copies, the host step at HostRates
   speed/cards.py        the cards `plan --card` knows: published bf16 rate, memory, PCIe generation
   speed/book.py         the speed book: what this machine measured, ranking with the speed model
 

@@ -1,6 +1,7 @@
 """`setting`: a settings field with its default and its metadata: "min"/"max" (inclusive), "size" (the value is a
 byte size string or int), "help" (one line shown in the console and in errors). The tables (tables.py,
-finetune_tables.py) declare every field with it; config.py and the front ends read the metadata back."""
+finetune_tables.py, engine_tables.py) declare every field with it; config.py and the front ends read the metadata
+back."""
 
 from __future__ import annotations
 

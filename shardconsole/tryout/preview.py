@@ -148,7 +148,7 @@ def _pairs(path: Path, picked: list[tuple[int, dict[str, Any]]], enc: corpus.Enc
            seq_len: int) -> Preview:
     """Preference records (train.objective dpo / orpo) as the ranks make them rows (backends/data/
     preference.py): per pair a chosen and a rejected row, the same prompt tokens, loss on the answer."""
-    from shardconsole.backends.data import preference as pairs
+    from shardconsole.backends.data import pair_tokens as pairs
     renderer = pairs.PairRenderer(enc.tokenizer)
     views, notes = [], []
     for i, t in pairs.tokenize_pairs(iter(picked), renderer, enc, where):

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from shardconsole.backends.checkpoint import checksums, save_stream
+from shardconsole.backends.checkpoint import checksums, folder_owner, save_stream
 from shardconsole.backends.rank import run_folder
 from shardconsole.backends.rank.common import Rank
 from shardconsole.backends.rank.errors import CheckpointError  # noqa: F401  (raised here; re-exported)
@@ -33,10 +33,7 @@ from shardconsole.runlog.checkpoint_files import MANIFEST, why_incomplete  # noq
 from shardconsole.runlog.checkpoint_files import STEP_PREFIX as PREFIX, step_folders
 from shardconsole.runlog import base_weights
 from shardconsole.runlog.checkpoint_files import MANIFEST_SUM, manifest_checksum, shapes_of
-from shardconsole.runlog.checkpoint_files import (checksums as checksums_of, loadable_runs, other_run_folder,
-                                                  read_owner, shared_folder,
-                                                  make_private, safe_reason, why_corrupt,
-                                                  write_owner)
+from shardconsole.runlog.checkpoint_files import checksums as checksums_of, make_private, safe_reason, why_corrupt
 from shardconsole.settings.values import format_size
 
 RANK_STATE_DIR = "rank_state"
@@ -90,7 +87,7 @@ def newest_complete(r: Rank) -> Found | None:
     rank calls it."""
     backend = r.cfg.parallel.backend
     folder = _dir(r)
-    ours = _loadable_runs(r, folder)
+    ours = folder_owner.loadable_runs_of(r, folder)
     skipped: list[str] = []
     for step, path in step_folders(folder):
         why = why_incomplete(path, backend)
@@ -120,30 +117,6 @@ def newest_complete(r: Rank) -> Found | None:
         raise NoLoadableCheckpoint(f"{folder}: no loadable checkpoint to resume from ({'; '.join(skipped)}); "
                                    f"nothing was changed")
     return None
-
-
-def _loadable_runs(r: Rank, folder: Path) -> set[str] | None:
-    """The runs whose checkpoints this run may load from a shared train.checkpoint_dir (None: the run
-    folder's own checkpoints/, all of them). A folder another run holds is refused (the front end refuses
-    it before launch; this is the race of two launches)."""
-    if not shared_folder(folder, r.run_dir):
-        return None
-    here = str(r.run_dir.resolve())
-    _refuse_other_run_folder(r, folder)
-    owner = read_owner(folder)
-    if owner is not None and owner["run_dir"] != here:
-        raise CheckpointError(f"{folder}: train.checkpoint_dir belongs to run {owner['run_dir']}, not this one "
-                              f"({here}): one checkpoint folder per run")
-    return loadable_runs(folder) | {here}
-
-
-def _refuse_other_run_folder(r: Rank, folder: Path) -> None:
-    """The ranks' side of the front end's check (session/checkpoint_owner.py), for a run launched without
-    it (--print-command's line): never load or save inside another run's folder."""
-    inside = other_run_folder(folder, r.run_dir)
-    if inside is not None:
-        raise CheckpointError(f"{folder}: train.checkpoint_dir is inside run folder {inside}, whose checkpoints "
-                              f"are its own: one checkpoint folder per run")
 
 
 def _verify(r: Rank, path: Path) -> str | None:
@@ -186,7 +159,7 @@ def prepare_checkpoint(r: Rank, step: int) -> Path:
     run_folder.follow_move(r)        # renamed since the last step boundary: the save goes to its new path
     tmp = partial_path(r, step)
     if r.rank == 0:
-        _claim(r)
+        folder_owner.claim(r, _dir(r))
         remove_partials(r)
         if not r.cfg.train.checkpoint_dir:
             # checkpoints/ of the run folder, never the run folder itself: one deleted or renamed under a
@@ -198,25 +171,6 @@ def prepare_checkpoint(r: Rank, step: int) -> Path:
     dist.barrier()
     r.faults.on_save(step)
     return tmp
-
-
-def _claim(r: Rank) -> None:
-    """Rank 0 before a save into a shared train.checkpoint_dir: the folder names this run (the front end
-    wrote it before launch; a run started from --print-command's line writes it here), or the save is
-    refused: another run's pruning and removal of partial saves would reach this run's."""
-    folder = _dir(r)
-    if not shared_folder(folder, r.run_dir):
-        return
-    here = str(r.run_dir.resolve())
-    _refuse_other_run_folder(r, folder)
-    owner = read_owner(folder)
-    if owner is None:
-        write_owner(folder, r.run_dir)
-    elif owner["run_dir"] in run_folder.started_in():      # this run, its folder renamed since: it follows
-        write_owner(folder, r.run_dir, [owner["run_dir"], *(owner.get("inherited") or [])])
-    elif owner["run_dir"] != here:
-        raise CheckpointError(f"{folder}: train.checkpoint_dir belongs to run {owner['run_dir']}, not this one "
-                              f"({here}): not saving into another run's checkpoint folder")
 
 
 def resumed_tokens(r: Rank, step: int) -> int | None:

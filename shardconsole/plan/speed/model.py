@@ -9,8 +9,9 @@ measured or published, and the step as its critical path (issue 45). Pure: no to
              models and micro-batches slow), plus a cost a layer each optimizer step and the optimizer
              step where it runs on the GPU (bytes over the card's memory bandwidth);
   PCIe       offload: the bytes each micro-batch moves (parameters to the GPU, gradients back) at the
-             link's one-direction rate times the share the copies reached on the H200 (PCIE_SHARE_*);
-  host step  offload: the bytes AdamW touches a parameter at the host's memory bandwidth (HostRates);
+             link's one-direction rate times the share the copies reached on the H200 (PCIE_SHARE_*,
+             plan/speed/host.py);
+  host step  offload: the bytes AdamW touches a parameter at the host's memory bandwidth (HostRates, host.py);
   ranks      several: the gathers and reductions over NVLink or PCIe, hidden under the compute when shorter.
 
 The overlap rules are the offload view's (machine/offload_verdict.py, backends/offload/overlap.py): the
@@ -25,17 +26,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardconsole.envvars import read
 from shardconsole.plan.speed.cards import CARDS, GB, Card, card_of
 from shardconsole.plan.lora import trainable_params
 from shardconsole.plan.machine import Hardware
 from shardconsole.plan import grpo_terms
+from shardconsole.plan.speed.host import HostRates, host_note, host_rates, host_transfers
 from shardconsole.plan.speed.fp8 import FP8_LAYER_SPEEDUP, fp8_checkpointed_speedup, fp8_even_tokens
 from shardconsole.plan.shapes import Shapes
 from shardconsole.settings import config as C
 from shardconsole.settings.models import ModelSpec
-
-HOST_GBPS_ENV = "SHARDCONSOLE_HOST_GBPS"
 
 # Hardware FLOPs over (matmul rate x time), by engine and compile, for large matmuls (the launch costs
 # below hold the rest). FSDP2 eager: 0.95B at mb 8 x 2048, 60.5k tokens/s (h200_presets.json,
@@ -85,17 +84,6 @@ HBM_SHARE = 0.7
 # 3B with adamw8bit steps in ~0.02-0.09 s on the H200 beyond its FLOPs (issue35_20261203 compiled mb 4 and
 # 6, issue45 eager mb 3; with optim.step_in_backward much of it runs under the backward).
 LOWBIT_S_PER_PARAM_H200 = 0.05 / 3.14e9
-# Offload copies on the H200's PCIe 5.0 (benchmarks/results/issue35_*: the offload view's h2d/d2h bytes
-# and seconds): a micro-batch sends 4 bytes a parameter either way; fp32 masters go at 25 GB/s (the fp32
-# shard is sent and cast on the GPU), a bf16/fp16 copy at 48; gradients come back at 49.
-PCIE_SHARE_FP32_H2D = 25.0 / 54.4
-PCIE_SHARE_LOW_H2D = 48.0 / 54.4
-PCIE_SHARE_D2H = 49.0 / 54.4
-# The share of the H2D time the compute waits for (GPU span less the compute predicted): fp32 masters
-# (the shard is sent, then cast on the GPU before the layer can run) 0.85: 3B mb 2 and 4, 0.43 s of
-# 0.48, 7B mb 12 ~0.9 s of 1.04; a bf16 copy 0.4: 13B mb 8, ~0.4 s of 1.1 (issue35_20261203, session6).
-EXPOSED_FP32 = 0.85
-EXPOSED_LOW = 0.4
 # The host step under the backward (fsdp.offload_overlap): the step is the longer of the GPU's span and
 # the host step plus this share of the shorter (the host step's threads slow the copies and the launches):
 # eager, 3B mb 4 1.45 s with a 0.88 s host step, 7B mb 12 3.70 s with 1.6 s, 13B mb 8 4.2-4.8 s with 2.9 s
@@ -103,16 +91,6 @@ EXPOSED_LOW = 0.4
 # layer, so the host step's threads barely slow them: 7B mb 12 3.12-3.15 s with a 1.9 s host step beside a
 # 3.04 s GPU part, 13B stochastic 3.9 s with 2.9 s (callD, 7b_fp32_compiled.json).
 OVERLAP_DRAG = {"fsdp": 0.5, "fsdp_compiled": 0.15, "deepspeed": 0.5, "deepspeed_compiled": 0.5}
-# Host memory bandwidth a step reaches, the H200 test host (16 cores): AdamW's bytes over its host step
-# (3B fp32 masters 0.79 s, 7B 1.60 s, 13B bf16 masters 2.9 s): ~118 GB/s.
-DEFAULT_HOST_GBPS = 118.0
-DEFAULT_HOST_CORES = 16
-# DeepSpeed's C++ CPUAdam against the same bytes, by ZeRO stage: its step and its copies run slower in this
-# package's runs. ZeRO-3 (3B under 24 GiB, offload against FSDP2's: session4/rds.json, h200_issue7.json):
-# 2.0. ZeRO-1/2 step one flat fp32 partition: the h200-fsdp preset as ZeRO-2 + offload_optimizer cpu (1b,
-# mb 3, 24 GiB cap, H200, 16 cores) stepped in 0.578 s (10,637 tokens/s), 0.45 s of it beside its 0.13 s GPU
-# part: 1.7 (2.0 planned it 12% slow; issue 63). One run: the split between the stages is that run's alone.
-DS_OFFLOAD_SLOWDOWN = {"stage3": 2.0, "stage12": 1.7}
 # Startup before the first step: launcher, imports, the process group (~20 s on the H200 machine), the
 # model build (s a billion parameters; ZeRO-3's zero.Init builds slower), the compile of the layers.
 START_S = 20.0
@@ -123,32 +101,8 @@ PIN_S_PER_GB = 0.15       # pinning the offloaded host states (cudaHostRegister 
 COMPILE_S = 45.0
 
 
-@dataclass(frozen=True)
-class HostRates:
-    gbps: float                 # memory bandwidth a step reaches
-    cores: int
-    source: str                 # "SHARDCONSOLE_HOST_GBPS", "assumed (the H200 test host's)"
-
-
 def _fully_checkpointed(cfg: C.RunConfig) -> bool:
     return cfg.memory.activation_checkpointing and cfg.memory.checkpoint_policy != "selective"
-
-
-def host_rates(hw: Hardware) -> HostRates:
-    """The host's rates: --host-gbps when given (hw.host_gbps), else $SHARDCONSOLE_HOST_GBPS when set, else
-    the H200 test host's, scaled down by cores where the host has fewer (a host step of torch's foreach
-    AdamW uses every core); the cores are --host-cores' when given, else this machine's."""
-    if hw.host_gbps > 0:
-        return HostRates(hw.host_gbps, hw.cpus, "--host-gbps")
-    gbps = read(HOST_GBPS_ENV)      # checked: a bad value is refused, not passed over (envvars.check)
-    if gbps:
-        return HostRates(gbps, hw.cpus, HOST_GBPS_ENV)
-    cores = hw.cpus or DEFAULT_HOST_CORES
-    share = min(1.0, cores / DEFAULT_HOST_CORES)
-    whose = "--host-cores'" if "--host-cores" in hw.host_given else ("this host's" if hw.cpus else "assumed")
-    return HostRates(DEFAULT_HOST_GBPS * share, cores,
-                     f"the H200 test host's {DEFAULT_HOST_GBPS:.0f} GB/s at {DEFAULT_HOST_CORES} cores, "
-                     f"scaled to {whose} cores")
 
 
 @dataclass
@@ -218,22 +172,6 @@ def _offloaded(cfg: C.RunConfig) -> tuple[bool, bool]:
     return (d.offload_param != "none" and d.stage == 3), d.offload_optimizer != "none"
 
 
-def _host_step_bytes(cfg: C.RunConfig) -> float:
-    """Bytes AdamW reads and writes a parameter on the host: fp32 masters read master, gradient and two
-    moments (16) and write three back (12) and the compute copy (2): 30, counted as 33 (the fp32 step ran at
-    88-95 GB/s of these 30 bytes on issue 45's H200 host, 119-126 on earlier calls' hosts: 33 bytes at
-    DEFAULT_HOST_GBPS splits them); bf16 masters 2 + 4 (fp32 gradient) + 8 read, 10 written (119 GB/s on
-    both); stochastic/kahan rounding draw or keep one more word each."""
-    if cfg.optim.name == "adam-mini":
-        # backends/optim/adam_mini.py: reads the bf16 weight, its remainder, the bf16 moment and the bf16
-        # gradient (8), writes the first three (6); the row means add a read of the gradient, from cache
-        return 16.0 if cfg.split_masters else 12.0
-    if cfg.precision.master_dtype == "bf16":
-        extra = 4 if cfg.precision.master_rounding != "nearest" else 0
-        return 24.0 + extra
-    return 33.0
-
-
 def _gpu_optimizer_s(cfg: C.RunConfig, trained: float, card: Card, s: Shapes) -> float:
     if cfg.optim.name in ("adamw8bit", "adamw4bit"):
         return trained * LOWBIT_S_PER_PARAM_H200 * CARDS["h200"].hbm_gbps / card.hbm_gbps
@@ -293,88 +231,103 @@ def predict(cfg: C.RunConfig, spec: ModelSpec, hw: Hardware, *, card: Card | Non
     s = Shapes.of(spec)
     key = engine_key(cfg)
     ranks = max(1, cfg.parallel.nproc_per_node * cfg.parallel.nnodes)
-    tokens_mb = cfg.train.micro_batch * cfg.data.seq_len
     k = cfg.train.grad_accum
     params_on_host, step_on_host = _offloaded(cfg)
-    trained_cfg = cfg
-    if cfg.train.objective == "grpo":
-        # the rows the run trains and its step line counts: micro_batch x generations of prompt + completion
-        rows, row_tokens = grpo_terms.step_rows(cfg)
-        trained_cfg = C.copy(cfg)
-        trained_cfg.train.micro_batch, trained_cfg.data.seq_len = rows, row_tokens
-        tokens_mb = rows * row_tokens
+    trained_cfg, tokens_mb = _trained_rows(cfg)
     compute_mb = _micro_batch_s(trained_cfg, spec, card, params_on_host)
     n = spec.n_params
     trained = trainable_params(cfg, s) if cfg.adapters else n
-    notes: list[str] = []
-    if cfg.precision.fp8 != "none" and not card.fp8:
-        notes.append(f"precision.fp8: the {card.title} has no FP8 tensor cores, so a launch on it refuses fp8 "
-                     "(predicted as bf16)")
-    elif cfg.precision.fp8 != "none" and _fully_checkpointed(cfg):
-        fp8_x = fp8_checkpointed_speedup(cfg.precision.fp8, tokens_mb, params_on_host)
-        if fp8_x < 1.0:
-            notes.append(f"precision.fp8: at {tokens_mb:,} tokens a micro-batch under full checkpointing the "
-                         f"float8 layers are predicted {1 / fp8_x:.2f}x slower than bf16 (each casts its weights "
-                         f"three times a micro-batch, more than the matmuls save at this size"
-                         f"{'; offloaded, after each copy lands' if params_on_host else ''}); it pays from "
-                         f"about {fp8_even_tokens(cfg.precision.fp8, params_on_host):,} "
-                         f"(train.micro_batch x data.seq_len)")
-    h2d = d2h = host_s = 0.0
-    exposed = 0.0
-    if params_on_host:
-        low = (cfg.precision.master_dtype == "bf16" or cfg.fsdp.offload_compute_copy
-               or cfg.parallel.backend == "deepspeed")
-        h2d = 4.0 * n / ranks / (card.pcie_gbps * GB * (PCIE_SHARE_LOW_H2D if low else PCIE_SHARE_FP32_H2D))
-        exposed = h2d * (EXPOSED_LOW if low else EXPOSED_FP32)
-    if step_on_host:
-        reduce = cfg.precision.reduce_dtype or ("fp32" if cfg.parallel.backend == "fsdp" else cfg.precision.dtype)
-        d2h = (4.0 if reduce == "fp32" else 2.0) * trained / ranks / (card.pcie_gbps * GB * PCIE_SHARE_D2H)
-        host_s = _host_step_bytes(cfg) * trained / ranks / (host.gbps * GB)
-        if cfg.parallel.backend == "deepspeed":
-            host_s *= DS_OFFLOAD_SLOWDOWN["stage3" if cfg.deepspeed.stage == 3 else "stage12"]
+    notes = _fp8_notes(cfg, card, tokens_mb, params_on_host)
+    h2d, d2h, host_s, exposed = host_transfers(cfg, card, host, n, trained, ranks, params_on_host, step_on_host)
     gpu = k * (compute_mb + exposed) + (0.0 if params_on_host else s.layers * STEP_LAYER_S[key])
     gpu += 0.0 if step_on_host else _gpu_optimizer_s(cfg, trained / ranks, card, s)
-    comm = 0.0
-    if ranks > 1:
-        # Sharded (FSDP2 but no_shard, ZeRO-3): the all-gathers of forward and backward (compute dtype) and
-        # the reduce-scatter (fp32) of every parameter a micro-batch; replicated: the gradients' all-reduce
-        # (twice 4 bytes). Each rank sends (ranks-1)/ranks of it over NVLink (~300 GB/s usable), the PCIe
-        # link, or between nodes the network (NODE_LINK_GBPS): assumed rates, not measured here.
-        sharded = (cfg.fsdp.sharding != "no_shard") if cfg.parallel.backend == "fsdp" else cfg.deepspeed.stage == 3
-        link = NODE_LINK_GBPS if cfg.parallel.nnodes > 1 else (300.0 if card.nvlink else card.pcie_gbps * 0.8)
-        comm = k * (2 * 2 + 4 if sharded else 8) * n * (ranks - 1) / ranks / (link * GB)
+    comm = _comm_s(cfg, card, n, ranks) if ranks > 1 else 0.0
     if cfg.train.objective == "grpo":
-        sharded = (cfg.fsdp.sharding != "no_shard") if cfg.parallel.backend == "fsdp" else cfg.deepspeed.stage == 3
-        link = NODE_LINK_GBPS if cfg.parallel.nnodes > 1 else (300.0 if card.nvlink else card.pcie_gbps * 0.8)
         # sampling, and LoRA's reference forward (a forward: about a third of a micro-batch's compute)
-        gpu += k * grpo_terms.generation_s(cfg, s, n, card.hbm_gbps, link, ranks, sharded)
+        gpu += k * grpo_terms.generation_s(cfg, s, n, card.hbm_gbps, _link_gbps(cfg, card), ranks, _sharded(cfg))
         gpu += k * compute_mb / 3 if cfg.grpo.beta and cfg.adapters else 0.0
-        prompt, whence = grpo_terms.prompt_tokens(cfg)
-        notes.append("grpo: sampling max_new_tokens decode steps a micro-batch counted at assumed rates "
-                     "(plan/grpo_terms.py); completions that end sooner make the step shorter")
-        notes.append(f"grpo: tokens/s counts what the step line counts, {tokens_mb * k * ranks:,} tokens a step: "
-                     f"micro_batch x grad_accum x ranks x generations rows of a prompt of ~{prompt:,} tokens "
-                     f"({whence}) and max_new_tokens {cfg.grpo.max_new_tokens} completion tokens, their longest")
+        notes += _grpo_notes(cfg, tokens_mb * k * ranks)
     parts = {"gpu": gpu, "h2d": k * h2d, "d2h": k * d2h, "host step": host_s, "communication": comm}
-    overlap = (cfg.parallel.backend == "fsdp" and step_on_host and cfg.fsdp.offload_overlap
-               and cfg.train.clip_grad_norm <= 0 and cfg.precision.dtype != "fp16")
-    if overlap:
-        step = max(gpu, host_s) + OVERLAP_DRAG[key] * min(gpu, host_s)
-    else:
-        step = gpu + host_s
-    step = max(step, comm + host_s)
+    step = _step_s(cfg, key, gpu, host_s, comm, step_on_host)
     bound = max(("GPU", gpu), ("host step", host_s), ("communication", comm), key=lambda x: x[1])[0]
     if bound == "GPU" and exposed > compute_mb:
         bound = "PCIe"
     tokens_per_s = tokens_mb * k * ranks / step
     start = _start_s(cfg, n, trained, step_on_host, params_on_host)
     if step_on_host:
-        cores = f"{host.cores} cores" if host.cores else "cores not known"
-        notes.append(f"host step at {host.gbps:.0f} GB/s, {cores} ({host.source}"
-                     + ("" if host.source in ("--host-gbps", HOST_GBPS_ENV) else
-                        f"; --host-gbps or ${HOST_GBPS_ENV} sets the bandwidth, --host-cores the cores") + ")")
+        notes.append(host_note(host))
     return SpeedPrediction(tokens_per_s, step, bound, parts, start, start + cfg.train.steps * step,
                            card.name, notes, host)
+
+
+def _trained_rows(cfg: C.RunConfig) -> tuple[C.RunConfig, int]:
+    """The settings whose micro-batch the GPU computes, and its tokens: cfg's own, but for GRPO the rows the
+    run trains and its step line counts (micro_batch x generations of prompt + completion)."""
+    if cfg.train.objective != "grpo":
+        return cfg, cfg.train.micro_batch * cfg.data.seq_len
+    rows, row_tokens = grpo_terms.step_rows(cfg)
+    trained_cfg = C.copy(cfg)
+    trained_cfg.train.micro_batch, trained_cfg.data.seq_len = rows, row_tokens
+    return trained_cfg, rows * row_tokens
+
+
+def _fp8_notes(cfg: C.RunConfig, card: Card, tokens_mb: int, params_on_host: bool) -> list[str]:
+    """What the prediction says of precision.fp8 where it does not pay: a card without FP8, or a
+    micro-batch too small under full checkpointing."""
+    if cfg.precision.fp8 != "none" and not card.fp8:
+        return [f"precision.fp8: the {card.title} has no FP8 tensor cores, so a launch on it refuses fp8 "
+                "(predicted as bf16)"]
+    if cfg.precision.fp8 != "none" and _fully_checkpointed(cfg):
+        fp8_x = fp8_checkpointed_speedup(cfg.precision.fp8, tokens_mb, params_on_host)
+        if fp8_x < 1.0:
+            return [f"precision.fp8: at {tokens_mb:,} tokens a micro-batch under full checkpointing the "
+                    f"float8 layers are predicted {1 / fp8_x:.2f}x slower than bf16 (each casts its weights "
+                    f"three times a micro-batch, more than the matmuls save at this size"
+                    f"{'; offloaded, after each copy lands' if params_on_host else ''}); it pays from "
+                    f"about {fp8_even_tokens(cfg.precision.fp8, params_on_host):,} "
+                    f"(train.micro_batch x data.seq_len)"]
+    return []
+
+
+def _sharded(cfg: C.RunConfig) -> bool:
+    """The parameters are sharded across the ranks (FSDP2 but no_shard, ZeRO-3), so every micro-batch gathers them."""
+    return (cfg.fsdp.sharding != "no_shard") if cfg.parallel.backend == "fsdp" else cfg.deepspeed.stage == 3
+
+
+def _link_gbps(cfg: C.RunConfig, card: Card) -> float:
+    """The ranks' link: between nodes the network (NODE_LINK_GBPS), else NVLink (~300 GB/s usable) or the
+    PCIe link: assumed rates, not measured here."""
+    return NODE_LINK_GBPS if cfg.parallel.nnodes > 1 else (300.0 if card.nvlink else card.pcie_gbps * 0.8)
+
+
+def _comm_s(cfg: C.RunConfig, card: Card, n: int, ranks: int) -> float:
+    """A step's collectives on several ranks. Sharded: the all-gathers of forward and backward (compute dtype)
+    and the reduce-scatter (fp32) of every parameter a micro-batch; replicated: the gradients' all-reduce
+    (twice 4 bytes). Each rank sends (ranks-1)/ranks of it over the link."""
+    link = _link_gbps(cfg, card)
+    return cfg.train.grad_accum * (2 * 2 + 4 if _sharded(cfg) else 8) * n * (ranks - 1) / ranks / (link * GB)
+
+
+def _grpo_notes(cfg: C.RunConfig, step_tokens: int) -> list[str]:
+    """What GRPO's prediction assumes, and what its tokens/s counts (step_tokens a step)."""
+    prompt, whence = grpo_terms.prompt_tokens(cfg)
+    return ["grpo: sampling max_new_tokens decode steps a micro-batch counted at assumed rates "
+            "(plan/grpo_terms.py); completions that end sooner make the step shorter",
+            f"grpo: tokens/s counts what the step line counts, {step_tokens:,} tokens a step: "
+            f"micro_batch x grad_accum x ranks x generations rows of a prompt of ~{prompt:,} tokens "
+            f"({whence}) and max_new_tokens {cfg.grpo.max_new_tokens} completion tokens, their longest"]
+
+
+def _step_s(cfg: C.RunConfig, key: str, gpu: float, host_s: float, comm: float, step_on_host: bool) -> float:
+    """A step's seconds from its parts: FSDP2's overlapped host step runs under the backward (with a drag);
+    otherwise the host step follows the GPU's work; the collectives bound it from below."""
+    overlap = (cfg.parallel.backend == "fsdp" and step_on_host and cfg.fsdp.offload_overlap
+               and cfg.train.clip_grad_norm <= 0 and cfg.precision.dtype != "fp16")
+    if overlap:
+        step = max(gpu, host_s) + OVERLAP_DRAG[key] * min(gpu, host_s)
+    else:
+        step = gpu + host_s
+    return max(step, comm + host_s)
 
 
 def against_measured(p: SpeedPrediction, measured: float) -> str:

@@ -125,3 +125,53 @@ def test_loss_and_gradient_are_trls(models, batch, loss_type, beta):
     if beta:
         mask = batch[2].mask.bool()
         assert torch.allclose(got_ref[mask], want_ref[mask], atol=TOL)
+
+
+def test_dapo_over_an_accumulation_window_is_trls(models, batch):
+    """grad_accum 2 (one prompt group a micro-batch, their completions of other token counts): TRL divides each
+    micro-batch's token sum by the window's completion tokens (num_items_in_batch over its generation batch) and
+    not by the accumulation steps; ours divides by grpo_loss.dapo_norm and the engine by grad_accum. The summed
+    loss and gradient agree; a divisor per micro-batch (ours before) does not."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+    tok, policy, ref = models
+    ids, pmask, done, rewards = batch
+    adv, _ = grpo_loss.advantages(rewards, G, scale=True)
+    halves = [slice(0, G), slice(G, 2 * G)]
+    assert len({int(done.mask[h].sum()) for h in halves}) == 2       # the micro-batches' token counts differ
+    window = done.mask.sum()
+    args = GRPOConfig(output_dir="/tmp/shardconsole-trl-grpo", loss_type="dapo", beta=0.0, epsilon=0.2,
+                      num_generations=G, per_device_train_batch_size=G, gradient_accumulation_steps=2,
+                      steps_per_generation=2, max_completion_length=T, temperature=TEMPERATURE, report_to=[],
+                      use_cpu=True, bf16=False, fp16=False)
+    trainer = GRPOTrainer(model=policy.config._name_or_path, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          args=args, train_dataset=Dataset.from_list([{"prompt": "a b"}] * 4), processing_class=tok)
+    trainer.current_gradient_accumulation_steps = 2
+    trainer.model.train()
+    want = 0.0
+    for h in halves:
+        inputs = {"prompt_ids": ids[h], "prompt_mask": pmask[h], "completion_ids": done.ids[h],
+                  "completion_mask": done.mask[h], "advantages": adv[h], "num_items_in_batch": window}
+        loss = trainer._compute_loss(trainer.model, inputs)
+        loss.backward()
+        want += float(loss)
+    want_grad = trainer.model.lm_head.weight.grad.clone()
+
+    def ours(norm_of):
+        model = modeling.CausalLMLoss(copy.deepcopy(policy))
+        total = 0.0
+        for h in halves:
+            part = sampler.Completions(done.ids[h], done.mask[h])
+            tl = grpo_loss.token_loss(grpo.completion_logps(model, ids[h], pmask[h], part, TEMPERATURE), adv[h],
+                                      None, 0.0, 0.2)
+            loss = grpo_loss.reduce(tl.per_token, part.mask, "dapo", T, norm_of(part))
+            (loss / 2).backward()              # the engines' division by grad_accum
+            total += float(loss) / 2
+        return total, model.lm.lm_head.weight.grad.clone()
+
+    got, got_grad = ours(lambda part: grpo_loss.dapo_norm(window.float(), 1, 2))
+    assert want_grad.abs().max() > 1e-4 and abs(want) > 1e-3
+    assert abs(got - want) < TOL, (got, want)
+    assert torch.allclose(got_grad, want_grad, atol=TOL), (got_grad - want_grad).abs().max()
+    per_micro, per_micro_grad = ours(lambda part: part.mask.sum().float())
+    assert not torch.allclose(per_micro_grad, want_grad, atol=TOL)

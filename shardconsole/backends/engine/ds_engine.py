@@ -105,8 +105,9 @@ class DeepSpeedEngine:
         timing.start()
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
-        for _ in range(r.cfg.train.grad_accum):
-            batch = self.data.next()
+        batches = [self.data.next() for _ in range(r.cfg.train.grad_accum)]
+        self.objective.start_step(engine, batches)      # GRPO samples the window here (objective/base.py)
+        for batch in batches:
             loss = self.objective.micro_loss(engine, batch)
             meter.add(loss)
             engine.backward(loss)        # DeepSpeed divides by grad_accum and applies the loss scale

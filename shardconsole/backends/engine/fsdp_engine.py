@@ -92,8 +92,9 @@ class FsdpEngine:
         phases.start()
         timing.start()
         lowbit_optim.set_lr(optim, lr)
-        for micro in range(t.grad_accum):
-            batch = self.data.next()
+        batches = [self.data.next() for _ in range(t.grad_accum)]
+        self.objective.start_step(model, batches)      # GRPO samples the window here (objective/base.py)
+        for micro, batch in enumerate(batches):
             # Reduce-scatter gradients only on the last micro-batch (fewer collectives, more memory).
             model.set_requires_gradient_sync(micro == t.grad_accum - 1)
             loss = self.objective.micro_loss(model, batch)

@@ -33,11 +33,15 @@ class Forward(Protocol):
 
 class Objective(Protocol):
     """One training objective. `prepare` runs once before the first step of a session (a reference pass,
-    say); `micro_loss` once per micro-batch, its result goes to backward; `figures` once per step line."""
+    say); `start_step` once per optimizer step with its micro-batches, before the first `micro_loss` (GRPO
+    samples the whole window there: DAPO divides by the window's completion tokens, as TRL does);
+    `micro_loss` once per micro-batch, its result goes to backward; `figures` once per step line."""
 
     name: str
 
     def prepare(self, model: Forward) -> None: ...
+
+    def start_step(self, model: Forward, batches: list[Batch]) -> None: ...
 
     def micro_loss(self, model: Forward, batch: Batch) -> torch.Tensor: ...
 
@@ -52,6 +56,9 @@ class NextToken:
     name = "sft"
 
     def prepare(self, model: Forward) -> None:
+        return None
+
+    def start_step(self, model: Forward, batches: list[Batch]) -> None:
         return None
 
     def micro_loss(self, model: Forward, batch: Batch) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """GRPO (train.objective grpo, [grpo]) as an Objective: each micro-batch is a few prompts (data/prompts.py);
-micro_loss samples grpo.generations completions of each on the training ranks (sampler.py), scores them with
-the user's reward functions (rewards.py), and returns TRL's GRPO loss of them (grpo_loss.py). The loop and
-both engines stay as they are: to them this is one more loss of a batch.
+start_step samples grpo.generations completions of each prompt of the step's micro-batches on the training
+ranks (sampler.py) and scores them with the user's reward functions (rewards.py), as TRL generates its whole
+generation batch first; micro_loss returns TRL's GRPO loss of one micro-batch's (grpo_loss.py). The weights do
+not change within the window, so sampling it first gives the completions sampling each micro-batch in turn
+would; DAPO needs it: its divisor is the window's completion tokens. To both engines this is one more loss.
 
 The reference (beta > 0): the base with the adapters switched off (LoRA / QLoRA), or, fully fine-tuned, a
 frozen copy of the starting weights sharded as the policy is (engine/frozen_copy.py, built by prepare); one
@@ -10,6 +12,7 @@ forward without grad per micro-batch. beta = 0 (TRL's default) needs no referenc
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -20,6 +23,17 @@ from shardconsole.backends.data.batches import IGNORE, Batch
 from shardconsole.backends.model import adapters
 from shardconsole.backends.objective import grpo_loss, rewards, sampler
 from shardconsole.backends.objective.base import Forward
+
+@dataclass
+class Rollout:
+    """A micro-batch's prompts (each grpo.generations times), their completions, rewards and advantages."""
+    ids: torch.Tensor
+    pmask: torch.Tensor
+    done: sampler.Completions
+    reward: torch.Tensor
+    per_func: torch.Tensor
+    adv: torch.Tensor
+
 
 FIGURES = ("reward_mean", "reward_std", "rewards", "completion_len", "kl", "clip_ratio", "generate_s")
 
@@ -98,13 +112,33 @@ class Grpo:
         # prompt and completion tokens trained on, this rank, not yet counted by real_tokens (on the device)
         self.pending: torch.Tensor | None = None
         self.counted = 0
+        self.window: list[tuple[Batch, Rollout]] = []     # the step's micro-batches, sampled (start_step)
+        self.dapo_norm: torch.Tensor | None = None
 
     def prepare(self, model: Forward) -> None:
         """Before the load of a resume: the frozen copy is the starting weights', as at a first session."""
         if self.reference_builder is not None and self.reference is None:
             self.reference = self.reference_builder()
 
+    def start_step(self, model: Forward, batches: list[Batch]) -> None:
+        """Samples and scores the step's micro-batches before its first backward; DAPO's divisor is their
+        completion tokens on every rank (TRL's num_items_in_batch over its generation batch)."""
+        self.window = [(b, self.rollout(model, b)) for b in batches]
+        self.dapo_norm = self.window_norm([ro.done for _, ro in self.window]) if self.g.loss == "dapo" else None
+
     def micro_loss(self, model: Forward, batch: Batch) -> torch.Tensor:
+        if self.window and self.window[0][0] is batch:
+            ro, norm = self.window.pop(0)[1], self.dapo_norm
+        else:       # called without start_step (a window of one)
+            ro = self.rollout(model, batch)
+            norm = self.window_norm([ro.done], grad_accum=1) if self.g.loss == "dapo" else None
+        loss, tl = self.loss_of(model, ro.ids, ro.pmask, ro.done, ro.adv, norm)
+        self.tally.add(ro.reward, ro.per_func, ro.done.mask, tl.kl, tl.clipped)
+        real = ro.pmask.sum() + ro.done.mask.sum()
+        self.pending = real if self.pending is None else self.pending + real
+        return loss
+
+    def rollout(self, model: Forward, batch: Batch) -> Rollout:
         g = self.g
         ps = prompt_data.load(self.r)
         assert batch.mask is not None and batch.pairs is not None      # prompt batches carry both
@@ -117,11 +151,14 @@ class Grpo:
         self.tally.generate_s += time.perf_counter() - t0
         reward = (per_func * self.weights).sum(dim=1).to(ids.device, torch.float32)
         adv, _ = grpo_loss.advantages(reward, g.generations, scale=g.loss != "dr_grpo")
-        loss, tl = self.loss_of(model, ids, pmask, done, adv)
-        self.tally.add(reward, per_func, done.mask, tl.kl, tl.clipped)
-        real = pmask.sum() + done.mask.sum()
-        self.pending = real if self.pending is None else self.pending + real
-        return loss
+        return Rollout(ids, pmask, done, reward, per_func, adv)
+
+    def window_norm(self, done: list[sampler.Completions], grad_accum: int | None = None) -> torch.Tensor:
+        tokens = sum((d.mask.sum() for d in done), torch.zeros((), dtype=torch.int64, device=done[0].mask.device))
+        tokens = tokens.to(torch.float32)
+        if dist.is_available() and dist.is_initialized() and self.r.world > 1:
+            dist.all_reduce(tokens)
+        return grpo_loss.dapo_norm(tokens, self.r.world, len(done) if grad_accum is None else grad_accum)
 
     def real_tokens(self) -> int:
         """The prompt and completion tokens trained on so far by every rank, since the run's first step (a resume
@@ -141,7 +178,7 @@ class Grpo:
         self.counted = tokens or 0
 
     def loss_of(self, model: Forward, ids: torch.Tensor, pmask: torch.Tensor, done: sampler.Completions,
-                adv: torch.Tensor) -> tuple[torch.Tensor, grpo_loss.TokenLoss]:
+                adv: torch.Tensor, dapo_norm: torch.Tensor | None) -> tuple[torch.Tensor, grpo_loss.TokenLoss]:
         g = self.g
         ref = None
         if self.lora_reference:
@@ -152,13 +189,7 @@ class Grpo:
                 ref = completion_logps(self.reference, ids, pmask, done, g.temperature)
         logps = completion_logps(model, ids, pmask, done, g.temperature)
         tl = grpo_loss.token_loss(logps, adv, ref, g.beta, g.epsilon)
-        norm = None
-        if g.loss == "dapo":
-            tokens = done.mask.sum().to(torch.float32)
-            if dist.is_available() and dist.is_initialized() and self.r.world > 1:
-                dist.all_reduce(tokens)
-            norm = tokens / self.r.world
-        return grpo_loss.reduce(tl.per_token, done.mask, g.loss, g.max_new_tokens, norm), tl
+        return grpo_loss.reduce(tl.per_token, done.mask, g.loss, g.max_new_tokens, dapo_norm), tl
 
     def score(self, ps: prompt_data.PromptSet, index: list[int], done: sampler.Completions) -> torch.Tensor:
         """[N, functions] rewards of the completions of the records `index` (each generations times)."""

@@ -9,8 +9,9 @@ advantages of _generate_and_score_completions), on one micro-batch of prompt gro
               times the ratio: TRL's default use_bias_correction_kl)
   loss        grpo: each completion's token mean, then the mean over completions;
               dr_grpo: the token sum / (completions x max_new_tokens);
-              dapo: the token sum / the step's completion tokens on every rank, divided by the ranks (TRL's
-              num_items_in_batch / num_processes), here per micro-batch: TRL's exactly at grad_accum 1.
+              dapo: the token sum / the window's completion tokens on every rank, divided by the ranks (TRL's
+              num_items_in_batch over its generation batch / num_processes): the window is the step's
+              grad_accum micro-batches, sampled first (grpo.start_step), as TRL's steps_per_generation's.
 tests/test_grpo_trl.py checks each against TRL's own _compute_loss on the same model and batch.
 """
 
@@ -56,6 +57,13 @@ def token_loss(logps: torch.Tensor, adv: torch.Tensor, ref_logps: torch.Tensor |
     return TokenLoss(per_token, kl, clipped)
 
 
+def dapo_norm(window_tokens: torch.Tensor, world: int, grad_accum: int) -> torch.Tensor:
+    """DAPO's divisor of a micro-batch's token sum: the window's completion tokens of every rank / the ranks,
+    over grad_accum, since the engines divide each micro-batch's loss by grad_accum and TRL does not for DAPO
+    (its loss is already a share of the window's)."""
+    return window_tokens.clamp(min=1.0) / (world * grad_accum)      # TRL clamps its count at 1 too
+
+
 def reduce(per_token: torch.Tensor, mask: torch.Tensor, loss: str, max_new_tokens: int,
            tokens_per_rank: torch.Tensor | float | None = None) -> torch.Tensor:
     """The micro-batch's loss (what goes to backward before the engine's division by grad_accum).
@@ -66,6 +74,6 @@ def reduce(per_token: torch.Tensor, mask: torch.Tensor, loss: str, max_new_token
     if loss == "dr_grpo":
         return (per_token * m).sum() / (per_token.size(0) * max_new_tokens)
     if loss == "dapo":
-        norm = m.sum() if tokens_per_rank is None else tokens_per_rank
-        return (per_token * m).sum() / torch.as_tensor(norm, dtype=per_token.dtype).clamp(min=1.0)
+        norm = m.sum().clamp(min=1.0) if tokens_per_rank is None else torch.as_tensor(tokens_per_rank)
+        return (per_token * m).sum() / norm.to(per_token.dtype)
     raise ValueError(f"unknown GRPO loss {loss!r}")

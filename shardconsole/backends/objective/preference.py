@@ -152,6 +152,9 @@ class Preference:
             self.table = ReferenceTable(self.r)
             self.table.prepare(model)
 
+    def start_step(self, model: Forward, batches: list[Batch]) -> None:
+        return None       # each pair's loss is its own: nothing spans the accumulation window
+
     def reference(self, model: Forward, batch: Batch, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
         """The reference's summed answer log-probs (chosen [B], rejected [B])."""
         B = batch.inputs.shape[0] // 2

@@ -9,15 +9,29 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from shardconsole.history.refused import SessionEnds
 from shardconsole.runlog import protocol as P
 from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.runlog.runstate import RunState
 
-if TYPE_CHECKING:
-    from shardconsole.history.index import RunSummary
+class Summary(Protocol):
+    """What the fold fills: history/index.py's RunSummary (named here by its fields, so that this module,
+    which index.py imports, imports nothing of index.py)."""
+    step: int
+    steps: int
+    tokens_per_s: float | None
+    mfu: float | None
+    peak_gpu_bytes: int | None
+    peak_host_bytes: int | None
+    last_loss: float | None
+    eval_loss: float | None
+    eval_pref_accuracy: float | None
+    loss: list[tuple[int, float]]
+    eval: list[tuple[int, float]]
+    throughput: list[tuple[int, float]]
+    bad_lines: int
 
 
 # Lines folded by this process (all runs): what a test counts to see each line read once, not per poll.
@@ -126,7 +140,7 @@ class _Fold:
         elif isinstance(msg, P.HostSample) and msg.ranks_rss_bytes:
             self.host_peak = max(self.host_peak or 0, msg.ranks_rss_bytes)
 
-    def into(self, s: RunSummary) -> None:
+    def into(self, s: Summary) -> None:
         a = self.acc
         s.step, s.steps, s.last_loss, s.eval_loss, s.bad_lines = a.step, a.steps, a.last_loss, a.eval_loss, a.bad_lines
         s.eval_pref_accuracy = a.eval_pref_accuracy
@@ -156,7 +170,7 @@ def _inode(path: Path) -> tuple[int, int] | None:
         return None
 
 
-def fold_run(folder: RunFolder, s: RunSummary, tail_bytes: int | None = None) -> tuple[RunState, str, str]:
+def fold_run(folder: RunFolder, s: Summary, tail_bytes: int | None = None) -> tuple[RunState, str, str]:
     """The stream into the summary's figures, a RunState of its last session (history/refused.py: of the
     one before a refused resume) and the refusal's words; a whole-stream fold goes on from the last one of
     this process when the file is the same and has only grown."""

@@ -346,7 +346,7 @@ def _hung(session: RunSession, hang: Hang, printer: Printer, err: TextIO, grace_
     printer.clear_bar()
     logs = session.folder.logs
     if not hang.stoppable:
-        # none of its ranks runs here to look at (session/lost.py judges those that do): silent ranks
+        # none of its ranks runs here to look at (session/faults/lost.py judges those that do): silent ranks
         # elsewhere are hung, or their nodes were lost together; only the scheduler knows which
         from shardconsole.launch.process_identity import this_host
         here = any(h.host == this_host() for h in session.state.hellos.values())

@@ -164,7 +164,7 @@ def write_run(run_dir: Path, *, gpus: int = 2, ranks_per_gpu: int = 1, steps: in
               host: str | None = None) -> None:
     """A run folder as the ranks and the headless front end leave it: preset, job, metrics, logs. host: where
     the ranks said hello from (this host by default; their pids are not real ranks, so a run with no job.json
-    whose ranks are here is one whose every rank is gone: session/lost.py)."""
+    whose ranks are here is one whose every rank is gone: session/faults/lost.py)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     run = run_dir.name
     world = max(1, gpus) * ranks_per_gpu

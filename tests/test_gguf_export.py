@@ -120,7 +120,7 @@ def folders(tmp_path_factory):
 
 def export_folder(src: Path, out: Path, outtype: str) -> Path:
     """The real command's code, in this process (cheap): `export-model SRC -o OUT --gguf TYPE`."""
-    from shardconsole.cli.export_model import cmd_export_model
+    from shardconsole.cli.trained_model.export_model import cmd_export_model
     assert cmd_export_model([str(src), "-o", str(out), "--gguf", outtype]) == 0
     return out / f"model-{outtype}.gguf"
 

@@ -64,7 +64,7 @@ def spm_folder(root: Path, family: str, model: bytes, tokenizer_config: dict, id
 
 
 def export(folder: Path, out: Path) -> gguf.GGUFReader:
-    from shardconsole.cli.export_model import cmd_export_model
+    from shardconsole.cli.trained_model.export_model import cmd_export_model
     assert cmd_export_model([str(folder), "-o", str(out), "--gguf", "f16"]) == 0
     return gguf.GGUFReader(out / "model-f16.gguf")
 

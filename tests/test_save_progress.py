@@ -17,7 +17,7 @@ from shardconsole import headless
 from shardconsole.launch.job import Job
 from shardconsole.runlog import protocol as P
 from shardconsole.runlog.runstate import RunState, save_line
-from shardconsole.session.hang import hang_message
+from shardconsole.session.faults.hang import hang_message
 from shardconsole.session.run import RunSession
 from shardconsole.session.watcher import Watcher
 from shardconsole.settings import config as C

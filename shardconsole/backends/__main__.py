@@ -36,7 +36,7 @@ def main() -> None:
             r.emit(done)
             if r.writer.path is not None:
                 # also in the rank's log: a metrics.jsonl deleted later still leaves the end said
-                # (session/stream_gone.py); with the stream off, emit printed it there already
+                # (session/faults/stream_gone.py); with the stream off, emit printed it there already
                 from shardconsole.runlog.protocol import encode
                 print(encode(done), flush=True)
     except BaseException as exc:   # noqa: BLE001 - every failure is reported, then the rank ends

@@ -184,8 +184,8 @@ def _status(folder: RunFolder, s: RunSummary, state: RunState, session: str) -> 
     host = _job_host(folder)
     if (not folder.job.is_file() or (host and host != HOST)) and not state.failed:
         # Started elsewhere (--print-command, --slurm, another node of a shared folder): only its stream
-        # could say it ended, or its ranks all gone without a word (session/lost.py).
-        from shardconsole.session import lost
+        # could say it ended, or its ranks all gone without a word (session/faults/lost.py).
+        from shardconsole.session.faults import lost
         if lost.gone(state.hellos, set(), folder.path, lost.silent_for(folder.path)):
             cause, message = lost.message(state.hellos, s.step, folder.path, s.settings)
             s.status, s.cause, s.detail = FAILED, cause, message.splitlines()[0]

@@ -27,7 +27,8 @@ from shardconsole.launch.job import node_agents
 from shardconsole.runlog import protocol as P
 from shardconsole.runlog.runfolder import RunFolder, write_stop_request
 from shardconsole.runlog.stream import MetricsReader, MetricsWriter
-from shardconsole.session import lost, network
+from shardconsole.session import network
+from shardconsole.session.faults import lost
 from shardconsole.session.outcome import stop_save_timeout
 from shardconsole.settings import config as C
 
@@ -131,7 +132,7 @@ def _node_lines(s: _Session) -> list[str]:
 
 
 def _all_gone(s: _Session, folder: RunFolder, quiet_s: float, err: TextIO, lead: str) -> bool:
-    """Every rank without an end line gone (session/lost.py): said, as the run's end, in one paragraph."""
+    """Every rank without an end line gone (session/faults/lost.py): said, as the run's end, in one paragraph."""
     if not s.hellos or not lost.gone(s.hellos, set(s.ends), folder.path, quiet_s):
         return False
     gone = {r: h for r, h in s.hellos.items() if r not in s.ends}

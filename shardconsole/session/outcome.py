@@ -22,7 +22,7 @@ from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.runlog.runstate import RunState
 from shardconsole.session.network import who_hosts
 from shardconsole.session.rundir import stream_stopped_cause, stream_stopped_note
-from shardconsole.session import lost as lost_ranks, stream_gone
+from shardconsole.session.faults import lost as lost_ranks, stream_gone
 
 # Exit codes of `shardconsole --headless` and `attach`, by how the run (or the watching) ended.
 # docs/EXIT_CODES.md lists the same.
@@ -259,7 +259,7 @@ def explain_exit(state: RunState, rc: int | None, run_dir: Path,
         return _died_of_signal(state, run_dir, *killed)
     vanished = _gone_ranks(state, f)
     if vanished and f is not None:      # (_gone_ranks says "" without a failure)
-        # how it continues: a run of several nodes is refused by a plain resume (session/lost.py)
+        # how it continues: a run of several nodes is refused by a plain resume (session/faults/lost.py)
         go_on = lost_ranks.continue_hint(run_dir, settings, len({h.host for h in state.hellos.values()}))
         # A node (or a rank) that vanished writes nothing; its peers' broken connections are the echo.
         cause = "node_lost" if _a_node_lost(state) else "crash" if f.cause == "stopped" else f.cause
@@ -308,7 +308,7 @@ def explain_exit(state: RunState, rc: int | None, run_dir: Path,
     if never_met:
         return "rendezvous", never_met
     if state.hellos and not folder.job.is_file() and lost_ranks.gone(state.hellos, set(), run_dir, float("inf")):
-        # started elsewhere (Slurm, --print-command) and every rank gone without a word (session/lost.py)
+        # started elsewhere (Slurm, --print-command) and every rank gone without a word (session/faults/lost.py)
         return lost_ranks.message(state.hellos, state.last_step.step if state.last_step else 0, run_dir, settings)
     gone = _launcher_gone(rc, run_dir)
     if gone is not None:

@@ -22,7 +22,7 @@ from shardconsole.launch.owner import owning
 from shardconsole.runlog.runfolder import RunFolder
 from shardconsole.runlog.runstate import RunState
 from shardconsole.session import checkpoint_owner, rundir
-from shardconsole.session.hang import SAVE_STALL_S, hang_message, where_ranks_are
+from shardconsole.session.faults.hang import SAVE_STALL_S, hang_message, where_ranks_are
 from shardconsole.session.outcome import DEFAULT_STOP_SAVE_TIMEOUT_S, classify
 from shardconsole.session.stop import Hurry, stop_run
 from shardconsole.session.watcher import Probes, Tick, Watcher
@@ -165,7 +165,7 @@ class RunSession:
         return self.watcher.poll()
 
     def hang(self) -> Hang | None:
-        """The hang policy: once the watcher judges the run hung (session/hang.Watch: no step for 20x a
+        """The hang policy: once the watcher judges the run hung (session/faults/hang.Watch: no step for 20x a
         step, or train.hang_timeout_s; a save's bytes count as progress), each of this host's live
         ranks is asked where it is (SIGUSR1, the flight recorder), once a session. A run started
         elsewhere is diagnosed from its stream alone: its ranks are not ours to signal."""

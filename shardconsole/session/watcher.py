@@ -22,12 +22,12 @@ from shardconsole.launch import process_identity as PI
 from shardconsole.launch.job import RunJob
 from shardconsole.settings import config as C
 from shardconsole.runlog import protocol as P
-from shardconsole.session.hang import SAVE_STALL_S, Watch
+from shardconsole.session.faults.hang import SAVE_STALL_S, Watch
 from shardconsole.runlog.runfolder import RunFolder, metrics_file_of_host
 from shardconsole.runlog.runstate import RunState
 from shardconsole.session.logtail import LogTail
 from shardconsole.session.network import RendezvousWatch
-from shardconsole.session import lost
+from shardconsole.session.faults import lost
 from shardconsole.session.outcome import DETACHED
 from shardconsole.session.rundir import stream_stopped_note
 from shardconsole.runlog.stream import MetricsReader, SampleAppender
@@ -236,7 +236,7 @@ class Watcher:
     def _check_end(self, tick: Tick) -> None:
         if self.external:
             # Started elsewhere: its stream says it ended, or every rank is gone without a word (this
-            # host's by pid, the others' by silence: session/lost.py) where it waited for the hang limit.
+            # host's by pid, the others' by silence: session/faults/lost.py) where it waited for the hang limit.
             if self.state.finished is not None or self.state.failed:
                 self.ended = True
                 self.exit_code = 0 if self.state.finished is not None and not self.state.failed else 1

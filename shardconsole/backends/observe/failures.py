@@ -101,5 +101,5 @@ def report_failure(r: Rank | None, exc: BaseException, run_dir: Path, run_id: st
                       traceback_tail=tb[-1500:], step=r.step if r else None, hint=hint)
     writer.emit(failed)
     # also in the rank's log (its traceback is printed above): a metrics.jsonl deleted later still leaves
-    # the cause (session/stream_gone.py)
+    # the cause (session/faults/stream_gone.py)
     print(P.encode(dataclasses.replace(failed, traceback_tail="")), file=sys.stderr, flush=True)

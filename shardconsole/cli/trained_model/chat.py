@@ -66,7 +66,7 @@ def model_folder(target: str, step: int | None) -> Iterator[Path]:
     from shardconsole.tryout.base import no_tokenizer
     if why := no_tokenizer(run):
         raise UsageError(why)
-    from shardconsole.cli.export_model import cmd_export_model
+    from shardconsole.cli.trained_model.export_model import cmd_export_model
     with tempfile.TemporaryDirectory(prefix="shardconsole-chat-") as tmp:
         out = Path(tmp) / "model"
         argv = [str(run), "-o", str(out)] + (["--step", str(step)] if step is not None else [])

@@ -185,7 +185,7 @@ def test_restarted_positions_keep_documents_apart(tiny_lm):
 
 
 def test_evaluate_without_a_process_group_is_the_token_mean(tiny_lm):
-    from shardconsole.backends.observe.evaluation import evaluate
+    from shardconsole.backends.objective.held_out_loss import evaluate
     n_tok = 8 * 3 + 2
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(1, 64, (n_tok,), generator=g).numpy()

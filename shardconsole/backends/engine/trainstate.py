@@ -29,7 +29,6 @@ from shardconsole.backends.rank.errors import Stopped  # noqa: F401  (raised her
 from shardconsole.backends.data import preference as pair_data
 from shardconsole.backends.data import prompts as prompt_data
 from shardconsole.backends.objective.base import Objective
-from shardconsole.backends.objective.preference import Preference
 from shardconsole.runlog.runfolder import read_stop_request
 from shardconsole.backends.checkpoint.checkpoints import SaveKind
 from shardconsole.backends.rank.common import Rank
@@ -124,39 +123,17 @@ class Evaluator:
         return (self.every and step % self.every == 0) or step == self.r.cfg.train.steps
 
     def run(self, model, step: int) -> None:
+        """The objective's held-out figures (objective/base.Objective.evaluate), one eval line from rank 0."""
+        import dataclasses
         from shardconsole.runlog import protocol as P
-        from shardconsole.backends.observe import evaluation
         r = self.r
         r.phase("evaluating")      # a long eval is not a hang: the hang watch counts only "training"
         t0 = time.perf_counter()
-        if isinstance(self.objective, Preference):
-            self._run_pairs(self.objective, model, step, t0)
-            return
-        mb, each = r.cfg.train.micro_batch, dict[str, Any]()
-        if hasattr(self.source, "parts"):      # several data sources (mixture.PerSource): a loss for each
-            losses = [(name, *evaluation.evaluate(model, s, mb, r.device)) for name, s in self.source.parts]
-            tokens = sum(n for _, _, n in losses)
-            loss = sum(lo * n for _, lo, n in losses if lo is not None) / tokens if tokens else None
-            each = {"sources": tuple(name for name, lo, _ in losses if lo is not None),
-                    "source_losses": tuple(float(lo) for _, lo, _ in losses if lo is not None)}
-        else:
-            loss, tokens = evaluation.evaluate(model, self.source, mb, r.device)
-        if r.rank == 0:
-            r.emit(P.Eval(run=r.run_id, rank=0, step=step, loss=None if loss is None else float(loss), tokens=int(tokens),
-                          seconds=time.perf_counter() - t0, **each))
-        r.phase("training")
-
-
-    def _run_pairs(self, objective: Preference, model, step: int, t0: float) -> None:
-        """The preference loss and figures over the held-out pairs."""
-        from shardconsole.runlog import protocol as P
-        r = self.r
-        f = objective.evaluate(model, self.source, r.cfg.train.micro_batch, r.device)
+        f = self.objective.evaluate(model, self.source, r.cfg.train.micro_batch, r.device)
         if r.rank == 0 and f:
-            r.emit(P.Eval(run=r.run_id, rank=0, step=step, loss=f["loss"], pairs=f["pairs"], tokens=f["tokens"],
-                          reward_chosen=f["reward_chosen"], reward_rejected=f["reward_rejected"],
-                          reward_margin=f["reward_margin"], pref_accuracy=f["pref_accuracy"], kl=f.get("kl"),
-                          seconds=time.perf_counter() - t0))
+            known = {x.name for x in dataclasses.fields(P.Eval)}
+            r.emit(P.Eval(run=r.run_id, rank=0, step=step, seconds=time.perf_counter() - t0,
+                          **{k: v for k, v in f.items() if k in known}))
         r.phase("training")
 
 

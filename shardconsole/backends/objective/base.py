@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from shardconsole.backends.data.batches import Batch
+from shardconsole.backends.objective import held_out_loss
 
 def all_summed(sums: torch.Tensor) -> list[float]:
     """A figures' tally added over every rank (a collective: every rank calls it) and read to the host (the
@@ -49,6 +50,11 @@ class Objective(Protocol):
         """What the step line adds (all ranks reduced), since the last call, Step fields by name; {} when nothing."""
         ...
 
+    def evaluate(self, model: Forward, source: Any, micro_batch: int, device: torch.device) -> dict[str, Any] | None:
+        """The eval line's figures over the held-out source this objective's data made (Eval fields by name;
+        every rank calls it: a sharded forward is a collective); None: nothing to say."""
+        ...
+
 
 class NextToken:
     """Supervised fine-tuning and pre-training: the mean next-token loss over the labelled tokens."""
@@ -67,3 +73,14 @@ class NextToken:
 
     def figures(self) -> dict[str, Any]:
         return {}
+
+    def evaluate(self, model: Forward, source: Any, micro_batch: int, device: torch.device) -> dict[str, Any] | None:
+        """The mean token loss over the held-out windows, and each source's of a mix (data.path's several)."""
+        if not hasattr(source, "parts"):
+            loss, tokens = held_out_loss.evaluate(model, source, micro_batch, device)
+            return {"loss": loss, "tokens": tokens}
+        losses = [(name, *held_out_loss.evaluate(model, s, micro_batch, device)) for name, s in source.parts]
+        tokens = sum(n for _, _, n in losses)
+        return {"loss": sum(lo * n for _, lo, n in losses if lo is not None) / tokens if tokens else None,
+                "tokens": tokens, "sources": tuple(name for name, lo, _ in losses if lo is not None),
+                "source_losses": tuple(float(lo) for _, lo, _ in losses if lo is not None)}

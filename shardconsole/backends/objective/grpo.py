@@ -205,6 +205,9 @@ class Grpo:
         columns = {k: [ps.records[i].get(k) for i in rows] for k in ps.records[index[0]] if k != "prompt"}
         return rewards.score(self.funcs, prompts, completions, ids, columns, [ps.where(i) for i in rows])
 
+    def evaluate(self, model: Forward, source: Any, micro_batch: int, device: torch.device) -> dict[str, Any] | None:
+        return None     # no held-out prompts: data.eval_path / eval_fraction are refused before launch
+
     def figures(self) -> dict[str, Any]:
         return self.tally.reduce([n for n, _ in self.funcs], self.lora_reference or self.reference is not None)
 

@@ -37,7 +37,7 @@ def choices(key: str) -> list[Any]:
 
 
 def write_data(folder: Path) -> None:
-    rows = {"text.jsonl": [{"text": f"line {i}: the quick brown fox jumps over the lazy dog"} for i in range(60)],
+    rows: dict[str, list[dict[str, Any]]] = {"text.jsonl": [{"text": f"line {i}: the quick brown fox jumps over the lazy dog"} for i in range(60)],
             "pairs.jsonl": [{"prompt": f"Q{i}: say yes", "chosen": " yes", "rejected": " no"} for i in range(40)],
             "kto.jsonl": [{"prompt": f"Q{i}: say yes", "completion": " yes" if i % 2 else " no", "label": bool(i % 2)}
                           for i in range(40)],

@@ -37,11 +37,12 @@ def choices(key: str) -> list[Any]:
 
 
 def write_data(folder: Path) -> None:
-    rows: dict[str, list[dict[str, Any]]] = {"text.jsonl": [{"text": f"line {i}: the quick brown fox jumps over the lazy dog"} for i in range(60)],
-            "pairs.jsonl": [{"prompt": f"Q{i}: say yes", "chosen": " yes", "rejected": " no"} for i in range(40)],
-            "kto.jsonl": [{"prompt": f"Q{i}: say yes", "completion": " yes" if i % 2 else " no", "label": bool(i % 2)}
-                          for i in range(40)],
-            "prompts.jsonl": [{"prompt": f"Q{i}: say yes", "answer": "yes"} for i in range(40)]}
+    rows: dict[str, list[dict[str, Any]]] = {
+        "text.jsonl": [{"text": f"line {i}: the quick brown fox jumps over the lazy dog"} for i in range(60)],
+        "pairs.jsonl": [{"prompt": f"Q{i}: say yes", "chosen": " yes", "rejected": " no"} for i in range(40)],
+        "kto.jsonl": [{"prompt": f"Q{i}: say yes", "completion": " yes" if i % 2 else " no", "label": bool(i % 2)}
+                      for i in range(40)],
+        "prompts.jsonl": [{"prompt": f"Q{i}: say yes", "answer": "yes"} for i in range(40)]}
     for name, records in rows.items():
         (folder / name).write_text("".join(json.dumps(r) + "\n" for r in records))
     (folder / "reward.py").write_text(REWARD)

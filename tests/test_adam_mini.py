@@ -5,6 +5,7 @@ the arena's, and the presets of the consumer box planned on a 3090 with their ho
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import struct
@@ -62,6 +63,32 @@ def test_updates_far_below_a_bf16_step_add_up_in_the_split_masters():
     # the rest: the first moment in bf16 (rounded stochastically: unbiased, a little noise), 0.1% of the move
     assert torch.allclose(master, ref.detach(), rtol=0, atol=1e-5)
     assert bool((plain.detach().float() == 1.0).all())
+
+
+def test_a_loaded_state_keeps_each_tensor_in_its_own_dtype_and_steps_on_as_the_saved_one():
+    """torch's Optimizer.load_state_dict casts every floating state to its parameter's dtype: on bf16 weights
+    the fp32 second moment came back bf16 and the resumed step failed ("v is fp32"; found by the combination
+    matrix: LoRA, offload, bf16 masters, a resume). Loaded, each state has its dtype and value, and the next
+    step equals the uninterrupted optimizer's bit for bit."""
+    torch.manual_seed(0)
+    start = torch.randn(8, 32).bfloat16()
+    a, b = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    first = AdamMini([a], lr=1e-3, weight_decay=0.01, split=True, host_op=False)
+    grads = [torch.randn(8, 32).bfloat16() for _ in range(3)]
+    for g in grads[:2]:
+        a.grad = g.clone()
+        first.step()
+    b.data.copy_(a.data)
+    again = AdamMini([b], lr=1e-3, weight_decay=0.01, split=True, host_op=False)
+    again.load_state_dict(copy.deepcopy(first.state_dict()))     # as from a checkpoint: tensors of its own
+    for name, t in first.state[a].items():
+        assert again.state[b][name].dtype == t.dtype and torch.equal(again.state[b][name], t), name
+    assert again.state[b]["exp_avg_sq_row"].dtype == torch.float32
+    a.grad, b.grad = grads[2].clone(), grads[2].clone()
+    first.step()
+    again.step()
+    assert torch.equal(a.detach(), b.detach())
+    assert torch.equal(first.state[a]["weight_low"], again.state[b]["weight_low"])
 
 
 @pytest.mark.parametrize("kind", ["split", "stochastic", "fp32"])

@@ -183,6 +183,20 @@ class AdamMini(torch.optim.Optimizer):
     def state_tensor(self, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         return as_state(p, local)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load casts every floating state to its parameter's dtype: with bf16 weights that made the
+        fp32 second moment bf16 (a resume of LoRA, or of unoffloaded parameters, failed its first step:
+        "v is fp32"). Each state is taken back from the saved values in its own dtype (layout's)."""
+        super().load_state_dict(state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved_ids, params):
+            saved, state = state_dict["state"].get(i, {}), self.state.get(p, {})
+            for name, (_, dtype) in self.layout(_local(p)).items():
+                have = state.get(name)
+                if have is not None and name in saved and _local(have).dtype != dtype:
+                    state[name] = as_state(p, _local(saved[name]).to(device=_local(have).device, dtype=dtype))
+
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         if "step" not in state:

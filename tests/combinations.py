@@ -17,9 +17,16 @@ import random
 import shlex
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 SEED_ENV = "SHARDCONSOLE_MATRIX_SEED"
+# The data each training objective reads (a preference pair, KTO's labelled completion, GRPO's prompt and
+# reward), committed beside this file: the sample is drawn at collection, before any fixture exists. SFT's
+# corpus is the matrix fixture's.
+OBJECTIVE_DATA = Path(__file__).resolve().parent / "data" / "objectives"
+DATA_OF = {"dpo": "pairs.jsonl", "orpo": "pairs.jsonl", "simpo": "pairs.jsonl", "kto": "kto.jsonl",
+           "grpo": "prompts.jsonl"}
 
 
 def _seed() -> int:
@@ -73,6 +80,14 @@ class Combo:
             s["deepspeed.offload_param"] = pick("deepspeed.offload_param")
         else:
             s["fsdp.cpu_offload"] = pick("fsdp.cpu_offload")
+        # A third of the points train another objective than SFT on its own data (the settings table's choices)
+        if rng.random() < 0.35:
+            s["train.objective"] = rng.choice([o for o in allowed("train.objective") if o != "sft"])
+            s["data.path"] = str(OBJECTIVE_DATA / DATA_OF[s["train.objective"]])
+            if s["train.objective"] == "grpo":       # two completions of four tokens: seconds on CPU
+                s.update({"grpo.reward": f"{OBJECTIVE_DATA / 'reward.py'}:score", "grpo.generations": 2,
+                          "grpo.max_new_tokens": 4, "grpo.beta": rng.choice((0.0, 0.04)),
+                          "grpo.loss": pick("grpo.loss")})
         s["train.method"] = pick("train.method")
         s["train.save_final"] = pick("train.save_final")
         s["precision.master_dtype"] = pick("precision.master_dtype")
@@ -125,8 +140,10 @@ class Combo:
                  "train.steps": "steps=", "train.checkpoint_every": "every=",
                  "deepspeed.offload_optimizer": "offopt=", "deepspeed.offload_param": "offparam=",
                  "fsdp.cpu_offload": "offload=", "memory.activation_checkpointing": "ac=", "memory.checkpoint_policy": "",
-                 "train.export_adapter": "adapter=", "train.export_dtype": "export_dtype=", "precision.fp8": "fp8="}
-        parts = [f"{short.get(k, k + '=')}{_text(v)}" for k, v in self.sets_]
+                 "train.export_adapter": "adapter=", "train.export_dtype": "export_dtype=", "precision.fp8": "fp8=",
+                 "train.objective": "", "grpo.beta": "beta=", "grpo.loss": "loss="}
+        parts = [f"{short.get(k, k + '=')}{_text(v)}" for k, v in self.sets_
+                 if k not in ("data.path", "grpo.reward", "grpo.generations", "grpo.max_new_tokens")]
         return "-".join(parts + (["export"] if self.export else []) + (["resume"] if self.resume else []))
 
     def command(self, base: list[str], run_dir: str = "RUN") -> str:

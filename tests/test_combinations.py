@@ -1,9 +1,10 @@
 """The combination matrix (issue 44 items 3-4): every combination the settings accept runs to the end on
 both engines, or is refused before launch in one line.
 
-Points are drawn from the settings tables' own choices (tests/combinations.py) with a seed that differs
-each run (printed in pytest's header; SHARDCONSOLE_MATRIX_SEED=N repeats one; SHARDCONSOLE_MATRIX_RUNS and
-SHARDCONSOLE_MATRIX_REFUSALS size the sample). For each point:
+Points are drawn from the settings tables' own choices (tests/combinations.py), a third of them training
+another objective than SFT (DPO, ORPO, SimPO, KTO, GRPO: train.objective's choices, on tests/data/objectives/),
+with a seed that differs each run (printed in pytest's header; SHARDCONSOLE_MATRIX_SEED=N repeats one;
+SHARDCONSOLE_MATRIX_RUNS and SHARDCONSOLE_MATRIX_REFUSALS size the sample). For each point:
 - refused: the CLI exits 2 with one error line on stderr and no rank started (no rank log, no hello);
 - accepted: a real 2-rank CPU run of 3-4 steps on a tiny Hugging Face folder made here ends with exit 0;
   its final checkpoint is complete (runlog/checkpoint_files) and of the kind train.save_final asks for;

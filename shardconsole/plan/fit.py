@@ -210,8 +210,6 @@ def at_the_edge(est: Estimate) -> bool:
     return budget is not None and budget > 0 and est.gpu_required_bytes > EDGE * budget
 
 
-
-
 @dataclass(frozen=True)
 class _Level:
     """How much of the activations a candidate keeps: checkpointing, and at long context the layer inputs

@@ -124,16 +124,13 @@ class Evaluator:
 
     def run(self, model, step: int) -> None:
         """The objective's held-out figures (objective/base.Objective.evaluate), one eval line from rank 0."""
-        import dataclasses
         from shardconsole.runlog import protocol as P
         r = self.r
         r.phase("evaluating")      # a long eval is not a hang: the hang watch counts only "training"
         t0 = time.perf_counter()
         f = self.objective.evaluate(model, self.source, r.cfg.train.micro_batch, r.device)
         if r.rank == 0 and f:
-            known = {x.name for x in dataclasses.fields(P.Eval)}
-            r.emit(P.Eval(run=r.run_id, rank=0, step=step, seconds=time.perf_counter() - t0,
-                          **{k: v for k, v in f.items() if k in known}))
+            r.emit(P.Eval(run=r.run_id, rank=0, step=step, seconds=time.perf_counter() - t0, **f))
         r.phase("training")
 
 

@@ -127,12 +127,9 @@ class Grpo:
         self.dapo_norm = self.window_norm([ro.done for _, ro in self.window]) if self.g.loss == "dapo" else None
 
     def micro_loss(self, model: Forward, batch: Batch) -> torch.Tensor:
-        if self.window and self.window[0][0] is batch:
-            ro, norm = self.window.pop(0)[1], self.dapo_norm
-        else:       # called without start_step (a window of one)
-            ro = self.rollout(model, batch)
-            norm = self.window_norm([ro.done], grad_accum=1) if self.g.loss == "dapo" else None
-        loss, tl = self.loss_of(model, ro.ids, ro.pmask, ro.done, ro.adv, norm)
+        sampled, ro = self.window.pop(0)
+        assert sampled is batch, "micro_loss takes the micro-batches start_step sampled, in order"
+        loss, tl = self.loss_of(model, ro.ids, ro.pmask, ro.done, ro.adv, self.dapo_norm)
         self.tally.add(ro.reward, ro.per_func, ro.done.mask, tl.kl, tl.clipped)
         real = ro.pmask.sum() + ro.done.mask.sum()
         self.pending = real if self.pending is None else self.pending + real
@@ -153,12 +150,12 @@ class Grpo:
         adv, _ = grpo_loss.advantages(reward, g.generations, scale=g.loss != "dr_grpo")
         return Rollout(ids, pmask, done, reward, per_func, adv)
 
-    def window_norm(self, done: list[sampler.Completions], grad_accum: int | None = None) -> torch.Tensor:
+    def window_norm(self, done: list[sampler.Completions]) -> torch.Tensor:
         tokens = sum((d.mask.sum() for d in done), torch.zeros((), dtype=torch.int64, device=done[0].mask.device))
         tokens = tokens.to(torch.float32)
         if dist.is_available() and dist.is_initialized() and self.r.world > 1:
             dist.all_reduce(tokens)
-        return grpo_loss.dapo_norm(tokens, self.r.world, len(done) if grad_accum is None else grad_accum)
+        return grpo_loss.dapo_norm(tokens, self.r.world, len(done))
 
     def real_tokens(self) -> int:
         """The prompt and completion tokens trained on so far by every rank, since the run's first step (a resume

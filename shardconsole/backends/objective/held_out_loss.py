@@ -1,4 +1,5 @@
-"""Next-token training's held-out loss (objective/base.NextToken.evaluate): every token under loss in the eval split counted once, on all ranks together.
+"""Next-token training's held-out loss (objective/base.NextToken.evaluate): every token under loss in the
+eval split counted once, on all ranks together.
 
 Every rank runs the same number of forward passes (data.EvalWindows pads the last ones with windows
 that hold no label): a sharded model's forward is a collective, so a rank that skipped one would hang
